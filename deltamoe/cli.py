@@ -1,0 +1,51 @@
+"""`deltamoe` command line: one typer app; each subsystem registers its own command module.
+
+Errors of type DeltaMoEError print as one line (field, message, hint) and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from deltamoe.errors import DeltaMoEError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="deltamoe: the Kimi Linear / K3 / K3.1 family in readable PyTorch.")
+
+
+def _register() -> None:
+    # Each subsystem owns its command file; the imports are here so `deltamoe --help` lists them all.
+    from deltamoe.commands import info  # noqa: F401  (registers `info`)
+    from deltamoe.plan.cli import plan_command
+    from deltamoe.trace.cli import app as trace_app
+
+    app.command("plan")(plan_command)
+    app.add_typer(trace_app, name="trace", help="Analyse or synthesise per-rank PyTorch profiler traces.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    _register()
+    try:
+        app(args=argv, standalone_mode=False)
+    except DeltaMoEError as e:
+        print(f"error: {e.one_line()}", file=sys.stderr)
+        return 2
+    except typer.Exit as e:
+        return e.exit_code
+    except typer.Abort:
+        print("aborted", file=sys.stderr)
+        return 130
+    except Exception as e:  # click usage errors
+        import click
+
+        if isinstance(e, click.ClickException):
+            e.show()
+            return 2
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
