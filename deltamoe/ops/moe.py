@@ -1,0 +1,189 @@
+"""Mixture-of-experts ops: the sigmoid router and the local expert compute (spec §4.5).
+
+`route_tokens` turns router logits into (weights, expert indices) exactly as transformers'
+`KimiLinearTopkRouter` and NeMo's `KimiK3Gate` do. `experts_forward` runs the selected
+experts with one matmul per expert over a contiguous, expert-sorted slice of tokens;
+`experts_forward_reference` is the plain dense form the tests compare it with.
+
+Both expert functions take the expert weights as stacked tensors in checkpoint layout:
+`w1` (gate) and `w3` (up) are [E, I, D] and `w2` (down) is [E, D, I], so `x @ w1[e].T` is
+the gate projection of expert e. A latent MoE (K3) calls them on the down-projected latent
+(D = routed_expert_hidden_size); Kimi Linear calls them at hidden width.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltamoe.ops.activations import glu
+
+def _combine_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 for bf16/fp16/fp32 inputs; fp64 stays fp64 so gradcheck-style tests are exact."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+# Added to the sum of the selected scores before renormalising, as transformers and NeMo do,
+# so a row of all-zero scores gives zero weights instead of NaN.
+RENORM_EPS = 1e-20
+
+
+def route_tokens(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    top_k: int,
+    *,
+    renormalize: bool = True,
+    scaling_factor: float = 1.0,
+    num_expert_group: int = 1,
+    topk_group: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick `top_k` experts per token and their combine weights.
+
+    router_logits: [N, E], computed by the caller in fp32 (x_fp32 @ W_gate^T).
+    correction_bias: [E] or None. The `noaux_tc` load-balancing bias: it shifts which
+        experts are *selected* but never enters the weights, so balancing does not bias
+        the output mix.
+    num_expert_group / topk_group: DeepSeek-V3 group restriction. Each group is scored by
+        the sum of its two best biased scores; only experts in the best `topk_group`
+        groups may be selected. With one group (Kimi Linear, K3) this is a no-op.
+
+    Returns weights fp32 [N, top_k] = sigmoid scores at the chosen experts, renormalised to
+    sum to one when `renormalize`, times `scaling_factor`; and indices long [N, top_k].
+    """
+    if router_logits.dim() != 2:
+        raise ValueError(f"router_logits: expected [N, E], got shape {tuple(router_logits.shape)}")
+    num_tokens, num_experts = router_logits.shape
+    if num_experts % num_expert_group != 0:
+        raise ValueError(f"num_expert_group: expected a divisor of num_experts ({num_experts}), got {num_expert_group}")
+    group_size = num_experts // num_expert_group
+    if not 1 <= topk_group <= num_expert_group:
+        raise ValueError(f"topk_group: expected 1..{num_expert_group}, got {topk_group}")
+    # Masked-out groups are -inf; asking for more experts than the kept groups hold would
+    # silently select masked ones.
+    if not 1 <= top_k <= topk_group * group_size:
+        raise ValueError(f"top_k: expected 1..{topk_group * group_size} (experts in the kept groups), got {top_k}")
+    if correction_bias is not None and correction_bias.shape != (num_experts,):
+        raise ValueError(f"correction_bias: expected shape ({num_experts},), got {tuple(correction_bias.shape)}")
+
+    scores = router_logits.float().sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if num_expert_group > 1:
+        if group_size < 2:
+            raise ValueError(f"num_expert_group: groups need at least 2 experts, got {group_size}")
+        grouped = choice.view(num_tokens, num_expert_group, group_size)
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, G]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(topk_group, dim=-1).indices, True)
+        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(num_tokens, num_experts)
+    indices = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, indices)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + RENORM_EPS)
+    return weights * scaling_factor, indices
+
+
+def _check_expert_args(
+    x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+    w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+) -> None:
+    """Shape checks shared by both expert forms, with messages that name the tensor."""
+    if x.dim() != 2:
+        raise ValueError(f"x: expected [N, D], got shape {tuple(x.shape)}")
+    n, d = x.shape
+    if w1.dim() != 3 or w1.shape[2] != d:
+        raise ValueError(f"w1: expected [E, I, {d}], got shape {tuple(w1.shape)}")
+    e, i, _ = w1.shape
+    if w3.shape != w1.shape:
+        raise ValueError(f"w3: expected {tuple(w1.shape)} (same as w1), got {tuple(w3.shape)}")
+    if w2.shape != (e, d, i):
+        raise ValueError(f"w2: expected ({e}, {d}, {i}), got {tuple(w2.shape)}")
+    if indices.dim() != 2 or indices.shape[0] != n:
+        raise ValueError(f"indices: expected [{n}, k], got shape {tuple(indices.shape)}")
+    if weights.shape != indices.shape:
+        raise ValueError(f"weights: expected {tuple(indices.shape)} (same as indices), got {tuple(weights.shape)}")
+
+
+def experts_forward(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    act: str = "silu",
+    situ_beta: float = 4.0,
+    situ_linear_beta: float = 25.0,
+) -> torch.Tensor:
+    """Weighted sum of the selected experts' outputs, grouped by expert.
+
+    The N*k (token, slot) pairs are sorted by expert so each expert that received tokens
+    runs three dense matmuls over one contiguous slice: the loop is over experts, never
+    over tokens. Expert outputs stay in x.dtype (a bf16 model rounds each expert output to
+    bf16, as K3 does); the weighted sum is taken in fp32 with `index_add`, which is also
+    what makes the whole function differentiable w.r.t. x, weights and expert weights.
+
+    Returns fp32 [N, D] (fp64 for fp64 inputs).
+    """
+    _check_expert_args(x, weights, indices, w1, w3, w2)
+    num_tokens, top_k = indices.shape
+    flat_experts = indices.reshape(-1)
+    order = torch.argsort(flat_experts, stable=True)
+    token_of_slot = order // top_k  # token id of each expert-sorted (token, slot) pair
+    x_sorted = x[token_of_slot]
+    # One host sync for the slice boundaries; tokens per expert are data dependent anyway.
+    counts = torch.bincount(flat_experts, minlength=w1.shape[0]).tolist()
+
+    outputs = []
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        xe = x_sorted[start:start + count]
+        hidden = glu(xe @ w1[expert].T, xe @ w3[expert].T, act, situ_beta, situ_linear_beta)
+        outputs.append(hidden @ w2[expert].T)
+        start += count
+
+    acc = _combine_dtype(x)
+    out = x.new_zeros(num_tokens, x.shape[1], dtype=acc)
+    if not outputs:
+        return out
+    y_sorted = torch.cat(outputs).to(acc) * weights.reshape(-1)[order].to(acc).unsqueeze(-1)
+    return out.index_add(0, token_of_slot, y_sorted)
+
+
+def experts_forward_reference(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    act: str = "silu",
+    situ_beta: float = 4.0,
+    situ_linear_beta: float = 25.0,
+) -> torch.Tensor:
+    """Readable dense form of `experts_forward`: for each of the k slots, gather every
+    token's expert weights and apply them token by token (batched with einsum).
+
+    Memory is N*I*D per slot, so it is only for tests and tiny shapes. Returns fp32 [N, D]
+    (fp64 for fp64 inputs).
+    """
+    _check_expert_args(x, weights, indices, w1, w3, w2)
+    acc = _combine_dtype(x)
+    out = x.new_zeros(x.shape, dtype=acc)
+    for slot in range(indices.shape[1]):
+        expert = indices[:, slot]
+        gate = torch.einsum("nd,nid->ni", x, w1[expert])
+        up = torch.einsum("nd,nid->ni", x, w3[expert])
+        hidden = glu(gate, up, act, situ_beta, situ_linear_beta)
+        y = torch.einsum("ni,ndi->nd", hidden, w2[expert])  # stays in x.dtype, like the fast path
+        out = out + weights[:, slot : slot + 1].to(acc) * y.to(acc)
+    return out
+
+
+def expert_load(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Tokens routed to each expert, long [num_experts]: the balance statistic that the
+    correction-bias update and the EP all-to-all imbalance analysis read."""
+    return torch.bincount(indices.reshape(-1), minlength=num_experts)
