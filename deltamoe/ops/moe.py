@@ -73,9 +73,11 @@ def route_tokens(
         grouped = choice.view(num_tokens, num_expert_group, group_size)
         group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, G]
         keep = torch.zeros_like(group_scores, dtype=torch.bool)
-        keep.scatter_(1, group_scores.topk(topk_group, dim=-1).indices, True)
+        keep.scatter_(1, group_scores.topk(topk_group, dim=-1, sorted=False).indices, True)
         choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(num_tokens, num_experts)
-    indices = choice.topk(top_k, dim=-1).indices
+    # sorted=False as transformers does: the slot order is not part of the contract, and the
+    # same order makes the renormalising sum bit-identical to the reference.
+    indices = choice.topk(top_k, dim=-1, sorted=False).indices
     weights = scores.gather(1, indices)
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + RENORM_EPS)
