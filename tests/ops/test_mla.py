@@ -76,6 +76,17 @@ def test_fast_matches_reference(scenario: str, rope: int) -> None:
         assert rel_err(fast, ref) <= 1e-5
 
 
+def test_bfloat16_inputs_give_bfloat16_output_close_to_fp32() -> None:
+    gen = torch.Generator().manual_seed(9)
+    tensors = expanded_inputs(gen, 5, 20, 8)
+    q_positions, kv_lengths = positions(5, [15, 9], [20, 14])
+    kwargs = dict(scale=0.2, q_positions=q_positions, kv_lengths=kv_lengths)
+    exact = mla_attention_reference(*tensors, **kwargs)
+    low = mla_attention(*(t.bfloat16() for t in tensors), **kwargs)
+    assert low.dtype == torch.bfloat16
+    assert rel_err(low.float(), exact) <= 2e-2  # bf16 rounding of the inputs and the output only
+
+
 def test_reference_is_a_causal_softmax() -> None:
     """The reference itself, spelled out for one query: softmax over keys 0..pos, weighted v."""
     gen = torch.Generator().manual_seed(1)

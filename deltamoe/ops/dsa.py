@@ -1,0 +1,76 @@
+"""DeepSeek Sparse Attention (DSA): lightning-indexer scores and the causal top-k.
+
+The indexer scores every visible key cheaply; each query then runs MLA over only its
+top-k keys (`mla.mla_attention(..., selected=topk_mask(...))` for prefill, or
+`mla.mla_attention_absorbed_sparse(..., indices, valid)` for decode). Visibility (causality
+and per-row lengths) is `mla.visible_keys`, so the indexer and the attention agree on it.
+
+Constant positive factors (DeepSeek's n_heads^-1/2 * head_dim^-1/2 on the weights, the
+softmax scale on q.k) do not change the ranking, so `indexer_scores` leaves them to the
+caller; the Hadamard rotation and FP8/FP4 quantization of the reference kernels are
+precision/speed devices and are not modelled here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltamoe.ops.mla import check_shape, visible_keys
+
+
+def indexer_scores(q_index: torch.Tensor, k_index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """score[b,t,s] = sum_h weights[b,t,h] * relu(q_index[b,t,h] . k_index[b,s]) -> fp32 [B, T, S].
+
+    q_index [B,T,Hi,Di]; k_index [B,S,Di] (one key shared by all index heads); weights [B,T,Hi].
+    Scores are computed for every slot; masking invisible slots is `causal_topk`'s job.
+    """
+    if q_index.dim() != 4:
+        raise ValueError(f"q_index: expected shape [B, T, Hi, Di], got {tuple(q_index.shape)}")
+    batch, time, heads, dim = q_index.shape
+    check_shape("k_index", k_index, "[B, S, Di]", (batch, None, dim))
+    check_shape("weights", weights, "[B, T, Hi]", (batch, time, heads))
+    # [B,T,Hi,Di] @ [B,1,Di,S] -> per-head logits [B,T,Hi,S]; then [B,T,1,Hi] @ -> [B,T,1,S].
+    logits = torch.matmul(q_index.float(), k_index.float().transpose(1, 2)[:, None])
+    return torch.matmul(weights.float()[:, :, None, :], torch.relu(logits)).squeeze(2)
+
+
+def causal_topk(
+    scores: torch.Tensor, *, q_positions: torch.Tensor, kv_lengths: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k visible keys per query -> (indices long [B,T,K], valid bool [B,T,K]), K = min(top_k, S).
+
+    scores [B,T,S] (no NaN); visibility as in `mla.visible_keys`. A query that sees n keys gets
+    min(n, top_k) valid entries, so with n <= top_k every visible key is selected and DSA equals
+    dense attention. Entries are ordered by descending score, ties broken by the lower slot, so
+    the result is deterministic; invalid entries (beyond n) hold slot 0.
+    """
+    if top_k <= 0:
+        raise ValueError(f"top_k: expected a positive integer, got {top_k}")
+    if scores.dim() != 3:
+        raise ValueError(f"scores: expected shape [B, T, S], got {tuple(scores.shape)}")
+    batch, time, num_keys = scores.shape
+    check_shape("q_positions", q_positions, "[B, T]", (batch, time))
+    top = min(top_k, num_keys)
+    visible = visible_keys(q_positions, kv_lengths, num_keys)
+    # One stable sort gives a deterministic order: higher score first, ties to the lower slot
+    # (torch.topk's tie order is unspecified). Visible scores are clamped to the lowest finite
+    # float so that hidden keys (-inf) rank strictly after every visible key, even a visible
+    # -inf one.
+    lowest = torch.finfo(torch.float32).min
+    ranked = torch.where(visible, scores.float().clamp(min=lowest), float("-inf"))
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :top]
+    num_visible = visible.sum(dim=-1, keepdim=True)  # [B,T,1]
+    valid = torch.arange(top, device=scores.device) < num_visible
+    return order.masked_fill(~valid, 0), valid
+
+
+def topk_mask(indices: torch.Tensor, valid: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """bool [B, T, S] with True at the valid selected slots: the `selected` argument of MLA."""
+    if indices.dim() != 3:
+        raise ValueError(f"indices: expected shape [B, T, K], got {tuple(indices.shape)}")
+    check_shape("valid", valid, "[B, T, K]", tuple(indices.shape))
+    batch, time, _ = indices.shape
+    # Invalid entries go to an extra dump slot, so they can never clear a real selection.
+    slots = indices.long().masked_fill(~valid, num_keys)
+    mask = torch.zeros(batch, time, num_keys + 1, dtype=torch.bool, device=indices.device)
+    return mask.scatter_(-1, slots, True)[..., :num_keys]

@@ -1,0 +1,248 @@
+"""DSA: indexer scores, causal top-k, and sparse attention against dense and transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltamoe.ops.dsa import causal_topk, indexer_scores, topk_mask
+from deltamoe.ops.mla import (
+    absorb_kv_b,
+    mla_attention,
+    mla_attention_absorbed,
+    mla_attention_absorbed_sparse,
+    visible_keys,
+)
+
+B, H, NOPE, ROPE, VDIM, RANK = 2, 3, 16, 8, 16, 12
+
+
+def test_indexer_scores_formula() -> None:
+    gen = torch.Generator().manual_seed(0)
+    q, k, w = torch.randn(B, 5, 4, 8, generator=gen), torch.randn(B, 7, 8, generator=gen), torch.randn(B, 5, 4, generator=gen)
+    scores = indexer_scores(q, k, w)
+    assert scores.shape == (B, 5, 7) and scores.dtype == torch.float32
+    b, t, s = 1, 3, 6
+    expected = sum(w[b, t, h] * torch.relu(q[b, t, h] @ k[b, s]) for h in range(4))
+    assert scores[b, t, s].item() == pytest.approx(expected.item(), rel=1e-5)
+    assert indexer_scores(q.bfloat16(), k.bfloat16(), w).dtype == torch.float32
+    with pytest.raises(ValueError, match=r"k_index: expected shape \[B, S, Di\]"):
+        indexer_scores(q, k[..., :4], w)
+    with pytest.raises(ValueError, match="weights"):
+        indexer_scores(q, k, w[..., :3])
+
+
+def test_causal_topk_selects_best_visible_keys() -> None:
+    gen = torch.Generator().manual_seed(1)
+    scores = torch.randn(B, 6, 10, generator=gen)
+    q_positions = torch.tensor([[4, 5, 6, 7, 8, 9], [0, 1, 2, 3, 4, -1]])
+    kv_lengths = torch.tensor([10, 3])
+    indices, valid = causal_topk(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=4)
+    assert indices.shape == valid.shape == (B, 6, 4) and indices.dtype == torch.long
+    visible = visible_keys(q_positions, kv_lengths, 10)
+    # Row 1 sees 1, 2, 3, 3, 3 keys (length 3 caps it) and the padded query (-1) sees none.
+    assert valid.sum(-1).tolist() == [[4, 4, 4, 4, 4, 4], [1, 2, 3, 3, 3, 0]]
+    for b in range(B):
+        for t in range(6):
+            chosen = indices[b, t][valid[b, t]]
+            assert visible[b, t, chosen].all() and len(set(chosen.tolist())) == len(chosen)
+            rest = visible[b, t].clone()
+            rest[chosen] = False
+            if rest.any():  # every selected key scores at least as high as every unselected visible one
+                assert scores[b, t, chosen].min() >= scores[b, t][rest].max()
+            assert (scores[b, t, chosen].diff() <= 0).all()  # descending order
+    assert (indices[~valid] == 0).all()
+    # K = min(top_k, S)
+    indices, valid = causal_topk(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=50)
+    assert indices.shape == (B, 6, 10) and torch.equal(topk_mask(indices, valid, 10), visible)
+
+
+def test_causal_topk_ties_are_deterministic() -> None:
+    """Equal scores (common: relu zeroes every head) resolve to the lower slot; -inf stays selectable."""
+    scores = torch.zeros(1, 2, 8)
+    scores[0, 1, 5] = 1.0
+    scores[0, 1, 2] = float("-inf")
+    q_positions, kv_lengths = torch.tensor([[7, 7]]), torch.tensor([8])
+    indices, valid = causal_topk(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=3)
+    assert indices.tolist() == [[[0, 1, 2], [5, 0, 1]]] and valid.all()
+    indices, valid = causal_topk(scores, q_positions=torch.tensor([[2, 2]]), kv_lengths=kv_lengths, top_k=3)
+    assert indices[0, 1].tolist() == [0, 1, 2] and valid.all()  # a visible -inf key is still a key
+
+
+def test_topk_mask_ignores_invalid_entries() -> None:
+    indices = torch.tensor([[[3, 0, 0], [0, 2, 1]]])
+    valid = torch.tensor([[[True, True, False], [True, False, False]]])
+    mask = topk_mask(indices, valid, 4)
+    assert mask.tolist() == [[[True, False, False, True], [True, False, False, False]]]
+
+
+def mla_inputs(gen: torch.Generator, time: int, keys: int) -> dict[str, torch.Tensor]:
+    latent = torch.randn(B, keys, RANK, generator=gen)
+    kv_b = torch.randn(H * (NOPE + VDIM), RANK, generator=gen) / RANK**0.5
+    k_nope, v = (latent @ kv_b.T).view(B, keys, H, NOPE + VDIM).split([NOPE, VDIM], dim=-1)
+    return {"q_nope": torch.randn(B, time, H, NOPE, generator=gen), "q_pe": torch.randn(B, time, H, ROPE, generator=gen),
+            "latent": latent, "k_pe": torch.randn(B, keys, ROPE, generator=gen), "kv_b": kv_b, "k_nope": k_nope, "v": v}
+
+
+@pytest.mark.parametrize("kind", ["random", "constant", "with_inf"])
+def test_dsa_equals_dense_when_every_key_fits(kind: str) -> None:
+    """T <= top_k: every visible key is selected, whatever the scores, so DSA is dense MLA exactly."""
+    time, top_k = 9, 9
+    gen = torch.Generator().manual_seed(2)
+    x = mla_inputs(gen, time, time)
+    scores = {"random": torch.randn(B, time, time, generator=gen), "constant": torch.zeros(B, time, time),
+              "with_inf": torch.randn(B, time, time, generator=gen).masked_fill(torch.rand(B, time, time) < 0.3,
+                                                                                 float("-inf"))}[kind]
+    q_positions, kv_lengths = torch.arange(time).expand(B, time), torch.tensor([9, 6])
+    indices, valid = causal_topk(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=top_k)
+    kwargs = dict(scale=(NOPE + ROPE) ** -0.5, q_positions=q_positions, kv_lengths=kv_lengths)
+    dense = mla_attention(x["q_nope"], x["q_pe"], x["k_nope"], x["k_pe"], x["v"], **kwargs)
+    sparse = mla_attention(x["q_nope"], x["q_pe"], x["k_nope"], x["k_pe"], x["v"],
+                           selected=topk_mask(indices, valid, time), **kwargs)
+    assert torch.equal(sparse, dense)
+    # The gathered decode form agrees too (different summation order, so to fp32 precision).
+    w_uk, w_uv = absorb_kv_b(x["kv_b"], H, NOPE, VDIM)
+    gathered = mla_attention_absorbed_sparse(x["q_nope"], x["q_pe"], x["latent"], x["k_pe"], w_uk, w_uv,
+                                             scale=kwargs["scale"], indices=indices, valid=valid)
+    torch.testing.assert_close(gathered, dense, rtol=1e-5, atol=1e-5)
+
+
+def test_dsa_limits_attention_beyond_top_k() -> None:
+    """T > top_k: attention is a softmax over exactly the indexer's top-k keys, built by hand."""
+    time, top_k, index_heads, index_dim = 13, 4, 3, 8
+    gen = torch.Generator().manual_seed(3)
+    x = mla_inputs(gen, time, time)
+    scores = indexer_scores(torch.randn(B, time, index_heads, index_dim, generator=gen),
+                            torch.randn(B, time, index_dim, generator=gen), torch.randn(B, time, index_heads, generator=gen))
+    q_positions, kv_lengths = torch.arange(time).expand(B, time), torch.tensor([13, 10])
+    indices, valid = causal_topk(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=top_k)
+    scale = (NOPE + ROPE) ** -0.5
+    kwargs = dict(scale=scale, q_positions=q_positions, kv_lengths=kv_lengths)
+    selected = topk_mask(indices, valid, time)
+    out = mla_attention(x["q_nope"], x["q_pe"], x["k_nope"], x["k_pe"], x["v"], selected=selected, **kwargs)
+    dense = mla_attention(x["q_nope"], x["q_pe"], x["k_nope"], x["k_pe"], x["v"], **kwargs)
+    expected = torch.empty_like(out)
+    for b in range(B):
+        for t in range(time):
+            keep = sorted(indices[b, t][valid[b, t]].tolist())
+            assert len(keep) == min(top_k, min(t + 1, int(kv_lengths[b])))
+            for h in range(H):
+                logits = (x["k_nope"][b, keep, h] @ x["q_nope"][b, t, h] + x["k_pe"][b, keep] @ x["q_pe"][b, t, h]) * scale
+                expected[b, t, h] = torch.softmax(logits, dim=0) @ x["v"][b, keep, h]
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    late = q_positions[0] >= top_k  # queries that see more keys than top_k really differ from dense
+    assert (out[0, late] - dense[0, late]).abs().amax() > 1e-2
+    torch.testing.assert_close(out[0, ~late], dense[0, ~late], rtol=0, atol=0)
+    # The decode forms over the latent cache agree with the masked prefill form.
+    w_uk, w_uv = absorb_kv_b(x["kv_b"], H, NOPE, VDIM)
+    latent_args = (x["q_nope"], x["q_pe"], x["latent"], x["k_pe"], w_uk, w_uv)
+    torch.testing.assert_close(mla_attention_absorbed(*latent_args, selected=selected, **kwargs), out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mla_attention_absorbed_sparse(*latent_args, scale=scale, indices=indices, valid=valid),
+                               out, rtol=1e-5, atol=1e-5)
+
+
+# --- transformers oracle: DeepseekV32Indexer with rotary off (cos = 1, sin = 0) ---------------
+
+INDEX_HEADS, INDEX_DIM, HIDDEN, Q_LORA, TOP_K = 8, 16, 32, 24, 5
+
+
+@pytest.fixture(scope="module")
+def hf_indexer():
+    from transformers import DeepseekV32Config
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Indexer
+
+    config = DeepseekV32Config(hidden_size=HIDDEN, num_attention_heads=H, num_key_value_heads=H, q_lora_rank=Q_LORA,
+                               kv_lora_rank=RANK, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, v_head_dim=VDIM,
+                               index_n_heads=INDEX_HEADS, index_head_dim=INDEX_DIM, index_topk=TOP_K,
+                               num_hidden_layers=1)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(4)
+    indexer = DeepseekV32Indexer(config, 0).eval()
+    with torch.no_grad():  # LayerNorm starts at weight 1, bias 0: give k_norm real parameters
+        indexer.k_norm.weight.normal_(1.0, 0.2)
+        indexer.k_norm.bias.normal_(0.0, 0.2)
+    return config, indexer
+
+
+def our_scores(indexer, hidden: torch.Tensor, q_latent: torch.Tensor) -> torch.Tensor:
+    """The deltamoe side: same weights, q/k/w computed as our layer does, constants folded into w."""
+    batch, time, _ = hidden.shape
+    with torch.no_grad():
+        q = indexer.wq_b(q_latent).view(batch, time, INDEX_HEADS, INDEX_DIM)
+        k = indexer.k_norm(indexer.wk(hidden))
+        w = indexer.weights_proj(hidden) * INDEX_HEADS**-0.5 * INDEX_DIM**-0.5
+    return indexer_scores(q, k, w)
+
+
+def assert_same_selection(hf_indices, indices, valid, visible, scores) -> None:
+    """Equal sets per query, up to exact ties at the boundary (relu makes score 0 common).
+
+    transformers' top-k also returns masked (-inf) slots when a query sees fewer than top_k
+    keys, so its set is restricted to visible slots first.
+    """
+    batch, time, _ = indices.shape
+    for b in range(batch):
+        for t in range(time):
+            theirs = [s for s in hf_indices[b, t].tolist() if visible[b, t, s]]
+            ours = indices[b, t][valid[b, t]].tolist()
+            assert len(ours) == len(theirs) == min(TOP_K, int(visible[b, t].sum()))
+            if set(ours) != set(theirs):
+                torch.testing.assert_close(scores[b, t, sorted(ours)].sort().values,
+                                           scores[b, t, sorted(theirs)].sort().values)
+
+
+def test_topk_matches_transformers_indexer_prefill(hf_indexer) -> None:
+    from transformers.masking_utils import create_causal_mask
+
+    config, indexer = hf_indexer
+    time = 17
+    gen = torch.Generator().manual_seed(5)
+    hidden, q_latent = torch.randn(B, time, HIDDEN, generator=gen), torch.randn(B, time, Q_LORA, generator=gen)
+    kv_lengths = torch.tensor([17, 11])
+    padding = (torch.arange(time) < kv_lengths[:, None]).long()  # row 1 right-padded
+    q_positions = torch.arange(time).expand(B, time)
+    mask = create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=padding, past_key_values=None,
+                              position_ids=q_positions, allow_is_causal_skip=False)
+    no_rope = (torch.ones(B, time, ROPE), torch.zeros(B, time, ROPE))
+    hf_indices = indexer(hidden, q_latent, no_rope, mask[:, 0], q_positions).long()
+
+    scores = our_scores(indexer, hidden, q_latent)
+    indices, valid = causal_topk(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=TOP_K)
+    visible = visible_keys(q_positions, kv_lengths, time)
+    assert torch.equal(mask[:, 0], visible)  # the same causality + padding rule
+    assert_same_selection(hf_indices, indices, valid, visible, scores)
+
+
+def test_topk_matches_transformers_indexer_decode(hf_indexer) -> None:
+    """Prefill into transformers' indexer-key cache, then one decode token per row at position past_len."""
+    from transformers.cache_utils import DynamicCache
+
+    config, indexer = hf_indexer
+    past, time = 12, 13
+    gen = torch.Generator().manual_seed(6)
+    hidden, q_latent = torch.randn(B, time, HIDDEN, generator=gen), torch.randn(B, time, Q_LORA, generator=gen)
+    kv_lengths = torch.tensor([13, 9])  # row 1: 8 real prompt tokens, then padding, then its decode slot
+    visible_all = visible_keys(torch.arange(time).expand(B, time), kv_lengths, time)
+    cache = DynamicCache(config=config)
+    ones, zeros = torch.ones(B, time, ROPE), torch.zeros(B, time, ROPE)
+    positions = torch.arange(time).expand(B, time)
+    indexer(hidden[:, :past], q_latent[:, :past], (ones[:, :past], zeros[:, :past]), visible_all[:, :past, :past],
+            positions[:, :past], past_key_values=cache)
+    q_positions = torch.full((B, 1), past)
+    visible = visible_keys(q_positions, kv_lengths, time)
+    hf_indices = indexer(hidden[:, past:], q_latent[:, past:], (ones[:, past:], zeros[:, past:]), visible,
+                         q_positions, past_key_values=cache).long()
+
+    scores = our_scores(indexer, hidden, q_latent)[:, past:]  # the decode query against all cached keys
+    indices, valid = causal_topk(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=TOP_K)
+    assert_same_selection(hf_indices, indices, valid, visible, scores)
+
+
+def test_bad_inputs_raise() -> None:
+    scores = torch.zeros(B, 3, 5)
+    with pytest.raises(ValueError, match="top_k"):
+        causal_topk(scores, q_positions=torch.zeros(B, 3, dtype=torch.long), kv_lengths=torch.tensor([5, 5]), top_k=0)
+    with pytest.raises(ValueError, match=r"q_positions: expected shape \[B, T\]"):
+        causal_topk(scores, q_positions=torch.zeros(B, 4, dtype=torch.long), kv_lengths=torch.tensor([5, 5]), top_k=2)
+    with pytest.raises(ValueError, match="kv_lengths"):
+        causal_topk(scores, q_positions=torch.zeros(B, 3, dtype=torch.long), kv_lengths=torch.tensor([5]), top_k=2)
