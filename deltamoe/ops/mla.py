@@ -41,18 +41,26 @@ def visible_keys(q_positions: torch.Tensor, kv_lengths: torch.Tensor, num_keys: 
     The single definition of causality + padding, shared by MLA and the DSA top-k.
     """
     if q_positions.dim() != 2 or q_positions.is_floating_point():
-        raise ValueError(f"q_positions: expected integer shape [B, T], got {q_positions.dtype} {tuple(q_positions.shape)}")
+        got = f"{q_positions.dtype} {tuple(q_positions.shape)}"
+        raise ValueError(f"q_positions: expected integer shape [B, T], got {got}")
     check_shape("kv_lengths", kv_lengths, "[B]", (q_positions.shape[0],))
     slots = torch.arange(num_keys, device=q_positions.device)
     return (slots <= q_positions[..., None]) & (slots < kv_lengths[:, None, None])
 
 
-def _check_selected(selected: torch.Tensor | None, batch: int, time: int, num_keys: int) -> None:
+def _allowed_keys(
+    q_positions: torch.Tensor, kv_lengths: torch.Tensor, selected: torch.Tensor | None, batch: int, time: int,
+    num_keys: int,
+) -> torch.Tensor:
+    """bool [B, T, S]: `visible_keys`, further restricted to `selected` when DSA gives one."""
+    check_shape("q_positions", q_positions, "[B, T]", (batch, time))
+    visible = visible_keys(q_positions, kv_lengths, num_keys)
     if selected is None:
-        return
+        return visible
     check_shape("selected", selected, "[B, T, S]", (batch, time, num_keys))
     if selected.dtype != torch.bool:
         raise ValueError(f"selected: expected dtype torch.bool, got {selected.dtype}")
+    return visible & selected
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
@@ -94,13 +102,11 @@ def mla_attention(
     _check_expanded(q_nope, q_pe, k_nope, k_pe, v)
     batch, time, heads, _ = q_nope.shape
     rope, num_keys = q_pe.shape[-1], k_nope.shape[1]
-    visible = visible_keys(q_positions, kv_lengths, num_keys)
-    _check_selected(selected, batch, time, num_keys)
-    if selected is not None:
-        visible = visible & selected
-    q = torch.cat((q_nope, q_pe.to(q_nope.dtype)), dim=-1).transpose(1, 2)  # [B,H,T,Dn+Dr]
-    k_rope = k_pe[:, :, None, :].expand(batch, num_keys, heads, rope).to(k_nope.dtype)
-    k = torch.cat((k_nope, k_rope), dim=-1).transpose(1, 2)  # [B,H,S,Dn+Dr]
+    visible = _allowed_keys(q_positions, kv_lengths, selected, batch, time, num_keys)
+    # Concatenate in fp32: the softmax runs in fp32 anyway, and mixed input dtypes stay exact.
+    q = torch.cat((q_nope.float(), q_pe.float()), dim=-1).transpose(1, 2)  # [B,H,T,Dn+Dr]
+    k_rope = k_pe.float()[:, :, None, :].expand(batch, num_keys, heads, rope)
+    k = torch.cat((k_nope.float(), k_rope), dim=-1).transpose(1, 2)  # [B,H,S,Dn+Dr]
     out = _attend(q, k, v.transpose(1, 2), visible, scale)
     return out.transpose(1, 2).to(v.dtype)
 
@@ -120,10 +126,7 @@ def mla_attention_reference(
     """Readable reference for `mla_attention`: explicit scores, masked fp32 softmax, weighted sum."""
     _check_expanded(q_nope, q_pe, k_nope, k_pe, v)
     batch, time, _, _ = q_nope.shape
-    visible = visible_keys(q_positions, kv_lengths, k_nope.shape[1])
-    _check_selected(selected, batch, time, k_nope.shape[1])
-    if selected is not None:
-        visible = visible & selected
+    visible = _allowed_keys(q_positions, kv_lengths, selected, batch, time, k_nope.shape[1])
     scores = torch.einsum("bthd,bshd->bhts", q_nope.float(), k_nope.float())
     scores = scores + torch.einsum("bthr,bsr->bhts", q_pe.float(), k_pe.float())
     scores = scores * scale
@@ -134,7 +137,9 @@ def mla_attention_reference(
     return torch.einsum("bhts,bshv->bthv", probs, v.float()).to(v.dtype)
 
 
-def _check_expanded(q_nope, q_pe, k_nope, k_pe, v) -> None:
+def _check_expanded(
+    q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: torch.Tensor
+) -> None:
     if q_nope.dim() != 4:
         raise ValueError(f"q_nope: expected shape [B, T, H, Dn], got {tuple(q_nope.shape)}")
     batch, time, heads, nope = q_nope.shape
@@ -160,7 +165,10 @@ def absorb_kv_b(
     return per_head[:, :nope_dim], per_head[:, nope_dim:]
 
 
-def _check_absorbed(q_nope, q_pe, latent, k_pe, w_uk, w_uv) -> None:
+def _check_absorbed(
+    q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+) -> None:
     if q_nope.dim() != 4:
         raise ValueError(f"q_nope: expected shape [B, T, H, Dn], got {tuple(q_nope.shape)}")
     batch, time, heads, nope = q_nope.shape
@@ -172,7 +180,7 @@ def _check_absorbed(q_nope, q_pe, latent, k_pe, w_uk, w_uv) -> None:
     check_shape("w_uv", w_uv, "[H, Dv, R]", (heads, None, rank))
 
 
-def _absorb_query(q_nope, q_pe, w_uk) -> torch.Tensor:
+def _absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
     """[q_nope . w_uk | q_pe] in fp32 -> [B, T, H, R+Dr]: a query in the latent key space."""
     q_latent = torch.einsum("bthd,hdr->bthr", q_nope.float(), w_uk.float())
     return torch.cat((q_latent, q_pe.float()), dim=-1)
@@ -200,11 +208,7 @@ def mla_attention_absorbed(
     """
     _check_absorbed(q_nope, q_pe, latent, k_pe, w_uk, w_uv)
     batch, time = q_nope.shape[:2]
-    num_keys = latent.shape[1]
-    visible = visible_keys(q_positions, kv_lengths, num_keys)
-    _check_selected(selected, batch, time, num_keys)
-    if selected is not None:
-        visible = visible & selected
+    visible = _allowed_keys(q_positions, kv_lengths, selected, batch, time, latent.shape[1])
     q = _absorb_query(q_nope, q_pe, w_uk).transpose(1, 2)  # [B,H,T,R+Dr]
     k = torch.cat((latent.float(), k_pe.float()), dim=-1)[:, None]  # [B,1,S,R+Dr]
     out_latent = _attend(q, k, latent[:, None], visible, scale)  # [B,H,T,R]

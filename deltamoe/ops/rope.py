@@ -47,7 +47,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     view = (batch, time) + (1,) * (x.dim() - 3) + (dim,)
     for name, table in (("cos", cos), ("sin", sin)):
         if tuple(table.shape) != (batch, time, dim) and tuple(table.shape) != view:
-            raise ValueError(f"{name}: expected shape [B, T, dim] = {(batch, time, dim)} or {view}, got {tuple(table.shape)}")
+            expected = f"[B, T, dim] = {(batch, time, dim)} or {view}"
+            raise ValueError(f"{name}: expected shape {expected}, got {tuple(table.shape)}")
     cos, sin = cos.float().reshape(view), sin.float().reshape(view)
     xf = x.float()
     x1, x2 = xf[..., : dim // 2], xf[..., dim // 2 :]

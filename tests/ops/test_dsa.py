@@ -19,7 +19,8 @@ B, H, NOPE, ROPE, VDIM, RANK = 2, 3, 16, 8, 16, 12
 
 def test_indexer_scores_formula() -> None:
     gen = torch.Generator().manual_seed(0)
-    q, k, w = torch.randn(B, 5, 4, 8, generator=gen), torch.randn(B, 7, 8, generator=gen), torch.randn(B, 5, 4, generator=gen)
+    q, k = torch.randn(B, 5, 4, 8, generator=gen), torch.randn(B, 7, 8, generator=gen)
+    w = torch.randn(B, 5, 4, generator=gen)
     scores = indexer_scores(q, k, w)
     assert scores.shape == (B, 5, 7) and scores.dtype == torch.float32
     b, t, s = 1, 3, 6
@@ -80,8 +81,10 @@ def mla_inputs(gen: torch.Generator, time: int, keys: int) -> dict[str, torch.Te
     latent = torch.randn(B, keys, RANK, generator=gen)
     kv_b = torch.randn(H * (NOPE + VDIM), RANK, generator=gen) / RANK**0.5
     k_nope, v = (latent @ kv_b.T).view(B, keys, H, NOPE + VDIM).split([NOPE, VDIM], dim=-1)
-    return {"q_nope": torch.randn(B, time, H, NOPE, generator=gen), "q_pe": torch.randn(B, time, H, ROPE, generator=gen),
-            "latent": latent, "k_pe": torch.randn(B, keys, ROPE, generator=gen), "kv_b": kv_b, "k_nope": k_nope, "v": v}
+    return {"q_nope": torch.randn(B, time, H, NOPE, generator=gen),
+            "q_pe": torch.randn(B, time, H, ROPE, generator=gen),
+            "latent": latent, "k_pe": torch.randn(B, keys, ROPE, generator=gen),
+            "kv_b": kv_b, "k_nope": k_nope, "v": v}
 
 
 @pytest.mark.parametrize("kind", ["random", "constant", "with_inf"])
@@ -90,9 +93,11 @@ def test_dsa_equals_dense_when_every_key_fits(kind: str) -> None:
     time, top_k = 9, 9
     gen = torch.Generator().manual_seed(2)
     x = mla_inputs(gen, time, time)
-    scores = {"random": torch.randn(B, time, time, generator=gen), "constant": torch.zeros(B, time, time),
-              "with_inf": torch.randn(B, time, time, generator=gen).masked_fill(torch.rand(B, time, time) < 0.3,
-                                                                                 float("-inf"))}[kind]
+    scores = torch.randn(B, time, time, generator=gen)
+    if kind == "constant":
+        scores = torch.zeros(B, time, time)
+    elif kind == "with_inf":
+        scores = scores.masked_fill(torch.rand(B, time, time, generator=gen) < 0.3, float("-inf"))
     q_positions, kv_lengths = torch.arange(time).expand(B, time), torch.tensor([9, 6])
     indices, valid = causal_topk(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=top_k)
     kwargs = dict(scale=(NOPE + ROPE) ** -0.5, q_positions=q_positions, kv_lengths=kv_lengths)
@@ -113,7 +118,8 @@ def test_dsa_limits_attention_beyond_top_k() -> None:
     gen = torch.Generator().manual_seed(3)
     x = mla_inputs(gen, time, time)
     scores = indexer_scores(torch.randn(B, time, index_heads, index_dim, generator=gen),
-                            torch.randn(B, time, index_dim, generator=gen), torch.randn(B, time, index_heads, generator=gen))
+                            torch.randn(B, time, index_dim, generator=gen),
+                            torch.randn(B, time, index_heads, generator=gen))
     q_positions, kv_lengths = torch.arange(time).expand(B, time), torch.tensor([13, 10])
     indices, valid = causal_topk(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=top_k)
     scale = (NOPE + ROPE) ** -0.5
@@ -127,7 +133,8 @@ def test_dsa_limits_attention_beyond_top_k() -> None:
             keep = sorted(indices[b, t][valid[b, t]].tolist())
             assert len(keep) == min(top_k, min(t + 1, int(kv_lengths[b])))
             for h in range(H):
-                logits = (x["k_nope"][b, keep, h] @ x["q_nope"][b, t, h] + x["k_pe"][b, keep] @ x["q_pe"][b, t, h]) * scale
+                logits = x["k_nope"][b, keep, h] @ x["q_nope"][b, t, h] + x["k_pe"][b, keep] @ x["q_pe"][b, t, h]
+                logits = logits * scale
                 expected[b, t, h] = torch.softmax(logits, dim=0) @ x["v"][b, keep, h]
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
     late = q_positions[0] >= top_k  # queries that see more keys than top_k really differ from dense
@@ -136,7 +143,8 @@ def test_dsa_limits_attention_beyond_top_k() -> None:
     # The decode forms over the latent cache agree with the masked prefill form.
     w_uk, w_uv = absorb_kv_b(x["kv_b"], H, NOPE, VDIM)
     latent_args = (x["q_nope"], x["q_pe"], x["latent"], x["k_pe"], w_uk, w_uv)
-    torch.testing.assert_close(mla_attention_absorbed(*latent_args, selected=selected, **kwargs), out, rtol=1e-5, atol=1e-5)
+    absorbed = mla_attention_absorbed(*latent_args, selected=selected, **kwargs)
+    torch.testing.assert_close(absorbed, out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(mla_attention_absorbed_sparse(*latent_args, scale=scale, indices=indices, valid=valid),
                                out, rtol=1e-5, atol=1e-5)
 

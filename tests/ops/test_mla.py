@@ -200,6 +200,8 @@ def test_bad_shapes_name_the_tensor() -> None:
         mla_attention(q_nope, q_pe, k_nope, k_pe[:, :, :4], v, **kwargs)
     with pytest.raises(ValueError, match="selected"):
         mla_attention(q_nope, q_pe, k_nope, k_pe, v, selected=torch.ones(B, 3, 4, dtype=torch.bool), **kwargs)
+    with pytest.raises(ValueError, match=r"q_positions: expected shape \[B, T\]"):
+        mla_attention(q_nope, q_pe, k_nope, k_pe, v, scale=0.2, q_positions=q_positions[:, :2], kv_lengths=kv_lengths)
     with pytest.raises(ValueError, match="kv_lengths"):
         mla_attention(q_nope, q_pe, k_nope, k_pe, v, scale=0.2, q_positions=q_positions, kv_lengths=kv_lengths[:1])
     with pytest.raises(ValueError, match=r"kv_b_weight: expected shape \[H\*\(Dn\+Dv\), R\]"):
