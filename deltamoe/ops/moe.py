@@ -17,6 +17,7 @@ import torch
 
 from deltamoe.ops.activations import glu
 
+
 def _combine_dtype(x: torch.Tensor) -> torch.dtype:
     """fp32 for bf16/fp16/fp32 inputs; fp64 stays fp64 so gradcheck-style tests are exact."""
     return torch.promote_types(x.dtype, torch.float32)
