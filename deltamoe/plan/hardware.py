@@ -90,6 +90,7 @@ class Efficiency:
     scaleup_latency_us: float  # fixed cost of one collective inside the domain
     scaleout_latency_us: float  # fixed cost of one collective across domains
     layer_overhead_us: float  # per-layer launch/sync cost of a decode step (graphs captured)
+    overlap_eff: float  # share of communication hidden behind compute by two-batch overlap
     source: str
 
     def to_json(self) -> dict[str, Any]:
@@ -123,6 +124,24 @@ class Hardware:
             hint=f"supply it in a YAML/JSON hardware file: `name: {self.name}` + `{name}: <number>` "
                  f"and pass --hardware FILE",
         )
+
+    def require(self, needs: dict[str, str]) -> None:
+        """Check every number a plan needs at once, so one error lists all that are missing."""
+        missing = {n: why for n, why in needs.items() if not self.figure(n).known and self.has(n)}
+        if not missing:
+            return
+        listed = "; ".join(f"{n} ({NUMBERS.get(n, n)}) for {why}" for n, why in missing.items())
+        lines = " + ".join(f"`{n}: <number>`" for n in missing)
+        raise HardwareError(
+            f"{self.name}: no vendor has disclosed {listed}", field=f"hardware.{next(iter(missing))}",
+            hint=f"supply them in a YAML/JSON hardware file (`base: {self.name}` + {lines}) and pass --hardware FILE")
+
+    def compute_field(self, path: tuple[str, ...]) -> str:
+        """The number a matmul precision path reads: its first precision the chip has."""
+        for dtype in path:
+            if self.has(COMPUTE_FIELDS[dtype]):
+                return COMPUTE_FIELDS[dtype]
+        return COMPUTE_FIELDS[path[-1]]
 
     def has(self, name: str) -> bool:
         return self.figure(name).tag != "absent"

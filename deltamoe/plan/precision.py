@@ -33,7 +33,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
 COMPUTE_PATHS: dict[str, tuple[str, ...]] = {
     "bf16": ("bf16",),
     "fp8": ("fp8", "int8", "bf16"),
-    "fp4": ("fp4", "fp8", "bf16"),
+    "fp4": ("fp4", "bf16"),  # W4A16 (Marlin) where there are no FP4 tensor cores
     "a8": ("fp8", "int8", "bf16"),
 }
 
