@@ -1,0 +1,60 @@
+"""`deltamoe plan` end to end: JSON output, validation, one-line errors with exit code 2."""
+
+import json
+
+import typer
+from typer.testing import CliRunner
+
+from deltamoe.cli import main
+from deltamoe.plan.cli import plan_command
+
+runner = CliRunner()
+
+
+def _app() -> typer.Typer:
+    app = typer.Typer()
+    app.command()(plan_command)
+    return app
+
+
+def test_json_plan_has_costs_layout_estimates_and_recipe():
+    res = runner.invoke(_app(), ["--model", "kimi-k3.1-pro", "--hardware", "h200", "--nodes", "4",
+                                 "--kv-cache", "fp8", "--slo-tpot", "0.05", "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["params"]["total"] == 2_780_110_361_184
+    assert doc["weight_bytes"]["total"] == doc["weight_bytes"]["routed_experts"] + sum(
+        v for k, v in doc["weight_bytes"].items() if k not in ("routed_experts", "total"))
+    assert doc["cache"]["kv_bytes_per_token"] == 16_992
+    assert doc["cache"]["kda_recurrent_bytes_per_seq_per_layer"] == 6_291_456
+    plan = doc["plan"]
+    assert plan["meets_slo"] and plan["tpot_ms"] <= 50
+    assert plan["decode"]["step"]["bound"] in ("compute", "HBM", "scale-up link", "scale-out link", "latency")
+    assert any(line.startswith("vllm serve moonshotai/Kimi-K3.1-Pro") for line in doc["recipe"]["vllm"])
+    assert any("sglang.launch_server" in line for line in doc["recipe"]["sglang"])
+    assert any(line.startswith("deltamoe serve --model kimi-k3.1-pro") for line in doc["recipe"]["deltamoe"])
+
+
+def test_table_output_and_user_hardware_file():
+    res = runner.invoke(_app(), ["--model", "kimi-k3.1-pro", "--hardware",
+                                 "deltamoe/plan/examples/m890-superpod-assumed.yaml", "--kv-cache", "fp8"])
+    assert res.exit_code == 0, res.output
+    assert "m890-superpod-assumed" in res.stdout and "launch recipe" in res.stdout
+
+
+def test_validate_json_lists_every_row():
+    res = runner.invoke(_app(), ["--validate", "--json"])
+    assert res.exit_code == 0
+    rows = json.loads(res.stdout)
+    assert len(rows) >= 12 and all("ratio" in r for r in rows)
+
+
+def test_errors_are_one_line_with_exit_code_2(capsys):
+    assert main(["plan", "--model", "kimi-k3", "--hardware", "nope"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "unknown hardware" in err and "h200" in err
+    assert main(["plan", "--model", "kimi-k3", "--hardware", "m890-superpod"]) == 2
+    assert "hbm_tbps" in capsys.readouterr().err
+    assert main(["plan", "--model", "kimi-k4", "--hardware", "h200"]) == 2
+    assert "presets" in capsys.readouterr().err
+    assert main(["plan", "--model", "kimi-k3", "--hardware", "h200", "--weights", "int3"]) == 2

@@ -1,0 +1,86 @@
+"""Catalog provenance, undisclosed numbers, and user hardware files."""
+
+import json
+
+import pytest
+
+from deltamoe.errors import HardwareError
+from deltamoe.plan.hardware import NUMBERS, TAGS, get_hardware, list_hardware
+
+REQUIRED = {"h100", "h200", "b200", "gb200-nvl72", "atlas-800i-a3", "cloudmatrix384", "ascend-950pr",
+            "ascend-950dt", "atlas-950-superpod", "mtt-s5000", "zhenwu-810e", "zhenwu-m890", "m890-superpod"}
+
+
+def test_catalog_covers_the_issue_and_tags_every_number():
+    assert REQUIRED <= set(list_hardware())
+    for name in list_hardware():
+        hw = get_hardware(name)
+        assert set(hw.figures) == set(NUMBERS), name
+        for key, fig in hw.figures.items():
+            assert fig.tag in TAGS, (name, key)
+            assert fig.source, (name, key)  # every number (or its absence) says where that comes from
+            assert (fig.value is None) == (fig.tag in ("unknown", "absent")), (name, key)
+
+
+def test_key_figures():
+    pod = get_hardware("m890-superpod")
+    assert pod.chips_per_node == 64 and pod.scaleup_domain == 64
+    assert pod.figure("scaleup_gbps").value == 800
+    assert 64 * pod.figure("mem_gb").value == pytest.approx(9216)  # "about 9 TB"
+    assert pod.figure("hbm_tbps").tag == "unknown"
+    a3 = get_hardware("ascend-910c")  # alias; one device = one die
+    assert a3.name == "atlas-800i-a3" and a3.dies_per_card == 2 and a3.chips_per_node == 16
+    assert a3.figure("fp8_tflops").tag == "absent"
+    assert get_hardware("gb200").scaleup_domain == 72
+    assert get_hardware("h200").figure("hbm_tbps").tag == "vendor"
+
+
+def test_undisclosed_number_names_itself():
+    with pytest.raises(HardwareError) as e:
+        get_hardware("zhenwu-m890").need("hbm_tbps", "the decode roofline")
+    assert e.value.field == "hardware.hbm_tbps"
+    assert "not disclosed" in str(e.value) and "hbm_tbps" in e.value.hint
+
+
+def test_unknown_name_lists_the_catalog():
+    with pytest.raises(HardwareError) as e:
+        get_hardware("tpu-v9")
+    assert "h200" in str(e.value) and "m890-superpod" in str(e.value)
+
+
+def test_yaml_file_overrides_a_catalog_entry(tmp_path):
+    f = tmp_path / "pod.yaml"
+    f.write_text("name: my-pod\nbase: m890-superpod\nhbm_tbps: 4.0\n"
+                 "fp8_tflops: {value: 1200, source: my lab}\nefficiency: {mbu: 0.5}\n")
+    hw = get_hardware(str(f))
+    assert hw.name == "my-pod" and hw.need("hbm_tbps", "x") == 4.0
+    assert hw.figure("hbm_tbps").tag == "user"
+    assert hw.figure("fp8_tflops").source == "my lab"
+    assert hw.figure("mem_gb").value == 144  # inherited from the base
+    assert hw.efficiency.mbu == 0.5
+
+
+def test_json_file_adds_a_new_entry(tmp_path):
+    f = tmp_path / "chip.json"
+    f.write_text(json.dumps({"name": "x1", "mem_gb": 96, "hbm_tbps": 3, "bf16_tflops": 500, "scaleup_gbps": 400,
+                             "scaleup_domain": 8, "chips_per_node": 8, "scaleout_gbps": 50}))
+    hw = get_hardware(str(f))
+    assert hw.chips_per_node == 8 and hw.figure("fp8_tflops").tag == "unknown"
+
+
+@pytest.mark.parametrize("text, field", [
+    ("name: a\nbase: h200\nhbm_tbs: 4\n", "hardware.hbm_tbs"),
+    ("name: a\nbase: h200\nhbm_tbps: fast\n", "hardware.hbm_tbps"),
+    ("name: a\nbase: h200\nhbm_tbps: -1\n", "hardware.hbm_tbps"),
+    ("base: h200\n", "hardware.name"),
+    ("name: a\nbase: nope\n", "hardware.base"),
+    ("name: a\nbase: h200\nefficiency: {speed: 2}\n", "hardware.efficiency.speed"),
+    ("name: a\nbase: h200\nmem_gb: {value: 1, tag: rumour}\n", "hardware.mem_gb"),
+    ("- not a mapping\n", "hardware"),
+])
+def test_malformed_file_names_the_field(tmp_path, text, field):
+    f = tmp_path / "bad.yaml"
+    f.write_text(text)
+    with pytest.raises(HardwareError) as e:
+        get_hardware(str(f))
+    assert e.value.field == field
