@@ -70,6 +70,19 @@ def _nvidia(name: str, desc: str, mem: Figure, hbm: Figure, bf16: float, fp8: fl
                     split_unit=split)
 
 
+def _ascend_910c_die(domain: Figure, node: Figure) -> dict[str, Figure]:
+    """One 910C die: vendor figures are per two-die package, frameworks count dies."""
+    return {
+        "mem_gb": V(64, A3_DIES), "hbm_tbps": D(1.6, "3.2 TB/s per package (R) / 2 dies; " + TPU_910C),
+        "bf16_tflops": D(376, "752 TF per package (CM384 paper) / 2 dies"),
+        "fp8_tflops": ABSENT("910C has no FP8"), "fp4_tflops": ABSENT("910C has no FP4"),
+        "int8_tops": D(752, "assumes INT8 = 2 x BF16 (not verified), per die"),
+        "scaleup_gbps": D(196, "UB 392 GB/s per 910C (R) / 2 dies; " + CM384),
+        "scaleup_domain": domain, "chips_per_node": node,
+        "scaleout_gbps": D(12.5, "CM384 RoCE 76.8 Tbps / 384 NPUs = 200 Gb/s per package, / 2 dies"),
+    }
+
+
 _ENTRIES: list[Hardware] = [
     _nvidia("h100", "NVIDIA H100 SXM, HGX 8-GPU node", V(80, NV_H100), V(3.35, NV_H100), 989, 1979, None,
             V(450, "NVLink4 900 GB/s bidirectional (NVIDIA)"), V(8, NV_DENSE), V(50, "CX-7 400 Gb/s (NVIDIA)"),
@@ -94,30 +107,14 @@ _ENTRIES: list[Hardware] = [
         name="atlas-800i-a3",
         description="Huawei Atlas 800I A3 node: 8 x Ascend 910C = 16 dies (one device per die)",
         vendor="ascend", dies_per_card=2, split_unit=16, efficiency=ASCEND_EFF,
-        figures={
-            "mem_gb": V(64, A3_DIES), "hbm_tbps": D(1.6, "3.2 TB/s per package (R) / 2 dies; " + TPU_910C),
-            "bf16_tflops": D(376, "752 TF per package (CM384 paper) / 2 dies"),
-            "fp8_tflops": ABSENT("910C has no FP8"), "fp4_tflops": ABSENT("910C has no FP4"),
-            "int8_tops": D(752, "assumes INT8 = 2 x BF16 (not verified), per die"),
-            "scaleup_gbps": D(196, "UB 392 GB/s per 910C (R) / 2 dies; " + CM384),
-            "scaleup_domain": V(16, A3_DIES), "chips_per_node": V(16, A3_DIES),
-            "scaleout_gbps": D(12.5, "CM384 RoCE 76.8 Tbps / 384 NPUs = 200 Gb/s per package, / 2 dies"),
-        },
+        figures=_ascend_910c_die(V(16, A3_DIES), V(16, A3_DIES)),
         notes=("vendor figures are per 910C package; --tp-size counts dies (dies_per_card = 2)",),
     ),
     Hardware(
         name="cloudmatrix384",
         description="Huawei CloudMatrix384 / Atlas 900 A3 SuperPoD: 384 x 910C = 768 dies on one UB fabric",
         vendor="ascend", dies_per_card=2, split_unit=16, efficiency=ASCEND_EFF,
-        figures={
-            "mem_gb": V(64, A3_DIES), "hbm_tbps": D(1.6, "3.2 TB/s per package (R) / 2; " + TPU_910C),
-            "bf16_tflops": D(376, "752 TF per package / 2 dies"),
-            "fp8_tflops": ABSENT("910C has no FP8"), "fp4_tflops": ABSENT("910C has no FP4"),
-            "int8_tops": D(752, "assumes INT8 = 2 x BF16 (not verified), per die"),
-            "scaleup_gbps": D(196, "UB 392 GB/s per 910C (R) / 2 dies; " + CM384),
-            "scaleup_domain": R(768, CM384 + " (384 packages)"), "chips_per_node": R(768, CM384),
-            "scaleout_gbps": D(12.5, "RoCE 76.8 Tbps / 384 packages / 2 dies"),
-        },
+        figures=_ascend_910c_die(R(768, CM384 + " (384 packages)"), R(768, CM384)),
         notes=("UB all-to-all across the pod, ~269 TB/s aggregate (R)",),
     ),
     Hardware(

@@ -61,8 +61,7 @@ class ValidationRow:
 # ---------------------------------------------------------------- helpers
 def _prefill_per_node(costs: ModelCosts, hw: Hardware, layout: PoolLayout, chunk: int, context: int) -> float:
     step = prefill_step(costs, hw, layout, chunk, context)
-    per_chip = chunk / layout.tp / layout.pp / step.total_s * layout.pp  # pipelined stages
-    return per_chip * hw.chips_per_node
+    return chunk / layout.tp / step.total_s * hw.chips_per_node
 
 
 def _decode_per_node(costs: ModelCosts, hw: Hardware, layout: PoolLayout, batch: int, context: int,
