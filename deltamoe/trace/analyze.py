@@ -1,0 +1,66 @@
+"""Run every analysis over a folder of rank traces and return one JSON-ready report dict."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from deltamoe.errors import TraceError
+from deltamoe.trace.analyses.alltoall import alltoall
+from deltamoe.trace.analyses.breakdown import breakdown, totals
+from deltamoe.trace.analyses.bubbles import bubbles
+from deltamoe.trace.analyses.overlap import overlap
+from deltamoe.trace.analyses.steps import step_times
+from deltamoe.trace.analyses.stragglers import stragglers
+from deltamoe.trace.join import join
+from deltamoe.trace.reader import ReadConfig, dedupe_ranks, find_traces, read_all
+from deltamoe.trace.summary import RankSummary
+
+
+@dataclass
+class Analysis:
+    report: dict
+    summaries: list[RankSummary]
+
+
+def analyze(folder: str, cfg: ReadConfig | None = None, workers: int = 0,
+            on_file: Callable[[str], None] | None = None, on_start: Callable[[int], None] | None = None) -> Analysis:
+    cfg = cfg or ReadConfig()
+    paths = find_traces(folder)
+    if on_start:
+        on_start(len(paths))
+    t0 = time.perf_counter()
+    results = list(read_all(paths, cfg, workers, on_file))
+    t_read = time.perf_counter() - t0
+    summaries, errors = dedupe_ranks(results)
+    if not summaries:
+        first = errors[0].message if errors else "nothing readable"
+        raise TraceError(f"no usable rank file in {folder} ({len(errors)} skipped; first: {first})", field="DIR")
+    j = join(summaries)
+    pipe = bubbles(j, summaries)
+    stage_of = {int(k): v for k, v in pipe["stage_of_rank"].items()} if pipe else {}
+    a2a = alltoall(j)
+    hot = {h["rank"] for h in a2a["hot_ranks"]} if a2a else set()
+    strag = stragglers(j, summaries, stage_of, hot)
+    rows = breakdown(summaries)
+    report = {
+        "folder": str(folder),
+        "ranks_found": len(paths), "ranks_analyzed": len(summaries),
+        "world_size": max(s.world_size for s in summaries),
+        "backend": summaries[0].backend, "mode": summaries[0].mode,
+        "events": sum(s.events for s in summaries),
+        "read_seconds": round(t_read, 3), "analysis_seconds": round(time.perf_counter() - t0 - t_read, 3),
+        "skipped": [{"path": e.path, "error": e.message} for e in errors],
+        "collectives_matched": j.instances, "p2p_matched": int(len(j.p2p_src)),
+        "totals": totals(rows),
+        "stragglers": strag["stragglers"],
+        "straggler_detail": {k: v for k, v in strag.items() if k != "stragglers"},
+        "ranks": rows,
+        "overlap": overlap(summaries),
+        "pipeline": pipe,
+        "bubble_fraction": pipe["bubble_fraction"] if pipe else None,
+        "alltoall": a2a,
+        "step_times": step_times(summaries),
+    }
+    return Analysis(report, summaries)

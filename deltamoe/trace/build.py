@@ -1,0 +1,333 @@
+"""Turn one rank's EventTables into its RankSummary (per-step breakdown, collectives, pipeline).
+
+Runs once per file, in the worker that parsed it (or in the parent after a chunked parse).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from deltamoe.errors import TraceError
+from deltamoe.trace import intervals as iv
+from deltamoe.trace.classify import P2P_KINDS, collective_kind, dtype_bytes, peer_from_name
+from deltamoe.trace.summary import HEAT_BINS, Collectives, RankSummary
+from deltamoe.trace.tables import COMM, COMPUTE, MEMORY, EventTables
+
+StepRange = tuple[int | None, int | None]
+_PIPE_KINDS = P2P_KINDS | {"send_recv", "coalesced"}
+
+
+def rank_info(header: dict, path: str) -> tuple[int, int, str, dict[str, tuple[int, ...]]]:
+    """Rank, world size, backend and process groups from `distributedInfo` (never the file name)."""
+    info = header.get("distributedInfo")
+    if not isinstance(info, dict) or not isinstance(info.get("rank"), int):
+        raise TraceError("no distributedInfo.rank in the trace metadata", field=path,
+                         hint="record with torch.distributed initialised so Kineto writes it")
+    groups = {}
+    for pg in info.get("pg_config") or []:
+        if isinstance(pg, dict) and "ranks" in pg:
+            groups[str(pg.get("pg_name", ""))] = tuple(int(r) for r in pg["ranks"])
+    return info["rank"], int(info.get("world_size", 0) or 0), str(info.get("backend", "")), groups
+
+
+def build_summary(t: EventTables, header: dict, path: str, steps: StepRange = (None, None)) -> RankSummary:
+    rank, world, backend, groups = rank_info(header, path)
+    if t.events == 0:
+        raise TraceError("the trace has no events", field=path)
+    gpu = any(k[2] != MEMORY for k in t.kernels)
+    builder = _GpuView(t) if gpu else _CpuView(t)
+    step_ids, windows = builder.step_windows()
+    keep = _select(step_ids, steps)
+    step_ids, windows = step_ids[keep], windows[keep]
+    coll = builder.collectives(windows)
+    s = RankSummary(rank=rank, world_size=world, backend=backend, path=path,
+                    host=str(header.get("host_name", "")), mode="gpu" if gpu else "cpu",
+                    events=t.events, groups=groups, step_ids=step_ids, window=windows,
+                    compute=np.zeros(len(step_ids)), comm=np.zeros(len(step_ids)),
+                    memcpy=np.zeros(len(step_ids)), idle=np.zeros(len(step_ids)),
+                    overlap=np.zeros(len(step_ids)), p2p_wait=np.zeros(len(step_ids)),
+                    pipe_first=np.full(len(step_ids), np.nan), pipe_end=np.full(len(step_ids), np.nan),
+                    pipe_busy=np.zeros(len(step_ids)), heat=np.zeros((len(step_ids), HEAT_BINS), np.float32),
+                    coll=coll, kernel_stats=builder.kernel_stats(), top_kernels=builder.top_kernels())
+    if not len(step_ids):
+        s.warnings.append("no ProfilerStep in the selected range")
+    compute, comm, mem = builder.spans()
+    pipe = _pipe_spans(coll)
+    for k, (lo, hi) in enumerate(windows):
+        c, m, x = iv.clip(compute, lo, hi), iv.clip(comm, lo, hi), iv.clip(mem, lo, hi)
+        busy = iv.merge(c, m, x)
+        s.compute[k] = iv.length(c)
+        s.comm[k] = iv.length(m)
+        s.overlap[k] = iv.overlap(c, m)
+        s.memcpy[k] = iv.length(busy) - iv.length(iv.merge(c, m))
+        s.idle[k] = (hi - lo) - iv.length(busy)
+        s.heat[k] = iv.binned_busy(c, lo, hi, HEAT_BINS)
+        _pipeline_step(s, k, c, iv.merge(c, iv.subtract(m, pipe)), coll, pipe)
+    return s
+
+
+def _select(step_ids: np.ndarray, steps: StepRange) -> np.ndarray:
+    lo, hi = steps
+    keep = np.ones(len(step_ids), dtype=bool)
+    if lo is not None:
+        keep &= step_ids >= lo
+    if hi is not None:
+        keep &= step_ids < hi
+    return keep
+
+
+def _pipe_spans(coll: Collectives) -> iv.Spans:
+    is_p2p = np.isin(coll.kind, list(_PIPE_KINDS))
+    return iv.union(coll.arrive[is_p2p], coll.end[is_p2p])
+
+
+def _pipeline_step(s: RankSummary, k: int, compute: iv.Spans, working: iv.Spans, coll: Collectives,
+                   pipe: iv.Spans) -> None:
+    """Pipeline facts for step k: compute idle while waiting on P2P, and the pipeline block.
+
+    `working` is compute plus non-pipeline communication (MoE all-to-all, TP all-reduce):
+    time exposed to those is communication, not bubble.
+
+    The pipeline phase of a stage ends with its last pipeline compute: after a final recv
+    that is the compute block consuming it; after a final send it is the compute that
+    produced it. Gradient sync and the optimizer that follow are not pipeline work.
+    """
+    lo, hi = s.window[k]
+    rows = np.flatnonzero((coll.step == k) & np.isin(coll.kind, list(_PIPE_KINDS)))
+    if len(rows) == 0 or len(compute[0]) == 0:
+        return
+    p2p = iv.clip(pipe, lo, hi)
+    idle = iv.subtract((np.array([lo]), np.array([hi])), compute)
+    s.p2p_wait[k] = iv.overlap(idle, p2p)
+    last = rows[np.argmax(coll.end[rows])]
+    cs, ce = compute
+    if coll.kind[last] == "send":
+        before = cs < coll.arrive[last]
+        end = float(ce[before].max()) if before.any() else float(ce[0])
+    else:
+        end = _block_end(cs, ce, float(coll.end[last]), p2p)
+    s.pipe_first[k] = float(cs[0])
+    s.pipe_end[k] = end
+    s.pipe_busy[k] = iv.length(iv.clip(working, float(cs[0]), end))
+
+
+def _block_end(cs: np.ndarray, ce: np.ndarray, after: float, p2p: iv.Spans) -> float:
+    """End of the contiguous compute block that starts after `after`.
+
+    "Contiguous" allows gaps as long as the longest gap seen inside earlier blocks (gaps
+    not covered by a pipeline op: MoE all-to-all, TP all-reduce), so the block is not cut
+    at an expert exchange but stops at the gradient sync.
+    """
+    start = int(np.searchsorted(cs, after - 1e-3))
+    if start >= len(cs):
+        return float(ce[-1])
+    gaps_s, gaps_e = ce[:start - 1] if start > 1 else ce[:0], cs[1:start] if start > 1 else cs[:0]
+    inner = 0.0
+    if len(gaps_s):
+        g = gaps_e - gaps_s
+        # Gaps that overlap a pipeline op are waits for a peer, not gaps inside a block.
+        ps, pe = p2p
+        i = np.searchsorted(pe, gaps_s, side="right")
+        covered = (i < len(ps)) & (ps[np.minimum(i, len(ps) - 1)] < gaps_e)
+        inside = g[~covered]
+        inner = float(inside.max()) if len(inside) else 0.0
+    limit = 1.5 * inner + 1.0
+    end = ce[start]
+    for j in range(start + 1, len(cs)):
+        if cs[j] - end > limit:
+            break
+        end = ce[j]
+    return float(end)
+
+
+class _GpuView:
+    """Kernels on GPU streams; steps from kernel launch times."""
+
+    def __init__(self, t: EventTables):
+        self.t = t
+        k = np.array(t.kernels, dtype=float).reshape(-1, 7) if t.kernels else np.zeros((0, 7))
+        self.ts, self.dur, self.cls = k[:, 0], k[:, 1], k[:, 2].astype(np.int8)
+        self.corr, self.ext, self.nid = k[:, 4].astype(np.int64), k[:, 5].astype(np.int64), k[:, 6].astype(np.int64)
+        self.launch = self._launch_times()
+
+    def _launch_times(self) -> np.ndarray:
+        if not self.t.runtimes:
+            return self.ts.copy()
+        r = np.array(self.t.runtimes, dtype=float)
+        rc, rts = r[:, 0].astype(np.int64), r[:, 1]
+        order = np.argsort(rc, kind="stable")
+        rc, rts = rc[order], rts[order]
+        i = np.clip(np.searchsorted(rc, self.corr), 0, len(rc) - 1)
+        found = rc[i] == self.corr
+        return np.where(found, rts[i], self.ts)
+
+    def step_windows(self) -> tuple[np.ndarray, np.ndarray]:
+        steps = _steps(self.t)
+        if not len(steps):
+            return np.array([0]), np.array([[self.ts.min(), (self.ts + self.dur).max()]])
+        ids, st, en = steps
+        k = np.searchsorted(st, self.launch, side="right") - 1
+        valid = (k >= 0) & (self.launch < en[np.maximum(k, 0)])
+        self.kstep = np.where(valid, k, -1)
+        first = np.full(len(ids), np.inf)
+        last = np.full(len(ids), -np.inf)
+        np.minimum.at(first, self.kstep[valid], self.ts[valid])
+        np.maximum.at(last, self.kstep[valid], (self.ts + self.dur)[valid])
+        win = np.zeros((len(ids), 2))
+        for j in range(len(ids)):
+            if not np.isfinite(first[j]):  # a step without kernels: fall back to the CPU span
+                first[j], last[j] = st[j], en[j]
+            win[j, 0] = first[j]
+            nxt = first[j + 1:][np.isfinite(first[j + 1:])]
+            win[j, 1] = max(last[j], nxt[0]) if j + 1 < len(ids) and len(nxt) else last[j]
+        return ids, win
+
+    def spans(self) -> tuple[iv.Spans, iv.Spans, iv.Spans]:
+        end = self.ts + self.dur
+        out = []
+        for cls in (COMPUTE, COMM, MEMORY):
+            m = self.cls == cls
+            out.append(iv.union(self.ts[m], end[m]))
+        return out[0], out[1], out[2]
+
+    def collectives(self, windows: np.ndarray) -> Collectives:
+        t = self.t
+        rows = []
+        for i in np.flatnonzero(self.cls == COMM):
+            args = t.kernel_coll.get(int(i)) or t.param_comms.get(int(self.ext[i])) or {}
+            name = str(args.get("Collective name", "")) or self._name(i)
+            kind = collective_kind(name)
+            dtype_b = dtype_bytes(args.get("dtype", "float"))
+            n_in = _int(args.get("In msg nelems"))
+            n_out = _int(args.get("Out msg nelems"))
+            nbytes = (n_out if kind == "recv" else n_in) * dtype_b
+            peer = _int(args.get("Dst Rank" if kind == "send" else "Src Rank"), -1) if kind in P2P_KINDS else -1
+            rows.append((str(args.get("Process Group Name", "")), _int(args.get("Seq"), -1), kind,
+                         nbytes, float(self.ts[i]), float(self.ts[i] + self.dur[i]), peer,
+                         float(self.launch[i])))
+        return _finish_rows(rows, windows)
+
+    def _name(self, i: int) -> str:
+        if not hasattr(self, "_names"):
+            self._names = {v: k for k, v in self.t.names.items()}
+        return self._names.get(int(self.nid[i]), "")
+
+    def kernel_stats(self) -> dict[str, tuple[int, float]]:
+        return {name: (int((self.cls == c).sum()), float(self.dur[self.cls == c].sum()))
+                for name, c in (("compute", COMPUTE), ("comm", COMM), ("memory", MEMORY))}
+
+    def top_kernels(self, n: int = 8) -> list[tuple[str, int, float]]:
+        ok = self.nid >= 0
+        if not ok.any():
+            return []
+        tot = np.bincount(self.nid[ok], weights=self.dur[ok])
+        cnt = np.bincount(self.nid[ok])
+        names = {v: k for k, v in self.t.names.items()}
+        return [(names[int(i)][:120], int(cnt[i]), float(tot[i])) for i in np.argsort(-tot)[:n]]
+
+
+class _CpuView:
+    """gloo / CPU-only traces: the main thread is the device; collectives are c10d + gloo ops."""
+
+    def __init__(self, t: EventTables):
+        self.t = t
+        tids = [s[3] for s in t.steps] or [o[2] for o in t.cpu_ops]
+        self.main = max(set(tids), key=tids.count) if tids else 0
+
+    def step_windows(self) -> tuple[np.ndarray, np.ndarray]:
+        steps = _steps(self.t)
+        if not len(steps):
+            ops = np.array([(o[0], o[0] + o[1]) for o in self.t.cpu_ops] or [(0.0, 0.0)])
+            return np.array([0]), np.array([[ops[:, 0].min(), ops[:, 1].max()]])
+        ids, st, en = steps
+        return ids, np.stack([st, en], axis=1)
+
+    def spans(self) -> tuple[iv.Spans, iv.Spans, iv.Spans]:
+        t = self.t
+        comm_main = [(o[1], o[1] + o[2]) for o in t.cpu_coll_ops if o[3] == self.main]
+        comm_main += [(a[1], a[1] + a[2]) for a in t.annotations if a[3] == self.main]
+        comm_all = comm_main + [(a[1], a[1] + a[2]) for a in t.annotations if a[3] != self.main]
+        main_comm = _spans(comm_main)
+        ops = [(o[0], o[0] + o[1]) for o in t.cpu_ops if o[2] == self.main]
+        # Ops nested in a blocking c10d call (aten::empty inside recv) are communication.
+        compute = iv.subtract(_spans(ops), main_comm)
+        return compute, _spans(comm_all), iv.EMPTY
+
+    def collectives(self, windows: np.ndarray) -> Collectives:
+        t = self.t
+        calls: dict[str, list] = {}
+        for name, ts, dur, tid, ci in sorted(t.cpu_coll_ops, key=lambda o: o[1]):
+            if name.startswith("c10d::") and tid == self.main:
+                calls.setdefault(collective_kind(name), []).append((ts, dur, ci))
+        exch: dict[str, list] = {}
+        for name, ts, dur, tid in sorted(t.annotations, key=lambda a: a[1]):
+            exch.setdefault(collective_kind(name), []).append((ts, dur, name))
+        rows = []
+        for kind in set(calls) | set(exch):
+            c, x = calls.get(kind, []), exch.get(kind, [])
+            for j in range(max(len(c), len(x))):
+                call = c[j] if j < len(c) else None
+                ann = x[j] if j < len(x) else None
+                arrive = call[0] if call else ann[0]
+                end = max(ann[0] + ann[1] if ann else 0.0, call[0] + call[1] if call else 0.0)
+                peer = -1
+                if kind in P2P_KINDS:
+                    ci = call[2] if call else None
+                    peer = _int(ci[2], -1) if isinstance(ci, list) and len(ci) > 2 else -1
+                    if peer < 0 and ann:
+                        peer = peer_from_name(ann[2])
+                rows.append(("", -1, kind, 0, float(arrive), float(end), peer, float(arrive)))
+        rows.sort(key=lambda r: r[4])
+        return _finish_rows(rows, windows)
+
+    def kernel_stats(self) -> dict[str, tuple[int, float]]:
+        return {"cpu_ops": (len(self.t.cpu_ops), float(sum(o[1] for o in self.t.cpu_ops))),
+                "comm_ops": (len(self.t.annotations), float(sum(a[2] for a in self.t.annotations)))}
+
+    def top_kernels(self, n: int = 8) -> list[tuple[str, int, float]]:
+        return []
+
+
+def _steps(t: EventTables) -> tuple[np.ndarray, np.ndarray, np.ndarray] | tuple:
+    if not t.steps:
+        return ()
+    best: dict[int, tuple[float, float]] = {}
+    for n, ts, dur, _tid in t.steps:
+        best.setdefault(n, (ts, ts + dur))
+    ids = np.array(sorted(best))
+    st = np.array([best[i][0] for i in ids])
+    en = np.array([best[i][1] for i in ids])
+    return ids, st, en
+
+
+def _spans(pairs: list[tuple[float, float]]) -> iv.Spans:
+    if not pairs:
+        return iv.EMPTY
+    a = np.array(pairs, dtype=float)
+    return iv.union(a[:, 0], a[:, 1])
+
+
+def _finish_rows(rows: list[tuple], windows: np.ndarray) -> Collectives:
+    """Number collectives per group when the trace has no `Seq`, and map them to steps."""
+    counters: dict[tuple[str, bool], int] = {}
+    out = []
+    for pg, seq, kind, nbytes, arrive, end, peer, launch in sorted(rows, key=lambda r: r[4]):
+        if seq < 0:
+            # P2P and collectives are numbered separately (as NCCL does), per group.
+            key = (pg, kind in P2P_KINDS) if pg else (kind, kind in P2P_KINDS)
+            seq = counters.get(key, 0)
+            counters[key] = seq + 1
+        step = -1
+        for k, (lo, hi) in enumerate(windows):
+            if lo <= arrive < hi or (k == len(windows) - 1 and lo <= arrive <= hi):
+                step = k
+                break
+        out.append((pg, seq, kind, nbytes, arrive, end, peer, step))
+    return Collectives.from_rows(out)
+
+
+def _int(v: object, default: int = 0) -> int:
+    try:
+        return int(v)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return default

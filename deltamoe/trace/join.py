@@ -1,0 +1,185 @@
+"""Match communication across ranks: collectives by (process group, sequence), P2P by (src, dst, n).
+
+The inputs are the per-rank Collectives tables; the output is flat numpy columns for all
+ranks plus per-instance facts (who arrived last, how long the others waited). Only the
+communication rows of all ranks are held here (tens per rank per step), never events.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from deltamoe.trace.classify import P2P_KINDS
+from deltamoe.trace.summary import RankSummary
+
+
+@dataclass
+class Joined:
+    # one row per collective participation (non-P2P)
+    rank: np.ndarray
+    kind: np.ndarray
+    pg: np.ndarray
+    seq: np.ndarray
+    nbytes: np.ndarray
+    arrive: np.ndarray
+    end: np.ndarray
+    step: np.ndarray      # ProfilerStep number
+    inst: np.ndarray      # instance id (same for all participants of one collective)
+    wait: np.ndarray      # how long this rank waited for the last arriver
+    # per instance
+    inst_size: np.ndarray
+    inst_last: np.ndarray     # rank that arrived last
+    inst_skew: np.ndarray     # last arrival - first arrival
+    inst_blame: np.ndarray    # total time the others waited for the last arriver
+    # P2P pairs: one row per matched send/recv
+    p2p_src: np.ndarray
+    p2p_dst: np.ndarray
+    p2p_send: np.ndarray      # sender arrival
+    p2p_recv: np.ndarray      # receiver posted the recv
+    p2p_wait: np.ndarray      # receiver waited for the sender
+    p2p_end: np.ndarray       # recv finished (receiver released)
+    p2p_step: np.ndarray      # receiver's step number
+    p2p_nbytes: np.ndarray
+
+    @property
+    def instances(self) -> int:
+        return len(self.inst_size)
+
+
+def join(summaries: list[RankSummary]) -> Joined:
+    cols = _concat(summaries)
+    _resolve_unnamed_groups(cols, summaries)
+    p2p = np.isin(cols["kind"], list(P2P_KINDS))
+    coll = {k: v[~p2p] for k, v in cols.items()}
+    inst_cols = _instances(coll)
+    pairs = _pair_p2p({k: v[p2p] for k, v in cols.items()})
+    return Joined(**{k: coll[k] for k in ("rank", "kind", "pg", "seq", "nbytes", "arrive", "end", "step")},
+                  **inst_cols, **pairs)
+
+
+def _concat(summaries: list[RankSummary]) -> dict[str, np.ndarray]:
+    parts: dict[str, list] = {k: [] for k in ("rank", "kind", "pg", "seq", "nbytes", "arrive", "end", "peer", "step")}
+    for s in summaries:
+        c = s.coll
+        keep = c.step >= 0
+        n = int(keep.sum())
+        parts["rank"].append(np.full(n, s.rank, dtype=np.int64))
+        parts["step"].append(s.step_ids[c.step[keep]] if n else np.zeros(0, dtype=np.int64))
+        for k in ("kind", "pg", "seq", "nbytes", "arrive", "end", "peer"):
+            parts[k].append(getattr(c, k if k != "nbytes" else "nbytes")[keep])
+    out = {}
+    for k, v in parts.items():
+        out[k] = np.concatenate(v) if v else np.zeros(0)
+    out["pg"] = out["pg"].astype(object)
+    out["kind"] = out["kind"].astype(object)
+    return out
+
+
+def _resolve_unnamed_groups(cols: dict[str, np.ndarray], summaries: list[RankSummary]) -> None:
+    """gloo traces do not name the group of a collective; pick it by completion times.
+
+    Members of one collective finish together. For each collective kind, try every family of
+    same-size groups from `pg_config` that partitions the ranks (the world, the DP groups,
+    ...) and keep the family under which the k-th ops of each group end closest together.
+    """
+    unnamed = (cols["pg"] == "") & ~np.isin(cols["kind"], list(P2P_KINDS))
+    if not unnamed.any():
+        return
+    groups: dict[tuple[int, ...], str] = {}
+    for s in summaries:
+        for name, ranks in s.groups.items():
+            groups.setdefault(tuple(sorted(ranks)), name)
+    by_size: dict[int, list[tuple[tuple[int, ...], str]]] = {}
+    for ranks, name in groups.items():
+        by_size.setdefault(len(ranks), []).append((ranks, name))
+    families = []
+    for size, fam in by_size.items():
+        members = [r for ranks, _ in fam for r in ranks]
+        if size > 1 and len(members) == len(set(members)):
+            families.append(fam)
+    for kind in set(cols["kind"][unnamed]):
+        rows = np.flatnonzero(unnamed & (cols["kind"] == kind))
+        best, best_score = None, np.inf
+        for fam in families:
+            score = _family_spread(cols, rows, fam)
+            if score < best_score:
+                best, best_score = fam, score
+        if best is None:
+            continue
+        owner = {r: name for ranks, name in best for r in ranks}
+        cols["pg"][rows] = [owner.get(int(r), "") for r in cols["rank"][rows]]
+
+
+def _family_spread(cols: dict[str, np.ndarray], rows: np.ndarray, fam: list) -> float:
+    spreads = []
+    owner = {r: i for i, (ranks, _) in enumerate(fam) for r in ranks}
+    ends: dict[tuple[int, int], list[float]] = {}
+    for i in rows:
+        g = owner.get(int(cols["rank"][i]))
+        if g is None:
+            continue
+        ends.setdefault((g, int(cols["seq"][i])), []).append(float(cols["end"][i]))
+    for (g, _k), e in ends.items():
+        if len(e) == len(fam[g][0]):
+            spreads.append(max(e) - min(e))
+    return float(np.median(spreads)) if spreads else np.inf
+
+
+def _instances(c: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    n = len(c["rank"])
+    if n == 0:
+        z = np.zeros(0)
+        return dict(inst=z.astype(np.int64), wait=z, inst_size=z.astype(np.int64),
+                    inst_last=z.astype(np.int64), inst_skew=z, inst_blame=z)
+    # Unnamed groups (no pg at all) fall back to matching by kind and ordinal.
+    key_pg = np.where(c["pg"] == "", "?" + c["kind"], c["pg"]).astype(str)
+    _, pg_id = np.unique(key_pg, return_inverse=True)
+    key = pg_id.astype(np.int64) * (1 << 32) + c["seq"].astype(np.int64)
+    _, inst = np.unique(key, return_inverse=True)
+    order = np.lexsort((c["arrive"], inst))
+    si = inst[order]
+    starts = np.flatnonzero(np.r_[True, si[1:] != si[:-1]])
+    ends = np.r_[starts[1:], len(si)] - 1
+    arr = c["arrive"][order]
+    size = ends - starts + 1
+    last_arr = arr[ends]
+    first_arr = arr[starts]
+    sum_arr = np.add.reduceat(arr, starts)
+    wait = np.empty(n)
+    wait[order] = np.repeat(last_arr, size) - arr
+    return dict(inst=inst, wait=wait, inst_size=size, inst_last=c["rank"][order][ends],
+                inst_skew=last_arr - first_arr, inst_blame=size * last_arr - sum_arr)
+
+
+def _pair_p2p(c: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The k-th send from a to b meets the k-th recv at b from a."""
+    sends: dict[tuple[int, int], list[int]] = {}
+    recvs: dict[tuple[int, int], list[int]] = {}
+    for i in np.argsort(c["arrive"], kind="stable"):
+        peer = int(c["peer"][i])
+        if peer < 0:
+            continue
+        r = int(c["rank"][i])
+        if c["kind"][i] == "send":
+            sends.setdefault((r, peer), []).append(i)
+        else:
+            recvs.setdefault((peer, r), []).append(i)
+    src, dst, s_idx, r_idx = [], [], [], []
+    for key, ss in sends.items():
+        rr = recvs.get(key, [])
+        for a, b in zip(ss, rr):
+            src.append(key[0])
+            dst.append(key[1])
+            s_idx.append(a)
+            r_idx.append(b)
+    s_idx, r_idx = np.array(s_idx, dtype=np.int64), np.array(r_idx, dtype=np.int64)
+    send_t = c["arrive"][s_idx] if len(s_idx) else np.zeros(0)
+    recv_t = c["arrive"][r_idx] if len(r_idx) else np.zeros(0)
+    recv_end = c["end"][r_idx] if len(r_idx) else np.zeros(0)
+    wait = np.clip(np.minimum(send_t, recv_end) - recv_t, 0, None)
+    return dict(p2p_src=np.array(src, dtype=np.int64), p2p_dst=np.array(dst, dtype=np.int64),
+                p2p_send=send_t, p2p_recv=recv_t, p2p_wait=wait, p2p_end=recv_end,
+                p2p_step=c["step"][r_idx] if len(r_idx) else np.zeros(0, dtype=np.int64),
+                p2p_nbytes=c["nbytes"][r_idx] if len(r_idx) else np.zeros(0, dtype=np.int64))

@@ -1,0 +1,151 @@
+"""Read a folder of per-rank Kineto traces into RankSummaries, in parallel, one file at a time.
+
+Small files (the usual case: one rank, one profiled window, a few MB) are parsed whole by
+orjson in a worker process and reduced to a RankSummary there; only the summary crosses
+back. Files above `slice_threshold` are cut into slices (see jsonsplit.py) that all workers
+parse, so one huge rank file still uses every core and never sits in memory whole.
+The parent therefore holds one summary per rank, never events.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+
+from deltamoe.errors import TraceError
+from deltamoe.trace import jsonsplit
+from deltamoe.trace.build import StepRange, build_summary
+from deltamoe.trace.classify import Patterns
+from deltamoe.trace.summary import RankError, RankSummary
+from deltamoe.trace.tables import EventTables
+
+SLICE_THRESHOLD = 48 << 20   # above this (decompressed) a file is sliced across workers
+SLICE_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class ReadConfig:
+    patterns: Patterns = field(default_factory=Patterns)
+    steps: StepRange = (None, None)
+    slice_threshold: int = SLICE_THRESHOLD
+    slice_bytes: int = SLICE_BYTES
+
+
+def find_traces(folder: str | Path) -> list[str]:
+    """Every *.json / *.json.gz below `folder`; names starting with '_' or '.' are ignored."""
+    root = Path(folder)
+    if not root.is_dir():
+        raise TraceError(f"not a directory: {folder}", field="DIR",
+                         hint="pass the folder that holds one trace file per rank")
+    files = [p for p in root.rglob("*") if p.is_file() and not p.name.startswith(("_", "."))
+             and (p.name.endswith(".json") or p.name.endswith(".json.gz"))]
+    if not files:
+        raise TraceError(f"no *.json or *.json.gz trace files in {folder}", field="DIR")
+    return sorted(str(p) for p in files)
+
+
+def read_one(path: str, cfg: ReadConfig) -> RankSummary | RankError:
+    """Parse and reduce one whole file (worker entry point)."""
+    gc.disable()  # millions of fresh dicts would trigger useless cyclic collections
+    try:
+        doc = orjson.loads(jsonsplit.read_bytes(path))
+        if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
+            raise TraceError("no traceEvents array found", field=path, hint="is this a Kineto trace?")
+        events = doc.pop("traceEvents")
+        tables = EventTables()
+        tables.add(events, cfg.patterns)
+        del events
+        return build_summary(tables, doc, path, cfg.steps)
+    except TraceError as e:
+        return RankError(path, e.one_line())
+    except orjson.JSONDecodeError as e:
+        return RankError(path, f"{path}: invalid JSON ({e})")
+    except Exception as e:  # a malformed event must cost one rank, not the whole analysis
+        return RankError(path, f"{path}: {type(e).__name__}: {e}")
+    finally:
+        gc.enable()
+
+
+def _read_slice(job: tuple[jsonsplit.Slice, ReadConfig]) -> EventTables:
+    sl, cfg = job
+    gc.disable()
+    try:
+        t = EventTables()
+        t.add(jsonsplit.parse_slice(sl.read()), cfg.patterns)
+        return t
+    finally:
+        gc.enable()
+
+
+def _read_one_job(job: tuple[str, ReadConfig]) -> RankSummary | RankError:
+    return read_one(*job)
+
+
+def read_sliced(path: str, cfg: ReadConfig, pool=None) -> RankSummary | RankError:
+    """Parse a large file slice by slice (in `pool` when given) and reduce it here."""
+    try:
+        header, parts = jsonsplit.slices(path, cfg.slice_bytes)
+        jobs = ((sl, cfg) for sl in parts)
+        mapped = pool.imap(_read_slice, jobs) if pool is not None else map(_read_slice, jobs)
+        tables = EventTables.merge(list(mapped))
+        header.update(header.pop("__tail__", {}))
+        return build_summary(tables, header, path, cfg.steps)
+    except TraceError as e:
+        return RankError(path, e.one_line())
+    except orjson.JSONDecodeError as e:
+        return RankError(path, f"{path}: invalid JSON ({e})")
+    except Exception as e:
+        return RankError(path, f"{path}: {type(e).__name__}: {e}")
+
+
+def read_all(paths: list[str], cfg: ReadConfig, workers: int = 0,
+             on_done: Callable[[str], None] | None = None) -> Iterator[RankSummary | RankError]:
+    """Yield one result per path (any order). `workers` <= 1 reads in this process."""
+    workers = workers or min(os.cpu_count() or 1, len(paths))
+    big = [p for p in paths if _size(p) > cfg.slice_threshold]
+    small = [p for p in paths if p not in set(big)]
+    if workers <= 1:
+        for p in big:
+            yield _done(read_sliced(p, cfg), p, on_done)
+        for p in small:
+            yield _done(read_one(p, cfg), p, on_done)
+        return
+    # fork: workers start in milliseconds; the pool is created before any progress thread.
+    ctx = mp.get_context("fork")
+    with ctx.Pool(workers) as pool:
+        for p in big:
+            yield _done(read_sliced(p, cfg, pool), p, on_done)
+        chunk = max(1, min(16, len(small) // (workers * 8)))
+        for res in pool.imap_unordered(_read_one_job, ((p, cfg) for p in small), chunksize=chunk):
+            yield _done(res, res.path, on_done)
+
+
+def _size(path: str) -> int:
+    try:
+        return jsonsplit.uncompressed_size(path)
+    except OSError:
+        return 0
+
+
+def _done(res: RankSummary | RankError, path: str, cb: Callable[[str], None] | None):
+    if cb:
+        cb(path)
+    return res
+
+
+def dedupe_ranks(results: list[RankSummary | RankError]) -> tuple[list[RankSummary], list[RankError]]:
+    """Split results; a second file claiming an already-seen rank is an error, not an overwrite."""
+    ok: dict[int, RankSummary] = {}
+    errors = [r for r in results if isinstance(r, RankError)]
+    for r in sorted((r for r in results if isinstance(r, RankSummary)), key=lambda r: r.path):
+        if r.rank in ok:
+            errors.append(RankError(r.path, f"{r.path}: duplicate rank {r.rank} (also in {ok[r.rank].path}); skipped", r.rank))
+        else:
+            ok[r.rank] = r
+    return [ok[k] for k in sorted(ok)], errors
