@@ -17,10 +17,11 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 
 def _register() -> None:
     # Each subsystem owns its command file; the imports are here so `deltamoe --help` lists them all.
-    from deltamoe.commands import info  # noqa: F401  (registers `info`)
+    from deltamoe.commands.info import info
     from deltamoe.plan.cli import plan_command
     from deltamoe.trace.cli import app as trace_app
 
+    app.command("info")(info)
     app.command("plan")(plan_command)
     app.add_typer(trace_app, name="trace", help="Analyse or synthesise per-rank PyTorch profiler traces.")
 

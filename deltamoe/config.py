@@ -201,6 +201,9 @@ class ModelConfig:
              "None or a positive integer")
         need(self.num_nextn_predict_layers >= 0, "num_nextn_predict_layers", ">= 0")
         need(self.rms_norm_eps > 0, "rms_norm_eps", "a positive number")
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            tok = getattr(self, name)
+            need(tok is None or 0 <= tok < self.vocab_size, name, f"None or a token id below vocab_size ({self.vocab_size})")
 
     # ---------------------------------------------------------------- HF JSON
     @classmethod

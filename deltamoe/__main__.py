@@ -1,0 +1,5 @@
+import sys
+
+from deltamoe.cli import main
+
+sys.exit(main())

@@ -1,0 +1,94 @@
+"""Feed-forward blocks: the dense GLU MLP and the (latent) MoE with shared experts (spec §4.5, §4.6)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deltamoe.config import ModelConfig
+from deltamoe.model.norm import RMSNorm
+from deltamoe.ops.activations import glu
+from deltamoe.ops.moe import experts_forward, route_tokens
+
+
+class DenseMLP(nn.Module):
+    """`down(act(gate(x), up(x)))` with act = SiLU-GLU (Kimi Linear) or SiTU (K3)."""
+
+    def __init__(self, config: ModelConfig, hidden: int, width: int):
+        super().__init__()
+        self.config = config
+        self.gate_proj = nn.Linear(hidden, width, bias=False)
+        self.up_proj = nn.Linear(hidden, width, bias=False)
+        self.down_proj = nn.Linear(width, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        return self.down_proj(glu(self.gate_proj(x), self.up_proj(x), c.hidden_act, c.situ_beta, c.situ_linear_beta))
+
+
+class Router(nn.Module):
+    """Sigmoid router; `e_score_correction_bias` steers selection only (aux-loss-free balancing)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        # A buffer, not a parameter: it is updated from expert load, never by gradients.
+        self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        logits = x.float() @ self.weight.float().t()
+        return route_tokens(logits, self.e_score_correction_bias if c.moe_router_bias else None,
+                            c.num_experts_per_token, renormalize=c.moe_renormalize,
+                            scaling_factor=c.routed_scaling_factor, num_expert_group=c.num_expert_group,
+                            topk_group=c.topk_group)
+
+
+class RoutedExperts(nn.Module):
+    """All routed experts of one layer as stacked tensors: w1 (gate), w3 (up) [E, I, D'], w2 (down) [E, D', I]."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        e, i, d = config.num_experts, config.moe_intermediate_size, config.expert_dim
+        self.w1 = nn.Parameter(torch.empty(e, i, d))
+        self.w3 = nn.Parameter(torch.empty(e, i, d))
+        self.w2 = nn.Parameter(torch.empty(e, d, i))
+
+
+class MoE(nn.Module):
+    """Router -> (latent down) -> top-k experts -> (norm, latent up) + shared experts on the full-width input."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        d = config.hidden_size
+        self.gate = Router(config)
+        self.experts = RoutedExperts(config)
+        if config.latent_moe_size is not None:
+            self.routed_expert_down_proj = nn.Linear(d, config.latent_moe_size, bias=False)
+            self.routed_expert_up_proj = nn.Linear(config.latent_moe_size, d, bias=False)
+            if config.latent_moe_norm:
+                self.routed_expert_norm = RMSNorm(config.latent_moe_size, config.rms_norm_eps)
+        if config.num_shared_experts > 0:
+            self.shared_experts = DenseMLP(config, d, config.shared_expert_size)
+        self.last_expert_load: torch.Tensor | None = None  # tokens per expert in the last forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, indices = self.gate(flat)
+        with torch.no_grad():
+            self.last_expert_load = torch.bincount(indices.flatten(), minlength=c.num_experts)
+        z = self.routed_expert_down_proj(flat) if c.latent_moe_size is not None else flat
+        routed = experts_forward(z, weights, indices, self.experts.w1, self.experts.w3, self.experts.w2,
+                                 act=c.hidden_act, situ_beta=c.situ_beta, situ_linear_beta=c.situ_linear_beta)
+        routed = routed.to(x.dtype)
+        if c.latent_moe_size is not None:
+            if c.latent_moe_norm:
+                routed = self.routed_expert_norm(routed)
+            routed = self.routed_expert_up_proj(routed)
+        if c.num_shared_experts > 0:
+            routed = routed + self.shared_experts(flat)
+        return routed.reshape(shape)

@@ -1,0 +1,83 @@
+"""Kimi Delta Attention block (spec §4.2): projections, short conv, decay gate, delta rule, gated norm.
+
+Parameter names follow the published checkpoints (`self_attn.q_proj`, `q_conv1d`, `f_a_proj`,
+`A_log`, `g_proj` or `g_a_proj`/`g_b_proj`, ...), so loading is a rename-free copy.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deltamoe.config import ModelConfig
+from deltamoe.model.cache import ModelCache
+from deltamoe.ops.kda import chunk_kda, kda_decode_step
+from deltamoe.ops.kda_gate import causal_conv1d, kda_gate
+from deltamoe.ops.norms import gated_rms_norm
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        d, h, k = config.hidden_size, config.kda_num_heads, config.kda_head_dim
+        p = h * k
+        self.num_heads, self.head_dim = h, k
+        self.q_proj = nn.Linear(d, p, bias=False)
+        self.k_proj = nn.Linear(d, p, bias=False)
+        self.v_proj = nn.Linear(d, p, bias=False)
+        w = config.kda_conv_size
+        # Three depthwise convs, stored [P, 1, W] as in the checkpoints; applied as one [3P, W] conv.
+        self.q_conv1d = nn.Conv1d(p, p, w, groups=p, bias=False)
+        self.k_conv1d = nn.Conv1d(p, p, w, groups=p, bias=False)
+        self.v_conv1d = nn.Conv1d(p, p, w, groups=p, bias=False)
+        self.f_a_proj = nn.Linear(d, k, bias=False)
+        self.f_b_proj = nn.Linear(k, p, bias=False)
+        self.A_log = nn.Parameter(torch.empty(h))
+        self.dt_bias = nn.Parameter(torch.empty(p))
+        self.b_proj = nn.Linear(d, h, bias=False)
+        if config.kda_output_gate == "full_rank":
+            self.g_proj = nn.Linear(d, p, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(d, k, bias=False)
+            self.g_b_proj = nn.Linear(k, p, bias=False)
+        self.o_norm = nn.Module()
+        self.o_norm.weight = nn.Parameter(torch.ones(k))
+        self.o_proj = nn.Linear(p, d, bias=False)
+
+    def conv_weight(self) -> torch.Tensor:
+        return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0).squeeze(1)
+
+    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        if self.config.kda_output_gate == "full_rank":
+            return self.g_proj(x)
+        return self.g_b_proj(self.g_a_proj(x))
+
+    def forward(self, x: torch.Tensor, cache: ModelCache | None = None) -> torch.Tensor:
+        b, t, _ = x.shape
+        h, k = self.num_heads, self.head_dim
+        conv_state, state = cache.kda_state(self.layer_idx) if cache is not None else (None, None)
+
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        qkv, new_conv_state = causal_conv1d(qkv, self.conv_weight(), conv_state, activation="silu")
+        q, k_, v = (z.reshape(b, t, h, k) for z in qkv.chunk(3, dim=-1))
+
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)), self.A_log, self.dt_bias, h,
+                     kind=self.config.kda_gate, lower_bound=self.config.kda_gate_lower_bound)
+        beta = torch.sigmoid(self.b_proj(x).float())
+
+        if cache is not None and t == 1 and state is not None:
+            # Decode: the one-token step over the batch (the state pool is the batch itself).
+            pool = state.clone()
+            o = kda_decode_step(q[:, 0], k_[:, 0], v[:, 0], g[:, 0], beta[:, 0], pool,
+                                torch.arange(b, device=x.device), use_qk_l2norm=True)[:, None]
+            final_state = pool
+        else:
+            o, final_state = chunk_kda(q, k_, v, g, beta, initial_state=state,
+                                       output_final_state=cache is not None, use_qk_l2norm=True)
+        if cache is not None:
+            cache.set_kda_state(self.layer_idx, new_conv_state, final_state)
+
+        o = gated_rms_norm(o, self.o_norm.weight, self.output_gate(x).reshape(b, t, h, k), self.config.rms_norm_eps)
+        return self.o_proj(o.reshape(b, t, h * k))

@@ -1,0 +1,120 @@
+"""DeltaMoEForCausalLM: one forward for training, prefill and incremental decode.
+
+Reads top to bottom like spec §3-§4: embed -> layers (AttnRes bank or plain residual) ->
+output mix -> final norm -> LM head; optional MTP heads add a next-next-token loss.
+Module names match the published checkpoints (`model.layers.N...`, `lm_head`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deltamoe.config import ModelConfig
+from deltamoe.model.cache import ModelCache
+from deltamoe.model.decoder import DecoderLayer, Vector, res_query
+from deltamoe.model.mtp import MTPLayer
+from deltamoe.model.norm import RMSNorm
+from deltamoe.ops.norms import attn_res_mix
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor  # [B, T, V]
+    loss: torch.Tensor | None = None  # next-token CE (+ mtp_weight * MTP loss when MTP layers exist)
+    lm_loss: torch.Tensor | None = None
+    mtp_loss: torch.Tensor | None = None
+    hidden_states: torch.Tensor | None = None  # final pre-norm residual stream [B, T, D]
+
+
+class DeltaMoEModel(nn.Module):
+    """The trunk: `model.*` in the checkpoints."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        d = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, d)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        # MTP layers follow the trunk layers in the checkpoints (index L + k).
+        self.layers.extend(MTPLayer(config, config.num_hidden_layers + k) for k in range(config.num_nextn_predict_layers))
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+        if config.attn_res_block_size is not None:
+            self.output_attn_res_norm = Vector(d, fill=1.0)
+            self.output_attn_res_proj = Vector(1, d, fill=0.0)
+
+    @property
+    def trunk(self) -> list[DecoderLayer]:
+        return list(self.layers[: self.config.num_hidden_layers])
+
+    @property
+    def mtp_layers(self) -> list[MTPLayer]:
+        return list(self.layers[self.config.num_hidden_layers:])
+
+    def forward(self, input_ids: torch.Tensor | None = None, cache: ModelCache | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Returns the residual stream after the output AttnRes mix, before the final norm."""
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        bank: list[torch.Tensor] = []
+        for layer in self.trunk:
+            h, bank = layer(h, bank, cache)
+        if self.config.attn_res_block_size is not None:
+            h = attn_res_mix(h, bank, res_query(self.output_attn_res_norm, self.output_attn_res_proj),
+                             self.config.rms_norm_eps)
+        return h
+
+
+class DeltaMoEForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = DeltaMoEModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.mtp_weight = 0.3  # weight of the MTP loss in `loss` (DeepSeek-V3 uses 0.3 early in training)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                cache: ModelCache | None = None, inputs_embeds: torch.Tensor | None = None) -> CausalLMOutput:
+        """input_ids [B, T]; labels [B, T] aligned with input_ids (shifted inside, -100 ignored)."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        h = self.model(input_ids, cache, inputs_embeds)
+        logits = self.lm_head(self.model.norm(h))
+        if cache is not None:
+            cache.advance(input_ids.shape[1])
+        out = CausalLMOutput(logits=logits, hidden_states=h)
+        if labels is None:
+            return out
+        out.lm_loss = shifted_cross_entropy(logits, labels, shift=1)
+        out.loss = out.lm_loss
+        if self.model.mtp_layers and input_ids.shape[1] > 1 + len(self.model.mtp_layers):
+            losses = []
+            prev = h
+            for k, mtp in enumerate(self.model.mtp_layers, start=1):
+                # Depth k predicts token t+k+1 from the depth-(k-1) state at t and the embedding of token t+k.
+                prev = mtp(prev[:, :-1], self.model.embed_tokens(input_ids[:, k:]))
+                losses.append(shifted_cross_entropy(mtp.logits(prev), labels[:, k:], shift=1))
+            out.mtp_loss = torch.stack(losses).mean()
+            out.loss = out.lm_loss + self.mtp_weight * out.mtp_loss
+        return out
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+
+def shifted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, shift: int) -> torch.Tensor:
+    """Mean CE of logits[:, :-shift] against labels[:, shift:], ignoring IGNORE_INDEX."""
+    pred = logits[:, :-shift].reshape(-1, logits.shape[-1]).float()
+    target = labels[:, shift:].reshape(-1)
+    return F.cross_entropy(pred, target, ignore_index=IGNORE_INDEX)

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Create .venv and install deltamoe into it (editable). Usage: scripts/bootstrap.sh [extra,...]
+#   scripts/bootstrap.sh        # runtime only
+#   scripts/bootstrap.sh test   # + the parity-test oracles (transformers, fla-core; never triton)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-}"
+python3 -m venv .venv
+# torch first, pinned to the CPU build: a bare `torch` requirement would pull a multi-GB CUDA build.
+.venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q torch==2.13.0
+if [ -n "$extras" ]; then
+  .venv/bin/pip install -q -e ".[${extras}]"
+else
+  .venv/bin/pip install -q -e .
+fi
+if .venv/bin/python -c "import triton" 2>/dev/null; then
+  echo "error: triton is installed in .venv; transformers would route KimiLinear to triton kernels that fail on CPU" >&2
+  exit 1
+fi
