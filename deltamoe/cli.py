@@ -19,10 +19,16 @@ def _register() -> None:
     # Each subsystem owns its command file; the imports are here so `deltamoe --help` lists them all.
     from deltamoe.commands.info import info
     from deltamoe.plan.cli import plan_command
+    from deltamoe.serve.cli import chat_command, generate_command, serve_command
+    from deltamoe.train.cli import train_command
     from deltamoe.trace.cli import app as trace_app
 
     app.command("info")(info)
     app.command("plan")(plan_command)
+    app.command("train")(train_command)
+    app.command("serve")(serve_command)
+    app.command("generate")(generate_command)
+    app.command("chat")(chat_command)
     app.add_typer(trace_app, name="trace", help="Analyse or synthesise per-rank PyTorch profiler traces.")
 
 
