@@ -1,11 +1,136 @@
-"""Placeholder: the trace helper replaces this file with the real `deltamoe trace` sub-app."""
+"""`deltamoe trace analyze` and `deltamoe trace synth`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-app = typer.Typer(no_args_is_help=True)
+from deltamoe.errors import TraceError
+
+app = typer.Typer(no_args_is_help=True, add_completion=False,
+                  help="Analyse per-rank PyTorch profiler traces, or synthesise some with known ground truth.")
+
+
+def parse_steps(text: str | None) -> tuple[int | None, int | None]:
+    """'A:B' keeps ProfilerStep numbers A <= n < B; 'A:' / ':B' are open; 'A' is one step."""
+    if not text:
+        return None, None
+    try:
+        if ":" not in text:
+            a = int(text)
+            return a, a + 1
+        lo, hi = text.split(":", 1)
+        a, b = (int(lo) if lo.strip() else None), (int(hi) if hi.strip() else None)
+    except ValueError:
+        raise TraceError(f"cannot parse {text!r}", field="--steps", hint="use A:B, e.g. 2:5") from None
+    if a is not None and b is not None and b <= a:
+        raise TraceError(f"empty range {text!r}", field="--steps", hint="B must be greater than A")
+    return a, b
+
+
+def _progress(console: Console) -> Progress:
+    # No refresh thread: the reader forks worker processes, which must not inherit a busy lock.
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, auto_refresh=False, transient=True)
 
 
 @app.command()
-def analyze() -> None:
-    """Trace analyzer (not built yet)."""
-    raise typer.Exit(1)
+def analyze(
+    folder: str = typer.Argument(..., metavar="DIR", help="folder with one Kineto trace per rank (.json / .json.gz)"),
+    json_out: str = typer.Option(None, "--json", metavar="OUT.json", help="write the full report as JSON"),
+    html_out: str = typer.Option(None, "--html", metavar="OUT.html", help="write a self-contained HTML report"),
+    workers: int = typer.Option(0, "--workers", help="reader processes (0: one per CPU)"),
+    steps: str = typer.Option(None, "--steps", metavar="A:B", help="keep ProfilerStep numbers A <= n < B"),
+    comm_pattern: list[str] = typer.Option([], "--comm-pattern",
+                                           help="extra regex for communication kernels (other vendors)"),
+    quiet: bool = typer.Option(False, "--quiet", help="no progress bar or summary"),
+) -> None:
+    """Find stragglers, pipeline bubbles, overlap and imbalance in a folder of per-rank traces."""
+    from deltamoe.trace.analyze import analyze as run
+    from deltamoe.trace.classify import Patterns
+    from deltamoe.trace.reader import ReadConfig
+    from deltamoe.trace.report import write_html, write_json
+    from deltamoe.trace.terminal import print_summary
+
+    if workers < 0:
+        raise TraceError("must be >= 0", field="--workers")
+    if not Path(folder).is_dir():
+        raise TraceError(f"not a directory: {folder}", field="DIR",
+                         hint="pass the folder that holds one trace file per rank")
+    cfg = ReadConfig(patterns=Patterns().with_extra(comm_pattern), steps=parse_steps(steps))
+    console = Console(stderr=True)
+    with _progress(console) as bar:
+        task = bar.add_task("reading traces", total=None, visible=not quiet)
+
+        def start(n: int) -> None:
+            bar.update(task, total=n)
+            bar.refresh()
+
+        def done(_path: str) -> None:
+            bar.advance(task)
+            bar.refresh()
+        result = run(folder, cfg, workers, on_file=None if quiet else done, on_start=start)
+    if json_out:
+        write_json(result.report, json_out)
+    if html_out:
+        write_html(result.report, result.summaries, html_out)
+    if not quiet:
+        print_summary(result.report, Console())
+
+
+def _imbalance(spec: str | None) -> tuple[tuple[int, float], ...]:
+    """'R:F[,R:F...]' gives rank R a token share F times the mean."""
+    if not spec:
+        return ()
+    out = []
+    try:
+        for part in spec.split(","):
+            r, f = part.split(":")
+            out.append((int(r), float(f)))
+    except ValueError:
+        raise TraceError(f"cannot parse {spec!r}", field="--imbalance", hint="use RANK:FACTOR[,RANK:FACTOR]") from None
+    return tuple(out)
+
+
+@app.command()
+def synth(
+    outdir: str = typer.Argument(..., metavar="OUTDIR"),
+    ranks: int = typer.Option(..., "--ranks"),
+    steps: int = typer.Option(4, "--steps"),
+    pp: int = typer.Option(1, "--pp", help="pipeline stages (1F1B)"),
+    microbatches: int = typer.Option(0, "--microbatches", help="0: 2*pp with pipelines, else 2"),
+    tp: int = typer.Option(1, "--tp"),
+    ep: int = typer.Option(0, "--ep", help="expert-parallel group size (0: min(dp, 8))"),
+    layers: int = typer.Option(2, "--layers", help="layers per stage (more layers, more events)"),
+    straggler: list[int] = typer.Option([], "--straggler", help="rank to slow down (repeatable)"),
+    slowdown: float = typer.Option(1.5, "--slowdown", help="compute time factor of stragglers"),
+    imbalance: str = typer.Option(None, "--imbalance", metavar="RANK:FACTOR,...", help="MoE hot ranks"),
+    nccl_names: str = typer.Option("dev", "--nccl-names", help="dev: ncclDevKernel_*, legacy: ncclKernel_*"),
+    compact: bool = typer.Option(False, "--compact", help="compact JSON instead of Kineto's pretty layout"),
+    gz: bool = typer.Option(False, "--gz", help="write .json.gz"),
+    jitter: float = typer.Option(0.02, "--jitter"),
+    seed: int = typer.Option(0, "--seed"),
+    workers: int = typer.Option(0, "--workers", help="writer processes (0: one per CPU)"),
+) -> None:
+    """Write realistic per-rank Kineto traces (DP/TP/PP/EP, 1F1B, NCCL) plus _ground_truth.json."""
+    from deltamoe.trace.synth import SynthConfig, generate
+
+    if nccl_names not in ("dev", "legacy"):
+        raise TraceError(f"unknown value {nccl_names!r}", field="--nccl-names", hint="dev or legacy")
+    cfg = SynthConfig(ranks=ranks, steps=steps, pp=pp, microbatches=microbatches, tp=tp, ep=ep, layers=layers,
+                      stragglers=tuple(straggler), slowdown=slowdown, hot_ranks=_imbalance(imbalance),
+                      jitter=jitter, seed=seed, nccl_names=nccl_names, compact=compact, gz=gz)
+    console = Console(stderr=True)
+    with _progress(console) as bar:
+        task = bar.add_task("writing ranks", total=ranks)
+
+        def tick() -> None:
+            bar.advance(task)
+            bar.refresh()
+        truth = generate(cfg, outdir, workers or min(os.cpu_count() or 1, 2), on_rank=tick)
+    ev = sum(r["events"] for r in truth["ranks"])
+    console.print(f"wrote {ranks} rank traces ({ev:,} events) and _ground_truth.json to {outdir}")

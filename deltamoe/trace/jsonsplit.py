@@ -14,6 +14,7 @@ unbalanced and fail to parse, so a wrong cut is always detected, never silently 
 from __future__ import annotations
 
 import gzip
+import json
 import os
 import re
 import zlib
@@ -88,26 +89,60 @@ def parse_header(head: bytes, path: str) -> tuple[dict, int]:
     return header, m.end()
 
 
+_DECODER = json.JSONDecoder()
+_WS = b" \t\r\n,"
+
+
 def parse_tail(buf: bytes, path: str) -> tuple[int, dict]:
-    """Where the events array ends in `buf`, and the metadata keys after it."""
-    pos = len(buf)
-    for _ in range(64):
-        q = buf.rfind(b"]", 0, pos)
-        if q < 0:
+    """Where the events array ends in `buf`, and the metadata keys after it.
+
+    `buf` must start at an event (or between events). The remaining events are walked with
+    the C scanner of `json` until the closing `]`, so brackets inside later metadata (e.g.
+    `deviceProperties` written after the events by older exports) cannot be mistaken for it.
+    """
+    text = buf.decode("utf-8", errors="replace")
+    i, n = 0, len(text)
+    while True:
+        while i < n and text[i] in " \t\r\n,":
+            i += 1
+        if i >= n:
+            raise TraceError("the file ends inside traceEvents", field=path, hint="the file is truncated")
+        if text[i] == "]":
             break
-        pos = q
-        before = buf[:q].rstrip()
-        if before and before[-1:] not in (b"}", b"["):
-            continue
-        rest = buf[q + 1:].strip()
         try:
-            if rest == b"}":
-                return q, {}
-            if rest.startswith(b","):
-                return q, orjson.loads(b"{" + rest[1:])
-        except orjson.JSONDecodeError:
-            continue
-    raise TraceError("the file ends inside traceEvents", field=path, hint="the file is truncated")
+            _, i = _DECODER.raw_decode(text, i)
+        except json.JSONDecodeError as e:
+            raise TraceError(f"invalid JSON near the end of traceEvents ({e.msg})", field=path,
+                             hint="the file is truncated or corrupt") from e
+    q = len(text[:i].encode("utf-8"))
+    rest = buf[q + 1:].strip()
+    try:
+        if rest in (b"}", b""):
+            return q, {}
+        if rest.startswith(b","):
+            return q, orjson.loads(b"{" + rest[1:])
+    except orjson.JSONDecodeError:
+        pass
+    raise TraceError("invalid JSON after traceEvents", field=path, hint="the file is truncated or corrupt")
+
+
+def _tail_start(buf: bytes) -> int:
+    """An event start near the end of `buf`, so only the last events are walked in Python."""
+    at = max(0, len(buf) - (256 << 10))
+    m = BOUNDARY.search(buf, at)
+    return m.start() + 1 if m else 0
+
+
+def _find_end(buf: bytes, path: str) -> tuple[int, dict]:
+    start = _tail_start(buf)
+    try:
+        q, meta = parse_tail(buf[start:], path)
+        return start + q, meta
+    except TraceError:
+        if start == 0:
+            raise
+    q, meta = parse_tail(buf, path)  # the cut landed outside the events: walk them all
+    return q, meta
 
 
 def slices(path: str, slice_bytes: int) -> tuple[dict, Iterator[Slice]]:
@@ -125,7 +160,12 @@ def _plain_slices(path: str, slice_bytes: int) -> tuple[dict, Iterator[Slice]]:
         tail_at = max(first, size - (4 << 20))
         f.seek(tail_at)
         tail = f.read()
-        q, after = parse_tail(tail, path)
+        if tail_at > first:  # start the walk at an event boundary inside the tail window
+            m = BOUNDARY.search(tail)
+            if m:
+                tail_at += m.start() + 1
+                tail = tail[m.start() + 1:]
+        q, after = _find_end(tail, path)
         header.update(after)
         last = tail_at + q  # offset of the closing ']'
         cuts = [first]
@@ -182,7 +222,7 @@ def _gzip_slices(path: str, slice_bytes: int) -> tuple[dict, Iterator[Slice]]:
                              hint="the gzip stream is truncated or corrupt") from e
         finally:
             f.close()
-        q, after = parse_tail(buf, path)
+        q, after = _find_end(buf, path)
         tail_meta.update(after)
         yield Slice(path, data=buf[:q])
 

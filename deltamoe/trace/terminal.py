@@ -1,0 +1,44 @@
+"""The rich summary printed after `deltamoe trace analyze`."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+
+def print_summary(report: dict, console: Console | None = None) -> None:
+    c = console or Console()
+    r = report
+    c.print(f"[bold]{r['ranks_analyzed']}[/] of {r['ranks_found']} ranks, {r['events']:,} events, "
+            f"{r['backend']} ({r['mode']}), read in {r['read_seconds']} s")
+    for s in r["skipped"]:
+        c.print(f"[yellow]skipped[/] {s['error']}")
+    t = r["totals"]
+    c.print("time: " + ", ".join(f"{k.replace('_fraction', '')} {v:.1%}" for k, v in t.items())
+            + f"; comm hidden under compute {r['overlap']['job_overlap_fraction']:.1%}")
+    if r["stragglers"]:
+        tab = Table(title="Stragglers")
+        for col in ("rank", "host", "score", "others waited (s)", "compute vs peers", "cause", "main evidence"):
+            tab.add_column(col)
+        for s in r["stragglers"]:
+            ev = s["collectives"][0] if s["collectives"] else {"op": "", "count": 0}
+            tab.add_row(str(s["rank"]), s["host"], f"{s['score']:.3f}", f"{s['others_waited_s']:.4f}",
+                        f"{s['compute_vs_peers']:.2f}x", s["cause"], f"{ev['op']} x{ev['count']}")
+        c.print(tab)
+    else:
+        c.print("stragglers: none")
+    p = r["pipeline"]
+    if p:
+        theory = p["theoretical_bubble_fraction"]
+        c.print(f"pipeline: {p['pipelines']} x {p['stages']} stages, m={p['microbatches']}, {p['schedule']}; "
+                f"bubble per stage " + ", ".join(f"{k}: {v:.3f}" for k, v in p["bubble_fraction"].items())
+                + (f" (theory {theory:.3f})" if theory is not None else ""))
+    a = r["alltoall"]
+    if a:
+        hot = ", ".join(f"{h['rank']} ({h['bytes_vs_median']}x)" for h in a["hot_ranks"][:8]) or "none"
+        c.print(f"all-to-all: max/mean bytes {a['max_over_mean_bytes']}, hot ranks {hot}")
+    st = r["step_times"]
+    if st["distribution"]:
+        d = st["distribution"]
+        c.print(f"step time p50 {d['p50'] * 1e3:.2f} ms, p90 {d['p90'] * 1e3:.2f} ms, max {d['max'] * 1e3:.2f} ms; "
+                f"outlier steps {st['outlier_steps'] or 'none'}")

@@ -1,0 +1,65 @@
+"""A real 4-rank gloo job under torch.profiler: 2 pipelines of 2 stages plus data parallelism.
+
+Ranks 0->1 and 2->3 form pipelines (send/recv of activations and gradients); ranks {0, 2} and
+{1, 3} all-reduce gradients. Rank 3 sleeps before each microbatch: a slow host that the
+others wait for. Usage: python gloo_job.py OUTDIR
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.profiler import ProfilerActivity, profile, schedule
+
+MICROBATCHES, STEPS, SLOW_RANK, SLEEP_S = 2, 4, 3, 0.03
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _work(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    dp = dp_groups[rank % 2]
+    stage, peer = rank % 2, rank ^ 1
+    w = torch.randn(128, 128)
+    x = torch.randn(128, 128)
+    handler = lambda p: p.export_chrome_trace(f"{out}/worker{rank}.pt.trace.json")  # noqa: E731
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True,
+                 schedule=schedule(wait=0, warmup=1, active=STEPS - 1), on_trace_ready=handler) as prof:
+        for _ in range(STEPS):
+            grads = torch.zeros(128, 128)
+            for _mb in range(MICROBATCHES):
+                if rank == SLOW_RANK:
+                    time.sleep(SLEEP_S)
+                if stage == 0:
+                    act = x @ w
+                    dist.send(act, dst=peer)
+                    g = torch.empty(128, 128)
+                    dist.recv(g, src=peer)
+                    grads += g @ w
+                else:
+                    act = torch.empty(128, 128)
+                    dist.recv(act, src=peer)
+                    y = act @ w
+                    dist.send(y, dst=peer)
+                    grads += y
+            dist.all_reduce(grads, group=dp)
+            prof.step()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(_work, args=(4, _free_port(), sys.argv[1]), nprocs=4)

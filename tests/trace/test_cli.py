@@ -1,0 +1,52 @@
+"""`deltamoe trace ...` through the top-level CLI entry point."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deltamoe.cli import main
+from deltamoe.errors import TraceError
+from deltamoe.trace.cli import parse_steps
+
+
+def test_missing_dir_is_exit_2_one_line(tmp_path, capsys):
+    assert main(["trace", "analyze", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: DIR: not a directory")
+
+
+def test_empty_dir_is_exit_2(tmp_path, capsys):
+    assert main(["trace", "analyze", str(tmp_path)]) == 2
+    assert "no *.json" in capsys.readouterr().err
+
+
+def test_synth_then_analyze_writes_json_and_html(tmp_path, capsys):
+    job = tmp_path / "job"
+    assert main(["trace", "synth", str(job), "--ranks", "8", "--steps", "2", "--pp", "2", "--straggler", "1",
+                 "--gz", "--workers", "1"]) == 0
+    assert len(list(job.glob("rank*.pt.trace.json.gz"))) == 8
+    out_json, out_html = tmp_path / "r.json", tmp_path / "r.html"
+    assert main(["trace", "analyze", str(job), "--json", str(out_json), "--html", str(out_html),
+                 "--workers", "1", "--steps", "1:3"]) == 0
+    rep = json.loads(out_json.read_text())
+    assert [s["rank"] for s in rep["stragglers"]] == [1]
+    assert set(rep["bubble_fraction"]) == {"0", "1"}
+    assert {"compute_s", "comm_s", "idle_s"} <= set(rep["ranks"][0])
+    page = out_html.read_text()
+    assert page.count("data:image/png;base64,") >= 5 and "Stragglers" in page
+
+
+def test_bad_options_exit_2(tmp_path, capsys):
+    assert main(["trace", "analyze", str(tmp_path), "--steps", "5:2"]) == 2
+    assert "--steps" in capsys.readouterr().err
+    assert main(["trace", "synth", str(tmp_path / "x"), "--ranks", "6", "--pp", "4"]) == 2
+    assert "--pp" in capsys.readouterr().err
+
+
+def test_parse_steps():
+    assert parse_steps("2:5") == (2, 5) and parse_steps("3") == (3, 4)
+    assert parse_steps(":4") == (None, 4) and parse_steps("2:") == (2, None) and parse_steps(None) == (None, None)
+    with pytest.raises(TraceError):
+        parse_steps("a:b")

@@ -1,0 +1,111 @@
+"""Reading: bad files are reported and skipped, slices equal whole parses, layouts and vendors vary."""
+
+from __future__ import annotations
+
+import gzip
+import shutil
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+
+from deltamoe.errors import TraceError
+from deltamoe.trace.analyze import analyze
+from deltamoe.trace.classify import Patterns, collective_kind
+from deltamoe.trace.reader import ReadConfig, find_traces, read_one, read_sliced
+from deltamoe.trace.summary import RankError
+
+
+def _copy_job(src: str, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_bad_files_are_reported_and_skipped(dp_job, tmp_path):
+    folder = _copy_job(dp_job[0], tmp_path / "job")
+    good = sorted(folder.glob("rank*.json.gz"))
+    raw = gzip.decompress(good[0].read_bytes())
+    (folder / "truncated.json.gz").write_bytes(gzip.compress(raw)[:5000])
+    (folder / "invalid.json").write_bytes(raw[: len(raw) // 2])
+    doc = orjson.loads(raw)
+    del doc["distributedInfo"]
+    (folder / "nodist.json").write_bytes(orjson.dumps(doc))
+    (folder / "dup.json").write_bytes(raw)  # same rank as rank0 again
+    rep = analyze(str(folder), workers=2).report
+    assert rep["ranks_analyzed"] == 16 and rep["ranks_found"] == 20
+    errors = {Path(s["path"]).name: s["error"] for s in rep["skipped"]}
+    # Of two files claiming rank 0, the first by path is kept and the other reported.
+    assert set(errors) == {"truncated.json.gz", "invalid.json", "nodist.json", "rank0.pt.trace.json.gz"}
+    assert "gzip" in errors["truncated.json.gz"]
+    assert "invalid JSON" in errors["invalid.json"]
+    assert "distributedInfo" in errors["nodist.json"]
+    assert "duplicate rank 0" in errors["rank0.pt.trace.json.gz"] and "dup.json" in errors["rank0.pt.trace.json.gz"]
+    assert sorted(s["rank"] for s in rep["stragglers"]) == [3, 12]
+
+
+def test_missing_dir_and_empty_dir(tmp_path):
+    with pytest.raises(TraceError, match="not a directory"):
+        find_traces(tmp_path / "nope")
+    with pytest.raises(TraceError, match="no \\*.json"):
+        find_traces(tmp_path)
+
+
+def _same(a, b) -> None:
+    assert a.rank == b.rank and a.events == b.events
+    for f in ("compute", "comm", "idle", "overlap", "memcpy", "pipe_busy"):
+        np.testing.assert_allclose(getattr(a, f), getattr(b, f), rtol=1e-9)
+    np.testing.assert_array_equal(a.coll.seq, b.coll.seq)
+    np.testing.assert_allclose(a.coll.arrive, b.coll.arrive)
+
+
+@pytest.mark.parametrize("job", ["pipeline_job", "dp_job"])
+def test_sliced_parse_equals_whole_parse(job, request):
+    """Pretty plain files (byte ranges) and compact gzip files (streamed) cut into tiny slices."""
+    folder = request.getfixturevalue(job)[0]
+    cfg = ReadConfig(slice_bytes=20_000)
+    for path in find_traces(folder)[:3]:
+        whole, sliced = read_one(path, cfg), read_sliced(path, cfg)
+        assert not isinstance(sliced, RankError), sliced
+        _same(whole, sliced)
+
+
+def test_metadata_after_events_and_seq_numbers(pipeline_job, tmp_path):
+    """Older exports put metadata after traceEvents; newer NCCL builds record `Seq`."""
+    path = find_traces(pipeline_job[0])[0]
+    doc = orjson.loads(Path(path).read_bytes())
+    events = doc.pop("traceEvents")
+    for e in events:
+        if e.get("cat") == "kernel" and "Collective name" in e.get("args", {}):
+            e["args"]["Seq"] = 1000 + e["args"].get("External id", 0)
+    reordered = {"schemaVersion": 1, "traceEvents": events, **doc}
+    out = tmp_path / "old.json"
+    out.write_bytes(orjson.dumps(reordered, option=orjson.OPT_INDENT_2))
+    cfg = ReadConfig(slice_bytes=50_000)
+    a, b, c = read_one(path, cfg), read_one(str(out), cfg), read_sliced(str(out), cfg)
+    np.testing.assert_allclose(a.compute, b.compute)
+    _same(b, c)
+    assert (b.coll.seq[b.coll.kind == "all_to_all"] >= 1000).all()
+
+
+def test_vendor_comm_pattern(tmp_path):
+    """An unknown collective library counts as compute until its kernel pattern is given."""
+    ev = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "pid": 1, "tid": 1, "ts": 0, "dur": 100},
+          {"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0, "tid": 7, "ts": 0, "dur": 40, "args": {"stream": 7}},
+          {"ph": "X", "cat": "kernel", "name": "xcclAllReduceKernel", "pid": 0, "tid": 9, "ts": 40, "dur": 30,
+           "args": {"stream": 9, "Collective name": "allreduce", "Process Group Name": "0"}}]
+    doc = {"distributedInfo": {"rank": 0, "world_size": 1, "backend": "xccl"}, "traceEvents": ev}
+    p = tmp_path / "r0.json"
+    p.write_bytes(orjson.dumps(doc))
+    plain = read_one(str(p), ReadConfig())
+    custom = read_one(str(p), ReadConfig(patterns=Patterns().with_extra([r"^xccl"])))
+    assert plain.compute[0] == 70 and plain.comm[0] == 0
+    assert custom.compute[0] == 40 and custom.comm[0] == 30 and list(custom.coll.kind) == ["all_reduce"]
+
+
+def test_collective_kind_names():
+    cases = {"ncclDevKernel_AllReduce_Sum_bf16_RING_LL(x)": "all_reduce", "nccl:send 3->4": "send",
+             "nccl:recv 4<-3": "recv", "c10d::recv_": "recv", "c10d::alltoall_base_": "all_to_all",
+             "ncclDevKernel_SendRecv(x)": "send_recv", "reduce_scatter_tensor": "reduce_scatter",
+             "_allgather_base": "all_gather", "gloo:all_reduce": "all_reduce", "coalesced": "coalesced"}
+    assert {k: collective_kind(k) for k in cases} == cases
