@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -50,10 +52,18 @@ class RoutedExperts(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
+        self.config = config
         e, i, d = config.num_experts, config.moe_intermediate_size, config.expert_dim
         self.w1 = nn.Parameter(torch.empty(e, i, d))
         self.w3 = nn.Parameter(torch.empty(e, i, d))
         self.w2 = nn.Parameter(torch.empty(e, d, i))
+
+
+def local_experts(z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts: RoutedExperts) -> torch.Tensor:
+    """All experts on this process: the default dispatcher."""
+    c = experts.config
+    return experts_forward(z, weights, indices, experts.w1, experts.w3, experts.w2, act=c.hidden_act,
+                           situ_beta=c.situ_beta, situ_linear_beta=c.situ_linear_beta)
 
 
 class MoE(nn.Module):
@@ -73,6 +83,9 @@ class MoE(nn.Module):
         if config.num_shared_experts > 0:
             self.shared_experts = DenseMLP(config, d, config.shared_expert_size)
         self.last_expert_load: torch.Tensor | None = None  # tokens per expert in the last forward
+        # Expert parallelism swaps this for an all-to-all dispatch/combine with the same signature:
+        # (z [N, D'], weights [N, k], indices [N, k], experts) -> fp32 [N, D'].
+        self.dispatcher: Callable[..., torch.Tensor] = local_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -82,9 +95,7 @@ class MoE(nn.Module):
         with torch.no_grad():
             self.last_expert_load = torch.bincount(indices.flatten(), minlength=c.num_experts)
         z = self.routed_expert_down_proj(flat) if c.latent_moe_size is not None else flat
-        routed = experts_forward(z, weights, indices, self.experts.w1, self.experts.w3, self.experts.w2,
-                                 act=c.hidden_act, situ_beta=c.situ_beta, situ_linear_beta=c.situ_linear_beta)
-        routed = routed.to(x.dtype)
+        routed = self.dispatcher(z, weights, indices, self.experts).to(x.dtype)
         if c.latent_moe_size is not None:
             if c.latent_moe_norm:
                 routed = self.routed_expert_norm(routed)
