@@ -1,0 +1,283 @@
+"""Kimi Delta Attention (KDA): the gated delta rule with a per-key-channel decay.
+
+Per head, with a state S in R^{K x V} kept in fp32 (spec §4.2):
+
+    S'  = Diag(exp g_t) S_{t-1}
+    S_t = S' + beta_t k_t (v_t - S'^T k_t)^T
+    o_t = S_t^T (scale q_t)
+
+Three forms of this one recurrence:
+
+- `recurrent_kda`: the readable reference, one token at a time (fla's `naive_recurrent_kda`).
+- `chunk_kda`: the chunked WY / UT-transform form for prefill and training (derivation below).
+- `kda_decode_step`: one token for N sequences whose states live in a slot pool (serving).
+
+Conventions (as fla): q, k [B, T, H, K]; v [B, T, H, V]; g = log-decay [B, T, H, K] (<= 0);
+beta [B, T, H] (already sigmoid-ed); state [B, H, K, V] fp32; scale defaults to K^-1/2.
+Everything is computed in fp32 (fp64 if an input is fp64); o comes back in v.dtype, the state in
+the compute dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from deltamoe.ops.mla import check_shape
+
+L2NORM_EPS = 1e-6  # fla's "in kernel" l2norm: x / sqrt(sum x^2 + eps), not F.normalize's max(., eps)
+
+# Largest decay span (sum of -g) inside one chunk of `chunk_kda`: the factorized scores then use
+# factors within e^{+-60}, far from fp32 overflow (e^88) and underflow (e^-87).
+MAX_CHUNK_SPAN = 120.0
+
+
+def l2_normalize(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim: fla's in-kernel l2norm (not F.normalize's max)."""
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+) -> tuple[int, int, int, int, int]:
+    """Validate the [B, T, H, *] layout of a sequence call; returns (B, T, H, K, V)."""
+    check_shape("q", q, "[B, T, H, K]", [None] * 4)
+    b, t, h, dk = q.shape
+    check_shape("k", k, "[B, T, H, K]", [b, t, h, dk])
+    check_shape("v", v, "[B, T, H, V]", [b, t, h, None])
+    dv = v.shape[-1]
+    check_shape("g", g, "[B, T, H, K]", [b, t, h, dk])
+    check_shape("beta", beta, "[B, T, H]", [b, t, h])
+    if initial_state is not None:
+        check_shape("initial_state", initial_state, "[B, H, K, V]", [b, h, dk, dv])
+    return b, t, h, dk, dv
+
+
+def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """fp32, or fp64 when an input already is (so that gradcheck can run in double)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _upcast_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, use_qk_l2norm: bool
+) -> tuple[torch.Tensor, ...]:
+    """Cast to the compute dtype first, then (optionally) l2-normalize q and k: fla's order."""
+    dtype = _compute_dtype(q, k, v, g, beta)
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    return q, k, v, g, beta
+
+
+def _delta_step(
+    state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the gated delta rule for a batch of heads.
+
+    state [..., K, V]; q (already scaled), k, g [..., K]; v [..., V]; beta [...].
+    Returns (o [..., V], new state [..., K, V]).
+    """
+    state = state * g.exp().unsqueeze(-1)
+    predicted = torch.einsum("...k,...kv->...v", k, state)  # what the decayed memory recalls for k
+    delta = beta.unsqueeze(-1) * (v - predicted)
+    state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    return torch.einsum("...k,...kv->...v", q, state), state
+
+
+def recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Reference KDA: the recurrence token by token. Returns (o [B, T, H, V], final state or None)."""
+    b, t, h, dk, dv = _check_inputs(q, k, v, g, beta, initial_state)
+    scale = dk**-0.5 if scale is None else scale
+    out_dtype = v.dtype
+    q, k, v, g, beta = _upcast_inputs(q, k, v, g, beta, use_qk_l2norm)
+    q = q * scale
+    state = q.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.to(q.dtype)
+    outputs = []
+    for i in range(t):
+        o_i, state = _delta_step(state, q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i])
+        outputs.append(o_i)
+    o = torch.stack(outputs, dim=1) if outputs else v.new_zeros(b, 0, h, dv)
+    return o.to(out_dtype), (state if output_final_state else None)
+
+
+def kda_decode_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+) -> torch.Tensor:
+    """One decode token for N sequences at once; their states live in `state_pool` rows.
+
+    q, k, g [N, H, K]; v [N, H, V]; beta [N, H]; state_pool [S, H, K, V] fp32; slot_ids [N] long,
+    distinct. Reads `state_pool[slot_ids]`, advances each state by one token and writes it back
+    in place (other slots are untouched). Returns o [N, H, V] in v.dtype.
+    """
+    check_shape("q", q, "[N, H, K]", [None] * 3)
+    n, h, dk = q.shape
+    check_shape("k", k, "[N, H, K]", [n, h, dk])
+    check_shape("v", v, "[N, H, V]", [n, h, None])
+    dv = v.shape[-1]
+    check_shape("g", g, "[N, H, K]", [n, h, dk])
+    check_shape("beta", beta, "[N, H]", [n, h])
+    check_shape("state_pool", state_pool, "[S, H, K, V]", [None, h, dk, dv])
+    check_shape("slot_ids", slot_ids, "[N]", [n])
+    if state_pool.dtype != torch.float32:
+        raise ValueError(f"state_pool: expected dtype torch.float32, got {state_pool.dtype}")
+    if slot_ids.dtype != torch.long:
+        raise ValueError(f"slot_ids: expected dtype torch.long, got {slot_ids.dtype}")
+    scale = dk**-0.5 if scale is None else scale
+    out_dtype = v.dtype
+    q, k, v, g, beta = _upcast_inputs(q, k, v, g, beta, use_qk_l2norm)
+    state = state_pool.index_select(0, slot_ids).to(q.dtype)
+    o, state = _delta_step(state, q * scale, k, v, g, beta)
+    state_pool.index_copy_(0, slot_ids, state.to(state_pool.dtype))
+    return o.to(out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunked form.
+#
+# Split the sequence into chunks of C tokens. Inside a chunk let G_i = g_0 + ... + g_i be the
+# cumulative log-decay since the chunk start (<= 0, non-increasing) and S_0 the state before it.
+# Write the delta of token i as u_i = beta_i (v_i - k_i^T Diag(e^{g_i}) S_{i-1}); unrolling,
+#
+#     S_i = Diag(e^{G_i}) S_0 + sum_{j<=i} Diag(e^{G_i - G_j}) k_j u_j^T.
+#
+# Substituting S_{i-1} into u_i gives a unit lower-triangular system for all deltas at once:
+#
+#     (I + L) u = beta v - beta (k * e^G) S_0,    L_ij = beta_i sum_c k_ic k_jc e^{G_ic - G_jc}  (j < i)
+#     =>  u = U - W S_0,  [U | W] = (I + L)^-1 [beta v | beta k * e^G]     (the WY / UT transform)
+#
+# and with M_ij = scale sum_c q_ic k_jc e^{G_ic - G_jc} (j <= i) and Kd_j = k_j * e^{G_last - G_j}:
+#
+#     o         = (scale q * e^G - M W) S_0 + M U
+#     S_{next}  = (Diag(e^{G_last}) - Kd^T W) S_0 + Kd^T U  =:  Phi S_0 + R.
+#
+# Everything but S_0 is computed for all chunks at once (batched matmuls, one batched triangular
+# solve); only S <- Phi S + R runs as a loop over chunks.
+#
+# Numerics. e^{G_i - G_j} = e^{G_i - r} e^{r - G_j} makes L and M plain matmuls; with r halfway
+# through the chunk's decay both factors stay within e^{+-span/2}, where span = G_0 - G_last.
+# `_pick_chunk_size` halves C until every chunk has span <= MAX_CHUNK_SPAN, so no exp() ever
+# sees a large positive number (C = 1 has span 0). Differences are taken on H_i = G_i - g_0, a
+# cumsum that leaves g_0 out, so |H| <= span and H_i - H_j loses nothing to cancellation even
+# right after a huge decay.
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def _pick_chunk_size(g: torch.Tensor, chunk_size: int) -> int:
+    """Largest chunk length (chunk_size, halved as needed) whose chunks all have span <= MAX_CHUNK_SPAN.
+
+    g [B, T, H, K] <= 0. The span of a chunk is -(g_1 + ... + g_{C-1}): its first token's decay
+    never enters a difference. Typical gates keep C = chunk_size; a softplus gate with huge decays
+    gets shorter chunks (slower, still exact) instead of an overflow.
+    """
+    b, t, h, dk = g.shape
+    chunk = min(chunk_size, t)
+    while chunk > 1:
+        n_chunks = -(-t // chunk)
+        padded = F.pad(g, (0, 0, 0, 0, 0, n_chunks * chunk - t))
+        span = -padded.view(b, n_chunks, chunk, h, dk)[:, :, 1:].sum(2).min()
+        if bool(span <= MAX_CHUNK_SPAN):
+            break
+        chunk //= 2
+    return chunk
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = False,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked KDA for prefill and training: same result as `recurrent_kda`, any T, differentiable.
+
+    `chunk_size` is the longest chunk; it is halved where a chunk would decay by more than
+    e^-MAX_CHUNK_SPAN (see the notes above). Returns (o [B, T, H, V] in v.dtype, final state
+    [B, H, K, V] or None).
+    """
+    b, t, h, dk, dv = _check_inputs(q, k, v, g, beta, initial_state)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size}")
+    scale = dk**-0.5 if scale is None else scale
+    out_dtype = v.dtype
+    q, k, v, g, beta = _upcast_inputs(q, k, v, g, beta, use_qk_l2norm)
+    state = q.new_zeros(b * h, dk, dv) if initial_state is None else initial_state.to(q.dtype).reshape(b * h, dk, dv)
+    if t == 0:
+        return v.new_zeros(b, 0, h, dv).to(out_dtype), (state.view(b, h, dk, dv) if output_final_state else None)
+
+    # Pad the tail with g = 0, k = v = beta = 0 tokens: they leave the state unchanged (decay 1,
+    # no write) and their outputs are dropped.
+    chunk = _pick_chunk_size(g, chunk_size)
+    n_chunks = -(-t // chunk)
+    pad = n_chunks * chunk - t
+
+    def to_chunks(x: torch.Tensor) -> torch.Tensor:
+        """[B, T, H, *] -> [N, B*H, C, *], contiguous: chunk-major so each loop step reads one block."""
+        x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad)) if pad else x
+        x = x.reshape(b, n_chunks, chunk, h, *x.shape[3:]).movedim(3, 1)  # [B, H, N, C, *]
+        return x.movedim(2, 0).reshape(n_chunks, b * h, chunk, *x.shape[4:]).contiguous()
+
+    q, k, v, g, beta = map(to_chunks, (q * scale, k, v, g, beta))
+    beta = beta.unsqueeze(-1)
+    k_beta = k * beta
+    first = g[..., :1, :]  # g_0 of each chunk
+    decay = F.pad(g[..., 1:, :].cumsum(-2), (0, 0, 1, 0))  # H_i = G_i - g_0: [N, BH, C, K]
+    half = decay[..., -1:, :] * 0.5  # the reference r (as H): halfway through the chunk's decay
+
+    # M (scale is folded into q) and L (beta folded into the k rows). tril, not a product with a
+    # 0/1 mask: the discarded upper triangle holds e^{H_i - H_j} >= 1 and may overflow.
+    k_from_half = k * torch.exp(half - decay)  # k_j e^{r - H_j}
+    cols = k_from_half.transpose(-1, -2)
+    to_half = torch.exp(decay - half)  # e^{H_i - r}
+    m_scores = ((q * to_half) @ cols).tril()
+    lower = ((k_beta * to_half) @ cols).tril(-1)
+
+    decay_from_start = torch.exp(first + decay)  # e^{G_i}
+    rhs = torch.cat([v * beta, k_beta * decay_from_start], dim=-1)
+    uw = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)  # [U | W]
+
+    # Chunk transition S -> Phi S + R, with [R | Kd^T W] = Kd^T [U | W] and Kd_j = k_j e^{H_last - H_j}.
+    k_to_end = k_from_half * torch.exp(half)
+    write, kd_w = (k_to_end.transpose(-1, -2) @ uw).split([dv, dk], dim=-1)
+    transition = torch.diag_embed(torch.exp(first + 2 * half).squeeze(-2)) - kd_w
+
+    # o = (q e^G - M W) S_0 + M U: everything but S_0 is known before the loop.
+    o_intra, m_w = (m_scores @ uw).split([dv, dk], dim=-1)
+    q_state = q * decay_from_start - m_w
+
+    chunk_states = []
+    for phi, r in zip(transition.unbind(0), write.unbind(0)):
+        chunk_states.append(state)
+        state = torch.baddbmm(r, phi, state)
+    o = torch.baddbmm(o_intra.flatten(0, 1), q_state.flatten(0, 1), torch.stack(chunk_states).flatten(0, 1))
+
+    o = o.view(n_chunks, b, h, chunk, dv).permute(1, 0, 3, 2, 4).reshape(b, n_chunks * chunk, h, dv)[:, :t]
+    return o.to(out_dtype), (state.view(b, h, dk, dv) if output_final_state else None)

@@ -1,0 +1,235 @@
+"""KDA ops: chunked and decode forms against the token-by-token reference, and all three
+against the external oracles (fla-core's naive KDA, transformers' torch KDA) — spec §4.2, §8."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deltamoe.ops.kda import chunk_kda, kda_decode_step, l2_normalize, recurrent_kda
+from deltamoe.ops.kda_gate import kda_gate
+
+GATES = ("softplus", "lower_bound")
+
+
+def make_inputs(
+    b: int, t: int, h: int, dk: int, dv: int, gate: str = "lower_bound", seed: int = 0,
+    a_log_range: tuple[float, float] = (0.0, 2.8), dtype: torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:
+    """Random q, k, v, beta; g from the real gate formula with random A_log, dt_bias and f."""
+    gen = torch.Generator().manual_seed(seed)
+    a_log = torch.empty(h).uniform_(*a_log_range, generator=gen)
+    dt_bias = torch.randn(h * dk, generator=gen)
+    f = torch.randn(b, t, h * dk, generator=gen)
+    return {
+        "q": torch.randn(b, t, h, dk, generator=gen, dtype=dtype),
+        "k": torch.randn(b, t, h, dk, generator=gen, dtype=dtype),
+        "v": torch.randn(b, t, h, dv, generator=gen, dtype=dtype),
+        "g": kda_gate(f, a_log, dt_bias, h, kind=gate).to(dtype),
+        "beta": torch.randn(b, t, h, generator=gen, dtype=dtype).sigmoid(),
+    }
+
+
+def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
+    """max |actual - expected| <= tol * max |expected| (one scale per tensor, as the spec's parity numbers)."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    assert torch.isfinite(actual).all()
+    err = (actual.double() - expected.double()).abs().max().item()
+    scale = expected.double().abs().max().item()
+    assert err <= tol * max(scale, 1e-30), f"max abs err {err:.3g} vs {tol:g} * {scale:.3g}"
+
+
+@pytest.fixture(scope="module")
+def fla_naive() -> ModuleType:
+    """fla-core's naive KDA, loaded from its file: `import fla.ops.kda` needs triton (spec §8)."""
+    fla = pytest.importorskip("fla")
+    spec = importlib.util.spec_from_file_location("fla_kda_naive", Path(fla.__file__).parent / "ops/kda/naive.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def hf_kda() -> ModuleType:
+    return pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+
+
+def raw(fn):
+    """transformers wraps these in a kernel-hub dispatcher; `__wrapped__` is the torch function."""
+    return getattr(fn, "__wrapped__", fn)
+
+
+# --- chunk_kda == recurrent_kda --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("t", [1, 7, 63, 65, 130])
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("with_state", [False, True])
+def test_chunk_matches_recurrent(t: int, gate: str, with_state: bool) -> None:
+    x = make_inputs(2, t, 3, 12, 10, gate=gate, seed=t)
+    state = torch.randn(2, 3, 12, 10, generator=torch.Generator().manual_seed(1)) if with_state else None
+    o_ref, s_ref = recurrent_kda(**x, initial_state=state, output_final_state=True, use_qk_l2norm=True)
+    o, s = chunk_kda(**x, initial_state=state, output_final_state=True, use_qk_l2norm=True)
+    assert_rel_close(o, o_ref, 1e-5)
+    assert_rel_close(s, s_ref, 1e-5)
+    assert s.dtype == torch.float32
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 16, 64])
+def test_chunk_size_does_not_change_the_result(chunk_size: int) -> None:
+    x = make_inputs(1, 50, 2, 8, 6, seed=3)
+    o_ref, s_ref = recurrent_kda(**x, output_final_state=True, use_qk_l2norm=True)
+    o, s = chunk_kda(**x, output_final_state=True, use_qk_l2norm=True, chunk_size=chunk_size)
+    assert_rel_close(o, o_ref, 1e-5)
+    assert_rel_close(s, s_ref, 1e-5)
+
+
+def test_chunk_survives_huge_decays() -> None:
+    """A softplus gate with a_h up to e^6 (g down to ~ -1e3 per step) must not overflow: the
+    factorized scores fall back to smaller blocks instead of computing exp of a large number."""
+    x = make_inputs(1, 96, 2, 8, 8, gate="softplus", seed=5, a_log_range=(3.0, 6.0))
+    x["g"][0, 40:44] = -1e4  # erase the memory outright for a few steps
+    assert x["g"].min() < -1e3
+    o_ref, s_ref = recurrent_kda(**x, output_final_state=True, use_qk_l2norm=True)
+    o, s = chunk_kda(**x, output_final_state=True, use_qk_l2norm=True)
+    assert_rel_close(o, o_ref, 1e-5)
+    assert_rel_close(s, s_ref, 1e-5)
+
+
+def test_no_decay_and_unit_beta_is_exact_delta_rule() -> None:
+    """g = 0, beta = 1, one key repeated: the state must recall exactly the last value written."""
+    k = l2_normalize(torch.randn(1, 1, 1, 4)).expand(1, 5, 1, 4)
+    v = torch.randn(1, 5, 1, 3)
+    o, s = chunk_kda(k, k, v, torch.zeros(1, 5, 1, 4), torch.ones(1, 5, 1), scale=1.0, output_final_state=True)
+    # after writing v_t under key k, reading with q = k returns v_t (each write overwrites)
+    torch.testing.assert_close(o, v, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s[0, 0], k[0, 0, 0, :, None] * v[0, -1, 0][None, :], rtol=1e-5, atol=1e-5)
+
+
+def test_low_precision_inputs_keep_an_fp32_state() -> None:
+    x = make_inputs(1, 40, 2, 8, 8, seed=7)
+    o_ref, s_ref = chunk_kda(**x, output_final_state=True, use_qk_l2norm=True)
+    o, s = chunk_kda(**{n: t.bfloat16() for n, t in x.items()}, output_final_state=True, use_qk_l2norm=True)
+    assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
+    assert_rel_close(o.float(), o_ref, 3e-2)
+
+
+def test_gradients_match_recurrent() -> None:
+    x = make_inputs(1, 37, 2, 6, 5, seed=11)
+    state = torch.randn(1, 2, 6, 5)
+
+    def grads(fn) -> list[torch.Tensor]:
+        leaves = {n: t.clone().requires_grad_() for n, t in {**x, "initial_state": state}.items()}
+        o, s = fn(**leaves, output_final_state=True, use_qk_l2norm=True)
+        weights = torch.randn(o.shape, generator=torch.Generator().manual_seed(0))
+        ((o * weights).sum() + s.square().sum()).backward()
+        return [leaves[n].grad for n in ("q", "k", "v", "g", "beta", "initial_state")]
+
+    for got, want in zip(grads(lambda **kw: chunk_kda(**kw, chunk_size=16)), grads(recurrent_kda)):
+        assert_rel_close(got, want, 1e-4)
+
+
+def test_gradcheck_in_double() -> None:
+    x = make_inputs(1, 9, 1, 3, 2, seed=13, dtype=torch.float64)
+    inputs = tuple(x[n].requires_grad_() for n in ("q", "k", "v", "g", "beta"))
+    state = torch.randn(1, 1, 3, 2, dtype=torch.float64, requires_grad=True)
+
+    def fn(q, k, v, g, beta, s0):
+        o, s = chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True, use_qk_l2norm=True, chunk_size=4)
+        return o, s
+
+    assert torch.autograd.gradcheck(fn, (*inputs, state))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    b=st.integers(1, 2), t=st.integers(1, 40), h=st.integers(1, 3), dk=st.integers(1, 9), dv=st.integers(1, 9),
+    chunk_size=st.integers(1, 20), gate=st.sampled_from(GATES), with_state=st.booleans(), seed=st.integers(0, 2**16),
+)
+def test_chunk_equals_recurrent_property(b, t, h, dk, dv, chunk_size, gate, with_state, seed) -> None:
+    x = make_inputs(b, t, h, dk, dv, gate=gate, seed=seed)
+    state = torch.randn(b, h, dk, dv, generator=torch.Generator().manual_seed(seed)) if with_state else None
+    o_ref, s_ref = recurrent_kda(**x, initial_state=state, output_final_state=True, use_qk_l2norm=True)
+    o, s = chunk_kda(**x, initial_state=state, output_final_state=True, use_qk_l2norm=True, chunk_size=chunk_size)
+    assert_rel_close(o, o_ref, 1e-5)
+    assert_rel_close(s, s_ref, 1e-5)
+
+
+# --- decode step over a slot pool ------------------------------------------------------------
+
+
+def test_decode_steps_over_scattered_slots_equal_recurrent() -> None:
+    n, h, dk, dv, steps = 3, 2, 8, 6, 4
+    pool = torch.randn(7, h, dk, dv)
+    slots = torch.tensor([5, 0, 3])
+    untouched = [i for i in range(7) if i not in slots.tolist()]
+    before = pool.clone()
+    x = make_inputs(n, steps, h, dk, dv, seed=17)  # batch axis = the N sequences
+
+    outputs = []
+    for i in range(steps):
+        step = {name: t[:, i] for name, t in x.items()}
+        outputs.append(kda_decode_step(**step, state_pool=pool, slot_ids=slots, use_qk_l2norm=True))
+    o_ref, s_ref = recurrent_kda(**x, initial_state=before[slots], output_final_state=True, use_qk_l2norm=True)
+
+    torch.testing.assert_close(torch.stack(outputs, dim=1), o_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(pool[slots], s_ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+def test_decode_step_rejects_bad_pool() -> None:
+    x = {name: t[:, 0] for name, t in make_inputs(2, 1, 2, 4, 4).items()}
+    with pytest.raises(ValueError, match="state_pool"):
+        kda_decode_step(**x, state_pool=torch.zeros(3, 2, 4, 4, dtype=torch.bfloat16), slot_ids=torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="slot_ids"):
+        kda_decode_step(**x, state_pool=torch.zeros(3, 2, 4, 4), slot_ids=torch.tensor([0, 1, 2]))
+
+
+@pytest.mark.parametrize("fn", [chunk_kda, recurrent_kda])
+def test_bad_shapes_name_the_tensor(fn) -> None:
+    x = make_inputs(1, 5, 2, 4, 3)
+    with pytest.raises(ValueError, match=r"^g: expected shape \[B, T, H, K\]"):
+        fn(**{**x, "g": x["g"][..., :3]})
+    with pytest.raises(ValueError, match=r"^beta: expected shape \[B, T, H\]"):
+        fn(**{**x, "beta": x["beta"][..., None]})
+    with pytest.raises(ValueError, match=r"^initial_state: expected shape \[B, H, K, V\]"):
+        fn(**x, initial_state=torch.zeros(1, 2, 3, 4))
+
+
+# --- external oracles ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gate", GATES)
+def test_matches_fla_naive(fla_naive: ModuleType, gate: str) -> None:
+    x = make_inputs(2, 128, 3, 16, 8, gate=gate, seed=19)
+    q, k = l2_normalize(x["q"]), l2_normalize(x["k"])  # fla's naive has no l2norm inside
+    state = torch.randn(2, 3, 16, 8)
+    args = (q, k, x["v"], x["g"], x["beta"])
+    o_rec, s_rec = fla_naive.naive_recurrent_kda(*args, initial_state=state, output_final_state=True)
+    o_chk, s_chk = fla_naive.naive_chunk_kda(*args, initial_state=state, output_final_state=True)
+    for fn in (recurrent_kda, chunk_kda):
+        o, s = fn(*args, initial_state=state, output_final_state=True)
+        for o_want, s_want in ((o_rec, s_rec), (o_chk, s_chk)):
+            assert_rel_close(o, o_want, 1e-5)
+            assert_rel_close(s, s_want, 1e-5)
+
+
+@pytest.mark.parametrize("t", [64, 77])
+def test_matches_transformers_torch_kda(hf_kda: ModuleType, t: int) -> None:
+    x = make_inputs(2, t, 3, 16, 16, gate="softplus", seed=23)
+    state = torch.randn(2, 3, 16, 16)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    o_hf_chunk, s_hf_chunk = raw(hf_kda.chunk_kimi_delta_attention)(
+        *args, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+    o_hf_rec, s_hf_rec = raw(hf_kda.recurrent_kimi_delta_attention)(*args, state, True, use_qk_l2norm_in_kernel=True)
+    o, s = chunk_kda(*args, initial_state=state, output_final_state=True, use_qk_l2norm=True)
+    for o_want, s_want in ((o_hf_chunk, s_hf_chunk), (o_hf_rec, s_hf_rec)):
+        assert_rel_close(o, o_want, 1e-5)
+        assert_rel_close(s, s_want, 1e-5)
