@@ -34,7 +34,7 @@ def build_summary(t: EventTables, header: dict, path: str, steps: StepRange = (N
     rank, world, backend, groups = rank_info(header, path)
     if t.events == 0:
         raise TraceError("the trace has no events", field=path)
-    gpu = any(k[2] != MEMORY for k in t.kernels)
+    gpu = bool(len(t.kernels)) and bool((np.asarray(t.kernels, dtype=float).reshape(-1, 7)[:, 2] != MEMORY).any())
     builder = _GpuView(t) if gpu else _CpuView(t)
     step_ids, windows = builder.step_windows()
     keep = _select(step_ids, steps)
@@ -145,15 +145,15 @@ class _GpuView:
 
     def __init__(self, t: EventTables):
         self.t = t
-        k = np.array(t.kernels, dtype=float).reshape(-1, 7) if t.kernels else np.zeros((0, 7))
+        k = np.asarray(t.kernels, dtype=float).reshape(-1, 7)
         self.ts, self.dur, self.cls = k[:, 0], k[:, 1], k[:, 2].astype(np.int8)
         self.corr, self.ext, self.nid = k[:, 4].astype(np.int64), k[:, 5].astype(np.int64), k[:, 6].astype(np.int64)
         self.launch = self._launch_times()
 
     def _launch_times(self) -> np.ndarray:
-        if not self.t.runtimes:
+        r = np.asarray(self.t.runtimes, dtype=float).reshape(-1, 2)
+        if not len(r):
             return self.ts.copy()
-        r = np.array(self.t.runtimes, dtype=float)
         rc, rts = r[:, 0].astype(np.int64), r[:, 1]
         order = np.argsort(rc, kind="stable")
         rc, rts = rc[order], rts[order]
@@ -310,19 +310,22 @@ def _spans(pairs: list[tuple[float, float]]) -> iv.Spans:
 def _finish_rows(rows: list[tuple], windows: np.ndarray) -> Collectives:
     """Number collectives per group when the trace has no `Seq`, and map them to steps."""
     counters: dict[tuple[str, bool], int] = {}
+    rows = sorted(rows, key=lambda r: r[4])
+    arrive = np.array([r[4] for r in rows], dtype=float)
+    step = np.full(len(rows), -1, dtype=np.int64)
+    if len(windows) and len(rows):
+        k = np.searchsorted(windows[:, 0], arrive, side="right") - 1
+        kk = np.maximum(k, 0)
+        inside = (k >= 0) & ((arrive < windows[kk, 1]) | ((kk == len(windows) - 1) & (arrive <= windows[kk, 1])))
+        step = np.where(inside, k, -1)
     out = []
-    for pg, seq, kind, nbytes, arrive, end, peer, launch in sorted(rows, key=lambda r: r[4]):
+    for (pg, seq, kind, nbytes, arr, end, peer, _launch), st in zip(rows, step.tolist()):
         if seq < 0:
             # P2P and collectives are numbered separately (as NCCL does), per group.
             key = (pg, kind in P2P_KINDS) if pg else (kind, kind in P2P_KINDS)
             seq = counters.get(key, 0)
             counters[key] = seq + 1
-        step = -1
-        for k, (lo, hi) in enumerate(windows):
-            if lo <= arrive < hi or (k == len(windows) - 1 and lo <= arrive <= hi):
-                step = k
-                break
-        out.append((pg, seq, kind, nbytes, arrive, end, peer, step))
+        out.append((pg, seq, kind, nbytes, arr, end, peer, st))
     return Collectives.from_rows(out)
 
 

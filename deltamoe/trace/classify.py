@@ -8,6 +8,7 @@ vendor is one more pattern (`--comm-pattern`), not new code.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 
@@ -47,6 +48,7 @@ DTYPE_BYTES = {"float": 4, "float32": 4, "bfloat16": 2, "half": 2, "float16": 2,
 STEP = re.compile(r"ProfilerStep\s*#\s*(\d+)")
 
 
+@functools.lru_cache(maxsize=4096)
 def collective_kind(name: str) -> str:
     """Normalise any collective name to one kind ('all_reduce', 'send', ...)."""
     for kind, pattern in _KIND_PATTERNS:

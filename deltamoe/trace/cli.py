@@ -104,7 +104,7 @@ def synth(
     pp: int = typer.Option(1, "--pp", help="pipeline stages (1F1B)"),
     microbatches: int = typer.Option(0, "--microbatches", help="0: 2*pp with pipelines, else 2"),
     tp: int = typer.Option(1, "--tp"),
-    ep: int = typer.Option(0, "--ep", help="expert-parallel group size (0: min(dp, 8))"),
+    ep: int = typer.Option(0, "--ep", help="expert-parallel group size (0: largest divisor of dp up to 8)"),
     layers: int = typer.Option(2, "--layers", help="layers per stage (more layers, more events)"),
     straggler: list[int] = typer.Option([], "--straggler", help="rank to slow down (repeatable)"),
     slowdown: float = typer.Option(1.5, "--slowdown", help="compute time factor of stragglers"),

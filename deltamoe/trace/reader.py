@@ -19,7 +19,7 @@ from pathlib import Path
 import orjson
 
 from deltamoe.errors import TraceError
-from deltamoe.trace import jsonsplit
+from deltamoe.trace import jsonsplit, schema
 from deltamoe.trace.build import StepRange, build_summary
 from deltamoe.trace.classify import Patterns
 from deltamoe.trace.summary import RankError, RankSummary
@@ -54,17 +54,16 @@ def read_one(path: str, cfg: ReadConfig) -> RankSummary | RankError:
     """Parse and reduce one whole file (worker entry point)."""
     gc.disable()  # millions of fresh dicts would trigger useless cyclic collections
     try:
-        doc = orjson.loads(jsonsplit.read_bytes(path))
-        if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
+        doc = schema.TRACE.decode(jsonsplit.read_bytes(path))
+        if doc.traceEvents is None:
             raise TraceError("no traceEvents array found", field=path, hint="is this a Kineto trace?")
-        events = doc.pop("traceEvents")
         tables = EventTables()
-        tables.add(events, cfg.patterns)
-        del events
-        return build_summary(tables, doc, path, cfg.steps)
+        tables.add(doc.traceEvents, cfg.patterns)
+        doc.traceEvents = None
+        return build_summary(tables, doc.header(), path, cfg.steps)
     except TraceError as e:
         return RankError(path, e.one_line())
-    except orjson.JSONDecodeError as e:
+    except (orjson.JSONDecodeError, schema.DecodeError) as e:
         return RankError(path, f"{path}: invalid JSON ({e})")
     except Exception as e:  # a malformed event must cost one rank, not the whole analysis
         return RankError(path, f"{path}: {type(e).__name__}: {e}")
@@ -78,7 +77,7 @@ def _read_slice(job: tuple[jsonsplit.Slice, ReadConfig]) -> EventTables:
     try:
         t = EventTables()
         t.add(jsonsplit.parse_slice(sl.read()), cfg.patterns)
-        return t
+        return t.freeze()
     finally:
         gc.enable()
 
@@ -98,7 +97,7 @@ def read_sliced(path: str, cfg: ReadConfig, pool=None) -> RankSummary | RankErro
         return build_summary(tables, header, path, cfg.steps)
     except TraceError as e:
         return RankError(path, e.one_line())
-    except orjson.JSONDecodeError as e:
+    except (orjson.JSONDecodeError, schema.DecodeError) as e:
         return RankError(path, f"{path}: invalid JSON ({e})")
     except Exception as e:
         return RankError(path, f"{path}: {type(e).__name__}: {e}")

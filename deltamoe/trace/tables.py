@@ -11,20 +11,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from deltamoe.trace.classify import STEP, Patterns
+from deltamoe.trace.schema import Args, Event
 
 # kernel class codes
 COMPUTE, COMM, MEMORY = 0, 1, 2
 _RUNTIME_CATS = frozenset({"cuda_runtime", "musa_runtime", "privateuse1_runtime", "hip_runtime",
                            "xpu_runtime", "cuda_driver", "musa_driver"})
 _MEMORY_CATS = frozenset({"gpu_memcpy", "gpu_memset"})
-# Args of a collective worth keeping (everything else on record_param_comms is dropped).
-COLL_ARGS = ("Collective name", "Process Group Name", "Process Group Description", "Seq",
-             "In msg nelems", "Out msg nelems", "dtype", "Src Rank", "Dst Rank", "Group size")
-
-
-def _coll_args(args: dict) -> dict:
-    return {k: args[k] for k in COLL_ARGS if k in args}
+_NO_ARGS = Args()
 
 
 @dataclass
@@ -42,7 +39,7 @@ class EventTables:
     names: dict = field(default_factory=dict)        # kernel name -> id (interned per chunk)
     events: int = 0
 
-    def add(self, events: list, patterns: Patterns) -> None:
+    def add(self, events: list[Event], patterns: Patterns) -> None:
         comm_re = patterns.comm_regex()
         cpu_prefixes = patterns.cpu_collective_prefixes
         gpu_prefixes = patterns.gpu_collective_prefixes
@@ -51,11 +48,11 @@ class EventTables:
         cls_of: dict[str, int] = {}
         self.events += len(events)
         for e in events:
-            if e.get("ph") != "X":
+            if e.ph != "X":
                 continue
-            cat = e.get("cat")
+            cat = e.cat
             if cat == "kernel":
-                name = e["name"]
+                name = e.name
                 cls = cls_of.get(name)
                 if cls is None:
                     cls = COMM if comm_re.search(name) else COMPUTE
@@ -63,61 +60,76 @@ class EventTables:
                 nid = names.get(name)
                 if nid is None:
                     nid = names[name] = len(names)
-                args = e.get("args") or {}
-                if cls == COMM and "Collective name" in args:
-                    kernel_coll[len(self.kernels)] = _coll_args(args)
-                kernels((e["ts"], e["dur"], cls, args.get("stream", e.get("tid", 0)),
-                         args.get("correlation", -1), args.get("External id", -1), nid))
+                a = e.args or _NO_ARGS
+                if cls == COMM and a.collective is not None:
+                    kernel_coll[len(self.kernels)] = a.collective_args()
+                kernels((e.ts, e.dur, cls, e.tid if a.stream is None else a.stream,
+                         -1 if a.correlation is None else a.correlation,
+                         -1 if a.external_id is None else a.external_id, nid))
             elif cat == "cpu_op":
-                name = e["name"]
-                ts, dur, tid = e["ts"], e["dur"], e.get("tid", 0)
+                name = e.name
                 if name.startswith("ProfilerStep"):  # older exports record steps as cpu_op
-                    self._step(name, ts, dur, tid)
+                    self._step(name, e.ts, e.dur, e.tid)
                     continue
-                cpu_ops((ts, dur, tid))
+                cpu_ops((e.ts, e.dur, e.tid))
                 if name == "record_param_comms":
-                    args = e.get("args") or {}
-                    param_comms[args.get("External id", -1)] = _coll_args(args)
+                    a = e.args or _NO_ARGS
+                    param_comms[a.external_id] = a.collective_args()
                 elif name.startswith(cpu_prefixes):
-                    ci = (e.get("args") or {}).get("Concrete Inputs")
-                    self.cpu_coll_ops.append((name, ts, dur, tid, ci))
+                    ci = (e.args or _NO_ARGS).concrete_inputs
+                    self.cpu_coll_ops.append((name, e.ts, e.dur, e.tid, ci))
             elif cat in _RUNTIME_CATS:
-                corr = (e.get("args") or {}).get("correlation")
+                corr = (e.args or _NO_ARGS).correlation
                 if corr is not None:
-                    runtimes((corr, e["ts"]))
+                    runtimes((corr, e.ts))
             elif cat in _MEMORY_CATS:
-                args = e.get("args") or {}
-                kernels((e["ts"], e["dur"], MEMORY, args.get("stream", e.get("tid", 0)),
-                         args.get("correlation", -1), -1, -1))
+                a = e.args or _NO_ARGS
+                kernels((e.ts, e.dur, MEMORY, e.tid if a.stream is None else a.stream,
+                         -1 if a.correlation is None else a.correlation, -1, -1))
             elif cat == "user_annotation":  # GPU mirrors of annotations would double count
-                name = e["name"]
+                name = e.name
                 if name.startswith("ProfilerStep"):
-                    self._step(name, e["ts"], e["dur"], e.get("tid", 0))
+                    self._step(name, e.ts, e.dur, e.tid)
                 elif name.startswith(cpu_prefixes) or name.startswith(gpu_prefixes):
-                    self.annotations.append((name, e["ts"], e["dur"], e.get("tid", 0)))
+                    self.annotations.append((name, e.ts, e.dur, e.tid))
 
     def _step(self, name: str, ts: float, dur: float, tid: object) -> None:
         m = STEP.search(name)
         if m:
             self.steps.append((int(m.group(1)), ts, dur, tid))
 
+    def freeze(self) -> "EventTables":
+        """Pack the big columns into numpy arrays before pickling a slice back to the parent.
+
+        CPU ops only matter for CPU-only traces, so a slice that saw kernels drops them.
+        """
+        self.kernels = np.array(self.kernels, dtype=float).reshape(-1, 7)
+        self.runtimes = np.array(self.runtimes, dtype=float).reshape(-1, 2)
+        if len(self.kernels):
+            self.cpu_ops = []
+        return self
+
     @staticmethod
     def merge(parts: list["EventTables"]) -> "EventTables":
-        """Concatenate chunk tables in file order, re-interning kernel names."""
+        """Concatenate frozen chunk tables in file order, re-interning kernel names."""
         out = EventTables()
+        kernels, runtimes = [], []
         for p in parts:
-            remap = {}
+            remap = np.full(len(p.names) + 1, -1.0)  # index -1 (memcpy rows) maps to -1
             for name, nid in p.names.items():
                 remap[nid] = out.names.setdefault(name, len(out.names))
-            base = len(out.kernels)
-            out.kernels.extend((k[0], k[1], k[2], k[3], k[4], k[5], remap.get(k[6], -1))
-                               for k in p.kernels)
+            k = np.asarray(p.kernels, dtype=float).reshape(-1, 7).copy()
+            base = sum(len(x) for x in kernels)
+            k[:, 6] = remap[k[:, 6].astype(np.int64)]
+            kernels.append(k)
+            runtimes.append(np.asarray(p.runtimes, dtype=float).reshape(-1, 2))
             out.kernel_coll.update({base + i: a for i, a in p.kernel_coll.items()})
-            out.runtimes.extend(p.runtimes)
             out.param_comms.update(p.param_comms)
             out.annotations.extend(p.annotations)
             out.cpu_coll_ops.extend(p.cpu_coll_ops)
             out.cpu_ops.extend(p.cpu_ops)
             out.steps.extend(p.steps)
             out.events += p.events
+        out.kernels = np.concatenate(kernels) if kernels else np.zeros((0, 7))
+        out.runtimes = np.concatenate(runtimes) if runtimes else np.zeros((0, 2))
         return out

@@ -7,8 +7,8 @@ a pipeline recv for at least half its lateness in that step, the blame moves to 
 from being blamed, which start-time heuristics (HTA) get wrong on pipeline traces. Pipeline recv
 waits beyond what the same hop waits in the other replicas are blamed on the sender.
 
-score = time others lost waiting on the rank, per step, as a fraction of the median step
-time. A rank is a straggler when its score is well above the job's typical score (robust
+score = the mean wait of the other members, summed over the collectives the rank held up,
+per step, as a fraction of the median step time. A rank is a straggler when its score is well above the job's typical score (robust
 z > 5) and above `min_score`; the evidence says which collectives, how long others waited,
 and how the rank's own compute per step compares with its peers (same pipeline stage).
 """
@@ -33,6 +33,8 @@ def stragglers(j: Joined, summaries: list[RankSummary], stage_of: dict[int, int]
     step_time = float(np.median(np.concatenate([s.step_time for s in summaries]))) if summaries else 1.0
     waits = _WaitIndex(j)
     blame: dict[int, float] = defaultdict(float)
+    total: dict[int, float] = defaultdict(float)
+    late_steps: dict[int, set[int]] = defaultdict(set)
     evidence: dict[int, dict] = defaultdict(lambda: defaultdict(lambda: [0, 0.0]))
     first_row = np.full(j.instances, -1, dtype=np.int64)
     first_row[j.inst[::-1]] = np.arange(len(j.inst))[::-1]
@@ -45,13 +47,19 @@ def stragglers(j: Joined, summaries: list[RankSummary], stage_of: dict[int, int]
         waits.inst_root[int(inst)] = root
         if j.inst_size[inst] < 2 or j.inst_blame[inst] <= 0:
             continue
-        blame[root] += float(j.inst_blame[inst])
+        # Scored per member (mean wait of the others), so one late arrival at a 5,000-rank
+        # all-reduce does not outweigh being late at every expert exchange.
+        blame[root] += float(j.inst_blame[inst]) / (int(j.inst_size[inst]) - 1)
+        total[root] += float(j.inst_blame[inst])
+        late_steps[root].add(int(j.step[row]))
         label = f"{j.kind[row]} pg={j.pg[row] or '?'}" + ("" if root == last else " (passed on)")
         ev = evidence[root][label]
         ev[0] += 1
         ev[1] += float(j.inst_blame[inst])
-    for (src, _step), waited in _sender_blame(j, stage_of).items():
+    for (src, step), waited in _sender_blame(j, stage_of).items():
         blame[src] += waited
+        total[src] += waited
+        late_steps[src].add(step)
         ev = evidence[src]["pipeline send (receiver waited)"]
         ev[0] += 1
         ev[1] += waited
@@ -63,11 +71,12 @@ def stragglers(j: Joined, summaries: list[RankSummary], stage_of: dict[int, int]
     out, excluded = [], []
     for r, sc in sorted(scores.items(), key=lambda kv: -kv[1]):
         z = (sc - med) / mad
-        if sc < min_score or z < 5:
+        # A straggler is late again and again: in at least half of the steps.
+        if sc < min_score or z < 5 or len(late_steps[r]) < max(1, steps // 2):
             continue
         item = {
             "rank": r, "host": by_rank[r].host, "score": round(sc, 4), "robust_z": round(float(z), 1),
-            "others_waited_s": round(blame[r] / 1e6, 6),
+            "others_waited_s": round(total[r] / 1e6, 6), "steps_late": len(late_steps[r]),
             "collectives": [{"op": k, "count": c, "others_waited_s": round(t / 1e6, 6)}
                             for k, (c, t) in sorted(evidence[r].items(), key=lambda kv: -kv[1][1])[:5]],
             "compute_vs_peers": round(compute.get(r, 1.0), 3),

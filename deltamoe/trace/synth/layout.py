@@ -14,7 +14,7 @@ class SynthConfig:
     pp: int = 1
     microbatches: int = 0          # 0: 2*pp (pipelines) or 2 (no pipeline)
     tp: int = 1
-    ep: int = 0                    # 0: min(dp, 8) when dp > 1
+    ep: int = 0                    # 0: largest divisor of dp up to 8
     layers: int = 2                # transformer layers per stage
     stragglers: tuple[int, ...] = ()
     slowdown: float = 1.5
@@ -39,7 +39,8 @@ class SynthConfig:
     def ep_size(self) -> int:
         if self.ep:
             return self.ep
-        return min(self.dp, 8) if self.dp > 1 else 1
+        # The largest divisor of dp up to 8 (one node), so any dp works by default.
+        return max(e for e in range(1, min(self.dp, 8) + 1) if self.dp % e == 0)
 
     def validate(self) -> None:
         if self.ranks < 1 or self.steps < 1:
