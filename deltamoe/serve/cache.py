@@ -1,0 +1,183 @@
+"""HybridCache: the engine's memory. Paged latent-KV and indexer-key blocks, KDA state slots, prefix reuse.
+
+Tensors (allocated once from the byte budget):
+- latent pages  [n_latent_layers, num_blocks * block_size, kv_lora + rope]
+- index pages   [n_dsa_layers,    num_blocks * block_size, index_head_dim]
+- recurrent     [n_kda_layers, num_slots, H, K, V] fp32 and conv [n_kda_layers, num_slots, 3P, W-1]
+
+Prefix caching needs two things at a block boundary: the latent/index blocks up to it (hash
+chain, `BlockManager`) and the KDA state there (a snapshot slot, `StatePool`). A recurrent state
+cannot be rebuilt from blocks, so snapshots are taken when a sequence's computed length lands on
+a boundary that the retention policy keeps: every `snapshot_interval_blocks` blocks, and the last
+full block of each prompt (where a follow-up turn most likely diverges). The scheduler cuts
+prefill chunks at those boundaries (`next_snapshot_boundary`).
+
+Memory only: which sequence runs, and when, is the scheduler's business.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltamoe.config import ModelConfig
+from deltamoe.serve.block_manager import BlockManager, chain_hash
+from deltamoe.serve.cache_layout import CacheLayout, plan_capacity
+from deltamoe.serve.config import EngineConfig
+from deltamoe.serve.sequence import Sequence
+from deltamoe.serve.state_pool import StatePool
+
+
+class HybridCache:
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, max_model_len: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        self.config = config
+        self.layout = layout = CacheLayout.from_config(model_config, config.block_size, dtype)
+        self.block_size = bs = config.block_size
+        max_blocks = config.max_num_seqs * -(-max_model_len // bs)  # never more than all sequences can use
+        want_slots = config.max_num_seqs + (config.max_snapshots or 0)
+        self.capacity = plan_capacity(layout, int(config.cache_memory), want_slots, config.max_state_fraction,
+                                      max_blocks)
+        nb, ns = self.capacity.num_blocks, self.capacity.num_state_slots
+        self.latent_index = {layer: i for i, layer in enumerate(layout.latent_layers)}
+        self.index_key_index = {layer: i for i, layer in enumerate(layout.index_layers)}
+        self.kda_index = {layer: i for i, layer in enumerate(layout.kda_layers)}
+        self.latent = torch.zeros(len(layout.latent_layers), nb * bs, layout.latent_dim, dtype=dtype, device=device)
+        self.index_keys = torch.zeros(len(layout.index_layers), nb * bs, layout.index_dim, dtype=dtype, device=device)
+        self.recurrent = torch.zeros(len(layout.kda_layers), ns, *layout.recurrent_shape, device=device)
+        self.conv = torch.zeros(len(layout.kda_layers), ns, *layout.conv_shape, dtype=dtype, device=device)
+        max_snapshots = min(config.max_snapshots or 0, ns - 1) if layout.kda_layers else 0
+        self.slots = StatePool(ns, max_snapshots)
+        self.blocks = BlockManager(nb, bs, on_evict=self.slots.drop)
+        self.prefix_caching = config.enable_prefix_caching
+        self.prefix_queries = 0  # prompt tokens looked up at admission
+        self.prefix_hits = 0  # of which served from the cache
+
+    # ------------------------------------------------------------------ capacity questions
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """New blocks `seq` needs so that its first `num_tokens` tokens have a home."""
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+
+    def max_tokens_per_sequence(self) -> int:
+        return self.blocks.num_blocks * self.block_size
+
+    # ------------------------------------------------------------------ per-sequence memory
+    def admit(self, seq: Sequence) -> bool:
+        """Give a waiting sequence a state slot and whatever prefix the cache already holds; False if no slot.
+
+        The caller grows the sequence for its first chunk next and `free`s it if that fails, then
+        `record_admission` once it is really running (so hit statistics count each admission once).
+        """
+        hit_blocks, snapshot = self._match_prefix(seq)
+        slot = self.slots.allocate()  # may evict the matched snapshot; its data stays intact until copied
+        if slot is None:
+            return False
+        seq.slot = slot
+        if snapshot is None:
+            self.recurrent[:, slot].zero_()
+            self.conv[:, slot].zero_()
+        elif snapshot != slot:
+            self._copy_state(snapshot, slot)
+        for block in hit_blocks:
+            self.blocks.ref(block)
+        seq.block_table = list(hit_blocks)
+        seq.num_computed = seq.num_cached_tokens = len(hit_blocks) * self.block_size
+        return True
+
+    def record_admission(self, seq: Sequence) -> None:
+        self.prefix_queries += seq.num_prompt_tokens
+        self.prefix_hits += min(seq.num_cached_tokens, seq.num_prompt_tokens)
+
+    def grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Allocate blocks so `seq` can hold `num_tokens` tokens; all or nothing."""
+        need = self.blocks_needed(seq, num_tokens)
+        if need > self.blocks.num_free:
+            return False
+        seq.block_table.extend(self.blocks.allocate() for _ in range(need))
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Return a sequence's blocks (full ones stay findable by hash) and its state slot."""
+        for block in reversed(seq.block_table):  # tail first: the prefix head is evicted last
+            self.blocks.release(block)
+        seq.block_table = []
+        if seq.slot is not None:
+            self.slots.free(seq.slot)
+            seq.slot = None
+
+    def commit(self, seq: Sequence) -> None:
+        """After a forward: publish newly full blocks, and snapshot the KDA state at a kept boundary."""
+        if not self.prefix_caching:
+            return
+        full = min(seq.num_computed, len(seq.token_ids)) // self.block_size
+        for i in range(full):
+            block = seq.block_table[i]
+            if self.blocks.hashes[block] is None:
+                self.blocks.register(block, self._block_hash(seq, i), self._block_tokens(seq, i))
+        n = seq.num_computed
+        if n and n % self.block_size == 0 and self._keeps_snapshot(seq, n) and seq.slot is not None:
+            target = self.slots.slot_for_snapshot(self._block_hash(seq, n // self.block_size - 1))
+            if target is not None:
+                self._copy_state(seq.slot, target)
+
+    def next_snapshot_boundary(self, seq: Sequence, start: int, end: int) -> int:
+        """The first kept snapshot boundary in (start, end), else end: where a prefill chunk should stop."""
+        if not self.prefix_caching or not self.layout.kda_layers:
+            return end
+        bs = self.block_size
+        for b in range((start // bs + 1) * bs, end, bs):
+            if self._keeps_snapshot(seq, b):
+                return b
+        return end
+
+    # ------------------------------------------------------------------ stats
+    @property
+    def block_usage(self) -> float:
+        return self.blocks.num_used / self.blocks.num_blocks
+
+    @property
+    def slot_usage(self) -> float:
+        """Share of state slots held by running sequences (snapshots are evictable, not counted)."""
+        return self.slots.num_running / self.slots.num_slots
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    # ------------------------------------------------------------------ internals
+    def _keeps_snapshot(self, seq: Sequence, boundary: int) -> bool:
+        k = boundary // self.block_size
+        last_prompt_boundary = (seq.num_prompt_tokens // self.block_size) * self.block_size
+        return k % self.config.snapshot_interval_blocks == 0 or boundary == last_prompt_boundary
+
+    def _block_tokens(self, seq: Sequence, i: int) -> list[int]:
+        return seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
+
+    def _block_hash(self, seq: Sequence, i: int) -> int:
+        while len(seq.block_hashes) <= i:
+            j = len(seq.block_hashes)
+            seq.block_hashes.append(chain_hash(seq.block_hashes[-1] if j else None, self._block_tokens(seq, j)))
+        return seq.block_hashes[i]
+
+    def _match_prefix(self, seq: Sequence) -> tuple[list[int], int | None]:
+        """Longest run of cached full blocks that ends at a boundary with a KDA snapshot.
+
+        At least one token is left to compute: the last prompt token's logits are needed.
+        """
+        if not self.prefix_caching:
+            return [], None
+        blocks: list[int] = []
+        best: tuple[int, int | None] = (0, None)
+        for i in range((len(seq.token_ids) - 1) // self.block_size):
+            block = self.blocks.lookup(self._block_hash(seq, i), self._block_tokens(seq, i))
+            if block is None:
+                break
+            blocks.append(block)
+            if not self.layout.kda_layers:
+                best = (i + 1, None)
+            elif (slot := self.slots.lookup(seq.block_hashes[i])) is not None:
+                best = (i + 1, slot)
+        return blocks[: best[0]], best[1]
+
+    def _copy_state(self, src: int, dst: int) -> None:
+        self.recurrent[:, dst] = self.recurrent[:, src]
+        self.conv[:, dst] = self.conv[:, src]

@@ -1,0 +1,88 @@
+"""What the hybrid cache holds per token and per sequence, and how a byte budget becomes blocks and slots.
+
+Per token of context (paged, `block_size` tokens per block): the MLA latent (kv_lora + rope
+dims) of every MLA/DSA layer and the indexer key of every DSA layer. Per sequence (fixed, one
+state slot): the KDA recurrent state [H, K, V] fp32 and the short-conv state [3P, W-1] of every
+KDA layer. Computed from the config alone, so the byte counts need no allocation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deltamoe.config import ModelConfig
+from deltamoe.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    block_size: int
+    kda_layers: tuple[int, ...]
+    latent_layers: tuple[int, ...]  # MLA and DSA layers: latent KV per token
+    index_layers: tuple[int, ...]  # DSA layers: indexer key per token
+    latent_dim: int
+    index_dim: int
+    recurrent_shape: tuple[int, int, int]  # [H, K, V], always fp32
+    conv_shape: tuple[int, int]  # [3P, W-1], in the cache dtype
+    dtype: torch.dtype
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, block_size: int = 16, dtype: torch.dtype = torch.float32) -> "CacheLayout":
+        types = config.layer_types
+        return cls(
+            block_size=block_size,
+            kda_layers=tuple(i for i, t in enumerate(types) if t == "kda"),
+            latent_layers=tuple(i for i, t in enumerate(types) if t in ("mla", "dsa")),
+            index_layers=tuple(i for i, t in enumerate(types) if t == "dsa"),
+            latent_dim=config.latent_cache_dim,
+            index_dim=config.index_head_dim,
+            recurrent_shape=(config.kda_num_heads, config.kda_head_dim, config.kda_head_dim),
+            conv_shape=(3 * config.kda_dim, config.kda_conv_size - 1),
+            dtype=dtype,
+        )
+
+    @property
+    def element_bytes(self) -> int:
+        return torch.empty(0, dtype=self.dtype).element_size()
+
+    @property
+    def bytes_per_token(self) -> int:
+        values = len(self.latent_layers) * self.latent_dim + len(self.index_layers) * self.index_dim
+        return values * self.element_bytes
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    @property
+    def bytes_per_state_slot(self) -> int:
+        h, k, v = self.recurrent_shape
+        c, w = self.conv_shape
+        return len(self.kda_layers) * (h * k * v * 4 + c * w * self.element_bytes)
+
+
+@dataclass(frozen=True)
+class CacheCapacity:
+    num_blocks: int
+    num_state_slots: int
+
+
+def plan_capacity(layout: CacheLayout, budget: int, wanted_slots: int, max_state_fraction: float,
+                  max_blocks: int) -> CacheCapacity:
+    """Split `budget` bytes: up to `wanted_slots` state slots within `max_state_fraction`, blocks with the rest.
+
+    A model without latent layers still gets block ids (zero bytes each, `max_blocks` of them) so
+    the block tables and prefix hashes work the same for every family member.
+    """
+    slot_bytes = layout.bytes_per_state_slot
+    slots = wanted_slots if slot_bytes == 0 else min(wanted_slots, int(budget * max_state_fraction) // slot_bytes)
+    slots = max(slots, 1 if layout.kda_layers else wanted_slots)
+    rest = budget - slots * slot_bytes
+    blocks = max_blocks if layout.bytes_per_block == 0 else min(max_blocks, rest // layout.bytes_per_block)
+    if blocks < 1 or rest < 0:
+        need = slot_bytes + layout.bytes_per_block
+        raise ConfigError(f"{budget} bytes cannot hold one state slot ({slot_bytes} B) and one block "
+                          f"({layout.bytes_per_block} B)", field="cache_memory", hint=f"give at least {need} bytes")
+    return CacheCapacity(num_blocks=blocks, num_state_slots=slots)

@@ -1,0 +1,56 @@
+"""PagedBatchView: the `ModelCache` one model call sees, built over HybridCache pages and slots.
+
+Rows may sit at different past lengths; all append the same number T of tokens. Position p of
+row b lives at flat page row `block_table[b][p // bs] * bs + p % bs` (vLLM's slot mapping). New
+latents and indexer keys are scattered there in place, and all positions < past + T are
+gathered back into a contiguous [B, S, D] tensor for attention (padding points at row 0 and is
+masked by `past_lengths + T`). The KDA states are gathered from the rows' slots and written back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltamoe.serve.cache import HybridCache
+
+
+class PagedBatchView:
+    def __init__(self, cache: HybridCache, block_tables: list[list[int]], past_lengths: list[int],
+                 slots: list[int], num_new_tokens: int):
+        device = cache.latent.device
+        bs = cache.block_size
+        self._cache = cache
+        self.past_lengths = torch.tensor(past_lengths, dtype=torch.long, device=device)
+        self._fresh = all(p == 0 for p in past_lengths)  # every row starts from an empty state
+        self._slots = torch.tensor(slots, dtype=torch.long, device=device)
+        width = max(len(t) for t in block_tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long, device=device)
+        total = max(past_lengths) + num_new_tokens
+        pos = torch.arange(total, device=device)
+        self._read = table[:, pos // bs] * bs + pos % bs  # [B, S]
+        new_pos = self.past_lengths[:, None] + torch.arange(num_new_tokens, device=device)  # [B, T]
+        self._write = self._read.gather(1, new_pos).reshape(-1)
+
+    def kda_state(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if self._fresh:  # the model's own zero-state path, exactly as a lone prefill takes it
+            return None, None
+        i = self._cache.kda_index[layer]
+        return self._cache.conv[i].index_select(0, self._slots), self._cache.recurrent[i].index_select(0, self._slots)
+
+    def set_kda_state(self, layer: int, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> None:
+        i = self._cache.kda_index[layer]
+        self._cache.conv[i].index_copy_(0, self._slots, conv_state.to(self._cache.conv.dtype))
+        self._cache.recurrent[i].index_copy_(0, self._slots, recurrent_state.float())
+
+    def _append(self, pages: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        pages.index_copy_(0, self._write, new.reshape(-1, new.shape[-1]).to(pages.dtype))
+        return pages[self._read]
+
+    def append_latent(self, layer: int, latent: torch.Tensor) -> torch.Tensor:
+        return self._append(self._cache.latent[self._cache.latent_index[layer]], latent)
+
+    def append_index_keys(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
+        return self._append(self._cache.index_keys[self._cache.index_key_index[layer]], keys)
+
+    def advance(self, num_tokens: int) -> None:
+        self.past_lengths = self.past_lengths + num_tokens

@@ -1,0 +1,60 @@
+"""EngineConfig: the serving knobs in one dataclass, validated once with errors that name the field."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from deltamoe.errors import ConfigError
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: str | int, field: str = "cache_memory") -> int:
+    """'2GiB', '512MiB', '1.5GB', '1000000' or an int -> bytes."""
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"expected a size like '2GiB', '512MiB' or a number of bytes, got {value!r}", field=field)
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass
+class EngineConfig:
+    """How the engine batches and how much memory its cache may use.
+
+    `cache_memory` is split between fixed-size KDA state slots (one per running sequence plus
+    prefix snapshots, at most `max_state_fraction` of the budget) and paged blocks for MLA
+    latents and DSA indexer keys (the rest).
+    """
+
+    cache_memory: int | str = "1GiB"
+    block_size: int = 16
+    max_num_seqs: int = 64  # sequences in one step (running)
+    max_num_batched_tokens: int = 512  # tokens per step: decodes (1 each) + prefill chunks
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    snapshot_interval_blocks: int = 8  # KDA snapshots every N full blocks (plus each prompt's last full block)
+    max_snapshots: int | None = None  # cap on state slots held by snapshots (default: max_num_seqs)
+    max_state_fraction: float = 0.5  # at most this share of cache_memory goes to KDA state slots
+    seed: int = 0  # seeds requests that give no seed of their own
+
+    def __post_init__(self) -> None:
+        self.cache_memory = parse_bytes(self.cache_memory)
+        checks = [
+            ("cache_memory", self.cache_memory > 0, "a positive size"),
+            ("block_size", self.block_size >= 1, "a positive integer"),
+            ("max_num_seqs", self.max_num_seqs >= 1, "a positive integer"),
+            ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, "a positive integer"),
+            ("max_model_len", self.max_model_len is None or self.max_model_len >= 1, "None or a positive integer"),
+            ("snapshot_interval_blocks", self.snapshot_interval_blocks >= 1, "a positive integer"),
+            ("max_snapshots", self.max_snapshots is None or self.max_snapshots >= 0, "None or >= 0"),
+            ("max_state_fraction", 0 < self.max_state_fraction <= 1, "a number in (0, 1]"),
+        ]
+        for field, ok, expected in checks:
+            if not ok:
+                raise ConfigError(f"expected {expected}, got {getattr(self, field)!r}", field=field)
+        if self.max_snapshots is None:
+            self.max_snapshots = self.max_num_seqs if self.enable_prefix_caching else 0

@@ -1,0 +1,224 @@
+"""LLMEngine: add requests, `step()` them forward together, read outputs. Offline `generate` on top.
+
+nano-vllm's shape: the scheduler decides (policy), the cache holds memory, the runner touches
+the model; `step()` is schedule -> execute -> postprocess. Not thread-safe: one thread drives it
+(`AsyncLLMEngine` owns that thread for the server).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from deltamoe.errors import RequestError
+from deltamoe.model.model import DeltaMoEForCausalLM
+from deltamoe.serve.cache import HybridCache
+from deltamoe.serve.config import EngineConfig
+from deltamoe.serve.detokenizer import IncrementalDetokenizer
+from deltamoe.serve.outputs import Completion, EngineStats, RequestOutput
+from deltamoe.serve.runner import ModelRunner, StepResult
+from deltamoe.serve.sampling import SamplingParams
+from deltamoe.serve.scheduler import Scheduler
+from deltamoe.serve.sequence import Sequence
+from deltamoe.tokenizers.base import Tokenizer
+from deltamoe.tokenizers.load import load_tokenizer
+
+
+class LLMEngine:
+    def __init__(self, model: DeltaMoEForCausalLM, tokenizer: Tokenizer | None = None,
+                 config: EngineConfig | None = None):
+        self.config = config or EngineConfig()
+        self.model_config = model.config
+        self.tokenizer = tokenizer or load_tokenizer(None, model.config.vocab_size)
+        self.max_model_len = self.config.max_model_len or model.config.max_position_embeddings
+        self.cache = HybridCache(model.config, self.config, self.max_model_len, dtype=model.dtype, device=model.device)
+        self.scheduler = Scheduler(self.config, self.cache)
+        self.runner = ModelRunner(model, self.cache)
+        self.device = model.device
+        self._requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self._seeds = random.Random(self.config.seed)
+        self._totals = {"prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "steps": 0}
+
+    @classmethod
+    def from_pretrained(cls, source: str | Path, config: EngineConfig | None = None,
+                        tokenizer: str | Path | None = None, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu") -> "LLMEngine":
+        """A checkpoint folder or preset; the tokenizer comes from `tokenizer`, else the folder, else bytes."""
+        from deltamoe.model.load import load_model
+
+        model = load_model(source, dtype=dtype, device=device)
+        tok_path = tokenizer if tokenizer is not None else (source if Path(str(source)).is_dir() else None)
+        return cls(model, load_tokenizer(tok_path, model.config.vocab_size), config)
+
+    # ------------------------------------------------------------------ requests
+    def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
+                      request_id: str | None = None, priority: int = 0) -> Sequence:
+        """Validate and tokenize a request without touching engine state (safe from any thread)."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"expected SamplingParams, got {type(params).__name__}", field="sampling_params")
+        params.validate(self.model_config.vocab_size)
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            if any(not 0 <= t < self.model_config.vocab_size for t in ids):
+                raise RequestError(f"token ids must lie in [0, {self.model_config.vocab_size})", field="prompt")
+        else:
+            raise RequestError("expected a string or a list of token ids", field="prompt")
+        if not ids:
+            raise RequestError("must not be empty", field="prompt")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise RequestError(f"expected an integer, got {priority!r}", field="priority")
+        room = min(self.max_model_len, self.cache.max_tokens_per_sequence()) - len(ids)
+        if room < 1:
+            raise RequestError(f"{len(ids)} prompt tokens leave no room to generate (limit "
+                               f"{min(self.max_model_len, self.cache.max_tokens_per_sequence())} tokens)", field="prompt")
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the limit of "
+                               f"{len(ids) + room} tokens", field="max_tokens")
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos and self.tokenizer.eos_token_id is not None:
+            stop_ids.add(self.tokenizer.eos_token_id)
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        return Sequence(
+            request_id=str(request_id) if request_id is not None else f"req-{next(self._ids)}",
+            token_ids=ids, num_prompt_tokens=len(ids), params=params,
+            generator=torch.Generator(device=self.device).manual_seed(seed),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
+                                               params.include_stop_str_in_output),
+            max_tokens=params.max_tokens or room, stop_ids=frozenset(stop_ids), priority=priority,
+            prompt=prompt if isinstance(prompt, str) else None)
+
+    def add_sequence(self, seq: Sequence) -> str:
+        if seq.request_id in self._requests:
+            raise RequestError(f"{seq.request_id!r} is already running", field="request_id")
+        self._requests[seq.request_id] = seq
+        self._totals["prompt_tokens"] += seq.num_prompt_tokens
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0) -> str:
+        """Queue a request; returns its id. Lower `priority` values are served (and kept) first."""
+        return self.add_sequence(self.make_sequence(prompt, params, request_id, priority))
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its memory; its final output (finish_reason 'abort'), or None if unknown."""
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, "abort")
+        return self._output(seq, [], "", None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        results = self.runner.execute(batch) if batch else []
+        self._totals["steps"] += 1
+        return [out for r in results if (out := self._postprocess(r)) is not None]
+
+    def _postprocess(self, r: StepResult) -> RequestOutput | None:
+        seq = r.seq
+        seq.num_computed += r.num_computed
+        self.cache.commit(seq)
+        if r.token is None:
+            return None
+        seq.token_ids.append(r.token)
+        self._totals["generation_tokens"] += 1
+        if r.logprob is not None:
+            seq.logprobs.append(r.logprob)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        stop_reason: str | int | None = None
+        if r.token in seq.stop_ids:  # a stop token ends the text without adding its own
+            reason, stop_reason, delta = "stop", r.token, ""
+        else:
+            delta = seq.detokenizer.push(r.token)
+            stop_reason = seq.detokenizer.stopped_by
+            reason = "stop" if stop_reason is not None else "length" if seq.num_output_tokens >= seq.max_tokens else None
+        if reason is not None:
+            seq.stop_reason = stop_reason
+            delta += seq.detokenizer.flush()
+            self.scheduler.finish(seq, reason)
+            self._requests.pop(seq.request_id, None)
+            self._totals["finished"] += 1
+        return self._output(seq, [r.token], delta, r.logprob, stop_reason)
+
+    def _output(self, seq: Sequence, new_ids: list[int], delta: str, logprob, stop_reason=None) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id, delta_text=delta, delta_token_ids=new_ids,
+            delta_logprobs=([logprob] if logprob is not None else []) if seq.params.logprobs is not None else None,
+            text=seq.detokenizer.text[:seq.detokenizer.emitted], num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens, num_cached_tokens=seq.num_cached_tokens,
+            finished=seq.finished, finish_reason=seq.finish_reason, stop_reason=stop_reason)
+
+    # ------------------------------------------------------------------ offline
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 progress: bool = True) -> list[Completion]:
+        """Run a batch of prompts to completion; results in prompt order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise RequestError(f"{len(params_list)} sampling params for {len(prompts)} prompts", field="params")
+        seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, params_list)]
+        for seq in seqs:
+            self.add_sequence(seq)
+        pending = {s.request_id for s in seqs}
+        with _Progress(len(seqs), enabled=progress) as bar:
+            while pending:
+                outputs = self.step()
+                bar.advance(sum(len(o.delta_token_ids) for o in outputs),
+                            sum(o.finished and o.request_id in pending for o in outputs))
+                pending -= {o.request_id for o in outputs if o.finished}
+        return [Completion(request_id=s.request_id, prompt_token_ids=s.token_ids[:s.num_prompt_tokens],
+                           text=s.detokenizer.text, token_ids=s.output_ids, finish_reason=s.finish_reason or "",
+                           stop_reason=s.stop_reason, logprobs=s.logprobs if s.params.logprobs is not None else None,
+                           num_cached_tokens=s.num_cached_tokens, prompt=s.prompt) for s in seqs]
+
+    # ------------------------------------------------------------------ metrics
+    def stats(self) -> EngineStats:
+        c = self.cache
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_preemptions=self.scheduler.num_preemptions, num_blocks=c.blocks.num_blocks,
+            num_free_blocks=c.blocks.num_free, block_usage=c.block_usage, num_state_slots=c.slots.num_slots,
+            slot_usage=c.slot_usage, num_snapshots=len(c.slots.snapshots), prefix_hit_rate=c.prefix_hit_rate,
+            prefix_hit_tokens=c.prefix_hits, prefix_query_tokens=c.prefix_queries,
+            prompt_tokens_total=self._totals["prompt_tokens"], generation_tokens_total=self._totals["generation_tokens"],
+            requests_finished=self._totals["finished"], steps=self._totals["steps"])
+
+
+class _Progress:
+    """A rich progress bar over requests that also shows output tokens per second."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.enabled, self.total = enabled, total
+        self.tokens, self.start = 0, time.perf_counter()
+
+    def __enter__(self) -> "_Progress":
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._bar = Progress(TextColumn("generate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                 TextColumn("{task.fields[rate]}"), transient=False)
+            self._bar.__enter__()
+            self._task = self._bar.add_task("generate", total=self.total, rate="")
+        return self
+
+    def advance(self, tokens: int, finished: int) -> None:
+        self.tokens += tokens
+        if self.enabled:
+            rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+            self._bar.update(self._task, advance=finished, rate=f"{rate:,.0f} tok/s")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.enabled:
+            self._bar.__exit__(*exc)

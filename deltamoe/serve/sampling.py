@@ -1,0 +1,140 @@
+"""SamplingParams (validated per request) and the sampler: penalties -> temperature -> top-k/top-p/min-p -> draw.
+
+Greedy when temperature == 0. Each request draws from its own `torch.Generator`, so the same
+seed gives the same tokens whatever else is in the batch. Logprobs are those of the model's
+raw distribution (log_softmax of the logits before penalties and temperature), as vLLM does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from deltamoe.errors import RequestError
+
+MAX_TOP_LOGPROBS = 20  # the OpenAI API limit
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int | None = 16  # None: up to the model's context length
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; 0: the sampled token's logprob; n: plus the top n
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise RequestError naming the first bad field."""
+        def need(ok: bool, name: str, expected: str) -> None:
+            if not ok:
+                raise RequestError(f"expected {expected}, got {getattr(self, name)!r}", field=name)
+
+        def is_int(x: object) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        def is_num(x: object) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+        need(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
+             "None or an integer >= 1")
+        need(is_num(self.temperature) and 0 <= self.temperature <= 100, "temperature", "a number in [0, 100]")
+        need(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]")
+        need(is_int(self.top_k) and self.top_k >= 0, "top_k", "an integer >= 0 (0 = off)")
+        need(is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1]")
+        need(self.seed is None or is_int(self.seed), "seed", "None or an integer")
+        need(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop), "stop",
+             "a list of non-empty strings")
+        need(len(self.stop) <= 16, "stop", "at most 16 stop strings")
+        need(isinstance(self.stop_token_ids, list)
+             and all(is_int(t) and 0 <= t < vocab_size for t in self.stop_token_ids),
+             "stop_token_ids", f"token ids in [0, {vocab_size})")
+        need(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
+             "logprobs", f"None or an integer in [0, {MAX_TOP_LOGPROBS}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            need(is_num(getattr(self, name)) and -2 <= getattr(self, name) <= 2, name, "a number in [-2, 2]")
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first; empty unless logprobs > 0
+
+
+def apply_penalties(logits: torch.Tensor, output_ids: list[int], presence: float, frequency: float) -> torch.Tensor:
+    """OpenAI penalties over the tokens generated so far: l -= frequency * count + presence * [count > 0]."""
+    if not output_ids or (presence == 0 and frequency == 0):
+        return logits
+    counts = torch.bincount(torch.tensor(output_ids, device=logits.device), minlength=logits.shape[-1])
+    counts = counts[: logits.shape[-1]].to(logits.dtype)
+    return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+    """Set to -inf every token outside top-k, outside the top-p nucleus, or below min_p * p_max. [..., V]."""
+    out = logits.float().clone()
+    if 0 < top_k < out.shape[-1]:
+        kth = torch.topk(out, top_k, dim=-1).values[..., -1:]
+        out = out.masked_fill(out < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(out, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Keep a token if the mass strictly before it is below top_p: the smallest set reaching top_p.
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop_sorted[..., 0] = False
+        out = out.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), float("-inf"))
+    if min_p > 0.0:
+        probs = torch.softmax(out, dim=-1)
+        out = out.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    return out
+
+
+def token_logprobs(logits: torch.Tensor, token_id: int, top_n: int) -> TokenLogprob:
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top: list[tuple[int, float]] = []
+    if top_n > 0:
+        values, ids = torch.topk(logp, top_n)
+        top = list(zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(token_id, float(logp[token_id]), top)
+
+
+def sample_row(logits: torch.Tensor, params: SamplingParams, output_ids: list[int],
+               generator: torch.Generator) -> tuple[int, TokenLogprob | None]:
+    """One next token for one request from its last-position logits [V]."""
+    x = apply_penalties(logits.float(), output_ids, params.presence_penalty, params.frequency_penalty)
+    if params.greedy:
+        token = int(torch.argmax(x))
+    else:
+        x = filter_logits(x / params.temperature, params.top_k, params.top_p, params.min_p)
+        probs = torch.softmax(x, dim=-1)
+        token = int(torch.multinomial(probs, 1, generator=generator))
+    lp = token_logprobs(logits, token, params.logprobs) if params.logprobs is not None else None
+    return token, lp
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]],
+           generators: list[torch.Generator]) -> list[tuple[int, TokenLogprob | None]]:
+    """Next tokens for a batch of last-position logits [B, V]; plain greedy rows take one batched argmax."""
+    plain = [p.greedy and p.logprobs is None and p.presence_penalty == 0 and p.frequency_penalty == 0 for p in params]
+    fast = torch.argmax(logits, dim=-1).tolist() if any(plain) else []
+    return [(fast[i], None) if plain[i] else sample_row(logits[i], params[i], outputs[i], generators[i])
+            for i in range(len(params))]

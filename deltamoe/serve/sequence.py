@@ -1,0 +1,70 @@
+"""Sequence: one request's state inside the engine (tokens, progress, cache handles, sampling state)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from deltamoe.serve.detokenizer import IncrementalDetokenizer
+from deltamoe.serve.sampling import SamplingParams, TokenLogprob
+
+_arrivals = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    token_ids: list[int]  # prompt + generated so far
+    num_prompt_tokens: int
+    params: SamplingParams
+    generator: torch.Generator
+    detokenizer: IncrementalDetokenizer
+    max_tokens: int  # params.max_tokens resolved against the context length
+    stop_ids: frozenset[int]  # stop_token_ids, plus EOS unless ignore_eos
+    priority: int = 0  # lower is more urgent (vLLM's convention)
+    prompt: str | None = None
+    status: Status = Status.WAITING
+    arrival: int = field(default_factory=lambda: next(_arrivals))
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    # Cache handles (memory is HybridCache's; these are just ids into it).
+    num_computed: int = 0  # tokens whose KV/state the cache holds
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks, memoised
+    slot: int | None = None  # KDA state slot
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the last admission
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Scheduling order: most urgent priority first, then first come (preemption picks the last)."""
+        return (self.priority, self.arrival)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
