@@ -90,6 +90,8 @@ def causal_conv1d(
         )
 
     window = torch.cat([state.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [B, C, W-1+T]
+    if x.shape[1] == 0:
+        return x, window
     y = F.conv1d(window.to(weight.dtype), weight.unsqueeze(1), groups=channels)  # [B, C, T]: full windows only
     if activation == "silu":
         y = F.silu(y)
