@@ -26,8 +26,19 @@ def rank_info(header: dict, path: str) -> tuple[int, int, str, dict[str, tuple[i
     groups = {}
     for pg in info.get("pg_config") or []:
         if isinstance(pg, dict) and "ranks" in pg:
-            groups[str(pg.get("pg_name", ""))] = tuple(int(r) for r in pg["ranks"])
+            groups[str(pg.get("pg_name", ""))] = _compact_ranks(pg["ranks"])
     return info["rank"], int(info.get("world_size", 0) or 0), str(info.get("backend", "")), groups
+
+
+def _compact_ranks(ranks: list) -> tuple[int, ...] | range:
+    """Strided rank lists (world, DP, TP groups) as a `range`: every file lists the world
+    group, and 10,000 files x 10,000 ranks must not travel back to the parent as tuples."""
+    a = np.asarray(ranks, dtype=np.int64)
+    if len(a) >= 2:
+        d = np.diff(a)
+        if d[0] > 0 and (d == d[0]).all():
+            return range(int(a[0]), int(a[-1]) + 1, int(d[0]))
+    return tuple(a.tolist())
 
 
 def build_summary(t: EventTables, header: dict, path: str, steps: StepRange = (None, None)) -> RankSummary:

@@ -25,7 +25,7 @@ from deltamoe.trace.classify import Patterns
 from deltamoe.trace.summary import RankError, RankSummary
 from deltamoe.trace.tables import EventTables
 
-SLICE_THRESHOLD = 48 << 20   # above this (decompressed) a file is sliced across workers
+SLICE_THRESHOLD = 16 << 20   # above this (decompressed) a file is sliced across workers
 SLICE_BYTES = 8 << 20
 
 

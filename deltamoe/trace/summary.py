@@ -48,7 +48,7 @@ class RankSummary:
     host: str
     mode: str                      # 'gpu' (kernels) or 'cpu' (gloo / CPU-only trace)
     events: int
-    groups: dict[str, tuple[int, ...]]  # process group name -> member ranks
+    groups: dict[str, tuple[int, ...] | range]  # process group name -> member ranks
     step_ids: np.ndarray           # ProfilerStep numbers kept
     window: np.ndarray             # (steps, 2) start/end of each step on the compute device
     compute: np.ndarray            # per step, union of compute kernels (us)

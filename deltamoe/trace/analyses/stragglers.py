@@ -1,16 +1,19 @@
 """Stragglers: the ranks others wait for, with the evidence.
 
 For every joined collective the last arriver costs each other member (its arrival - theirs).
-A late arrival is passed on to whoever made that rank late: if the last arriver itself sat in
-a pipeline recv for at least half its lateness in that step, the blame moves to the sender
-(repeatedly, along the pipeline). That is what keeps the downstream stages of a slow stage
-from being blamed, which start-time heuristics (HTA) get wrong on pipeline traces. Pipeline recv
-waits beyond what the same hop waits in the other replicas are blamed on the sender.
+Only the part of that lateness the rank produced itself is blamed on it: if it had been
+held (in another collective or a pipeline recv) until after the first member arrived, the
+held part was blamed where it arose, at that collective or on that sender. This local
+critical-path rule is what keeps a slow stage's downstream stages, and the innocent members
+of a late expert group, from being blamed; start-time heuristics (HTA) blame them. Pipeline
+recv waits beyond what the same hop waits in the other replicas go to the sender by the
+same rule.
 
-score = the mean wait of the other members, summed over the collectives the rank held up,
-per step, as a fraction of the median step time. A rank is a straggler when its score is well above the job's typical score (robust
-z > 5) and above `min_score`; the evidence says which collectives, how long others waited,
-and how the rank's own compute per step compares with its peers (same pipeline stage).
+score = the others' mean wait caused by the rank, per step, as a fraction of the median
+step time. A rank is a straggler when its score is above `min_score`, far above the job's
+typical score (robust z > 5) and it was late in at least half of the steps; the evidence
+says which collectives, how long others waited, and how the rank's own compute per step
+compares with its peers (same pipeline stage).
 """
 
 from __future__ import annotations
@@ -31,38 +34,38 @@ def stragglers(j: Joined, summaries: list[RankSummary], stage_of: dict[int, int]
     by_rank = {s.rank: s for s in summaries}
     steps = max(1, int(np.median([len(s.step_ids) for s in summaries]))) if summaries else 1
     step_time = float(np.median(np.concatenate([s.step_time for s in summaries]))) if summaries else 1.0
-    waits = _WaitIndex(j)
+    releases = _Releases(j)
     blame: dict[int, float] = defaultdict(float)
     total: dict[int, float] = defaultdict(float)
     late_steps: dict[int, set[int]] = defaultdict(set)
     evidence: dict[int, dict] = defaultdict(lambda: defaultdict(lambda: [0, 0.0]))
-    first_row = np.full(j.instances, -1, dtype=np.int64)
-    first_row[j.inst[::-1]] = np.arange(len(j.inst))[::-1]
-    t_last_of = j.arrive[first_row] + j.wait[first_row]  # any member's arrival + wait = last arrival
-    for inst in np.argsort(t_last_of, kind="stable"):
-        row = first_row[inst]
-        last = int(j.inst_last[inst])
-        t_last = float(t_last_of[inst])
-        root = waits.root(last, int(j.step[row]), t_last, t_last - float(j.inst_skew[inst]))
-        waits.inst_root[int(inst)] = root
-        if j.inst_size[inst] < 2 or j.inst_blame[inst] <= 0:
-            continue
-        # Scored per member (mean wait of the others), so one late arrival at a 5,000-rank
-        # all-reduce does not outweigh being late at every expert exchange.
-        blame[root] += float(j.inst_blame[inst]) / (int(j.inst_size[inst]) - 1)
-        total[root] += float(j.inst_blame[inst])
-        late_steps[root].add(int(j.step[row]))
-        label = f"{j.kind[row]} pg={j.pg[row] or '?'}" + ("" if root == last else " (passed on)")
-        ev = evidence[root][label]
-        ev[0] += 1
-        ev[1] += float(j.inst_blame[inst])
-    for (src, step), waited in _sender_blame(j, stage_of).items():
-        blame[src] += waited
-        total[src] += waited
-        late_steps[src].add(step)
-        ev = evidence[src]["pipeline send (receiver waited)"]
+
+    def charge(rank: int, step: int, label: str, per_member: float, waited: float) -> None:
+        blame[rank] += per_member
+        total[rank] += waited
+        late_steps[rank].add(step)
+        ev = evidence[rank][label]
         ev[0] += 1
         ev[1] += waited
+
+    first_row = np.full(j.instances, -1, dtype=np.int64)
+    first_row[j.inst[::-1]] = np.arange(len(j.inst))[::-1]
+    for inst in np.flatnonzero((j.inst_size >= 2) & (j.inst_blame > 0)):
+        row = first_row[inst]
+        last, step, skew = int(j.inst_last[inst]), int(j.step[row]), float(j.inst_skew[inst])
+        t_last = float(j.arrive[row] + j.wait[row])  # any member's arrival + wait = last arrival
+        own = releases.own_part(last, step, t_last, t_last - skew)
+        if own <= 0:
+            continue
+        share = own / skew
+        # Per member (the others' mean wait), so one late arrival at a 5,000-rank all-reduce
+        # does not outweigh being late at every expert exchange.
+        charge(last, step, f"{j.kind[row]} pg={j.pg[row] or '?'}",
+               share * float(j.inst_blame[inst]) / (int(j.inst_size[inst]) - 1), share * float(j.inst_blame[inst]))
+    for src, step, t_send, excess in _sender_blame(j, stage_of):
+        own = releases.own_part(src, step, t_send, t_send - excess)
+        if own > 0:
+            charge(src, step, "pipeline send (receiver waited)", own, own)
     scores = {r: blame.get(r, 0.0) / steps / step_time for r in by_rank}
     vals = np.array(list(scores.values()) or [0.0])
     med = float(np.median(vals))
@@ -94,48 +97,34 @@ def stragglers(j: Joined, summaries: list[RankSummary], stage_of: dict[int, int]
             "median_score": round(med, 5), "min_score": min_score}
 
 
-class _WaitIndex:
-    """Per (rank, step): when each communication op released the rank, and why.
-
-    A late arrival is inherited when the rank was still blocked (in a collective, including
-    the transfer, or in a pipeline recv) well after the first member had arrived. Then the
-    blame goes to the root of the collective that held it (instances are resolved in time
-    order, so that root is known), or up the pipeline to the sender of the recv.
-    """
+class _Releases:
+    """Per (rank, step): when a peer released the rank (end of a collective or recv it waited in)."""
 
     def __init__(self, j: Joined):
-        rows: dict[tuple[int, int], list[tuple[float, int, int]]] = defaultdict(list)
-        for r, st, e, inst in zip(j.rank.tolist(), j.step.tolist(), j.end.tolist(), j.inst.tolist()):
-            rows[(r, st)].append((e, inst, -1))
-        for d, st, e, w, s in zip(j.p2p_dst.tolist(), j.p2p_step.tolist(), j.p2p_end.tolist(),
-                                  j.p2p_wait.tolist(), j.p2p_src.tolist()):
+        rows: dict[tuple[int, int], list[float]] = defaultdict(list)
+        for r, st, e, w in zip(j.rank.tolist(), j.step.tolist(), j.end.tolist(), j.wait.tolist()):
             if w > 0:
-                rows[(d, st)].append((e, -1, s))
-        self.idx = {}
-        for key, lst in rows.items():
-            lst.sort()
-            a = np.array(lst, dtype=float)
-            self.idx[key] = (a[:, 0], a[:, 1].astype(np.int64), a[:, 2].astype(np.int64))
-        self.inst_root: dict[int, int] = {}
+                rows[(r, st)].append(e)
+        for d, st, e, w in zip(j.p2p_dst.tolist(), j.p2p_step.tolist(), j.p2p_end.tolist(), j.p2p_wait.tolist()):
+            if w > 0:
+                rows[(d, st)].append(e)
+        self.idx = {k: np.sort(np.array(v)) for k, v in rows.items()}
 
-    def root(self, rank: int, step: int, t_last: float, t_first: float, depth: int = 64) -> int:
-        half = 0.5 * (t_last - t_first)
-        for _ in range(depth):
-            e = self.idx.get((rank, step))
-            if e is None:
-                return rank
-            n = int(np.searchsorted(e[0], t_last + 1e-3, side="right"))
-            if n == 0 or e[0][n - 1] - t_first < half:
-                return rank
-            inst, sender = int(e[1][n - 1]), int(e[2][n - 1])
-            if inst >= 0:
-                return self.inst_root.get(inst, rank)
-            rank, t_last = sender, float(e[0][n - 1])
-        return rank
+    def own_part(self, rank: int, step: int, t_arrive: float, t_ref: float) -> float:
+        """Lateness after t_ref that the rank spent on its own work, not held by others."""
+        e = self.idx.get((rank, step))
+        released = t_ref
+        if e is not None:
+            n = int(np.searchsorted(e, t_arrive + 1e-3, side="right"))
+            if n:
+                released = max(t_ref, float(e[n - 1]))
+        return max(0.0, t_arrive - released)
 
 
-def _sender_blame(j: Joined, stage_of: dict[int, int]) -> dict[tuple[int, int], float]:
+def _sender_blame(j: Joined, stage_of: dict[int, int]) -> list[tuple[int, int, float, float]]:
     """Pipeline recv waits beyond what the same hop waits in the other pipelines.
+
+    Returns (sender, step, send time, excess wait). With two replicas the faster one is the baseline.
 
     Waiting for the previous stage is normal (that is the bubble); only the excess over the
     same (stage pair, step, message) in the other data-parallel replicas points at a sender.
@@ -146,15 +135,15 @@ def _sender_blame(j: Joined, stage_of: dict[int, int]) -> dict[tuple[int, int], 
         k = seen[(s, d, st)]
         seen[(s, d, st)] += 1
         groups[(stage_of.get(s, -1), stage_of.get(d, -1), st, k)].append(i)
-    out: dict[tuple[int, int], float] = defaultdict(float)
+    out = []
     for rows in groups.values():
-        if len(rows) < 3:
+        if len(rows) < 2:
             continue
         w = j.p2p_wait[rows]
-        excess = w - np.median(w)
+        excess = w - (np.median(w) if len(rows) >= 3 else w.min())
         for i, x in zip(rows, excess.tolist()):
             if x > 0:
-                out[(int(j.p2p_src[i]), int(j.p2p_step[i]))] += x
+                out.append((int(j.p2p_src[i]), int(j.p2p_step[i]), float(j.p2p_send[i]), x))
     return out
 
 
