@@ -62,6 +62,9 @@ class ParallelDims:
                               hint="ep does not add ranks: it is carved out of dp")
         self._validate_experts(config)
         self._validate_tensor_parallel(config)
+        if self.pp > 1 and config.tie_word_embeddings:
+            raise ConfigError("expected False with pp > 1: the embedding (first stage) and the LM head (last stage) "
+                              "would be one tensor on two ranks", field="tie_word_embeddings")
         if self.pp > 1 or self.stages_per_rank > 1:
             split_stages(config, self.num_stages)  # raises when there are more stages than blocks
             if self.schedule == "interleaved1f1b" and self.microbatches % self.pp != 0:

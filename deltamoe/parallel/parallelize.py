@@ -1,16 +1,54 @@
-"""`parallelize(model, dims, mesh)`: apply the parallelisms in torchtitan order and return the ParallelModel."""
+"""`parallelize(model, dims, mesh)`: apply the parallelisms in torchtitan order and return the ParallelModel.
+
+Order: pipeline split -> tensor parallel -> expert parallel -> activation checkpointing -> FSDP2.
+Each step works on this rank's `ModelStage`s only; the full model passed in can be dropped afterwards.
+"""
 
 from __future__ import annotations
 
+from typing import Callable
+
+import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from deltamoe.errors import ConfigError
 from deltamoe.model.model import DeltaMoEForCausalLM
 from deltamoe.parallel.api import LocalModel, ParallelDims, ParallelModel
+from deltamoe.parallel.checkpointing import apply_activation_checkpointing
+from deltamoe.parallel.data_parallel import apply_fsdp
+from deltamoe.parallel.distributed_model import DistributedModel
+from deltamoe.parallel.expert_parallel import apply_expert_parallel
+from deltamoe.parallel.loss import GlobalTokenLoss
+from deltamoe.parallel.pipeline import build_schedule, stage_ids
+from deltamoe.parallel.stage_module import ModelStage
+from deltamoe.parallel.stage_split import split_stages
+from deltamoe.parallel.tensor_parallel import apply_tensor_parallel
 
 
 def parallelize(model: DeltaMoEForCausalLM, dims: ParallelDims, mesh: DeviceMesh | None) -> ParallelModel:
-    dims.validate(model.config, 1 if mesh is None else mesh.size())
+    config = model.config
+    dims.validate(config, 1 if mesh is None else mesh.size())
     if mesh is None:
         return LocalModel(model)
-    raise ConfigError("distributed layouts are being wired up", field="dims")
+
+    ranges = split_stages(config, dims.num_stages)
+    ids = stage_ids(mesh["pp"].get_local_rank(), dims)
+    stages = [ModelStage(model, ranges[i], first=i == 0, last=i == dims.num_stages - 1) for i in ids]
+
+    after_backward: list[Callable[[], None]] = []
+    if dims.tp > 1:
+        after_backward += [apply_tensor_parallel(stage, mesh["tp"]) for stage in stages]
+    if dims.ep > 1:
+        for stage in stages:
+            apply_expert_parallel(stage, mesh["ep"])
+    if dims.activation_checkpointing:
+        for stage in stages:
+            apply_activation_checkpointing(stage)
+    if dims.dp > 1:
+        for stage in stages:
+            apply_fsdp(stage, mesh, expert_parallel=dims.ep > 1, pipelined=dims.pp > 1)
+
+    loss_fn = GlobalTokenLoss(config.num_nextn_predict_layers, model.mtp_weight)
+    schedule = None
+    if dims.pp > 1:
+        schedule = build_schedule(stages, ids, dims, mesh["pp"], loss_fn, torch.device(model.device))
+    return DistributedModel(stages, mesh, dims, loss_fn, schedule, after_backward)

@@ -1,0 +1,108 @@
+"""Expert parallelism: routed experts sharded along dim 0 over the EP group, tokens exchanged
+with `all_to_all_single` (exact routing, no capacity, no dropped tokens).
+
+Per MoE call on each EP rank: sort the (token, slot) pairs by expert, as `experts_forward`
+does; the pairs for experts [r*E_l, (r+1)*E_l) go to rank r (one all-to-all for the latent
+tokens, one for their local expert ids); each rank runs its local experts on what it received;
+a second all-to-all brings the expert outputs back in the same order, where they are weighted
+and summed in fp32 in the same expert-sorted order as the one-process combine.
+
+Both token exchanges are an autograd Function, so the backward is the mirrored all-to-all and
+expert weight gradients collect the contributions of every EP rank's tokens (they are summed,
+never averaged with ranks that do not own the expert).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from deltamoe.model.ffn import MoE, RoutedExperts
+from deltamoe.ops.moe import experts_forward
+
+
+class AllToAll(torch.autograd.Function):
+    """`all_to_all_single` with uneven splits; its backward is the same exchange with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        out = x.new_empty(sum(recv), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        back = grad.new_empty(sum(ctx.send), *grad.shape[1:])
+        dist.all_to_all_single(back, grad.contiguous(), output_split_sizes=ctx.send, input_split_sizes=ctx.recv,
+                               group=ctx.group)
+        return back, None, None, None
+
+
+def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    return AllToAll.apply(x, send, recv, group)
+
+
+def local_weight(w: torch.Tensor) -> torch.Tensor:
+    """This rank's expert slice: the local shard of an EP DTensor (gradients flow back into it)."""
+    return w.to_local() if isinstance(w, DTensor) else w
+
+
+class ExpertParallelDispatcher:
+    """The MoE `dispatcher` for one EP group: (z [N, D'], weights [N, k], indices [N, k], experts) -> fp32 [N, D']."""
+
+    def __init__(self, group: dist.ProcessGroup, num_experts: int):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.experts_per_rank = num_experts // self.size
+
+    def __call__(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+                 experts: RoutedExperts) -> torch.Tensor:
+        num_tokens, top_k = indices.shape
+        flat = indices.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # expert-sorted pairs, hence also grouped by owner rank
+        token_of_slot = order // top_k
+        owner = flat[order] // self.experts_per_rank
+        send = torch.bincount(owner, minlength=self.size)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)  # how many pairs each rank sends us
+        send_sizes, recv_sizes = send.tolist(), recv.tolist()
+
+        local_ids = all_to_all(flat[order] - owner * self.experts_per_rank, send_sizes, recv_sizes, self.group)
+        received = all_to_all(z[token_of_slot], send_sizes, recv_sizes, self.group)
+        # Unit weights: the routing weights are applied after the return trip, in the sender's order.
+        c = experts.config
+        w1, w3, w2 = (local_weight(w) for w in (experts.w1, experts.w3, experts.w2))
+        y = experts_forward(received, torch.ones(len(received), 1, dtype=weights.dtype, device=z.device),
+                            local_ids[:, None], w1, w3, w2, act=c.hidden_act, situ_beta=c.situ_beta,
+                            situ_linear_beta=c.situ_linear_beta)
+        if received.requires_grad and not y.requires_grad:
+            # No pair landed here: keep the return trip (and zero expert gradients) in the graph, so this
+            # rank joins the backward all-to-all and its expert shards get gradients like the other ranks'.
+            y = y + (received.sum() + w1.sum() + w3.sum() + w2.sum()) * 0
+        y_sorted = all_to_all(y, recv_sizes, send_sizes, self.group)
+        y_sorted = y_sorted * weights.reshape(-1)[order].to(y_sorted.dtype).unsqueeze(-1)
+        return y_sorted.new_zeros(num_tokens, z.shape[1]).index_add(0, token_of_slot, y_sorted)
+
+
+def apply_expert_parallel(module: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """Shard every MoE's routed experts along dim 0 over `ep_mesh` and install the all-to-all dispatcher.
+
+    The weights become DTensors (Shard(0)) so optimizers and torch.distributed.checkpoint see the full
+    expert tensors; each rank keeps only its slice (no communication: every rank starts from the same
+    full weights).
+    """
+    rank, size = ep_mesh.get_local_rank(), ep_mesh.size()
+    for moe in module.modules():
+        if not isinstance(moe, MoE):
+            continue
+        experts = moe.experts
+        for name in ("w1", "w3", "w2"):
+            full = getattr(experts, name)
+            local = full.detach().chunk(size, dim=0)[rank].clone()
+            experts.register_parameter(name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)],
+                                                                             run_check=False)))
+        moe.dispatcher = ExpertParallelDispatcher(ep_mesh.get_group(), moe.config.num_experts)

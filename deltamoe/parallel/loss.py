@@ -1,0 +1,45 @@
+"""The training loss normalised by the global token count, so that summing it over microbatches and
+data-parallel ranks gives exactly the one-process loss of the global batch:
+
+    loss = sum CE(next token) / N + mtp_weight * mean_k( sum CE(depth k) / N_k )
+
+with N, N_k the non-ignored targets of the whole global batch (the model's loss is the same
+formula with local means). Gradients are then summed, never averaged, across ranks and microbatches.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from deltamoe.model.model import IGNORE_INDEX
+
+
+def target_counts(labels: torch.Tensor, mtp_depths: int) -> torch.Tensor:
+    """Non-ignored targets of the next-token loss and of each MTP depth, float [1 + depths]."""
+    return torch.stack([(labels[:, 1 + k:] != IGNORE_INDEX).sum() for k in range(1 + mtp_depths)]).double()
+
+
+class GlobalTokenLoss:
+    """`loss_fn(logits, labels)` for a ModelStage's last-stage output; set `counts` (global) before each step."""
+
+    def __init__(self, mtp_depths: int, mtp_weight: float):
+        self.mtp_depths, self.mtp_weight = mtp_depths, mtp_weight
+        self.counts: torch.Tensor | None = None
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        assert self.counts is not None, "set GlobalTokenLoss.counts before the step"
+        t = labels.shape[1]
+        depths = self.mtp_depths if logits.shape[1] > t else 0
+        parts = logits.split([t - k for k in range(1 + depths)], dim=1)
+        counts = self.counts.clamp(min=1).tolist()
+        loss = _ce_sum(parts[0], labels) / counts[0]
+        for k in range(1, 1 + depths):
+            loss = loss + self.mtp_weight / depths * _ce_sum(parts[k], labels[:, k:]) / counts[k]
+        return loss
+
+
+def _ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed CE of logits[:, :-1] against labels[:, 1:], ignoring IGNORE_INDEX (as the model's shift)."""
+    pred = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
+    return F.cross_entropy(pred, labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")

@@ -1,0 +1,124 @@
+"""Tensor parallelism by attention heads and MLP widths (`parallelize_module`, Megatron layout).
+
+What is sharded over the TP group (each rank keeps 1/tp):
+- KDA: q/k/v_proj, f_b_proj (decay gate), b_proj (beta), g_proj or g_b_proj (output gate)
+  column-wise by heads; o_proj row-wise.
+- MLA (and DSA, MTP blocks): q_proj or q_b_proj, kv_b_proj, g_proj column-wise by heads; o_proj row-wise.
+- Dense MLP and shared experts: gate/up column-wise, down row-wise.
+What stays replicated: embeddings, LM head, norms, AttnRes vectors, the low-rank "a" projections
+(f_a, g_a, q_a, kv_a), the DSA indexer, the router, latent MoE projections and routed experts
+(those are expert-parallel instead).
+
+Small per-head KDA parameters (A_log, dt_bias, the three depthwise convs) and the per-head-dim
+o_norm stay replicated; each rank reads its heads' slice through a local view, so their gradients
+are partial sums over TP ranks and `TensorParallelGradSync` adds them up after backward.
+The MLA rope key k_pe is computed once and used by every head: it is entered into the
+head-parallel region with an all-reduce in backward (Megatron's "f").
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from deltamoe.model.decoder import DecoderLayer
+from deltamoe.model.ffn import DenseMLP
+from deltamoe.model.kda_layer import KimiDeltaAttention
+from deltamoe.model.mla_layer import LatentAttention
+
+
+def reduce_grad_in_backward(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Identity forward; the gradient is all-reduced over `mesh` (a replicated value entering sharded work)."""
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+def _rank_slice(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    return t.chunk(size, dim=0)[rank]
+
+
+class TensorParallelKDA(KimiDeltaAttention):
+    """KimiDeltaAttention on its local heads: per-head parameters are read as this rank's slice."""
+
+    tp_rank: int
+    tp_size: int
+
+    @property
+    def A_log(self) -> torch.Tensor:  # type: ignore[override]
+        return _rank_slice(self._parameters["A_log"].reshape(-1), self.tp_rank, self.tp_size)
+
+    @property
+    def dt_bias(self) -> torch.Tensor:  # type: ignore[override]
+        return _rank_slice(self._parameters["dt_bias"], self.tp_rank, self.tp_size)
+
+    def conv_weight(self) -> torch.Tensor:
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        return torch.cat([_rank_slice(c.weight, self.tp_rank, self.tp_size) for c in convs], 0).squeeze(1)
+
+
+def _tp_kda(attn: KimiDeltaAttention, mesh: DeviceMesh) -> list[tuple[nn.Module, str]]:
+    plan = {name: ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj", "f_b_proj", "b_proj")}
+    plan["g_proj" if hasattr(attn, "g_proj") else "g_b_proj"] = ColwiseParallel()
+    plan["o_proj"] = RowwiseParallel()
+    parallelize_module(attn, mesh, plan)
+    attn.__class__ = TensorParallelKDA  # the swap only adds local views; parameters and names are unchanged
+    attn.tp_rank, attn.tp_size = mesh.get_local_rank(), mesh.size()
+    attn.num_heads //= mesh.size()
+    return [(attn, "A_log"), (attn, "dt_bias"), (attn.q_conv1d, "weight"), (attn.k_conv1d, "weight"),
+            (attn.v_conv1d, "weight"), (attn.o_norm, "weight")]
+
+
+def _tp_mla(attn: LatentAttention, mesh: DeviceMesh) -> None:
+    plan = {"q_proj" if attn.config.q_lora_rank is None else "q_b_proj": ColwiseParallel(),
+            "kv_b_proj": ColwiseParallel(), "o_proj": RowwiseParallel()}
+    if attn.config.mla_output_gate:
+        plan["g_proj"] = ColwiseParallel()
+    parallelize_module(attn, mesh, plan)
+    attn.num_heads //= mesh.size()
+    rank = attn.kv_rank
+
+    def k_pe_enters_heads(_module: nn.Module, _inputs: tuple, out: torch.Tensor) -> torch.Tensor:
+        # c_kv reaches the heads through the column-parallel kv_b_proj (which reduces its gradient);
+        # k_pe is used by all local heads directly, so its gradient needs the same reduction.
+        return torch.cat([out[..., :rank], reduce_grad_in_backward(out[..., rank:], mesh)], dim=-1)
+
+    attn.kv_a_proj_with_mqa.register_forward_hook(k_pe_enters_heads)
+
+
+def _tp_mlp(mlp: DenseMLP, mesh: DeviceMesh) -> None:
+    parallelize_module(mlp, mesh, {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
+                                   "down_proj": RowwiseParallel()})
+
+
+def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh) -> "TensorParallelGradSync":
+    """Shard every decoder layer (trunk and MTP) under `module`; returns the post-backward gradient sync."""
+    partial: list[tuple[nn.Module, str]] = []
+    for layer in [m for m in module.modules() if isinstance(m, DecoderLayer)]:
+        if isinstance(layer.self_attn, KimiDeltaAttention):
+            partial += _tp_kda(layer.self_attn, tp_mesh)
+        else:
+            _tp_mla(layer.self_attn, tp_mesh)
+        if not layer.is_moe:
+            _tp_mlp(layer.mlp, tp_mesh)
+        elif layer.config.num_shared_experts > 0:
+            _tp_mlp(layer.block_sparse_moe.shared_experts, tp_mesh)
+    return TensorParallelGradSync(partial, tp_mesh.get_group())
+
+
+class TensorParallelGradSync:
+    """Sums the gradients of replicated parameters that each TP rank only partly used (local head views)."""
+
+    def __init__(self, params: list[tuple[nn.Module, str]], group: dist.ProcessGroup):
+        # (module, name), not the tensors: FSDP2 replaces the parameter objects when it shards them.
+        self.params, self.group = params, group
+
+    def __call__(self) -> None:
+        for module, name in self.params:
+            p = module._parameters[name]
+            if p.grad is not None:
+                # Under FSDP the gradient is a dp-sharded DTensor; the TP ranks hold the same dp shard.
+                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                dist.all_reduce(g, group=self.group)

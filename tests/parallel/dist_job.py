@@ -1,0 +1,154 @@
+"""Distributed-equals-single-process checks, run as one spawned gloo job per world size (spawn is slow).
+
+Usage: python dist_job.py WORLD OUT.json CASE [CASE ...]
+Every rank builds the same seeded model twice: one copy is parallelized and fed this rank's slice of
+the global batch, the other runs the plain one-process step on the whole global batch. Rank 0 writes,
+per case, the two losses, the worst relative gradient error over all parameters (full tensors gathered
+from FSDP/TP/EP shards, each pipeline stage checking its own), the two gradient norms, and the
+parameter names that no rank checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from deltamoe.config import load_preset  # noqa: E402
+from deltamoe.model.load import build_model  # noqa: E402
+from deltamoe.parallel import LocalModel, ParallelDims, parallelize  # noqa: E402
+from deltamoe.parallel.mesh import build_mesh  # noqa: E402
+
+
+def k31_toy(**overrides):
+    """KDA + DSA (top-k below T, so sparse) + MLA + dense layer 0 + latent MoE + AttnRes (4 blocks) + MTP."""
+    base = dict(vocab_size=61, hidden_size=32, num_hidden_layers=8,
+                layer_types=("kda", "kda", "dsa", "kda", "mla", "kda", "dsa", "mla"),
+                kda_num_heads=4, kda_head_dim=8, num_attention_heads=4, q_lora_rank=16, kv_lora_rank=12,
+                qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, index_num_heads=2, index_head_dim=8,
+                index_topk=5, intermediate_size=48, num_experts=8, num_experts_per_token=3,
+                moe_intermediate_size=16, latent_moe_size=20, attn_res_block_size=2, num_nextn_predict_layers=1,
+                max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    base.update(overrides)
+    return load_preset("tiny").replace(**base)
+
+
+def kimi_linear_toy():
+    """No AttnRes (plain residual), SiLU experts at hidden width, low-rank KDA gate; MTP added so the
+    embeddings have to cross the pipeline in their own slot."""
+    return k31_toy(model_type="kimi_linear", layer_types=("kda", "kda", "mla", "kda"), num_hidden_layers=4,
+                   kda_gate="softplus", kda_output_gate="low_rank", mla_output_gate=False, hidden_act="silu",
+                   latent_moe_size=None, latent_moe_norm=False, attn_res_block_size=None, q_lora_rank=None,
+                   routed_scaling_factor=2.5, qk_rope_head_dim=4, mla_use_nope=False)
+
+
+CASES = {
+    "dp2": (k31_toy, ParallelDims(dp=2)),
+    "ep2": (k31_toy, ParallelDims(dp=2, ep=2)),
+    "ep2_ac": (k31_toy, ParallelDims(dp=2, ep=2, activation_checkpointing=True)),
+    "tp2": (k31_toy, ParallelDims(tp=2)),
+    "tp2_kimi_linear": (kimi_linear_toy, ParallelDims(tp=2)),
+    "pp2": (k31_toy, ParallelDims(pp=2, microbatches=2)),
+    "pp2_interleaved": (k31_toy, ParallelDims(pp=2, schedule="interleaved1f1b", stages_per_rank=2, microbatches=2)),
+    "pp2_kimi_linear": (kimi_linear_toy, ParallelDims(pp=2, microbatches=2)),
+    "dp2_ep2_tp2": (k31_toy, ParallelDims(dp=2, ep=2, tp=2)),
+    "pp2_dp2": (k31_toy, ParallelDims(pp=2, dp=2, microbatches=2)),
+}
+
+BATCH, SEQ = 4, 12  # global batch
+
+
+def global_batch(config) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, config.vocab_size, (BATCH, SEQ), generator=gen)
+    labels = ids.clone()
+    labels[torch.rand(BATCH, SEQ, generator=gen) < 0.25] = -100  # unequal token counts per rank and microbatch
+    return ids, labels
+
+
+def full_grad(p: torch.nn.Parameter) -> torch.Tensor | None:
+    g = p.grad
+    return g.full_tensor() if isinstance(g, DTensor) else g
+
+
+def layout(pm) -> dict:
+    """What this rank actually holds: proves the parallelism was applied, not just that numbers match."""
+    out: dict = {"layers": [], "expert_rows": None, "kda_heads": None, "mlp_cols": None}
+    for part in pm.model_parts:
+        out["layers"] += [int(k) for k in part.model.layers]
+        for n, p in part.named_parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            if n.endswith("experts.w1") and out["expert_rows"] is None:
+                out["expert_rows"] = list(local.shape)
+            if n.endswith("self_attn.q_proj.weight") and out["kda_heads"] is None:
+                out["kda_heads"] = list(local.shape)
+            if n.endswith("mlp.gate_proj.weight") and out["mlp_cols"] is None:
+                out["mlp_cols"] = list(local.shape)
+    return out
+
+
+def run_case(name: str) -> dict:
+    make_config, dims = CASES[name]
+    config = make_config()
+    ids, labels = global_batch(config)
+
+    reference = build_model(config, seed=0).train()
+    ref_loss = LocalModel(reference).forward_backward(ids, labels)
+    ref_grads = {n: p.grad for n, p in reference.named_parameters()}
+    ref_norm = torch.nn.utils.get_total_norm([g for g in ref_grads.values() if g is not None])
+
+    mesh = build_mesh(dims, "cpu")
+    pm = parallelize(build_model(config, seed=0).train(), dims, mesh)
+    rows = BATCH // pm.dp_size
+    local = slice(pm.dp_rank * rows, (pm.dp_rank + 1) * rows)
+    loss = pm.forward_backward(ids[local], labels[local])
+
+    worst, worst_name, checked = 0.0, "", []
+    for part in pm.model_parts:
+        for n, p in part.named_parameters():
+            n = n.replace("_checkpoint_wrapped_module.", "")
+            g, ref = full_grad(p), ref_grads[n]
+            if ref is None:
+                assert g is None or not g.any(), f"{n}: gradient where the reference has none"
+            else:
+                err = float((g - ref).norm() / ref.norm().clamp(min=1e-30))
+                worst, worst_name = max((worst, worst_name), (err, n))
+            checked.append(n)
+    worst_t = torch.tensor(worst)
+    dist.all_reduce(worst_t, op=dist.ReduceOp.MAX)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, checked)
+    norm = pm.clip_grad_norm_(1e9)
+    return {"worst_param": worst_name if float(worst_t) == worst else None, "layout": layout(pm),"loss": float(loss), "ref_loss": float(ref_loss), "grad_rel_err": float(worst_t),
+            "norm": float(norm), "ref_norm": float(ref_norm),
+            "unchecked": sorted(set(ref_grads) - {n for names in everyone for n in names})}
+
+
+def _worker(rank: int, world: int, port: int, out: str, cases: list[str]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {name: run_case(name) for name in cases}
+    if rank == 0:
+        Path(out).write_text(json.dumps(results, indent=1))
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    world, out, names = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    mp.spawn(_worker, args=(world, _free_port(), out, names), nprocs=world, join=True)
