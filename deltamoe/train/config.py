@@ -1,0 +1,248 @@
+"""TrainConfig: every knob of a training run as plain dataclasses, one per concern.
+
+A run is configured by a TOML/YAML/JSON file whose tables mirror the sections below
+(`[optim] lr = 3e-3`), then by command-line flags, which override the file. Every value is
+validated here, before any data is read or any process group exists, and a bad one raises
+ConfigError naming the field as `section.name`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from deltamoe.errors import ConfigError
+from deltamoe.parallel.api import SCHEDULES
+
+TASKS = ("recall", "arithmetic", "copy", "reverse")
+PRECISIONS = ("fp32", "bf16")
+
+
+@dataclass
+class ModelSection:
+    preset: str | None = "tiny"  # a preset name (deltamoe/presets)
+    path: str | None = None  # a config.json, or a checkpoint folder whose weights initialise the run
+    overrides: dict[str, Any] = field(default_factory=dict)  # ModelConfig fields to replace (small test models)
+
+
+@dataclass
+class DataSection:
+    task: str | None = "recall"  # a built-in synthetic task; ignored when `path` is set
+    path: str | None = None  # a .txt or .jsonl file ({"text": ...} per line)
+    seq_len: int = 64
+    batch_size: int = 32  # global rows per optimizer step (all data ranks, all accumulation steps)
+    # recall: `num_pairs` key/value pairs spread over `context_len` tokens, `num_queries` queries after them
+    num_pairs: int = 8
+    context_len: int | None = None  # None: just the pairs, no filler
+    num_queries: int = 1
+    # arithmetic: operands of 1..`digits` digits; copy/reverse: strings of 1..`string_len` letters
+    digits: int = 3
+    string_len: int = 8
+    eval_rows: int = 128  # held-out rows scored at each evaluation
+    eval_fraction: float = 0.05  # text data: share of packed rows held out for evaluation
+
+
+@dataclass
+class OptimSection:
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 20
+    weight_decay: float = 0.1  # matrices only; norms, vectors and biases are not decayed
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_grad: float = 1.0  # <= 0 disables clipping (the norm is still logged)
+    grad_accum: int = 1  # micro-steps per optimizer step
+
+
+@dataclass
+class BalanceSection:
+    gamma: float = 1e-3  # aux-loss-free router bias step (DeepSeek-V3); 0 disables
+    alpha: float = 0.0  # sequence-level balance loss weight; 0 disables
+
+
+@dataclass
+class ParallelSection:
+    dp: int = 1
+    tp: int = 1
+    ep: int = 1
+    pp: int = 1
+    schedule: str = "1f1b"  # pipeline schedule: "1f1b" | "interleaved1f1b"
+    microbatches: int = 1
+    stages_per_rank: int = 1
+    activation_checkpointing: bool = False
+
+
+@dataclass
+class RunSection:
+    out: str = "runs/train"
+    steps: int = 200
+    seed: int = 0
+    precision: str = "fp32"  # "bf16" runs forward/backward under autocast; parameters stay fp32
+    log_every: int = 1
+    eval_every: int = 50  # 0: only at the end
+    save_every: int = 0  # DCP checkpoint every N steps; 0: only at the end
+    keep_checkpoints: int = 2
+    profile_steps: str | None = None  # "A:B" profiles steps A..B-1 (1-based)
+    resume: bool = False  # continue from the newest checkpoint in `out`
+    resume_from: str | None = None  # or from this checkpoint folder
+    progress: bool = True
+    threads: int | None = None  # torch intra-op threads per process
+
+
+@dataclass
+class TrainConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    balance: BalanceSection = field(default_factory=BalanceSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    run: RunSection = field(default_factory=RunSection)
+
+    # ------------------------------------------------------------- building
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+        cfg = cls()
+        cfg.update(data)
+        return cfg
+
+    def update(self, data: dict[str, Any]) -> None:
+        """Merge nested `{section: {name: value}}` or dotted `{"section.name": value}` entries."""
+        for key, value in data.items():
+            if "." in key:
+                section, name = key.split(".", 1)
+                self._set(section, name, value)
+            elif isinstance(value, dict) and key in _sections():
+                for name, v in value.items():
+                    self._set(key, name, v)
+            else:
+                raise ConfigError(f"unknown section {key!r}; expected one of {sorted(_sections())}", field=key)
+
+    def _set(self, section: str, name: str, value: Any) -> None:
+        if section not in _sections():
+            raise ConfigError(f"unknown section {section!r}; expected one of {sorted(_sections())}", field=section)
+        obj = getattr(self, section)
+        names = {f.name for f in dataclasses.fields(obj)}
+        if name not in names:
+            raise ConfigError(f"unknown field; expected one of {sorted(names)}", field=f"{section}.{name}")
+        setattr(obj, name, value)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ----------------------------------------------------------- validation
+    def validate(self) -> "TrainConfig":
+        def need(ok: bool, name: str, expected: str) -> None:
+            if not ok:
+                section, attr = name.split(".")
+                got = getattr(getattr(self, section), attr)
+                raise ConfigError(f"expected {expected}, got {got!r}", field=name)
+
+        def positive_int(name: str) -> None:
+            section, attr = name.split(".")
+            v = getattr(getattr(self, section), attr)
+            need(isinstance(v, int) and not isinstance(v, bool) and v > 0, name, "a positive integer")
+
+        def number(name: str, lo: float, hi: float = float("inf"), lo_open: bool = False) -> None:
+            section, attr = name.split(".")
+            v = getattr(getattr(self, section), attr)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (v > lo if lo_open else v >= lo) and v <= hi
+            need(ok, name, f"a number in {'(' if lo_open else '['}{lo}, {hi}]")
+
+        m, d, o, b, p, r = self.model, self.data, self.optim, self.balance, self.parallel, self.run
+        need(m.preset is not None or m.path is not None, "model.preset", "a preset name or model.path")
+        need(isinstance(m.overrides, dict), "model.overrides", "a table of ModelConfig fields")
+        need(d.path is not None or d.task in TASKS, "data.task", f"one of {TASKS} (or set data.path)")
+        for name in ("data.seq_len", "data.batch_size", "data.num_pairs", "data.num_queries", "data.digits",
+                     "data.string_len", "data.eval_rows", "optim.grad_accum", "parallel.dp", "parallel.tp",
+                     "parallel.ep", "parallel.pp", "parallel.microbatches", "parallel.stages_per_rank",
+                     "run.steps", "run.log_every", "run.keep_checkpoints"):
+            positive_int(name)
+        need(d.context_len is None or (isinstance(d.context_len, int) and d.context_len > 0), "data.context_len",
+             "None or a positive integer")
+        number("data.eval_fraction", 0.0, 0.5)
+        number("optim.lr", 0.0, lo_open=True)
+        number("optim.min_lr_ratio", 0.0, 1.0)
+        need(isinstance(o.warmup_steps, int) and 0 <= o.warmup_steps, "optim.warmup_steps", "an integer >= 0")
+        number("optim.weight_decay", 0.0)
+        number("optim.beta1", 0.0, 1.0)
+        number("optim.beta2", 0.0, 1.0)
+        number("optim.eps", 0.0, lo_open=True)
+        number("optim.clip_grad", float("-inf"))
+        number("balance.gamma", 0.0)
+        number("balance.alpha", 0.0)
+        need(p.schedule in SCHEDULES, "parallel.schedule", f"one of {SCHEDULES}")
+        need(r.precision in PRECISIONS, "run.precision", f"one of {PRECISIONS}")
+        for name in ("run.eval_every", "run.save_every"):
+            section, attr = name.split(".")
+            v = getattr(r, attr)
+            need(isinstance(v, int) and v >= 0, name, "an integer >= 0 (0: only at the end)")
+        need(r.threads is None or (isinstance(r.threads, int) and r.threads > 0), "run.threads",
+             "None or a positive integer")
+        if r.profile_steps is not None:
+            parse_profile_steps(r.profile_steps)
+        rows = d.batch_size // (o.grad_accum * p.dp) if d.batch_size % (o.grad_accum * p.dp) == 0 else 0
+        need(rows > 0, "data.batch_size", f"a multiple of optim.grad_accum * parallel.dp ({o.grad_accum * p.dp})")
+        if d.path is None and d.task == "recall":
+            need(d.num_queries <= d.num_pairs, "data.num_queries", f"at most data.num_pairs ({d.num_pairs})")
+        return self
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Rows one data rank runs per micro-step."""
+        return self.data.batch_size // (self.optim.grad_accum * self.parallel.dp)
+
+
+def _sections() -> set[str]:
+    return {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+def parse_profile_steps(text: str) -> tuple[int, int]:
+    """"A:B" -> (A, B): profile steps A..B-1 (1-based), like a Python slice."""
+    try:
+        a, b = (int(x) for x in str(text).split(":"))
+    except ValueError:
+        raise ConfigError(f"expected 'A:B' with integers A < B, got {text!r}", field="run.profile_steps") from None
+    if not 1 <= a < b:
+        raise ConfigError(f"expected 1 <= A < B, got {text!r}", field="run.profile_steps")
+    return a, b
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The nested dict of a .toml, .yaml/.yml or .json training config file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist", field="config")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            try:
+                data = yaml.safe_load(text) or {}
+            except yaml.YAMLError as e:
+                raise ValueError(str(e)) from e
+        elif path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ConfigError(f"{path}: expected a .toml, .yaml, .yml or .json file", field="config")
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, ValueError) as e:
+        raise ConfigError(f"{path} cannot be parsed: {e}", field="config") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a table of sections at the top level", field="config")
+    return data
+
+
+def resolve_config(file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """Defaults <- file <- flags (dotted keys), validated."""
+    cfg = TrainConfig()
+    if file is not None:
+        cfg.update(read_config_file(file))
+    cfg.update(overrides or {})
+    return cfg.validate()

@@ -1,0 +1,59 @@
+"""`--profile-steps A:B`: one Kineto trace per rank of steps A..B-1, for `deltamoe trace analyze`.
+
+torch.profiler's schedule does the windowing; the trace lands as `traces/rank{r}.json`,
+written atomically. The trace analyzer takes the rank from the trace's `distributedInfo`,
+which Kineto only writes under an initialised process group, so a single-process run gets
+`{"rank": 0, "world_size": 1}` added.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile, schedule
+
+
+class StepProfiler:
+    """Call `step()` after every training step; inert when no window is set."""
+
+    def __init__(self, window: tuple[int, int] | None, first_step: int, out: Path, rank: int):
+        self._prof: profile | None = None
+        self._stack = contextlib.ExitStack()
+        if window is None:
+            return
+        a, b = window
+        a = max(a, first_step)
+        if a >= b:  # the window lies before a resumed run's first step
+            return
+        self.path = Path(out) / "traces" / f"rank{rank}.json"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        before = a - first_step  # profiler steps to skip before the window
+        # One warmup step when there is room: the first recorded step is otherwise inflated.
+        warmup = 1 if before >= 1 else 0
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self._prof = profile(activities=activities, record_shapes=False,
+                             schedule=schedule(wait=before - warmup, warmup=warmup, active=b - a, repeat=1),
+                             on_trace_ready=self._write)
+        self._stack.enter_context(self._prof)
+
+    def _write(self, prof: profile) -> None:
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        prof.export_chrome_trace(str(tmp))
+        if not (dist.is_available() and dist.is_initialized()):
+            trace = json.loads(tmp.read_text())
+            trace.setdefault("distributedInfo", {"backend": "", "rank": 0, "world_size": 1})
+            tmp.write_text(json.dumps(trace))
+        os.replace(tmp, self.path)
+
+    def step(self) -> None:
+        if self._prof is not None:
+            self._prof.step()
+
+    def close(self) -> None:
+        self._stack.close()
+        self._prof = None

@@ -1,0 +1,218 @@
+"""The training loop: data -> step -> metrics / eval / checkpoint / profile, on one process or
+under torchrun.
+
+Order matters for errors: the config, the model config and the data (a missing file) are
+checked before any process group exists, so a bad run fails fast with one ConfigError on
+every rank instead of a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from deltamoe.model.load import build_model
+from deltamoe.model.weights import save_checkpoint
+from deltamoe.parallel import ParallelDims, init_distributed, parallelize
+from deltamoe.train import checkpoint
+from deltamoe.train.balance import ExpertLoadMeter, SequenceBalanceLoss, moe_layers
+from deltamoe.train.config import TrainConfig, parse_profile_steps
+from deltamoe.train.data import build_data
+from deltamoe.train.evaluate import evaluate, summarize
+from deltamoe.train.loss_probe import LossProbe
+from deltamoe.train.metrics import JsonlLog, read_jsonl, truncate_jsonl, write_json_atomic
+from deltamoe.train.model_setup import build_train_model, resolve_model_config
+from deltamoe.train.optim import Optimizers
+from deltamoe.train.plots import plot_curves
+from deltamoe.train.profiling import StepProfiler
+from deltamoe.train.progress import RunProgress
+from deltamoe.train.step import TrainStep
+
+
+@dataclass
+class RunResult:
+    out: Path
+    step: int
+    final_eval: dict[str, Any] | None
+    metrics: list[dict[str, Any]] = field(default_factory=list)  # this run's records (logging rank)
+
+
+def parallel_dims(cfg: TrainConfig) -> ParallelDims:
+    p = cfg.parallel
+    return ParallelDims(dp=p.dp, tp=p.tp, ep=p.ep, pp=p.pp, schedule=p.schedule, microbatches=p.microbatches,
+                        stages_per_rank=p.stages_per_rank, activation_checkpointing=p.activation_checkpointing)
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def train(cfg: TrainConfig) -> RunResult:
+    cfg.validate()
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    model_config = resolve_model_config(cfg.model)
+    data = build_data(cfg, model_config)
+    dims = parallel_dims(cfg)
+    owns_group = not (dist.is_available() and dist.is_initialized())
+    mesh = init_distributed(dims, model_config)
+    try:
+        return Trainer(cfg, model_config, data, dims, mesh).run()
+    finally:
+        if owns_group and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class Trainer:
+    def __init__(self, cfg, model_config, data, dims, mesh):
+        self.cfg, self.model_config, self.data, self.dims = cfg, model_config, data, dims
+        self.out = Path(cfg.run.out)
+        self.device = _device()
+        self.world = 1 if mesh is None else mesh.size()
+        self.rank = dist.get_rank() if self.world > 1 else 0
+        torch.manual_seed(cfg.run.seed)
+        model = build_train_model(cfg.model, model_config, cfg.run.seed, self.device)
+        self.pm = parallelize(model, dims, mesh)
+        self.parts = self.pm.model_parts
+        self.optimizers = Optimizers(self.parts, cfg.optim, cfg.run.steps)
+        layers = moe_layers(self.parts)
+        self.meter = ExpertLoadMeter(layers)
+        self.seq_balance = SequenceBalanceLoss(layers, cfg.balance.alpha) if cfg.balance.alpha > 0 else None
+        # Only an unsplit model produces a CausalLMOutput to read the loss parts from.
+        whole_model = dims.pp == 1 and dims.stages_per_rank == 1
+        extra = [self.seq_balance.pop] if self.seq_balance else []
+        self.probe = LossProbe(self.parts, extra) if whole_model else None
+        self.step_fn = TrainStep(self.pm, self.optimizers, self.meter, self.probe, cfg, self.device)
+        self.logging = self.pm.is_logging_rank()
+        self.state = checkpoint.TrainState()
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> RunResult:
+        cfg = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        self._maybe_resume()
+        records: list[dict[str, Any]] = []
+        if self.logging:
+            write_json_atomic(self.out / "train_config.json", cfg.to_dict())
+            write_json_atomic(self.out / "model_config.json", self.model_config.to_dict())
+            metrics_log, eval_log = JsonlLog(self.out / "metrics.jsonl"), JsonlLog(self.out / "eval.jsonl")
+        window = parse_profile_steps(cfg.run.profile_steps) if cfg.run.profile_steps else None
+        profiler = StepProfiler(window, self.state.step + 1, self.out, self.rank)
+        progress = RunProgress(cfg.run.steps, self.state.step, cfg.run.progress and self.logging)
+        last_eval: dict[str, Any] | None = None
+        last_saved = self.state.step if self.state.step else None
+        t_start = time.perf_counter()
+        try:
+            for step in range(self.state.step + 1, cfg.run.steps + 1):
+                t0 = time.perf_counter()
+                record = self.step_fn(step, self._micro_batches())
+                self._advance()
+                dt = time.perf_counter() - t0
+                profiler.step()
+                tokens = cfg.data.batch_size * cfg.data.seq_len
+                record = {"step": step, **record, "tokens_per_s": tokens / dt, "step_time_s": dt,
+                          "tokens": self.state.tokens, "elapsed_s": time.perf_counter() - t_start}
+                if self.logging:
+                    records.append(record)
+                    if step % cfg.run.log_every == 0 or step == cfg.run.steps:
+                        metrics_log.write(record)
+                    progress.update(step, record)
+                if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step != cfg.run.steps:
+                    last_eval = self._evaluate_and_log(step, eval_log if self.logging else None, progress)
+                if cfg.run.save_every and step % cfg.run.save_every == 0:
+                    checkpoint.save(self.out, self.parts, self.optimizers, self.state, cfg.run.keep_checkpoints)
+                    last_saved = step
+            profiler.close()
+            last_eval = self._evaluate_and_log(self.state.step, eval_log if self.logging else None, progress)
+        finally:
+            profiler.close()
+            progress.close()
+            if self.logging:
+                metrics_log.close()
+                eval_log.close()
+        if last_saved != self.state.step:
+            checkpoint.save(self.out, self.parts, self.optimizers, self.state, cfg.run.keep_checkpoints)
+        self._export()
+        if self.logging:
+            self._finish(last_eval, progress)
+        return RunResult(self.out, self.state.step, last_eval, records)
+
+    # ------------------------------------------------------------------ pieces
+    def _micro_batches(self):
+        """This rank's rows for each micro-step: the global step batch is [position, position + batch_size);
+        micro-step m covers a contiguous block of it, split across the data ranks."""
+        cfg, pos = self.cfg, self.state.data_position
+        per_micro = cfg.data.batch_size // cfg.optim.grad_accum
+        b = cfg.micro_batch_size
+        return [self.data.rows("train", pos + m * per_micro + self.pm.dp_rank * b, b)
+                for m in range(cfg.optim.grad_accum)]
+
+    def _advance(self) -> None:
+        self.state.step += 1
+        self.state.data_position += self.cfg.data.batch_size
+        self.state.tokens += self.cfg.data.batch_size * self.cfg.data.seq_len
+
+    def _evaluate_and_log(self, step: int, log: JsonlLog | None, progress: RunProgress) -> dict[str, Any] | None:
+        result = self._evaluate(step)
+        if log is not None and result is not None:
+            log.write(result)
+            progress.evaluated(result)
+        return result
+
+    def _evaluate(self, step: int) -> dict[str, Any] | None:
+        if self.probe is None or self.data.eval_rows == 0:  # pipeline stages: no whole model to score
+            return None
+        autocast = self.step_fn.autocast() if self.cfg.run.precision == "bf16" else None
+        # No activations are kept for backward, so eval runs the whole per-step rows at once.
+        rows = self.cfg.micro_batch_size * self.cfg.optim.grad_accum
+        sums = evaluate(self.parts[0], self.data, self.pm.dp_rank, self.pm.dp_size, rows, autocast)
+        sums = self.pm.all_reduce_sum(sums.to(self.device)).cpu()
+        return {"step": step, **summarize(sums, self.data.scores_answers)}
+
+    def _maybe_resume(self) -> None:
+        run = self.cfg.run
+        path = Path(run.resume_from) if run.resume_from else (checkpoint.latest_checkpoint(self.out) if run.resume else None)
+        if path is None:
+            if self.logging:  # a fresh run starts fresh logs
+                for name in ("metrics.jsonl", "eval.jsonl"):
+                    (self.out / name).unlink(missing_ok=True)
+            return
+        self.state = checkpoint.load(path, self.parts, self.optimizers)
+        if self.logging:
+            for name in ("metrics.jsonl", "eval.jsonl"):
+                truncate_jsonl(self.out / name, self.state.step)
+
+    def _export(self) -> None:
+        """The final weights as an HF-style safetensors folder that `load_model` and serving read."""
+        if self.world == 1:
+            save_checkpoint(self.parts[0], self.out / "model")
+            return
+        # Sharded or split over stages: rebuild the full model on rank 0 from the final DCP
+        # checkpoint (DCP reshards to whatever asks), rather than gathering every layout by hand.
+        dist.barrier()
+        if self.rank == 0:
+            full = build_model(self.model_config)
+            checkpoint.load_model_weights(checkpoint.latest_checkpoint(self.out), full)
+            save_checkpoint(full, self.out / "model")
+        dist.barrier()
+
+    def _finish(self, last_eval: dict[str, Any] | None, progress: RunProgress) -> None:
+        if last_eval is not None:
+            write_json_atomic(self.out / "eval.json", last_eval)
+        metrics, evals = read_jsonl(self.out / "metrics.jsonl"), read_jsonl(self.out / "eval.jsonl")
+        title = f"{self.data.name} · {self.cfg.model.path or self.cfg.model.preset}"
+        if metrics:
+            plot_curves(metrics, evals, self.out / "curves.png", title)
+        if last_eval is not None:
+            acc = last_eval.get("accuracy")
+            loss = last_eval.get("loss")
+            progress.print(f"step {self.state.step}: " + (f"eval loss {loss:.4f}" if loss is not None else "no eval loss")
+                           + (f", accuracy {acc:.1%}" if acc is not None else "") + f" -> {self.out}")

@@ -1,0 +1,74 @@
+import pytest
+import torch
+
+from deltamoe.model.load import build_model
+from deltamoe.train.balance import (ExpertLoadMeter, SequenceBalanceLoss, balance_step, load_stats, moe_layers,
+                                    sequence_balance_loss, update_router_biases)
+from tests.train.conftest import MICRO_MODEL
+
+
+@pytest.fixture(scope="module")
+def model():
+    from deltamoe.config import load_preset
+
+    return build_model(load_preset("tiny").replace(**{**MICRO_MODEL, "layer_types": ("kda", "dsa")})).train()
+
+
+def test_bias_moves_toward_balance(model):
+    layers = moe_layers([model])
+    assert len(layers) == 2  # layer 1 and the MTP layer
+    # Layer 1: mean 4, expert 0 overloaded, 1 and 3 underloaded, 2 balanced. MTP layer: balanced.
+    load = torch.tensor([[10, 2, 4, 0], [3, 3, 3, 3]])
+    update_router_biases(layers, load, gamma=0.01)
+    assert layers[0].gate.e_score_correction_bias.tolist() == pytest.approx([-0.01, 0.01, 0.0, 0.01])
+    assert layers[1].gate.e_score_correction_bias.tolist() == [0.0] * 4
+    # Selection follows: with equal router scores the overloaded expert is no longer among the top-2.
+    _, picked = layers[0].gate(torch.zeros(1, 32))
+    assert 0 not in picked.tolist()[0]
+    layers[0].gate.e_score_correction_bias.zero_()
+
+
+def test_load_stats():
+    stats = load_stats(torch.tensor([[4, 4, 4, 4], [8, 0, 4, 4]]))
+    assert stats == {"expert_load_max_mean": pytest.approx(1.5), "expert_load_max_mean_worst": pytest.approx(2.0)}
+
+
+def test_meter_sums_forwards_and_balance_step_applies_global_load(model):
+    layers = moe_layers([model])
+    meter = ExpertLoadMeter(layers)
+    ids = torch.randint(0, 256, (2, 8))
+    model(ids)
+    first = layers[0].last_expert_load.clone()
+    model(ids)
+    assert first.sum() == 2 * 8 * 2  # tokens * top-k
+    doubled = []
+    stats = balance_step(layers, meter, 0.5, lambda t: doubled.append(t) or 2 * t)  # fake 2-rank all-reduce
+    assert doubled[0][0].tolist() == (2 * first).tolist()
+    expected = 0.5 * torch.sign((4 * first).float().mean() - 4 * first)
+    assert layers[0].gate.e_score_correction_bias.tolist() == pytest.approx(expected.tolist())
+    assert stats["expert_load_max_mean"] >= 1.0
+    assert meter.take().sum() == 0  # reset after each step
+    meter.remove()
+    for layer in layers:
+        layer.gate.e_score_correction_bias.zero_()
+
+
+def test_sequence_balance_loss_values():
+    # One sequence, 2 tokens, 2 experts, top-1, uniform scores: perfectly balanced -> 1.
+    scores = torch.full((1, 2, 2), 0.5)
+    assert sequence_balance_loss(scores, torch.tensor([[[0], [1]]]), top_k=1).item() == pytest.approx(1.0)
+    # Both tokens pick expert 0, which also has all the normalized score mass: f = (2, 0), P = (1, 0) -> 2.
+    scores = torch.tensor([[[1.0, 0.0], [1.0, 0.0]]])
+    assert sequence_balance_loss(scores, torch.tensor([[[0], [0]]]), top_k=1).item() == pytest.approx(2.0)
+
+
+def test_sequence_balance_hook_has_gradient(model):
+    layers = moe_layers([model])
+    term = SequenceBalanceLoss(layers, alpha=0.01)
+    model(torch.randint(0, 256, (2, 8)))
+    loss = term.pop()
+    loss.backward()
+    assert loss.item() > 0 and layers[0].gate.weight.grad.abs().sum() > 0
+    assert term.pop() is None
+    term.remove()
+    model.zero_grad()

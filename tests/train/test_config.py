@@ -1,0 +1,40 @@
+import pytest
+
+from deltamoe.errors import ConfigError
+from deltamoe.train.config import TrainConfig, parse_profile_steps, resolve_config
+
+
+def test_file_then_flags(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text('[optim]\nlr = 0.01\ngrad_accum = 2\n[data]\ntask = "arithmetic"\nbatch_size = 8\n'
+                    '[model.overrides]\nhidden_size = 64\n')
+    cfg = resolve_config(toml, {"optim.lr": 0.5, "run.steps": 7})
+    assert (cfg.optim.lr, cfg.optim.grad_accum, cfg.data.task, cfg.run.steps) == (0.5, 2, "arithmetic", 7)
+    assert cfg.model.overrides == {"hidden_size": 64} and cfg.micro_batch_size == 4
+    yml = tmp_path / "run.yaml"
+    yml.write_text("run:\n  seed: 3\nparallel:\n  dp: 2\n")
+    cfg = resolve_config(yml)
+    assert cfg.run.seed == 3 and cfg.parallel.dp == 2 and cfg.micro_batch_size == 16
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"optim.lr": 0}, "optim.lr"), ({"run.steps": 0}, "run.steps"), ({"data.task": "sorting"}, "data.task"),
+    ({"data.batch_size": 6, "optim.grad_accum": 4}, "data.batch_size"), ({"run.precision": "fp8"}, "run.precision"),
+    ({"parallel.schedule": "zb"}, "parallel.schedule"), ({"optim.warmup": 3}, "optim.warmup"),
+    ({"training.lr": 1}, "training"), ({"run.profile_steps": "5:2"}, "run.profile_steps"),
+    ({"data.num_queries": 9}, "data.num_queries"), ({"balance.gamma": -1.0}, "balance.gamma"),
+])
+def test_bad_values_name_the_field(change, field):
+    with pytest.raises(ConfigError) as e:
+        TrainConfig.from_dict(change).validate()
+    assert e.value.field == field
+
+
+def test_profile_steps_and_bad_files(tmp_path):
+    assert parse_profile_steps("3:5") == (3, 5)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[optim\n")
+    with pytest.raises(ConfigError, match="bad.toml cannot be parsed"):
+        resolve_config(bad)
+    with pytest.raises(ConfigError, match="does not exist"):
+        resolve_config(tmp_path / "missing.toml")
