@@ -41,18 +41,33 @@ def _rank_slice(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
 
 
 class TensorParallelKDA(KimiDeltaAttention):
-    """KimiDeltaAttention on its local heads: per-head parameters are read as this rank's slice."""
+    """KimiDeltaAttention on its local heads: inside forward, per-head parameters read as this rank's slice.
+
+    Outside forward the names give the parameters themselves, as FSDP2 and state dicts expect.
+    """
 
     tp_rank: int
     tp_size: int
+    _local_view: bool = False
+
+    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+        self._local_view = True
+        try:
+            return super().forward(x, cache)
+        finally:
+            self._local_view = False
+
+    def _head_slice(self, name: str) -> torch.Tensor:
+        p = self._parameters[name]
+        return _rank_slice(p.reshape(-1), self.tp_rank, self.tp_size) if self._local_view else p
 
     @property
     def A_log(self) -> torch.Tensor:  # type: ignore[override]
-        return _rank_slice(self._parameters["A_log"].reshape(-1), self.tp_rank, self.tp_size)
+        return self._head_slice("A_log")
 
     @property
     def dt_bias(self) -> torch.Tensor:  # type: ignore[override]
-        return _rank_slice(self._parameters["dt_bias"], self.tp_rank, self.tp_size)
+        return self._head_slice("dt_bias")
 
     def conv_weight(self) -> torch.Tensor:
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)

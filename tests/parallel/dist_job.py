@@ -62,6 +62,8 @@ CASES = {
     "pp2_kimi_linear": (kimi_linear_toy, ParallelDims(pp=2, microbatches=2)),
     "dp2_ep2_tp2": (k31_toy, ParallelDims(dp=2, ep=2, tp=2)),
     "pp2_dp2": (k31_toy, ParallelDims(pp=2, dp=2, microbatches=2)),
+    "pp2_tp2_ac": (k31_toy, ParallelDims(pp=2, tp=2, schedule="interleaved1f1b", stages_per_rank=2, microbatches=2,
+                                        activation_checkpointing=True)),
 }
 
 BATCH, SEQ = 4, 12  # global batch
@@ -120,6 +122,7 @@ def run_case(name: str) -> dict:
             if ref is None:
                 assert g is None or not g.any(), f"{n}: gradient where the reference has none"
             else:
+                assert g.shape == ref.shape, f"{n}: {type(p.grad)} {tuple(g.shape)} vs {tuple(ref.shape)}"
                 err = float((g - ref).norm() / ref.norm().clamp(min=1e-30))
                 worst, worst_name = max((worst, worst_name), (err, n))
             checked.append(n)

@@ -1,0 +1,64 @@
+"""Bad layouts fail with a ConfigError naming the field, before any process group exists."""
+
+import pytest
+import torch.distributed as dist
+
+from deltamoe.config import load_preset
+from deltamoe.errors import ConfigError
+from deltamoe.parallel import ParallelDims, init_distributed
+
+TINY = load_preset("tiny")  # 8 layers in 2 AttnRes blocks of 4, 16 experts, 4 KDA and 4 MLA heads
+
+
+@pytest.mark.parametrize("dims, world, field, message", [
+    (ParallelDims(dp=2, ep=3), 2, "ep", "expected a divisor of num_experts (16), got 3"),
+    (ParallelDims(dp=2, ep=4), 2, "ep", "expected a divisor of dp (2)"),
+    (ParallelDims(pp=3), 3, "pp", "3 pipeline stages need at least as many AttnRes blocks; the model has 2"),
+    (ParallelDims(pp=2, schedule="interleaved1f1b", stages_per_rank=2, microbatches=2), 2, "pp",
+     "4 pipeline stages"),
+    (ParallelDims(dp=2, tp=2), 2, "world_size", "dp * tp * pp = 2 * 2 * 1 = 4 ranks, but the world has 2"),
+    (ParallelDims(tp=3), 3, "tp", "tp = 3 must divide kda_num_heads (4)"),
+    (ParallelDims(pp=2, schedule="gpipe"), 2, "schedule", "expected one of ('1f1b', 'interleaved1f1b')"),
+    (ParallelDims(pp=2, stages_per_rank=2), 2, "stages_per_rank", "expected 1 for schedule '1f1b'"),
+    (ParallelDims(pp=2, schedule="interleaved1f1b", microbatches=3), 2, "microbatches", "a multiple of pp (2)"),
+    (ParallelDims(dp=0), 0, "dp", "expected a positive integer"),
+])
+def test_bad_layouts_name_the_field(dims, world, field, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")) as e:
+        dims.validate(TINY, world)
+    assert e.value.field == field
+    assert not dist.is_initialized()
+
+
+def test_tied_embeddings_cannot_be_pipelined():
+    with pytest.raises(ConfigError) as e:
+        ParallelDims(pp=2).validate(TINY.replace(tie_word_embeddings=True), 2)
+    assert e.value.field == "tie_word_embeddings"
+
+
+def test_ep_needs_routed_experts():
+    with pytest.raises(ConfigError, match="without routed experts"):
+        ParallelDims(dp=2, ep=2).validate(TINY.replace(num_experts=0), 2)
+
+
+def test_valid_layouts_pass():
+    ParallelDims(dp=2, ep=2, tp=2, pp=2, microbatches=2).validate(TINY, 8)
+    ParallelDims(pp=2, schedule="interleaved1f1b", stages_per_rank=2, microbatches=4).validate(
+        load_preset("kimi-k3"), 2)
+    assert ParallelDims(dp=4, ep=4, tp=2, pp=8).world_size() == 64  # ep does not add ranks
+
+
+def test_init_distributed_checks_the_world_before_joining(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError) as e:
+        init_distributed(ParallelDims(dp=2), TINY)
+    assert e.value.field == "world_size"
+    with pytest.raises(ConfigError):
+        init_distributed(ParallelDims(dp=2, ep=3))  # no config: still checks the world size
+    assert not dist.is_initialized()
+
+
+def test_single_process_needs_no_process_group(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert init_distributed(ParallelDims(), TINY) is None
+    assert not dist.is_initialized()
