@@ -1,18 +1,148 @@
-"""Placeholder: the serving engineers replace this with `deltamoe serve|generate|chat`."""
+"""`deltamoe generate | chat | serve`: offline generation, terminal chat, and the HTTP server's entry.
 
+Bad input (model path, sampling field, cache size) raises a DeltaMoEError; the top-level CLI
+prints it as one line and exits with code 2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
 import typer
 
+from deltamoe.errors import ConfigError
+from deltamoe.serve.config import EngineConfig
 
-def serve_command() -> None:
-    """OpenAI-compatible server (not built yet)."""
-    raise typer.Exit(1)
-
-
-def generate_command() -> None:
-    """Offline generation (not built yet)."""
-    raise typer.Exit(1)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def chat_command() -> None:
-    """Interactive chat (not built yet)."""
-    raise typer.Exit(1)
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ConfigError(f"expected one of {sorted(DTYPES)}, got {name!r}", field="dtype")
+    return DTYPES[name]
+
+
+def build_engine(model: str, tokenizer: Optional[str], cache_memory: str, max_num_seqs: int,
+                 max_num_batched_tokens: int, dtype: str, device: str):
+    from deltamoe.serve.engine import LLMEngine
+
+    config = EngineConfig(cache_memory=cache_memory, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens)
+    return LLMEngine.from_pretrained(model, config, tokenizer, parse_dtype(dtype), device)
+
+
+def generate_command(
+    model: str = typer.Argument(..., help="Checkpoint folder or preset name (presets get random weights)."),
+    prompt: list[str] = typer.Option(..., "--prompt", "-p", help="Prompt text; repeat for a batch."),
+    max_tokens: int = typer.Option(64, help="Tokens to generate per prompt."),
+    temperature: float = typer.Option(1.0, help="0 = greedy."),
+    top_p: float = typer.Option(1.0),
+    top_k: int = typer.Option(0, help="0 = off."),
+    min_p: float = typer.Option(0.0),
+    seed: Optional[int] = typer.Option(None, help="Same seed, same output."),
+    stop: list[str] = typer.Option([], "--stop", help="Stop string; repeatable."),
+    ignore_eos: bool = typer.Option(False, help="Keep going past the EOS token."),
+    chat: bool = typer.Option(False, help="Wrap each prompt as a user message with the chat template."),
+    tokenizer: Optional[str] = typer.Option(None, help="Tokenizer folder/file (default: the checkpoint's, else bytes)."),
+    cache_memory: str = typer.Option("1GiB", help="KV/state cache budget, e.g. 2GiB."),
+    max_num_seqs: int = typer.Option(64),
+    max_num_batched_tokens: int = typer.Option(512),
+    dtype: str = typer.Option("float32"),
+    device: str = typer.Option("cpu"),
+    progress: bool = typer.Option(False, help="Show a progress bar with tokens/s."),
+) -> None:
+    """Generate text for one or more prompts (continuous batching)."""
+    from deltamoe.serve.chat_template import ChatTemplate
+    from deltamoe.serve.sampling import SamplingParams
+
+    engine = build_engine(model, tokenizer, cache_memory, max_num_seqs, max_num_batched_tokens, dtype, device)
+    stop_ids: list[int] = []
+    inputs: list[str | list[int]] = list(prompt)
+    if chat:
+        template = ChatTemplate.for_model(engine.tokenizer, tokenizer or model)
+        inputs = [template.encode([{"role": "user", "content": p}]) for p in prompt]
+        stop_ids = template.stop_token_ids
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                            seed=seed, stop=list(stop), stop_token_ids=stop_ids, ignore_eos=ignore_eos)
+    completions = engine.generate(inputs, params, progress=progress)
+    for i, c in enumerate(completions):
+        if len(completions) > 1:
+            typer.echo(f"--- [{i}] {prompt[i]!r} ({c.finish_reason})")
+        typer.echo(c.text)
+
+
+def chat_command(
+    model: str = typer.Argument(..., help="Checkpoint folder or preset name."),
+    system: Optional[str] = typer.Option(None, help="System prompt."),
+    max_tokens: int = typer.Option(256),
+    temperature: float = typer.Option(0.7),
+    top_p: float = typer.Option(0.95),
+    seed: Optional[int] = typer.Option(None),
+    tokenizer: Optional[str] = typer.Option(None),
+    cache_memory: str = typer.Option("1GiB"),
+    dtype: str = typer.Option("float32"),
+    device: str = typer.Option("cpu"),
+) -> None:
+    """Interactive chat in the terminal (/reset clears the history, /exit or Ctrl-D quits)."""
+    from rich.console import Console
+
+    from deltamoe.serve.chat_template import ChatTemplate
+    from deltamoe.serve.sampling import SamplingParams
+
+    console = Console()
+    engine = build_engine(model, tokenizer, cache_memory, 1, 512, dtype, device)
+    template = ChatTemplate.for_model(engine.tokenizer, tokenizer or model)
+    history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    console.print(f"[dim]deltamoe chat · {Path(model).name} · /reset, /exit[/dim]")
+    while True:
+        try:
+            line = console.input("[bold cyan]you> [/bold cyan]")
+        except (EOFError, KeyboardInterrupt):
+            console.print()
+            return
+        if line.strip() in ("/exit", "/quit"):
+            return
+        if line.strip() == "/reset":
+            history = history[:1] if system else []
+            console.print("[dim](history cleared)[/dim]")
+            continue
+        history.append({"role": "user", "content": line})
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                                stop_token_ids=template.stop_token_ids)
+        request_id = engine.add_request(template.encode(history), params)
+        console.print("[bold magenta]assistant> [/bold magenta]", end="")
+        reply = ""
+        try:
+            while engine.has_unfinished():
+                for out in engine.step():
+                    console.print(out.delta_text, end="", markup=False, highlight=False)
+                    reply = out.text
+        except KeyboardInterrupt:  # stop this answer, keep the session
+            engine.abort(request_id)
+        console.print()
+        history.append({"role": "assistant", "content": reply})
+
+
+def serve_command(
+    model: str = typer.Argument(..., help="Checkpoint folder or preset name."),
+    host: str = typer.Option("127.0.0.1"),
+    port: int = typer.Option(8000),
+    tokenizer: Optional[str] = typer.Option(None),
+    cache_memory: str = typer.Option("1GiB"),
+    max_num_seqs: int = typer.Option(64),
+    max_num_batched_tokens: int = typer.Option(512),
+    dtype: str = typer.Option("float32"),
+    device: str = typer.Option("cpu"),
+) -> None:
+    """OpenAI-compatible HTTP server (deltamoe.serve.api) over an AsyncLLMEngine."""
+    try:
+        from deltamoe.serve import api
+    except ImportError as e:
+        raise ConfigError(f"the HTTP server is not available ({e})", field="serve") from e
+    from deltamoe.serve.async_engine import AsyncLLMEngine
+
+    engine = AsyncLLMEngine(build_engine(model, tokenizer, cache_memory, max_num_seqs, max_num_batched_tokens,
+                                         dtype, device))
+    api.run(engine, model_name=model, host=host, port=port)

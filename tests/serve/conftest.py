@@ -9,6 +9,9 @@ from deltamoe.config import load_preset
 from deltamoe.model.cache import ContiguousCache
 from deltamoe.model.load import build_model
 
+# Tiny models are overhead-bound: one thread avoids oversubscribing the shared 2-core machine.
+torch.set_num_threads(1)
+
 
 def k31_tiny(**overrides):
     """K3.1-shaped toy: KDA + DSA (top-k 8, so contexts > 8 are really sparse) + latent MoE + AttnRes."""
@@ -58,3 +61,14 @@ def prompts(n: int, lo: int, hi: int, vocab: int = 256, seed: int = 0, prefix: l
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
     return [(prefix or []) + torch.randint(0, vocab, (k,), generator=g).tolist() for k in lengths]
+
+
+# With --import-mode=importlib test files cannot import this module; they take these as fixtures.
+@pytest.fixture(scope="session")
+def helpers():
+    class Helpers:
+        pass
+
+    h = Helpers()
+    h.prompts, h.reference_greedy, h.k31_tiny, h.kimi_linear_tiny = prompts, reference_greedy, k31_tiny, kimi_linear_tiny
+    return h

@@ -1,0 +1,166 @@
+"""AsyncLLMEngine: the server's front. One background thread drives `LLMEngine.step()`; coroutines stream.
+
+Requests are validated in the caller (a bad one raises RequestError before anything is queued),
+then handed to the engine thread through a command queue, so the engine itself is only ever
+touched by its own thread. Outputs travel back to each request's asyncio.Queue with
+`call_soon_threadsafe`. Leaving the `generate` iterator early (client disconnect, task
+cancellation, `aclose`) aborts the request and frees its blocks and state slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import torch
+
+from deltamoe.errors import RequestError
+from deltamoe.serve.config import EngineConfig
+from deltamoe.serve.engine import LLMEngine
+from deltamoe.serve.outputs import EngineStats, RequestOutput
+from deltamoe.serve.sampling import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed while running a step; the requests in it cannot finish."""
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05):
+        self.engine = engine
+        self._idle_wait_s = idle_wait_s
+        self._commands: collections.deque[tuple[str, object]] = collections.deque()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()  # guards _streams and request validation (shared counters)
+        self._stats = engine.stats()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def from_pretrained(cls, source: str | Path, config: EngineConfig | None = None,
+                        tokenizer: str | Path | None = None, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu") -> "AsyncLLMEngine":
+        return cls(LLMEngine.from_pretrained(source, config, tokenizer, dtype, device))
+
+    # ------------------------------------------------------------------ what the server reads
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_config(self):
+        return self.engine.model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def stats(self) -> EngineStats:
+        """The stats after the last step (a snapshot; safe from any thread)."""
+        return self._stats
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        if self.is_running:
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="deltamoe-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    # ------------------------------------------------------------------ requests
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs (text deltas) until the one with `finished=True`."""
+        self.start()
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            seq = self.engine.make_sequence(prompt, params, request_id, priority)
+            if seq.request_id in self._streams:
+                raise RequestError(f"{seq.request_id!r} is already running", field="request_id")
+            self._streams[seq.request_id] = (asyncio.get_running_loop(), queue)
+        self._send("add", seq)
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(seq.request_id, None)
+            if not finished:  # the consumer left early: stop the work and free the memory
+                self._send("abort", seq.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort from outside the stream (the stream then ends with finish_reason 'abort')."""
+        self._send("abort", request_id)
+
+    def _send(self, kind: str, payload: object) -> None:
+        self._commands.append((kind, payload))
+        self._wake.set()
+
+    # ------------------------------------------------------------------ the engine thread
+    def _loop(self) -> None:
+        while not self._stopping:
+            self._drain_commands()
+            if not self.engine.has_unfinished():
+                self._wake.wait(self._idle_wait_s)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # keep serving: fail the requests in flight, free their memory
+                self._fail_all(e)
+                continue
+            self._stats = self.engine.stats()
+            for out in outputs:
+                self._deliver(out.request_id, out)
+
+    def _drain_commands(self) -> None:
+        while self._commands:
+            kind, payload = self._commands.popleft()
+            if kind == "add":
+                try:
+                    self.engine.add_sequence(payload)
+                except RequestError as e:
+                    self._deliver(payload.request_id, e)
+            else:
+                final = self.engine.abort(payload)
+                if final is not None:
+                    self._deliver(final.request_id, final)
+        self._stats = self.engine.stats()
+
+    def _deliver(self, request_id: str, item: object) -> None:
+        with self._lock:
+            target = self._streams.get(request_id)
+        if target is not None:
+            loop, queue = target
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # that event loop is closed: nobody is listening any more
+                pass
+
+    def _fail_all(self, error: Exception) -> None:
+        for request_id in list(self.engine._requests):
+            self.engine.abort(request_id)
+            self._deliver(request_id, EngineDeadError(f"engine step failed: {error!r}"))
+        self._stats = self.engine.stats()
