@@ -24,7 +24,7 @@ LAYOUT = {
     "pp2_interleaved": {"layers": [0, 1, 4, 5]},  # stages 0 and 2 of 4
     "pp2_kimi_linear": {"layers": [0, 1]},
     "dp2_ep2_tp2": {"expert_rows": [4, 16, 20], "kda_heads": [8, 32], "mlp_cols": [12, 32]},
-    "pp2_dp2": {"layers": [0, 1, 2, 3], "expert_rows": [8, 16, 20], "kda_heads": [16, 32]},
+    "pp2_dp2": {"layers": [0, 1, 2, 3], "expert_rows": [4, 16, 20], "kda_heads": [16, 32]},  # FSDP rows
     "pp2_tp2_ac": {"layers": [0, 1, 4, 5], "kda_heads": [16, 32], "mlp_cols": [24, 32]},
 }
 
