@@ -3,7 +3,7 @@
 1. Peer comparison at 8, 64, 256 and 1,024 ranks (~2,000 events per rank, pretty-printed JSON
    with `ncclKernel_*` names, which HTA can read; rank 1 is an injected straggler in stage 0
    of a 2-stage 1F1B pipeline): load + breakdown + straggler analysis, wall time and peak RSS
-   of each tool's whole process tree (sampled from /proc every 50 ms), each in its own
+   (PSS) of each tool's whole process tree (sampled from /proc every 50 ms), each in its own
    subprocess, plus which rank each tool names as the straggler.
 2. Throughput on one large rank file (~1M events), pretty and compact: events/s end to end.
 3. Scaling from 1,000 to 10,000 ranks of ~2,000 events (compact JSON; HTA is not run there).
@@ -49,7 +49,10 @@ def ensure_hta() -> Path:
 
 
 def _tree_rss(root: int) -> int:
-    """Sum of RSS (bytes) over `root` and all its descendants."""
+    """Sum of PSS (bytes) over `root` and all its descendants.
+
+    PSS splits pages shared after fork between the processes, so a forked worker pool is
+    not counted once per worker (plain RSS would add the parent's imports N+1 times)."""
     children: dict[int, list[int]] = {}
     for d in os.listdir("/proc"):
         if not d.isdigit():
@@ -61,12 +64,14 @@ def _tree_rss(root: int) -> int:
         except (OSError, ValueError, IndexError):
             continue
     total, todo = 0, [root]
-    page = os.sysconf("SC_PAGE_SIZE")
     while todo:
         pid = todo.pop()
         try:
-            with open(f"/proc/{pid}/statm") as f:
-                total += int(f.read().split()[1]) * page
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1]) * 1024
+                        break
         except (OSError, ValueError, IndexError):
             pass
         todo += children.get(pid, [])
@@ -96,7 +101,7 @@ def measure(cmd: list[str], timeout: float = 1800) -> dict:
 
 
 def synth(out: Path, ranks: int, extra: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "deltamoe.cli", "trace", "synth", str(out), "--ranks", str(ranks), *extra]
+    cmd = [sys.executable, "-m", "deltamoe.trace", "synth", str(out), "--ranks", str(ranks), *extra]
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, capture_output=True)
     truth = json.loads((out / "_ground_truth.json").read_text())
@@ -107,7 +112,8 @@ def synth(out: Path, ranks: int, extra: list[str]) -> dict:
 
 def run_deltamoe(folder: Path, tmp: Path) -> dict:
     out = tmp / "deltamoe.json"
-    m = measure([sys.executable, "-m", "deltamoe.cli", "trace", "analyze", str(folder), "--json", str(out),
+    # `python -m deltamoe.trace` = `deltamoe trace` without importing the other subsystems.
+    m = measure([sys.executable, "-m", "deltamoe.trace", "analyze", str(folder), "--json", str(out),
                  "--quiet", "--workers", "2"])
     if m["rc"] == 0:
         rep = json.loads(out.read_text())
@@ -181,7 +187,7 @@ def _slim(m: dict) -> dict:
 
 
 def markdown(res: dict) -> str:
-    lines = ["| ranks | events | JSON MB | deltamoe s | HTA s | speedup | deltamoe peak MB | HTA peak MB | "
+    lines = ["| ranks | events | JSON MB | deltamoe s | HTA s | speedup | deltamoe peak PSS MB | HTA peak PSS MB | "
              "straggler (truth) | deltamoe says | HTA says |", "|" + "---|" * 11]
     for r in res.get("peer", []):
         d, h = r["deltamoe"], r.get("hta", {})

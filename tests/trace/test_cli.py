@@ -50,3 +50,10 @@ def test_parse_steps():
     assert parse_steps(":4") == (None, 4) and parse_steps("2:") == (2, None) and parse_steps(None) == (None, None)
     with pytest.raises(TraceError):
         parse_steps("a:b")
+
+
+def test_module_entry_point_maps_errors(tmp_path, capsys):
+    from deltamoe.trace.__main__ import main as trace_main
+
+    assert trace_main(["analyze", str(tmp_path / "missing")]) == 2
+    assert capsys.readouterr().err.startswith("error: DIR: not a directory")
