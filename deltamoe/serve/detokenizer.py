@@ -40,8 +40,14 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end of generation: release held-back text (an unfinished character becomes U+FFFD)."""
-        if self.stopped_by is None:
-            self._add(self._decoder.decode(b"", final=True))
+        delta = self._add(self._decoder.decode(b"", final=True)) if self.stopped_by is None else ""
+        if self.stopped_by is not None:  # _add already released everything up to the stop
+            return delta
+        delta += self.text[self.emitted:]
+        self.emitted = len(self.text)
+        return delta
+
+    def _release(self) -> str:
         delta = self.text[self.emitted:]
         self.emitted = len(self.text)
         return delta
@@ -55,7 +61,7 @@ class IncrementalDetokenizer:
             i, s = hit
             self.text = self.text[: i + (len(s) if self._include_stop else 0)]
             self.stopped_by = s
-            return self.flush()
+            return self._release()
         end = len(self.text) - self._partial_stop_suffix()
         delta = self.text[self.emitted:end] if end > self.emitted else ""
         self.emitted = max(self.emitted, end)
