@@ -34,7 +34,9 @@ class ParallelDims:
     ep: int = 1  # expert parallel, carved out of dp: must divide dp
     pp: int = 1  # pipeline ranks
     schedule: str = "1f1b"  # "1f1b" | "interleaved1f1b"
-    microbatches: int = 1  # pipeline microbatches per step; the local batch must divide by it
+    # Microbatches per step; the local batch must divide by it. With pp > 1 the pipeline schedule runs
+    # them; otherwise they are gradient accumulation (FSDP reduces after the last one).
+    microbatches: int = 1
     stages_per_rank: int = 1  # virtual pipeline stages per rank ("interleaved1f1b")
     activation_checkpointing: bool = False  # recompute each decoder layer in backward
 

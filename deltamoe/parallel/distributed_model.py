@@ -7,6 +7,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from deltamoe.parallel.api import ParallelDims
@@ -27,30 +28,43 @@ class DistributedModel:
         self.has_last = any(s.last for s in stages)
 
     def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[0] % self.dims.microbatches != 0:
+            raise ValueError(f"the local batch ({input_ids.shape[0]} rows) must divide into "
+                             f"{self.dims.microbatches} microbatches")
         counts = target_counts(labels, self.loss_fn.mtp_depths)
         dist.all_reduce(counts, group=self.dp_group)
         self.loss_fn.counts = counts
-        if self.schedule is None:
-            loss = self.loss_fn(self.model_parts[0](input_ids), labels)
-            loss.backward()
-            local = loss.detach()
+        if self.schedule is not None:
+            local = self._pipelined(input_ids, labels)
         else:
-            if input_ids.shape[0] % self.dims.microbatches != 0:
-                raise ValueError(f"the local batch ({input_ids.shape[0]}) must divide into "
-                                 f"{self.dims.microbatches} microbatches")
-            losses: list[torch.Tensor] = []
-            target = labels if self.has_last else None
-            if self.has_first:
-                self.schedule.step(input_ids, target=target, losses=losses)
-            else:
-                self.schedule.step(target=target, losses=losses)
-            local = torch.stack(losses).sum().detach() if self.has_last else torch.zeros((), device=labels.device)
+            local = self._accumulated(input_ids, labels)
         for hook in self.after_backward:
             hook()
         # Data ranks hold parts of the sum, only the last stage has it, tensor ranks hold copies.
         total = local.float().clone()
         dist.all_reduce(total)
         return total / self.dims.tp
+
+    def _accumulated(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One stage: forward + backward per microbatch; FSDP reduces gradients after the last one only."""
+        stage, n = self.model_parts[0], self.dims.microbatches
+        total = torch.zeros((), device=labels.device)
+        for i, (ids, target) in enumerate(zip(input_ids.chunk(n), labels.chunk(n))):
+            if isinstance(stage, FSDPModule):
+                stage.set_requires_gradient_sync(i == n - 1)
+            loss = self.loss_fn(stage(ids), target)
+            loss.backward()
+            total = total + loss.detach()
+        return total
+
+    def _pipelined(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        losses: list[torch.Tensor] = []
+        target = labels if self.has_last else None
+        if self.has_first:
+            self.schedule.step(input_ids, target=target, losses=losses)
+        else:
+            self.schedule.step(target=target, losses=losses)
+        return torch.stack(losses).sum().detach() if self.has_last else torch.zeros((), device=labels.device)
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for stage in self.model_parts for p in stage.parameters()]

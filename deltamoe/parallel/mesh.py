@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from deltamoe.errors import ConfigError
 from deltamoe.parallel.api import ParallelDims
 
 MESH_DIMS = ("pp", "dp_rep", "ep", "tp")
@@ -40,8 +41,6 @@ def init_distributed(dims: ParallelDims, config=None) -> DeviceMesh | None:
     if config is not None:
         dims.validate(config, world)
     elif world != dims.world_size():
-        from deltamoe.errors import ConfigError
-
         raise ConfigError(f"dp * tp * pp = {dims.world_size()} ranks, but WORLD_SIZE is {world}", field="world_size")
     if world == 1:
         return None

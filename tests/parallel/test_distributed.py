@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 JOB = Path(__file__).with_name("dist_job.py")
-FAST = ["dp2", "ep2", "ep2_ac", "tp2", "tp2_kimi_linear", "pp2", "pp2_interleaved", "pp2_kimi_linear"]
+FAST = ["dp2", "ep2", "ep2_ac_mb2", "tp2", "tp2_kimi_linear", "pp2", "pp2_interleaved", "pp2_kimi_linear"]
 COMPOSED = ["dp2_ep2_tp2", "pp2_dp2", "pp2_tp2_ac"]
 
 # What rank 0 holds in each layout: proof that the parallelism was applied, not only that numbers agree.
@@ -18,7 +18,7 @@ COMPOSED = ["dp2_ep2_tp2", "pp2_dp2", "pp2_tp2_ac"]
 LAYOUT = {
     "dp2": {"kda_heads": [16, 32]},  # FSDP: half the rows of q_proj
     "ep2": {"expert_rows": [4, 16, 20], "kda_heads": [16, 32]},  # 4 of 8 experts; dense params FSDP-sharded
-    "ep2_ac": {"expert_rows": [4, 16, 20]},
+    "ep2_ac_mb2": {"expert_rows": [4, 16, 20]},  # + activation checkpointing, 2 accumulated microbatches
     "tp2": {"kda_heads": [16, 32], "mlp_cols": [24, 32], "expert_rows": [8, 16, 20]},
     "pp2": {"layers": [0, 1, 2, 3], "kda_heads": [32, 32]},
     "pp2_interleaved": {"layers": [0, 1, 4, 5]},  # stages 0 and 2 of 4
@@ -45,6 +45,7 @@ def check(result: dict, case: str) -> None:
     assert result["loss"] == pytest.approx(result["ref_loss"], rel=1e-6)
     assert result["grad_rel_err"] < 1e-5, result["worst_param"]
     assert result["norm"] == pytest.approx(result["ref_norm"], rel=1e-5)  # clip_grad_norm_ sees every shard
+    assert result["clipped_norm"] == pytest.approx(result["ref_norm"] / 2, rel=1e-4)
     assert result["unchecked"] == []  # every parameter's gradient was compared on some rank
     for key, value in LAYOUT.get(case, {}).items():
         assert result["layout"][key] == value, key

@@ -40,6 +40,7 @@ def test_without_attn_res_the_unit_is_a_layer():
 
 def test_more_stages_than_blocks_is_a_config_error():
     config = load_preset("kimi-k3")  # 8 blocks
-    with pytest.raises(ConfigError, match="9 pipeline stages need at least as many AttnRes blocks; the model has 8") as e:
+    message = "9 pipeline stages need at least as many AttnRes blocks; the model has 8"
+    with pytest.raises(ConfigError, match=message) as e:
         split_stages(config, 9)
     assert e.value.field == "pp"
