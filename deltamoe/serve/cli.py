@@ -127,14 +127,19 @@ def chat_command(
 
 def serve_command(
     model: str = typer.Argument(..., help="Checkpoint folder or preset name."),
-    host: str = typer.Option("127.0.0.1"),
+    host: str = typer.Option("127.0.0.1", help="Interface to bind; the default keeps the server local."),
     port: int = typer.Option(8000),
+    api_key: Optional[str] = typer.Option(None, envvar="DELTAMOE_API_KEY",
+                                          help="Require 'Authorization: Bearer KEY' on every /v1 route."),
+    served_model_name: Optional[str] = typer.Option(None, help="The model name clients send (default: MODEL)."),
+    max_model_len: Optional[int] = typer.Option(None, help="Context limit: prompt + output tokens per request."),
     tokenizer: Optional[str] = typer.Option(None),
-    cache_memory: str = typer.Option("1GiB"),
+    cache_memory: str = typer.Option("1GiB", help="KV/state cache budget, e.g. 2GiB."),
     max_num_seqs: int = typer.Option(64),
     max_num_batched_tokens: int = typer.Option(512),
     dtype: str = typer.Option("float32"),
     device: str = typer.Option("cpu"),
+    log_level: str = typer.Option("info", help="uvicorn log level (warning keeps the access log quiet)."),
 ) -> None:
     """OpenAI-compatible HTTP server (deltamoe.serve.api) over an AsyncLLMEngine."""
     try:
@@ -142,7 +147,11 @@ def serve_command(
     except ImportError as e:
         raise ConfigError(f"the HTTP server is not available ({e})", field="serve") from e
     from deltamoe.serve.async_engine import AsyncLLMEngine
+    from deltamoe.serve.chat_template import ChatTemplate
 
-    engine = AsyncLLMEngine(build_engine(model, tokenizer, cache_memory, max_num_seqs, max_num_batched_tokens,
-                                         dtype, device))
-    api.run(engine, model_name=model, host=host, port=port)
+    config = EngineConfig(cache_memory=cache_memory, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
+    engine = AsyncLLMEngine.from_pretrained(model, config, tokenizer, parse_dtype(dtype), device)
+    template = ChatTemplate.for_model(engine.tokenizer, tokenizer or model)
+    api.run(engine, model_name=served_model_name or model, host=host, port=port, api_key=api_key,
+            chat_template=template, log_level=log_level)

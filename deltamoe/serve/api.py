@@ -1,0 +1,150 @@
+"""OpenAI-compatible HTTP server (FastAPI + uvicorn) over `AsyncLLMEngine`.
+
+Routes: GET /health, GET /metrics (Prometheus), and under /v1 (Bearer key, when one is set):
+GET /models, POST /completions, POST /chat/completions (SSE streaming or one JSON body).
+
+The flow per request: the key is checked -> the body is parsed strictly (`api_schemas`) ->
+the model name is checked -> fields become SamplingParams (`api_params`) -> the engine runs
+it (`api_generate`) -> outputs become OpenAI objects (`api_format`). Any failure on the way
+is an OpenAI-style error body (`api_errors`); none of them takes the server down.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import TypeVar
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from deltamoe.errors import RequestError
+from deltamoe.serve.api_errors import APIError, InternalErrorMiddleware, from_validation_error, install_error_handlers
+from deltamoe.serve.api_format import ChatFormatter, CompletionFormatter
+from deltamoe.serve.api_generate import Generation
+from deltamoe.serve.api_metrics import CONTENT_TYPE, HTTPMetricsMiddleware, ServerMetrics
+from deltamoe.serve.api_params import chat_params, completion_params
+from deltamoe.serve.api_schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields
+from deltamoe.serve.async_engine import AsyncLLMEngine
+from deltamoe.serve.chat_template import ChatTemplate
+
+MAX_BODY_BYTES = 32 * 2**20  # far above any prompt that fits a context; stops a client from filling memory
+R = TypeVar("R", bound=BaseModel)
+
+
+async def read_body(request: Request, schema: type[R], limit: int = MAX_BODY_BYTES) -> R:
+    """The body as `schema`, or a 4xx: too large (413), not UTF-8 / not JSON / wrong types (400)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the request body is {declared} bytes; the limit is {limit}", code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"the request body is over the limit of {limit} bytes", code="body_too_large")
+        chunks.append(chunk)
+    try:
+        return schema.model_validate_json(b"".join(chunks))
+    except ValidationError as e:
+        raise from_validation_error(e) from e
+
+
+def _include_usage(req: SamplingFields) -> bool:
+    return req.stream_options is not None and req.stream_options.include_usage
+
+
+def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = None,
+              chat_template: ChatTemplate | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The app for one engine serving one model name. The engine thread runs for the app's lifespan."""
+    template = chat_template or ChatTemplate.for_model(engine.tokenizer, None)
+    metrics = ServerMetrics(engine.stats)
+    vocab_size = engine.model_config.vocab_size
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    app = FastAPI(title="deltamoe", summary="OpenAI-compatible server for the Kimi Linear / K3 family",
+                  lifespan=lifespan)
+    install_error_handlers(app)
+    app.add_middleware(InternalErrorMiddleware)
+    app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)  # added last = outermost: it sees every status
+    app.state.engine, app.state.metrics = engine, metrics
+
+    async def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        # compare_digest: the time taken must not tell an attacker how much of the key matched.
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
+                           param="model", code="model_not_found")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            return APIError(503, "the engine thread is not running", code="engine_not_running").response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+
+    @v1.get("/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model_name, created=created, max_model_len=engine.max_model_len)])
+
+    @v1.post("/completions")
+    async def completions(request: Request) -> Response:
+        req = await read_body(request, CompletionRequest, max_body_bytes)
+        check_model(req.model)
+        params, names = completion_params(req, vocab_size)
+        fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", req.model, engine.tokenizer, req.logprobs is not None)
+        return await Generation(engine, metrics, names).respond(request, req.prompt, params, fmt, bool(req.stream),
+                                                                _include_usage(req))
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = await read_body(request, ChatCompletionRequest, max_body_bytes)
+        check_model(req.model)
+        params, names = chat_params(req, vocab_size, template.stop_token_ids)
+        prompt = _render(template, req)
+        fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", req.model, engine.tokenizer, bool(req.logprobs))
+        return await Generation(engine, metrics, names).respond(request, prompt, params, fmt, bool(req.stream),
+                                                                _include_usage(req))
+
+    app.include_router(v1)
+    return app
+
+
+def _render(template: ChatTemplate, req: ChatCompletionRequest) -> list[int]:
+    from jinja2 import TemplateError
+
+    try:
+        return template.encode([m.model_dump() for m in req.messages], req.add_generation_prompt)
+    except TemplateError as e:  # a checkpoint template that cannot render these messages
+        raise RequestError(f"the chat template failed on these messages ({e})", field="messages") from e
+
+
+def run(engine: AsyncLLMEngine, model_name: str, host: str = "127.0.0.1", port: int = 8000, *,
+        api_key: str | None = None, chat_template: ChatTemplate | None = None, log_level: str = "info") -> None:
+    """Serve until Ctrl-C (blocking)."""
+    import uvicorn
+
+    app = build_app(engine, model_name, api_key=api_key, chat_template=chat_template)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

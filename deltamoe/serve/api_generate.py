@@ -1,0 +1,155 @@
+"""One generation request, from the engine's first output to the last byte on the wire.
+
+The first output is awaited before any header is sent: the engine validates (and may refuse)
+a request only when its stream is first read, and a refusal must be a 4xx, not a broken
+stream. After that, streaming sends one SSE event per chunk and `data: [DONE]`; non-streaming
+collects into one JSON body. Either way, a client that goes away aborts the engine request,
+which frees its cache blocks and state slot: streaming through Starlette's disconnect watch
+(it cancels the body iterator, and the response's background task closes it), non-streaming
+by polling `request.is_disconnected()` while waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import Protocol, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.background import BackgroundTask
+
+from deltamoe.errors import RequestError
+from deltamoe.serve.api_errors import APIError, from_request_error
+from deltamoe.serve.api_metrics import RequestTiming, ServerMetrics
+from deltamoe.serve.api_params import rename
+from deltamoe.serve.async_engine import AsyncLLMEngine, EngineDeadError
+from deltamoe.serve.outputs import RequestOutput
+from deltamoe.serve.sampling import SamplingParams
+
+T = TypeVar("T")
+DISCONNECT_POLL_S = 0.2
+CLIENT_CLOSED = 499  # nginx's "client closed request": only the access log and /metrics ever see it
+
+
+class Formatter(Protocol):
+    id: str
+    last: RequestOutput | None
+
+    def add(self, out: RequestOutput) -> BaseModel | None: ...
+
+    def usage_chunk(self) -> BaseModel: ...
+
+    def response(self) -> BaseModel: ...
+
+
+class ClientGone(Exception):
+    pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`; if the client disconnects first, cancel it (which aborts the engine request)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientGone()
+    finally:
+        if not task.done():
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+
+
+def _engine_failed(e: EngineDeadError) -> APIError:
+    return APIError(500, str(e), code="engine_error")
+
+
+class Generation:
+    """Runs one request against the engine and answers it (see the module docstring)."""
+
+    def __init__(self, engine: AsyncLLMEngine, metrics: ServerMetrics, field_names: dict[str, str]):
+        self.engine, self.metrics, self.field_names = engine, metrics, field_names
+
+    async def respond(self, request: Request, prompt: str | list[int], params: SamplingParams, fmt: Formatter,
+                      stream: bool, include_usage: bool) -> Response:
+        timing = RequestTiming()
+        outputs = self.engine.generate(prompt, params, request_id=fmt.id)
+        # Each failure below has already ended the engine's generator (the error or the
+        # cancellation ran through it), so there is nothing left to close.
+        try:
+            first = await _unless_disconnected(request, outputs.__anext__())
+        except RequestError as e:
+            raise from_request_error(rename(e, self.field_names)) from e
+        except EngineDeadError as e:
+            raise _engine_failed(e) from e
+        except ClientGone:
+            self.metrics.observe(timing, "abort")
+            return Response(status_code=CLIENT_CLOSED)
+        timing.tokens(len(first.delta_token_ids))
+        if stream:
+            events = self._events(first, outputs, fmt, timing, include_usage)
+            # The background task runs even after a disconnect cancelled the stream: closing the
+            # iterator then aborts the engine request at once instead of at garbage collection.
+            return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(events.aclose),
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await self._collect(request, first, outputs, fmt, timing)
+
+    async def _collect(self, request: Request, first: RequestOutput, outputs: AsyncIterator[RequestOutput],
+                       fmt: Formatter, timing: RequestTiming) -> Response:
+        async def drain() -> None:
+            out = first
+            fmt.add(out)
+            while not out.finished:
+                out = await outputs.__anext__()
+                timing.tokens(len(out.delta_token_ids))
+                fmt.add(out)
+
+        reason = "abort"
+        try:
+            await _unless_disconnected(request, drain())
+            reason = fmt.last.finish_reason or "abort"
+        except EngineDeadError as e:
+            reason = "error"
+            raise _engine_failed(e) from e
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED)
+        finally:
+            timing.end = time.perf_counter()
+            self.metrics.observe(timing, reason)
+            await outputs.aclose()
+        return JSONResponse(fmt.response().model_dump())
+
+    async def _events(self, first: RequestOutput, outputs: AsyncIterator[RequestOutput], fmt: Formatter,
+                      timing: RequestTiming, include_usage: bool) -> AsyncIterator[str]:
+        reason = "abort"
+        try:
+            out = first
+            while True:
+                chunk = fmt.add(out)
+                if chunk is not None:
+                    yield f"data: {chunk.model_dump_json()}\n\n"
+                if out.finished:
+                    reason = out.finish_reason or "abort"
+                    break
+                out = await outputs.__anext__()
+                timing.tokens(len(out.delta_token_ids))
+            if include_usage:
+                yield f"data: {fmt.usage_chunk().model_dump_json()}\n\n"
+        except EngineDeadError as e:  # headers are gone already: report in-band, as OpenAI does
+            reason = "error"
+            yield f"data: {json.dumps(_engine_failed(e).body())}\n\n"
+        finally:
+            if timing.end is None:
+                timing.end = time.perf_counter()
+                self.metrics.observe(timing, reason)
+            await outputs.aclose()
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,80 @@
+"""OpenAI request fields -> the engine's SamplingParams, with errors that use the client's field names.
+
+The engine names fields its own way (`logprobs` is a count, `max_tokens` is the only limit);
+a chat client sent `top_logprobs` and maybe `max_completion_tokens`, so an error about those
+must say so. Features this server does not implement are refused here, never ignored.
+"""
+
+from __future__ import annotations
+
+from deltamoe.errors import RequestError
+from deltamoe.serve.api_errors import APIError
+from deltamoe.serve.api_schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from deltamoe.serve.sampling import SamplingParams
+
+
+def _unsupported(param: str, message: str) -> APIError:
+    return APIError(400, f"{param}: {message}", param=param, code="unsupported_value")
+
+
+def _common(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
+            stop_token_ids: list[int]) -> SamplingParams:
+    if req.n not in (None, 1):
+        raise _unsupported("n", f"only n=1 is supported, got {req.n}; send n separate requests (with different seeds)")
+    if req.logit_bias:
+        raise _unsupported("logit_bias", "logit_bias is not supported")
+
+    def pick(value, default):
+        return default if value is None else value
+
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=pick(req.temperature, 1.0), top_p=pick(req.top_p, 1.0),
+        top_k=0 if req.top_k in (None, -1) else req.top_k,  # -1 is vLLM's "off"
+        min_p=pick(req.min_p, 0.0), seed=req.seed, stop=list(req.stop),
+        stop_token_ids=sorted(set(pick(req.stop_token_ids, [])) | set(stop_token_ids)),
+        ignore_eos=req.ignore_eos, logprobs=logprobs, presence_penalty=pick(req.presence_penalty, 0.0),
+        frequency_penalty=pick(req.frequency_penalty, 0.0), skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output)
+
+
+def validated(params: SamplingParams, vocab_size: int, names: dict[str, str]) -> SamplingParams:
+    """SamplingParams.validate, re-raised with the client's field name (see `field_names`)."""
+    try:
+        params.validate(vocab_size)
+    except RequestError as e:
+        raise rename(e, names) from e
+    return params
+
+
+def rename(e: RequestError, names: dict[str, str]) -> RequestError:
+    return RequestError(str(e), field=names.get(e.field or "", e.field), hint=e.hint)
+
+
+def completion_params(req: CompletionRequest, vocab_size: int) -> tuple[SamplingParams, dict[str, str]]:
+    if req.echo:
+        raise _unsupported("echo", "echo is not supported")
+    if req.suffix:
+        raise _unsupported("suffix", "suffix (insertion) is not supported")
+    if req.best_of not in (None, 1):
+        raise _unsupported("best_of", f"only best_of=1 is supported, got {req.best_of}")
+    names: dict[str, str] = {}
+    return validated(_common(req, req.max_tokens, req.logprobs, []), vocab_size, names), names
+
+
+def chat_params(req: ChatCompletionRequest, vocab_size: int,
+                stop_token_ids: list[int]) -> tuple[SamplingParams, dict[str, str]]:
+    if req.tools:
+        raise _unsupported("tools", "tool calling is not supported")
+    if req.tool_choice not in (None, "none"):
+        raise _unsupported("tool_choice", "tool calling is not supported")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise _unsupported("response_format", "only {'type': 'text'} is supported")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs: needs logprobs=true", param="top_logprobs", code="invalid_value")
+    names = {"logprobs": "top_logprobs", "prompt": "messages"}
+    max_tokens = req.max_tokens
+    if req.max_completion_tokens is not None:  # the newer name wins, as on api.openai.com
+        max_tokens, names["max_tokens"] = req.max_completion_tokens, "max_completion_tokens"
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    turn_ends = [] if req.ignore_eos else stop_token_ids  # ignore_eos (benchmarks): run past end-of-turn too
+    return validated(_common(req, max_tokens, logprobs, turn_ends), vocab_size, names), names

@@ -1,0 +1,230 @@
+"""The OpenAI wire format as pydantic models: requests (strictly typed) and responses.
+
+Requests are strict about types (a JSON string where a number belongs is a 400, not a silent
+cast) and ignore fields they do not know, as OpenAI's own clients send extras freely. Value
+ranges are not repeated here: `SamplingParams.validate` owns them and names the field. Fields
+that OpenAI defines but this server cannot honour are accepted only at their neutral value,
+so a client never gets a silently different behaviour.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
+
+# torch.Generator.manual_seed takes any value that fits in 64 bits, signed or not.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class SamplingFields(_Request):
+    """What completions and chat share. None means "the default" (clients often send explicit nulls)."""
+
+    model: str
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # vLLM extension; -1 means off there, 0 here
+    min_p: float | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    stop: Any = Field(None, validate_default=True)  # str | list[str]: checked below so the error names `stop`, not a union branch
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: Any) -> list[str]:
+        if v is None:
+            return []
+        if isinstance(v, str):
+            return [v]
+        if isinstance(v, list) and all(isinstance(s, str) for s in v):
+            return v
+        raise ValueError("expected a string or a list of strings")
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Any  # str | [str] | [int] | [[int]]: one prompt only (see `prompt_input`)
+    max_tokens: int | None = 16  # OpenAI's completions default
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: Any) -> str | list[int]:
+        def ids(x: Any) -> bool:
+            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+        if isinstance(v, str):
+            return v
+        if ids(v) and v:
+            return v
+        if isinstance(v, list) and len(v) == 1 and (isinstance(v[0], str) or ids(v[0])):
+            return v[0]
+        if isinstance(v, list) and len(v) > 1 and (all(isinstance(p, str) for p in v) or all(ids(p) for p in v)):
+            raise ValueError("only one prompt per request is supported; send one request per prompt")
+        raise ValueError("expected a string, a list of token ids, or a one-element list of either")
+
+
+class ChatMessage(_Request):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    role: str
+    content: Any = None  # str | [{"type": "text", "text": ...}] | None: chat_template.normalize_messages checks it
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # chat's default: up to the context length
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+
+# ---------------------------------------------------------------------------- responses
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's extra: the stop string or token id that ended it
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # OpenAI sends the role once, in the first delta, and leaves the key out afterwards.
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "deltamoe"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

@@ -1,0 +1,186 @@
+"""The OpenAI-compatible server, end to end: the official `openai` client against a real uvicorn.
+
+The server's answers are held to the offline engine on the same checkpoint: each request has
+its own seeded generator, so what a request gets does not depend on the server or the batch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+
+from deltamoe.model.load import build_model
+from deltamoe.model.weights import save_checkpoint
+from deltamoe.serve.api import build_app
+from deltamoe.serve.api_thread import ServerThread
+from deltamoe.serve.async_engine import AsyncLLMEngine
+from deltamoe.serve.chat_template import ChatTemplate
+from deltamoe.serve.config import EngineConfig
+from deltamoe.serve.engine import LLMEngine
+from deltamoe.serve.sampling import SamplingParams
+
+API_KEY = "sk-test"
+MODEL = "tiny-k31"
+# A checkpoint template distinct from the default one, to show the server uses the checkpoint's.
+TEMPLATE = "{% for m in messages %}[{{ m.role }}]{{ m.content }}<|end|>{% endfor %}" \
+           "{% if add_generation_prompt %}[assistant]{% endif %}"
+MAX_MODEL_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, helpers):
+    folder = tmp_path_factory.mktemp("ckpt")
+    save_checkpoint(build_model(helpers.k31_tiny(), seed=11), folder)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    config = EngineConfig(cache_memory="32MiB", max_model_len=MAX_MODEL_LEN)
+    engine = AsyncLLMEngine.from_pretrained(folder, config)
+    template = ChatTemplate.for_model(engine.tokenizer, folder)
+    app = build_app(engine, MODEL, api_key=API_KEY, chat_template=template, max_body_bytes=2**20)
+    offline = LLMEngine.from_pretrained(folder, EngineConfig(cache_memory="32MiB", max_model_len=MAX_MODEL_LEN))
+    with ServerThread(app) as thread:
+        yield SimpleNamespace(url=thread.url, engine=engine, template=template, offline=offline, app=app)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def offline(server, prompt, **params):
+    return server.offline.generate([prompt], SamplingParams(**params), progress=False)[0]
+
+
+def test_health_models_and_api_key(server, client):
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}  # no key needed outside /v1
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].model_extra["max_model_len"] == MAX_MODEL_LEN
+    with pytest.raises(openai.AuthenticationError) as e:
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-wrong", max_retries=0).models.list()
+    assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+    for headers in ({}, {"Authorization": "sk-test"}, {"Authorization": "Basic sk-test"}):
+        r = httpx.post(f"{server.url}/v1/completions", headers=headers, json={"model": MODEL, "prompt": "x"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_completion_matches_the_offline_engine(server, client):
+    prompt = "The quick brown fox"
+    ref = offline(server, prompt, max_tokens=12, temperature=0)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    assert r.choices[0].text == ref.text and r.choices[0].finish_reason == ref.finish_reason
+    assert r.usage.prompt_tokens == len(prompt.encode()) and r.usage.completion_tokens == len(ref.token_ids)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    by_ids = client.completions.create(model=MODEL, prompt=list(prompt.encode()), max_tokens=12, temperature=0)
+    assert by_ids.choices[0].text == ref.text
+
+
+def test_sampling_fields_reach_the_engine(server, client):
+    fields = dict(temperature=0.9, top_p=0.9, seed=1234, presence_penalty=0.5, frequency_penalty=1.5)
+    extra = dict(top_k=40, min_p=0.02, ignore_eos=True)
+    ref = offline(server, "abc", max_tokens=20, **fields, **extra)
+    r = client.completions.create(model=MODEL, prompt="abc", max_tokens=20, extra_body=extra, **fields)
+    assert r.choices[0].text == ref.text
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 20
+    again = client.completions.create(model=MODEL, prompt="abc", max_tokens=20, extra_body=extra, **fields)
+    other = client.completions.create(model=MODEL, prompt="abc", max_tokens=20, extra_body=extra,
+                                      **{**fields, "seed": 99})
+    assert again.choices[0].text == r.choices[0].text and other.choices[0].text != r.choices[0].text
+
+
+def test_streaming_completion_with_usage(server, client):
+    kw = dict(model=MODEL, prompt="hello there", max_tokens=16, temperature=0.7, seed=5, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    text_chunks, usage_chunk = chunks[:-1], chunks[-1]
+    assert "".join(c.choices[0].text for c in text_chunks) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in text_chunks] == [None] * (len(text_chunks) - 1) + ["length"]
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == 16
+    assert usage_chunk.usage.prompt_tokens == whole.usage.prompt_tokens == len(b"hello there")
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_sse_framing(server):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    assert all(e.startswith("data: {") for e in events[:-2])
+    assert sum(json.loads(e[6:])["choices"][0]["finish_reason"] == "length" for e in events[:-2]) == 1
+
+
+def test_chat_uses_the_checkpoint_template(server, client):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    ids = server.template.encode(messages)
+    assert ids[:6] == list(b"[syste")  # the checkpoint's template, not the default specials
+    ref = offline(server, ids, max_tokens=10, temperature=0, stop_token_ids=server.template.stop_token_ids)
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=10, temperature=0)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == ref.text and r.choices[0].finish_reason == ref.finish_reason
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(ref.token_ids)
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.choices[0].delta.role is None for c in chunks[1:-1])
+    assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == ref.text
+    assert chunks[-1].usage.completion_tokens == len(ref.token_ids) and chunks[-1].choices == []
+
+
+def test_stop_strings_cut_the_text(server, client):
+    kw = dict(model=MODEL, prompt="stop here", max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw).choices[0].text
+    # The first character (past the start) that is a whole character and occurs there first.
+    k = next(i for i in range(1, len(full)) if full[i] != "\ufffd" and full.index(full[i]) == i)
+    r = client.completions.create(stop=[full[k], "never-there"], **kw)
+    assert r.choices[0].text == full[:k]
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] == full[k]
+
+
+def test_logprobs(server, client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=6,
+                                       temperature=0, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 6
+    for tok in content:
+        tops = [t.logprob for t in tok.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and tops[0] <= 0
+        assert tok.logprob == pytest.approx(tops[0])  # greedy takes the most likely token
+        assert tok.bytes == list(tok.token.encode()) or "\ufffd" in tok.token
+
+    c = client.completions.create(model=MODEL, prompt="y", max_tokens=5, temperature=0, logprobs=2,
+                                  extra_body={"ignore_eos": True})
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    assert all(len(top) <= 2 and max(top.values()) >= v for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+
+
+def test_metrics_count_requests_and_latencies(server, client):
+    client.completions.create(model=MODEL, prompt="m", max_tokens=3, extra_body={"ignore_eos": True})
+    httpx.post(f"{server.url}/v1/completions", content=b"{", headers={"Authorization": f"Bearer {API_KEY}"})
+    text = httpx.get(f"{server.url}/metrics").text
+
+    def value(pattern: str) -> float:
+        m = re.search(rf"^{pattern} ([0-9.e+-]+)$", text, re.M)
+        assert m, pattern
+        return float(m.group(1))
+
+    assert value(r'deltamoe_http_requests_total\{endpoint="/v1/completions",status="200"\}') >= 1
+    assert value(r'deltamoe_http_requests_total\{endpoint="/v1/completions",status="400"\}') >= 1
+    assert value("deltamoe_time_to_first_token_seconds_count") >= 1
+    assert value("deltamoe_time_per_output_token_seconds_count") >= 1
+    assert value("deltamoe_e2e_request_latency_seconds_count") >= 1
+    assert value(r'deltamoe_request_finished_total\{finish_reason="length"\}') >= 1
+    assert value("deltamoe_generation_tokens_total") >= 3
+    assert value("deltamoe_num_requests_running") == 0
+    for name in ("deltamoe_kv_cache_usage_ratio", "deltamoe_prefix_cache_hit_rate", "deltamoe_num_preemptions_total"):
+        assert 0 <= value(name)
