@@ -19,14 +19,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from deltamoe.config import load_preset  # noqa: E402
 from deltamoe.model.load import build_model  # noqa: E402
-from deltamoe.parallel import LocalModel, ParallelDims, parallelize  # noqa: E402
-from deltamoe.parallel.mesh import build_mesh  # noqa: E402
+from deltamoe.parallel import LocalModel, ParallelDims, init_distributed, parallelize  # noqa: E402
 
 
 def k31_toy(**overrides):
@@ -108,7 +108,7 @@ def run_case(name: str) -> dict:
     ref_grads = {n: p.grad for n, p in reference.named_parameters()}
     ref_norm = torch.nn.utils.get_total_norm([g for g in ref_grads.values() if g is not None])
 
-    mesh = build_mesh(dims, "cpu")
+    mesh = init_distributed(dims, config)  # the trainer's entry: the group exists, so it only builds the mesh
     pm = parallelize(build_model(config, seed=0).train(), dims, mesh)
     rows = BATCH // pm.dp_size
     local = slice(pm.dp_rank * rows, (pm.dp_rank + 1) * rows)
@@ -128,15 +128,18 @@ def run_case(name: str) -> dict:
             checked.append(n)
     worst_t = torch.tensor(worst)
     dist.all_reduce(worst_t, op=dist.ReduceOp.MAX)
+    # torch.distributed.checkpoint sees the published names (no wrapper prefixes), every one on some rank.
+    keys = [k for part in pm.model_parts for k in get_model_state_dict(part)]
     everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, checked)
+    dist.all_gather_object(everyone, (checked, keys))
     norm = pm.clip_grad_norm_(1e9)
     pm.clip_grad_norm_(float(norm) / 2)  # scales every shard's gradient by one global factor
     clipped = pm.clip_grad_norm_(1e9)
     return {"worst_param": worst_name if float(worst_t) == worst else None, "layout": layout(pm),
             "loss": float(loss), "ref_loss": float(ref_loss), "grad_rel_err": float(worst_t),
             "norm": float(norm), "ref_norm": float(ref_norm), "clipped_norm": float(clipped),
-            "unchecked": sorted(set(ref_grads) - {n for names in everyone for n in names})}
+            "unchecked": sorted(set(ref_grads) - {n for names, _ in everyone for n in names}),
+            "state_dict_mismatch": sorted(set(reference.state_dict()) ^ {k for _, ks in everyone for k in ks})}
 
 
 def _worker(rank: int, world: int, port: int, out: str, cases: list[str]) -> None:

@@ -47,6 +47,7 @@ def check(result: dict, case: str) -> None:
     assert result["norm"] == pytest.approx(result["ref_norm"], rel=1e-5)  # clip_grad_norm_ sees every shard
     assert result["clipped_norm"] == pytest.approx(result["ref_norm"] / 2, rel=1e-4)
     assert result["unchecked"] == []  # every parameter's gradient was compared on some rank
+    assert result["state_dict_mismatch"] == []
     for key, value in LAYOUT.get(case, {}).items():
         assert result["layout"][key] == value, key
 
