@@ -88,35 +88,54 @@ def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, top_k: in
     return (f * p).sum(-1).mean()
 
 
+class AttachAuxLoss(torch.autograd.Function):
+    """Identity on `output` whose backward also sends gradient 1 into `aux` (Megatron's
+    MoEAuxLossAutoScaler): the balance loss joins backward without touching the loss value,
+    so it works whatever computes the loss (the model, or a pipeline schedule's loss_fn)."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.aux_shape = aux.shape
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, torch.ones(ctx.aux_shape, device=grad.device, dtype=torch.float32)
+
+
 class SequenceBalanceLoss:
-    """Collects `sequence_balance_loss` from every MoE forward (via hooks) for the loss probe.
+    """alpha * `sequence_balance_loss` of every MoE forward, attached to the layer output (hooks).
 
     The router is re-run inside the hook on the layer input: the MoE module keeps no scores
     with gradient, and re-running a [tokens, experts] matmul is cheap next to the experts.
+    `grad_scale` turns this rank's per-forward mean into its share of the global-batch mean
+    (1 / (data ranks * microbatches) where gradients are summed over those).
     """
 
-    def __init__(self, layers: list[MoE], alpha: float):
-        self.alpha = alpha
-        self.terms: list[torch.Tensor] = []
+    def __init__(self, layers: list[MoE], alpha: float, grad_scale: float = 1.0):
+        self.alpha, self.grad_scale = alpha, grad_scale
+        self.values: list[float] = []
         self.handles = [m.register_forward_hook(self._hook) for m in layers]
 
-    def _hook(self, module: MoE, inputs: tuple, output: torch.Tensor) -> None:
+    def _hook(self, module: MoE, inputs: tuple, output: torch.Tensor) -> torch.Tensor | None:
         if not module.training or not torch.is_grad_enabled():
-            return
+            return None
         x = inputs[0]
         flat = x.reshape(-1, x.shape[-1])
         scores = torch.sigmoid(flat.float() @ module.gate.weight.float().t())
         with torch.no_grad():
             _, indices = module.gate(flat)
-        b, t = x.shape[0], x.shape[1] if x.dim() == 3 else 1
-        self.terms.append(sequence_balance_loss(scores.view(b, t, -1), indices.view(b, t, -1),
-                                                module.config.num_experts_per_token))
+        b, t = (x.shape[0], x.shape[1]) if x.dim() == 3 else (1, flat.shape[0])
+        term = self.alpha * sequence_balance_loss(scores.view(b, t, -1), indices.view(b, t, -1),
+                                                  module.config.num_experts_per_token)
+        self.values.append(term.detach().item())
+        return AttachAuxLoss.apply(output, term * self.grad_scale)
 
-    def pop(self) -> torch.Tensor | None:
-        """alpha * mean over layers of the terms gathered since the last call."""
-        if not self.terms:
+    def take(self) -> float | None:
+        """Mean alpha-weighted term over the layer forwards since the last call."""
+        if not self.values:
             return None
-        out, self.terms = self.alpha * torch.stack(self.terms).mean(), []
+        out, self.values = sum(self.values) / len(self.values), []
         return out
 
     def remove(self) -> None:

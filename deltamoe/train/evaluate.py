@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deltamoe.model.model import IGNORE_INDEX
+from deltamoe.model.model import IGNORE_INDEX, CausalLMOutput, shifted_cross_entropy
 from deltamoe.train.data import DataSource
 
 
@@ -30,6 +30,13 @@ def answer_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, in
     bad = torch.zeros(n, dtype=torch.bool)
     bad.index_put_((span[wrong],), torch.ones(int(wrong.sum()), dtype=torch.bool), accumulate=True)
     return n - int(bad.sum()), n
+
+
+def next_token_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """[B, T, V] from the model, or from a whole-model ModelStage (whose output appends MTP logits)."""
+    out = model(ids)
+    logits = out.logits if isinstance(out, CausalLMOutput) else out[:, : ids.shape[1]]
+    return logits.full_tensor() if hasattr(logits, "full_tensor") else logits
 
 
 @torch.no_grad()
@@ -52,13 +59,13 @@ def evaluate(model: nn.Module, data: DataSource, dp_rank: int, dp_size: int, bat
         valid = (torch.arange(lo, lo + batch_rows) < stop)[:, None]
         ids, labels = rows.input_ids.to(device), torch.where(valid, rows.labels, IGNORE_INDEX).to(device)
         with autocast or torch.autocast(device.type, enabled=False):
-            out = model(ids, labels=labels)
+            logits = next_token_logits(model, ids)
         tokens = int((labels[:, 1:] != IGNORE_INDEX).sum())
         if tokens:
-            sums[0] += out.lm_loss.double().item() * tokens
+            sums[0] += shifted_cross_entropy(logits, labels, shift=1).double().item() * tokens
             sums[1] += tokens
         if data.scores_answers:
-            correct, spans = answer_accuracy(out.logits.float(), labels)
+            correct, spans = answer_accuracy(logits.float(), labels)
             sums[2] += correct
             sums[3] += spans
     model.train(was_training)

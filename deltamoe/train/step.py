@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from deltamoe.parallel.api import ParallelModel
-from deltamoe.train.balance import ExpertLoadMeter, balance_step
+from deltamoe.train.balance import ExpertLoadMeter, SequenceBalanceLoss, balance_step
 from deltamoe.train.config import TrainConfig
 from deltamoe.train.data import Rows
 from deltamoe.train.loss_probe import LossProbe
@@ -27,6 +27,7 @@ class TrainStep:
     optimizers: Optimizers
     meter: ExpertLoadMeter
     probe: LossProbe | None  # None where no rank sees a whole-model output (pipeline stages)
+    seq_balance: SequenceBalanceLoss | None  # None when balance.alpha == 0
     cfg: TrainConfig
     device: torch.device
 
@@ -39,8 +40,11 @@ class TrainStep:
         lr = self.optimizers.set_lr(step)
         losses = []
         for rows in micro_batches:
+            ids, labels = rows.input_ids.to(self.device), rows.labels.to(self.device)
+            if self.probe is not None:
+                self.probe.labels = labels
             with self.autocast():
-                losses.append(self.pm.forward_backward(rows.input_ids.to(self.device), rows.labels.to(self.device)))
+                losses.append(self.pm.forward_backward(ids, labels))
         self.optimizers.scale_grads(1.0 / len(micro_batches))
         clip = self.cfg.optim.clip_grad if self.cfg.optim.clip_grad > 0 else math.inf
         grad_norm = self.pm.clip_grad_norm_(clip)
@@ -54,9 +58,9 @@ class TrainStep:
 
     def _loss_parts(self) -> dict[str, float]:
         """lm / mtp / balance loss, averaged over the data ranks (each rank saw its own slice)."""
-        if self.probe is None:
-            return {}
-        parts = self.probe.take()
+        parts = self.probe.take() if self.probe is not None else {}
+        if self.seq_balance is not None:
+            parts["balance_loss"] = self.seq_balance.take() or 0.0
         names = [n for n in ("lm_loss", "mtp_loss", "balance_loss") if n in parts]
         if not names:
             return {}

@@ -85,12 +85,14 @@ class Trainer:
         self.optimizers = Optimizers(self.parts, cfg.optim, cfg.run.steps)
         layers = moe_layers(self.parts)
         self.meter = ExpertLoadMeter(layers)
-        self.seq_balance = SequenceBalanceLoss(layers, cfg.balance.alpha) if cfg.balance.alpha > 0 else None
-        # Only an unsplit model produces a CausalLMOutput to read the loss parts from.
-        whole_model = dims.pp == 1 and dims.stages_per_rank == 1
-        extra = [self.seq_balance.pop] if self.seq_balance else []
-        self.probe = LossProbe(self.parts, extra) if whole_model else None
-        self.step_fn = TrainStep(self.pm, self.optimizers, self.meter, self.probe, cfg, self.device)
+        # Gradients of each forward_backward are summed over data ranks and pipeline microbatches.
+        grad_scale = 1.0 / (self.pm.dp_size * dims.microbatches)
+        self.seq_balance = (SequenceBalanceLoss(layers, cfg.balance.alpha, grad_scale)
+                            if cfg.balance.alpha > 0 else None)
+        # Only an unsplit model has the whole output to read loss parts from, and can be evaluated.
+        self.whole_model = dims.pp == 1 and dims.stages_per_rank == 1
+        self.probe = LossProbe(self.parts) if self.whole_model else None
+        self.step_fn = TrainStep(self.pm, self.optimizers, self.meter, self.probe, self.seq_balance, cfg, self.device)
         self.logging = self.pm.is_logging_rank()
         self.state = checkpoint.TrainState()
 
@@ -168,7 +170,7 @@ class Trainer:
         return result
 
     def _evaluate(self, step: int) -> dict[str, Any] | None:
-        if self.probe is None or self.data.eval_rows == 0:  # pipeline stages: no whole model to score
+        if not self.whole_model or self.data.eval_rows == 0:  # pipeline stages: no whole model to score
             return None
         autocast = self.step_fn.autocast() if self.cfg.run.precision == "bf16" else None
         # No activations are kept for backward, so eval runs the whole per-step rows at once.
