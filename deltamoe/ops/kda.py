@@ -177,11 +177,11 @@ def kda_decode_step(
 # solve); only S <- Phi S + R runs as a loop over chunks.
 #
 # Numerics. e^{G_i - G_j} = e^{G_i - r} e^{r - G_j} makes L and M plain matmuls; with r halfway
-# through the chunk's decay both factors stay within e^{+-span/2}, where span = G_0 - G_last.
-# `_pick_chunk_size` halves C until every chunk has span <= MAX_CHUNK_SPAN, so no exp() ever
-# sees a large positive number (C = 1 has span 0). Differences are taken on H_i = G_i - g_0, a
-# cumsum that leaves g_0 out, so |H| <= span and H_i - H_j loses nothing to cancellation even
-# right after a huge decay.
+# through the chunk's decay both factors stay within e^{+-span/2}, where span = G_0 - G_last =
+# -(g_1 + ... + g_{C-1}). `_pick_chunk_size` halves C until every chunk has span <=
+# MAX_CHUNK_SPAN, so no exp() ever sees a large positive number (C = 1 has span 0). Differences
+# are taken on H_i = G_i - g_0, a cumsum that leaves g_0 out: |H| <= span, so the rounding of
+# H_i - H_j is bounded by the span, not by how much decayed before (e.g. a huge g_0).
 # ---------------------------------------------------------------------------------------------
 
 

@@ -144,7 +144,7 @@ def test_gradcheck_in_double() -> None:
         o, s = chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True, use_qk_l2norm=True, chunk_size=4)
         return o, s
 
-    assert torch.autograd.gradcheck(fn, (*inputs, state))
+    assert torch.autograd.gradcheck(fn, (*inputs, state), fast_mode=True)
 
 
 @settings(max_examples=25, deadline=None)
@@ -207,12 +207,13 @@ def test_bad_shapes_name_the_tensor(fn) -> None:
 
 @pytest.mark.parametrize("gate", GATES)
 def test_matches_fla_naive(fla_naive: ModuleType, gate: str) -> None:
-    x = make_inputs(2, 128, 3, 16, 8, gate=gate, seed=19)
+    x = make_inputs(2, 80, 3, 16, 8, gate=gate, seed=19)
     q, k = l2_normalize(x["q"]), l2_normalize(x["k"])  # fla's naive has no l2norm inside
     state = torch.randn(2, 3, 16, 8)
     args = (q, k, x["v"], x["g"], x["beta"])
     o_rec, s_rec = fla_naive.naive_recurrent_kda(*args, initial_state=state, output_final_state=True)
-    o_chk, s_chk = fla_naive.naive_chunk_kda(*args, initial_state=state, output_final_state=True)
+    # its chunk form loops in Python over the chunk and needs T % chunk_size == 0: 5 chunks of 16
+    o_chk, s_chk = fla_naive.naive_chunk_kda(*args, initial_state=state, output_final_state=True, chunk_size=16)
     for fn in (recurrent_kda, chunk_kda):
         o, s = fn(*args, initial_state=state, output_final_state=True)
         for o_want, s_want in ((o_rec, s_rec), (o_chk, s_chk)):

@@ -1,0 +1,130 @@
+"""KDA prefill: deltamoe `chunk_kda` side by side with transformers' torch chunk KDA
+(`chunk_kimi_delta_attention`, the fallback KimiLinear uses without FLA kernels) and the plain
+token-by-token recurrence `recurrent_kda`, in one run.
+
+    .venv/bin/python bench/bench_kda.py [--quick] [--gate softplus|lower_bound] [--repeats 3]
+
+fp32, B=1, H=8, K=V=32, qk l2norm in kernel (as the model calls it); g comes from `kda_gate`
+with transformers' KimiLinear init of A_log and dt_bias and f ~ N(0, 1). Every path is timed at
+every T (no extrapolation). Prints a markdown table and writes bench/results/kda.json atomically.
+Times are medians on this machine's CPU with 2 threads; read the ratios (DESIGN.md, "Performance").
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import markdown_table, write_result  # noqa: E402
+
+from deltamoe.ops.kda import chunk_kda, recurrent_kda  # noqa: E402
+from deltamoe.ops.kda_gate import kda_gate  # noqa: E402
+
+HEADS, HEAD_DIM = 8, 32
+KdaFn = Callable[[], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def transformers_chunk_kda() -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
+    from transformers.models.kimi_linear import modeling_kimi_linear as hf
+
+    fn = hf.chunk_kimi_delta_attention
+    return getattr(fn, "__wrapped__", fn)  # the raw torch function, not the kernel-hub wrapper
+
+
+def make_inputs(seq_len: int, gate: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random q, k, v, beta; g from the real gate formula with KimiLinear's parameter init."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (1, seq_len, HEADS, HEAD_DIM)
+    a_log = torch.empty(HEADS).uniform_(1.0, 16.0, generator=gen).log()
+    dt = torch.empty(HEADS * HEAD_DIM).uniform_(math.log(1e-3), math.log(1e-1), generator=gen).exp()
+    dt_bias = dt + torch.log(-torch.expm1(-dt))  # inverse softplus, as transformers' _init_weights
+    f = torch.randn(1, seq_len, HEADS * HEAD_DIM, generator=gen)
+    return {
+        "q": torch.randn(shape, generator=gen),
+        "k": torch.randn(shape, generator=gen),
+        "v": torch.randn(shape, generator=gen),
+        "g": kda_gate(f, a_log, dt_bias, HEADS, kind=gate),
+        "beta": torch.randn(1, seq_len, HEADS, generator=gen).sigmoid(),
+    }
+
+
+def interleaved_times(paths: dict[str, KdaFn], repeats: int) -> dict[str, list[float]]:
+    """Seconds per run of each path, timing the paths in turn each round, so that load from other
+    processes on a shared machine lands on all of them alike (the ratios are what we report)."""
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for _ in range(repeats):
+        for name, fn in paths.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def bench_one(seq_len: int, gate: str, repeats: int) -> dict:
+    x = make_inputs(seq_len, gate)
+    hf_chunk = transformers_chunk_kda()
+    paths: dict[str, KdaFn] = {
+        "chunk_kda": lambda: chunk_kda(**x, output_final_state=True, use_qk_l2norm=True),
+        "transformers": lambda: hf_chunk(
+            x["q"], x["k"], x["v"], x["g"], x["beta"], output_final_state=True, use_qk_l2norm_in_kernel=True
+        ),
+        "recurrent_kda": lambda: recurrent_kda(**x, output_final_state=True, use_qk_l2norm=True),
+    }
+    with torch.no_grad():
+        outputs = {name: fn() for name, fn in paths.items()}  # also the warm-up
+        runs = interleaved_times(paths, repeats)
+    times = {name: statistics.median(ts) for name, ts in runs.items()}
+    o_ref, s_ref = outputs["recurrent_kda"]
+    row: dict = {"T": seq_len, **{f"{name}_s": t for name, t in times.items()}}
+    row["speedup_vs_transformers"] = times["transformers"] / times["chunk_kda"]
+    row["speedup_vs_recurrent"] = times["recurrent_kda"] / times["chunk_kda"]
+    for name in ("chunk_kda", "transformers"):  # sanity: all three agree
+        o, s = outputs[name]
+        row[f"{name}_max_rel_err"] = max(
+            ((o - o_ref).abs().max() / o_ref.abs().max()).item(), ((s - s_ref).abs().max() / s_ref.abs().max()).item()
+        )
+    row["runs_s"] = runs
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    headers = ["T", "chunk_kda (ms)", "transformers chunk (ms)", "recurrent_kda (ms)", "vs transformers", "vs recurrence"]
+    cells = [
+        [r["T"], f"{r['chunk_kda_s'] * 1e3:.1f}", f"{r['transformers_s'] * 1e3:.1f}", f"{r['recurrent_kda_s'] * 1e3:.1f}",
+         f"{r['speedup_vs_transformers']:.1f}x", f"{r['speedup_vs_recurrent']:.1f}x"]
+        for r in rows
+    ]
+    return markdown_table(headers, cells)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="T in {512, 2048}, 3 repeats, results not written")
+    parser.add_argument("--gate", choices=("softplus", "lower_bound"), default="softplus")
+    parser.add_argument("--repeats", type=int, default=None, help="timed rounds (median); default 5, quick 3")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    seq_lens = [512, 2048] if args.quick else [512, 2048, 8192]
+    repeats = args.repeats or (3 if args.quick else 5)
+
+    rows = []
+    for seq_len in seq_lens:
+        rows.append(bench_one(seq_len, args.gate, repeats))
+        print(f"T={seq_len}: done", flush=True)
+    print(table(rows))
+    if not args.quick:
+        config = {"B": 1, "H": HEADS, "K": HEAD_DIM, "V": HEAD_DIM, "dtype": "float32", "gate": args.gate,
+                  "qk_l2norm": True, "repeats": repeats, "statistic": "median of interleaved rounds"}
+        print(f"wrote {write_result('kda', {'config': config, 'rows': rows})}")
+
+
+if __name__ == "__main__":
+    main()
