@@ -197,8 +197,8 @@ def _pick_chunk_size(g: torch.Tensor, chunk_size: int) -> int:
     chunk = min(chunk_size, t)
     while chunk > 1:
         n_chunks = -(-t // chunk)
-        padded = F.pad(g, (0, 0, 0, 0, 0, n_chunks * chunk - t))
-        span = -padded.view(b, n_chunks, chunk, h, dk)[:, :, 1:].sum(2).min()
+        padded = F.pad(g, (0, 0, 0, 0, 0, n_chunks * chunk - t)) if t % chunk else g
+        span = -padded.reshape(b, n_chunks, chunk, h, dk)[:, :, 1:].sum(2).min()
         if bool(span <= MAX_CHUNK_SPAN):
             break
         chunk //= 2
