@@ -1,0 +1,208 @@
+"""Online serving: TTFT, TPOT and ITL at 1, 8 and 32 concurrent clients against `deltamoe serve`.
+
+    .venv/bin/python bench/bench_serve_online.py [--quick] [--model tiny] [--input-len 64] [--output-len 32]
+
+Starts `deltamoe serve MODEL` as a subprocess on a free local port (default: the `tiny` preset,
+random weights), then for each concurrency C keeps C streaming /v1/completions clients busy
+until `--prompts-per-client * C` requests are done. Metrics follow vLLM's serving benchmark
+(benchmarks/serve.py): request and output-token throughput over the wall time of the run;
+TTFT = arrival of the first text event; TPOT = (e2e - TTFT) / (output tokens - 1) per request;
+ITL = gaps between successive text events; E2EL. Output lengths are fixed (`ignore_eos`) and
+counted from the server's usage chunk, so a lost or short request shows up as an error.
+With the byte tokenizer and random weights, half of a UTF-8 character is held back and sent with
+the next token, so one SSE event can carry two tokens: ITL is per event, TPOT per token.
+
+Prints a markdown table and writes bench/results/serve_online.json atomically. Absolute times
+are this machine's CPU, shared with other work; read them as a profile of the server, not a
+hardware figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import markdown_table, write_result  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL_NAME = "bench"
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    ttft: float = 0.0
+    e2e: float = 0.0
+    output_tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str, port: int, max_model_len: int, max_num_seqs: int, threads: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "deltamoe.cli", "serve", model, "--port", str(port), "--served-model-name",
+           MODEL_NAME, "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
+           "--log-level", "warning"]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env)
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"`deltamoe serve` exited with code {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(f"`deltamoe serve` was not healthy within {timeout:.0f} s")
+
+
+async def one_request(http: httpx.AsyncClient, prompt: str, output_len: int) -> RequestResult:
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    last, ttft, itl, tokens = start, 0.0, [], 0
+    try:
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return RequestResult(False, error=f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                now = time.perf_counter()
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                if chunk["choices"] and chunk["choices"][0]["text"]:
+                    if ttft == 0.0:
+                        ttft = now - start
+                    else:
+                        itl.append(now - last)
+                    last = now
+        e2e = time.perf_counter() - start
+    except httpx.HTTPError as e:
+        return RequestResult(False, error=repr(e))
+    if tokens != output_len:
+        return RequestResult(False, error=f"{tokens} output tokens, expected {output_len}")
+    return RequestResult(True, ttft=ttft, e2e=e2e, output_tokens=tokens, itl=itl)
+
+
+async def run_concurrency(url: str, concurrency: int, prompts: list[str], output_len: int) -> tuple[list[RequestResult], float]:
+    queue: asyncio.Queue[str] = asyncio.Queue()
+    for p in prompts:
+        queue.put_nowait(p)
+    results: list[RequestResult] = []
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+        async def client() -> None:
+            while not queue.empty():
+                results.append(await one_request(http, queue.get_nowait(), output_len))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        return results, time.perf_counter() - start
+
+
+def summarize(concurrency: int, results: list[RequestResult], duration: float, input_len: int) -> dict:
+    ok = [r for r in results if r.ok]
+
+    def ms(values: list[float], q: float) -> float:
+        return round(float(np.percentile(values, q)) * 1e3, 2) if values else float("nan")
+
+    ttft = [r.ttft for r in ok]
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    itl = [x for r in ok for x in r.itl]
+    e2e = [r.e2e for r in ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    row = {"concurrency": concurrency, "completed": len(ok), "failed": len(results) - len(ok),
+           "duration_s": round(duration, 3), "request_throughput": round(len(ok) / duration, 3),
+           "output_throughput": round(out_tokens / duration, 2),
+           "total_token_throughput": round((out_tokens + input_len * len(ok)) / duration, 2)}
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2e)):
+        row[f"mean_{name}_ms"] = round(float(np.mean(values)) * 1e3, 2) if values else float("nan")
+        row[f"p50_{name}_ms"] = ms(values, 50)
+        row[f"p99_{name}_ms"] = ms(values, 99)
+    row["errors"] = sorted({r.error for r in results if not r.ok})[:5]
+    return row
+
+
+def random_prompt(rng: random.Random, length: int) -> str:
+    # Printable ASCII: with the byte tokenizer one character is exactly one prompt token.
+    return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(length))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="tiny", help="Checkpoint folder or preset (presets get random weights).")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--prompts-per-client", type=int, default=4)
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of the server process")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="2 requests per client, 32 in / 16 out tokens")
+    args = ap.parse_args()
+    if args.quick:
+        args.prompts_per_client, args.input_len, args.output_len = 2, 32, 16
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(args.model, port, args.input_len + args.output_len + 8, max(args.concurrency), args.threads)
+    rows = []
+    try:
+        wait_healthy(proc, url)
+        rng = random.Random(args.seed)
+        asyncio.run(run_concurrency(url, 1, [random_prompt(rng, args.input_len)], args.output_len))  # warm-up
+        for c in args.concurrency:
+            prompts = [random_prompt(rng, args.input_len) for _ in range(c * args.prompts_per_client)]
+            results, duration = asyncio.run(run_concurrency(url, c, prompts, args.output_len))
+            rows.append(summarize(c, results, duration, args.input_len))
+            print(f"concurrency {c}: {rows[-1]['completed']} done, {rows[-1]['failed']} failed in {duration:.1f} s",
+                  file=sys.stderr)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+    config = {"model": args.model, "input_len": args.input_len, "output_len": args.output_len,
+              "prompts_per_client": args.prompts_per_client, "server_threads": args.threads, "quick": args.quick,
+              "command": " ".join(["bench/bench_serve_online.py", *sys.argv[1:]])}
+    path = write_result("serve_online", {"config": config, "runs": rows})
+    headers = ["clients", "done", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms",
+               "ITL p50 ms", "ITL p99 ms", "E2EL p50 ms"]
+    table = [[r["concurrency"], f"{r['completed']}/{r['completed'] + r['failed']}", r["request_throughput"],
+              r["output_throughput"], r["p50_ttft_ms"], r["p99_ttft_ms"], r["p50_tpot_ms"], r["p99_tpot_ms"],
+              r["p50_itl_ms"], r["p99_itl_ms"], r["p50_e2el_ms"]] for r in rows]
+    print(f"\n`deltamoe serve {args.model}`, {args.input_len} in / {args.output_len} out tokens, "
+          f"{args.prompts_per_client} requests per client\n")
+    print(markdown_table(headers, table))
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""`deltamoe serve`: its flags reach the app (the HTTP side itself is tested in test_api*.py)."""
+
+from __future__ import annotations
+
+import json
+
+from deltamoe.cli import main
+from deltamoe.model.load import build_model
+from deltamoe.model.weights import save_checkpoint
+from deltamoe.serve import api
+
+TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+
+
+def test_serve_flags_reach_the_server(tmp_path, monkeypatch, helpers):
+    save_checkpoint(build_model(helpers.k31_tiny(), seed=1), tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    seen = {}
+    monkeypatch.setattr(api, "run", lambda engine, **kw: seen.update(engine=engine, **kw))
+    rc = main(["serve", str(tmp_path), "--port", "8123", "--api-key", "sk-1", "--served-model-name", "kimi",
+               "--max-model-len", "96", "--cache-memory", "8MiB", "--log-level", "warning"])
+    assert rc == 0
+    assert (seen["model_name"], seen["host"], seen["port"], seen["api_key"]) == ("kimi", "127.0.0.1", 8123, "sk-1")
+    assert seen["engine"].max_model_len == 96 and seen["chat_template"].source == TEMPLATE
+    assert seen["log_level"] == "warning"
+
+
+def test_serve_bad_flags_exit_2(capsys):
+    assert main(["serve", "tiny", "--max-model-len", "0"]) == 2
+    assert "max_model_len" in capsys.readouterr().err
+    assert main(["serve", "tiny", "--cache-memory", "lots"]) == 2
+    assert "cache_memory" in capsys.readouterr().err
