@@ -46,9 +46,25 @@ def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: dist.Pr
     return AllToAll.apply(x, send, recv, group)
 
 
-def local_weight(w: torch.Tensor) -> torch.Tensor:
-    """This rank's expert slice: the local shard of an EP DTensor (gradients flow back into it)."""
-    return w.to_local() if isinstance(w, DTensor) else w
+class ExpertShard(RoutedExperts):
+    """This rank's slice of the routed experts, callable as a module.
+
+    The weights are EP DTensors (Shard(0)); calling the experts as a module (rather than reading the
+    weights from the dispatcher) is what lets FSDP2 unshard them over the remaining data ranks before
+    use and reduce-scatter their gradients after.
+    """
+
+    def forward(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """x [M, D'] routed here, local_ids [M]: unweighted expert outputs, fp32 [M, D']."""
+        c = self.config
+        w1, w3, w2 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w3, self.w2))
+        y = experts_forward(x, torch.ones(len(x), 1, dtype=torch.float32, device=x.device), local_ids[:, None],
+                            w1, w3, w2, act=c.hidden_act, situ_beta=c.situ_beta, situ_linear_beta=c.situ_linear_beta)
+        if x.requires_grad and not y.requires_grad:
+            # No pair landed here: keep the return trip (and zero expert gradients) in the graph, so this
+            # rank joins the backward all-to-all and its expert shards get gradients like the other ranks'.
+            y = y + (x.sum() + w1.sum() + w3.sum() + w2.sum()) * 0
+        return y
 
 
 class ExpertParallelDispatcher:
@@ -73,16 +89,9 @@ class ExpertParallelDispatcher:
 
         local_ids = all_to_all(flat[order] - owner * self.experts_per_rank, send_sizes, recv_sizes, self.group)
         received = all_to_all(z[token_of_slot], send_sizes, recv_sizes, self.group)
-        # Unit weights: the routing weights are applied after the return trip, in the sender's order.
-        c = experts.config
-        w1, w3, w2 = (local_weight(w) for w in (experts.w1, experts.w3, experts.w2))
-        y = experts_forward(received, torch.ones(len(received), 1, dtype=weights.dtype, device=z.device),
-                            local_ids[:, None], w1, w3, w2, act=c.hidden_act, situ_beta=c.situ_beta,
-                            situ_linear_beta=c.situ_linear_beta)
-        if received.requires_grad and not y.requires_grad:
-            # No pair landed here: keep the return trip (and zero expert gradients) in the graph, so this
-            # rank joins the backward all-to-all and its expert shards get gradients like the other ranks'.
-            y = y + (received.sum() + w1.sum() + w3.sum() + w2.sum()) * 0
+        # Unit weights in the expert compute: the routing weights are applied after the return trip,
+        # in the sender's expert-sorted order, exactly as the one-process combine does.
+        y = experts(received, local_ids)
         y_sorted = all_to_all(y, recv_sizes, send_sizes, self.group)
         y_sorted = y_sorted * weights.reshape(-1)[order].to(y_sorted.dtype).unsqueeze(-1)
         return y_sorted.new_zeros(num_tokens, z.shape[1]).index_add(0, token_of_slot, y_sorted)
@@ -100,6 +109,7 @@ def apply_expert_parallel(module: nn.Module, ep_mesh: DeviceMesh) -> None:
         if not isinstance(moe, MoE):
             continue
         experts = moe.experts
+        experts.__class__ = ExpertShard  # adds a forward over the local slice; parameters and names unchanged
         for name in ("w1", "w3", "w2"):
             full = getattr(experts, name)
             local = full.detach().chunk(size, dim=0)[rank].clone()

@@ -61,12 +61,13 @@ CASES = {
     "pp2_interleaved": (k31_toy, ParallelDims(pp=2, schedule="interleaved1f1b", stages_per_rank=2, microbatches=2)),
     "pp2_kimi_linear": (kimi_linear_toy, ParallelDims(pp=2, microbatches=2)),
     "dp2_ep2_tp2": (k31_toy, ParallelDims(dp=2, ep=2, tp=2)),
+    "dp4_ep2": (k31_toy, ParallelDims(dp=4, ep=2)),  # experts FSDP-sharded over the 2 remaining data ranks
     "pp2_dp2": (k31_toy, ParallelDims(pp=2, dp=2, microbatches=2)),
     "pp2_tp2_ac": (k31_toy, ParallelDims(pp=2, tp=2, schedule="interleaved1f1b", stages_per_rank=2, microbatches=2,
                                         activation_checkpointing=True)),
 }
 
-BATCH, SEQ = 4, 12  # global batch
+BATCH, SEQ = 4, 12  # global batch: up to 4 data ranks
 
 
 def global_batch(config) -> tuple[torch.Tensor, torch.Tensor]:

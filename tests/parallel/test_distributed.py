@@ -11,7 +11,7 @@ import pytest
 
 JOB = Path(__file__).with_name("dist_job.py")
 FAST = ["dp2", "ep2", "ep2_ac_mb2", "tp2", "tp2_kimi_linear", "pp2", "pp2_interleaved", "pp2_kimi_linear"]
-COMPOSED = ["dp2_ep2_tp2", "pp2_dp2", "pp2_tp2_ac"]
+COMPOSED = ["dp2_ep2_tp2", "dp4_ep2", "pp2_dp2", "pp2_tp2_ac"]
 
 # What rank 0 holds in each layout: proof that the parallelism was applied, not only that numbers agree.
 # k31_toy: 8 layers (AttnRes blocks of 2), 8 experts, 4 KDA heads of 8, dense MLP 48 wide, hidden 32.
@@ -24,6 +24,7 @@ LAYOUT = {
     "pp2_interleaved": {"layers": [0, 1, 4, 5]},  # stages 0 and 2 of 4
     "pp2_kimi_linear": {"layers": [0, 1]},
     "dp2_ep2_tp2": {"expert_rows": [4, 16, 20], "kda_heads": [8, 32], "mlp_cols": [12, 32]},
+    "dp4_ep2": {"expert_rows": [2, 16, 20], "kda_heads": [8, 32]},  # 4 experts per EP rank, FSDP halves them
     "pp2_dp2": {"layers": [0, 1, 2, 3], "expert_rows": [4, 16, 20], "kda_heads": [16, 32]},  # FSDP rows
     "pp2_tp2_ac": {"layers": [0, 1, 4, 5], "kda_heads": [16, 32], "mlp_cols": [24, 32]},
 }
