@@ -58,29 +58,29 @@ class _EngineCollector(Collector):
 
     def collect(self):
         s = self._stats()
-        gauges = {
-            "deltamoe_num_requests_running": ("Requests in the running batch.", s.num_running),
-            "deltamoe_num_requests_waiting": ("Requests queued for admission.", s.num_waiting),
-            "deltamoe_kv_cache_usage_ratio": ("Share of KV/indexer blocks held by live sequences.", s.block_usage),
-            "deltamoe_state_slot_usage_ratio": ("Share of KDA state slots held by running sequences.", s.slot_usage),
-            "deltamoe_cache_free_blocks": ("Free KV/indexer blocks.", s.num_free_blocks),
-            "deltamoe_prefix_snapshots": ("KDA prefix snapshots held.", s.num_snapshots),
-            "deltamoe_prefix_cache_hit_rate": ("Prompt tokens served from the prefix cache / prompt tokens admitted.",
-                                               s.prefix_hit_rate),
-        }
-        for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(name, doc, value=float(value))
-        counters = {
-            "deltamoe_num_preemptions": ("Sequences preempted to free cache memory.", s.num_preemptions),
-            "deltamoe_prompt_tokens": ("Prompt tokens admitted.", s.prompt_tokens_total),
-            "deltamoe_generation_tokens": ("Tokens generated.", s.generation_tokens_total),
-            "deltamoe_prefix_cache_hit_tokens": ("Prompt tokens served from the prefix cache.", s.prefix_hit_tokens),
-            "deltamoe_prefix_cache_query_tokens": ("Prompt tokens looked up in the prefix cache.",
-                                                   s.prefix_query_tokens),
-            "deltamoe_engine_steps": ("Engine steps run.", s.steps),
-        }
-        for name, (doc, value) in counters.items():
-            yield CounterMetricFamily(name, doc, value=float(value))
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        families = [
+            (gauge, "deltamoe_num_requests_running", "Requests in the running batch.", s.num_running),
+            (gauge, "deltamoe_num_requests_waiting", "Requests queued for admission.", s.num_waiting),
+            (gauge, "deltamoe_kv_cache_usage_ratio", "Share of KV/indexer blocks held by live sequences.",
+             s.block_usage),
+            (gauge, "deltamoe_state_slot_usage_ratio", "Share of KDA state slots held by running sequences.",
+             s.slot_usage),
+            (gauge, "deltamoe_cache_free_blocks", "Free KV/indexer blocks.", s.num_free_blocks),
+            (gauge, "deltamoe_prefix_snapshots", "KDA prefix snapshots held.", s.num_snapshots),
+            (gauge, "deltamoe_prefix_cache_hit_rate",
+             "Prompt tokens served from the prefix cache / prompt tokens admitted.", s.prefix_hit_rate),
+            (counter, "deltamoe_num_preemptions", "Sequences preempted to free cache memory.", s.num_preemptions),
+            (counter, "deltamoe_prompt_tokens", "Prompt tokens admitted.", s.prompt_tokens_total),
+            (counter, "deltamoe_generation_tokens", "Tokens generated.", s.generation_tokens_total),
+            (counter, "deltamoe_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.",
+             s.prefix_hit_tokens),
+            (counter, "deltamoe_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache.",
+             s.prefix_query_tokens),
+            (counter, "deltamoe_engine_steps", "Engine steps run.", s.steps),
+        ]
+        for family, name, doc, value in families:
+            yield family(name, doc, value=float(value))
         for key, value in s.extra.items():  # whatever the engine adds later shows up without a server change
             yield GaugeMetricFamily(f"deltamoe_engine_{key}", f"Engine stat {key}.", value=float(value))
 

@@ -116,6 +116,22 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class _Choice(BaseModel):
+    index: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's extra: the stop string or token id that ended it
+
+
+class _Envelope(BaseModel):
+    """What every completion object carries besides `object` and its choices."""
+
+    id: str
+    created: int
+    model: str
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
@@ -123,22 +139,14 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = []
 
 
-class CompletionChoice(BaseModel):
-    index: int = 0
+class CompletionChoice(_Choice):
     text: str
     logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None  # vLLM's extra: the stop string or token id that ended it
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(_Envelope):  # also each streamed chunk, as on api.openai.com
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
 
 
 class TopLogprob(BaseModel):
@@ -160,22 +168,14 @@ class ChatMessageOut(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
-    index: int = 0
+class ChatChoice(_Choice):
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Envelope):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
 
 
 class ChatDelta(BaseModel):
@@ -188,22 +188,14 @@ class ChatDelta(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChatChunkChoice(BaseModel):
-    index: int = 0
+class ChatChunkChoice(_Choice):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Envelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
 
 
 class ModelCard(BaseModel):
