@@ -136,6 +136,8 @@ def run_case(name: str) -> dict:
     norm = pm.clip_grad_norm_(1e9)
     pm.clip_grad_norm_(float(norm) / 2)  # scales every shard's gradient by one global factor
     clipped = pm.clip_grad_norm_(1e9)
+    # The trainer's optimizer over model_parts: DTensors of several meshes (dp x tp, dp, ep) and plain tensors.
+    torch.optim.AdamW([p for part in pm.model_parts for p in part.parameters()], lr=1e-3).step()
     return {"worst_param": worst_name if float(worst_t) == worst else None, "layout": layout(pm),
             "loss": float(loss), "ref_loss": float(ref_loss), "grad_rel_err": float(worst_t),
             "norm": float(norm), "ref_norm": float(ref_norm), "clipped_norm": float(clipped),
