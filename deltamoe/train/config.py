@@ -90,6 +90,7 @@ class RunSection:
     profile_steps: str | None = None  # "A:B" profiles steps A..B-1 (1-based)
     resume: bool = False  # continue from the newest checkpoint in `out`
     resume_from: str | None = None  # or from this checkpoint folder
+    target_accuracy: float | None = None  # stop once a held-out evaluation reaches it (time-to-quality)
     progress: bool = True
     threads: int | None = None  # torch intra-op threads per process
 
@@ -181,6 +182,9 @@ class TrainConfig:
             section, attr = name.split(".")
             v = getattr(r, attr)
             need(isinstance(v, int) and v >= 0, name, "an integer >= 0 (0: only at the end)")
+        need(r.target_accuracy is None or (isinstance(r.target_accuracy, (int, float))
+                                           and 0 < r.target_accuracy <= 1), "run.target_accuracy",
+             "None or a fraction in (0, 1]")
         need(r.threads is None or (isinstance(r.threads, int) and r.threads > 0), "run.threads",
              "None or a positive integer")
         if r.profile_steps is not None:

@@ -127,13 +127,16 @@ class Trainer:
                     if step % cfg.run.log_every == 0 or step == cfg.run.steps:
                         metrics_log.write(record)
                     progress.update(step, record)
-                if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step != cfg.run.steps:
+                if cfg.run.eval_every and step % cfg.run.eval_every == 0:
                     last_eval = self._evaluate_and_log(step, eval_log if self.logging else None, progress)
                 if cfg.run.save_every and step % cfg.run.save_every == 0:
                     checkpoint.save(self.out, self.parts, self.optimizers, self.state, cfg.run.keep_checkpoints)
                     last_saved = step
+                if self._reached_target(last_eval, step):
+                    break
             profiler.close()
-            last_eval = self._evaluate_and_log(self.state.step, eval_log if self.logging else None, progress)
+            if last_eval is None or last_eval["step"] != self.state.step:
+                last_eval = self._evaluate_and_log(self.state.step, eval_log if self.logging else None, progress)
         finally:
             profiler.close()
             progress.close()
@@ -161,6 +164,12 @@ class Trainer:
         self.state.step += 1
         self.state.data_position += self.cfg.data.batch_size
         self.state.tokens += self.cfg.data.batch_size * self.cfg.data.seq_len
+
+    def _reached_target(self, result: dict[str, Any] | None, step: int) -> bool:
+        """Early stop for time-to-quality runs; every rank sees the same all-reduced accuracy."""
+        target = self.cfg.run.target_accuracy
+        return (target is not None and result is not None and result["step"] == step
+                and result.get("accuracy") is not None and result["accuracy"] >= target)
 
     def _evaluate_and_log(self, step: int, log: JsonlLog | None, progress: RunProgress) -> dict[str, Any] | None:
         result = self._evaluate(step)

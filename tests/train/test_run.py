@@ -89,3 +89,13 @@ def test_profile_window_writes_an_analyzable_trace(micro):
     assert len(steps) == 2
     report = analyze(str(result.out / "traces"), workers=1)
     assert report is not None
+
+
+def test_stops_at_target_accuracy(micro):
+    cfg = micro(**{"run.steps": 20, "run.eval_every": 1, "run.target_accuracy": 0.01, "data.batch_size": 2,
+                   "data.eval_rows": 8})
+    result = train(cfg)
+    assert result.step < 20 and result.final_eval["step"] == result.step
+    assert result.final_eval["accuracy"] >= 0.01
+    evals = read_jsonl(result.out / "eval.jsonl")
+    assert [e["step"] for e in evals] == list(range(1, result.step + 1))  # no duplicate final evaluation
