@@ -4,7 +4,10 @@ Rows may sit at different past lengths; all append the same number T of tokens. 
 row b lives at flat page row `block_table[b][p // bs] * bs + p % bs` (vLLM's slot mapping). New
 latents and indexer keys are scattered there in place, and all positions < past + T are
 gathered back into a contiguous [B, S, D] tensor for attention (padding points at row 0 and is
-masked by `past_lengths + T`). The KDA states are gathered from the rows' slots and written back.
+masked by `past_lengths + T`). A single row whose blocks are consecutive (the usual case for one
+long sequence) reads a slice of the pages instead: no copy, so a decode step over a long
+context costs only what attention itself reads. The KDA states are gathered from the rows'
+slots and written back.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ class PagedBatchView:
         self._read = table[:, pos // bs] * bs + pos % bs  # [B, S]
         new_pos = self.past_lengths[:, None] + torch.arange(num_new_tokens, device=device)  # [B, T]
         self._write = self._read.gather(1, new_pos).reshape(-1)
+        blocks = block_tables[0][: -(-total // bs)]
+        consecutive = len(block_tables) == 1 and blocks == list(range(blocks[0], blocks[0] + len(blocks)))
+        self._slice = slice(blocks[0] * bs, blocks[0] * bs + total) if consecutive else None
 
     def kda_state(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if self._fresh:  # the model's own zero-state path, exactly as a lone prefill takes it
@@ -44,6 +50,8 @@ class PagedBatchView:
 
     def _append(self, pages: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         pages.index_copy_(0, self._write, new.reshape(-1, new.shape[-1]).to(pages.dtype))
+        if self._slice is not None:
+            return pages[self._slice].unsqueeze(0)
         return pages[self._read]
 
     def append_latent(self, layer: int, latent: torch.Tensor) -> torch.Tensor:

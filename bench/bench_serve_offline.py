@@ -1,0 +1,155 @@
+"""Offline throughput: deltamoe's engine vs transformers `generate()` on the same tiny Kimi Linear weights.
+
+A random-weight `KimiLinearForCausalLM` is saved with `save_pretrained` and loaded by deltamoe's
+`load_model`. 64 prompts (16..64 tokens) x 128 new tokens, greedy, EOS ignored. transformers runs
+one prompt at a time and as one left-padded batch; deltamoe runs the whole list through
+`LLMEngine.generate` (continuous batching, chunked prefill, paged cache). Output tokens/s are
+compared with the better transformers mode (best of `--rounds` alternating rounds). The
+one-at-a-time mode is timed on the first
+`--serial-prompts` prompts: its rate does not depend on how many prompts follow.
+
+    .venv/bin/python bench/bench_serve_offline.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import markdown_table, write_result  # noqa: E402
+
+from deltamoe.model.load import load_model  # noqa: E402
+from deltamoe.serve.config import EngineConfig  # noqa: E402
+from deltamoe.serve.engine import LLMEngine  # noqa: E402
+from deltamoe.serve.sampling import SamplingParams  # noqa: E402
+
+
+def hf_model():
+    import transformers
+
+    cfg = transformers.KimiLinearConfig(
+        vocab_size=264, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, num_local_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        routed_scaling_factor=1.0, first_k_dense_replace=1,
+        linear_attn_config={"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4, "kda_layers": [1, 2, 3],
+                            "full_attn_layers": [4]},
+        pad_token_id=258, bos_token_id=256, eos_token_id=257, max_position_embeddings=4096)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.KimiLinearForCausalLM(cfg).eval()
+
+
+def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(16, 65, (n,), generator=g).tolist()
+    return [torch.randint(0, 256, (k,), generator=g).tolist() for k in lengths]
+
+
+@torch.inference_mode()
+def hf_serial(model, prompts: list[list[int]], new: int) -> tuple[float, list[list[int]]]:
+    outs = []
+    t0 = time.perf_counter()
+    for p in prompts:
+        ids = torch.tensor([p])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                             do_sample=False, pad_token_id=258)
+        outs.append(out[0, len(p):].tolist())
+    return time.perf_counter() - t0, outs
+
+
+@torch.inference_mode()
+def hf_batched(model, prompts: list[list[int]], new: int) -> float:
+    width = max(map(len, prompts))
+    ids = torch.tensor([[258] * (width - len(p)) + p for p in prompts])  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    t0 = time.perf_counter()
+    model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=258)
+    return time.perf_counter() - t0
+
+
+@torch.inference_mode()
+def own_greedy(model, prompt: list[int], new: int) -> list[int]:
+    """deltamoe's model alone with its ContiguousCache: the oracle for 'batching never changes results'."""
+    from deltamoe.model.cache import ContiguousCache
+
+    cache = ContiguousCache(model.config, 1, len(prompt) + new)
+    logits = model(torch.tensor([prompt]), cache=cache).logits[0, -1]
+    out = []
+    for _ in range(new):
+        out.append(int(logits.argmax()))
+        logits = model(torch.tensor([[out[-1]]]), cache=cache).logits[0, -1]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="16 prompts x 32 tokens")
+    parser.add_argument("--serial-prompts", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=2, help="alternate the modes this many times, keep the best")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads for every side (1 keeps a shared machine's noise down)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    n, new = (16, 32) if args.quick else (64, 128)
+    prompts = make_prompts(n)
+    ref = hf_model()
+    with tempfile.TemporaryDirectory() as tmp:
+        ref.save_pretrained(tmp)
+        ours = load_model(tmp)
+
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    k = min(args.serial_prompts, n)
+
+    def ours_run() -> float:
+        engine = LLMEngine(ours, config=EngineConfig(cache_memory="1GiB", max_num_seqs=64, max_num_batched_tokens=2048))
+        t0 = time.perf_counter()
+        ours_run.completions = engine.generate(prompts, params, progress=args.rounds == 1)
+        return time.perf_counter() - t0
+
+    def serial_run() -> float:
+        t, serial_run.outputs = hf_serial(ref, prompts[:k], new)
+        return t
+
+    # Warm up, then alternate the three modes for --rounds rounds and keep each one's best time:
+    # on a shared machine the minimum is the least disturbed estimate.
+    LLMEngine(ours, config=EngineConfig(cache_memory="64MiB")).generate(prompts[:2], SamplingParams(
+        max_tokens=4, temperature=0, ignore_eos=True), progress=False)
+    hf_serial(ref, prompts[:1], 4)
+    best = {"ours": float("inf"), "serial": float("inf"), "batched": float("inf")}
+    for _ in range(args.rounds):
+        best["ours"] = min(best["ours"], ours_run())
+        best["serial"] = min(best["serial"], serial_run())
+        best["batched"] = min(best["batched"], hf_batched(ref, prompts, new))
+    t_ours, t_serial, t_batched = best["ours"], best["serial"], best["batched"]
+    completions = ours_run.completions
+    assert all(len(c.token_ids) == new for c in completions)
+    match = sum(a == c.token_ids for a, c in zip(serial_run.outputs, completions)) / k
+    own = sum(own_greedy(ours, p, new) == c.token_ids for p, c in zip(prompts[:k], completions)) / k
+
+    rates = {"deltamoe engine": n * new / t_ours, "transformers, one at a time": k * new / t_serial,
+             "transformers, batched (left pad)": n * new / t_batched}
+    best_peer = max(rates["transformers, one at a time"], rates["transformers, batched (left pad)"])
+    rows = [[name, f"{rate:,.0f}", f"{rate / best_peer:.2f}x"] for name, rate in rates.items()]
+    path = write_result("serve_offline", {
+        "workload": {"prompts": n, "new_tokens": new, "prompt_lengths": "16..64", "greedy": True,
+                     "serial_prompts_timed": k},
+        "tokens_per_s": rates, "speedup_vs_best_transformers": rates["deltamoe engine"] / best_peer,
+        "greedy_equal_to_deltamoe_alone": own, "greedy_equal_to_transformers_serial": match, "rounds": args.rounds,
+        "target": ">= 5x"})
+    print(f"\n{n} prompts x {new} new tokens, greedy; torch threads {torch.get_num_threads()}\n")
+    print(markdown_table(["mode", "output tokens/s", "vs best transformers"], rows))
+    print(f"\ngreedy outputs identical to deltamoe's model alone (ContiguousCache): {own:.0%} of {k} prompts; "
+          f"to transformers one at a time: {match:.0%} (random tiny weights: near-tied logits flip argmax "
+          f"at the 1e-5 level that separates the two implementations)")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
