@@ -85,9 +85,12 @@ class ContiguousCache:
             buf = torch.zeros(b, self.max_length, d, dtype=new.dtype, device=new.device)
             store[layer] = buf
         pos = self.past_lengths[:, None] + torch.arange(t, device=new.device)[None, :]  # [B, T]
-        # Out-of-place scatter keeps autograd intact when a cache is used under grad.
-        buf = buf.scatter(1, pos[..., None].expand(b, t, d), new.to(buf.dtype))
-        store[layer] = buf
+        index = pos[..., None].expand(b, t, d)
+        if new.requires_grad and torch.is_grad_enabled():
+            buf = buf.scatter(1, index, new.to(buf.dtype))  # out of place keeps autograd intact
+            store[layer] = buf
+        else:
+            buf.scatter_(1, index, new.to(buf.dtype))  # inference: no copy of the whole buffer
         return buf[:, :end]
 
     def append_latent(self, layer: int, latent: torch.Tensor) -> torch.Tensor:

@@ -80,12 +80,19 @@ class DeltaMoEForCausalLM(nn.Module):
         self.mtp_weight = 0.3  # weight of the MTP loss in `loss` (DeepSeek-V3 uses 0.3 early in training)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                cache: ModelCache | None = None, inputs_embeds: torch.Tensor | None = None) -> CausalLMOutput:
-        """input_ids [B, T]; labels [B, T] aligned with input_ids (shifted inside, -100 ignored)."""
+                cache: ModelCache | None = None, inputs_embeds: torch.Tensor | None = None,
+                logits_to_keep: int = 0) -> CausalLMOutput:
+        """input_ids [B, T]; labels [B, T] aligned with input_ids (shifted inside, -100 ignored).
+
+        logits_to_keep > 0 computes logits for the last that many positions only (decode and
+        prefill want just the last one; the full-vocab projection of every prompt token is waste).
+        """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        if labels is not None and logits_to_keep:
+            raise ValueError("logits_to_keep must be 0 when labels are given (the loss needs every position)")
         h = self.model(input_ids, cache, inputs_embeds)
-        logits = self.lm_head(self.model.norm(h))
+        logits = self.lm_head(self.model.norm(h[:, -logits_to_keep:] if logits_to_keep else h))
         if cache is not None:
             cache.advance(input_ids.shape[1])
         out = CausalLMOutput(logits=logits, hidden_states=h)

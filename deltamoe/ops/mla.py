@@ -76,9 +76,14 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Te
     # A row with no visible key would be a softmax over nothing (NaN in forward or backward
     # on some backends). Let it attend everywhere, then overwrite its output with zeros.
     mask = (visible | ~has_key[..., None])[:, None]  # [N, 1, T, S]
-    out = F.scaled_dot_product_attention(
-        q.float(), k.float(), v.float(), attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != heads
-    )
+    if k.shape[1] == 1 and heads > 1:
+        # One latent "head" shared by all query heads (absorbed / MQA form): plain broadcast matmuls.
+        # On CPU, SDPA's enable_gqa path expands K/V per head and is ~100x slower at long S.
+        scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # [N, H, T, S]
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        out = probs @ v.float()
+    else:
+        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale)
     return out.masked_fill(~has_key[:, None, :, None], 0.0)
 
 
@@ -246,9 +251,11 @@ def mla_attention_absorbed_sparse(
         raise ValueError(f"indices: valid entries must lie in [0, S) = [0, {num_keys})")
     # Invalid entries may hold anything (e.g. -1); point them at slot 0 so the gather is safe.
     slots = indices.long().masked_fill(~valid, 0).reshape(batch, time * top, 1)
-    keys = torch.cat((latent.float(), k_pe.float()), dim=-1)  # [B,S,R+Dr]
-    gathered = keys.gather(1, slots.expand(-1, -1, keys.shape[-1])).view(batch * time, 1, top, -1)
+    # Gather the K selected rows first, then join latent and rope key: never copy the whole cache.
     rank = latent.shape[-1]
+    gathered = torch.cat((latent.gather(1, slots.expand(-1, -1, rank)).float(),
+                          k_pe.gather(1, slots.expand(-1, -1, k_pe.shape[-1])).float()), dim=-1)
+    gathered = gathered.view(batch * time, 1, top, -1)
     # Each query becomes its own batch entry attending to its own K gathered slots.
     q = _absorb_query(q_nope, q_pe, w_uk).reshape(batch * time, heads, 1, -1)
     out_latent = _attend(q, gathered, gathered[..., :rank], valid.reshape(batch * time, 1, top), scale)

@@ -61,7 +61,5 @@ class ModelRunner:
         ids = torch.tensor([s.token_ids[s.num_computed:s.num_computed + n] for s in seqs], device=self.device)
         view = PagedBatchView(self.cache, [s.block_table for s in seqs], [s.num_computed for s in seqs],
                               [s.slot for s in seqs], n)
-        # The trunk, then norm + LM head on the last position only (prefill chunks need no other logits).
-        hidden = self.model.model(ids, view)
-        view.advance(n)
-        return self.model.lm_head(self.model.model.norm(hidden[:, -1])).float()
+        # Norm + LM head on the last position only: prefill chunks need no other logits.
+        return self.model(ids, cache=view, logits_to_keep=1).logits[:, -1].float()
