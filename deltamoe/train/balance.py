@@ -146,7 +146,8 @@ class SequenceBalanceLoss:
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
 
-def balance_step(layers: list[MoE], meter: ExpertLoadMeter, gamma: float, all_reduce_sum: AllReduce) -> dict[str, float]:
+def balance_step(layers: list[MoE], meter: ExpertLoadMeter, gamma: float,
+                 all_reduce_sum: AllReduce) -> dict[str, float]:
     """After an optimizer step: global loads -> bias update -> stats for the metrics line."""
     if not layers:
         return {}
@@ -154,6 +155,7 @@ def balance_step(layers: list[MoE], meter: ExpertLoadMeter, gamma: float, all_re
     if gamma > 0:
         update_router_biases(layers, loads, gamma)
     stats = load_stats(loads)
-    stats["router_bias_abs_mean"] = torch.stack([m.gate.e_score_correction_bias.abs().mean() for m in layers]).mean().item()
+    biases = torch.stack([m.gate.e_score_correction_bias.abs().mean() for m in layers])
+    stats["router_bias_abs_mean"] = biases.mean().item()
     return stats
 

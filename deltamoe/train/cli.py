@@ -15,7 +15,7 @@ from deltamoe.errors import ConfigError
 
 def train_command(
     config: Optional[str] = typer.Option(None, "--config", "-c", help="run file (.toml/.yaml/.json) with "
-                                         "[model] [data] [optim] [balance] [parallel] [run] tables"),
+                                         "model, data, optim, balance, parallel and run tables"),
     preset: Optional[str] = typer.Option(None, "--preset", help="model preset (tiny, small, ...)"),
     model: Optional[str] = typer.Option(None, "--model", help="model config.json or checkpoint folder to start from"),
     task: Optional[str] = typer.Option(None, "--task", help="synthetic task: recall|arithmetic|copy|reverse"),
@@ -39,7 +39,8 @@ def train_command(
     eval_every: Optional[int] = typer.Option(None, "--eval-every", help="steps between evaluations (0: end only)"),
     save_every: Optional[int] = typer.Option(None, "--save-every", help="steps between checkpoints (0: end only)"),
     keep: Optional[int] = typer.Option(None, "--keep-checkpoints", help="checkpoints kept"),
-    resume: Optional[bool] = typer.Option(None, "--resume/--no-resume", help="continue from the newest checkpoint in --out"),
+    resume: Optional[bool] = typer.Option(None, "--resume/--no-resume",
+                                          help="continue from the newest checkpoint in --out"),
     resume_from: Optional[str] = typer.Option(None, "--resume-from", help="continue from this checkpoint folder"),
     profile_steps: Optional[str] = typer.Option(None, "--profile-steps", help="A:B profiles steps A..B-1 into traces/"),
     dp: Optional[int] = typer.Option(None, "--dp"),

@@ -151,7 +151,8 @@ class TrainConfig:
         def number(name: str, lo: float, hi: float = float("inf"), lo_open: bool = False) -> None:
             section, attr = name.split(".")
             v = getattr(getattr(self, section), attr)
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (v > lo if lo_open else v >= lo) and v <= hi
+            ok = (isinstance(v, (int, float)) and not isinstance(v, bool)
+                  and (v > lo if lo_open else v >= lo) and v <= hi)
             need(ok, name, f"a number in {'(' if lo_open else '['}{lo}, {hi}]")
 
         m, d, o, b, p, r = self.model, self.data, self.optim, self.balance, self.parallel, self.run

@@ -29,12 +29,6 @@ class RunProgress:
         loss, acc = result.get("loss"), result.get("accuracy")
         self._eval = (f"  eval {loss:.4f}" if loss is not None else "") + (f" acc {acc:.1%}" if acc is not None else "")
 
-    def print(self, text: str) -> None:
-        if self._progress is not None:
-            self._progress.console.print(text)
-        else:
-            self.console.print(text)
-
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()

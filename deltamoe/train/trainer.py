@@ -16,22 +16,22 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
+from deltamoe.config import ModelConfig
 from deltamoe.model.load import build_model
 from deltamoe.model.weights import save_checkpoint
 from deltamoe.parallel import ParallelDims, init_distributed, parallelize
 from deltamoe.train import checkpoint
 from deltamoe.train.balance import ExpertLoadMeter, SequenceBalanceLoss, moe_layers
 from deltamoe.train.config import TrainConfig, parse_profile_steps
-from deltamoe.train.data import build_data
+from deltamoe.train.data import DataSource, build_data
 from deltamoe.train.evaluate import evaluate, summarize
 from deltamoe.train.loss_probe import LossProbe
-from deltamoe.train.metrics import JsonlLog, read_jsonl, truncate_jsonl, write_json_atomic
 from deltamoe.train.model_setup import build_train_model, resolve_model_config
 from deltamoe.train.optim import Optimizers
-from deltamoe.train.plots import plot_curves
 from deltamoe.train.profiling import StepProfiler
-from deltamoe.train.progress import RunProgress
+from deltamoe.train.run_log import RunLog
 from deltamoe.train.step import TrainStep
 
 
@@ -72,7 +72,8 @@ def train(cfg: TrainConfig) -> RunResult:
 
 
 class Trainer:
-    def __init__(self, cfg, model_config, data, dims, mesh):
+    def __init__(self, cfg: TrainConfig, model_config: ModelConfig, data: DataSource, dims: ParallelDims,
+                 mesh: DeviceMesh | None):
         self.cfg, self.model_config, self.data, self.dims = cfg, model_config, data, dims
         self.out = Path(cfg.run.out)
         self.device = _device()
@@ -93,24 +94,20 @@ class Trainer:
         self.whole_model = dims.pp == 1 and dims.stages_per_rank == 1
         self.probe = LossProbe(self.parts) if self.whole_model else None
         self.step_fn = TrainStep(self.pm, self.optimizers, self.meter, self.probe, self.seq_balance, cfg, self.device)
-        self.logging = self.pm.is_logging_rank()
+        self.log = RunLog(self.out, self.pm.is_logging_rank())
         self.state = checkpoint.TrainState()
 
     # ------------------------------------------------------------------ the run
     def run(self) -> RunResult:
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
-        self._maybe_resume()
-        records: list[dict[str, Any]] = []
-        if self.logging:
-            write_json_atomic(self.out / "train_config.json", cfg.to_dict())
-            write_json_atomic(self.out / "model_config.json", self.model_config.to_dict())
-            metrics_log, eval_log = JsonlLog(self.out / "metrics.jsonl"), JsonlLog(self.out / "eval.jsonl")
+        resumed = self._maybe_resume()
+        self.log.start({"train_config.json": cfg.to_dict(), "model_config.json": self.model_config.to_dict()},
+                       self.state.step if resumed else None, cfg.run.steps, cfg.run.progress)
         window = parse_profile_steps(cfg.run.profile_steps) if cfg.run.profile_steps else None
         profiler = StepProfiler(window, self.state.step + 1, self.out, self.rank)
-        progress = RunProgress(cfg.run.steps, self.state.step, cfg.run.progress and self.logging)
         last_eval: dict[str, Any] | None = None
-        last_saved = self.state.step if self.state.step else None
+        last_saved = self.state.step if resumed else None
         t_start = time.perf_counter()
         try:
             for step in range(self.state.step + 1, cfg.run.steps + 1):
@@ -120,35 +117,27 @@ class Trainer:
                 dt = time.perf_counter() - t0
                 profiler.step()
                 tokens = cfg.data.batch_size * cfg.data.seq_len
-                record = {"step": step, **record, "tokens_per_s": tokens / dt, "step_time_s": dt,
-                          "tokens": self.state.tokens, "elapsed_s": time.perf_counter() - t_start}
-                if self.logging:
-                    records.append(record)
-                    if step % cfg.run.log_every == 0 or step == cfg.run.steps:
-                        metrics_log.write(record)
-                    progress.update(step, record)
+                self.log.step({"step": step, **record, "tokens_per_s": tokens / dt, "step_time_s": dt,
+                               "tokens": self.state.tokens, "elapsed_s": time.perf_counter() - t_start},
+                              write=step % cfg.run.log_every == 0 or step == cfg.run.steps)
                 if cfg.run.eval_every and step % cfg.run.eval_every == 0:
-                    last_eval = self._evaluate_and_log(step, eval_log if self.logging else None, progress)
+                    last_eval = self._evaluate(step)
                 if cfg.run.save_every and step % cfg.run.save_every == 0:
                     checkpoint.save(self.out, self.parts, self.optimizers, self.state, cfg.run.keep_checkpoints)
                     last_saved = step
                 if self._reached_target(last_eval, step):
                     break
-            profiler.close()
+            profiler.close()  # the closing evaluation stays out of the trace
             if last_eval is None or last_eval["step"] != self.state.step:
-                last_eval = self._evaluate_and_log(self.state.step, eval_log if self.logging else None, progress)
+                last_eval = self._evaluate(self.state.step)
         finally:
             profiler.close()
-            progress.close()
-            if self.logging:
-                metrics_log.close()
-                eval_log.close()
+            self.log.close()
         if last_saved != self.state.step:
             checkpoint.save(self.out, self.parts, self.optimizers, self.state, cfg.run.keep_checkpoints)
         self._export()
-        if self.logging:
-            self._finish(last_eval, progress)
-        return RunResult(self.out, self.state.step, last_eval, records)
+        self.log.finish(last_eval, f"{self.data.name} · {cfg.model.path or cfg.model.preset}")
+        return RunResult(self.out, self.state.step, last_eval, self.log.records)
 
     # ------------------------------------------------------------------ pieces
     def _micro_batches(self):
@@ -171,13 +160,6 @@ class Trainer:
         return (target is not None and result is not None and result["step"] == step
                 and result.get("accuracy") is not None and result["accuracy"] >= target)
 
-    def _evaluate_and_log(self, step: int, log: JsonlLog | None, progress: RunProgress) -> dict[str, Any] | None:
-        result = self._evaluate(step)
-        if log is not None and result is not None:
-            log.write(result)
-            progress.evaluated(result)
-        return result
-
     def _evaluate(self, step: int) -> dict[str, Any] | None:
         if not self.whole_model or self.data.eval_rows == 0:  # pipeline stages: no whole model to score
             return None
@@ -186,20 +168,20 @@ class Trainer:
         rows = self.cfg.micro_batch_size * self.cfg.optim.grad_accum
         sums = evaluate(self.parts[0], self.data, self.pm.dp_rank, self.pm.dp_size, rows, autocast)
         sums = self.pm.all_reduce_sum(sums.to(self.device)).cpu()
-        return {"step": step, **summarize(sums, self.data.scores_answers)}
+        result = {"step": step, **summarize(sums, self.data.scores_answers)}
+        self.log.evaluated(result)
+        return result
 
-    def _maybe_resume(self) -> None:
+    def _maybe_resume(self) -> bool:
         run = self.cfg.run
-        path = Path(run.resume_from) if run.resume_from else (checkpoint.latest_checkpoint(self.out) if run.resume else None)
+        if run.resume_from:
+            path: Path | None = Path(run.resume_from)
+        else:
+            path = checkpoint.latest_checkpoint(self.out) if run.resume else None
         if path is None:
-            if self.logging:  # a fresh run starts fresh logs
-                for name in ("metrics.jsonl", "eval.jsonl"):
-                    (self.out / name).unlink(missing_ok=True)
-            return
+            return False
         self.state = checkpoint.load(path, self.parts, self.optimizers)
-        if self.logging:
-            for name in ("metrics.jsonl", "eval.jsonl"):
-                truncate_jsonl(self.out / name, self.state.step)
+        return True
 
     def _export(self) -> None:
         """The final weights as an HF-style safetensors folder that `load_model` and serving read."""
@@ -214,16 +196,3 @@ class Trainer:
             checkpoint.load_model_weights(checkpoint.latest_checkpoint(self.out), full)
             save_checkpoint(full, self.out / "model")
         dist.barrier()
-
-    def _finish(self, last_eval: dict[str, Any] | None, progress: RunProgress) -> None:
-        if last_eval is not None:
-            write_json_atomic(self.out / "eval.json", last_eval)
-        metrics, evals = read_jsonl(self.out / "metrics.jsonl"), read_jsonl(self.out / "eval.jsonl")
-        title = f"{self.data.name} · {self.cfg.model.path or self.cfg.model.preset}"
-        if metrics:
-            plot_curves(metrics, evals, self.out / "curves.png", title)
-        if last_eval is not None:
-            acc = last_eval.get("accuracy")
-            loss = last_eval.get("loss")
-            progress.print(f"step {self.state.step}: " + (f"eval loss {loss:.4f}" if loss is not None else "no eval loss")
-                           + (f", accuracy {acc:.1%}" if acc is not None else "") + f" -> {self.out}")

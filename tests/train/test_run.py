@@ -25,7 +25,8 @@ def test_run_writes_outputs_and_exports_loadable_model(micro):
     assert m["lr"] == pytest.approx(cfg.optim.lr * cfg.optim.min_lr_ratio, rel=1e-12)  # the cosine ends at its floor
     assert [e["step"] for e in read_jsonl(out / "eval.jsonl")] == [2, 3]
     final = json.loads((out / "eval.json").read_text())
-    assert final["step"] == 3 and 0 <= final["accuracy"] <= 1 and final["answers"] == 32  # two 12-token examples per 32-token row
+    # Two 12-token examples fit a 32-token row: 2 answers per row, 16 rows.
+    assert final["step"] == 3 and 0 <= final["accuracy"] <= 1 and final["answers"] == 32
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((out / "train_config.json").read_text())["optim"]["lr"] == cfg.optim.lr
     assert [p.name for p in checkpoint.list_checkpoints(out)] == ["step-00000003"]
