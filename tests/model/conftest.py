@@ -31,7 +31,13 @@ def kimi_linear_config(**overrides):
     return k31_config(**base)
 
 
-MEMBERS = {"k3.1": k31_config, "k3": k3_config, "kimi_linear": kimi_linear_config}
+def rope_mla_config(**overrides):
+    """The RoPE variant of MLA (DeepSeek-style), with grouped routing, on the Kimi Linear layout."""
+    return kimi_linear_config(mla_use_nope=False, rope_theta=500.0, num_experts=8, num_expert_group=2, topk_group=1,
+                              num_experts_per_token=2, q_lora_rank=16, **overrides)
+
+
+MEMBERS = {"k3.1": k31_config, "k3": k3_config, "kimi_linear": kimi_linear_config, "rope_mla": rope_mla_config}
 
 
 @pytest.fixture(params=sorted(MEMBERS))
