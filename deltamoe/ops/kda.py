@@ -252,17 +252,19 @@ def chunk_kda(
     decay = F.pad(g[..., 1:, :].cumsum(-2), (0, 0, 1, 0))  # H_i = G_i - g_0: [N, BH, C, K]
     half = decay[..., -1:, :] * 0.5  # the reference r (as H): halfway through the chunk's decay
 
-    # M (scale is folded into q) and L (beta folded into the k rows). tril, not a product with a
-    # 0/1 mask: the discarded upper triangle holds e^{H_i - H_j} >= 1 and may overflow.
+    # M (scale is folded into q) and L (beta folded into the k rows). Above the diagonal both hold
+    # garbage that may overflow (e^{H_i - H_j} >= 1 there), so M is cut with tril, not with a 0/1
+    # product; L is not cut at all: the unit lower-triangular solve never reads its diagonal or
+    # upper triangle, and gives them no gradient.
     k_from_half = k * torch.exp(half - decay)  # k_j e^{r - H_j}
     cols = k_from_half.transpose(-1, -2)
     to_half = torch.exp(decay - half)  # e^{H_i - r}
     m_scores = ((q * to_half) @ cols).tril()
-    lower = ((k_beta * to_half) @ cols).tril(-1)
+    lower = (k_beta * to_half) @ cols
 
     decay_from_start = torch.exp(first + decay)  # e^{G_i}
     rhs = torch.cat([v * beta, k_beta * decay_from_start], dim=-1)
-    uw = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)  # [U | W]
+    uw = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)  # [U | W] = (I + L)^-1 rhs
 
     # Chunk transition S -> Phi S + R, with [R | Kd^T W] = Kd^T [U | W] and Kd_j = k_j e^{H_last - H_j}.
     k_to_end = k_from_half * torch.exp(half)
