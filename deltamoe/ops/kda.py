@@ -219,9 +219,9 @@ def chunk_kda(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA for prefill and training: same result as `recurrent_kda`, any T, differentiable.
 
-    `chunk_size` is the longest chunk; it is halved where a chunk would decay by more than
-    e^-MAX_CHUNK_SPAN (see the notes above). Returns (o [B, T, H, V] in v.dtype, final state
-    [B, H, K, V] or None).
+    `chunk_size` is the longest chunk; the whole call halves it while some chunk would decay by
+    more than e^-MAX_CHUNK_SPAN (see the notes above). g must be <= 0 (a log-decay).
+    Returns (o [B, T, H, V] in v.dtype, final state [B, H, K, V] or None).
     """
     b, t, h, dk, dv = _check_inputs(q, k, v, g, beta, initial_state)
     if chunk_size < 1:
