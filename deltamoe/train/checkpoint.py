@@ -97,7 +97,8 @@ def save(out: Path, parts: list[nn.Module], optimizers: Optimizers, state: Train
     tmp = root / f".tmp-step-{state.step:08d}"
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt at this step
+        for stale in root.glob(".tmp-step-*"):  # saves never overlap: any temp folder is a crashed one
+            shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     _barrier()
     _dcp(dcp.save, _state_dict(parts, optimizers), checkpoint_id=str(tmp))

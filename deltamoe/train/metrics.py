@@ -1,5 +1,5 @@
-"""Run-folder outputs that are appended or rewritten: jsonl logs (one flushed line per record)
-and JSON files written atomically (tmp + os.replace)."""
+"""jsonl logs of a run: appended one flushed line per record, truncated atomically on resume.
+(Whole JSON files go through `deltamoe.model.weights.write_json_atomic`.)"""
 
 from __future__ import annotations
 
@@ -8,13 +8,6 @@ import math
 import os
 from pathlib import Path
 from typing import Any
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, path)
 
 
 def _clean(value: Any) -> Any:

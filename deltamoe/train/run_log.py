@@ -8,7 +8,8 @@ from typing import Any
 
 from rich.console import Console
 
-from deltamoe.train.metrics import JsonlLog, read_jsonl, truncate_jsonl, write_json_atomic
+from deltamoe.model.weights import write_json_atomic
+from deltamoe.train.metrics import JsonlLog, read_jsonl, truncate_jsonl
 from deltamoe.train.plots import plot_curves
 from deltamoe.train.progress import RunProgress
 
