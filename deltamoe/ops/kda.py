@@ -31,6 +31,10 @@ L2NORM_EPS = 1e-6  # fla's "in kernel" l2norm: x / sqrt(sum x^2 + eps), not F.no
 # factors within e^{+-60}, far from fp32 overflow (e^88) and underflow (e^-87).
 MAX_CHUNK_SPAN = 120.0
 
+# `chunk_kda` works through the sequence in groups of chunks holding about this many values per
+# [B, H, T, K] tensor (1 MiB in fp32), e.g. 1024 tokens at B=1, H=8, K=32.
+GROUP_ELEMENTS = 1 << 18
+
 
 def l2_normalize(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim: fla's in-kernel l2norm (not F.normalize's max)."""
@@ -219,19 +223,48 @@ def chunk_kda(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA for prefill and training: same result as `recurrent_kda`, any T, differentiable.
 
-    `chunk_size` is the longest chunk; the whole call halves it while some chunk would decay by
-    more than e^-MAX_CHUNK_SPAN (see the notes above). g must be <= 0 (a log-decay).
+    `chunk_size` is the longest chunk; a group of chunks halves it while one of its chunks would
+    decay by more than e^-MAX_CHUNK_SPAN (see the notes above). g must be <= 0 (a log-decay).
     Returns (o [B, T, H, V] in v.dtype, final state [B, H, K, V] or None).
     """
     b, t, h, dk, dv = _check_inputs(q, k, v, g, beta, initial_state)
     if chunk_size < 1:
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size}")
     scale = dk**-0.5 if scale is None else scale
-    out_dtype = v.dtype
+    dtype = _compute_dtype(q, k, v, g, beta)
+    state = q.new_zeros(b * h, dk, dv, dtype=dtype) if initial_state is None else initial_state.to(dtype)
+    state = state.reshape(b * h, dk, dv)
+
+    # The sequence goes through in groups of whole chunks, carrying the state: a group's
+    # intermediates stay in cache and reuse freed memory (instead of fresh pages from the OS), and
+    # inference memory is bounded by one group instead of growing with T.
+    group = chunk_size * max(1, GROUP_ELEMENTS // (b * h * chunk_size * max(dk, dv)))
+    outputs = []
+    for start in range(0, t, group):
+        part = slice(start, start + group)
+        o, state = _chunk_kda_group(
+            q[:, part], k[:, part], v[:, part], g[:, part], beta[:, part], state, scale, use_qk_l2norm, chunk_size
+        )
+        outputs.append(o)
+    o = torch.cat(outputs, dim=1) if outputs else v.new_zeros(b, 0, h, dv, dtype=dtype)
+    return o.to(v.dtype), (state.view(b, h, dk, dv) if output_final_state else None)
+
+
+def _chunk_kda_group(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked form over one run of tokens: (o [B, T, H, V] in the compute dtype, state [B*H, K, V])."""
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
     q, k, v, g, beta = _upcast_inputs(q, k, v, g, beta, use_qk_l2norm)
-    state = q.new_zeros(b * h, dk, dv) if initial_state is None else initial_state.to(q.dtype).reshape(b * h, dk, dv)
-    if t == 0:
-        return v.new_zeros(b, 0, h, dv).to(out_dtype), (state.view(b, h, dk, dv) if output_final_state else None)
 
     # Pad the tail with g = 0, k = v = beta = 0 tokens: they leave the state unchanged (decay 1,
     # no write) and their outputs are dropped.
@@ -280,6 +313,5 @@ def chunk_kda(
         chunk_states.append(state)
         state = torch.baddbmm(r, phi, state)
     o = torch.baddbmm(o_intra.flatten(0, 1), q_state.flatten(0, 1), torch.stack(chunk_states).flatten(0, 1))
-
     o = o.view(n_chunks, b, h, chunk, dv).permute(1, 0, 3, 2, 4).reshape(b, n_chunks * chunk, h, dv)[:, :t]
-    return o.to(out_dtype), (state.view(b, h, dk, dv) if output_final_state else None)
+    return o, state
