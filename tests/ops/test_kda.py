@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from deltamoe.ops import kda as kda_module
 from deltamoe.ops.kda import chunk_kda, kda_decode_step, l2_normalize, recurrent_kda
 from deltamoe.ops.kda_gate import kda_gate
 
@@ -98,6 +99,20 @@ def test_chunk_survives_huge_decays() -> None:
     assert x["g"].min() < -1e3
     o_ref, s_ref = recurrent_kda(**x, output_final_state=True, use_qk_l2norm=True)
     o, s = chunk_kda(**x, output_final_state=True, use_qk_l2norm=True)
+    assert_rel_close(o, o_ref, 1e-5)
+    assert_rel_close(s, s_ref, 1e-5)
+
+
+@pytest.mark.parametrize("group_elements", [1, 2000])
+def test_groups_of_chunks_carry_the_state(monkeypatch: pytest.MonkeyPatch, group_elements: int) -> None:
+    """chunk_kda walks the sequence in groups of chunks; with tiny groups (one chunk each, or a
+    few), and a huge decay that shortens the chunks of one group only, the result is unchanged."""
+    monkeypatch.setattr(kda_module, "GROUP_ELEMENTS", group_elements)
+    x = make_inputs(2, 150, 2, 6, 5, seed=29)
+    x["g"][:, 70:74] = -200.0
+    state = torch.randn(2, 2, 6, 5)
+    o_ref, s_ref = recurrent_kda(**x, initial_state=state, output_final_state=True, use_qk_l2norm=True)
+    o, s = chunk_kda(**x, initial_state=state, output_final_state=True, use_qk_l2norm=True, chunk_size=16)
     assert_rel_close(o, o_ref, 1e-5)
     assert_rel_close(s, s_ref, 1e-5)
 
