@@ -91,6 +91,7 @@ class RunSection:
     resume: bool = False  # continue from the newest checkpoint in `out`
     resume_from: str | None = None  # or from this checkpoint folder
     target_accuracy: float | None = None  # stop once a held-out evaluation reaches it (time-to-quality)
+    max_minutes: float | None = None  # stop (checkpoint, evaluate, export) once the run has taken this long
     progress: bool = True
     threads: int | None = None  # torch intra-op threads per process
 
@@ -186,6 +187,8 @@ class TrainConfig:
         need(r.target_accuracy is None or (isinstance(r.target_accuracy, (int, float))
                                            and 0 < r.target_accuracy <= 1), "run.target_accuracy",
              "None or a fraction in (0, 1]")
+        need(r.max_minutes is None or (isinstance(r.max_minutes, (int, float)) and r.max_minutes > 0),
+             "run.max_minutes", "None or a positive number")
         need(r.threads is None or (isinstance(r.threads, int) and r.threads > 0), "run.threads",
              "None or a positive integer")
         if r.profile_steps is not None:

@@ -125,7 +125,7 @@ class Trainer:
                 if cfg.run.save_every and step % cfg.run.save_every == 0:
                     checkpoint.save(self.out, self.parts, self.optimizers, self.state, cfg.run.keep_checkpoints)
                     last_saved = step
-                if self._reached_target(last_eval, step):
+                if self._reached_target(last_eval, step) or self._out_of_time(t_start):
                     break
             profiler.close()  # the closing evaluation stays out of the trace
             if last_eval is None or last_eval["step"] != self.state.step:
@@ -153,6 +153,16 @@ class Trainer:
         self.state.step += 1
         self.state.data_position += self.cfg.data.batch_size
         self.state.tokens += self.cfg.data.batch_size * self.cfg.data.seq_len
+
+    def _out_of_time(self, t_start: float) -> bool:
+        """The time budget, decided by rank 0's clock so that every rank stops at the same step."""
+        if self.cfg.run.max_minutes is None:
+            return False
+        elapsed = time.perf_counter() - t_start
+        late = torch.tensor([float(elapsed > 60 * self.cfg.run.max_minutes)], device=self.device)
+        if self.world > 1:
+            dist.broadcast(late, src=0)
+        return bool(late.item())
 
     def _reached_target(self, result: dict[str, Any] | None, step: int) -> bool:
         """Early stop for time-to-quality runs; every rank sees the same all-reduced accuracy."""

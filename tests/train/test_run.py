@@ -100,3 +100,10 @@ def test_stops_at_target_accuracy(micro):
     assert result.final_eval["accuracy"] >= 0.01
     evals = read_jsonl(result.out / "eval.jsonl")
     assert [e["step"] for e in evals] == list(range(1, result.step + 1))  # no duplicate final evaluation
+
+
+def test_time_budget_stops_after_a_step_and_still_finishes(micro):
+    result = train(micro(**{"run.steps": 50, "run.max_minutes": 1e-6, "data.batch_size": 2, "data.eval_rows": 2}))
+    assert result.step == 1 and result.final_eval["step"] == 1
+    assert (result.out / "model" / "config.json").exists()
+    assert [p.name for p in checkpoint.list_checkpoints(result.out)] == ["step-00000001"]
