@@ -17,7 +17,7 @@ MICRO_MODEL = dict(hidden_size=32, num_hidden_layers=2, layer_types=["kda", "dsa
 def micro_config(out, **sections) -> TrainConfig:
     """A TrainConfig on the micro model; `sections` are {"optim.lr": 1e-3}-style overrides."""
     cfg = TrainConfig.from_dict({"model": {"preset": "tiny", "overrides": dict(MICRO_MODEL)},
-                                 "data": {"task": "recall", "num_pairs": 4, "seq_len": 32, "batch_size": 8,
+                                 "data": {"task": "recall", "num_pairs": 4, "num_queries": 1, "seq_len": 32, "batch_size": 8,
                                           "eval_rows": 16},
                                  "optim": {"warmup_steps": 2},
                                  "run": {"out": str(out), "steps": 4, "eval_every": 0, "progress": False}})

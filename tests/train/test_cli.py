@@ -16,7 +16,7 @@ def run_cli(*args, cwd=None):
 
 def test_tiny_preset_two_steps(tmp_path):
     run_file = tmp_path / "run.toml"
-    run_file.write_text('[data]\neval_rows = 2\nnum_pairs = 4\n[optim]\nlr = 0.5\n')
+    run_file.write_text('[data]\neval_rows = 2\nnum_pairs = 4\nnum_queries = 2\n[optim]\nlr = 0.5\n')
     out = tmp_path / "run"
     proc = run_cli("--preset", "tiny", "--steps", "2", "--batch-size", "2", "--seq-len", "24", "--task", "recall",
                    "--config", str(run_file), "--lr", "1e-3", "--out", str(out), "--no-progress", "--threads", "1")
