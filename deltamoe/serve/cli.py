@@ -9,19 +9,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-import torch
 import typer
 
 from deltamoe.errors import ConfigError
 from deltamoe.serve.config import EngineConfig
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
 
 
-def parse_dtype(name: str) -> torch.dtype:
+def parse_dtype(name: str) -> "torch.dtype":  # noqa: F821 - torch is imported lazily: `deltamoe --help` stays fast
+    import torch
+
     if name not in DTYPES:
-        raise ConfigError(f"expected one of {sorted(DTYPES)}, got {name!r}", field="dtype")
-    return DTYPES[name]
+        raise ConfigError(f"expected one of {list(DTYPES)}, got {name!r}", field="dtype")
+    return getattr(torch, name)
 
 
 def build_engine(model: str, tokenizer: Optional[str], cache_memory: str, max_num_seqs: int,
