@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from deltamoe.ops.mla import check_shape, visible_keys
+from deltamoe.ops.mla import visible_keys
+from deltamoe.ops.shapes import check_shape
 
 
 def indexer_scores(q_index: torch.Tensor, k_index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

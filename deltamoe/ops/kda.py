@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deltamoe.ops.mla import check_shape
+from deltamoe.ops.shapes import check_shape
 
 L2NORM_EPS = 1e-6  # fla's "in kernel" l2norm: x / sqrt(sum x^2 + eps), not F.normalize's max(., eps)
 

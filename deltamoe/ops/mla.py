@@ -21,18 +21,11 @@ softmax); `mla_attention_reference` spells the math out and is what tests compar
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
-
-def check_shape(name: str, tensor: torch.Tensor, dims: str, expected: Sequence[int | None]) -> None:
-    """Raise ValueError naming `name` unless its shape matches `expected` (None = any size)."""
-    actual = tuple(tensor.shape)
-    if len(actual) != len(expected) or any(e is not None and e != a for e, a in zip(expected, actual)):
-        shown = ", ".join("?" if e is None else str(e) for e in expected)
-        raise ValueError(f"{name}: expected shape {dims} = ({shown}), got {actual}")
+from deltamoe.ops.shapes import check_shape
 
 
 def visible_keys(q_positions: torch.Tensor, kv_lengths: torch.Tensor, num_keys: int) -> torch.Tensor:
