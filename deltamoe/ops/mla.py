@@ -21,7 +21,6 @@ softmax); `mla_attention_reference` spells the math out and is what tests compar
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 
