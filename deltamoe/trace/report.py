@@ -9,7 +9,6 @@ from pathlib import Path
 
 import orjson
 
-from deltamoe.trace import plots
 from deltamoe.trace.summary import RankSummary
 
 
@@ -47,6 +46,8 @@ def _fmt(v: object) -> str:
 
 
 def write_html(report: dict, summaries: list[RankSummary], path: str | Path) -> None:
+    from deltamoe.trace import plots  # matplotlib costs ~0.5 s: load it only for HTML
+
     r = report
     parts = [f"<h1>Trace analysis: {html.escape(r['folder'])}</h1>",
              f"<p>{r['ranks_analyzed']} of {r['ranks_found']} rank files, {r['events']:,} events, backend "
