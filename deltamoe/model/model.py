@@ -120,8 +120,8 @@ class DeltaMoEForCausalLM(nn.Module):
         return self.lm_head.weight.dtype
 
 
-def shifted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, shift: int) -> torch.Tensor:
-    """Mean CE of logits[:, :-shift] against labels[:, shift:], ignoring IGNORE_INDEX."""
+def shifted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, shift: int, reduction: str = "mean") -> torch.Tensor:
+    """CE of logits[:, :-shift] against labels[:, shift:], ignoring IGNORE_INDEX ("mean" or "sum")."""
     pred = logits[:, :-shift].reshape(-1, logits.shape[-1]).float()
     target = labels[:, shift:].reshape(-1)
-    return F.cross_entropy(pred, target, ignore_index=IGNORE_INDEX)
+    return F.cross_entropy(pred, target, ignore_index=IGNORE_INDEX, reduction=reduction)

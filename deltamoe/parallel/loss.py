@@ -10,9 +10,8 @@ formula with local means). Gradients are then summed, never averaged, across ran
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from deltamoe.model.model import IGNORE_INDEX
+from deltamoe.model.model import IGNORE_INDEX, shifted_cross_entropy
 
 
 def target_counts(labels: torch.Tensor, mtp_depths: int) -> torch.Tensor:
@@ -40,6 +39,5 @@ class GlobalTokenLoss:
 
 
 def _ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed CE of logits[:, :-1] against labels[:, 1:], ignoring IGNORE_INDEX (as the model's shift)."""
-    pred = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
-    return F.cross_entropy(pred, labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+    return shifted_cross_entropy(logits, labels, shift=1, reduction="sum")
+
