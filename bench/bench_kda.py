@@ -25,12 +25,13 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import markdown_table, write_result  # noqa: E402
+from common import markdown_table, result_name, write_result  # noqa: E402
 
 from deltamoe.ops.kda import chunk_kda, recurrent_kda  # noqa: E402
 from deltamoe.ops.kda_gate import kda_gate  # noqa: E402
 
 HEADS, HEAD_DIM = 8, 32
+TARGET = {"speedup_vs_transformers": 1.5, "speedup_vs_recurrent": 20.0}  # at the longest T
 KdaFn = Callable[[], tuple[torch.Tensor, torch.Tensor | None]]
 
 
@@ -114,7 +115,7 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="T in {512, 2048}, 3 repeats, results not written")
+    parser.add_argument("--quick", action="store_true", help="T in {512, 2048}, 3 repeats, writes kda_quick.json")
     parser.add_argument("--gate", choices=("softplus", "lower_bound"), default="softplus")
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds (median); default 5, quick 3")
     args = parser.parse_args()
@@ -127,10 +128,10 @@ def main() -> None:
         rows.append(bench_one(seq_len, args.gate, repeats))
         print(f"T={seq_len}: done", flush=True)
     print(table(rows))
-    if not args.quick:
-        config = {"B": 1, "H": HEADS, "K": HEAD_DIM, "V": HEAD_DIM, "dtype": "float32", "gate": args.gate,
-                  "qk_l2norm": True, "repeats": repeats, "statistic": "median of interleaved rounds"}
-        print(f"wrote {write_result('kda', {'config': config, 'rows': rows})}")
+    config = {"B": 1, "H": HEADS, "K": HEAD_DIM, "V": HEAD_DIM, "dtype": "float32", "gate": args.gate,
+              "qk_l2norm": True, "repeats": repeats, "statistic": "median of interleaved rounds"}
+    path = write_result(result_name("kda", args.quick), {"config": config, "rows": rows, "target": TARGET})
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import markdown_table, median_seconds, write_result  # noqa: E402
+from common import markdown_table, median_seconds, result_name, write_result  # noqa: E402
 
 
 def kimi_linear_config(transformers, layers: int = 8, hidden: int = 256):
@@ -34,7 +34,7 @@ def kimi_linear_config(transformers, layers: int = 8, hidden: int = 256):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="T=512, 2 repeats, writes model_forward_quick.json")
     ap.add_argument("--seq-len", type=int, default=2048)
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -58,9 +58,9 @@ def main() -> None:
             ["transformers KimiLinear (torch fallbacks)", f"{t / t_ref:,.0f}", f"{t_ref * 1e3:.0f}", "1.00x"]]
     print(markdown_table(["forward, hidden 256, 8 layers, T=%d" % t, "tokens/s", "ms", "speedup"], rows))
     print(f"logits rel. error deltamoe vs transformers: {err:.2e}")
-    if not args.quick:
-        write_result("model_forward", {"seq_len": t, "hidden": 256, "layers": 8, "deltamoe_s": t_ours,
-                                       "transformers_s": t_ref, "speedup": t_ref / t_ours, "logits_rel_err": err})
+    write_result(result_name("model_forward", args.quick), {
+        "seq_len": t, "hidden": 256, "layers": 8, "deltamoe_s": t_ours, "transformers_s": t_ref,
+        "speedup": t_ref / t_ours, "logits_rel_err": err, "target": {"speedup": 1.5}})
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Routed-expert compute: deltamoe `experts_forward` side by side with a naive per-token
 loop and transformers' KimiLinear experts (eager loop and grouped_mm), in one run.
 
-    .venv/bin/python bench/bench_moe.py [--tokens 256] [--experts 32] [--top-k 4]
+    .venv/bin/python bench/bench_moe.py [--quick] [--tokens 256] [--experts 32] [--top-k 4]
 
 Prints a markdown table and writes bench/results/moe.json atomically. Times are medians on
 this machine's CPU; read the ratios, not the milliseconds (DESIGN.md, "Performance").
@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,9 +23,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from deltamoe.ops.moe import experts_forward, route_tokens
+sys.path.insert(0, str(Path(__file__).parent))
+from common import RESULTS, result_name  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results" / "moe.json"
+from deltamoe.ops.moe import experts_forward, route_tokens  # noqa: E402
 
 
 def naive_per_token(x, weights, indices, w1, w3, w2) -> torch.Tensor:
@@ -74,6 +76,7 @@ def write_atomically(path: Path, payload: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="64 tokens, 3 repeats, writes moe_quick.json")
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--top-k", type=int, default=4)
@@ -82,6 +85,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the CI box is shared)")
     args = parser.parse_args()
+    if args.quick:
+        args.tokens, args.repeats = 64, 3
     torch.set_num_threads(args.threads)
 
     g = torch.Generator().manual_seed(0)
@@ -122,7 +127,8 @@ def main() -> None:
         "machine": platform.machine(),
         "results": rows,
     }
-    write_atomically(RESULTS, payload)
+    path = RESULTS / f"{result_name('moe', args.quick)}.json"
+    write_atomically(path, payload)
 
     print(f"MoE experts, N={n} E={e} k={k} D={d} I={i}, fp32, {args.threads} thread(s)\n")
     print("| implementation | median ms | time / experts_forward | max abs diff |")
@@ -130,7 +136,7 @@ def main() -> None:
     for row in rows:
         print(f"| {row['name']} | {row['median_ms']:.2f} | {row['time_vs_experts_forward']:.2f}x "
               f"| {row['max_abs_diff']:.1e} |")
-    print(f"\nwrote {RESULTS}")
+    print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":

@@ -5,23 +5,26 @@ allocation: K3's 24 MLA layers hold 576 latent values per token each (bf16), its
 fixed recurrent state (96 x 128 x 128 fp32) + conv state per sequence. The peer is the same dims
 with every layer MLA (a dense-attention K3), expected to need about 4x the per-token bytes.
 
-    .venv/bin/python bench/bench_serve_cache_bytes.py
+    .venv/bin/python bench/bench_serve_cache_bytes.py [--quick]
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import markdown_table, write_result  # noqa: E402
+from common import markdown_table, result_name, write_result  # noqa: E402
 
 from deltamoe.config import load_preset  # noqa: E402
 from deltamoe.serve.cache_layout import CacheLayout  # noqa: E402
 
 CONTEXTS = (4096, 32768, 131072, 1048576)
+# K3's per-token cache bytes are expected at about a quarter of the all-MLA layout's.
+TARGET = {"variant": "Kimi K3 (69 KDA + 24 MLA)", "per_token_vs_all_mla": [0.2, 0.3]}
 
 
 def gib(n: float) -> str:
@@ -29,6 +32,9 @@ def gib(n: float) -> str:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the same (no timing), written to serve_cache_bytes_quick.json")
+    args = parser.parse_args()
     k3 = load_preset("kimi-k3")
     variants = {
         "Kimi K3 (69 KDA + 24 MLA)": k3,
@@ -47,7 +53,8 @@ def main() -> None:
                      f"{lay.bytes_per_state_slot / 2**20:,.1f}"]
                     + [f"{gib(per_seq[n])} ({per_seq[n] / (dense.bytes_per_token * n + dense.bytes_per_state_slot):.2f})"
                        for n in CONTEXTS])
-    path = write_result("serve_cache_bytes", {"dtype": "bf16 latents/keys/conv, fp32 KDA state", "variants": results})
+    path = write_result(result_name("serve_cache_bytes", args.quick), {
+        "dtype": "bf16 latents/keys/conv, fp32 KDA state", "variants": results, "target": TARGET})
     print("Cache per sequence: latent KV + indexer keys per token (bf16), KDA state fixed (fp32).\n")
     print(markdown_table(["layout", "bytes / token", "vs all-MLA", "fixed state / seq (MiB)"]
                          + [f"GiB at {n // 1024}k (vs all-MLA)" for n in CONTEXTS], rows))

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import markdown_table, write_result  # noqa: E402
+from common import markdown_table, result_name, write_result  # noqa: E402
 
 from deltamoe.config import load_preset  # noqa: E402
 from deltamoe.model.load import build_model  # noqa: E402
@@ -83,7 +83,7 @@ def interleaved_min_seconds(steps: dict[str, object], repeats: int) -> dict[str,
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="1k and 8k only, fewer repeats")
+    parser.add_argument("--quick", action="store_true", help="1k and 8k only, fewer repeats, writes serve_dsa_decode_quick.json")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads for every side (1 keeps a shared machine's noise down)")
     args = parser.parse_args()
@@ -105,9 +105,10 @@ def main() -> None:
         results.append({"context": context, "dsa_ms": dsa * 1e3, "dense_mla_ms": dense * 1e3, "speedup": dense / dsa})
         rows.append([f"{context:,}", f"{dsa * 1e3:.2f}", f"{dense * 1e3:.2f}", f"{dense / dsa:.1f}x"])
     ratio = cost_ratio(config("dsa"))
-    path = write_result("serve_dsa_decode", {
+    path = write_result(result_name("serve_dsa_decode", args.quick), {
         "config": {"index_topk": 256, "mla_to_indexer_cost_per_past_token": ratio, "layers": "kda,kda,kda,attn",
-                   "batch": 1}, "results": results, "target": "speedup >= 4x at 32k"})
+                   "batch": 1}, "results": results,
+        "target": {"speedup": 4.0, "context": MAX_CONTEXT}})
     print(f"MLA / indexer cost per past token: {ratio:.1f}x (K3.1: 25.5x); top-k 256; batch 1; threads "
           f"{torch.get_num_threads()}\n")
     print(markdown_table(["context", "DSA decode step (ms)", "dense MLA decode step (ms)", "DSA speedup"], rows))

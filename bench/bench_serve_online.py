@@ -35,7 +35,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import markdown_table, write_result  # noqa: E402
+from common import markdown_table, result_name, write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_NAME = "bench"
@@ -163,7 +163,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the server process")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="2 requests per client, 32 in / 16 out tokens")
+    ap.add_argument("--quick", action="store_true", help="2 requests per client, 32 in / 16 out tokens, writes serve_online_quick.json")
     args = ap.parse_args()
     if args.quick:
         args.prompts_per_client, args.input_len, args.output_len = 2, 32, 16
@@ -192,7 +192,7 @@ def main() -> None:
     config = {"model": args.model, "input_len": args.input_len, "output_len": args.output_len,
               "prompts_per_client": args.prompts_per_client, "server_threads": args.threads, "quick": args.quick,
               "command": " ".join(["bench/bench_serve_online.py", *sys.argv[1:]])}
-    path = write_result("serve_online", {"config": config, "runs": rows})
+    path = write_result(result_name("serve_online", args.quick), {"config": config, "runs": rows})
     headers = ["clients", "done", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms",
                "ITL p50 ms", "ITL p99 ms", "E2EL p50 ms"]
     table = [[r["concurrency"], f"{r['completed']}/{r['completed'] + r['failed']}", r["request_throughput"],

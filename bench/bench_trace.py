@@ -31,7 +31,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 HTA_VENV = ROOT / ".venv-hta"
-RESULTS = ROOT / "bench" / "results" / "trace.json"
+HTA_VERSION = "0.5.0"
+sys.path.insert(0, str(Path(__file__).parent))
+from common import RESULTS, result_name  # noqa: E402
+
+# Goals: speedup at the largest peer size, one-file throughput, and the 10,000-rank run.
+TARGET = {"speedup_vs_hta": 20.0, "events_per_s": 1_000_000, "scaling_wall_s": 60.0, "scaling_peak_mb": 1000.0}
 # ~1,900 events per rank: 2 stages x 4 microbatches x 2 layers, 3 profiled steps, EP all-to-all.
 JOB = ["--pp", "2", "--layers", "2", "--steps", "3"]
 
@@ -44,7 +49,7 @@ def ensure_hta() -> Path:
         subprocess.run(["python3", "-m", "venv", str(HTA_VENV)], check=True)
     pip = [str(HTA_VENV / "bin" / "pip"), "install", "-q"]
     subprocess.run(pip + ["torch==2.13.0"], check=True)
-    subprocess.run(pip + ["HolisticTraceAnalysis==0.5.0", "psutil"], check=True)
+    subprocess.run(pip + [f"HolisticTraceAnalysis=={HTA_VERSION}", "psutil"], check=True)
     return py
 
 
@@ -212,12 +217,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="8 and 64 ranks, a 200k-event file, 1,000 ranks scaling")
     ap.add_argument("--skip-hta", action="store_true")
     ap.add_argument("--skip-scaling", action="store_true")
-    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--out", default=None, help="results file (default bench/results/trace.json, or trace_quick.json)")
     args = ap.parse_args()
     hta_py = None if args.skip_hta else ensure_hta()
     sizes = [8, 64] if args.quick else [8, 64, 256, 1024]
     res: dict = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}, "quick": args.quick,
-                 "command": " ".join([Path(sys.executable).name, *sys.argv])}
+                 "command": " ".join([Path(sys.executable).name, *sys.argv]),
+                 "peer_name": None if args.skip_hta else f"HTA {HTA_VERSION}", "target": TARGET}
     tmp = Path(tempfile.mkdtemp(prefix="bench_trace_", dir=os.environ.get("BENCH_TMP")))
     try:
         print("peer comparison", file=sys.stderr)
@@ -230,7 +236,7 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     res["markdown"] = markdown(res)
-    out = Path(args.out)
+    out = Path(args.out or RESULTS / f"{result_name('trace', args.quick)}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     part = out.with_name(out.name + ".tmp")
     part.write_text(json.dumps(res, indent=2))

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_model_forward import kimi_linear_config  # noqa: E402  (the same model as the forward bench)
-from common import markdown_table, write_result  # noqa: E402
+from common import markdown_table, result_name, write_result  # noqa: E402
 
 
 def deltamoe_step(model, cfg):
@@ -92,8 +92,9 @@ def main() -> None:
     result = {"batch": batch, "seq_len": seq, "hidden": 256, "layers": 8, "steps": steps,
               "first_loss": {"deltamoe": first[0], "transformers": first[1]},
               "step_s": {"deltamoe": t_ours, "transformers": t_ref},
-              "tokens_per_s": {"deltamoe": tokens / mo, "transformers": tokens / mr}, "speedup": mr / mo}
-    path = write_result("train_throughput" + ("_quick" if args.quick else ""), result)
+              "tokens_per_s": {"deltamoe": tokens / mo, "transformers": tokens / mr}, "speedup": mr / mo,
+              "target": {"speedup": 1.5}}
+    path = write_result(result_name("train_throughput", args.quick), result)
     table = [["deltamoe (TrainStep)", f"{tokens / mo:,.0f}", f"{mo:.2f}", f"{mr / mo:.2f}x"],
              ["transformers KimiLinear (torch fallbacks)", f"{tokens / mr:,.0f}", f"{mr:.2f}", "1.00x"]]
     print(markdown_table([f"train step, hidden 256, 8 layers, {batch}x{seq}, AdamW", "tokens/s", "s/step",

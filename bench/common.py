@@ -12,7 +12,8 @@ from typing import Callable
 
 import torch
 
-RESULTS = Path(__file__).parent / "results"
+# `deltamoe bench --results-dir DIR` points every suite elsewhere (tests use a temp folder).
+RESULTS = Path(os.environ.get("DELTAMOE_BENCH_RESULTS") or Path(__file__).parent / "results")
 
 
 def median_seconds(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
@@ -29,6 +30,11 @@ def median_seconds(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) 
 def machine() -> dict:
     return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
             "python": platform.python_version()}
+
+
+def result_name(name: str, quick: bool) -> str:
+    """Quick (smoke) runs write NAME_quick.json, which git ignores and the README table skips."""
+    return f"{name}_quick" if quick else name
 
 
 def write_result(name: str, data: dict) -> Path:
