@@ -17,6 +17,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 
 def _register() -> None:
     # Each subsystem owns its command file; the imports are here so `deltamoe --help` lists them all.
+    from deltamoe.benchmarks.cli import bench_command
     from deltamoe.commands.info import info
     from deltamoe.plan.cli import plan_command
     from deltamoe.serve.cli import chat_command, generate_command, serve_command
@@ -29,6 +30,7 @@ def _register() -> None:
     app.command("serve")(serve_command)
     app.command("generate")(generate_command)
     app.command("chat")(chat_command)
+    app.command("bench")(bench_command)
     app.add_typer(trace_app, name="trace", help="Analyse or synthesise per-rank PyTorch profiler traces.")
 
 

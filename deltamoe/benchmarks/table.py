@@ -1,0 +1,319 @@
+"""The README benchmark table, rendered from bench/results/*.json.
+
+One formatter per results file turns its JSON into table rows (figures, peer, ratio, target and
+whether it is met), so the README carries exactly what the last full run measured. Quick runs
+(`*_quick.json`) are smoke tests and never reach the table. Targets and notes come from the
+JSON too (each script writes its `target`; a `note` attached to one run stays with that run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+from deltamoe.errors import ConfigError
+
+START = "<!-- bench-table:start -->"
+END = "<!-- bench-table:end -->"
+HEADERS = ["benchmark (command)", "deltamoe", "peer", "ratio", "target"]
+
+Row = list[str]  # one cell per header
+
+
+# --- number formats ------------------------------------------------------------------------
+
+
+def ms(seconds: float) -> str:
+    v = seconds * 1e3
+    return f"{v:.1f}" if v < 10 else f"{v:,.0f}"
+
+
+def secs(seconds: float) -> str:
+    return f"{seconds:.2f}" if seconds < 10 else f"{seconds:,.1f}"
+
+
+def times(x: float) -> str:
+    """A ratio: two decimals near 1 (where they matter), one above."""
+    return f"{x:.2f}x" if x < 1.1 else f"{x:.1f}x"
+
+
+def rate(x: float) -> str:
+    return f"{x:,.0f}"
+
+
+def bold(text: str) -> str:
+    return f"**{text}**"
+
+
+def verdict(goals: list[tuple[str, bool]], note: str | None = None) -> str:
+    """'>= 1.5x (met)', or each goal with its own verdict when they differ; a run's note after."""
+    if all(met for _, met in goals) or not any(met for _, met in goals):
+        text = " / ".join(g for g, _ in goals) + (" (met)" if goals[0][1] else " (missed)")
+    else:
+        text = " / ".join(f"{g} ({'met' if met else 'missed'})" for g, met in goals)
+    return f"{text}; {note}" if note else text
+
+
+def command(suite: str) -> str:
+    return f"(`deltamoe bench {suite}`)"
+
+
+# --- one formatter per results file ---------------------------------------------------------
+
+
+def kda_rows(d: dict) -> list[Row]:
+    rows = sorted(d["rows"], key=lambda r: r["T"], reverse=True)
+    top, rest = rows[0], rows[1:]
+    c, t = d["config"], d.get("target", {})
+    goals = []
+    if "speedup_vs_transformers" in t:
+        goals.append((f">= {t['speedup_vs_transformers']:g}x", top["speedup_vs_transformers"] >= t["speedup_vs_transformers"]))
+    if "speedup_vs_recurrent" in t:
+        goals.append((f">= {t['speedup_vs_recurrent']:g}x", top["speedup_vs_recurrent"] >= t["speedup_vs_recurrent"]))
+    out = [[f"KDA prefill, {c['dtype'].replace('float', 'fp')}, B={c['B']} H={c['H']} K=V={c['K']}, T={top['T']} "
+            + command("kda"),
+            f"{ms(top['chunk_kda_s'])} ms",
+            f"transformers torch chunk KDA {ms(top['transformers_s'])} ms; plain recurrence {ms(top['recurrent_kda_s'])} ms",
+            f"{bold(times(top['speedup_vs_transformers']))} / {bold(times(top['speedup_vs_recurrent']))}",
+            verdict(goals, d.get("note")) if goals else ""]]
+    if rest:
+        def join(key: str) -> str:
+            return " / ".join(ms(r[key]) for r in rest)
+        out.append([f"same, T={' / '.join(str(r['T']) for r in rest)}", f"{join('chunk_kda_s')} ms",
+                    f"transformers {join('transformers_s')} ms; recurrence {join('recurrent_kda_s')} ms",
+                    " / ".join(times(r["speedup_vs_transformers"]) for r in rest) + "; "
+                    + " / ".join(times(r["speedup_vs_recurrent"]) for r in rest), ""])
+    return out
+
+
+def speedup_goal(d: dict) -> str:
+    goal = d.get("target", {}).get("speedup")
+    return verdict([(f">= {goal:g}x", d["speedup"] >= goal)], d.get("note")) if goal else d.get("note", "")
+
+
+def model_forward_rows(d: dict) -> list[Row]:
+    t = d["seq_len"]
+    return [[f"whole-model forward, hidden {d['hidden']}, {d['layers']} layers, T={t} {command('model_forward')}",
+             f"{rate(t / d['deltamoe_s'])} tok/s", f"transformers KimiLinear {rate(t / d['transformers_s'])} tok/s",
+             bold(times(d["speedup"])), speedup_goal(d)]]
+
+
+def train_throughput_rows(d: dict) -> list[Row]:
+    tps = d["tokens_per_s"]
+    return [[f"training step, hidden {d['hidden']}, {d['layers']} layers, batch {d['batch']}x{d['seq_len']}, AdamW "
+             + command("train_throughput"),
+             f"{rate(tps['deltamoe'])} tok/s", f"transformers KimiLinear {rate(tps['transformers'])} tok/s",
+             bold(times(d["speedup"])), speedup_goal(d)]]
+
+
+def train_quality_rows(d: dict) -> list[Row]:
+    data = d["settings"]["data"]
+    minutes = d["wall_s"] / 60
+    acc, goal_acc, goal_min = d["final_accuracy"], d["target_accuracy"], d.get("target_minutes")
+    goal = f">= {goal_acc:.0%}".replace("%", " %") + (f" in <= {goal_min:g} min" if goal_min else "")
+    met = d["reached"] and (goal_min is None or minutes <= goal_min)
+    return [[f"time-to-quality: `tiny` on associative recall ({data['num_pairs']} pairs) {command('train_quality')}",
+             f"{acc * 100:.1f} % held-out in {d['steps']} steps, {minutes:.1f} min", "", "",
+             verdict([(goal, met)], d.get("note"))]]
+
+
+def serve_offline_rows(d: dict) -> list[Row]:
+    w, tps = d["workload"], dict(d["tokens_per_s"])
+    ours = tps.pop("deltamoe engine")
+    peers = "; ".join(f"{name.removeprefix('transformers, ').removesuffix(' (left pad)')} {rate(v)}"
+                      for name, v in sorted(tps.items(), key=lambda kv: -kv[1]))
+    d = {**d, "speedup": d["speedup_vs_best_transformers"]}
+    return [[f"offline serving, {w['prompts']} prompts x {w['new_tokens']} tokens, Kimi Linear tiny "
+             + command("serve_offline"),
+             f"{rate(ours)} tok/s", f"transformers {peers}", bold(times(d["speedup"])), speedup_goal(d)]]
+
+
+def serve_dsa_decode_rows(d: dict) -> list[Row]:
+    res = d["results"]
+    ctx = " / ".join(f"{r['context'] // 1024}k" for r in res)
+    t = d.get("target", {})
+    goal = ""
+    if "speedup" in t:
+        at = next((r for r in res if r["context"] == t["context"]), None)
+        name = f">= {t['speedup']:g}x at {t['context'] // 1024}k"
+        goal = verdict([(name, at is not None and at["speedup"] >= t["speedup"])], d.get("note"))
+    ratios = [times(r["speedup"]) for r in res]
+    ratios[-1] = bold(ratios[-1])
+    return [[f"DSA vs dense MLA decode step at {ctx} context, top-k {d['config']['index_topk']} "
+             + command("serve_dsa_decode"),
+             " / ".join(f"{r['dsa_ms']:.0f}" for r in res) + " ms",
+             "dense " + " / ".join(f"{r['dense_mla_ms']:,.0f}" for r in res) + " ms", " / ".join(ratios), goal]]
+
+
+def serve_cache_bytes_rows(d: dict) -> list[Row]:
+    variants, t = d["variants"], d.get("target", {})
+    dense = next(v for v in variants.values() if v["state_bytes_per_sequence"] == 0)
+    out = []
+    for name, v in variants.items():
+        if v is dense:
+            continue
+        ratio = v["per_token_vs_all_mla"]
+        goal = ""
+        if t.get("variant") == name:
+            low, high = t["per_token_vs_all_mla"]
+            goal = verdict([(f"about 1/4, {low:g}-{high:g}", low <= ratio <= high)], d.get("note"))
+        label = (f"cache bytes per token, {name} vs all-MLA {command('serve_cache_bytes')}" if not out
+                 else f"same, {name}")
+        out.append([label, f"{v['bytes_per_token']:,} B + {v['state_bytes_per_sequence'] / 2**20:,.1f} MiB state/seq",
+                    f"{dense['bytes_per_token']:,} B", bold(f"{ratio:.2f}") if not out else f"{ratio:.2f}", goal])
+    return out
+
+
+def serve_online_rows(d: dict) -> list[Row]:
+    runs = d["runs"]
+
+    def join(key: str) -> str:
+        return " / ".join(f"{r[key]:,.0f}" for r in runs)
+
+    return [[f"online serving, {d['config']['model']}, {' / '.join(str(r['concurrency']) for r in runs)} clients "
+             + command("serve_online"),
+             f"TTFT p50 {join('p50_ttft_ms')} ms; TPOT p50 {join('p50_tpot_ms')} ms", "(no peer server run)", "",
+             d.get("note", "")]]
+
+
+def trace_rows(d: dict) -> list[Row]:
+    t, out = d.get("target", {}), []
+    peer = [p for p in d.get("peer", []) if p.get("hta", {}).get("wall_s")]
+    if peer:
+        shown = peer[-2:]
+        per_rank = round(shown[-1]["events"] / shown[-1]["ranks"], -2)
+        sizes = " / ".join(f"{p['ranks']:,}" for p in shown)
+        speedups = [p["hta"]["wall_s"] / p["deltamoe"]["wall_s"] for p in shown]
+        right = all(p["deltamoe"].get("stragglers") == p["truth_stragglers"] for p in peer)
+        hta_right = all(p["hta"].get("stragglers") == p["truth_stragglers"] for p in peer)
+        blame = "" if hta_right else f" (HTA blames rank {', '.join(map(str, shown[-1]['hta'].get('stragglers') or ['none']))})"
+        goal = ""
+        if "speedup_vs_hta" in t:
+            goal = verdict([(f">= {t['speedup_vs_hta']:g}x", speedups[-1] >= t["speedup_vs_hta"])])
+        out.append([f"trace analysis vs {d.get('peer_name', 'HTA')}, {sizes} ranks x ~{per_rank:,.0f} events "
+                    + command("trace"),
+                    " / ".join(f"{secs(p['deltamoe']['wall_s'])} s, {p['deltamoe']['peak_rss_mb']:.0f} MB" for p in shown),
+                    "HTA " + " / ".join(f"{secs(p['hta']['wall_s'])} s, {p['hta']['peak_rss_mb']:.0f} MB" for p in shown),
+                    bold(" / ".join(times(s) for s in speedups))
+                    + ("; right straggler" if right else "; wrong straggler") + blame, goal])
+    if d.get("throughput"):
+        rows = d["throughput"]
+        events = max(r["events"] for r in rows)
+        best = max(r["events_per_s"] for r in rows)
+        goal = ""
+        if "events_per_s" in t:
+            goal = verdict([(f">= {t['events_per_s'] / 1e6:g}M events/s", best >= t["events_per_s"])])
+        out.append([f"trace analysis, one {events / 1e6:.0f}M-event rank file ({' / '.join(r['format'] for r in rows)})",
+                    " / ".join(f"{r['events_per_s'] / 1e3:.0f}k" for r in rows)
+                    + f" events/s, {max(r['peak_rss_mb'] for r in rows):.0f} MB", "", "", goal])
+    if d.get("scaling"):
+        rows = d["scaling"]
+        per_rank = round(rows[-1]["events"] / rows[-1]["ranks"], -2)
+        cells = [f"{secs(r['wall_s'])} s, {r['peak_rss_mb']:.0f} MB" for r in rows]
+        cells[-1] = bold(cells[-1])
+        goal = ""
+        if "scaling_wall_s" in t:
+            last = rows[-1]
+            goal = verdict([(f"<= {t['scaling_wall_s']:g} s, <= {t['scaling_peak_mb'] / 1e3:g} GB",
+                             last["wall_s"] <= t["scaling_wall_s"] and last["peak_rss_mb"] <= t["scaling_peak_mb"])])
+        sizes = " / ".join(f"{r['ranks']:,}" for r in rows)
+        out.append([f"trace analysis, {sizes} ranks x ~{per_rank:,.0f} events",
+                    " / ".join(cells), "", "", goal])
+    return out
+
+
+def plan_validation_rows(d: dict) -> list[Row]:
+    low, high = d["goal"]
+    rows = d["rows"]
+    outliers = [r for r in rows if not r["within_0.5x_2x"]]
+    ratio = "; ".join(f"outlier: {r['system']}, {r['metric']} {r['ratio']:.2f}x (see docs/planner.md)" for r in outliers)
+    return [[f"planner validation vs {len(rows)} published deployments {command('plan_validate')}",
+             f"{d['within']} of {len(rows)} rows within {low:g}x-{high:g}x", "published figures", ratio,
+             verdict([(f"all within {low:g}x-{high:g}x", not outliers)], d.get("note"))]]
+
+
+def moe_rows(d: dict) -> list[Row]:
+    s = d["shape"]
+    res = {r["name"]: r for r in d["results"]}
+    ours = res.pop("deltamoe experts_forward")
+    hf = {name.split("(")[-1].rstrip(")"): r for name, r in res.items() if name.startswith("transformers")}
+    loop = res.get("naive per-token loop")
+    peers = "transformers " + ", ".join(f"{impl} {r['median_ms']:.1f} ms" for impl, r in hf.items())
+    ratios = [times(r["time_vs_experts_forward"]) for r in hf.values()]
+    if loop:
+        peers += f"; per-token loop {loop['median_ms']:.1f} ms"
+        ratios.append(times(loop["time_vs_experts_forward"]))
+    return [[f"MoE experts, {s['tokens']} tokens, {s['experts']} experts top-{s['top_k']} {command('moe')}",
+             f"{ours['median_ms']:.1f} ms", peers, " / ".join(ratios), d.get("note", "")]]
+
+
+# results file stem -> formatter, in the order the README lists them
+FORMATTERS: dict[str, Callable[[dict], list[Row]]] = {
+    "kda": kda_rows,
+    "model_forward": model_forward_rows,
+    "train_throughput": train_throughput_rows,
+    "train_quality": train_quality_rows,
+    "serve_offline": serve_offline_rows,
+    "serve_dsa_decode": serve_dsa_decode_rows,
+    "serve_cache_bytes": serve_cache_bytes_rows,
+    "serve_online": serve_online_rows,
+    "trace": trace_rows,
+    "plan_validation": plan_validation_rows,
+    "moe": moe_rows,
+}
+
+
+# --- rendering and the README block ----------------------------------------------------------
+
+
+def results_files(results_dir: Path) -> dict[str, Path]:
+    """Full-run results by stem; quick (smoke) runs are left out."""
+    files = {}
+    for path in sorted(results_dir.glob("*.json")):
+        if path.stem.endswith("_quick"):
+            continue
+        files[path.stem] = path
+    return files
+
+
+def render_table(results_dir: Path) -> str:
+    files = results_files(results_dir)
+    unknown = sorted(set(files) - set(FORMATTERS))
+    for stem in unknown:
+        print(f"warning: no README formatter for {files[stem]} (add one to deltamoe/benchmarks/table.py)",
+              file=sys.stderr)
+    rows: list[Row] = []
+    for stem, formatter in FORMATTERS.items():
+        if stem in files:
+            data = json.loads(files[stem].read_text())
+            if data.get("quick") or data.get("config", {}).get("quick"):
+                continue
+            rows += formatter(data)
+    lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def split_readme(text: str, path: Path) -> tuple[str, str, str]:
+    """(before, block, after) around the markers; the markers stay in before/after."""
+    if text.count(START) != 1 or text.count(END) != 1 or text.index(START) > text.index(END):
+        raise ConfigError(f"{path} needs exactly one {START} ... {END} pair", field="README")
+    head, rest = text.split(START)
+    block, tail = rest.split(END)
+    return head + START, block.strip("\n"), END + tail
+
+
+def update_readme(readme: Path, table: str) -> bool:
+    """Put the table between the markers (atomic write). True when the file changed."""
+    text = readme.read_text()
+    before, block, after = split_readme(text, readme)
+    new = f"{before}\n{table}\n{after}"
+    if new == text:
+        return False
+    tmp = readme.with_name(f".{readme.name}.tmp")
+    tmp.write_text(new)
+    os.replace(tmp, readme)
+    return True

@@ -1,0 +1,109 @@
+"""`deltamoe bench`: listing, one cheap suite end to end, and the README table generated from the results."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deltamoe.benchmarks.suites import REPO_ROOT, bench_dir, discover, select
+from deltamoe.benchmarks.table import END, FORMATTERS, START, render_table, results_files, split_readme, update_readme
+from deltamoe.errors import ConfigError
+
+RESULTS = REPO_ROOT / "bench" / "results"
+README = REPO_ROOT / "README.md"
+
+
+def deltamoe(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deltamoe", *args], capture_output=True, text=True, cwd=REPO_ROOT, **kw)
+
+
+def test_list_names_every_suite():
+    out = deltamoe("bench", "--list")
+    assert out.returncode == 0, out.stderr
+    for name in ("kda", "model_forward", "moe", "plan_validate", "serve_offline", "serve_dsa_decode",
+                 "serve_cache_bytes", "serve_online", "train_throughput", "train_quality", "trace"):
+        assert name in out.stdout
+
+
+def test_every_suite_has_a_quick_flag_and_names_resolve():
+    suites = discover(bench_dir())
+    assert all(s.has_quick for s in suites), [s.name for s in suites if not s.has_quick]
+    assert [s.name for s in select(suites, ["bench_kda.py", "moe"])] == ["kda", "moe"]
+    with pytest.raises(ConfigError, match="unknown suite 'nope'"):
+        select(suites, ["nope"])
+
+
+def test_missing_bench_folder_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=str(tmp_path / "bench")):
+        bench_dir(tmp_path)
+
+
+def test_unknown_suite_exits_2():
+    out = deltamoe("bench", "no_such_suite")
+    assert out.returncode == 2 and "no_such_suite" in out.stderr
+
+
+def test_one_cheap_suite_runs_into_a_temp_results_dir(tmp_path):
+    before = {p.name: p.read_bytes() for p in RESULTS.glob("*.json")}
+    out = deltamoe("bench", "serve_cache_bytes", "--quick", "--results-dir", str(tmp_path), timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    written = json.loads((tmp_path / "serve_cache_bytes_quick.json").read_text())
+    assert written["variants"]["Kimi K3 (69 KDA + 24 MLA)"]["bytes_per_token"] == 27648
+    assert written["target"]["per_token_vs_all_mla"] == [0.2, 0.3]
+    assert {p.name: p.read_bytes() for p in RESULTS.glob("*.json")} == before  # committed results untouched
+
+
+def test_a_crashing_suite_fails_the_run_but_not_the_others(tmp_path):
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "bench_boom.py").write_text('"""Always fails."""\nraise SystemExit(3)\n')
+    (bench / "bench_fine.py").write_text('"""Always passes."""\nprint("fine ran")\n')
+    code = ("import sys; from deltamoe.benchmarks import suites; from pathlib import Path; "
+            f"suites.REPO_ROOT = Path({str(tmp_path)!r}); "
+            "from deltamoe.benchmarks import cli; cli.bench_dir = lambda: suites.bench_dir(suites.REPO_ROOT); "
+            "from deltamoe.cli import main; sys.exit(main(['bench', '--no-table']))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 1
+    assert "fine ran" in out.stdout and "failed: boom" in out.stdout
+
+
+def test_table_has_the_committed_figures():
+    table = render_table(RESULTS)
+    for figure in ("65 ms", "**18.7x**", "3,163 tok/s", "**8.7x**", "96.4 % held-out in 250 steps, 3.7 min",
+                   "6,662 tok/s", "2,553 ms", "27,648 B", "**0.26**", "TTFT p50 100 / 978 / 1,541 ms",
+                   "**9.9x / 14.4x**", "12 of 13 rows", "10.3 ms", ">= 5x (missed)", ">= 1.5x (met)"):
+        assert figure in table, figure
+    assert len(table.splitlines()) == 2 + 15
+
+
+def test_every_committed_result_has_a_formatter_and_quick_runs_are_left_out(tmp_path):
+    assert set(results_files(RESULTS)) <= set(FORMATTERS)
+    shutil.copy(RESULTS / "model_forward.json", tmp_path / "model_forward.json")
+    quick = json.loads((RESULTS / "model_forward.json").read_text()) | {"seq_len": 512, "deltamoe_s": 1.0}
+    (tmp_path / "model_forward_quick.json").write_text(json.dumps(quick))
+    table = render_table(tmp_path)
+    assert "T=2048" in table and "T=512" not in table and len(table.splitlines()) == 3
+
+
+def test_readme_block_is_the_generated_table():
+    text = README.read_text()
+    assert text.count(START) == 1 and text.count(END) == 1
+    _, block, after = split_readme(text, README)
+    assert block == render_table(RESULTS), "README table is stale: run `deltamoe bench --table-only`"
+    assert "Note on the KDA recurrence target" in after  # the hand-written notes stay outside the block
+
+
+def test_update_readme_replaces_only_the_block(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\nintro\n\n{START}\nold\n{END}\n\nnotes\n")
+    assert update_readme(readme, "| a |\n|---|")
+    assert readme.read_text() == f"# x\n\nintro\n\n{START}\n| a |\n|---|\n{END}\n\nnotes\n"
+    assert not update_readme(readme, "| a |\n|---|")
+    readme.write_text("no markers")
+    with pytest.raises(ConfigError, match="bench-table"):
+        update_readme(readme, "t")
