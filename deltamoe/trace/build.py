@@ -11,6 +11,7 @@ from deltamoe.errors import TraceError
 from deltamoe.trace import intervals as iv
 from deltamoe.trace.classify import P2P_KINDS, collective_kind, dtype_bytes, peer_from_name
 from deltamoe.trace.summary import HEAT_BINS, Collectives, RankSummary
+from deltamoe.trace.schema import NO_ARGS
 from deltamoe.trace.tables import COMM, COMPUTE, MEMORY, EventTables
 
 StepRange = tuple[int | None, int | None]
@@ -45,7 +46,8 @@ def build_summary(t: EventTables, header: dict, path: str, steps: StepRange = (N
     rank, world, backend, groups = rank_info(header, path)
     if t.events == 0:
         raise TraceError("the trace has no events", field=path)
-    gpu = bool(len(t.kernels)) and bool((np.asarray(t.kernels, dtype=float).reshape(-1, 7)[:, 2] != MEMORY).any())
+    t.freeze()
+    gpu = bool((t.kernels[:, 2] != MEMORY).any())
     builder = _GpuView(t) if gpu else _CpuView(t)
     step_ids, windows = builder.step_windows()
     keep = _select(step_ids, steps)
@@ -63,18 +65,30 @@ def build_summary(t: EventTables, header: dict, path: str, steps: StepRange = (N
     if not len(step_ids):
         s.warnings.append("no ProfilerStep in the selected range")
     compute, comm, mem = builder.spans()
-    pipe = _pipe_spans(coll)
-    for k, (lo, hi) in enumerate(windows):
-        c, m, x = iv.clip(compute, lo, hi), iv.clip(comm, lo, hi), iv.clip(mem, lo, hi)
-        busy = iv.merge(c, m, x)
-        s.compute[k] = iv.length(c)
-        s.comm[k] = iv.length(m)
-        s.overlap[k] = iv.overlap(c, m)
-        s.memcpy[k] = iv.length(busy) - iv.length(iv.merge(c, m))
-        s.idle[k] = (hi - lo) - iv.length(busy)
-        s.heat[k] = iv.binned_busy(c, lo, hi, HEAT_BINS)
-        _pipeline_step(s, k, c, iv.merge(c, iv.subtract(m, pipe)), coll, pipe)
+    _breakdown(s, compute, comm, mem)
+    _pipeline(s, compute, comm, coll)
     return s
+
+
+def _breakdown(s: RankSummary, compute: iv.Spans, comm: iv.Spans, mem: iv.Spans) -> None:
+    """Per-step compute / comm / memcpy / idle / overlap, all steps at once.
+
+    Each quantity is a length of a union inside the step windows; unions are built once
+    for the whole rank and measured with the cumulative busy curve (intervals.length_in).
+    """
+    if not len(s.step_ids):
+        return
+    lo, hi = s.window[:, 0], s.window[:, 1]
+    compute_and_comm = iv.merge(compute, comm)
+    busy = iv.merge(compute_and_comm, mem)
+    s.compute = iv.length_in(compute, lo, hi)
+    s.comm = iv.length_in(comm, lo, hi)
+    both = iv.length_in(compute_and_comm, lo, hi)
+    busy_len = iv.length_in(busy, lo, hi)
+    s.overlap = s.compute + s.comm - both
+    s.memcpy = busy_len - both
+    s.idle = (hi - lo) - busy_len
+    s.heat = iv.binned_busy(compute, lo, hi, HEAT_BINS).astype(np.float32)
 
 
 def _select(step_ids: np.ndarray, steps: StepRange) -> np.ndarray:
@@ -87,39 +101,40 @@ def _select(step_ids: np.ndarray, steps: StepRange) -> np.ndarray:
     return keep
 
 
-def _pipe_spans(coll: Collectives) -> iv.Spans:
-    is_p2p = np.isin(coll.kind, list(_PIPE_KINDS))
-    return iv.union(coll.arrive[is_p2p], coll.end[is_p2p])
+def _pipeline(s: RankSummary, compute: iv.Spans, comm: iv.Spans, coll: Collectives) -> None:
+    """Pipeline facts per step: compute idle while waiting on P2P, and the pipeline block.
 
-
-def _pipeline_step(s: RankSummary, k: int, compute: iv.Spans, working: iv.Spans, coll: Collectives,
-                   pipe: iv.Spans) -> None:
-    """Pipeline facts for step k: compute idle while waiting on P2P, and the pipeline block.
-
-    `working` is compute plus non-pipeline communication (MoE all-to-all, TP all-reduce):
-    time exposed to those is communication, not bubble.
+    The working time of a stage is compute plus non-pipeline communication (MoE all-to-all,
+    TP all-reduce): time exposed to those is communication, not bubble.
 
     The pipeline phase of a stage ends with its last pipeline compute: after a final recv
     that is the compute block consuming it; after a final send it is the compute that
     produced it. Gradient sync and the optimizer that follow are not pipeline work.
     """
-    lo, hi = s.window[k]
-    rows = np.flatnonzero((coll.step == k) & np.isin(coll.kind, list(_PIPE_KINDS)))
-    if len(rows) == 0 or len(compute[0]) == 0:
+    is_pipe = np.isin(coll.kind, list(_PIPE_KINDS))
+    steps = np.unique(coll.step[is_pipe & (coll.step >= 0)])
+    if not len(steps) or not len(compute[0]):
         return
-    p2p = iv.clip(pipe, lo, hi)
-    idle = iv.subtract((np.array([lo]), np.array([hi])), compute)
-    s.p2p_wait[k] = iv.overlap(idle, p2p)
-    last = rows[np.argmax(coll.end[rows])]
-    cs, ce = compute
-    if coll.kind[last] == "send":
-        before = cs < coll.arrive[last]
-        end = float(ce[before].max()) if before.any() else float(ce[0])
-    else:
-        end = _block_end(cs, ce, float(coll.end[last]), p2p)
-    s.pipe_first[k] = float(cs[0])
-    s.pipe_end[k] = end
-    s.pipe_busy[k] = iv.length(iv.clip(working, float(cs[0]), end))
+    pipe = iv.union(coll.arrive[is_pipe], coll.end[is_pipe])
+    working = iv.merge(compute, iv.subtract(comm, pipe))
+    lo, hi = s.window[steps, 0], s.window[steps, 1]
+    # Idle compute under a pending P2P op: |(p2p u compute) in W| - |compute in W|.
+    wait = iv.length_in(iv.merge(pipe, compute), lo, hi) - iv.length_in(compute, lo, hi)
+    for k, w, a, b in zip(steps.tolist(), wait.tolist(), lo.tolist(), hi.tolist()):
+        cs, ce = iv.clip(compute, a, b)
+        if not len(cs):
+            continue
+        s.p2p_wait[k] = w
+        rows = np.flatnonzero((coll.step == k) & is_pipe)
+        last = rows[np.argmax(coll.end[rows])]
+        if coll.kind[last] == "send":
+            before = cs < coll.arrive[last]
+            end = float(ce[before].max()) if before.any() else float(ce[0])
+        else:
+            end = _block_end(cs, ce, float(coll.end[last]), iv.clip(pipe, a, b))
+        s.pipe_first[k] = float(cs[0])
+        s.pipe_end[k] = end
+        s.pipe_busy[k] = float(iv.length_in(working, cs[:1], np.array([end]))[0])
 
 
 def _block_end(cs: np.ndarray, ce: np.ndarray, after: float, p2p: iv.Spans) -> float:
@@ -156,13 +171,13 @@ class _GpuView:
 
     def __init__(self, t: EventTables):
         self.t = t
-        k = np.asarray(t.kernels, dtype=float).reshape(-1, 7)
+        k = t.kernels
         self.ts, self.dur, self.cls = k[:, 0], k[:, 1], k[:, 2].astype(np.int8)
         self.corr, self.ext, self.nid = k[:, 4].astype(np.int64), k[:, 5].astype(np.int64), k[:, 6].astype(np.int64)
         self.launch = self._launch_times()
 
     def _launch_times(self) -> np.ndarray:
-        r = np.asarray(self.t.runtimes, dtype=float).reshape(-1, 2)
+        r = self.t.runtimes
         if not len(r):
             return self.ts.copy()
         rc, rts = r[:, 0].astype(np.int64), r[:, 1]
@@ -202,26 +217,22 @@ class _GpuView:
         return out[0], out[1], out[2]
 
     def collectives(self, windows: np.ndarray) -> Collectives:
+        """One row per communication kernel, with the args Kineto copied onto it or, failing
+        that, those of the `record_param_comms` op that launched it (same External id)."""
         t = self.t
+        idx = np.flatnonzero(self.cls == COMM)
+        names = {v: k for k, v in t.names.items()}
         rows = []
-        for i in np.flatnonzero(self.cls == COMM):
-            args = t.kernel_coll.get(int(i)) or t.param_comms.get(int(self.ext[i])) or {}
-            name = str(args.get("Collective name", "")) or self._name(i)
-            kind = collective_kind(name)
-            dtype_b = dtype_bytes(args.get("dtype", "float"))
-            n_in = _int(args.get("In msg nelems"))
-            n_out = _int(args.get("Out msg nelems"))
-            nbytes = (n_out if kind == "recv" else n_in) * dtype_b
-            peer = _int(args.get("Dst Rank" if kind == "send" else "Src Rank"), -1) if kind in P2P_KINDS else -1
-            rows.append((str(args.get("Process Group Name", "")), _int(args.get("Seq"), -1), kind,
-                         nbytes, float(self.ts[i]), float(self.ts[i] + self.dur[i]), peer,
-                         float(self.launch[i])))
+        for i, ext, nid, ts, end, launch in zip(idx.tolist(), self.ext[idx].tolist(), self.nid[idx].tolist(),
+                                                 self.ts[idx].tolist(), (self.ts + self.dur)[idx].tolist(),
+                                                 self.launch[idx].tolist()):
+            a = t.kernel_coll.get(i) or t.param_comms.get(ext) or NO_ARGS
+            kind = collective_kind(_str(a.collective) or names.get(nid, ""))
+            n = _int(a.out_nelems if kind == "recv" else a.in_nelems)
+            peer = _int(a.dst if kind == "send" else a.src, -1) if kind in P2P_KINDS else -1
+            rows.append((_str(a.pg_name), _int(a.seq, -1), kind, n * dtype_bytes(_str(a.dtype) or "float"),
+                         ts, end, peer, launch))
         return _finish_rows(rows, windows)
-
-    def _name(self, i: int) -> str:
-        if not hasattr(self, "_names"):
-            self._names = {v: k for k, v in self.t.names.items()}
-        return self._names.get(int(self.nid[i]), "")
 
     def kernel_stats(self) -> dict[str, tuple[int, float]]:
         return {name: (int((self.cls == c).sum()), float(self.dur[self.cls == c].sum()))
@@ -340,7 +351,13 @@ def _finish_rows(rows: list[tuple], windows: np.ndarray) -> Collectives:
     return Collectives.from_rows(out)
 
 
+def _str(v: object) -> str:
+    return "" if v is None else str(v)
+
+
 def _int(v: object, default: int = 0) -> int:
+    if type(v) is int:  # the usual case, without the cost of try
+        return v
     try:
         return int(v)  # type: ignore[arg-type]
     except (TypeError, ValueError):

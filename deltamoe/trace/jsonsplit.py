@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import orjson
 
 from deltamoe.errors import TraceError
-from deltamoe.trace.schema import EVENTS
+from deltamoe.trace.schema import decode_events
 
 BOUNDARY = re.compile(rb"\}\s*,\s*\{")
 _KEY = re.compile(rb'"traceEvents"\s*:\s*\[')
@@ -235,4 +235,4 @@ def parse_slice(data: bytes) -> list:
     data = data.strip().lstrip(b",")
     if not data:
         return []
-    return EVENTS.decode(b"[" + data + b"]")
+    return decode_events(b"[" + data + b"]")

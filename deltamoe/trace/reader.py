@@ -54,7 +54,7 @@ def read_one(path: str, cfg: ReadConfig) -> RankSummary | RankError:
     """Parse and reduce one whole file (worker entry point)."""
     gc.disable()  # millions of fresh dicts would trigger useless cyclic collections
     try:
-        doc = schema.TRACE.decode(jsonsplit.read_bytes(path))
+        doc = schema.decode_trace(jsonsplit.read_bytes(path))
         if doc.traceEvents is None:
             raise TraceError("no traceEvents array found", field=path, hint="is this a Kineto trace?")
         tables = EventTables()
