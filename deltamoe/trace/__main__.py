@@ -2,22 +2,56 @@
 
 The top-level `deltamoe` command registers every subsystem (some import torch, seconds of
 start-up); the analyzer needs none of them, so benchmarks and scripts can call this entry.
-Errors print as one line and exit with code 2, as `deltamoe` does.
+It also skips Typer's argument parsing: Typer builds a pydantic adapter per parameter at
+parse time (~0.1-0.2 s, more than analysing a few hundred ranks takes), so the same
+command functions of cli.py are wrapped here as plain click commands, read from their
+signatures. Errors print as one line and exit with code 2, as `deltamoe` does.
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
+import typing
+from collections.abc import Callable
 
 import click
+from typer.models import ArgumentInfo, OptionInfo
 
 from deltamoe.errors import DeltaMoEError
-from deltamoe.trace.cli import app
+from deltamoe.trace import cli
+
+
+def click_command(fn: Callable) -> click.Command:
+    """A click command with the arguments and options declared in a Typer command's signature."""
+    hints = typing.get_type_hints(fn)
+    params: list[click.Parameter] = []
+    for name, p in inspect.signature(fn).parameters.items():
+        info, hint = p.default, hints[name]
+        many = typing.get_origin(hint) is list
+        kind = typing.get_args(hint)[0] if many else hint
+        required = info.default is ...
+        if isinstance(info, ArgumentInfo):
+            params.append(click.Argument([name], type=kind, required=required, metavar=info.metavar))
+            continue
+        assert isinstance(info, OptionInfo), name
+        decls = [*(info.param_decls or [f"--{name.replace('_', '-')}"]), name]
+        if kind is bool:
+            params.append(click.Option(decls, is_flag=True, default=bool(info.default), help=info.help))
+        else:
+            params.append(click.Option(decls, type=kind, multiple=many, required=required,
+                                       default=None if required else info.default, help=info.help,
+                                       metavar=info.metavar))
+    return click.Command(fn.__name__, params=params, callback=fn, help=inspect.getdoc(fn))
+
+
+app = click.Group("python -m deltamoe.trace", help=cli.app.info.help,
+                  commands=[click_command(cli.analyze), click_command(cli.synth)])
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        app(args=argv, standalone_mode=False, prog_name="python -m deltamoe.trace")
+        app.main(args=argv, standalone_mode=False, prog_name="python -m deltamoe.trace")
     except DeltaMoEError as e:
         print(f"error: {e.one_line()}", file=sys.stderr)
         return 2

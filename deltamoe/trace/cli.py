@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from deltamoe.errors import TraceError
+
+if TYPE_CHECKING:  # rich loads only when something is shown (~40 ms of start-up otherwise)
+    from rich.console import Console
+    from rich.progress import Progress
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Analyse per-rank PyTorch profiler traces, or synthesise some with known ground truth.")
@@ -33,6 +36,8 @@ def parse_steps(text: str | None) -> tuple[int | None, int | None]:
 
 
 def _progress(console: Console) -> Progress:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     # No refresh thread: the reader forks worker processes, which must not inherit a busy lock.
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     console=console, auto_refresh=False, transient=True)
@@ -54,7 +59,6 @@ def analyze(
     from deltamoe.trace.classify import Patterns
     from deltamoe.trace.reader import ReadConfig
     from deltamoe.trace.report import write_html, write_json
-    from deltamoe.trace.terminal import print_summary
 
     if workers < 0:
         raise TraceError("must be >= 0", field="--workers")
@@ -62,23 +66,31 @@ def analyze(
         raise TraceError(f"not a directory: {folder}", field="DIR",
                          hint="pass the folder that holds one trace file per rank")
     cfg = ReadConfig(patterns=Patterns().with_extra(comm_pattern), steps=parse_steps(steps))
-    console = Console(stderr=True)
-    with _progress(console) as bar:
-        task = bar.add_task("reading traces", total=None, visible=not quiet)
+    if quiet:
+        result = run(folder, cfg, workers)
+    else:
+        from rich.console import Console
 
-        def start(n: int) -> None:
-            bar.update(task, total=n)
-            bar.refresh()
+        with _progress(Console(stderr=True)) as bar:
+            task = bar.add_task("reading traces", total=None)
 
-        def done(_path: str) -> None:
-            bar.advance(task)
-            bar.refresh()
-        result = run(folder, cfg, workers, on_file=None if quiet else done, on_start=start)
+            def start(n: int) -> None:
+                bar.update(task, total=n)
+                bar.refresh()
+
+            def done(_path: str) -> None:
+                bar.advance(task)
+                bar.refresh()
+            result = run(folder, cfg, workers, on_file=done, on_start=start)
     if json_out:
         write_json(result.report, json_out)
     if html_out:
         write_html(result.report, result.summaries, html_out)
     if not quiet:
+        from rich.console import Console
+
+        from deltamoe.trace.terminal import print_summary
+
         print_summary(result.report, Console())
 
 
@@ -117,6 +129,8 @@ def synth(
     workers: int = typer.Option(0, "--workers", help="writer processes (0: one per CPU)"),
 ) -> None:
     """Write realistic per-rank Kineto traces (DP/TP/PP/EP, 1F1B, NCCL) plus _ground_truth.json."""
+    from rich.console import Console
+
     from deltamoe.trace.synth import SynthConfig, generate
 
     if nccl_names not in ("dev", "legacy"):
