@@ -57,3 +57,22 @@ def test_module_entry_point_maps_errors(tmp_path, capsys):
 
     assert trace_main(["analyze", str(tmp_path / "missing")]) == 2
     assert capsys.readouterr().err.startswith("error: DIR: not a directory")
+
+
+def test_module_entry_point_takes_the_same_options(tmp_path, capsys):
+    """`python -m deltamoe.trace` wraps the Typer commands as click ones: same options, same report."""
+    from deltamoe.trace.__main__ import main as trace_main
+
+    job = tmp_path / "job"
+    assert trace_main(["synth", str(job), "--ranks", "4", "--steps", "3", "--straggler", "1", "--straggler", "2",
+                       "--compact", "--workers", "1"]) == 0
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    opts = ["--workers", "1", "--steps", "1:3", "--comm-pattern", "^xccl", "--comm-pattern", "^yccl", "--quiet"]
+    assert trace_main(["analyze", str(job), "--json", str(a), *opts]) == 0
+    assert main(["trace", "analyze", str(job), "--json", str(b), *opts]) == 0
+    ra, rb = (json.loads(p.read_text()) for p in (a, b))
+    for r in (ra, rb):
+        r.pop("read_seconds"), r.pop("analysis_seconds")
+    assert ra == rb and [s["step"] for s in ra["step_times"]["steps"]] == [1, 2]
+    assert trace_main(["analyze", str(job), "--workers", "x"]) == 2
+    assert "--workers" in capsys.readouterr().err

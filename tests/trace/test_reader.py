@@ -103,6 +103,21 @@ def test_vendor_comm_pattern(tmp_path):
     assert custom.compute[0] == 40 and custom.comm[0] == 30 and list(custom.coll.kind) == ["all_reduce"]
 
 
+def test_unknown_phase_falls_back_to_generic_decoding(pipeline_job, tmp_path):
+    """An event phase outside the Chrome trace format, or none at all, is counted and skipped."""
+    path = find_traces(pipeline_job[0])[0]
+    doc = orjson.loads(Path(path).read_bytes())
+    doc["traceEvents"] += [{"ph": "Z", "name": "vendor thing", "ts": 1}, {"name": "no phase", "ts": 2}]
+    out = tmp_path / "odd.json"
+    out.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
+    want, cfg = read_one(path, ReadConfig()), ReadConfig(slice_bytes=50_000)
+    for got in (read_one(str(out), cfg), read_sliced(str(out), cfg)):
+        assert not isinstance(got, RankError), got
+        assert got.events == want.events + 2
+        np.testing.assert_allclose(got.compute, want.compute)
+        np.testing.assert_array_equal(got.coll.seq, want.coll.seq)
+
+
 def test_collective_kind_names():
     cases = {"ncclDevKernel_AllReduce_Sum_bf16_RING_LL(x)": "all_reduce", "nccl:send 3->4": "send",
              "nccl:recv 4<-3": "recv", "c10d::recv_": "recv", "c10d::alltoall_base_": "all_to_all",
