@@ -30,13 +30,7 @@ class TaskStream:
                               field="data.seq_len")
 
     def _example(self, rng: random.Random, split: str) -> list[Segment]:
-        want_eval = split == "eval"
-        for _ in range(MAX_TRIES):
-            segments = self.task.example(rng)
-            if in_eval_split(segments) == want_eval:
-                return segments
-        raise ConfigError(f"task {self.task.name!r} has too few distinct examples for a held-out split",
-                          field="data.task", hint="use more digits, pairs or a longer string length")
+        return draw_example(self.task, rng, split)
 
     @staticmethod
     def _tokens(segments: list[Segment]) -> tuple[list[int], list[bool]]:
@@ -66,3 +60,14 @@ class TaskStream:
 
     def rows(self, split: str, start: int, count: int) -> Rows:
         return stack_rows([self.row(split, i) for i in range(start, start + count)])
+
+
+def draw_example(task: Task, rng: random.Random, split: str) -> list[Segment]:
+    """The next example of `split` from `rng`: examples of the other split are rejected."""
+    want_eval = split == "eval"
+    for _ in range(MAX_TRIES):
+        segments = task.example(rng)
+        if in_eval_split(segments) == want_eval:
+            return segments
+    raise ConfigError(f"task {task.name!r} has too few distinct examples for a held-out split",
+                      field="data.task", hint="use more digits, pairs or a longer string length")

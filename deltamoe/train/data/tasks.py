@@ -118,8 +118,37 @@ class Copy:
         return [(s + QUERY, False), (s[::-1] if self.reverse else s, True)]
 
 
+@dataclass(frozen=True)
+class TaskMixture:
+    """Several tasks in one stream: each example comes from one of `tasks`, chosen uniformly.
+
+    Named by its parts joined with `+` ("recall+arithmetic"); the held-out split still works
+    per example, since it only looks at the example's text.
+    """
+
+    tasks: tuple[Task, ...]
+
+    @property
+    def name(self) -> str:
+        return "+".join(t.name for t in self.tasks)
+
+    @property
+    def max_len(self) -> int:
+        return max(t.max_len for t in self.tasks)
+
+    def example(self, rng: random.Random) -> list[Segment]:
+        return self.tasks[rng.randrange(len(self.tasks))].example(rng)
+
+
 def make_task(name: str, *, digits: int = 3, num_pairs: int = 8, num_queries: int = 1,
               context_len: int | None = None, string_len: int = 8) -> Task:
+    """A built-in task by name; "a+b" names a TaskMixture of tasks a and b with the same settings."""
+    if "+" in name:
+        parts = name.split("+")
+        if len(set(parts)) != len(parts):
+            raise ValueError(f"task: {name!r} names a task twice")
+        return TaskMixture(tuple(make_task(n, digits=digits, num_pairs=num_pairs, num_queries=num_queries,
+                                           context_len=context_len, string_len=string_len) for n in parts))
     if name == "arithmetic":
         return Arithmetic(digits)
     if name == "recall":
