@@ -11,7 +11,7 @@ from torch import nn
 
 from deltamoe.config import ModelConfig
 from deltamoe.model.cache import ModelCache
-from deltamoe.ops.kda import chunk_kda, kda_decode_step
+from deltamoe.ops.kda import chunk_kda, kda_step
 from deltamoe.ops.kda_gate import causal_conv1d, kda_gate
 from deltamoe.ops.norms import gated_rms_norm
 
@@ -68,11 +68,9 @@ class KimiDeltaAttention(nn.Module):
         beta = torch.sigmoid(self.b_proj(x).float())
 
         if cache is not None and t == 1 and state is not None:
-            # Decode: the one-token step over the batch (the state pool is the batch itself).
-            pool = state.clone()
-            o = kda_decode_step(q[:, 0], k_[:, 0], v[:, 0], g[:, 0], beta[:, 0], pool,
-                                torch.arange(b, device=x.device), use_qk_l2norm=True)[:, None]
-            final_state = pool
+            # Decode: one step of the recurrence for the whole batch.
+            o, final_state = kda_step(q[:, 0], k_[:, 0], v[:, 0], g[:, 0], beta[:, 0], state, use_qk_l2norm=True)
+            o = o[:, None]
         else:
             o, final_state = chunk_kda(q, k_, v, g, beta, initial_state=state,
                                        output_final_state=cache is not None, use_qk_l2norm=True)

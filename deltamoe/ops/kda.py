@@ -149,13 +149,36 @@ def kda_decode_step(
         raise ValueError(f"state_pool: expected dtype torch.float32, got {state_pool.dtype}")
     if slot_ids.dtype != torch.long:
         raise ValueError(f"slot_ids: expected dtype torch.long, got {slot_ids.dtype}")
-    scale = dk**-0.5 if scale is None else scale
+    o, state = kda_step(q, k, v, g, beta, state_pool.index_select(0, slot_ids), scale, use_qk_l2norm)
+    state_pool.index_copy_(0, slot_ids, state.to(state_pool.dtype))
+    return o
+
+
+def kda_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode token for a batch whose states are already gathered: no pool, no copies.
+
+    q, k, g [N, H, K]; v [N, H, V]; beta [N, H]; state [N, H, K, V] (not modified).
+    Returns (o [N, H, V] in v.dtype, new state [N, H, K, V] in the compute dtype).
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     out_dtype = v.dtype
     q, k, v, g, beta = _upcast_inputs(q, k, v, g, beta, use_qk_l2norm)
-    state = state_pool.index_select(0, slot_ids).to(q.dtype)
-    o, state = _delta_step(state, q * scale, k, v, g, beta)
-    state_pool.index_copy_(0, slot_ids, state.to(state_pool.dtype))
-    return o.to(out_dtype)
+    # `_delta_step` with its two contractions written as broadcast multiply-sums: for a batch of
+    # small [K, V] states these are ~4x faster on a CPU than einsum's batched matmuls.
+    state = state.to(q.dtype) * g.exp().unsqueeze(-1)
+    delta = beta.unsqueeze(-1) * (v - (k.unsqueeze(-1) * state).sum(-2))
+    state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    o = ((q * scale).unsqueeze(-1) * state).sum(-2)
+    return o.to(out_dtype), state
 
 
 # ---------------------------------------------------------------------------------------------

@@ -71,9 +71,13 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Te
     if k.shape[1] == 1 and heads > 1:
         # One latent "head" shared by all query heads (absorbed / MQA form): plain broadcast matmuls.
         # On CPU, SDPA's enable_gqa path expands K/V per head and is ~100x slower at long S.
-        scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # [N, H, T, S]
-        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-        out = probs @ v.float()
+        # Heads fold into the query axis ([N, H*T, E] @ [N, E, S]): a broadcast matmul would
+        # first copy the shared key once per head.
+        num_keys = k.shape[2]
+        scores = torch.bmm(q.float().reshape(n, heads * time, -1), k[:, 0].float().transpose(1, 2)) * scale
+        scores = scores.view(n, heads, time, num_keys).masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.bmm(probs.view(n, heads * time, num_keys), v[:, 0].float()).view(n, heads, time, -1)
     else:
         out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale)
     return out.masked_fill(~has_key[:, None, :, None], 0.0)
@@ -183,6 +187,20 @@ def _absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) 
     return torch.cat((q_latent, q_pe.float()), dim=-1)
 
 
+def _join_latent(latent: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    """[latent | k_pe] -> [B, S, R+Dr]. The caches store exactly this row layout and hand the two
+    back as adjacent column slices of one tensor; then the join is a view, not a copy of the
+    whole cache per decode step."""
+    b, s, r = latent.shape
+    width = r + k_pe.shape[-1]
+    adjacent = (latent.dtype == k_pe.dtype and latent.stride() == k_pe.stride() and latent.stride(-1) == 1
+                and (s == 1 or latent.stride(1) == width) and latent.untyped_storage().data_ptr()
+                == k_pe.untyped_storage().data_ptr() and k_pe.storage_offset() == latent.storage_offset() + r)
+    if adjacent:
+        return latent.as_strided((b, s, width), latent.stride(), latent.storage_offset())
+    return torch.cat((latent, k_pe), dim=-1)
+
+
 def mla_attention_absorbed(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -207,7 +225,7 @@ def mla_attention_absorbed(
     batch, time = q_nope.shape[:2]
     visible = _allowed_keys(q_positions, kv_lengths, selected, batch, time, latent.shape[1])
     q = _absorb_query(q_nope, q_pe, w_uk).transpose(1, 2)  # [B,H,T,R+Dr]
-    k = torch.cat((latent.float(), k_pe.float()), dim=-1)[:, None]  # [B,1,S,R+Dr]
+    k = _join_latent(latent.float(), k_pe.float())[:, None]  # [B,1,S,R+Dr]
     out_latent = _attend(q, k, latent[:, None], visible, scale)  # [B,H,T,R]
     return torch.einsum("bhtr,hvr->bthv", out_latent, w_uv.float()).to(latent.dtype)
 

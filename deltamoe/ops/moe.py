@@ -14,6 +14,7 @@ the gate projection of expert e. A latent MoE (K3) calls them on the down-projec
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from deltamoe.ops.activations import glu
 
@@ -106,6 +107,17 @@ def _check_expert_args(
         raise ValueError(f"weights: expected {tuple(indices.shape)} (same as indices), got {tuple(weights.shape)}")
 
 
+def _grouped_mm_applies(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether `F.grouped_mm` can run the experts: no autograd (its CPU backward fails on empty
+    experts), a float dtype it supports, and rows of D and I values that are 16-byte multiples."""
+    if torch.is_grad_enabled() and (x.requires_grad or w1.requires_grad or w2.requires_grad):
+        return False
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not x.dtype == w1.dtype == w2.dtype:
+        return False
+    row_bytes = x.element_size()
+    return (w1.shape[2] * row_bytes) % 16 == 0 and (w1.shape[1] * row_bytes) % 16 == 0
+
+
 def experts_forward(
     x: torch.Tensor,
     weights: torch.Tensor,
@@ -134,9 +146,20 @@ def experts_forward(
     order = torch.argsort(flat_experts, stable=True)
     token_of_slot = order // top_k  # token id of each expert-sorted (token, slot) pair
     x_sorted = x[token_of_slot]
+    acc = _combine_dtype(x)
+    if _grouped_mm_applies(x, w1, w2):
+        # Inference: torch's grouped matmul runs every expert's slice in one call (same products
+        # as the loop below, which it equals exactly) and needs no host sync.
+        ends = torch.bincount(flat_experts, minlength=w1.shape[0]).cumsum(0).to(torch.int32)
+        gate = F.grouped_mm(x_sorted, w1.transpose(1, 2), offs=ends)
+        up = F.grouped_mm(x_sorted, w3.transpose(1, 2), offs=ends)
+        hidden = glu(gate, up, act, situ_beta, situ_linear_beta)
+        y_sorted = F.grouped_mm(hidden, w2.transpose(1, 2), offs=ends).to(acc)
+        y_sorted = y_sorted * weights.reshape(-1)[order].to(acc).unsqueeze(-1)
+        return x.new_zeros(num_tokens, x.shape[1], dtype=acc).index_add(0, token_of_slot, y_sorted)
+
     # One host sync for the slice boundaries; tokens per expert are data dependent anyway.
     counts = torch.bincount(flat_experts, minlength=w1.shape[0]).tolist()
-
     outputs = []
     start = 0
     for expert, count in enumerate(counts):
@@ -147,7 +170,6 @@ def experts_forward(
         outputs.append(hidden @ w2[expert].T)
         start += count
 
-    acc = _combine_dtype(x)
     out = x.new_zeros(num_tokens, x.shape[1], dtype=acc)
     if not outputs:
         return out

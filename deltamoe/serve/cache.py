@@ -100,6 +100,7 @@ class HybridCache:
         for block in reversed(seq.block_table):  # tail first: the prefix head is evicted last
             self.blocks.release(block)
         seq.block_table = []
+        seq.num_published_blocks = 0
         if seq.slot is not None:
             self.slots.free(seq.slot)
             seq.slot = None
@@ -109,10 +110,11 @@ class HybridCache:
         if not self.prefix_caching:
             return
         full = min(seq.num_computed, len(seq.token_ids)) // self.block_size
-        for i in range(full):
+        for i in range(seq.num_published_blocks, full):  # only blocks that filled up since the last commit
             block = seq.block_table[i]
             if self.blocks.hashes[block] is None:
                 self.blocks.register(block, self._block_hash(seq, i), self._block_tokens(seq, i))
+        seq.num_published_blocks = max(seq.num_published_blocks, full)
         n = seq.num_computed
         if n and n % self.block_size == 0 and self._keeps_snapshot(seq, n) and seq.slot is not None:
             target = self.slots.slot_for_snapshot(self._block_hash(seq, n // self.block_size - 1))

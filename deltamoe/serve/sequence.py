@@ -41,6 +41,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose KV/state the cache holds
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks, memoised
+    num_published_blocks: int = 0  # leading blocks already offered to the prefix cache
     slot: int | None = None  # KDA state slot
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the last admission
     num_preemptions: int = 0

@@ -255,3 +255,15 @@ def test_rope_matches_transformers_rotate_half() -> None:
     q_hf, k_hf = apply_rotary_pos_emb(q, k, hf_cos, hf_sin, unsqueeze_dim=2)
     torch.testing.assert_close(apply_rope(q, cos, sin), q_hf)
     torch.testing.assert_close(apply_rope(k[:, :, 0], cos, sin), k_hf[:, :, 0])
+
+
+def test_join_latent_is_a_view_for_adjacent_slices_and_a_copy_otherwise():
+    from deltamoe.ops.mla import _join_latent
+
+    joined = torch.randn(3, 7, 10)
+    view = _join_latent(joined[..., :8], joined[..., 8:])
+    assert view.data_ptr() == joined.data_ptr() and torch.equal(view, joined)
+    latent, k_pe = torch.randn(3, 7, 8), torch.randn(3, 7, 2)  # separate tensors: joined by a copy
+    torch.testing.assert_close(_join_latent(latent, k_pe), torch.cat((latent, k_pe), -1), rtol=0, atol=0)
+    strided = torch.randn(3, 9, 10)[:, ::2]  # adjacent columns, but rows are not contiguous
+    torch.testing.assert_close(_join_latent(strided[..., :8], strided[..., 8:]), strided, rtol=0, atol=0)
