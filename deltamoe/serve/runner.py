@@ -45,13 +45,13 @@ class ModelRunner:
         for n in sorted(groups):  # T = 1 (the decodes) first
             seqs = groups[n]
             logits = self._forward(seqs, n)
-            for row, seq in enumerate(seqs):
-                if seq.num_computed + n == len(seq.token_ids):
-                    last_logits.append(logits[row])
-                    to_sample.append(seq)
+            rows = [row for row, seq in enumerate(seqs) if seq.num_computed + n == len(seq.token_ids)]
+            if rows:  # one gather per call, not one select per row
+                last_logits.append(logits if len(rows) == len(seqs) else logits[rows])
+                to_sample.extend(seqs[row] for row in rows)
         sampled = {}
         if to_sample:
-            picks = sample(torch.stack(last_logits), [s.params for s in to_sample], [s.output_ids for s in to_sample],
+            picks = sample(torch.cat(last_logits), [s.params for s in to_sample], [s.output_ids for s in to_sample],
                            [s.generator for s in to_sample])
             sampled = {id(s): p for s, p in zip(to_sample, picks)}
         return [StepResult(seq, n, *sampled.get(id(seq), (None, None))) for seq, n in batch.items]
