@@ -19,11 +19,13 @@ def _register() -> None:
     # Each subsystem owns its command file; the imports are here so `deltamoe --help` lists them all.
     from deltamoe.benchmarks.cli import bench_command
     from deltamoe.commands.info import info
+    from deltamoe.demo.command import demo_command
     from deltamoe.plan.cli import plan_command
     from deltamoe.serve.cli import chat_command, generate_command, serve_command
     from deltamoe.train.cli import train_command
     from deltamoe.trace.cli import app as trace_app
 
+    app.command("demo")(demo_command)
     app.command("info")(info)
     app.command("plan")(plan_command)
     app.command("train")(train_command)

@@ -1,0 +1,93 @@
+"""`deltamoe demo` end to end on a micro model: the run folder it leaves, reuse, --fresh, and Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from deltamoe.cli import main
+from deltamoe.demo import train_stage
+from deltamoe.train import trainer as trainer_module
+from tests.train.conftest import MICRO_MODEL  # every feature of tiny, at a size where a step takes milliseconds
+
+
+@pytest.fixture(autouse=True)
+def micro_recipe(monkeypatch):
+    monkeypatch.setitem(train_stage.RECIPE, "model", {"preset": "tiny", "overrides": MICRO_MODEL})
+    monkeypatch.setitem(train_stage.RECIPE, "data", {**train_stage.RECIPE["data"], "batch_size": 4})
+
+
+def demo(out: Path, *args: str) -> int:
+    try:
+        return main(["demo", "--out", str(out), "--prompts", "3", "--eval-rows", "4", "--threads", "1", *args])
+    except SystemExit as e:  # Ctrl-C ends the process with code 130
+        return e.code
+
+
+def temp_files(root: Path) -> list[Path]:
+    """Leftovers of a write that did not finish: temp files and staging folders."""
+    return [p for p in root.rglob("*") if "tmp" in p.name]
+
+
+def test_run_folder_reuse_and_fresh(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert demo(out, "--steps", "5") == 0
+    first = capsys.readouterr().out
+    weights = out / "checkpoint" / "model.safetensors"
+    assert (out / "checkpoint" / "config.json").is_file() and weights.is_file()
+    r = json.loads((out / "results.json").read_text())
+    assert r["train"]["steps"] == 5 and not r["train"]["reused"] and r["train"]["task"] == "recall+arithmetic"
+    s = r["serve"]
+    assert s["prompts"] == 6 and set(s["per_task"]) == {"recall", "arithmetic"}
+    assert 0 <= s["accuracy"] <= 1 and s["tokens_per_s"] > 0 and s["output_tokens"] > 0
+    assert r["plans"]["h200-4-nodes"]["chips"] == 32 and r["plans"]["h200-4-nodes"]["output_tok_s_per_chip"] > 0
+    assert "hbm_tbps" in r["plans"]["m890-superpod"]["refused"]  # the catalog states no bandwidth
+    assumed = r["plans"]["m890-superpod-assumed"]
+    assert assumed["chips"] == 64 and set(assumed["assumed_figures"]) >= {"hbm_tbps", "fp4_tflops"}
+    for name in ("h200-4-nodes.json", "h200-4-nodes.txt", "m890-superpod.txt", "m890-superpod-assumed.json"):
+        assert (out / "plans" / name).is_file()
+    assert r["trace"]["ranks"] == 1 and (out / "trace-report.json").is_file()
+    assert "assumed" in first and "refused" in first and "accuracy" in first
+    assert temp_files(out) == []
+
+    # A second run finds the finished checkpoint and goes straight to serving.
+    mtime = weights.stat().st_mtime_ns
+    assert demo(out, "--steps", "5") == 0
+    assert "skipping training" in capsys.readouterr().out
+    r2 = json.loads((out / "results.json").read_text())
+    assert r2["train"]["reused"] and r2["train"]["steps"] == 5 and weights.stat().st_mtime_ns == mtime
+    assert r2["serve"]["prompts"] == 6
+
+    # --fresh forgets all of it and trains again.
+    assert demo(out, "--fresh", "--steps", "2", "--no-profile") == 0
+    r3 = json.loads((out / "results.json").read_text())
+    assert not r3["train"]["reused"] and r3["train"]["steps"] == 2 and weights.stat().st_mtime_ns != mtime
+    assert "trace" not in r3 and not (out / "trace-report.json").exists() and not (out / "train" / "traces").exists()
+
+
+def test_ctrl_c_leaves_only_complete_files_and_the_next_run_resumes(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "demo"
+    monkeypatch.setitem(train_stage.RECIPE, "run", {**train_stage.RECIPE["run"], "save_every": 2})
+    advance = trainer_module.Trainer._advance
+
+    def interrupted_at_step_3(self):
+        advance(self)
+        if self.state.step == 3:
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(trainer_module.Trainer, "_advance", interrupted_at_step_3)
+        assert demo(out, "--steps", "4", "--no-profile") == 130
+    assert "interrupted" in capsys.readouterr().out
+    assert not (out / "checkpoint").exists() and not (out / "results.json").exists()
+    assert temp_files(out) == []
+    saved = sorted((out / "train" / "checkpoints").iterdir())
+    assert [p.name for p in saved] == ["step-00000002"] and (saved[0] / ".metadata").is_file()
+
+    assert demo(out, "--steps", "4", "--no-profile") == 0
+    assert "resuming the interrupted training" in capsys.readouterr().out
+    r = json.loads((out / "results.json").read_text())
+    assert r["train"]["resumed_from_step"] == 2 and r["train"]["steps"] == 4
+    assert (out / "checkpoint" / "model.safetensors").is_file() and temp_files(out) == []
