@@ -9,9 +9,9 @@ import numpy as np
 
 from deltamoe.errors import TraceError
 from deltamoe.trace import intervals as iv
-from deltamoe.trace.classify import P2P_KINDS, collective_kind, dtype_bytes, peer_from_name
+from deltamoe.trace.classify import P2P_KINDS
+from deltamoe.trace.collectives import cpu_collectives, gpu_collectives
 from deltamoe.trace.summary import HEAT_BINS, Collectives, RankSummary
-from deltamoe.trace.schema import NO_ARGS
 from deltamoe.trace.tables import COMM, COMPUTE, MEMORY, EventTables
 
 StepRange = tuple[int | None, int | None]
@@ -217,22 +217,9 @@ class _GpuView:
         return out[0], out[1], out[2]
 
     def collectives(self, windows: np.ndarray) -> Collectives:
-        """One row per communication kernel, with the args Kineto copied onto it or, failing
-        that, those of the `record_param_comms` op that launched it (same External id)."""
-        t = self.t
-        idx = np.flatnonzero(self.cls == COMM)
-        names = {v: k for k, v in t.names.items()}
-        rows = []
-        for i, ext, nid, ts, end, launch in zip(idx.tolist(), self.ext[idx].tolist(), self.nid[idx].tolist(),
-                                                 self.ts[idx].tolist(), (self.ts + self.dur)[idx].tolist(),
-                                                 self.launch[idx].tolist()):
-            a = t.kernel_coll.get(i) or t.param_comms.get(ext) or NO_ARGS
-            kind = collective_kind(_str(a.collective) or names.get(nid, ""))
-            n = _int(a.out_nelems if kind == "recv" else a.in_nelems)
-            peer = _int(a.dst if kind == "send" else a.src, -1) if kind in P2P_KINDS else -1
-            rows.append((_str(a.pg_name), _int(a.seq, -1), kind, n * dtype_bytes(_str(a.dtype) or "float"),
-                         ts, end, peer, launch))
-        return _finish_rows(rows, windows)
+        rows = np.flatnonzero(self.cls == COMM)
+        return gpu_collectives(self.t, rows, self.ext[rows], self.nid[rows], self.ts[rows],
+                               self.ts[rows] + self.dur[rows], windows)
 
     def kernel_stats(self) -> dict[str, tuple[int, float]]:
         return {name: (int((self.cls == c).sum()), float(self.dur[self.cls == c].sum()))
@@ -276,31 +263,7 @@ class _CpuView:
         return compute, _spans(comm_all), iv.EMPTY
 
     def collectives(self, windows: np.ndarray) -> Collectives:
-        t = self.t
-        calls: dict[str, list] = {}
-        for name, ts, dur, tid, ci in sorted(t.cpu_coll_ops, key=lambda o: o[1]):
-            if name.startswith("c10d::") and tid == self.main:
-                calls.setdefault(collective_kind(name), []).append((ts, dur, ci))
-        exch: dict[str, list] = {}
-        for name, ts, dur, tid in sorted(t.annotations, key=lambda a: a[1]):
-            exch.setdefault(collective_kind(name), []).append((ts, dur, name))
-        rows = []
-        for kind in set(calls) | set(exch):
-            c, x = calls.get(kind, []), exch.get(kind, [])
-            for j in range(max(len(c), len(x))):
-                call = c[j] if j < len(c) else None
-                ann = x[j] if j < len(x) else None
-                arrive = call[0] if call else ann[0]
-                end = max(ann[0] + ann[1] if ann else 0.0, call[0] + call[1] if call else 0.0)
-                peer = -1
-                if kind in P2P_KINDS:
-                    ci = call[2] if call else None
-                    peer = _int(ci[2], -1) if isinstance(ci, list) and len(ci) > 2 else -1
-                    if peer < 0 and ann:
-                        peer = peer_from_name(ann[2])
-                rows.append(("", -1, kind, 0, float(arrive), float(end), peer, float(arrive)))
-        rows.sort(key=lambda r: r[4])
-        return _finish_rows(rows, windows)
+        return cpu_collectives(self.t, self.main, windows)
 
     def kernel_stats(self) -> dict[str, tuple[int, float]]:
         return {"cpu_ops": (len(self.t.cpu_ops), float(sum(o[1] for o in self.t.cpu_ops))),
@@ -327,38 +290,3 @@ def _spans(pairs: list[tuple[float, float]]) -> iv.Spans:
         return iv.EMPTY
     a = np.array(pairs, dtype=float)
     return iv.union(a[:, 0], a[:, 1])
-
-
-def _finish_rows(rows: list[tuple], windows: np.ndarray) -> Collectives:
-    """Number collectives per group when the trace has no `Seq`, and map them to steps."""
-    counters: dict[tuple[str, bool], int] = {}
-    rows = sorted(rows, key=lambda r: r[4])
-    arrive = np.array([r[4] for r in rows], dtype=float)
-    step = np.full(len(rows), -1, dtype=np.int64)
-    if len(windows) and len(rows):
-        k = np.searchsorted(windows[:, 0], arrive, side="right") - 1
-        kk = np.maximum(k, 0)
-        inside = (k >= 0) & ((arrive < windows[kk, 1]) | ((kk == len(windows) - 1) & (arrive <= windows[kk, 1])))
-        step = np.where(inside, k, -1)
-    out = []
-    for (pg, seq, kind, nbytes, arr, end, peer, _launch), st in zip(rows, step.tolist()):
-        if seq < 0:
-            # P2P and collectives are numbered separately (as NCCL does), per group.
-            key = (pg, kind in P2P_KINDS) if pg else (kind, kind in P2P_KINDS)
-            seq = counters.get(key, 0)
-            counters[key] = seq + 1
-        out.append((pg, seq, kind, nbytes, arr, end, peer, st))
-    return Collectives.from_rows(out)
-
-
-def _str(v: object) -> str:
-    return "" if v is None else str(v)
-
-
-def _int(v: object, default: int = 0) -> int:
-    if type(v) is int:  # the usual case, without the cost of try
-        return v
-    try:
-        return int(v)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return default

@@ -29,15 +29,6 @@ class Collectives:
     def __len__(self) -> int:
         return len(self.arrive)
 
-    @staticmethod
-    def from_rows(rows: list[tuple]) -> "Collectives":
-        cols = list(zip(*rows)) if rows else [()] * 8
-        return Collectives(
-            pg=np.array(cols[0], dtype=str), seq=np.array(cols[1], dtype=np.int64),
-            kind=np.array(cols[2], dtype=str), nbytes=np.array(cols[3], dtype=np.int64),
-            arrive=np.array(cols[4], dtype=float), end=np.array(cols[5], dtype=float),
-            peer=np.array(cols[6], dtype=np.int64), step=np.array(cols[7], dtype=np.int64))
-
 
 @dataclass
 class RankSummary:

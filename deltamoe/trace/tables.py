@@ -102,12 +102,13 @@ class EventTables:
     def freeze(self) -> "EventTables":
         """Pack the big columns into numpy arrays (before building, or pickling a slice back).
 
-        CPU ops only matter for CPU-only traces, so a table that saw kernels drops them.
+        CPU ops, c10d calls and annotations only matter for CPU-only traces, so a table that
+        saw a compute or communication kernel (a GPU trace) drops them.
         """
         self.kernels = _rows_array(self.kernels, 7)
         self.runtimes = _rows_array(self.runtimes, 2)
-        if len(self.kernels):
-            self.cpu_ops = []
+        if (self.kernels[:, 2] != MEMORY).any():
+            self.cpu_ops, self.cpu_coll_ops, self.annotations = [], [], []
         return self
 
     @staticmethod

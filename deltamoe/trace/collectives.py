@@ -1,0 +1,130 @@
+"""One rank's communication rows (the Collectives table) from its EventTables.
+
+GPU traces: one row per communication kernel, described by the args Kineto copied onto
+the kernel or, failing that, by its `record_param_comms` op. CPU (gloo) traces: c10d calls
+on the main thread paired with the gloo exchange annotations. Both end in `finish`, which
+numbers collectives per group when the trace has no `Seq` and places them in steps.
+
+A large rank holds tens of thousands of collectives, so the GPU rows are built column by
+column (one list comprehension per field) rather than as a tuple per row.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from deltamoe.trace.classify import P2P_KINDS, collective_kind, dtype_bytes, peer_from_name
+from deltamoe.trace.schema import NO_ARGS
+from deltamoe.trace.summary import Collectives
+from deltamoe.trace.tables import EventTables
+
+
+def gpu_collectives(t: EventTables, rows: np.ndarray, ext: np.ndarray, name_id: np.ndarray,
+                    start: np.ndarray, end: np.ndarray, windows: np.ndarray) -> Collectives:
+    """`rows`: indices of the communication kernels in `t.kernels`; the other arrays are theirs."""
+    kc, pc = t.kernel_coll, t.param_comms
+    args = [kc.get(i) or pc.get(x) or NO_ARGS for i, x in zip(rows.tolist(), ext.tolist())]
+    names = {v: k for k, v in t.names.items()}
+    kind_of: dict[tuple[str, int], str] = {}
+    kind = []
+    for a, nid in zip(args, name_id.tolist()):
+        key = (_str(a.collective), nid)
+        k = kind_of.get(key)
+        if k is None:
+            k = kind_of[key] = collective_kind(key[0] or names.get(nid, ""))
+        kind.append(k)
+    kind_a = np.array(kind, dtype=str)
+    dtypes = [_str(a.dtype) or "float" for a in args]
+    size_of = {d: dtype_bytes(d) for d in set(dtypes)}
+    elems = np.where(kind_a == "recv", _ints([a.out_nelems for a in args], 0), _ints([a.in_nelems for a in args], 0))
+    peer = np.where(kind_a == "send", _ints([a.dst for a in args], -1),
+                    np.where(kind_a == "recv", _ints([a.src for a in args], -1), -1))
+    return finish(pg=np.array([_str(a.pg_name) for a in args], dtype=str), seq=_ints([a.seq for a in args], -1),
+                  kind=kind_a, nbytes=elems * np.array([size_of[d] for d in dtypes], dtype=np.int64),
+                  arrive=start, end=end, peer=peer, windows=windows)
+
+
+def cpu_collectives(t: EventTables, main: int, windows: np.ndarray) -> Collectives:
+    """Pair the k-th c10d call of a kind on the main thread with the k-th gloo annotation of it."""
+    calls: dict[str, list] = {}
+    for name, ts, dur, tid, ci in sorted(t.cpu_coll_ops, key=lambda o: o[1]):
+        if name.startswith("c10d::") and tid == main:
+            calls.setdefault(collective_kind(name), []).append((ts, dur, ci))
+    exch: dict[str, list] = {}
+    for name, ts, dur, _tid in sorted(t.annotations, key=lambda a: a[1]):
+        exch.setdefault(collective_kind(name), []).append((ts, dur, name))
+    rows = []
+    for kind in set(calls) | set(exch):
+        c, x = calls.get(kind, []), exch.get(kind, [])
+        for j in range(max(len(c), len(x))):
+            call = c[j] if j < len(c) else None
+            ann = x[j] if j < len(x) else None
+            arrive = call[0] if call else ann[0]
+            end = max(ann[0] + ann[1] if ann else 0.0, call[0] + call[1] if call else 0.0)
+            peer = -1
+            if kind in P2P_KINDS:
+                ci = call[2] if call else None
+                peer = _int(ci[2], -1) if isinstance(ci, list) and len(ci) > 2 else -1
+                if peer < 0 and ann:
+                    peer = peer_from_name(ann[2])
+            rows.append((kind, float(arrive), float(end), peer))
+    rows.sort(key=lambda r: r[1])
+    kind, arrive, end, peer = (list(c) for c in zip(*rows)) if rows else ([], [], [], [])
+    return finish(pg=np.full(len(rows), "", dtype=str), seq=np.full(len(rows), -1, dtype=np.int64),
+                  kind=np.array(kind, dtype=str), nbytes=np.zeros(len(rows), dtype=np.int64),
+                  arrive=np.array(arrive, dtype=float), end=np.array(end, dtype=float),
+                  peer=np.array(peer, dtype=np.int64), windows=windows)
+
+
+def finish(pg: np.ndarray, seq: np.ndarray, kind: np.ndarray, nbytes: np.ndarray, arrive: np.ndarray,
+           end: np.ndarray, peer: np.ndarray, windows: np.ndarray) -> Collectives:
+    """Sort by arrival, number collectives per group when the trace has no `Seq`, map to steps."""
+    order = np.argsort(arrive, kind="stable")
+    pg, seq, kind, nbytes = pg[order], seq[order].copy(), kind[order], nbytes[order]
+    arrive, end, peer = arrive[order], end[order], peer[order]
+    step = np.full(len(arrive), -1, dtype=np.int64)
+    if len(windows) and len(arrive):
+        k = np.searchsorted(windows[:, 0], arrive, side="right") - 1
+        kk = np.maximum(k, 0)
+        inside = (k >= 0) & ((arrive < windows[kk, 1]) | ((kk == len(windows) - 1) & (arrive <= windows[kk, 1])))
+        step = np.where(inside, k, -1)
+    unnumbered = np.flatnonzero(seq < 0)
+    if len(unnumbered):
+        # P2P and collectives are numbered separately (as NCCL does), per group (per kind
+        # when the group is unknown); the n-th unnumbered op of a group gets n.
+        p2p = np.isin(kind[unnumbered], list(P2P_KINDS))
+        group = np.char.add(np.where(pg[unnumbered] != "", pg[unnumbered], kind[unnumbered]),
+                            np.where(p2p, "\x01", "\x00"))
+        seq[unnumbered] = _ordinal_within(group)
+    return Collectives(pg=pg, seq=seq, kind=kind, nbytes=nbytes, arrive=arrive, end=end, peer=peer, step=step)
+
+
+def _ordinal_within(group: np.ndarray) -> np.ndarray:
+    """0, 1, 2, ... along the array, counted separately for each distinct group value."""
+    _, gid = np.unique(group, return_inverse=True)
+    by_group = np.argsort(gid, kind="stable")
+    first = np.searchsorted(gid[by_group], gid[by_group])  # start of each row's group run
+    out = np.empty(len(group), dtype=np.int64)
+    out[by_group] = np.arange(len(group)) - first
+    return out
+
+
+def _ints(values: list, default: int) -> np.ndarray:
+    """Integer args as an int64 column; a missing or unreadable value gives `default`."""
+    try:  # absent args (None) are the common odd case; exceptions per value would be slow
+        return np.array([default if v is None else v for v in values], dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        return np.array([_int(v, default) for v in values], dtype=np.int64)
+
+
+def _str(v: object) -> str:
+    return "" if v is None else str(v)
+
+
+def _int(v: object, default: int = 0) -> int:
+    if v is None:
+        return default
+    try:
+        return int(v)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return default
