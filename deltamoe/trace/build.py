@@ -120,13 +120,16 @@ def _pipeline(s: RankSummary, compute: iv.Spans, comm: iv.Spans, coll: Collectiv
     lo, hi = s.window[steps, 0], s.window[steps, 1]
     # Idle compute under a pending P2P op: |(p2p u compute) in W| - |compute in W|.
     wait = iv.length_in(iv.merge(pipe, compute), lo, hi) - iv.length_in(compute, lo, hi)
-    for k, w, a, b in zip(steps.tolist(), wait.tolist(), lo.tolist(), hi.tolist()):
+    # The last pipeline op of each step (the first of equal ends, as argmax picks).
+    rows = np.flatnonzero(is_pipe & (coll.step >= 0))
+    rows = rows[np.lexsort((-coll.end[rows], coll.step[rows]))]
+    first_of_step = np.r_[True, coll.step[rows][1:] != coll.step[rows][:-1]]
+    for k, w, a, b, last in zip(steps.tolist(), wait.tolist(), lo.tolist(), hi.tolist(),
+                                rows[first_of_step].tolist()):
         cs, ce = iv.clip(compute, a, b)
         if not len(cs):
             continue
         s.p2p_wait[k] = w
-        rows = np.flatnonzero((coll.step == k) & is_pipe)
-        last = rows[np.argmax(coll.end[rows])]
         if coll.kind[last] == "send":
             before = cs < coll.arrive[last]
             end = float(ce[before].max()) if before.any() else float(ce[0])
@@ -158,12 +161,9 @@ def _block_end(cs: np.ndarray, ce: np.ndarray, after: float, p2p: iv.Spans) -> f
         inside = g[~covered]
         inner = float(inside.max()) if len(inside) else 0.0
     limit = 1.5 * inner + 1.0
-    end = ce[start]
-    for j in range(start + 1, len(cs)):
-        if cs[j] - end > limit:
-            break
-        end = ce[j]
-    return float(end)
+    # The block runs on until the first gap to the next span wider than the limit.
+    wide = np.flatnonzero(cs[start + 1:] - ce[start:-1] > limit)
+    return float(ce[start + wide[0]] if len(wide) else ce[-1])
 
 
 class _GpuView:

@@ -87,17 +87,19 @@ def covered(spans: Spans, x: np.ndarray) -> np.ndarray:
     x = np.asarray(x, dtype=float)
     if len(s) == 0:
         return np.zeros(x.shape)
-    cum_end = np.concatenate([[0.0], np.cumsum(e - s)])
-    k = np.searchsorted(s, x, side="right")  # spans starting at or before x
-    prev = np.maximum(k - 1, 0)
-    part = np.minimum(np.clip(x - s[prev], 0, None), (e - s)[prev])
-    return np.where(k > 0, cum_end[prev] + part, 0.0)
+    span = e - s
+    cum_end = np.concatenate([[0.0], np.cumsum(span)])  # busy time before span i
+    k = np.searchsorted(s, x, side="right") - 1  # last span starting at or before x
+    kk = np.maximum(k, 0)
+    inside = np.minimum(np.maximum(x - s[kk], 0.0), span[kk])
+    return np.where(k >= 0, cum_end[kk] + inside, 0.0)
 
 
 def length_in(spans: Spans, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """Busy length inside each window [lo[i], hi[i]) (0 for an empty window)."""
     lo = np.asarray(lo, dtype=float)
-    return covered(spans, np.maximum(hi, lo)) - covered(spans, lo)
+    c = covered(spans, np.stack([lo, np.maximum(hi, lo)]))
+    return c[1] - c[0]
 
 
 def binned_busy(spans: Spans, lo, hi, bins: int) -> np.ndarray:

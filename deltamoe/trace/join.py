@@ -60,18 +60,16 @@ def join(summaries: list[RankSummary]) -> Joined:
 
 
 def _concat(summaries: list[RankSummary]) -> dict[str, np.ndarray]:
-    parts: dict[str, list] = {k: [] for k in ("rank", "kind", "pg", "seq", "nbytes", "arrive", "end", "peer", "step")}
-    for s in summaries:
-        c = s.coll
-        keep = c.step >= 0
-        n = int(keep.sum())
-        parts["rank"].append(np.full(n, s.rank, dtype=np.int64))
-        parts["step"].append(s.step_ids[c.step[keep]] if n else np.zeros(0, dtype=np.int64))
-        for k in ("kind", "pg", "seq", "nbytes", "arrive", "end", "peer"):
-            parts[k].append(getattr(c, k if k != "nbytes" else "nbytes")[keep])
-    out = {}
-    for k, v in parts.items():
-        out[k] = np.concatenate(v) if v else np.zeros(0)
+    """All ranks' rows inside kept steps, concatenated column by column (step = ProfilerStep number)."""
+    colls = [s.coll for s in summaries]
+    local = np.concatenate([c.step for c in colls]) if colls else np.zeros(0, dtype=np.int64)
+    keep = local >= 0
+    out = {"rank": np.repeat(np.array([s.rank for s in summaries], dtype=np.int64), [len(c) for c in colls])[keep],
+           "step": np.concatenate([s.step_ids[np.maximum(s.coll.step, 0)] if len(s.step_ids)
+                                   else np.zeros(len(s.coll), dtype=np.int64) for s in summaries]
+                                  or [np.zeros(0, dtype=np.int64)])[keep]}
+    for k in ("kind", "pg", "seq", "nbytes", "arrive", "end", "peer"):
+        out[k] = np.concatenate([getattr(c, k) for c in colls])[keep] if colls else np.zeros(0)
     out["pg"] = out["pg"].astype(object)
     out["kind"] = out["kind"].astype(object)
     return out

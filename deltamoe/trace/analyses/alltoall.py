@@ -19,21 +19,16 @@ def alltoall(j: Joined) -> dict | None:
     a2a = np.flatnonzero(j.kind == "all_to_all")
     if not len(a2a):
         return None
-    nbytes: dict[int, int] = defaultdict(int)
-    time_s: dict[int, float] = defaultdict(float)
-    wait_s: dict[int, float] = defaultdict(float)
-    count: dict[int, int] = defaultdict(int)
-    group_of: dict[int, str] = {}
-    for i in a2a.tolist():
-        r = int(j.rank[i])
-        nbytes[r] += int(j.nbytes[i])
-        time_s[r] += float(j.end[i] - j.arrive[i]) / 1e6
-        wait_s[r] += float(j.wait[i]) / 1e6
-        count[r] += 1
-        group_of.setdefault(r, str(j.pg[i]))
+    # Per-rank sums in one pass each (bincount adds in row order, as a loop would).
+    ranks, first, inv = np.unique(j.rank[a2a], return_index=True, return_inverse=True)
+    keys = ranks.tolist()
+    nbytes = dict(zip(keys, np.bincount(inv, weights=j.nbytes[a2a]).astype(np.int64).tolist()))
+    time_s = dict(zip(keys, np.bincount(inv, weights=(j.end[a2a] - j.arrive[a2a]) / 1e6).tolist()))
+    wait_s = dict(zip(keys, np.bincount(inv, weights=j.wait[a2a] / 1e6).tolist()))
+    count = dict(zip(keys, np.bincount(inv).tolist()))
     groups: dict[str, list[int]] = defaultdict(list)
-    for r, g in group_of.items():
-        groups[g].append(r)
+    for k in np.argsort(first, kind="stable").tolist():  # ranks in order of first appearance
+        groups[str(j.pg[a2a[first[k]]])].append(keys[k])
     hot, imbalance = [], []
     for g, ranks in groups.items():
         b = np.array([nbytes[r] for r in ranks], dtype=float)
