@@ -10,6 +10,7 @@ from rich.table import Table
 
 from deltamoe.benchmarks.suites import bench_dir, discover, run_suite, select
 from deltamoe.benchmarks.table import render_table, split_readme, update_readme
+from deltamoe.errors import ConfigError
 
 
 def bench_command(
@@ -20,9 +21,10 @@ def bench_command(
     table_only: bool = typer.Option(False, "--table-only", help="regenerate the README table from the results, run nothing"),
     check: bool = typer.Option(False, "--check", help="with --table-only: write nothing, exit 1 if the README table is stale"),
     results_dir: Path | None = typer.Option(None, "--results-dir", help="write results here instead of bench/results"),
+    bench_folder: Path | None = typer.Option(None, "--bench-dir", help="the suites' folder (default: bench/ of this checkout)"),
 ) -> None:
     """Run the benchmark suites side by side with their peers; the README table is generated from the results."""
-    folder = bench_dir()
+    folder = bench_dir() if bench_folder is None else bench_dir(bench_folder.resolve().parent, bench_folder.name)
     console = Console()
     if list_suites:
         listing = Table(title=f"benchmark suites in {folder}")
@@ -57,6 +59,8 @@ def bench_command(
 
 def _table(folder: Path, check: bool) -> None:
     readme = folder.parent / "README.md"
+    if not readme.exists():
+        raise ConfigError(f"no README.md next to {folder}", field="README")
     table = render_table(folder / "results")
     if check:
         _, block, _ = split_readme(readme.read_text(), readme)

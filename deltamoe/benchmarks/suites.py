@@ -20,12 +20,13 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 RESULTS_ENV = "DELTAMOE_BENCH_RESULTS"  # read by bench/common.py
 
 
-def bench_dir(root: Path = REPO_ROOT) -> Path:
+def bench_dir(root: Path = REPO_ROOT, name: str = "bench") -> Path:
     """The bench/ folder of the source checkout this package was imported from."""
-    folder = root / "bench"
+    folder = root / name
     if not any(folder.glob("bench_*.py")):
-        raise ConfigError(f"no benchmark suites in {folder}", field="bench",
-                          hint="run from a source checkout of deltamoe (bench/ is not part of the wheel)")
+        raise ConfigError(f"no benchmark suites (bench_*.py) in {folder}", field="bench",
+                          hint="run from a source checkout of deltamoe (bench/ is not part of the wheel), "
+                               "or pass --bench-dir")
     return folder
 
 

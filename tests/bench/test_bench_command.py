@@ -41,6 +41,8 @@ def test_every_suite_has_a_quick_flag_and_names_resolve():
 def test_missing_bench_folder_is_named(tmp_path):
     with pytest.raises(ConfigError, match=str(tmp_path / "bench")):
         bench_dir(tmp_path)
+    out = deltamoe("bench", "--list", "--bench-dir", str(tmp_path / "nowhere"))
+    assert out.returncode == 2 and str(tmp_path / "nowhere") in out.stderr
 
 
 def test_unknown_suite_exits_2():
@@ -63,12 +65,8 @@ def test_a_crashing_suite_fails_the_run_but_not_the_others(tmp_path):
     bench.mkdir()
     (bench / "bench_boom.py").write_text('"""Always fails."""\nraise SystemExit(3)\n')
     (bench / "bench_fine.py").write_text('"""Always passes."""\nprint("fine ran")\n')
-    code = ("import sys; from deltamoe.benchmarks import suites; from pathlib import Path; "
-            f"suites.REPO_ROOT = Path({str(tmp_path)!r}); "
-            "from deltamoe.benchmarks import cli; cli.bench_dir = lambda: suites.bench_dir(suites.REPO_ROOT); "
-            "from deltamoe.cli import main; sys.exit(main(['bench', '--no-table']))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.returncode == 1
+    out = deltamoe("bench", "--bench-dir", str(bench), "--results-dir", str(tmp_path / "results"))
+    assert out.returncode == 1, out.stdout + out.stderr
     assert "fine ran" in out.stdout and "failed: boom" in out.stdout
 
 

@@ -152,3 +152,17 @@ def test_page_examples_run(page: str, tmp_path: Path):
     out = subprocess.run([sys.executable, str(tmp_path / "runner.py"), str(tmp_path / "steps.json")], cwd=work,
                          env=env, capture_output=True, text=True, timeout=PAGE_TIMEOUT_S)
     assert out.returncode == 0, (out.stdout[-6000:] + "\n--- stderr ---\n" + out.stderr[-4000:])
+
+
+def test_markers_transcripts_and_scale_down(tmp_path: Path):
+    page = tmp_path / "p.md"
+    page.write_text("text\n\n```python\nx = 1\n```\n\n<!-- doc-test: skip a live server for ever -->\n```bash\nserve\n```\n"
+                    "\n<!-- doc-test: file run.toml -->\n```toml\nsteps = 300\n```\n\n```toml\nnot run\n```\n\n"
+                    "```console\n$ deltamoe plan \\\n    --nodes 4\nchose 165.5 tok/s on 32 chips\n```\n")
+    found = blocks(page)
+    assert [(b.kind, b.line, b.arg) for b in found] == [
+        ("python", 3, ""), ("skip", 8, "a live server for ever"), ("file", 13, "run.toml"), ("console", 21, "")]
+    assert console_commands(found[3].code) == ("deltamoe plan \\\n    --nodes 4", ["165.5", "32"])
+    assert scale_down("deltamoe train --steps 300 --eval-every 25 --out /tmp/x\nsteps = 200\n", tmp_path) == (
+        f"deltamoe train --steps 1 --eval-every 25 --out {tmp_path}/x\nsteps = 1\n")
+    assert scale_down("--steps 3 --profile-steps 2:3", tmp_path) == "--steps 3 --profile-steps 2:3"
