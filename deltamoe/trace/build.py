@@ -61,7 +61,7 @@ def build_summary(t: EventTables, header: dict, path: str, steps: StepRange = (N
                     overlap=np.zeros(len(step_ids)), p2p_wait=np.zeros(len(step_ids)),
                     pipe_first=np.full(len(step_ids), np.nan), pipe_end=np.full(len(step_ids), np.nan),
                     pipe_busy=np.zeros(len(step_ids)), heat=np.zeros((len(step_ids), HEAT_BINS), np.float32),
-                    coll=coll, kernel_stats=builder.kernel_stats(), top_kernels=builder.top_kernels())
+                    coll=coll)
     if not len(step_ids):
         s.warnings.append("no ProfilerStep in the selected range")
     compute, comm, mem = builder.spans()
@@ -221,19 +221,6 @@ class _GpuView:
         return gpu_collectives(self.t, rows, self.ext[rows], self.nid[rows], self.ts[rows],
                                self.ts[rows] + self.dur[rows], windows)
 
-    def kernel_stats(self) -> dict[str, tuple[int, float]]:
-        return {name: (int((self.cls == c).sum()), float(self.dur[self.cls == c].sum()))
-                for name, c in (("compute", COMPUTE), ("comm", COMM), ("memory", MEMORY))}
-
-    def top_kernels(self, n: int = 8) -> list[tuple[str, int, float]]:
-        ok = self.nid >= 0
-        if not ok.any():
-            return []
-        tot = np.bincount(self.nid[ok], weights=self.dur[ok])
-        cnt = np.bincount(self.nid[ok])
-        names = {v: k for k, v in self.t.names.items()}
-        return [(names[int(i)][:120], int(cnt[i]), float(tot[i])) for i in np.argsort(-tot)[:n]]
-
 
 class _CpuView:
     """gloo / CPU-only traces: the main thread is the device; collectives are c10d + gloo ops."""
@@ -264,13 +251,6 @@ class _CpuView:
 
     def collectives(self, windows: np.ndarray) -> Collectives:
         return cpu_collectives(self.t, self.main, windows)
-
-    def kernel_stats(self) -> dict[str, tuple[int, float]]:
-        return {"cpu_ops": (len(self.t.cpu_ops), float(sum(o[1] for o in self.t.cpu_ops))),
-                "comm_ops": (len(self.t.annotations), float(sum(a[2] for a in self.t.annotations)))}
-
-    def top_kernels(self, n: int = 8) -> list[tuple[str, int, float]]:
-        return []
 
 
 def _steps(t: EventTables) -> tuple[np.ndarray, np.ndarray, np.ndarray] | tuple:

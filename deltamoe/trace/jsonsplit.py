@@ -65,13 +65,11 @@ def uncompressed_size(path: str) -> int:
 
 
 def read_bytes(path: str) -> bytes:
-    """The whole decompressed file (for files below the slicing threshold)."""
+    """The whole decompressed file (for files below the slicing threshold); one open."""
     try:
-        if is_gzip(path):
-            with gzip.open(path, "rb") as f:
-                return f.read()
         with open(path, "rb") as f:
-            return f.read()
+            data = f.read()
+        return gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data
     except (OSError, EOFError, zlib.error) as e:
         raise TraceError(f"cannot read the file ({type(e).__name__}: {e})", field=path,
                          hint="the gzip stream is truncated or corrupt") from e

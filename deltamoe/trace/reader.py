@@ -57,9 +57,9 @@ def find_traces(folder: str | Path) -> list[str]:
     return sorted(str(p) for p in files)
 
 
-def read_one(path: str, cfg: ReadConfig) -> RankSummary | RankError:
-    """Parse and reduce one file in this process (worker entry point)."""
-    if _size(path) > cfg.whole_bytes:
+def read_one(path: str, cfg: ReadConfig, size: int | None = None) -> RankSummary | RankError:
+    """Parse and reduce one file in this process (worker entry point); `size`: decompressed bytes."""
+    if (_size(path) if size is None else size) > cfg.whole_bytes:
         return read_sliced(path, cfg)
     gc.disable()  # millions of fresh dicts would trigger useless cyclic collections
     try:
@@ -91,7 +91,7 @@ def _read_slice(job: tuple[jsonsplit.Slice, ReadConfig]) -> EventTables:
         gc.enable()
 
 
-def _read_one_job(job: tuple[str, ReadConfig]) -> RankSummary | RankError:
+def _read_one_job(job: tuple[str, ReadConfig, int]) -> RankSummary | RankError:
     return read_one(*job)
 
 
@@ -117,14 +117,15 @@ def read_all(paths: list[str], cfg: ReadConfig, workers: int = 0,
              on_done: Callable[[str], None] | None = None) -> Iterator[RankSummary | RankError]:
     """Yield one result per path (any order). `workers` <= 1 reads in this process."""
     workers = workers or min(os.cpu_count() or 1, len(paths))
-    big = [p for p in paths if _size(p) > cfg.slice_threshold]
-    small = [p for p in paths if p not in set(big)] if big else paths
+    sizes = {p: _size(p) for p in paths}
+    big = [p for p in paths if sizes[p] > cfg.slice_threshold]
+    small = [p for p in paths if sizes[p] <= cfg.slice_threshold]
     _keep_buffers_in_heap()  # before the fork: the workers inherit the setting
     if workers <= 1:
         for p in big:
             yield _done(read_sliced(p, cfg), p, on_done)
         for p in small:
-            yield _done(read_one(p, cfg), p, on_done)
+            yield _done(read_one(p, cfg, sizes[p]), p, on_done)
         return
     # fork: workers start in milliseconds; the pool is created before any progress thread.
     ctx = mp.get_context("fork")
@@ -132,7 +133,7 @@ def read_all(paths: list[str], cfg: ReadConfig, workers: int = 0,
         for p in big:
             yield _done(read_sliced(p, cfg, pool), p, on_done)
         chunk = max(1, min(16, len(small) // (workers * 8)))
-        for res in pool.imap_unordered(_read_one_job, ((p, cfg) for p in small), chunksize=chunk):
+        for res in pool.imap_unordered(_read_one_job, ((p, cfg, sizes[p]) for p in small), chunksize=chunk):
             yield _done(res, res.path, on_done)
 
 

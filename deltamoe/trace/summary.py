@@ -53,8 +53,6 @@ class RankSummary:
     pipe_busy: np.ndarray          # per step, compute busy within [pipe_first, pipe_end]
     heat: np.ndarray               # (steps, HEAT_BINS) compute utilisation
     coll: Collectives
-    kernel_stats: dict[str, tuple[int, float]] = field(default_factory=dict)
-    top_kernels: list[tuple[str, int, float]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
     @property
