@@ -112,20 +112,16 @@ def bubbles(j: Joined, summaries: list[RankSummary]) -> dict | None:
 
 def _microbatches(j: Joined, pipes: list[list[int]]) -> tuple[int, int]:
     """m and v from the traffic of stage 0: m*v forward sends to stage 1, m*(v-1) wrapped recvs."""
-    counts = []
-    for stages in pipes:
-        if len(stages) < 2:
-            continue
-        s0, s1, last = stages[0], stages[1], stages[-1]
-        per_step: dict[int, list[int]] = defaultdict(lambda: [0, 0])
-        fwd = (j.p2p_src == s0) & (j.p2p_dst == s1)
-        for st in j.p2p_step[fwd].tolist():
-            per_step[st][0] += 1
-        if len(stages) > 2:
-            wrap = (j.p2p_src == last) & (j.p2p_dst == s0)
-            for st in j.p2p_step[wrap].tolist():
-                per_step[st][1] += 1
-        counts += list(per_step.values())
+    # One pass over the P2P pairs (a mask per pipeline would be quadratic in the ranks).
+    fwd = {(st[0], st[1]): i for i, st in enumerate(pipes) if len(st) >= 2}
+    wrap = {(st[-1], st[0]): i for i, st in enumerate(pipes) if len(st) > 2}
+    per_step: dict[tuple[int, int], list[int]] = defaultdict(lambda: [0, 0])
+    for src, dst, step in zip(j.p2p_src.tolist(), j.p2p_dst.tolist(), j.p2p_step.tolist()):
+        if (src, dst) in fwd:
+            per_step[(fwd[(src, dst)], step)][0] += 1
+        if (src, dst) in wrap:
+            per_step[(wrap[(src, dst)], step)][1] += 1
+    counts = list(per_step.values())
     if not counts:
         return 0, 1
     sends = int(np.median([c[0] for c in counts]))

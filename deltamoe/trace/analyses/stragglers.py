@@ -18,6 +18,7 @@ compares with its peers (same pipeline stage).
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import defaultdict
 
 import numpy as np
@@ -50,18 +51,20 @@ def stragglers(j: Joined, summaries: list[RankSummary], stage_of: dict[int, int]
 
     first_row = np.full(j.instances, -1, dtype=np.int64)
     first_row[j.inst[::-1]] = np.arange(len(j.inst))[::-1]
-    for inst in np.flatnonzero((j.inst_size >= 2) & (j.inst_blame > 0)):
-        row = first_row[inst]
-        last, step, skew = int(j.inst_last[inst]), int(j.step[row]), float(j.inst_skew[inst])
-        t_last = float(j.arrive[row] + j.wait[row])  # any member's arrival + wait = last arrival
+    late = np.flatnonzero((j.inst_size >= 2) & (j.inst_blame > 0))
+    rows = first_row[late]
+    # Plain Python values: this loop runs once per collective instance of the whole job.
+    for last, step, skew, t_last, kind, pg, inst_blame, size in zip(
+            j.inst_last[late].tolist(), j.step[rows].tolist(), j.inst_skew[late].tolist(),
+            (j.arrive[rows] + j.wait[rows]).tolist(),  # any member's arrival + wait = last arrival
+            j.kind[rows].tolist(), j.pg[rows].tolist(), j.inst_blame[late].tolist(), j.inst_size[late].tolist()):
         own = releases.own_part(last, step, t_last, t_last - skew)
         if own <= 0:
             continue
         share = own / skew
         # Per member (the others' mean wait), so one late arrival at a 5,000-rank all-reduce
         # does not outweigh being late at every expert exchange.
-        charge(last, step, f"{j.kind[row]} pg={j.pg[row] or '?'}",
-               share * float(j.inst_blame[inst]) / (int(j.inst_size[inst]) - 1), share * float(j.inst_blame[inst]))
+        charge(last, step, f"{kind} pg={pg or '?'}", share * inst_blame / (size - 1), share * inst_blame)
     for src, step, t_send, excess in _sender_blame(j, stage_of):
         own = releases.own_part(src, step, t_send, t_send - excess)
         if own > 0:
@@ -108,16 +111,16 @@ class _Releases:
         for d, st, e, w in zip(j.p2p_dst.tolist(), j.p2p_step.tolist(), j.p2p_end.tolist(), j.p2p_wait.tolist()):
             if w > 0:
                 rows[(d, st)].append(e)
-        self.idx = {k: np.sort(np.array(v)) for k, v in rows.items()}
+        self.idx = {k: sorted(v) for k, v in rows.items()}
 
     def own_part(self, rank: int, step: int, t_arrive: float, t_ref: float) -> float:
         """Lateness after t_ref that the rank spent on its own work, not held by others."""
         e = self.idx.get((rank, step))
         released = t_ref
         if e is not None:
-            n = int(np.searchsorted(e, t_arrive + 1e-3, side="right"))
+            n = bisect_right(e, t_arrive + 1e-3)
             if n:
-                released = max(t_ref, float(e[n - 1]))
+                released = max(t_ref, e[n - 1])
         return max(0.0, t_arrive - released)
 
 
