@@ -20,13 +20,15 @@ def union(starts: np.ndarray, ends: np.ndarray) -> Spans:
     order = np.argsort(starts, kind="stable")
     s = starts[order]
     e = np.maximum.accumulate(ends[order])
-    # A new merged span begins where a start lies beyond every earlier end.
+    # A new merged span begins where a start lies beyond every earlier end; the running
+    # maximum of the ends at the last span before the next beginning is where it ends.
     new = np.empty(len(s), dtype=bool)
     new[0] = True
-    new[1:] = s[1:] > e[:-1]
-    first = np.flatnonzero(new)
-    last = np.append(first[1:] - 1, len(s) - 1)
-    return s[first], e[last]
+    np.greater(s[1:], e[:-1], out=new[1:])
+    last = np.empty(len(s), dtype=bool)
+    last[:-1] = new[1:]
+    last[-1] = True
+    return s[new], e[last]
 
 
 def length(spans: Spans) -> float:
@@ -97,8 +99,10 @@ def covered(spans: Spans, x: np.ndarray) -> np.ndarray:
 
 def length_in(spans: Spans, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """Busy length inside each window [lo[i], hi[i]) (0 for an empty window)."""
-    lo = np.asarray(lo, dtype=float)
-    c = covered(spans, np.stack([lo, np.maximum(hi, lo)]))
+    x = np.empty((2, len(lo)))
+    x[0] = lo
+    np.maximum(hi, lo, out=x[1])
+    c = covered(spans, x)
     return c[1] - c[0]
 
 
@@ -111,6 +115,9 @@ def binned_busy(spans: Spans, lo, hi, bins: int) -> np.ndarray:
     out = np.zeros((len(lo_a), bins))
     ok = hi_a > lo_a
     if ok.any() and len(spans[0]):
-        edges = np.linspace(lo_a[ok], hi_a[ok], bins + 1, axis=1)
-        out[ok] = np.diff(covered(spans, edges), axis=1) / np.diff(edges, axis=1)
+        lo_ok, hi_ok = lo_a[ok, None], hi_a[ok, None]
+        edges = np.arange(bins + 1) * ((hi_ok - lo_ok) / bins) + lo_ok  # np.linspace, without its overhead
+        edges[:, -1] = hi_ok[:, 0]
+        c = covered(spans, edges)
+        out[ok] = (c[:, 1:] - c[:, :-1]) / (edges[:, 1:] - edges[:, :-1])
     return out if np.ndim(lo) else out[0]
