@@ -96,6 +96,11 @@ def test_readme_block_is_the_generated_table():
     assert "Note on the KDA recurrence target" in after  # the hand-written notes stay outside the block
 
 
+def test_table_only_check_passes_on_the_committed_readme():
+    out = deltamoe("bench", "--table-only", "--check")
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
 def test_update_readme_replaces_only_the_block(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n\nintro\n\n{START}\nold\n{END}\n\nnotes\n")
