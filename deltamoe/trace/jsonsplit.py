@@ -170,19 +170,34 @@ def _plain_slices(path: str, slice_bytes: int) -> tuple[dict, Iterator[Slice]]:
         cuts = [first]
         target = first + slice_bytes
         while target < last:
-            f.seek(target)
-            window = f.read(1 << 20)
-            m = BOUNDARY.search(window)
-            if not m or target + m.start() >= last:
+            cut = _next_boundary(f, target, last)
+            if cut is None:
                 break
-            cuts.append(target + m.start() + 1)  # just after '}'
-            target = cuts[-1] + slice_bytes
+            cuts.append(cut)
+            target = cut + slice_bytes
     bounds = list(zip(cuts, cuts[1:] + [last]))
 
     def gen() -> Iterator[Slice]:
         for lo, hi in bounds:
             yield Slice(path, lo, hi)
     return header, gen()
+
+
+def _next_boundary(f, at: int, limit: int) -> int | None:
+    """Offset just after the first event-closing `}` at or after `at` and before `limit`.
+
+    Reads a small window first (events are a few hundred bytes), growing it only for
+    huge events: reading 1 MB per cut would read the whole file once more."""
+    size = 64 << 10
+    while True:
+        f.seek(at)
+        window = f.read(size)
+        m = BOUNDARY.search(window)
+        if m:
+            return at + m.start() + 1 if at + m.start() < limit else None
+        if len(window) < size or size >= 16 << 20:
+            return None
+        size *= 4
 
 
 def _gzip_slices(path: str, slice_bytes: int) -> tuple[dict, Iterator[Slice]]:

@@ -103,12 +103,17 @@ class EventTables:
         """Pack the big columns into numpy arrays (before building, or pickling a slice back).
 
         CPU ops, c10d calls and annotations only matter for CPU-only traces, so a table that
-        saw a compute or communication kernel (a GPU trace) drops them.
+        saw a compute or communication kernel (a GPU trace) drops them. The args of a
+        `record_param_comms` op whose kernel carries them too (Kineto copies them) are
+        never looked up, so they are dropped as well.
         """
         self.kernels = _rows_array(self.kernels, 7)
         self.runtimes = _rows_array(self.runtimes, 2)
         if (self.kernels[:, 2] != MEMORY).any():
             self.cpu_ops, self.cpu_coll_ops, self.annotations = [], [], []
+        if self.kernel_coll:  # ops whose kernels carry their args are never looked up
+            own = set(self.kernels[list(self.kernel_coll), 5].astype(np.int64).tolist())
+            self.param_comms = {x: a for x, a in self.param_comms.items() if x not in own}
         return self
 
     @staticmethod

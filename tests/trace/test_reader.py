@@ -118,6 +118,21 @@ def test_unknown_phase_falls_back_to_generic_decoding(pipeline_job, tmp_path):
         np.testing.assert_array_equal(got.coll.seq, want.coll.seq)
 
 
+def test_kernels_without_args_use_record_param_comms(pipeline_job, tmp_path):
+    """Builds that do not copy the collective args onto the kernel: the launching op has them."""
+    path = find_traces(pipeline_job[0])[0]
+    doc = orjson.loads(Path(path).read_bytes())
+    for e in doc["traceEvents"]:
+        if e.get("cat") == "kernel" and "Collective name" in e.get("args", {}):
+            e["args"] = {k: e["args"][k] for k in ("External id", "stream", "correlation")}
+    out = tmp_path / "bare.json"
+    out.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
+    want, cfg = read_one(path, ReadConfig()), ReadConfig(slice_bytes=50_000)
+    for got in (read_one(str(out), cfg), read_sliced(str(out), cfg)):
+        for f in ("pg", "seq", "kind", "nbytes", "peer", "step"):
+            np.testing.assert_array_equal(getattr(got.coll, f), getattr(want.coll, f))
+
+
 def test_collective_kind_names():
     cases = {"ncclDevKernel_AllReduce_Sum_bf16_RING_LL(x)": "all_reduce", "nccl:send 3->4": "send",
              "nccl:recv 4<-3": "recv", "c10d::recv_": "recv", "c10d::alltoall_base_": "all_to_all",
