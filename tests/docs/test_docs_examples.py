@@ -146,8 +146,10 @@ def test_page_examples_run(page: str, tmp_path: Path):
     (tmp_path / "steps.json").write_text(json.dumps(steps))
     (tmp_path / "runner.py").write_text(RUNNER)
     venv_bin = Path(sys.executable).parent
+    # One torch thread per process: the examples are tiny, and on a shared two-core machine two spinning
+    # OpenMP threads per process make them many times slower.
     env = {**os.environ, "PATH": f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONUNBUFFERED": "1",
-           "MPLBACKEND": "Agg"}
+           "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1"}
     env.pop("PYTHONPATH", None)
     out = subprocess.run([sys.executable, str(tmp_path / "runner.py"), str(tmp_path / "steps.json")], cwd=work,
                          env=env, capture_output=True, text=True, timeout=PAGE_TIMEOUT_S)
