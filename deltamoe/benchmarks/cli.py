@@ -19,7 +19,7 @@ def bench_command(
     quick: bool = typer.Option(False, "--quick", help="smoke runs: small sizes, results in bench/results/*_quick.json"),
     table: bool = typer.Option(True, "--table/--no-table", help="regenerate the README table after a full run"),
     table_only: bool = typer.Option(False, "--table-only", help="regenerate the README table from the results, run nothing"),
-    check: bool = typer.Option(False, "--check", help="with --table-only: write nothing, exit 1 if the README table is stale"),
+    check: bool = typer.Option(False, "--check", help="run nothing, write nothing: exit 1 if the README table is stale"),
     results_dir: Path | None = typer.Option(None, "--results-dir", help="write results here instead of bench/results"),
     bench_folder: Path | None = typer.Option(None, "--bench-dir", help="the suites' folder (default: bench/ of this checkout)"),
 ) -> None:
@@ -34,7 +34,7 @@ def bench_command(
             listing.add_row(suite.name, "yes" if suite.has_quick else "-", suite.summary)
         console.print(listing)
         return
-    if table_only:
+    if table_only or check:
         _table(folder, check)
         return
 
