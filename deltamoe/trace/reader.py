@@ -137,21 +137,25 @@ def read_all(paths: list[str], cfg: ReadConfig, workers: int = 0,
     sizes = {p: _size(p) for p in paths}
     big = [p for p in paths if sizes[p] > cfg.slice_threshold]
     small = [p for p in paths if sizes[p] <= cfg.slice_threshold]
-    _keep_buffers_in_heap()  # before the fork: the workers inherit the setting
     if workers <= 1:
+        _keep_buffers_in_heap()
         for p in big:
             yield _done(read_sliced(p, cfg), p, on_done)
         for p in small:
             yield _done(read_one(p, cfg, sizes[p]), p, on_done)
         return
     # fork: workers start in milliseconds; the pool is created before any progress thread.
-    ctx = mp.get_context("fork")
-    with ctx.Pool(workers) as pool:
-        for p in big:
-            yield _done(read_sliced(p, cfg, pool), p, on_done)
-        chunk = max(1, min(16, len(small) // (workers * 8)))
-        for res in pool.imap_unordered(_read_one_job, ((p, cfg, sizes[p]) for p in small), chunksize=chunk):
-            yield _done(res, res.path, on_done)
+    import numpy.ma  # noqa: F401  np.unique loads it on first use: once here, not in every worker
+    gc.freeze()  # the workers' collector then neither scans nor copies the inherited objects
+    try:
+        with mp.get_context("fork").Pool(workers, initializer=_keep_buffers_in_heap) as pool:
+            for p in big:
+                yield _done(read_sliced(p, cfg, pool), p, on_done)
+            chunk = max(1, min(16, len(small) // (workers * 8)))
+            for res in pool.imap_unordered(_read_one_job, ((p, cfg, sizes[p]) for p in small), chunksize=chunk):
+                yield _done(res, res.path, on_done)
+    finally:
+        gc.unfreeze()
 
 
 def _keep_buffers_in_heap() -> None:
