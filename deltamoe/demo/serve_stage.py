@@ -1,7 +1,7 @@
 """Demo stage 2: serve the trained checkpoint with LLMEngine and score held-out prompts.
 
 Each prompt is a held-out example of one task (never trained on: the tasks' hash split) cut
-just before its first answer, e.g. `Ab3cD7|A` -> `3` or `47+8=` -> `55`. The engine decodes
+just before one of its answers, e.g. `A3c5D7|c5D` -> `7` or `47+8=` -> `55`. The engine decodes
 greedily for as many tokens as the expected answer and a prompt counts when the text matches
 exactly. (The training data never scores the end-of-answer token, so the model is not asked
 to stop by itself.) All prompts go to the engine together: continuous batching, chunked
@@ -36,14 +36,20 @@ class HeldOutPrompt:
 
 
 def held_out_prompts(task: Task, count: int, seed: int = 0) -> list[HeldOutPrompt]:
-    """`count` held-out examples of `task`, each as (text before the first answer, that answer)."""
+    """Up to `count` distinct held-out examples of `task`, each cut before one of its answers,
+    chosen at random (the answers before it stay in the prompt), like the trainer's evaluation,
+    which scores every answer. Distinct, because short sums recur (1 digit + 1 digit is a quarter
+    of them)."""
     rng = random.Random(f"demo/{seed}/{task.name}")
-    prompts = []
-    for _ in range(count):
+    prompts: dict[str, HeldOutPrompt] = {}
+    for _ in range(50 * count):
+        if len(prompts) == count:
+            break
         segments = draw_example(task, rng, "eval")
-        first = next(i for i, (_, is_answer) in enumerate(segments) if is_answer)
-        prompts.append(HeldOutPrompt(task.name, "".join(text for text, _ in segments[:first]), segments[first][0]))
-    return prompts
+        cut = rng.choice([i for i, (_, is_answer) in enumerate(segments) if is_answer])
+        text = "".join(t for t, _ in segments[:cut])
+        prompts.setdefault(text, HeldOutPrompt(task.name, text, segments[cut][0]))
+    return list(prompts.values())
 
 
 def run_serve_eval(checkpoint: Path, tasks: tuple[Task, ...], per_task: int, console: Console) -> dict[str, Any]:

@@ -9,7 +9,9 @@ import pytest
 
 from deltamoe.cli import main
 from deltamoe.demo import train_stage
+from deltamoe.demo.serve_stage import held_out_prompts
 from deltamoe.train import trainer as trainer_module
+from deltamoe.train.data.tasks import QUERY, in_eval_split
 from tests.train.conftest import MICRO_MODEL  # every feature of tiny, at a size where a step takes milliseconds
 
 
@@ -91,3 +93,16 @@ def test_ctrl_c_leaves_only_complete_files_and_the_next_run_resumes(tmp_path, ca
     r = json.loads((out / "results.json").read_text())
     assert r["train"]["resumed_from_step"] == 2 and r["train"]["steps"] == 4
     assert (out / "checkpoint" / "model.safetensors").is_file() and temp_files(out) == []
+
+
+def test_held_out_prompts_are_distinct_unseen_and_correct():
+    recall, arithmetic = train_stage.demo_tasks()
+    for task in (recall, arithmetic):
+        prompts = held_out_prompts(task, 32)
+        assert len({p.prompt for p in prompts}) == len(prompts) == 32
+    for p in held_out_prompts(arithmetic, 32):
+        a, b = p.prompt.rstrip("=").split("+")
+        assert p.answer == str(int(a) + int(b)) and in_eval_split([(p.prompt + p.answer, True)])
+    for p in held_out_prompts(recall, 32):
+        context, queries = p.prompt.split(QUERY)
+        assert context[context.index(queries[-1]) + 1] == p.answer
