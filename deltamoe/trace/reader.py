@@ -151,8 +151,8 @@ def read_all(paths: list[str], cfg: ReadConfig, workers: int = 0,
         with mp.get_context("fork").Pool(workers, initializer=_keep_buffers_in_heap) as pool:
             for p in big:
                 yield _done(read_sliced(p, cfg, pool), p, on_done)
-            # Small chunks for short jobs: one worker's last chunk is the other's idle time.
-            chunk = max(1, min(16, len(small) // (workers * 32)))
+            # Chunks of up to 16 files: each result costs the parent's pool threads CPU time.
+            chunk = max(1, min(16, len(small) // (workers * 8)))
             for res in pool.imap_unordered(_read_one_job, ((p, cfg, sizes[p]) for p in small), chunksize=chunk):
                 yield _done(res, res.path, on_done)
     finally:
