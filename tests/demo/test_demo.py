@@ -10,6 +10,7 @@ import pytest
 from deltamoe.cli import main
 from deltamoe.demo import train_stage
 from deltamoe.demo.serve_stage import held_out_prompts
+from deltamoe.serve.engine import LLMEngine
 from deltamoe.train import trainer as trainer_module
 from deltamoe.train.data.tasks import QUERY, in_eval_split
 from tests.train.conftest import MICRO_MODEL  # every feature of tiny, at a size where a step takes milliseconds
@@ -106,3 +107,21 @@ def test_held_out_prompts_are_distinct_unseen_and_correct():
     for p in held_out_prompts(recall, 32):
         context, queries = p.prompt.split(QUERY)
         assert context[context.index(queries[-1]) + 1] == p.answer
+
+
+def test_ctrl_c_while_serving_keeps_the_finished_checkpoint(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "demo"
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(LLMEngine, "generate", interrupted)
+        assert demo(out, "--steps", "2", "--no-profile") == 130
+    assert "finished checkpoint" in capsys.readouterr().out
+    r = json.loads((out / "results.json").read_text())
+    assert r["train"]["steps"] == 2 and "serve" not in r and temp_files(out) == []
+
+    assert demo(out, "--steps", "2", "--no-profile") == 0
+    assert "skipping training" in capsys.readouterr().out
+    assert json.loads((out / "results.json").read_text())["serve"]["prompts"] == 6
