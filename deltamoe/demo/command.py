@@ -86,7 +86,7 @@ def _run(folder: RunFolder, console: Console, fresh: bool, steps: int, minutes: 
     results["plans"] = run_plans(folder, console)
     folder.save_results(results)
 
-    if folder.has_traces():
+    if profile and folder.has_traces():  # a reused checkpoint keeps the trace of its training
         console.rule("[bold]4 · trace")
         results["trace"] = run_trace_summary(folder, console)
     results["wall_s"] = round(time.perf_counter() - t0, 1)
