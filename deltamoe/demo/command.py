@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import time
 from datetime import datetime, timezone
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 from rich.console import Console
 
-from deltamoe.demo.run_folder import RunFolder
+if TYPE_CHECKING:
+    from deltamoe.demo.run_folder import RunFolder
 
 DEFAULT_STEPS = 200
 DEFAULT_MINUTES = 2.5
@@ -37,6 +38,8 @@ def demo_command(
                                             help="held-out rows per training evaluation (tests)"),
 ) -> None:
     """Train tiny K3.1 on recall + arithmetic, serve it on held-out prompts, plan K3.1 Pro, summarise a trace."""
+    from deltamoe.demo.run_folder import RunFolder  # imports torch: here, so `deltamoe --help` stays fast
+
     console = Console()
     folder = RunFolder(out)
     try:
@@ -50,7 +53,6 @@ def demo_command(
 
 def _run(folder: RunFolder, console: Console, fresh: bool, steps: int, minutes: float, profile: bool,
          prompts: int, threads: int, eval_rows: int | None) -> None:
-    # Heavy imports here, so `deltamoe --help` stays fast.
     import torch
 
     from deltamoe.demo.plan_stage import run_plans
