@@ -154,7 +154,12 @@ def slices(path: str, slice_bytes: int) -> tuple[dict, Iterator[Slice]]:
 def _plain_slices(path: str, slice_bytes: int) -> tuple[dict, Iterator[Slice]]:
     size = os.path.getsize(path)
     with open(path, "rb") as f:
-        head = f.read(min(size, _HEAD_LIMIT))
+        head = f.read(1 << 20)  # the metadata is usually far smaller; grow only if needed
+        while not _KEY.search(head) and len(head) < _HEAD_LIMIT:
+            more = f.read(len(head))
+            if not more:
+                break
+            head += more
         header, first = parse_header(head, path)
         tail_at = max(first, size - (4 << 20))
         f.seek(tail_at)
