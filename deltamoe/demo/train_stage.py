@@ -64,13 +64,8 @@ def train_config(folder: RunFolder, plan: TrainPlan) -> TrainConfig:
     recipe["optim"]["warmup_steps"] = min(recipe["optim"]["warmup_steps"], plan.steps // 5)
     if plan.eval_rows is not None:
         recipe["data"]["eval_rows"] = plan.eval_rows
-    # TrainConfig.validate accepts one task name, so it checks the recall settings; then the
-    # mixture takes its place: build_data hands "recall+arithmetic" to make_task, which builds
-    # it from the same data.* settings, and the train_config.json the trainer writes names it.
-    recipe["data"]["task"] = "recall"
-    cfg = TrainConfig.from_dict(recipe).validate()
-    cfg.data.task = TASK
-    return cfg
+    recipe["data"]["task"] = TASK
+    return TrainConfig.from_dict(recipe).validate()
 
 
 def run_training(folder: RunFolder, plan: TrainPlan, console: Console) -> dict[str, Any]:

@@ -9,8 +9,9 @@ from rich.table import Table
 def print_summary(report: dict, console: Console | None = None) -> None:
     c = console or Console()
     r = report
+    backend = f"{r['backend']} ({r['mode']})" if r["backend"] else f"no collectives ({r['mode']})"
     c.print(f"[bold]{r['ranks_analyzed']}[/] of {r['ranks_found']} ranks, {r['events']:,} events, "
-            f"{r['backend']} ({r['mode']}), read in {r['read_seconds']} s")
+            f"{backend}, read in {r['read_seconds']} s")
     for s in r["skipped"]:
         c.print(f"[yellow]skipped[/] {s['error']}")
     t = r["totals"]

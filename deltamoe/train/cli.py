@@ -18,7 +18,7 @@ def train_command(
                                          "model, data, optim, balance, parallel and run tables"),
     preset: Optional[str] = typer.Option(None, "--preset", help="model preset (tiny, small, ...)"),
     model: Optional[str] = typer.Option(None, "--model", help="model config.json or checkpoint folder to start from"),
-    task: Optional[str] = typer.Option(None, "--task", help="synthetic task: recall|arithmetic|copy|reverse"),
+    task: Optional[str] = typer.Option(None, "--task", help="synthetic task: recall|arithmetic|copy|reverse, or a mixture: recall+arithmetic"),
     data: Optional[str] = typer.Option(None, "--data", help=".txt or .jsonl ({'text': ...}) file instead of a task"),
     steps: Optional[int] = typer.Option(None, "--steps", help="optimizer steps"),
     seed: Optional[int] = typer.Option(None, "--seed"),

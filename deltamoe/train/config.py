@@ -161,7 +161,9 @@ class TrainConfig:
         m, d, o, b, p, r = self.model, self.data, self.optim, self.balance, self.parallel, self.run
         need(m.preset is not None or m.path is not None, "model.preset", "a preset name or model.path")
         need(isinstance(m.overrides, dict), "model.overrides", "a table of ModelConfig fields")
-        need(d.path is not None or d.task in TASKS, "data.task", f"one of {TASKS} (or set data.path)")
+        parts = d.task.split("+") if isinstance(d.task, str) else [None]
+        need(d.path is not None or all(t in TASKS for t in parts), "data.task",
+             f"one of {TASKS} or a mixture like 'recall+arithmetic' (or set data.path)")
         for name in ("data.seq_len", "data.batch_size", "data.num_pairs", "data.num_queries", "data.digits",
                      "data.string_len", "data.eval_rows", "optim.grad_accum", "parallel.dp", "parallel.tp",
                      "parallel.ep", "parallel.pp", "parallel.microbatches", "parallel.stages_per_rank",
@@ -197,7 +199,7 @@ class TrainConfig:
             parse_profile_steps(r.profile_steps)
         rows = d.batch_size // (o.grad_accum * p.dp) if d.batch_size % (o.grad_accum * p.dp) == 0 else 0
         need(rows > 0, "data.batch_size", f"a multiple of optim.grad_accum * parallel.dp ({o.grad_accum * p.dp})")
-        if d.path is None and d.task == "recall":
+        if d.path is None and "recall" in parts:
             need(d.num_queries <= d.num_pairs, "data.num_queries", f"at most data.num_pairs ({d.num_pairs})")
         return self
 

@@ -48,3 +48,14 @@ def test_bad_input_exit_code_from_the_shell(tmp_path):
     proc = run_cli("--data", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "run"))
     assert proc.returncode == 2 and proc.stderr.strip() == (
         f"error: data.path: data file {tmp_path / 'missing.txt'} does not exist")
+
+
+def test_task_mixture_is_accepted_and_unknown_parts_name_the_field() -> None:
+    from deltamoe.errors import ConfigError
+    from deltamoe.train.config import TrainConfig
+
+    cfg = TrainConfig.from_dict({"model": {"preset": "tiny"}, "data": {"task": "recall+arithmetic"}}).validate()
+    assert cfg.data.task == "recall+arithmetic"
+    with pytest.raises(ConfigError, match="recall\\+poetry") as err:
+        TrainConfig.from_dict({"model": {"preset": "tiny"}, "data": {"task": "recall+poetry"}}).validate()
+    assert err.value.field == "data.task"
