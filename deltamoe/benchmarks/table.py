@@ -142,10 +142,16 @@ def serve_dsa_decode_rows(d: dict) -> list[Row]:
         goal = verdict([(name, at is not None and at["speedup"] >= t["speedup"])], d.get("note"))
     ratios = [times(r["speedup"]) for r in res]
     ratios[-1] = bold(ratios[-1])
-    return [[f"DSA vs dense MLA decode step at {ctx} context, top-k {d['config']['index_topk']} "
-             + command("serve_dsa_decode"),
-             " / ".join(f"{r['dsa_ms']:.0f}" for r in res) + " ms",
-             "dense " + " / ".join(f"{r['dense_mla_ms']:,.0f}" for r in res) + " ms", " / ".join(ratios), goal]]
+    out = [[f"DSA vs dense MLA decode step at {ctx} context, top-k {d['config']['index_topk']} "
+            + command("serve_dsa_decode"),
+            " / ".join(f"{r['dsa_ms']:.0f}" for r in res) + " ms",
+            "dense " + " / ".join(f"{r['dense_mla_ms']:,.0f}" for r in res) + " ms", " / ".join(ratios), goal]]
+    if all("layer_speedup" in r for r in res):
+        out.append(["same, the attention layer alone",
+                    " / ".join(f"{r['dsa_layer_ms']:.1f}" for r in res) + " ms",
+                    "dense " + " / ".join(f"{r['dense_mla_layer_ms']:,.1f}" for r in res) + " ms",
+                    " / ".join(times(r["layer_speedup"]) for r in res), ""])
+    return out
 
 
 def serve_cache_bytes_rows(d: dict) -> list[Row]:

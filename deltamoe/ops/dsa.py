@@ -45,24 +45,53 @@ def causal_topk(
     dense attention. Entries are ordered by descending score, ties broken by the lower slot, so
     the result is deterministic; invalid entries (beyond n) hold slot 0.
     """
+    ranked, visible, top = _ranked_scores(scores, q_positions, kv_lengths, top_k)
+    batch, time, _ = ranked.shape
+    if top == 0 or batch * time == 0:
+        return causal_topk_reference(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=top_k)
+    # The same selection as the reference's full sort, in O(S): the top-th largest value is the
+    # threshold; keep everything above it and the lowest slots among the ties at it (exactly
+    # `top` per row), then order only those `top` entries.
+    threshold = torch.topk(ranked, top, dim=-1, sorted=False).values.min(dim=-1, keepdim=True).values
+    above = ranked > threshold
+    tie = ranked == threshold
+    room = top - above.sum(dim=-1, keepdim=True)
+    keep = above | (tie & (tie.cumsum(dim=-1) <= room))
+    slots = keep.nonzero()[:, -1].view(batch, time, top)  # ascending slot order
+    order = torch.sort(ranked.gather(-1, slots), dim=-1, descending=True, stable=True).indices
+    valid = torch.arange(top, device=scores.device) < visible.sum(dim=-1, keepdim=True)
+    return slots.gather(-1, order).masked_fill(~valid, 0), valid
+
+
+def causal_topk_reference(
+    scores: torch.Tensor, *, q_positions: torch.Tensor, kv_lengths: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Readable form of `causal_topk`: one stable sort of all S scores, keep the first K."""
+    ranked, visible, top = _ranked_scores(scores, q_positions, kv_lengths, top_k)
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :top]
+    valid = torch.arange(top, device=scores.device) < visible.sum(dim=-1, keepdim=True)
+    return order.masked_fill(~valid, 0), valid
+
+
+def _ranked_scores(
+    scores: torch.Tensor, q_positions: torch.Tensor, kv_lengths: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(fp32 scores with hidden keys at -inf, visible bool [B,T,S], K = min(top_k, S)).
+
+    The order to select by: higher score first, ties to the lower slot (torch.topk's own tie
+    order is unspecified). Visible scores are clamped to the lowest finite float so that hidden
+    keys (-inf) rank strictly after every visible key, even a visible -inf one.
+    """
     if top_k <= 0:
         raise ValueError(f"top_k: expected a positive integer, got {top_k}")
     if scores.dim() != 3:
         raise ValueError(f"scores: expected shape [B, T, S], got {tuple(scores.shape)}")
     batch, time, num_keys = scores.shape
     check_shape("q_positions", q_positions, "[B, T]", (batch, time))
-    top = min(top_k, num_keys)
     visible = visible_keys(q_positions, kv_lengths, num_keys)
-    # One stable sort gives a deterministic order: higher score first, ties to the lower slot
-    # (torch.topk's tie order is unspecified). Visible scores are clamped to the lowest finite
-    # float so that hidden keys (-inf) rank strictly after every visible key, even a visible
-    # -inf one.
     lowest = torch.finfo(torch.float32).min
     ranked = torch.where(visible, scores.float().clamp(min=lowest), float("-inf"))
-    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :top]
-    num_visible = visible.sum(dim=-1, keepdim=True)  # [B,T,1]
-    valid = torch.arange(top, device=scores.device) < num_visible
-    return order.masked_fill(~valid, 0), valid
+    return ranked, visible, min(top_k, num_keys)
 
 
 def topk_mask(indices: torch.Tensor, valid: torch.Tensor, num_keys: int) -> torch.Tensor:

@@ -70,6 +70,26 @@ def test_causal_topk_ties_are_deterministic() -> None:
     assert indices[0, 1].tolist() == [0, 1, 2] and valid.all()  # a visible -inf key is still a key
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_causal_topk_equals_the_full_sort_reference(seed: int) -> None:
+    """O(S) selection vs one stable sort: integer scores make many ties at the threshold, rows see
+    fewer keys than K, more than K, or none; some visible scores are -inf."""
+    from deltamoe.ops.dsa import causal_topk_reference
+
+    g = torch.Generator().manual_seed(seed)
+    b, t, s, k = 3, 4, 40, 9
+    scores = torch.randint(-3, 4, (b, t, s), generator=g).float()
+    scores[0, 0, :5] = float("-inf")
+    past = torch.tensor([0, 3, 30])
+    q_positions = past[:, None] + torch.arange(t)
+    kv_lengths = torch.tensor([2, 7, 34])
+    got = causal_topk(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=k)
+    want = causal_topk_reference(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=k)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+    empty = causal_topk(scores[:, :, :0], q_positions=q_positions, kv_lengths=kv_lengths * 0, top_k=k)
+    assert empty[0].shape == (b, t, 0)
+
+
 def test_topk_mask_ignores_invalid_entries() -> None:
     indices = torch.tensor([[[3, 0, 0], [0, 2, 1]]])
     valid = torch.tensor([[[True, True, False], [True, False, False]]])
