@@ -111,17 +111,20 @@ def main() -> None:
     contexts = [1024, 8192] if args.quick else [1024, 8192, MAX_CONTEXT]
     repeats = 3 if args.quick else 7
     rows, results = [], []
-    engines, timers = {}, {}
+    models, timers = {}, {}
     for attention in ("dsa", "mla"):
-        model = build_model(config(attention), seed=0).eval()
-        engines[attention] = LLMEngine(model, config=EngineConfig(
-            cache_memory="512MiB", max_num_seqs=1, max_snapshots=0, enable_prefix_caching=False))
-        timers[attention] = LayerTimer(model.model.layers[3].self_attn)
+        models[attention] = build_model(config(attention), seed=0).eval()
+        timers[attention] = LayerTimer(models[attention].model.layers[3].self_attn)
     for context in contexts:
-        (seq_d, step_d), (seq_m, step_m) = decode_step(engines["dsa"], context), decode_step(engines["mla"], context)
+        # A fresh cache per context: the sequence's blocks are consecutive, so attention reads a
+        # slice of the pages. (After other sequences were freed they would be scattered, and both
+        # models would first gather the whole context row by row: see docs/serving.md.)
+        engines = {name: LLMEngine(model, config=EngineConfig(cache_memory="512MiB", max_num_seqs=1, max_snapshots=0,
+                                                              enable_prefix_caching=False))
+                   for name, model in models.items()}
+        (_, step_d), (_, step_m) = decode_step(engines["dsa"], context), decode_step(engines["mla"], context)
         times, layer = interleaved_min_seconds({"dsa": step_d, "mla": step_m}, timers, repeats)
-        engines["dsa"].cache.free(seq_d)
-        engines["mla"].cache.free(seq_m)
+        del engines
         dsa, dense = times["dsa"], times["mla"]
         results.append({"context": context, "dsa_ms": dsa * 1e3, "dense_mla_ms": dense * 1e3, "speedup": dense / dsa,
                         "dsa_layer_ms": layer["dsa"] * 1e3, "dense_mla_layer_ms": layer["mla"] * 1e3,
