@@ -11,6 +11,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -39,7 +42,8 @@ class StepProfiler:
         self._prof = profile(activities=activities, record_shapes=False,
                              schedule=schedule(wait=before - warmup, warmup=warmup, active=b - a, repeat=1),
                              on_trace_ready=self._write)
-        self._stack.enter_context(self._prof)
+        with _without_kineto_notices():
+            self._stack.enter_context(self._prof)
 
     def _write(self, prof: profile) -> None:
         tmp = self.path.with_name(f".{self.path.name}.tmp")
@@ -52,8 +56,32 @@ class StepProfiler:
 
     def step(self) -> None:
         if self._prof is not None:
-            self._prof.step()
+            with _without_kineto_notices():
+                self._prof.step()
 
     def close(self) -> None:
-        self._stack.close()
+        with _without_kineto_notices():
+            self._stack.close()
         self._prof = None
+
+
+@contextlib.contextmanager
+def _without_kineto_notices() -> Iterator[None]:
+    """Kineto's C++ side prints `USDT: ... profiler_start` / `profiler_stop` notices on the
+    process's stderr at every window edge (KINETO_LOG_LEVEL does not silence them); they would
+    land in the middle of a progress bar. Route fd 2 through a temporary file while the profiler
+    changes state and pass every other line on unchanged."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            for line in captured.read().decode(errors="replace").splitlines(keepends=True):
+                if not line.startswith("USDT:"):
+                    sys.stderr.write(line)
