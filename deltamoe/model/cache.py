@@ -25,6 +25,11 @@ class ModelCache(Protocol):
     """What `DeltaMoEForCausalLM.forward` needs from a cache, for one batch of sequences."""
 
     past_lengths: torch.Tensor  # [B] long: tokens already cached per row
+    # [B] long: real new tokens per row when rows are right-padded to a common T (a serving
+    # engine packing prefill chunks of different lengths into one call); None: all T are real.
+    # Layers then keep padding out of every state: KDA steps over it unchanged, attention never
+    # sees it as a key, and the model's "last position" is each row's last real token.
+    new_lengths: torch.Tensor | None
 
     def kda_state(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(conv_state [B, 3P, W-1], recurrent_state [B, H, K, V] fp32), or Nones before the first token."""
@@ -57,6 +62,7 @@ class ContiguousCache:
         self.config = config
         self.max_length = max_length
         self.past_lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.new_lengths = None  # rows always append T real tokens here
         self._conv: dict[int, torch.Tensor] = {}
         self._recurrent: dict[int, torch.Tensor] = {}
         self._latent: dict[int, torch.Tensor] = {}

@@ -59,13 +59,20 @@ class KimiDeltaAttention(nn.Module):
         h, k = self.num_heads, self.head_dim
         conv_state, state = cache.kda_state(self.layer_idx) if cache is not None else (None, None)
 
+        lengths = cache.new_lengths if cache is not None else None
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        qkv, new_conv_state = causal_conv1d(qkv, self.conv_weight(), conv_state, activation="silu")
+        qkv, new_conv_state = causal_conv1d(qkv, self.conv_weight(), conv_state, activation="silu", lengths=lengths)
         q, k_, v = (z.reshape(b, t, h, k) for z in qkv.chunk(3, dim=-1))
 
         g = kda_gate(self.f_b_proj(self.f_a_proj(x)), self.A_log, self.dt_bias, h,
                      kind=self.config.kda_gate, lower_bound=self.config.kda_gate_lower_bound)
         beta = torch.sigmoid(self.b_proj(x).float())
+        if lengths is not None:
+            # Right padding: with g = 0 (no decay) and beta = 0 (no write) a padded token leaves
+            # the recurrent state exactly as the row's last real token left it.
+            real = torch.arange(t, device=x.device) < lengths[:, None]  # [B, T]
+            g = g * real[..., None, None]
+            beta = beta * real[..., None]
 
         if cache is not None and t == 1 and state is not None:
             # Decode: one step of the recurrence for the whole batch.

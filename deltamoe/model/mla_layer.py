@@ -70,7 +70,8 @@ class LatentAttention(nn.Module):
         h = self.num_heads
         past = cache.past_lengths if cache is not None else torch.zeros(b, dtype=torch.long, device=x.device)
         q_positions = past[:, None] + torch.arange(t, device=x.device)[None, :]
-        kv_lengths = past + t
+        new_lengths = cache.new_lengths if cache is not None else None
+        kv_lengths = past + (t if new_lengths is None else new_lengths)  # padding is never a key
 
         if self.config.q_lora_rank is None:
             q_latent, q = None, self.q_proj(x)

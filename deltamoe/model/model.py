@@ -92,7 +92,7 @@ class DeltaMoEForCausalLM(nn.Module):
         if labels is not None and logits_to_keep:
             raise ValueError("logits_to_keep must be 0 when labels are given (the loss needs every position)")
         h = self.model(input_ids, cache, inputs_embeds)
-        logits = self.lm_head(self.model.norm(h[:, -logits_to_keep:] if logits_to_keep else h))
+        logits = self.lm_head(self.model.norm(_last_positions(h, logits_to_keep, cache) if logits_to_keep else h))
         if cache is not None:
             cache.advance(input_ids.shape[1])
         out = CausalLMOutput(logits=logits, hidden_states=h)
@@ -118,6 +118,15 @@ class DeltaMoEForCausalLM(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
+
+
+def _last_positions(h: torch.Tensor, keep: int, cache: ModelCache | None) -> torch.Tensor:
+    """The last `keep` positions of each row: of its real tokens when the cache says rows are padded."""
+    lengths = cache.new_lengths if cache is not None else None
+    if lengths is None:
+        return h[:, -keep:]
+    cols = lengths[:, None] - keep + torch.arange(keep, device=h.device)  # [B, keep]
+    return h.gather(1, cols[..., None].expand(-1, -1, h.shape[-1]))
 
 
 def shifted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, shift: int, reduction: str = "mean") -> torch.Tensor:

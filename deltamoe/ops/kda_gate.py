@@ -70,6 +70,7 @@ def causal_conv1d(
     weight: torch.Tensor,
     state: torch.Tensor | None = None,
     activation: Literal["silu"] | None = "silu",
+    lengths: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv along time, continuing from `state`; no bias.
 
@@ -77,6 +78,8 @@ def causal_conv1d(
     (zeros when None). y_t = act(sum_w weight[c, w] * x_{t - (W-1) + w}).
     Returns (y [B, T, C] in x.dtype, new_state [B, C, W-1] = the last W-1 inputs, old state
     included when T < W-1). Computes in weight.dtype, as transformers' fallback does.
+    lengths [B] (optional): rows are right-padded and only their first lengths[b] inputs are
+    real; new_state is then the W-1 inputs before each row's real end (y at padding is junk).
     """
     if x.dim() != 3:
         raise ValueError(f"x: expected shape [B, T, C], got {tuple(x.shape)}")
@@ -108,5 +111,9 @@ def causal_conv1d(
         y = F.conv1d(window.to(weight.dtype), weight.unsqueeze(1), groups=channels)  # [B, C, T]: full windows only
     if activation == "silu":
         y = F.silu(y)
-    new_state = window[..., window.shape[-1] - (width - 1) :].contiguous()  # do not pin the whole window
+    if lengths is None:
+        new_state = window[..., window.shape[-1] - (width - 1) :].contiguous()  # do not pin the whole window
+    else:  # window position lengths[b] + j holds the j-th of the last W-1 real inputs
+        cols = lengths.to(window.device)[:, None] + torch.arange(width - 1, device=window.device)
+        new_state = window.gather(-1, cols[:, None, :].expand(batch, channels, width - 1))
     return y.transpose(1, 2).to(x.dtype), new_state

@@ -1,13 +1,14 @@
 """PagedBatchView: the `ModelCache` one model call sees, built over HybridCache pages and slots.
 
-Rows may sit at different past lengths; all append the same number T of tokens. Position p of
-row b lives at flat page row `block_table[b][p // bs] * bs + p % bs` (vLLM's slot mapping). New
-latents and indexer keys are scattered there in place, and all positions < past + T are
-gathered back into a contiguous [B, S, D] tensor for attention (padding points at row 0 and is
-masked by `past_lengths + T`). A single row whose blocks are consecutive (the usual case for one
-long sequence) reads a slice of the pages instead: no copy, so a decode step over a long
-context costs only what attention itself reads. The KDA states are gathered from the rows'
-slots and written back.
+Rows may sit at different past lengths and append T tokens each, or (prefill chunks of
+different lengths packed into one call) be right-padded to T with `new_lengths` real tokens;
+padding is never stored. Position p of row b lives at flat page row
+`block_table[b][p // bs] * bs + p % bs` (vLLM's slot mapping). New latents and indexer keys are
+scattered there in place, and all positions < past + T are gathered back into a contiguous
+[B, S, D] tensor for attention (padding points at row 0 and is masked by the row's length). A
+single row whose blocks are consecutive (the usual case for one long sequence) reads a slice of
+the pages instead: no copy, so a decode step over a long context costs only what attention
+itself reads. The KDA states are gathered from the rows' slots and written back.
 """
 
 from __future__ import annotations
@@ -19,20 +20,30 @@ from deltamoe.serve.cache import HybridCache
 
 class PagedBatchView:
     def __init__(self, cache: HybridCache, block_tables: list[list[int]], past_lengths: list[int],
-                 slots: list[int], num_new_tokens: int):
+                 slots: list[int], num_new_tokens: int | list[int]):
+        """`num_new_tokens`: T for every row, or one count per row (rows right-padded to the longest)."""
         device = cache.latent.device
         bs = cache.block_size
         self._cache = cache
         self.past_lengths = torch.tensor(past_lengths, dtype=torch.long, device=device)
+        counts = num_new_tokens if isinstance(num_new_tokens, list) else [num_new_tokens] * len(past_lengths)
+        t = max(counts)
+        ragged = min(counts) != t
+        self.new_lengths = torch.tensor(counts, dtype=torch.long, device=device) if ragged else None
         self._fresh = all(p == 0 for p in past_lengths)  # every row starts from an empty state
         self._slots = torch.tensor(slots, dtype=torch.long, device=device)
-        width = max(len(t) for t in block_tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long, device=device)
-        total = max(past_lengths) + num_new_tokens
+        width = max(len(b) for b in block_tables)
+        table = torch.tensor([b + [0] * (width - len(b)) for b in block_tables], dtype=torch.long, device=device)
+        total = max(p + n for p, n in zip(past_lengths, counts))
         pos = torch.arange(total, device=device)
         self._read = table[:, pos // bs] * bs + pos % bs  # [B, S]
-        new_pos = self.past_lengths[:, None] + torch.arange(num_new_tokens, device=device)  # [B, T]
-        self._write = self._read.gather(1, new_pos).reshape(-1)
+        new_pos = self.past_lengths[:, None] + torch.arange(t, device=device)  # [B, T]
+        if ragged:  # only real tokens are stored; padding positions are dropped before the write
+            self._real = (torch.arange(t, device=device) < self.new_lengths[:, None]).reshape(-1)
+            self._write = self._read.gather(1, new_pos.clamp(max=total - 1)).reshape(-1)[self._real]
+        else:
+            self._real = None
+            self._write = self._read.gather(1, new_pos).reshape(-1)
         blocks = block_tables[0][: -(-total // bs)]
         consecutive = len(block_tables) == 1 and blocks == list(range(blocks[0], blocks[0] + len(blocks)))
         self._slice = slice(blocks[0] * bs, blocks[0] * bs + total) if consecutive else None
@@ -49,7 +60,10 @@ class PagedBatchView:
         self._cache.recurrent[i].index_copy_(0, self._slots, recurrent_state.float())
 
     def _append(self, pages: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        pages.index_copy_(0, self._write, new.reshape(-1, new.shape[-1]).to(pages.dtype))
+        rows = new.reshape(-1, new.shape[-1])
+        if self._real is not None:
+            rows = rows[self._real]
+        pages.index_copy_(0, self._write, rows.to(pages.dtype))
         if self._slice is not None:
             return pages[self._slice].unsqueeze(0)
         return pages[self._read]
@@ -61,4 +75,4 @@ class PagedBatchView:
         return self._append(self._cache.index_keys[self._cache.index_key_index[layer]], keys)
 
     def advance(self, num_tokens: int) -> None:
-        self.past_lengths = self.past_lengths + num_tokens
+        self.past_lengths = self.past_lengths + (num_tokens if self.new_lengths is None else self.new_lengths)

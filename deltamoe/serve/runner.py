@@ -1,10 +1,11 @@
 """ModelRunner: the only place that touches the model. Packs a scheduled batch, runs it, samples.
 
-Every row of one model call appends the same number of tokens, so the batch is split by chunk
-length: all decodes (T = 1) go in one call, prefill chunks of equal length share a call. Only
-the last position of each row goes through the final norm and LM head, and only rows that
-reach the end of their tokens are sampled. Future workers (TP/EP under torchrun, speculative
-verification, a prefill worker handing off blocks) replace or extend this class only.
+All decodes (T = 1) go in one model call; prefill chunks of different lengths share calls,
+right-padded to the longest (`pack_calls` bounds the padding), with the real counts in the cache
+view so padding never enters a state. Only each row's last real position goes through the final
+norm and LM head, and only rows that reach the end of their tokens are sampled. Future workers
+(TP/EP under torchrun, speculative verification, a prefill worker handing off blocks) replace or
+extend this class only.
 """
 
 from __future__ import annotations
@@ -37,15 +38,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[StepResult]:
-        groups: dict[int, list[Sequence]] = {}
-        for seq, n in batch.items:
-            groups.setdefault(n, []).append(seq)
         last_logits: list[torch.Tensor] = []
         to_sample: list[Sequence] = []
-        for n in sorted(groups):  # T = 1 (the decodes) first
-            seqs = groups[n]
-            logits = self._forward(seqs, n)
-            rows = [row for row, seq in enumerate(seqs) if seq.num_computed + n == len(seq.token_ids)]
+        for group in pack_calls(batch.items):  # the decodes (T = 1) first
+            seqs, counts = [seq for seq, _ in group], [n for _, n in group]
+            logits = self._forward(seqs, counts)
+            rows = [row for row, (seq, n) in enumerate(group) if seq.num_computed + n == len(seq.token_ids)]
             if rows:  # one gather per call, not one select per row
                 last_logits.append(logits if len(rows) == len(seqs) else logits[rows])
                 to_sample.extend(seqs[row] for row in rows)
@@ -56,10 +54,38 @@ class ModelRunner:
             sampled = {id(s): p for s, p in zip(to_sample, picks)}
         return [StepResult(seq, n, *sampled.get(id(seq), (None, None))) for seq, n in batch.items]
 
-    def _forward(self, seqs: list[Sequence], n: int) -> torch.Tensor:
-        """One model call appending n tokens to each row -> last-position logits [B, V] (fp32)."""
-        ids = torch.tensor([s.token_ids[s.num_computed:s.num_computed + n] for s in seqs], device=self.device)
+    def _forward(self, seqs: list[Sequence], counts: list[int]) -> torch.Tensor:
+        """One model call appending counts[i] tokens to row i (right-padded to the longest with token
+        0, which the cache view keeps out of every state) -> each row's last-token logits [B, V] fp32."""
+        t = max(counts)
+        ids = torch.tensor([s.token_ids[s.num_computed:s.num_computed + n] + [0] * (t - n)
+                            for s, n in zip(seqs, counts)], device=self.device)
         view = PagedBatchView(self.cache, [s.block_table for s in seqs], [s.num_computed for s in seqs],
-                              [s.slot for s in seqs], n)
-        # Norm + LM head on the last position only: prefill chunks need no other logits.
+                              [s.slot for s in seqs], counts)
+        # Norm + LM head on the last real position only: prefill chunks need no other logits.
         return self.model(ids, cache=view, logits_to_keep=1).logits[:, -1].float()
+
+
+# Prefill chunks of different lengths share a call while padding stays within this share of the
+# real tokens; each call costs a fixed ~600 small tensor ops, so fewer, padded calls win on a CPU.
+MAX_PADDING_FRACTION = 0.5
+
+
+def pack_calls(items: list[tuple[Sequence, int]]) -> list[list[tuple[Sequence, int]]]:
+    """Split a step's (sequence, new tokens) items into model calls: all decodes in one call, and
+    prefill chunks longest first, each call right-padded to its longest chunk as long as the
+    padding stays under MAX_PADDING_FRACTION of its real tokens."""
+    decodes = [item for item in items if item[1] == 1]
+    calls: list[list[tuple[Sequence, int]]] = [decodes] if decodes else []
+    current: list[tuple[Sequence, int]] = []
+    real = 0
+    for item in sorted((item for item in items if item[1] > 1), key=lambda item: -item[1]):
+        longest = current[0][1] if current else item[1]
+        if current and (len(current) + 1) * longest - (real + item[1]) > MAX_PADDING_FRACTION * (real + item[1]):
+            calls.append(current)
+            current, real = [], 0
+        current.append(item)
+        real += item[1]
+    if current:
+        calls.append(current)
+    return calls
