@@ -13,6 +13,7 @@ from torch.distributed.pipelining.schedules import _PipelineSchedule
 from deltamoe.parallel.api import ParallelDims
 from deltamoe.parallel.grad_norm import clip_grads_, global_grad_norm
 from deltamoe.parallel.loss import GlobalTokenLoss, target_counts
+from deltamoe.parallel.mesh import data_mesh
 from deltamoe.parallel.stage_module import ModelStage
 
 
@@ -22,8 +23,9 @@ class DistributedModel:
         self.model_parts: list[ModelStage] = stages
         self.mesh, self.dims, self.loss_fn, self.schedule = mesh, dims, loss_fn, schedule
         self.after_backward = after_backward
-        self.dp_group = mesh["dp"].get_group()
-        self.dp_rank, self.dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
+        dp = data_mesh(mesh)
+        self.dp_group = dp.get_group()
+        self.dp_rank, self.dp_size = dp.get_local_rank(), dp.size()
         self.has_first = any(s.first for s in stages)
         self.has_last = any(s.last for s in stages)
 

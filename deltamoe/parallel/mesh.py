@@ -27,8 +27,19 @@ def build_mesh(dims: ParallelDims, device: str | None = None) -> DeviceMesh:
     """The world's DeviceMesh; the process group must already exist."""
     device = device or device_type()
     mesh = init_device_mesh(device, (dims.pp, dims.dp // dims.ep, dims.ep, dims.tp), mesh_dim_names=MESH_DIMS)
-    mesh["dp_rep", "ep"]._flatten("dp")  # private but stable; torchtitan flattens its data dims the same way
+    # private but stable; torchtitan flattens its data dims the same way
+    _DATA_MESHES[mesh] = mesh["dp_rep", "ep"]._flatten("dp")
     return mesh
+
+
+# The flattened "dp" mesh of each root mesh. torch deprecates slicing a flattened dim back out of
+# the root (`mesh["dp"]`) and asks callers to keep the mesh `_flatten` returned.
+_DATA_MESHES: dict[DeviceMesh, DeviceMesh] = {}
+
+
+def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel mesh (dp = dp_rep x ep) of a mesh made by `build_mesh`."""
+    return _DATA_MESHES[mesh]
 
 
 def init_distributed(dims: ParallelDims, config=None) -> DeviceMesh | None:
