@@ -87,10 +87,12 @@ def _delta_step(
     Returns (o [..., V], new state [..., K, V]).
     """
     state = state * g.exp().unsqueeze(-1)
-    predicted = torch.einsum("...k,...kv->...v", k, state)  # what the decayed memory recalls for k
+    # The contractions over K as broadcast multiply-sums: for batches of small [K, V] states these
+    # are several times faster on a CPU than einsum's batched matmuls.
+    predicted = (k.unsqueeze(-1) * state).sum(-2)  # what the decayed memory recalls for k
     delta = beta.unsqueeze(-1) * (v - predicted)
     state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
-    return torch.einsum("...k,...kv->...v", q, state), state
+    return (q.unsqueeze(-1) * state).sum(-2), state
 
 
 def recurrent_kda(
@@ -172,12 +174,7 @@ def kda_step(
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     out_dtype = v.dtype
     q, k, v, g, beta = _upcast_inputs(q, k, v, g, beta, use_qk_l2norm)
-    # `_delta_step` with its two contractions written as broadcast multiply-sums: for a batch of
-    # small [K, V] states these are ~4x faster on a CPU than einsum's batched matmuls.
-    state = state.to(q.dtype) * g.exp().unsqueeze(-1)
-    delta = beta.unsqueeze(-1) * (v - (k.unsqueeze(-1) * state).sum(-2))
-    state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
-    o = ((q * scale).unsqueeze(-1) * state).sum(-2)
+    o, state = _delta_step(state.to(q.dtype), q * scale, k, v, g, beta)
     return o.to(out_dtype), state
 
 

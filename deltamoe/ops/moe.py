@@ -142,39 +142,42 @@ def experts_forward(
     """
     _check_expert_args(x, weights, indices, w1, w3, w2)
     num_tokens, top_k = indices.shape
+    acc = _combine_dtype(x)
+    out = x.new_zeros(num_tokens, x.shape[1], dtype=acc)
     flat_experts = indices.reshape(-1)
+    if flat_experts.numel() == 0:
+        return out
     order = torch.argsort(flat_experts, stable=True)
     token_of_slot = order // top_k  # token id of each expert-sorted (token, slot) pair
-    x_sorted = x[token_of_slot]
-    acc = _combine_dtype(x)
-    if _grouped_mm_applies(x, w1, w2):
-        # Inference: torch's grouped matmul runs every expert's slice in one call (same products
-        # as the loop below, which it equals exactly) and needs no host sync.
-        ends = torch.bincount(flat_experts, minlength=w1.shape[0]).cumsum(0).to(torch.int32)
+    counts = torch.bincount(flat_experts, minlength=w1.shape[0])
+    y_sorted = _sorted_expert_outputs(x[token_of_slot], counts, w1, w3, w2, act, situ_beta, situ_linear_beta)
+    y_sorted = y_sorted.to(acc) * weights.reshape(-1)[order].to(acc).unsqueeze(-1)
+    return out.index_add(0, token_of_slot, y_sorted)
+
+
+def _sorted_expert_outputs(
+    x_sorted: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+    act: str, situ_beta: float, situ_linear_beta: float,
+) -> torch.Tensor:
+    """Each expert on its contiguous slice of the expert-sorted rows -> [N*k, D] in x.dtype."""
+    if _grouped_mm_applies(x_sorted, w1, w2):
+        # Inference: torch's grouped matmul runs every expert's slice in one call (the same
+        # products as the loop below, which it equals exactly) and needs no host sync.
+        ends = counts.cumsum(0).to(torch.int32)
         gate = F.grouped_mm(x_sorted, w1.transpose(1, 2), offs=ends)
         up = F.grouped_mm(x_sorted, w3.transpose(1, 2), offs=ends)
-        hidden = glu(gate, up, act, situ_beta, situ_linear_beta)
-        y_sorted = F.grouped_mm(hidden, w2.transpose(1, 2), offs=ends).to(acc)
-        y_sorted = y_sorted * weights.reshape(-1)[order].to(acc).unsqueeze(-1)
-        return x.new_zeros(num_tokens, x.shape[1], dtype=acc).index_add(0, token_of_slot, y_sorted)
-
+        return F.grouped_mm(glu(gate, up, act, situ_beta, situ_linear_beta), w2.transpose(1, 2), offs=ends)
     # One host sync for the slice boundaries; tokens per expert are data dependent anyway.
-    counts = torch.bincount(flat_experts, minlength=w1.shape[0]).tolist()
     outputs = []
     start = 0
-    for expert, count in enumerate(counts):
+    for expert, count in enumerate(counts.tolist()):
         if count == 0:
             continue
         xe = x_sorted[start:start + count]
         hidden = glu(xe @ w1[expert].T, xe @ w3[expert].T, act, situ_beta, situ_linear_beta)
         outputs.append(hidden @ w2[expert].T)
         start += count
-
-    out = x.new_zeros(num_tokens, x.shape[1], dtype=acc)
-    if not outputs:
-        return out
-    y_sorted = torch.cat(outputs).to(acc) * weights.reshape(-1)[order].to(acc).unsqueeze(-1)
-    return out.index_add(0, token_of_slot, y_sorted)
+    return torch.cat(outputs)
 
 
 def experts_forward_reference(
