@@ -83,7 +83,7 @@ def test_table_shows_the_figures_of_the_results_files():
         f"{offline['tokens_per_s']['deltamoe engine']:,.0f} tok/s",
         f"**{offline['speedup_vs_best_transformers']:.1f}x**",
         f"{cache['variants']['Kimi K3 (69 KDA + 24 MLA)']['bytes_per_token']:,} B",
-        f"{dsa['results'][-1]['dense_mla_ms']:,.0f} ms",
+        f"{dsa['results'][-1]['dense_mla_ms']:,.1f} ms",
         "12 of 13 rows",
     ]
     for figure in expected:
