@@ -1,7 +1,7 @@
 """A real 4-rank gloo job under torch.profiler: 2 pipelines of 2 stages plus data parallelism.
 
 Ranks 0->1 and 2->3 form pipelines (send/recv of activations and gradients); ranks {0, 2} and
-{1, 3} all-reduce gradients. Rank 3 sleeps before each microbatch: a slow host that the
+{1, 3} all-reduce gradients. Rank 3 sleeps in each microbatch's compute: a slow host that the
 others wait for. Usage: python gloo_job.py OUTDIR
 """
 
@@ -26,6 +26,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def slow_host(rank: int) -> None:
+    """The slow rank's extra compute time, spent after its inputs arrived: gloo's sends block until
+    the receiver posts its recv, and a rank held in a send is not modelled as waiting (see
+    docs/traces.md), so sleeping before the recv would make its pipeline peer look late too."""
+    if rank == SLOW_RANK:
+        time.sleep(SLEEP_S)
+
+
 def _work(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -41,9 +49,8 @@ def _work(rank: int, world: int, port: int, out: str) -> None:
         for _ in range(STEPS):
             grads = torch.zeros(128, 128)
             for _mb in range(MICROBATCHES):
-                if rank == SLOW_RANK:
-                    time.sleep(SLEEP_S)
                 if stage == 0:
+                    slow_host(rank)
                     act = x @ w
                     dist.send(act, dst=peer)
                     g = torch.empty(128, 128)
@@ -52,6 +59,7 @@ def _work(rank: int, world: int, port: int, out: str) -> None:
                 else:
                     act = torch.empty(128, 128)
                     dist.recv(act, src=peer)
+                    slow_host(rank)
                     y = act @ w
                     dist.send(y, dst=peer)
                     grads += y
