@@ -57,7 +57,12 @@ def causal_topk(
     tie = ranked == threshold
     room = top - above.sum(dim=-1, keepdim=True)
     keep = above | (tie & (tie.cumsum(dim=-1) <= room))
-    slots = keep.nonzero()[:, -1].view(batch, time, top)  # ascending slot order
+    # Scatter each kept slot to its rank among the kept ones (ascending slot order); dropped slots
+    # go to a spill column. Shapes never depend on the data, so meta-device tracing (pipeline
+    # stages infer their output shapes that way) sees the real [B,T,top].
+    rank = torch.where(keep, keep.cumsum(dim=-1) - 1, top)
+    arange = torch.arange(ranked.shape[-1], device=scores.device).expand_as(ranked)
+    slots = ranked.new_zeros((batch, time, top + 1), dtype=torch.long).scatter_(-1, rank, arange)[..., :top]
     order = torch.sort(ranked.gather(-1, slots), dim=-1, descending=True, stable=True).indices
     valid = torch.arange(top, device=scores.device) < visible.sum(dim=-1, keepdim=True)
     return slots.gather(-1, order).masked_fill(~valid, 0), valid

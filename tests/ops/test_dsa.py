@@ -90,6 +90,16 @@ def test_causal_topk_equals_the_full_sort_reference(seed: int) -> None:
     assert empty[0].shape == (b, t, 0)
 
 
+
+def test_causal_topk_shapes_do_not_depend_on_data() -> None:
+    """Pipeline stages infer output shapes with meta tensors; the selection must not use
+    data-dependent shapes (nonzero), or the stage sees [B,T,0] and the whole job fails."""
+    scores = torch.empty(2, 12, 40, device="meta")
+    q_positions = torch.empty(2, 12, dtype=torch.long, device="meta")
+    kv_lengths = torch.empty(2, dtype=torch.long, device="meta")
+    indices, valid = causal_topk(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=5)
+    assert indices.shape == (2, 12, 5) and valid.shape == (2, 12, 5)
+
 def test_topk_mask_ignores_invalid_entries() -> None:
     indices = torch.tensor([[[3, 0, 0], [0, 2, 1]]])
     valid = torch.tensor([[[True, True, False], [True, False, False]]])
