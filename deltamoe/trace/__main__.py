@@ -6,24 +6,28 @@ It also skips Typer's argument parsing: Typer builds a pydantic adapter per para
 parse time (~0.1-0.2 s, more than analysing a few hundred ranks takes), so the same
 command functions of cli.py are wrapped here as plain click commands, read from their
 signatures. Errors print as one line and exit with code 2, as `deltamoe` does.
+
+`analyze` itself (the command benchmarks time) goes further: its options are parsed by
+argparse (command.parser(), the same options) and click, Typer and inspect are never
+imported, ~40 ms of start-up. Help and every other command take the click path.
 """
 
 from __future__ import annotations
 
-import inspect
 import sys
-import typing
 from collections.abc import Callable
 
-import click
-from typer.models import ArgumentInfo, OptionInfo
-
 from deltamoe.errors import DeltaMoEError
-from deltamoe.trace import cli
 
 
-def click_command(fn: Callable) -> click.Command:
+def click_command(fn: Callable):
     """A click command with the arguments and options declared in a Typer command's signature."""
+    import inspect
+    import typing
+
+    import click
+    from typer.models import ArgumentInfo, OptionInfo
+
     hints = typing.get_type_hints(fn)
     params: list[click.Parameter] = []
     for name, p in inspect.signature(fn).parameters.items():
@@ -45,13 +49,39 @@ def click_command(fn: Callable) -> click.Command:
     return click.Command(fn.__name__, params=params, callback=fn, help=inspect.getdoc(fn))
 
 
-app = click.Group("python -m deltamoe.trace", help=cli.app.info.help,
-                  commands=[click_command(cli.analyze), click_command(cli.synth)])
+def click_app():
+    import click
+
+    from deltamoe.trace import cli
+
+    return click.Group("python -m deltamoe.trace", help=cli.app.info.help,
+                       commands=[click_command(cli.analyze), click_command(cli.synth)])
+
+
+def _fast_analyze(argv: list[str]) -> int:
+    """`analyze ARGS` without click: argparse errors exit 2 after their usage line."""
+    from deltamoe.trace.command import parser, run_analyze
+
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        run_analyze(**vars(args))
+    except DeltaMoEError as e:
+        print(f"error: {e.one_line()}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["analyze"] and not {"-h", "--help"} & set(argv):
+        return _fast_analyze(argv[1:])
+    import click
+
     try:
-        app.main(args=argv, standalone_mode=False, prog_name="python -m deltamoe.trace")
+        click_app().main(args=argv, standalone_mode=False, prog_name="python -m deltamoe.trace")
     except DeltaMoEError as e:
         print(f"error: {e.one_line()}", file=sys.stderr)
         return 2

@@ -3,44 +3,17 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import typer
 
 from deltamoe.errors import TraceError
+from deltamoe.trace.command import parse_steps, run_analyze
+from deltamoe.trace.command import progress as _progress
 
-if TYPE_CHECKING:  # rich loads only when something is shown (~40 ms of start-up otherwise)
-    from rich.console import Console
-    from rich.progress import Progress
+__all__ = ["app", "analyze", "synth", "parse_steps"]
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Analyse per-rank PyTorch profiler traces, or synthesise some with known ground truth.")
-
-
-def parse_steps(text: str | None) -> tuple[int | None, int | None]:
-    """'A:B' keeps ProfilerStep numbers A <= n < B; 'A:' / ':B' are open; 'A' is one step."""
-    if not text:
-        return None, None
-    try:
-        if ":" not in text:
-            a = int(text)
-            return a, a + 1
-        lo, hi = text.split(":", 1)
-        a, b = (int(lo) if lo.strip() else None), (int(hi) if hi.strip() else None)
-    except ValueError:
-        raise TraceError(f"cannot parse {text!r}", field="--steps", hint="use A:B, e.g. 2:5") from None
-    if a is not None and b is not None and b <= a:
-        raise TraceError(f"empty range {text!r}", field="--steps", hint="B must be greater than A")
-    return a, b
-
-
-def _progress(console: Console) -> Progress:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    # No refresh thread: the reader forks worker processes, which must not inherit a busy lock.
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=console, auto_refresh=False, transient=True)
 
 
 @app.command()
@@ -55,43 +28,7 @@ def analyze(
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar or summary"),
 ) -> None:
     """Find stragglers, pipeline bubbles, overlap and imbalance in a folder of per-rank traces."""
-    from deltamoe.trace.analyze import analyze as run
-    from deltamoe.trace.classify import Patterns
-    from deltamoe.trace.reader import ReadConfig
-    from deltamoe.trace.report import write_html, write_json
-
-    if workers < 0:
-        raise TraceError("must be >= 0", field="--workers")
-    if not Path(folder).is_dir():
-        raise TraceError(f"not a directory: {folder}", field="DIR",
-                         hint="pass the folder that holds one trace file per rank")
-    cfg = ReadConfig(patterns=Patterns().with_extra(comm_pattern), steps=parse_steps(steps))
-    if quiet:
-        result = run(folder, cfg, workers)
-    else:
-        from rich.console import Console
-
-        with _progress(Console(stderr=True)) as bar:
-            task = bar.add_task("reading traces", total=None)
-
-            def start(n: int) -> None:
-                bar.update(task, total=n)
-                bar.refresh()
-
-            def done(_path: str) -> None:
-                bar.advance(task)
-                bar.refresh()
-            result = run(folder, cfg, workers, on_file=done, on_start=start)
-    if json_out:
-        write_json(result.report, json_out)
-    if html_out:
-        write_html(result.report, result.summaries, html_out)
-    if not quiet:
-        from rich.console import Console
-
-        from deltamoe.trace.terminal import print_summary
-
-        print_summary(result.report, Console())
+    run_analyze(folder, json_out, html_out, workers, steps, comm_pattern, quiet)
 
 
 def _imbalance(spec: str | None) -> tuple[tuple[int, float], ...]:

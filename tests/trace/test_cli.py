@@ -76,3 +76,45 @@ def test_module_entry_point_takes_the_same_options(tmp_path, capsys):
     assert ra == rb and [s["step"] for s in ra["step_times"]["steps"]] == [1, 2]
     assert trace_main(["analyze", str(job), "--workers", "x"]) == 2
     assert "--workers" in capsys.readouterr().err
+
+
+def test_fast_analyze_parser_declares_the_typer_options():
+    """`python -m deltamoe.trace analyze` parses with argparse: same names, flags, defaults, help."""
+    import inspect
+
+    from typer.models import ArgumentInfo
+
+    from deltamoe.trace import cli
+    from deltamoe.trace.command import ANALYZE_HELP, parser
+
+    p = parser()
+    actions = {a.dest: a for a in p._actions if a.dest != "help"}
+    params = inspect.signature(cli.analyze).parameters
+    assert list(actions) == list(params)
+    for name, par in params.items():
+        info, a = par.default, actions[name]
+        assert a.help == info.help
+        if isinstance(info, ArgumentInfo):
+            assert not a.option_strings and a.metavar == info.metavar and info.default is ...
+        else:
+            assert a.option_strings == list(info.param_decls) and a.metavar == info.metavar
+            assert a.default == info.default
+    assert p.description == ANALYZE_HELP == inspect.getdoc(cli.analyze)
+    ns = p.parse_args(["d", "--comm-pattern", "a", "--comm-pattern", "b", "--quiet", "--workers", "3"])
+    assert ns.comm_pattern == ["a", "b"] and ns.quiet and ns.workers == 3 and ns.json_out is None
+
+
+def test_module_analyze_skips_click(tmp_path):
+    """The benchmarked entry point must not pay for click / Typer at start-up."""
+    import subprocess
+    import sys
+
+    job = tmp_path / "job"
+    from deltamoe.trace.__main__ import main as trace_main
+
+    assert trace_main(["synth", str(job), "--ranks", "2", "--steps", "2", "--compact", "--workers", "1"]) == 0
+    code = ("import sys; from deltamoe.trace.__main__ import main; "
+            f"rc = main(['analyze', {str(job)!r}, '--quiet', '--workers', '1']); "
+            "print(rc, sorted(m for m in ('click', 'typer', 'rich') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split("\n")[0] == "0 []"
