@@ -139,3 +139,39 @@ def test_collective_kind_names():
              "ncclDevKernel_SendRecv(x)": "send_recv", "reduce_scatter_tensor": "reduce_scatter",
              "_allgather_base": "all_gather", "gloo:all_reduce": "all_reduce", "coalesced": "coalesced"}
     assert {k: collective_kind(k) for k in cases} == cases
+
+
+def test_forked_reader_reports_files_of_a_dead_child(dp_job, monkeypatch):
+    """A reader process that dies costs the files it had claimed, as errors; nothing hangs."""
+    import os
+
+    from deltamoe.trace import reader
+
+    paths = find_traces(dp_job[0])
+    victim = paths[3]
+    real = reader.read_one
+
+    def dying(path, cfg, size=None):
+        if path == victim:
+            os._exit(3)
+        return real(path, cfg, size)
+    monkeypatch.setattr(reader, "read_one", dying)
+    results = list(reader.read_all(paths, ReadConfig(), workers=2))
+    assert sorted(r.path for r in results) == sorted(paths)
+    died = {r.path for r in results if isinstance(r, RankError)}
+    assert victim in died and all("died" in r.message for r in results if isinstance(r, RankError))
+    assert len(died) < len(paths)
+
+
+def test_forked_reader_equals_in_process_reading(dp_job):
+    from deltamoe.trace import reader
+
+    paths = find_traces(dp_job[0])
+    one = {r.path: r for r in reader.read_all(paths, ReadConfig(), workers=1)}
+    two = {r.path: r for r in reader.read_all(paths, ReadConfig(), workers=3)}
+    assert one.keys() == two.keys() == set(paths)
+    for p in paths:
+        a, b = one[p], two[p]
+        assert a.rank == b.rank and a.events == b.events
+        np.testing.assert_array_equal(a.step_time, b.step_time)
+        np.testing.assert_array_equal(a.coll.arrive, b.coll.arrive)
