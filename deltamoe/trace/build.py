@@ -34,6 +34,12 @@ def rank_info(header: dict, path: str) -> tuple[int, int, str, dict[str, tuple[i
 def _compact_ranks(ranks: list) -> tuple[int, ...] | range:
     """Strided rank lists (world, DP, TP groups) as a `range`: every file lists the world
     group, and 10,000 files x 10,000 ranks must not travel back to the parent as tuples."""
+    if isinstance(ranks, list) and set(map(type, ranks)) == {int}:  # the usual case, without numpy
+        if len(ranks) >= 2:
+            step = ranks[1] - ranks[0]
+            if step > 0 and ranks == list(range(ranks[0], ranks[-1] + 1, step)):
+                return range(ranks[0], ranks[-1] + 1, step)
+        return tuple(ranks)
     a = np.asarray(ranks, dtype=np.int64)
     if len(a) >= 2:
         d = np.diff(a)

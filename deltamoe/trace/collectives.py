@@ -28,15 +28,15 @@ def gpu_collectives(t: EventTables, rows: np.ndarray, ext: np.ndarray, name_id: 
     # What names the op: its `Collective name`, else the kernel name.
     label = [c or names.get(nid, "") for c, nid in zip(_strs([a.collective for a in args]), name_id.tolist())]
     kind_of = {x: collective_kind(x) for x in set(label)}
-    kind = _text([kind_of[x] for x in label])
+    kinds = [kind_of[x] for x in label]
+    # Payload: elements received for a recv, sent otherwise; the peer of a send / recv.
+    elems = _ints([a.out_nelems if k == "recv" else a.in_nelems for a, k in zip(args, kinds)], 0)
+    peer = _ints([a.dst if k == "send" else a.src if k == "recv" else -1 for a, k in zip(args, kinds)], -1)
     dtypes = [d or "float" for d in _strs([a.dtype for a in args])]
     size_of = {d: dtype_bytes(d) for d in set(dtypes)}
-    elems = np.where(kind == "recv", _ints([a.out_nelems for a in args], 0), _ints([a.in_nelems for a in args], 0))
-    peer = np.where(kind == "send", _ints([a.dst for a in args], -1),
-                    np.where(kind == "recv", _ints([a.src for a in args], -1), -1))
+    width = np.array([size_of[d] for d in dtypes], dtype=np.int64)
     return finish(pg=_text(_strs([a.pg_name for a in args])), seq=_ints([a.seq for a in args], -1),
-                  kind=kind, nbytes=elems * np.array([size_of[d] for d in dtypes], dtype=np.int64),
-                  arrive=start, end=end, peer=peer, windows=windows)
+                  kind=_text(kinds), nbytes=elems * width, arrive=start, end=end, peer=peer, windows=windows)
 
 
 def cpu_collectives(t: EventTables, main: int, windows: np.ndarray) -> Collectives:
@@ -87,21 +87,15 @@ def finish(pg: np.ndarray, seq: np.ndarray, kind: np.ndarray, nbytes: np.ndarray
     if len(unnumbered):
         # P2P and collectives are numbered separately (as NCCL does), per group (per kind
         # when the group is unknown); the n-th unnumbered op of a group gets n.
-        p2p = np.isin(kind[unnumbered], list(P2P_KINDS))
-        group = np.char.add(np.where(pg[unnumbered] != "", pg[unnumbered], kind[unnumbered]),
-                            np.where(p2p, "\x01", "\x00"))
-        seq[unnumbered] = _ordinal_within(group)
+        count: dict[tuple[str, bool], int] = {}
+        ordinal = []
+        for g, k in zip(pg[unnumbered].tolist(), kind[unnumbered].tolist()):
+            key = (g or k, k in P2P_KINDS)
+            n = count.get(key, 0)
+            count[key] = n + 1
+            ordinal.append(n)
+        seq[unnumbered] = ordinal
     return Collectives(pg=pg, seq=seq, kind=kind, nbytes=nbytes, arrive=arrive, end=end, peer=peer, step=step)
-
-
-def _ordinal_within(group: np.ndarray) -> np.ndarray:
-    """0, 1, 2, ... along the array, counted separately for each distinct group value."""
-    _, gid = np.unique(group, return_inverse=True)
-    by_group = np.argsort(gid, kind="stable")
-    first = np.searchsorted(gid[by_group], gid[by_group])  # start of each row's group run
-    out = np.empty(len(group), dtype=np.int64)
-    out[by_group] = np.arange(len(group)) - first
-    return out
 
 
 def _ints(values: list, default: int) -> np.ndarray:

@@ -23,6 +23,7 @@ COMPUTE, COMM, MEMORY = 0, 1, 2
 _RUNTIME_CATS = frozenset({"cuda_runtime", "musa_runtime", "privateuse1_runtime", "hip_runtime",
                            "xpu_runtime", "cuda_driver", "musa_driver"})
 _MEMORY_CATS = frozenset({"gpu_memcpy", "gpu_memset"})
+_PLAIN, _STEP, _PARAM_COMMS, _COLLECTIVE = 0, 1, 2, 3  # what add() does with a CPU op / annotation name
 
 
 @dataclass
@@ -46,7 +47,10 @@ class EventTables:
         gpu_prefixes = patterns.gpu_collective_prefixes
         kernels, runtimes, cpu_ops = self.kernels.append, self.runtimes.append, self.cpu_ops.append
         names, kernel_coll, param_comms = self.names, self.kernel_coll, self.param_comms
-        cls_of: dict[str, int] = {}
+        # Names repeat thousands of times: each is classified once, then looked up.
+        kernel_of: dict[str, tuple[int, int]] = {}  # kernel name -> (class, name id)
+        cpu_kind: dict[str, int] = {}  # cpu_op name -> _PLAIN / _STEP / _PARAM_COMMS / _COLLECTIVE
+        ann_kind: dict[str, int] = {}  # user_annotation name -> _PLAIN (ignored) / _STEP / _COLLECTIVE
         self.events += len(events)
         for e in events:
             if e.__class__ is not Event:  # flows, metadata, instants, counters
@@ -54,13 +58,13 @@ class EventTables:
             cat = e.cat
             if cat == "kernel":
                 name = e.name
-                cls = cls_of.get(name)
-                if cls is None:
-                    cls = COMM if comm_re.search(name) else COMPUTE
-                    cls_of[name] = cls
-                nid = names.get(name)
-                if nid is None:
-                    nid = names[name] = len(names)
+                info = kernel_of.get(name)
+                if info is None:
+                    nid = names.get(name)
+                    if nid is None:
+                        nid = names[name] = len(names)
+                    info = kernel_of[name] = (COMM if comm_re.search(name) else COMPUTE, nid)
+                cls, nid = info
                 a = e.args or _NO_ARGS
                 if cls == COMM and a.collective is not None:
                     kernel_coll[len(self.kernels)] = a
@@ -69,14 +73,22 @@ class EventTables:
                          -1 if a.external_id is None else a.external_id, nid))
             elif cat == "cpu_op":
                 name = e.name
-                if name.startswith("ProfilerStep"):  # older exports record steps as cpu_op
+                kind = cpu_kind.get(name)
+                if kind is None:
+                    kind = cpu_kind[name] = (
+                        _STEP if name.startswith("ProfilerStep")  # older exports record steps as cpu_op
+                        else _PARAM_COMMS if name == "record_param_comms"
+                        else _COLLECTIVE if name.startswith(cpu_prefixes) else _PLAIN)
+                if kind == _STEP:
                     self._step(name, e.ts, e.dur, e.tid)
                     continue
                 cpu_ops((e.ts, e.dur, e.tid))
-                if name == "record_param_comms":
+                if kind == _PLAIN:
+                    continue
+                if kind == _PARAM_COMMS:
                     a = e.args or _NO_ARGS
                     param_comms[a.external_id] = a
-                elif name.startswith(cpu_prefixes):
+                else:
                     ci = (e.args or _NO_ARGS).concrete_inputs
                     self.cpu_coll_ops.append((name, e.ts, e.dur, e.tid, ci))
             elif cat in _RUNTIME_CATS:
@@ -89,9 +101,15 @@ class EventTables:
                          -1 if a.correlation is None else a.correlation, -1, -1))
             elif cat == "user_annotation":  # GPU mirrors of annotations would double count
                 name = e.name
-                if name.startswith("ProfilerStep"):
+                kind = ann_kind.get(name)
+                if kind is None:
+                    kind = ann_kind[name] = (
+                        _STEP if name.startswith("ProfilerStep")
+                        else _COLLECTIVE if name.startswith(cpu_prefixes) or name.startswith(gpu_prefixes)
+                        else _PLAIN)
+                if kind == _STEP:
                     self._step(name, e.ts, e.dur, e.tid)
-                elif name.startswith(cpu_prefixes) or name.startswith(gpu_prefixes):
+                elif kind == _COLLECTIVE:
                     self.annotations.append((name, e.ts, e.dur, e.tid))
 
     def _step(self, name: str, ts: float, dur: float, tid: object) -> None:

@@ -1,0 +1,248 @@
+"""Fast paths against their readable references, on fresh random inputs.
+
+Each reference below is the straightforward version a fast path replaced (kept here, not in
+the package); both must give identical results on random inputs, including odd values.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from deltamoe.trace import collectives as C
+from deltamoe.trace.build import _compact_ranks
+from deltamoe.trace.classify import P2P_KINDS, STEP, Patterns, collective_kind, dtype_bytes
+from deltamoe.trace.schema import NO_ARGS, Args, Event
+from deltamoe.trace.summary import Collectives
+from deltamoe.trace.tables import _MEMORY_CATS, _RUNTIME_CATS, COMM, COMPUTE, MEMORY, EventTables
+
+
+# ---- references -------------------------------------------------------------------------
+
+def ref_compact_ranks(ranks):
+    a = np.asarray(ranks, dtype=np.int64)
+    if len(a) >= 2:
+        d = np.diff(a)
+        if d[0] > 0 and (d == d[0]).all():
+            return range(int(a[0]), int(a[-1]) + 1, int(d[0]))
+    return tuple(a.tolist())
+
+
+class RefTables(EventTables):
+    def _ref_step(self, name, ts, dur, tid):
+        m = STEP.search(name)
+        if m:
+            self.steps.append((int(m.group(1)), ts, dur, tid))
+
+    def add(self, events, patterns):
+        comm_re = patterns.comm_regex()
+        cpu_prefixes = patterns.cpu_collective_prefixes
+        gpu_prefixes = patterns.gpu_collective_prefixes
+        kernels, runtimes, cpu_ops = self.kernels.append, self.runtimes.append, self.cpu_ops.append
+        names, kernel_coll, param_comms = self.names, self.kernel_coll, self.param_comms
+        cls_of: dict[str, int] = {}
+        self.events += len(events)
+        for e in events:
+            if e.__class__ is not Event:  # flows, metadata, instants, counters
+                continue
+            cat = e.cat
+            if cat == "kernel":
+                name = e.name
+                cls = cls_of.get(name)
+                if cls is None:
+                    cls = COMM if comm_re.search(name) else COMPUTE
+                    cls_of[name] = cls
+                nid = names.get(name)
+                if nid is None:
+                    nid = names[name] = len(names)
+                a = e.args or NO_ARGS
+                if cls == COMM and a.collective is not None:
+                    kernel_coll[len(self.kernels)] = a
+                kernels((e.ts, e.dur, cls, e.tid if a.stream is None else a.stream,
+                         -1 if a.correlation is None else a.correlation,
+                         -1 if a.external_id is None else a.external_id, nid))
+            elif cat == "cpu_op":
+                name = e.name
+                if name.startswith("ProfilerStep"):  # older exports record steps as cpu_op
+                    self._ref_step(name, e.ts, e.dur, e.tid)
+                    continue
+                cpu_ops((e.ts, e.dur, e.tid))
+                if name == "record_param_comms":
+                    a = e.args or NO_ARGS
+                    param_comms[a.external_id] = a
+                elif name.startswith(cpu_prefixes):
+                    ci = (e.args or NO_ARGS).concrete_inputs
+                    self.cpu_coll_ops.append((name, e.ts, e.dur, e.tid, ci))
+            elif cat in _RUNTIME_CATS:
+                corr = (e.args or NO_ARGS).correlation
+                if corr is not None:
+                    runtimes((corr, e.ts))
+            elif cat in _MEMORY_CATS:
+                a = e.args or NO_ARGS
+                kernels((e.ts, e.dur, MEMORY, e.tid if a.stream is None else a.stream,
+                         -1 if a.correlation is None else a.correlation, -1, -1))
+            elif cat == "user_annotation":  # GPU mirrors of annotations would double count
+                name = e.name
+                if name.startswith("ProfilerStep"):
+                    self._ref_step(name, e.ts, e.dur, e.tid)
+                elif name.startswith(cpu_prefixes) or name.startswith(gpu_prefixes):
+                    self.annotations.append((name, e.ts, e.dur, e.tid))
+
+
+
+def ref_gpu_collectives(t: EventTables, rows: np.ndarray, ext: np.ndarray, name_id: np.ndarray,
+                    start: np.ndarray, end: np.ndarray, windows: np.ndarray) -> Collectives:
+    """`rows`: indices of the communication kernels in `t.kernels`; the other arrays are theirs."""
+    kc, pc = t.kernel_coll, t.param_comms
+    args = [kc.get(i) or pc.get(x) or NO_ARGS for i, x in zip(rows.tolist(), ext.tolist())]
+    names = {v: k for k, v in t.names.items()}
+    # What names the op: its `Collective name`, else the kernel name.
+    label = [c or names.get(nid, "") for c, nid in zip(C._strs([a.collective for a in args]), name_id.tolist())]
+    kind_of = {x: collective_kind(x) for x in set(label)}
+    kind = C._text([kind_of[x] for x in label])
+    dtypes = [d or "float" for d in C._strs([a.dtype for a in args])]
+    size_of = {d: dtype_bytes(d) for d in set(dtypes)}
+    elems = np.where(kind == "recv", C._ints([a.out_nelems for a in args], 0), C._ints([a.in_nelems for a in args], 0))
+    peer = np.where(kind == "send", C._ints([a.dst for a in args], -1),
+                    np.where(kind == "recv", C._ints([a.src for a in args], -1), -1))
+    return ref_finish(pg=C._text(C._strs([a.pg_name for a in args])), seq=C._ints([a.seq for a in args], -1),
+                  kind=kind, nbytes=elems * np.array([size_of[d] for d in dtypes], dtype=np.int64),
+                  arrive=start, end=end, peer=peer, windows=windows)
+
+
+def ref_finish(pg: np.ndarray, seq: np.ndarray, kind: np.ndarray, nbytes: np.ndarray, arrive: np.ndarray,
+           end: np.ndarray, peer: np.ndarray, windows: np.ndarray) -> Collectives:
+    """Sort by arrival, number collectives per group when the trace has no `Seq`, map to steps."""
+    order = np.argsort(arrive, kind="stable")
+    pg, seq, kind, nbytes = pg[order], seq[order].copy(), kind[order], nbytes[order]
+    arrive, end, peer = arrive[order], end[order], peer[order]
+    step = np.full(len(arrive), -1, dtype=np.int64)
+    if len(windows) and len(arrive):
+        k = np.searchsorted(windows[:, 0], arrive, side="right") - 1
+        kk = np.maximum(k, 0)
+        inside = (k >= 0) & ((arrive < windows[kk, 1]) | ((kk == len(windows) - 1) & (arrive <= windows[kk, 1])))
+        step = np.where(inside, k, -1)
+    unnumbered = np.flatnonzero(seq < 0)
+    if len(unnumbered):
+        # P2P and collectives are numbered separately (as NCCL does), per group (per kind
+        # when the group is unknown); the n-th unnumbered op of a group gets n.
+        p2p = np.isin(kind[unnumbered], list(P2P_KINDS))
+        group = np.char.add(np.where(pg[unnumbered] != "", pg[unnumbered], kind[unnumbered]),
+                            np.where(p2p, "\x01", "\x00"))
+        seq[unnumbered] = ref_ordinal_within(group)
+    return Collectives(pg=pg, seq=seq, kind=kind, nbytes=nbytes, arrive=arrive, end=end, peer=peer, step=step)
+
+
+def ref_ordinal_within(group: np.ndarray) -> np.ndarray:
+    """0, 1, 2, ... along the array, counted separately for each distinct group value."""
+    _, gid = np.unique(group, return_inverse=True)
+    by_group = np.argsort(gid, kind="stable")
+    first = np.searchsorted(gid[by_group], gid[by_group])  # start of each row's group run
+    out = np.empty(len(group), dtype=np.int64)
+    out[by_group] = np.arange(len(group)) - first
+    return out
+
+
+# ---- random inputs ----------------------------------------------------------------------
+
+_VALUES = [None, None, 0, 1, 3, 17, -1, 4096, "12", "x", "", 2.0, 3.7, float("nan"), True, [1, 2]]
+_NAMES = ["ncclKernel_AllReduce_RING", "ncclDevKernel_SendRecv", "rcclKernel_x", "sm90_gemm", "elementwise",
+          "nccl:all_reduce", "nccl:send 3->4", "gloo:recv 2<-1", "c10d::allreduce_", "c10d::send",
+          "ProfilerStep#3", "ProfilerStep#12", "ProfilerStep", "record_param_comms", "aten::mm", "Memcpy HtoD"]
+_CATS = ["kernel", "kernel", "cpu_op", "cpu_op", "cuda_runtime", "hip_runtime", "cuda_driver", "gpu_memcpy",
+         "gpu_memset", "user_annotation", "python_function", None, 3]
+_KINDS = ["all_reduce", "send", "recv", "all_to_all", "other"]
+
+
+def _args(rng: random.Random) -> Args | None:
+    if rng.random() < 0.1:
+        return None
+    v = lambda: rng.choice(_VALUES)  # noqa: E731
+    return Args(external_id=rng.choice([None, rng.randrange(20)]), correlation=rng.choice([None, rng.randrange(50)]),
+                stream=rng.choice([None, 7, 20]), collective=rng.choice([None, "", "allreduce", "send", "recv",
+                                                                         "all_to_all", 5]),
+                pg_name=rng.choice([None, "", "0", "ep_1", 3]), seq=v(), in_nelems=v(), out_nelems=v(),
+                dtype=rng.choice([None, "", "BFloat16", "float", "Half", "weird", 4]), src=v(), dst=v(),
+                concrete_inputs=rng.choice([None, ["", "", 3], "x"]))
+
+
+def _events(rng: random.Random, n: int, tids: tuple = (1, 2, "t")) -> list:
+    from deltamoe.trace.schema import _OTHER_PHASES
+
+    out = []
+    for _ in range(n):
+        if rng.random() < 0.15:
+            out.append(rng.choice(_OTHER_PHASES)())
+            continue
+        out.append(Event(cat=rng.choice(_CATS), name=rng.choice(_NAMES), tid=rng.choice(tids),
+                         ts=rng.uniform(0, 1e4), dur=rng.uniform(0, 50), args=_args(rng)))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_event_tables_add_matches_reference(seed):
+    rng = random.Random(seed)
+    patterns = Patterns().with_extra(["^rccl"] if seed % 2 else [])
+    chunks = [_events(rng, rng.randrange(0, 300)) for _ in range(rng.randrange(1, 4))]
+    new, ref = EventTables(), RefTables()
+    for ev in chunks:  # several chunks into one table, as slices of a file are
+        new.add(ev, patterns)
+        ref.add(ev, patterns)
+    for f in ("kernels", "kernel_coll", "runtimes", "param_comms", "annotations", "cpu_coll_ops", "cpu_ops",
+              "steps", "names", "events"):
+        assert getattr(new, f) == getattr(ref, f), f
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_gpu_collectives_match_reference(seed):
+    rng = random.Random(seed)
+    t = EventTables()
+    t.add(_events(rng, rng.randrange(1, 400), tids=(1, 2)), Patterns())  # numeric rows
+    t.freeze()
+    k = t.kernels
+    rows = np.flatnonzero(k[:, 2] == COMM)
+    ext, nid = k[rows, 5].astype(np.int64), k[rows, 6].astype(np.int64)
+    start, end = k[rows, 0], k[rows, 0] + k[rows, 1]
+    windows = np.sort(rng.sample(range(10_000), 2 * rng.randrange(0, 4))).astype(float).reshape(-1, 2)
+    try:
+        ref = ref_gpu_collectives(t, rows, ext, nid, start, end, windows)
+    except Exception as e:  # the reference's odd-value failures must stay failures
+        with pytest.raises(type(e)):
+            C.gpu_collectives(t, rows, ext, nid, start, end, windows)
+        return
+    _same(C.gpu_collectives(t, rows, ext, nid, start, end, windows), ref)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_finish_numbering_matches_reference(seed):
+    rng = random.Random(seed)
+    n = rng.randrange(0, 200)
+    cols = dict(pg=np.array([rng.choice(["", "0", "ep_1", "pp"]) for _ in range(n)], dtype=str),
+                seq=np.array([rng.choice([-1, -1, 0, 5, 9]) for _ in range(n)], dtype=np.int64),
+                kind=np.array([rng.choice(_KINDS) for _ in range(n)], dtype=str),
+                nbytes=np.arange(n, dtype=np.int64), arrive=np.array([rng.uniform(0, 100) for _ in range(n)]),
+                end=np.zeros(n), peer=np.full(n, -1, dtype=np.int64), windows=np.array([[0.0, 50.0], [50.0, 100.0]]))
+    _same(C.finish(**cols), ref_finish(**cols))
+
+
+def _same(a: Collectives, b: Collectives) -> None:
+    for f in ("pg", "seq", "kind", "nbytes", "arrive", "end", "peer", "step"):
+        x, y = getattr(a, f), getattr(b, f)
+        assert x.dtype == y.dtype and x.shape == y.shape, f
+        np.testing.assert_array_equal(x, y, err_msg=f)
+
+
+def test_compact_ranks_matches_reference():
+    rng = random.Random(0)
+    for _ in range(5000):
+        n = rng.choice([0, 1, 2, 3, 5, 8, 64])
+        start, step = rng.randrange(0, 10), rng.choice([-2, -1, 0, 1, 2, 3])
+        ranks = [start + step * j for j in range(n)]
+        if n and rng.random() < 0.4:
+            ranks[rng.randrange(n)] += rng.choice([0, 1, 5])
+        if rng.random() < 0.1:
+            ranks = [float(r) for r in ranks]
+        got, want = _compact_ranks(ranks), ref_compact_ranks(ranks)
+        assert got == want and type(got) is type(want), ranks
