@@ -30,9 +30,18 @@ def indexer_scores(q_index: torch.Tensor, k_index: torch.Tensor, weights: torch.
     batch, time, heads, dim = q_index.shape
     check_shape("k_index", k_index, "[B, S, Di]", (batch, None, dim))
     check_shape("weights", weights, "[B, T, Hi]", (batch, time, heads))
-    # [B,T,Hi,Di] @ [B,1,Di,S] -> per-head logits [B,T,Hi,S]; then [B,T,1,Hi] @ -> [B,T,1,S].
-    logits = torch.matmul(q_index.float(), k_index.float().transpose(1, 2)[:, None])
-    return torch.matmul(weights.float()[:, :, None, :], torch.relu(logits)).squeeze(2)
+    # Two batched matmuls with no broadcast (a broadcast matmul over T would first copy the keys):
+    # [B,T*Hi,Di] @ [B,Di,S] -> per-head logits [B,T*Hi,S]; then [B*T,1,Hi] @ [B*T,Hi,S].
+    queries = q_index.float().reshape(batch, time * heads, dim)
+    logits = torch.relu_(torch.bmm(queries, k_index.float().transpose(1, 2)))
+    scores = torch.bmm(weights.float().reshape(batch * time, 1, heads), logits.view(batch * time, heads, -1))
+    return scores.view(batch, time, -1)
+
+
+def indexer_scores_reference(q_index: torch.Tensor, k_index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Readable form of `indexer_scores`: the formula with one einsum per step."""
+    logits = torch.einsum("bthd,bsd->bths", q_index.float(), k_index.float())
+    return torch.einsum("bth,bths->bts", weights.float(), torch.relu(logits))
 
 
 def causal_topk(

@@ -261,10 +261,12 @@ def mla_attention_absorbed_sparse(
         raise ValueError(f"indices: valid entries must lie in [0, S) = [0, {num_keys})")
     # Invalid entries may hold anything (e.g. -1); point them at slot 0 so the gather is safe.
     slots = indices.long().masked_fill(~valid, 0).reshape(batch, time * top, 1)
-    # Gather the K selected rows first, then join latent and rope key: never copy the whole cache.
+    # Gather the K selected rows first (whole rows of the joined [latent | k_pe] cache layout, one
+    # index_select over the batch's flattened rows), never copying the whole cache.
     rank = latent.shape[-1]
-    gathered = torch.cat((latent.gather(1, slots.expand(-1, -1, rank)).float(),
-                          k_pe.gather(1, slots.expand(-1, -1, k_pe.shape[-1])).float()), dim=-1)
+    joined = _join_latent(latent, k_pe)
+    rows = slots.view(batch, time * top) + torch.arange(batch, device=slots.device)[:, None] * num_keys
+    gathered = joined.reshape(batch * num_keys, -1).index_select(0, rows.view(-1)).float()
     gathered = gathered.view(batch * time, 1, top, -1)
     # Each query becomes its own batch entry attending to its own K gathered slots.
     q = _absorb_query(q_nope, q_pe, w_uk).reshape(batch * time, heads, 1, -1)

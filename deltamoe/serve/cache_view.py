@@ -35,18 +35,29 @@ class PagedBatchView:
         width = max(len(b) for b in block_tables)
         table = torch.tensor([b + [0] * (width - len(b)) for b in block_tables], dtype=torch.long, device=device)
         total = max(p + n for p, n in zip(past_lengths, counts))
-        pos = torch.arange(total, device=device)
-        self._read = table[:, pos // bs] * bs + pos % bs  # [B, S]
-        new_pos = self.past_lengths[:, None] + torch.arange(t, device=device)  # [B, T]
+        self._table, self._total = table, total
+        new_pos = (self.past_lengths[:, None] + torch.arange(t, device=device)).clamp(max=total - 1)  # [B, T]
+        write = table.gather(1, new_pos // bs) * bs + new_pos % bs
         if ragged:  # only real tokens are stored; padding positions are dropped before the write
             self._real = (torch.arange(t, device=device) < self.new_lengths[:, None]).reshape(-1)
-            self._write = self._read.gather(1, new_pos.clamp(max=total - 1)).reshape(-1)[self._real]
+            self._write = write.reshape(-1)[self._real]
         else:
             self._real = None
-            self._write = self._read.gather(1, new_pos).reshape(-1)
+            self._write = write.reshape(-1)
         blocks = block_tables[0][: -(-total // bs)]
         consecutive = len(block_tables) == 1 and blocks == list(range(blocks[0], blocks[0] + len(blocks)))
         self._slice = slice(blocks[0] * bs, blocks[0] * bs + total) if consecutive else None
+        self._read_rows: torch.Tensor | None = None
+
+    @property
+    def _read(self) -> torch.Tensor:
+        """[B, S] flat page row of every position < S, built once per call and only when the pages
+        are not one consecutive slice (at long context the map itself costs several passes)."""
+        if self._read_rows is None:
+            bs = self._cache.block_size
+            pos = torch.arange(self._total, device=self._table.device)
+            self._read_rows = self._table[:, pos // bs] * bs + pos % bs
+        return self._read_rows
 
     def kda_state(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if self._fresh:  # the model's own zero-state path, exactly as a lone prefill takes it

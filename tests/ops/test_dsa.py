@@ -33,6 +33,17 @@ def test_indexer_scores_formula() -> None:
         indexer_scores(q, k, w[..., :3])
 
 
+
+@pytest.mark.parametrize("seed", range(4))
+def test_indexer_scores_equal_the_einsum_reference(seed: int) -> None:
+    """Key-major fast path vs the readable einsums, decode (T = 1) and prefill shapes."""
+    from deltamoe.ops.dsa import indexer_scores_reference
+
+    gen = torch.Generator().manual_seed(seed)
+    b, t, s, hi, di = [(2, 1, 300, 4, 16), (3, 7, 40, 8, 8), (1, 1, 1, 2, 4), (2, 5, 9, 3, 32)][seed]
+    q, k, w = torch.randn(b, t, hi, di, generator=gen), torch.randn(b, s, di, generator=gen), torch.randn(b, t, hi, generator=gen)
+    torch.testing.assert_close(indexer_scores(q, k, w), indexer_scores_reference(q, k, w), rtol=1e-5, atol=1e-5)
+
 def test_causal_topk_selects_best_visible_keys() -> None:
     gen = torch.Generator().manual_seed(1)
     scores = torch.randn(B, 6, 10, generator=gen)

@@ -120,7 +120,13 @@ def test_routing_picks_k_distinct_experts_and_weights_sum_to_scaling(case: Routi
     assert bool(((indices >= 0) & (indices < experts)).all())
     for row in indices.tolist():
         assert len(set(row)) == case.top_k
-    torch.testing.assert_close(weights.sum(-1), torch.full((tokens,), case.scaling), rtol=1e-5, atol=0)
+    # Renormalisation divides by (sum + 1e-20), as transformers does: a sum of the same order as
+    # that epsilon (every selected sigmoid saturated near 0) stays below the scaling factor.
+    from deltamoe.ops.moe import RENORM_EPS
+
+    selected = case.logits.float().sigmoid().gather(1, indices).sum(-1)
+    expected = case.scaling * selected / (selected + RENORM_EPS)
+    torch.testing.assert_close(weights.sum(-1), expected, rtol=1e-5, atol=0)
     assert bool((weights >= 0).all())
 
 
@@ -245,6 +251,30 @@ def test_experts_forward_grouped_matmul_path_equals_the_expert_loop(dtype: torch
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(grouped, ref, rtol=tol, atol=tol)
 
+
+
+def test_experts_forward_few_rows_take_the_loop_and_equal_the_reference() -> None:
+    """Small-batch decode on a CPU (fewer rows than experts) loops over the active experts only;
+    the result is the reference's, and the grouped path's to the last bits (one-row matmuls may
+    round differently from the grouped kernel's)."""
+    from deltamoe.ops import moe
+
+    x, weights, indices, w1, w3, w2 = random_experts(2, 8, 2, 16, 8, torch.float32, seed=3)
+    assert moe._few_rows_on_cpu(x.repeat_interleave(2, 0), w1)  # 4 (token, slot) rows, 8 experts
+    with torch.no_grad():
+        few = experts_forward(x, weights, indices, w1, w3, w2, act="situ")
+    ref = experts_forward_reference(x, weights, indices, w1, w3, w2, act="situ")
+    torch.testing.assert_close(few, ref, rtol=1e-5, atol=1e-5)
+    ends = torch.bincount(indices.reshape(-1), minlength=8).cumsum(0).to(torch.int32)
+    order = torch.argsort(indices.reshape(-1), stable=True)
+    x_sorted = x[order // 2]
+    gate = torch.nn.functional.grouped_mm(x_sorted, w1.transpose(1, 2), offs=ends)
+    up = torch.nn.functional.grouped_mm(x_sorted, w3.transpose(1, 2), offs=ends)
+    grouped = torch.nn.functional.grouped_mm(moe.glu(gate, up, "situ", 4.0, 25.0), w2.transpose(1, 2), offs=ends)
+    with torch.no_grad():
+        looped = moe._sorted_expert_outputs(x_sorted, ends.diff(prepend=ends.new_zeros(1)).long(), w1, w3, w2,
+                                            "situ", 4.0, 25.0)
+    torch.testing.assert_close(looped, grouped, rtol=1e-6, atol=1e-7)
 
 def test_experts_forward_no_tokens() -> None:
     x, weights, indices, w1, w3, w2 = random_experts(0, 4, 2, 8, 4, torch.float32, seed=0)
