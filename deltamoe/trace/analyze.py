@@ -7,13 +7,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from deltamoe.errors import TraceError
-from deltamoe.trace.analyses.alltoall import alltoall
-from deltamoe.trace.analyses.breakdown import breakdown, totals
-from deltamoe.trace.analyses.bubbles import bubbles
-from deltamoe.trace.analyses.overlap import overlap
-from deltamoe.trace.analyses.steps import step_times
-from deltamoe.trace.analyses.stragglers import stragglers
-from deltamoe.trace.join import join
 from deltamoe.trace.reader import ReadConfig, dedupe_ranks, find_traces, read_all
 from deltamoe.trace.summary import RankSummary
 
@@ -31,12 +24,21 @@ def analyze(folder: str, cfg: ReadConfig | None = None, workers: int = 0,
     if on_start:
         on_start(len(paths))
     t0 = time.perf_counter()
-    results = list(read_all(paths, cfg, workers, on_file))
+    # The analyses load while the reader processes work (this process would only wait).
+    results = list(read_all(paths, cfg, workers, on_file, meanwhile=_load_analyses))
     t_read = time.perf_counter() - t0
     summaries, errors = dedupe_ranks(results)
     if not summaries:
         first = errors[0].message if errors else "nothing readable"
         raise TraceError(f"no usable rank file in {folder} ({len(errors)} skipped; first: {first})", field="DIR")
+    from deltamoe.trace.analyses.alltoall import alltoall
+    from deltamoe.trace.analyses.breakdown import breakdown, totals
+    from deltamoe.trace.analyses.bubbles import bubbles
+    from deltamoe.trace.analyses.overlap import overlap
+    from deltamoe.trace.analyses.steps import step_times
+    from deltamoe.trace.analyses.stragglers import stragglers
+    from deltamoe.trace.join import join
+
     j = join(summaries)
     pipe = bubbles(j, summaries)
     stage_of = {int(k): v for k, v in pipe["stage_of_rank"].items()} if pipe else {}
@@ -64,3 +66,16 @@ def analyze(folder: str, cfg: ReadConfig | None = None, workers: int = 0,
         "step_times": step_times(summaries),
     }
     return Analysis(report, summaries)
+
+
+def _load_analyses() -> None:
+    import numpy.ma  # noqa: F401  np.unique (join, analyses) loads it on first use
+
+    import deltamoe.trace.analyses.alltoall
+    import deltamoe.trace.analyses.breakdown
+    import deltamoe.trace.analyses.bubbles
+    import deltamoe.trace.analyses.overlap
+    import deltamoe.trace.analyses.steps
+    import deltamoe.trace.analyses.stragglers
+    import deltamoe.trace.join
+    import deltamoe.trace.report  # noqa: F401

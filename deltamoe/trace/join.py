@@ -155,12 +155,13 @@ def _pair_p2p(c: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The k-th send from a to b meets the k-th recv at b from a."""
     sends: dict[tuple[int, int], list[int]] = {}
     recvs: dict[tuple[int, int], list[int]] = {}
-    for i in np.argsort(c["arrive"], kind="stable"):
-        peer = int(c["peer"][i])
+    order = np.argsort(c["arrive"], kind="stable")
+    # Plain Python values: this loop runs once per P2P op of the whole job.
+    for i, peer, r, kind in zip(order.tolist(), c["peer"][order].tolist(), c["rank"][order].tolist(),
+                                c["kind"][order].tolist()):
         if peer < 0:
             continue
-        r = int(c["rank"][i])
-        if c["kind"][i] == "send":
+        if kind == "send":
             sends.setdefault((r, peer), []).append(i)
         else:
             recvs.setdefault((peer, r), []).append(i)

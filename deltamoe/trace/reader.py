@@ -10,9 +10,7 @@ The parent therefore holds one summary per rank, never events.
 
 from __future__ import annotations
 
-import ctypes
 import gc
-import multiprocessing as mp
 import os
 import pickle
 from collections.abc import Callable, Iterator
@@ -128,13 +126,19 @@ def read_sliced(path: str, cfg: ReadConfig, pool=None) -> RankSummary | RankErro
 
 
 def read_all(paths: list[str], cfg: ReadConfig, workers: int = 0,
-             on_done: Callable[[str], None] | None = None) -> Iterator[RankSummary | RankError]:
-    """Yield one result per path (any order). `workers` <= 1 reads in this process."""
+             on_done: Callable[[str], None] | None = None,
+             meanwhile: Callable[[], None] | None = None) -> Iterator[RankSummary | RankError]:
+    """Yield one result per path (any order). `workers` <= 1 reads in this process.
+
+    `meanwhile` runs in this process once the reader processes are started (at once when
+    there are none): parent-only work, e.g. imports, that then overlaps with the reading."""
     workers = workers or min(os.cpu_count() or 1, len(paths))
     sizes = {p: _size(p) for p in paths}
     big = [p for p in paths if sizes[p] > cfg.slice_threshold]
     small = [p for p in paths if sizes[p] <= cfg.slice_threshold]
     if workers <= 1:
+        if meanwhile:
+            meanwhile()
         _keep_buffers_in_heap()
         for p in big:
             yield _done(read_sliced(p, cfg), p, on_done)
@@ -142,82 +146,120 @@ def read_all(paths: list[str], cfg: ReadConfig, workers: int = 0,
             yield _done(read_one(p, cfg, sizes[p]), p, on_done)
         return
     # fork: workers start in milliseconds; they are started before any progress thread.
-    import numpy.ma  # noqa: F401  np.unique loads it on first use: once here, not in every worker
     gc.freeze()  # the workers' collector then neither scans nor copies the inherited objects
     try:
         if big:
+            import multiprocessing as mp
+
+            import numpy.ma  # noqa: F401  np.unique loads it on first use: once here, not in every worker
             with mp.get_context("fork").Pool(workers, initializer=_keep_buffers_in_heap) as pool:
+                if meanwhile:
+                    meanwhile()
+                    meanwhile = None
                 for p in big:
                     yield _done(read_sliced(p, cfg, pool), p, on_done)
         if small:
-            for res in _forked(small, sizes, cfg, workers):
+            for res in _forked(small, sizes, cfg, workers, meanwhile):
                 yield _done(res, res.path, on_done)
+        elif meanwhile:
+            meanwhile()
     finally:
         gc.unfreeze()
 
 
-def _forked(paths: list[str], sizes: dict[str, int], cfg: ReadConfig, workers: int
-            ) -> Iterator[RankSummary | RankError]:
+_CLAIM = 4  # bytes per claim: the index of the first file of a run, little-endian
+_FRAME = 8  # bytes of the length before each pickled batch of results
+
+
+def _forked(paths: list[str], sizes: dict[str, int], cfg: ReadConfig, workers: int,
+            meanwhile: Callable[[], None] | None = None) -> Iterator[RankSummary | RankError]:
     """Read whole files in `workers` forked children; yield results as they come back.
 
-    Leaner than multiprocessing.Pool, whose three handler threads in the parent and whose
-    per-task pickling cost ~0.1 s of CPU at 256 files (~3 ms each): the children inherit
-    the path list, claim runs of files from a shared counter (so a child that is slowed
-    down simply reads fewer), and send each run's summaries back, pickled, on their own
-    pipe. A child that dies leaves its unfinished files reported as errors, not a hang.
+    Leaner than multiprocessing.Pool (three handler threads in the parent, per-task pickling,
+    ~0.1 s of CPU at 256 files of ~3 ms each), and it needs no multiprocessing import: the
+    children inherit the path list and claim runs of files from a pipe filled beforehand
+    (a read of 4 bytes from a pipe is atomic, so each claim goes to exactly one child, and a
+    child that is slowed down simply claims fewer); each child sends each run's summaries
+    back, pickled, on its own pipe. A child that dies leaves its unfinished files reported
+    as errors, not a hang.
     """
-    from multiprocessing.connection import wait
+    import select
 
-    ctx = mp.get_context("fork")
     n = len(paths)
-    run = max(1, min(8, n // (workers * 16)))  # a few ms of work per claim, a short tail
-    counter = ctx.Value("q", 0)
-    children: dict[int, object] = {}  # pid -> the parent's end of its pipe
+    # A few ms of work per claim, a short tail; at most 8,192 claims, so they fit a pipe.
+    run = max(1, min(8, n // (workers * 16)), -(-n // 8192))
+    claim_r, claim_w = os.pipe()
+    claims = b"".join(i.to_bytes(_CLAIM, "little") for i in range(0, n, run))
+    view = memoryview(claims)
+    while view:
+        view = view[os.write(claim_w, view):]
+    os.close(claim_w)  # drained claims then read as end-of-file
+    children: dict[int, int] = {}  # result pipe (read end) -> child pid
     try:
-        for _ in range(min(workers, n)):
-            recv, send = ctx.Pipe(duplex=False)
+        for _ in range(min(workers, -(-n // run))):
+            res_r, res_w = os.pipe()
             pid = os.fork()
             if pid == 0:  # child: never returns
-                recv.close()
-                _child(paths, sizes, cfg, counter, run, send)
-            send.close()
-            children[pid] = recv
+                os.close(res_r)
+                _child(paths, sizes, cfg, run, claim_r, res_w)
+            os.close(res_w)
+            children[res_r] = pid
+        os.close(claim_r)
+        claim_r = -1
+        if meanwhile:
+            meanwhile()
         pending = set(range(n))
-        conns = list(children.values())
-        while conns:
-            for c in wait(conns):
-                try:
-                    batch = pickle.loads(c.recv_bytes())
-                except EOFError:
-                    conns.remove(c)
+        buffers = {fd: bytearray() for fd in children}
+        poll = select.poll()
+        for fd in children:
+            poll.register(fd, select.POLLIN)
+        open_fds = set(children)
+        while open_fds:
+            for fd, _ in poll.poll():
+                chunk = os.read(fd, 1 << 20)
+                if not chunk:
+                    poll.unregister(fd)
+                    open_fds.discard(fd)
                     continue
-                for i, res in batch:
-                    pending.discard(i)
-                    yield res
+                buf = buffers[fd]
+                buf += chunk
+                while len(buf) >= _FRAME:
+                    size = int.from_bytes(buf[:_FRAME], "little")
+                    if len(buf) < _FRAME + size:
+                        break
+                    batch = pickle.loads(buf[_FRAME:_FRAME + size])
+                    del buf[:_FRAME + size]
+                    for i, res in batch:
+                        pending.discard(i)
+                        yield res
         for i in sorted(pending):
             yield RankError(paths[i], f"{paths[i]}: the reader process died before reading it")
     finally:
-        for pid, c in children.items():
-            c.close()
+        if claim_r >= 0:
+            os.close(claim_r)
+        for fd, pid in children.items():
+            os.close(fd)  # a child still writing gets EPIPE and exits
             try:
                 os.waitpid(pid, 0)
             except ChildProcessError:
                 pass
 
 
-def _child(paths: list[str], sizes: dict[str, int], cfg: ReadConfig, counter, run: int, send) -> None:
+def _child(paths: list[str], sizes: dict[str, int], cfg: ReadConfig, run: int, claim_fd: int, out_fd: int) -> None:
     code = 1
     try:
         _keep_buffers_in_heap()
         n = len(paths)
         while True:
-            with counter.get_lock():
-                start = counter.value
-                counter.value = start + run
-            if start >= n:
+            claim = os.read(claim_fd, _CLAIM)
+            if len(claim) < _CLAIM:
                 break
+            start = int.from_bytes(claim, "little")
             batch = [(i, read_one(paths[i], cfg, sizes[paths[i]])) for i in range(start, min(n, start + run))]
-            send.send_bytes(pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL))
+            data = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+            view = memoryview(len(data).to_bytes(_FRAME, "little") + data)
+            while view:
+                view = view[os.write(out_fd, view):]
         code = 0
     except BaseException:  # noqa: BLE001  the parent reports the files this child did not send
         pass
@@ -233,6 +275,8 @@ def _keep_buffers_in_heap() -> None:
     in afresh: ~0.5 s of system time per million events. Raising the threshold (and the
     trim threshold with it) keeps them in the heap. Other C libraries: nothing to do.
     """
+    import ctypes  # here, not at import time: only reader processes need it (~3 ms)
+
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(_M_MMAP_THRESHOLD, 16 << 20)

@@ -61,8 +61,10 @@ def _first_p2p(summaries: list[RankSummary]) -> dict[int, tuple[str, int]]:
     out: dict = {}
     for s in summaries:
         c = s.coll
-        for kinds, key in ((["send", "recv"], s.rank), (["send"], ("send1", s.rank))):
-            rows = np.flatnonzero(np.isin(c.kind, kinds) & (c.step >= 0))
+        send = (c.kind == "send") & (c.step >= 0)
+        p2p = send | ((c.kind == "recv") & (c.step >= 0))
+        for mask, key in ((p2p, s.rank), (send, ("send1", s.rank))):
+            rows = np.flatnonzero(mask)
             if len(rows):
                 i = rows[np.argmin(c.arrive[rows])]
                 out[key] = (str(c.kind[i]), int(c.peer[i]))
