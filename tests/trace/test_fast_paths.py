@@ -246,3 +246,31 @@ def test_compact_ranks_matches_reference():
             ranks = [float(r) for r in ranks]
         got, want = _compact_ranks(ranks), ref_compact_ranks(ranks)
         assert got == want and type(got) is type(want), ranks
+
+
+def ref_releases_idx(j) -> dict:
+    from collections import defaultdict
+
+    rows: dict[tuple[int, int], list[float]] = defaultdict(list)
+    for r, st, e, w in zip(j.rank.tolist(), j.step.tolist(), j.end.tolist(), j.wait.tolist()):
+        if w > 0:
+            rows[(r, st)].append(e)
+    for d, st, e, w in zip(j.p2p_dst.tolist(), j.p2p_step.tolist(), j.p2p_end.tolist(), j.p2p_wait.tolist()):
+        if w > 0:
+            rows[(d, st)].append(e)
+    return {k: sorted(v) for k, v in rows.items()}
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_releases_match_reference(seed):
+    from types import SimpleNamespace
+
+    from deltamoe.trace.analyses.stragglers import _Releases
+
+    rng = np.random.default_rng(seed)
+    n, m = int(rng.integers(0, 300)), int(rng.integers(0, 100))
+    j = SimpleNamespace(rank=rng.integers(0, 6, n), step=rng.integers(0, 4, n), end=rng.choice([1.0, 2.5, 7.0, 9.25], n),
+                        wait=rng.choice([0.0, 0.0, 1.0, 3.5], n), p2p_dst=rng.integers(0, 6, m),
+                        p2p_step=rng.integers(0, 4, m), p2p_end=rng.uniform(0, 10, m),
+                        p2p_wait=rng.choice([0.0, 2.0], m))
+    assert _Releases(j).idx == ref_releases_idx(j)
