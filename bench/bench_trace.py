@@ -8,6 +8,11 @@
 2. Throughput on one large rank file (~1M events), pretty and compact: events/s end to end.
 3. Scaling from 1,000 to 10,000 ranks of ~2,000 events (compact JSON; HTA is not run there).
 
+Before timing, deltamoe's analyzer modules are compiled to bytecode, as installing a package
+does (HTA's came compiled with pip install): with PYTHONDONTWRITEBYTECODE=1 in the environment
+(as in this repo's dev shells) every run would otherwise recompile each module from source,
+~30 ms of start-up that an installed copy never pays.
+
 HTA runs from its own virtualenv (.venv-hta), created when missing with
     python3 -m venv .venv-hta && .venv-hta/bin/pip install torch==2.13.0 HolisticTraceAnalysis==0.5.0 psutil
 (torch pinned first so pip takes the local CPU wheel, not a multi-GB CUDA build).
@@ -52,6 +57,17 @@ def ensure_hta() -> Path:
     subprocess.run(pip + ["torch==2.13.0"], check=True)
     subprocess.run(pip + [f"HolisticTraceAnalysis=={HTA_VERSION}", "psutil"], check=True)
     return py
+
+
+def compile_bytecode() -> list[str]:
+    """Write the bytecode of the modules `python -m deltamoe.trace analyze` imports (as pip install would)."""
+    import compileall
+
+    done = [str(p) for p in (ROOT / "deltamoe" / "__init__.py", ROOT / "deltamoe" / "errors.py")
+            if compileall.compile_file(p, quiet=1)]
+    if compileall.compile_dir(ROOT / "deltamoe" / "trace", quiet=1):
+        done.append(str(ROOT / "deltamoe" / "trace"))
+    return [str(Path(p).relative_to(ROOT)) for p in done]
 
 
 def _tree_rss(root: int) -> int:
@@ -238,11 +254,13 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="results file (default bench/results/trace.json, or trace_quick.json)")
     args = ap.parse_args()
     hta_py = None if args.skip_hta else ensure_hta()
+    compiled = compile_bytecode()
     sizes = [8, 64] if args.quick else [8, 64, 256, 1024]
     res: dict = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}, "quick": args.quick,
                  "repeat": args.repeat,
                  "command": " ".join([Path(sys.executable).name, *sys.argv]),
-                 "peer_name": None if args.skip_hta else f"HTA {HTA_VERSION}", "target": TARGET}
+                 "peer_name": None if args.skip_hta else f"HTA {HTA_VERSION}", "target": TARGET,
+                 "bytecode_compiled": compiled}
     tmp = Path(tempfile.mkdtemp(prefix="bench_trace_", dir=os.environ.get("BENCH_TMP")))
     try:
         print("peer comparison", file=sys.stderr)
