@@ -14,6 +14,7 @@ imported, ~40 ms of start-up. Help and every other command take the click path.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 
@@ -94,4 +95,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if sys.argv[1:2] == ["analyze"]:
+        # The report is written and closed: skip the interpreter's teardown (freeing every
+        # summary, array and module one by one: ~10-20 ms after a few hundred ranks).
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+    sys.exit(code)

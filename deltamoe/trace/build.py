@@ -117,20 +117,24 @@ def _pipeline(s: RankSummary, compute: iv.Spans, comm: iv.Spans, coll: Collectiv
     that is the compute block consuming it; after a final send it is the compute that
     produced it. Gradient sync and the optimizer that follow are not pipeline work.
     """
-    is_pipe = np.isin(coll.kind, list(_PIPE_KINDS))
+    is_pipe = np.array([k in _PIPE_KINDS for k in coll.kind.tolist()], dtype=bool)
+    in_step = is_pipe & (coll.step >= 0)
     # sorted(set()): np.unique would load numpy.ma (~5 ms) in every reader process
-    steps = np.array(sorted(set(coll.step[is_pipe & (coll.step >= 0)].tolist())), dtype=np.int64)
+    steps = np.array(sorted(set(coll.step[in_step].tolist())), dtype=np.int64)
     if not len(steps) or not len(compute[0]):
         return
     pipe = iv.union(coll.arrive[is_pipe], coll.end[is_pipe])
     working = iv.merge(compute, iv.subtract(comm, pipe))
     lo, hi = s.window[steps, 0], s.window[steps, 1]
-    # Idle compute under a pending P2P op: |(p2p u compute) in W| - |compute in W|.
-    wait = iv.length_in(iv.merge(pipe, compute), lo, hi) - iv.length_in(compute, lo, hi)
+    # Idle compute under a pending P2P op: |(p2p u compute) in W| - |compute in W|
+    # (the latter is s.compute of those steps, measured per window by _breakdown).
+    wait = iv.length_in(iv.merge(pipe, compute), lo, hi) - s.compute[steps]
     # The last pipeline op of each step (the first of equal ends, as argmax picks).
-    rows = np.flatnonzero(is_pipe & (coll.step >= 0))
+    rows = np.flatnonzero(in_step)
     rows = rows[np.lexsort((-coll.end[rows], coll.step[rows]))]
-    first_of_step = np.r_[True, coll.step[rows][1:] != coll.step[rows][:-1]]
+    first_of_step = np.empty(len(rows), dtype=bool)
+    first_of_step[:1] = True
+    np.not_equal(coll.step[rows][1:], coll.step[rows][:-1], out=first_of_step[1:])
     for k, w, a, b, last in zip(steps.tolist(), wait.tolist(), lo.tolist(), hi.tolist(),
                                 rows[first_of_step].tolist()):
         cs, ce = iv.clip(compute, a, b)

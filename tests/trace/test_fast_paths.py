@@ -274,3 +274,39 @@ def test_releases_match_reference(seed):
                         p2p_step=rng.integers(0, 4, m), p2p_end=rng.uniform(0, 10, m),
                         p2p_wait=rng.choice([0.0, 2.0], m))
     assert _Releases(j).idx == ref_releases_idx(j)
+
+
+def ref_find_traces(folder) -> list[str]:
+    from pathlib import Path
+
+    files = [p for p in Path(folder).rglob("*") if p.is_file() and not p.name.startswith(("_", "."))
+             and (p.name.endswith(".json") or p.name.endswith(".json.gz"))]
+    return sorted(str(p) for p in files)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_find_traces_matches_rglob(tmp_path, seed, monkeypatch):
+    import os
+
+    from deltamoe.trace.reader import find_traces
+
+    rng = random.Random(seed)
+    dirs = [tmp_path]
+    for _ in range(rng.randrange(1, 8)):
+        d = rng.choice(dirs) / rng.choice(["a", "_b", ".c", "d.json", "e"]) / str(rng.randrange(3))
+        d.mkdir(parents=True, exist_ok=True)
+        dirs.append(d)
+    for _ in range(rng.randrange(1, 30)):
+        name = rng.choice(["r", "_r", ".r", "x"]) + str(rng.randrange(99)) + rng.choice(
+            [".json", ".json.gz", ".JSON", ".txt", ".json.gz.tmp", ""])
+        (rng.choice(dirs) / name).write_text("{}")
+    os.symlink(dirs[-1], tmp_path / "linked_dir")  # not entered, as rglob does not
+    os.symlink(tmp_path / "missing", tmp_path / "dangling.json")
+    monkeypatch.chdir(tmp_path.parent)
+    for arg in (str(tmp_path), str(tmp_path) + "/", tmp_path.name, "./" + tmp_path.name):
+        try:
+            want = ref_find_traces(arg)
+        except Exception:
+            want = None
+        if want:
+            assert find_traces(arg) == want
