@@ -4,10 +4,15 @@ A tiny model with K3.1's proportions: the indexer costs about 1/25 of the MLA it
 token (K3.1: 32 x 128 index dims vs 96 heads x (576 + 512) absorbed MLA dims; here 8 x 32 vs
 24 x (144 + 128)), 3 KDA layers per attention layer. The engine's HybridCache is filled
 directly with random latents, indexer keys and KDA states at 1k / 8k / 32k tokens of context;
-only the decode step (`ModelRunner.execute`, one sequence, T = 1) is timed, the two models
-alternating, best of N runs each; the attention layer's own forward is timed within the same steps.
+only the decode step (`ModelRunner.execute`, T = 1) is timed, the two models alternating, best
+of N runs each; the attention layer's own forward is timed within the same steps. Three curves:
+- one sequence whose blocks are consecutive (a fresh pool): attention reads a slice of the pages;
+  the target is judged here, where the model's fixed per-step cost weighs most;
+- one sequence whose blocks are scattered (the pool's free list shuffled, as in a long-running
+  server): dense MLA first gathers every latent row, DSA only its top-k rows;
+- `--batch` sequences (default 8) with consecutive blocks: a server's decode batch.
 
-    .venv/bin/python bench/bench_serve_dsa_decode.py [--quick]
+    .venv/bin/python bench/bench_serve_dsa_decode.py [--quick] [--batch N]
 """
 
 from __future__ import annotations
@@ -48,23 +53,38 @@ def cost_ratio(cfg) -> float:
     return mla / (cfg.index_num_heads * cfg.index_head_dim)
 
 
-def decode_step(engine: LLMEngine, context: int):
-    """A sequence with `context` tokens already in the cache (random contents) and its decode step."""
-    seq = engine.make_sequence([i % 256 for i in range(context + 1)], SamplingParams(max_tokens=1, temperature=0))
+def scatter_free_blocks(engine: LLMEngine, seed: int = 0) -> None:
+    """Put the pool's free blocks in a random order, as a long-running server's are after
+    sequences of all lengths have finished: a new sequence's blocks are then scattered, and
+    attention can no longer read one slice of the pages."""
+    blocks = engine.cache.blocks
+    taken = [blocks.allocate() for _ in range(blocks.num_free)]
+    for i in torch.randperm(len(taken), generator=torch.Generator().manual_seed(seed)).tolist():
+        blocks.release(taken[i])
+
+
+def decode_step(engine: LLMEngine, context: int, batch: int = 1):
+    """`batch` sequences with `context` tokens already in the cache (random contents) and their decode step."""
     cache = engine.cache
-    assert cache.admit(seq) and cache.grow(seq, context + 1)
     g = torch.Generator().manual_seed(0)
-    rows = slice(seq.block_table[0] * cache.block_size, seq.block_table[0] * cache.block_size + context)
-    cache.latent[:, rows] = torch.randn(cache.latent[:, rows].shape, generator=g)
-    cache.index_keys[:, rows] = torch.randn(cache.index_keys[:, rows].shape, generator=g)
-    cache.recurrent[:, seq.slot] = 0.1 * torch.randn(cache.recurrent[:, seq.slot].shape, generator=g)
-    batch = ScheduledBatch([(seq, 1)])
+    seqs = []
+    for _ in range(batch):
+        seq = engine.make_sequence([i % 256 for i in range(context + 1)], SamplingParams(max_tokens=1, temperature=0))
+        assert cache.admit(seq) and cache.grow(seq, context + 1)
+        bs = cache.block_size
+        rows = torch.cat([torch.arange(b * bs, (b + 1) * bs) for b in seq.block_table])[:context]
+        cache.latent[:, rows] = torch.randn(cache.latent[:, rows].shape, generator=g)
+        cache.index_keys[:, rows] = torch.randn(cache.index_keys[:, rows].shape, generator=g)
+        cache.recurrent[:, seq.slot] = 0.1 * torch.randn(cache.recurrent[:, seq.slot].shape, generator=g)
+        seqs.append(seq)
+    scheduled = ScheduledBatch([(seq, 1) for seq in seqs])
 
     def step() -> None:
-        seq.num_computed = context  # re-run the same step: position `context` is simply rewritten
-        engine.runner.execute(batch)
+        for seq in seqs:
+            seq.num_computed = context  # re-run the same step: position `context` is simply rewritten
+        engine.runner.execute(scheduled)
 
-    return seq, step
+    return seqs, step
 
 
 class LayerTimer:
@@ -101,45 +121,63 @@ def interleaved_min_seconds(steps: dict[str, object], timers: dict[str, LayerTim
     return best, best_layer
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="1k and 8k only, fewer repeats, writes serve_dsa_decode_quick.json")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads for every side (1 keeps a shared machine's noise down)")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    contexts = [1024, 8192] if args.quick else [1024, 8192, MAX_CONTEXT]
-    repeats = 3 if args.quick else 7
-    rows, results = [], []
-    models, timers = {}, {}
-    for attention in ("dsa", "mla"):
-        models[attention] = build_model(config(attention), seed=0).eval()
-        timers[attention] = LayerTimer(models[attention].model.layers[3].self_attn)
+def measure(models: dict, timers: dict, contexts: list[int], repeats: int, batch: int = 1,
+            scattered: bool = False) -> tuple[list[dict], list[list[str]]]:
+    """Both models' decode step (and attention layer) at each context: one results row per context."""
+    results, rows = [], []
     for context in contexts:
-        # A fresh cache per context: the sequence's blocks are consecutive, so attention reads a
-        # slice of the pages. (After other sequences were freed they would be scattered, and both
-        # models would first gather the whole context row by row: see docs/serving.md.)
-        engines = {name: LLMEngine(model, config=EngineConfig(cache_memory="512MiB", max_num_seqs=1, max_snapshots=0,
-                                                              enable_prefix_caching=False))
-                   for name, model in models.items()}
-        (_, step_d), (_, step_m) = decode_step(engines["dsa"], context), decode_step(engines["mla"], context)
-        times, layer = interleaved_min_seconds({"dsa": step_d, "mla": step_m}, timers, repeats)
-        del engines
+        # A fresh cache per context. Consecutive blocks let attention read one slice of the pages;
+        # `scattered` puts the free blocks in random order first, as in a long-running server.
+        engines = {}
+        for name, model in models.items():
+            engines[name] = LLMEngine(model, config=EngineConfig(
+                cache_memory=f"{max(512, 2 * batch * context // 1024)}MiB", max_num_seqs=batch, max_snapshots=0,
+                enable_prefix_caching=False))
+            if scattered:
+                scatter_free_blocks(engines[name])
+        steps = {name: decode_step(engine, context, batch)[1] for name, engine in engines.items()}
+        times, layer = interleaved_min_seconds(steps, timers, repeats)
+        del engines, steps
         dsa, dense = times["dsa"], times["mla"]
         results.append({"context": context, "dsa_ms": dsa * 1e3, "dense_mla_ms": dense * 1e3, "speedup": dense / dsa,
                         "dsa_layer_ms": layer["dsa"] * 1e3, "dense_mla_layer_ms": layer["mla"] * 1e3,
                         "layer_speedup": layer["mla"] / layer["dsa"]})
         rows.append([f"{context:,}", f"{dsa * 1e3:.2f}", f"{dense * 1e3:.2f}", f"{dense / dsa:.1f}x",
                      f"{layer['dsa'] * 1e3:.2f} / {layer['mla'] * 1e3:.2f}", f"{layer['mla'] / layer['dsa']:.1f}x"])
+    return results, rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="1k and 8k only, fewer repeats, writes serve_dsa_decode_quick.json")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads for every side (1 keeps a shared machine's noise down)")
+    parser.add_argument("--batch", type=int, default=8, help="decode batch of the batched curve")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    contexts = [1024, 8192] if args.quick else [1024, 8192, MAX_CONTEXT]
+    repeats = 3 if args.quick else 7
+    models, timers = {}, {}
+    for attention in ("dsa", "mla"):
+        models[attention] = build_model(config(attention), seed=0).eval()
+        timers[attention] = LayerTimer(models[attention].model.layers[3].self_attn)
+    curves = {"one sequence, consecutive blocks": dict(batch=1),
+              "one sequence, scattered blocks": dict(batch=1, scattered=True),
+              f"{args.batch} sequences, consecutive blocks": dict(batch=args.batch)}
+    measured = {name: measure(models, timers, contexts, repeats, **kw) for name, kw in curves.items()}
+    (results, _), (scattered, _), (batched, _) = measured.values()
     ratio = cost_ratio(config("dsa"))
     path = write_result(result_name("serve_dsa_decode", args.quick), {
         "config": {"index_topk": 256, "mla_to_indexer_cost_per_past_token": ratio, "layers": "kda,kda,kda,attn",
-                   "batch": 1}, "results": results,
+                   "batch": 1}, "results": results, "scattered": scattered,
+        "batched": {"batch": args.batch, "results": batched},
         "target": {"speedup": 4.0, "context": MAX_CONTEXT}})
-    print(f"MLA / indexer cost per past token: {ratio:.1f}x (K3.1: 25.5x); top-k 256; batch 1; threads "
-          f"{torch.get_num_threads()}\n")
-    print(markdown_table(["context", "DSA decode step (ms)", "dense MLA decode step (ms)", "DSA speedup",
-                          "attention layer alone, DSA / dense (ms)", "layer speedup"], rows))
+    print(f"MLA / indexer cost per past token: {ratio:.1f}x (K3.1: 25.5x); top-k 256; threads "
+          f"{torch.get_num_threads()}")
+    for name, (_, rows) in measured.items():
+        print(f"\n{name}:\n")
+        print(markdown_table(["context", "DSA decode step (ms)", "dense MLA decode step (ms)", "DSA speedup",
+                              "attention layer alone, DSA / dense (ms)", "layer speedup"], rows))
     print(f"\nwrote {path}")
 
 

@@ -41,6 +41,14 @@ class ModelCache(Protocol):
         """Store [B, T, R + Dr] at positions past..past+T-1; return all [B, S, R + Dr] (S >= past + T)."""
         ...
 
+    def store_latent(self, layer: int, latent: torch.Tensor) -> None:
+        """`append_latent` without the read: DSA decode then reads only its top-k rows."""
+        ...
+
+    def latent_rows(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
+        """The stored latents at `positions` [B, N] (long, each < past + T) -> [B, N, R + Dr]."""
+        ...
+
     def append_index_keys(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
         """Store DSA indexer keys [B, T, Di]; return all [B, S, Di]."""
         ...
@@ -101,6 +109,13 @@ class ContiguousCache:
 
     def append_latent(self, layer: int, latent: torch.Tensor) -> torch.Tensor:
         return self._append(self._latent, layer, latent)
+
+    def store_latent(self, layer: int, latent: torch.Tensor) -> None:
+        self._append(self._latent, layer, latent)
+
+    def latent_rows(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
+        buf = self._latent[layer]
+        return buf.gather(1, positions[..., None].expand(-1, -1, buf.shape[-1]))
 
     def append_index_keys(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
         return self._append(self._index_keys, layer, keys)

@@ -13,7 +13,7 @@ from deltamoe.config import ModelConfig
 from deltamoe.model.cache import ModelCache
 from deltamoe.model.norm import RMSNorm
 from deltamoe.ops.dsa import causal_topk, indexer_scores, topk_mask
-from deltamoe.ops.mla import absorb_kv_b, mla_attention, mla_attention_absorbed, mla_attention_absorbed_sparse
+from deltamoe.ops.mla import absorb_kv_b, mla_attention, mla_attention_absorbed, mla_attention_absorbed_rows
 from deltamoe.ops.rope import apply_rope, rope_cos_sin
 
 # With a cache, new chunks of at most this many tokens use the absorbed form: it never expands
@@ -87,7 +87,12 @@ class LatentAttention(nn.Module):
             q_pe = apply_rope(q_pe, cos[:, :, None], sin[:, :, None])
             k_pe = apply_rope(k_pe, cos, sin)
         latent = torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)
-        if cache is not None:
+        absorbed = cache is not None and t <= ABSORB_MAX_TOKENS
+        # DSA decode reads back only its top-k latent rows, after the indexer has chosen them.
+        sparse_decode = absorbed and self.indexer is not None
+        if sparse_decode:
+            cache.store_latent(self.layer_idx, latent)
+        elif cache is not None:
             latent = cache.append_latent(self.layer_idx, latent)
         latent_kv, k_pe_all = latent.split([self.kv_rank, self.rope], dim=-1)
 
@@ -100,11 +105,11 @@ class LatentAttention(nn.Module):
             indices, valid = causal_topk(scores, q_positions=q_positions, kv_lengths=kv_lengths,
                                          top_k=self.config.index_topk)
 
-        if cache is not None and t <= ABSORB_MAX_TOKENS:
+        if absorbed:
             w_uk, w_uv = absorb_kv_b(self.kv_b_proj.weight, h, self.nope, self.vdim)
-            if indices is not None:
-                o = mla_attention_absorbed_sparse(q_nope, q_pe, latent_kv, k_pe_all, w_uk, w_uv, scale=self.scale,
-                                                  indices=indices, valid=valid)
+            if sparse_decode:
+                rows = cache.latent_rows(self.layer_idx, indices.masked_fill(~valid, 0).reshape(b, -1))
+                o = mla_attention_absorbed_rows(q_nope, q_pe, rows, w_uk, w_uv, scale=self.scale, valid=valid)
             else:
                 o = mla_attention_absorbed(q_nope, q_pe, latent_kv, k_pe_all, w_uk, w_uv, scale=self.scale,
                                            q_positions=q_positions, kv_lengths=kv_lengths)

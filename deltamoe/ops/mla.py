@@ -260,16 +260,45 @@ def mla_attention_absorbed_sparse(
     if bool((valid & ((indices < 0) | (indices >= num_keys))).any()):
         raise ValueError(f"indices: valid entries must lie in [0, S) = [0, {num_keys})")
     # Invalid entries may hold anything (e.g. -1); point them at slot 0 so the gather is safe.
-    slots = indices.long().masked_fill(~valid, 0).reshape(batch, time * top, 1)
+    slots = indices.long().masked_fill(~valid, 0).reshape(batch, time * top)
     # Gather the K selected rows first (whole rows of the joined [latent | k_pe] cache layout, one
     # index_select over the batch's flattened rows), never copying the whole cache.
-    rank = latent.shape[-1]
     joined = _join_latent(latent, k_pe)
-    rows = slots.view(batch, time * top) + torch.arange(batch, device=slots.device)[:, None] * num_keys
-    gathered = joined.reshape(batch * num_keys, -1).index_select(0, rows.view(-1)).float()
-    gathered = gathered.view(batch * time, 1, top, -1)
+    flat = slots + torch.arange(batch, device=slots.device)[:, None] * num_keys
+    rows = joined.reshape(batch * num_keys, -1).index_select(0, flat.view(-1)).view(batch, time * top, -1)
+    return mla_attention_absorbed_rows(q_nope, q_pe, rows, w_uk, w_uv, scale=scale, valid=valid).to(latent.dtype)
+
+
+def mla_attention_absorbed_rows(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    rows: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    *,
+    scale: float,
+    valid: torch.Tensor,
+) -> torch.Tensor:
+    """DSA decode on rows already gathered -> o [B, T, H, Dv] in rows.dtype.
+
+    rows [B, T*K, R+Dr] are the cached [latent | k_pe] rows of each query's K selected keys, query
+    by query (a paged cache reads just these with `latent_rows`); valid bool [B, T, K] marks the
+    real ones. `mla_attention_absorbed_sparse` is this after gathering from a whole latent.
+    """
+    if q_nope.dim() != 4:
+        raise ValueError(f"q_nope: expected shape [B, T, H, Dn], got {tuple(q_nope.shape)}")
+    batch, time, heads, nope = q_nope.shape
+    check_shape("valid", valid, "[B, T, K]", (batch, time, None))
+    if valid.dtype != torch.bool:
+        raise ValueError(f"valid: expected dtype torch.bool, got {valid.dtype}")
+    top = valid.shape[-1]
+    rank = w_uk.shape[-1]
+    check_shape("rows", rows, "[B, T*K, R+Dr]", (batch, time * top, rank + q_pe.shape[-1]))
+    check_shape("w_uk", w_uk, "[H, Dn, R]", (heads, nope, rank))
+    check_shape("w_uv", w_uv, "[H, Dv, R]", (heads, None, rank))
+    gathered = rows.float().view(batch * time, 1, top, -1)
     # Each query becomes its own batch entry attending to its own K gathered slots.
     q = _absorb_query(q_nope, q_pe, w_uk).reshape(batch * time, heads, 1, -1)
     out_latent = _attend(q, gathered, gathered[..., :rank], valid.reshape(batch * time, 1, top), scale)
     out_latent = out_latent.view(batch, time, heads, rank)
-    return torch.einsum("bthr,hvr->bthv", out_latent, w_uv.float()).to(latent.dtype)
+    return torch.einsum("bthr,hvr->bthv", out_latent, w_uv.float()).to(rows.dtype)

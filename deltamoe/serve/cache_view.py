@@ -70,17 +70,31 @@ class PagedBatchView:
         self._cache.conv[i].index_copy_(0, self._slots, conv_state.to(self._cache.conv.dtype))
         self._cache.recurrent[i].index_copy_(0, self._slots, recurrent_state.float())
 
-    def _append(self, pages: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    def _store(self, pages: torch.Tensor, new: torch.Tensor) -> None:
         rows = new.reshape(-1, new.shape[-1])
         if self._real is not None:
             rows = rows[self._real]
         pages.index_copy_(0, self._write, rows.to(pages.dtype))
+
+    def _append(self, pages: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        self._store(pages, new)
         if self._slice is not None:
             return pages[self._slice].unsqueeze(0)
         return pages[self._read]
 
     def append_latent(self, layer: int, latent: torch.Tensor) -> torch.Tensor:
         return self._append(self._cache.latent[self._cache.latent_index[layer]], latent)
+
+    def store_latent(self, layer: int, latent: torch.Tensor) -> None:
+        self._store(self._cache.latent[self._cache.latent_index[layer]], latent)
+
+    def latent_rows(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
+        """Only the rows asked for, wherever their pages are: DSA decode's top-k reads stay
+        O(k) per query even when a long sequence's blocks are scattered over the pool."""
+        pages = self._cache.latent[self._cache.latent_index[layer]]
+        bs = self._cache.block_size
+        rows = self._table.gather(1, positions // bs) * bs + positions % bs  # [B, N]
+        return pages.index_select(0, rows.reshape(-1)).view(*positions.shape, pages.shape[-1])
 
     def append_index_keys(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
         return self._append(self._cache.index_keys[self._cache.index_key_index[layer]], keys)

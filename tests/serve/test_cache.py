@@ -121,3 +121,28 @@ def test_prefix_match_needs_blocks_and_a_snapshot():
     assert cache.blocks.num_used == 0 and cache.slots.num_running == 0
     c = make_seq(list(range(16)))  # a hit must leave one token to compute: 16 tokens -> at most 8
     assert cache.admit(c) and c.num_computed == 8
+
+
+def test_latent_rows_read_only_the_asked_positions_from_scattered_pages():
+    """DSA decode reads its top-k latents through `latent_rows`: on blocks scattered over the pool
+    (a long-running server) they must be the same rows the full gather returns."""
+    from deltamoe.serve.cache_view import PagedBatchView
+
+    cfg = load_preset("tiny")
+    cache = HybridCache(cfg, EngineConfig(cache_memory="4MiB", max_num_seqs=4, block_size=4), max_model_len=256)
+    layer = next(iter(cache.latent_index))
+    tables = [[7, 2, 9, 0], [5, 11, 3]]  # neither row's blocks are consecutive
+    past, new = [13, 9], [1, 2]
+    gen = torch.Generator().manual_seed(0)
+    view = PagedBatchView(cache, tables, past, slots=[0, 1], num_new_tokens=new)
+    # Fill every page row, then append the new tokens through the view.
+    cache.latent.copy_(torch.randn(cache.latent.shape, generator=gen))
+    full = view.append_latent(layer, torch.randn(2, 2, cache.latent.shape[-1], generator=gen))  # [2, S, D]
+    positions = torch.tensor([[0, 13, 5, 4, 12], [10, 1, 8, 3, 0]])  # row 0's past+new = 14, row 1's = 11
+    got = view.latent_rows(layer, positions)
+    assert torch.equal(got, full.gather(1, positions[..., None].expand(-1, -1, full.shape[-1])))
+    # Stored-only tokens are readable too: row 1's second new token sits at position 10.
+    store_view = PagedBatchView(cache, tables, past, slots=[0, 1], num_new_tokens=new)
+    fresh = torch.randn(2, 2, cache.latent.shape[-1], generator=gen)
+    store_view.store_latent(layer, fresh)
+    assert torch.equal(store_view.latent_rows(layer, torch.tensor([[13], [10]]))[:, 0], torch.stack([fresh[0, 0], fresh[1, 1]]))
