@@ -310,3 +310,57 @@ def test_find_traces_matches_rglob(tmp_path, seed, monkeypatch):
             want = None
         if want:
             assert find_traces(arg) == want
+
+
+def test_median_matches_numpy():
+    from deltamoe.trace.analyses.stragglers import _median
+
+    rng = np.random.default_rng(0)
+    pool = np.array([0.0, -0.0, 1.5, 2.25, 1e300, -7.0, np.inf, -np.inf, 3.0, 1 / 3])
+    for _ in range(3000):
+        n = int(rng.integers(1, 9))
+        x = rng.choice(pool, n) if rng.random() < 0.5 else rng.normal(size=n)
+        if rng.random() < 0.05:
+            x[int(rng.integers(n))] = np.nan
+        with np.errstate(invalid="ignore"):  # inf - inf
+            want, got = float(np.median(x)), _median(x)
+        assert (np.isnan(want) and np.isnan(got)) or (want == got and np.signbit(want) == np.signbit(got)), x
+
+
+def ref_first_p2p(summaries) -> dict:
+    out: dict = {}
+    for s in summaries:
+        c = s.coll
+        for kinds, key in ((["send", "recv"], s.rank), (["send"], ("send1", s.rank))):
+            rows = np.flatnonzero(np.isin(c.kind, kinds) & (c.step >= 0))
+            if len(rows):
+                i = rows[np.argmin(c.arrive[rows])]
+                out[key] = (str(c.kind[i]), int(c.peer[i]))
+    return out
+
+
+@pytest.mark.parametrize("job", ["pipeline_job", "dp_job", "clean_pipeline_job"])
+def test_first_p2p_and_group_ids_match_reference(job, request):
+    from deltamoe.trace.join import join
+    from deltamoe.trace.reader import ReadConfig, dedupe_ranks, find_traces, read_one
+
+    folder = request.getfixturevalue(job)[0]
+    for steps in ((None, None), (1, 3)):
+        summaries, _ = dedupe_ranks([read_one(p, ReadConfig(steps=steps)) for p in find_traces(folder)])
+        j = join(summaries)
+        assert j.first_p2p == ref_first_p2p(summaries)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_instance_ids_match_reference(seed):
+    from deltamoe.trace.join import _instances
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 400))
+    c = {"rank": rng.integers(0, 8, n), "pg": rng.choice(np.array(["", "0", "ep_1", "b", "?x"], dtype=object), n),
+         "kind": rng.choice(np.array(["all_reduce", "x", "all_to_all"], dtype=object), n),
+         "seq": rng.integers(0, 5, n), "arrive": rng.uniform(0, 10, n)}
+    key_pg = np.where(c["pg"] == "", "?" + c["kind"], c["pg"]).astype(str)  # the replaced version
+    _, pg_id = np.unique(key_pg, return_inverse=True)
+    _, inst = np.unique(pg_id.astype(np.int64) * (1 << 32) + c["seq"].astype(np.int64), return_inverse=True)
+    np.testing.assert_array_equal(_instances(c)["inst"], inst)

@@ -39,7 +39,7 @@ def find_pipelines(j: Joined, summaries: list[RankSummary]) -> list[list[int]]:
     comps: dict[int, list[int]] = defaultdict(list)
     for r in list(parent):
         comps[root(r)].append(r)
-    first = _first_p2p(summaries)
+    first = j.first_p2p
     out = []
     for ranks in comps.values():
         starts = [r for r in ranks if first.get(r, ("", -1))[0] == "send"]
@@ -54,21 +54,6 @@ def find_pipelines(j: Joined, summaries: list[RankSummary]) -> list[list[int]]:
         if len(order) == len(ranks):
             out.append(order)
     return sorted(out)
-
-
-def _first_p2p(summaries: list[RankSummary]) -> dict[int, tuple[str, int]]:
-    """Each rank's first P2P op in the kept steps, and its first send's peer (key ('send1', ...))."""
-    out: dict = {}
-    for s in summaries:
-        c = s.coll
-        send = (c.kind == "send") & (c.step >= 0)
-        p2p = send | ((c.kind == "recv") & (c.step >= 0))
-        for mask, key in ((p2p, s.rank), (send, ("send1", s.rank))):
-            rows = np.flatnonzero(mask)
-            if len(rows):
-                i = rows[np.argmin(c.arrive[rows])]
-                out[key] = (str(c.kind[i]), int(c.peer[i]))
-    return out
 
 
 def bubbles(j: Joined, summaries: list[RankSummary]) -> dict | None:

@@ -155,9 +155,18 @@ def _sender_blame(j: Joined, stage_of: dict[int, int]) -> list[tuple[int, int, f
 
 def _compute_vs_peers(summaries: list[RankSummary], stage_of: dict[int, int]) -> dict[int, float]:
     """Rank's median compute per step / median of its peers (same stage, or everyone)."""
-    per = {s.rank: float(np.median(s.compute)) if len(s.compute) else 0.0 for s in summaries}
+    per = {s.rank: _median(s.compute) if len(s.compute) else 0.0 for s in summaries}
     classes: dict[int, list[float]] = defaultdict(list)
     for r, c in per.items():
         classes[stage_of.get(r, 0)].append(c)
     med = {k: float(np.median(v)) for k, v in classes.items()}
     return {r: (c / med[stage_of.get(r, 0)] if med[stage_of.get(r, 0)] > 0 else 1.0) for r, c in per.items()}
+
+
+def _median(x: np.ndarray) -> float:
+    """float(np.median(x)) of a short 1-D array (a rank's steps) without numpy's ~25 us per call."""
+    v = sorted(x.tolist())
+    n = len(v)
+    if n == 0 or any(t != t or t == 0 for t in v):  # NaN, or zeros whose sign numpy picks its own way
+        return float(np.median(x))
+    return float(v[n // 2]) if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
