@@ -186,7 +186,7 @@ def read_all(paths: list[str], cfg: ReadConfig, workers: int = 0,
         gc.unfreeze()
 
 
-_CLAIM = 4  # bytes per claim: the index of the first file of a run, little-endian
+_CLAIM = 8  # bytes per claim: first file index and file count of a run (4 + 4, little-endian)
 _FRAME = 8  # bytes of the length before each pickled batch of results
 
 
@@ -205,22 +205,21 @@ def _forked(paths: list[str], sizes: dict[str, int], cfg: ReadConfig, workers: i
     import select
 
     n = len(paths)
-    # A few ms of work per claim, a short tail; at most 8,192 claims, so they fit a pipe.
-    run = max(1, min(8, n // (workers * 16)), -(-n // 8192))
     claim_r, claim_w = os.pipe()
-    claims = b"".join(i.to_bytes(_CLAIM, "little") for i in range(0, n, run))
+    runs = _claims(n, workers)
+    claims = b"".join(start.to_bytes(4, "little") + count.to_bytes(4, "little") for start, count in runs)
     view = memoryview(claims)
     while view:
         view = view[os.write(claim_w, view):]
     os.close(claim_w)  # drained claims then read as end-of-file
     children: dict[int, int] = {}  # result pipe (read end) -> child pid
     try:
-        for _ in range(min(workers, -(-n // run))):
+        for _ in range(min(workers, len(runs))):
             res_r, res_w = os.pipe()
             pid = os.fork()
             if pid == 0:  # child: never returns
                 os.close(res_r)
-                _child(paths, sizes, cfg, run, claim_r, res_w)
+                _child(paths, sizes, cfg, claim_r, res_w)
             os.close(res_w)
             children[res_r] = pid
         os.close(claim_r)
@@ -264,7 +263,23 @@ def _forked(paths: list[str], sizes: dict[str, int], cfg: ReadConfig, workers: i
                 pass
 
 
-def _child(paths: list[str], sizes: dict[str, int], cfg: ReadConfig, run: int, claim_fd: int, out_fd: int) -> None:
+def _claims(n: int, workers: int) -> list[tuple[int, int]]:
+    """(first, count) runs covering 0..n-1: up to 8 files (a few ms of work) per claim, fewer
+    towards the end so the children finish together; at most 4,096 claims (32 KB), so
+    they all fit in a pipe before any child reads."""
+    cap = max(8, -(-n // 4096))
+    out, start = [], 0
+    while start < n:
+        count = max(1, min(cap, (n - start) // (4 * workers)))
+        out.append((start, count))
+        start += count
+    if len(out) > 4096:  # very many workers: equal runs instead
+        size = -(-n // 4096)
+        out = [(i, min(size, n - i)) for i in range(0, n, size)]
+    return out
+
+
+def _child(paths: list[str], sizes: dict[str, int], cfg: ReadConfig, claim_fd: int, out_fd: int) -> None:
     code = 1
     try:
         _keep_buffers_in_heap()
@@ -273,8 +288,8 @@ def _child(paths: list[str], sizes: dict[str, int], cfg: ReadConfig, run: int, c
             claim = os.read(claim_fd, _CLAIM)
             if len(claim) < _CLAIM:
                 break
-            start = int.from_bytes(claim, "little")
-            batch = [(i, read_one(paths[i], cfg, sizes[paths[i]])) for i in range(start, min(n, start + run))]
+            start, count = int.from_bytes(claim[:4], "little"), int.from_bytes(claim[4:], "little")
+            batch = [(i, read_one(paths[i], cfg, sizes[paths[i]])) for i in range(start, min(n, start + count))]
             data = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
             view = memoryview(len(data).to_bytes(_FRAME, "little") + data)
             while view:

@@ -175,3 +175,13 @@ def test_forked_reader_equals_in_process_reading(dp_job):
         assert a.rank == b.rank and a.events == b.events
         np.testing.assert_array_equal(a.step_time, b.step_time)
         np.testing.assert_array_equal(a.coll.arrive, b.coll.arrive)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 16, 256])
+def test_claims_cover_every_file_once_and_fit_a_pipe(workers):
+    from deltamoe.trace.reader import _claims
+
+    for n in (1, 2, 7, 64, 256, 1024, 10_000, 300_000):
+        runs = _claims(n, workers)
+        assert [i for start, count in runs for i in range(start, start + count)] == list(range(n))
+        assert len(runs) <= 4096 and all(count >= 1 for _, count in runs)
