@@ -135,20 +135,24 @@ def _pipeline(s: RankSummary, compute: iv.Spans, comm: iv.Spans, coll: Collectiv
     first_of_step = np.empty(len(rows), dtype=bool)
     first_of_step[:1] = True
     np.not_equal(coll.step[rows][1:], coll.step[rows][:-1], out=first_of_step[1:])
+    kinds = coll.kind.tolist()
+    done = []
     for k, w, a, b, last in zip(steps.tolist(), wait.tolist(), lo.tolist(), hi.tolist(),
                                 rows[first_of_step].tolist()):
         cs, ce = iv.clip(compute, a, b)
         if not len(cs):
             continue
         s.p2p_wait[k] = w
-        if coll.kind[last] == "send":
+        if kinds[last] == "send":
             before = cs < coll.arrive[last]
             end = float(ce[before].max()) if before.any() else float(ce[0])
         else:
             end = _block_end(cs, ce, float(coll.end[last]), iv.clip(pipe, a, b))
         s.pipe_first[k] = float(cs[0])
         s.pipe_end[k] = end
-        s.pipe_busy[k] = float(iv.length_in(working, cs[:1], np.array([end]))[0])
+        done.append(k)
+    if done:  # working time in [first compute, block end) of each step, measured at once
+        s.pipe_busy[done] = iv.length_in(working, s.pipe_first[done], s.pipe_end[done])
 
 
 def _block_end(cs: np.ndarray, ce: np.ndarray, after: float, p2p: iv.Spans) -> float:

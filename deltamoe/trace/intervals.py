@@ -17,7 +17,7 @@ def union(starts: np.ndarray, ends: np.ndarray) -> Spans:
     """Merge possibly overlapping spans into sorted disjoint ones."""
     if len(starts) == 0:
         return EMPTY
-    order = np.argsort(starts, kind="stable")
+    order = np.asarray(starts).argsort(kind="stable")  # methods, not np.* wrappers: called per rank
     s = starts[order]
     e = np.maximum.accumulate(ends[order])
     # A new merged span begins where a start lies beyond every earlier end; the running
@@ -41,8 +41,8 @@ def clip(spans: Spans, lo: float, hi: float) -> Spans:
     s, e = spans
     if len(s) == 0 or hi <= lo:
         return EMPTY
-    i = int(np.searchsorted(e, lo, side="right"))
-    j = int(np.searchsorted(s, hi, side="left"))
+    i = int(e.searchsorted(lo, side="right"))
+    j = int(s.searchsorted(hi, side="left"))
     s, e = np.maximum(s[i:j], lo), np.minimum(e[i:j], hi)
     keep = e > s
     return s[keep], e[keep]
@@ -90,8 +90,10 @@ def covered(spans: Spans, x: np.ndarray) -> np.ndarray:
     if len(s) == 0:
         return np.zeros(x.shape)
     span = e - s
-    cum_end = np.concatenate([[0.0], np.cumsum(span)])  # busy time before span i
-    k = np.searchsorted(s, x, side="right") - 1  # last span starting at or before x
+    cum_end = np.empty(len(span) + 1)  # busy time before span i
+    cum_end[0] = 0.0
+    span.cumsum(out=cum_end[1:])
+    k = s.searchsorted(x, side="right") - 1  # last span starting at or before x
     kk = np.maximum(k, 0)
     inside = np.minimum(np.maximum(x - s[kk], 0.0), span[kk])
     return np.where(k >= 0, cum_end[kk] + inside, 0.0)
