@@ -6,10 +6,14 @@ All of them normalise in fp32 (as the reference does) and return the input dtype
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """`w * cast(x * rsqrt(mean(x^2) + eps))`: normalise in fp32, cast back, then scale (HF/K3 order)."""
+    if x.dtype == torch.float32 and (weight is None or weight.dtype == torch.float32):
+        # All fp32, so the casts are no-ops: torch's own rms_norm is this formula in one call.
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return y if weight is None else weight * y
@@ -17,8 +21,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:
     """KDA output norm: per-head RMSNorm times sigmoid(gate), entirely in fp32, cast at the end."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    y = F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps)
     return (y * torch.sigmoid(gate.float())).to(x.dtype)
 
 
@@ -29,6 +32,6 @@ def attn_res_mix(current: torch.Tensor, bank: list[torch.Tensor], u: torch.Tenso
     raw candidates (not the normalised keys), all in fp32, cast back to the input dtype.
     """
     values = torch.stack([b.float() for b in bank] + [current.float()], dim=-2)  # [..., n+1, D]
-    keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps)
+    keys = F.rms_norm(values, (values.shape[-1],), None, eps)
     probs = torch.softmax(keys @ u.float().reshape(-1, 1), dim=-2)  # [..., n+1, 1]
     return (probs * values).sum(-2).to(current.dtype)

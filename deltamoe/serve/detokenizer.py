@@ -13,9 +13,13 @@ from deltamoe.tokenizers.base import Tokenizer
 
 
 class IncrementalDetokenizer:
+    """`stream=False` (offline generation without stop strings: nobody reads text before the end)
+    keeps the bytes and decodes them once in `flush`; the final text is the same."""
+
     def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None, skip_special_tokens: bool = True,
-                 include_stop_str_in_output: bool = False):
+                 include_stop_str_in_output: bool = False, stream: bool = True):
         self._tokenizer = tokenizer
+        self._deferred: list[bytes] | None = None if stream or stop else []
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._skip = set(tokenizer.special_tokens.values()) if skip_special_tokens else set()
         self._stop = list(stop or [])
@@ -27,6 +31,9 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Add one token; return the newly safe text (possibly empty)."""
         if self.stopped_by is not None:
+            return ""
+        if self._deferred is not None:
+            self._deferred.append(self._bytes(token_id))
             return ""
         return self._add(self._decoder.decode(self._bytes(token_id)))
 
@@ -40,7 +47,11 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end of generation: release held-back text (an unfinished character becomes U+FFFD)."""
-        delta = self._add(self._decoder.decode(b"", final=True)) if self.stopped_by is None else ""
+        early = ""
+        if self._deferred:
+            pending, self._deferred = b"".join(self._deferred), []
+            early = self._add(self._decoder.decode(pending))
+        delta = early + (self._add(self._decoder.decode(b"", final=True)) if self.stopped_by is None else "")
         if self.stopped_by is not None:  # _add already released everything up to the stop
             return delta
         delta += self.text[self.emitted:]

@@ -57,8 +57,11 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
-                      request_id: str | None = None, priority: int = 0) -> Sequence:
-        """Validate and tokenize a request without touching engine state (safe from any thread)."""
+                      request_id: str | None = None, priority: int = 0, stream_text: bool = True) -> Sequence:
+        """Validate and tokenize a request without touching engine state (safe from any thread).
+
+        `stream_text=False`: text is only read once finished (offline `generate`), so without stop
+        strings it is decoded once at the end instead of token by token."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestError(f"expected SamplingParams, got {type(params).__name__}", field="sampling_params")
@@ -91,7 +94,7 @@ class LLMEngine:
             token_ids=ids, num_prompt_tokens=len(ids), params=params,
             generator=torch.Generator(device=self.device).manual_seed(seed),
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
-                                               params.include_stop_str_in_output),
+                                               params.include_stop_str_in_output, stream=stream_text),
             max_tokens=params.max_tokens or room, stop_ids=frozenset(stop_ids), priority=priority,
             prompt=prompt if isinstance(prompt, str) else None)
 
@@ -168,7 +171,7 @@ class LLMEngine:
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise RequestError(f"{len(params_list)} sampling params for {len(prompts)} prompts", field="params")
-        seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, params_list)]
+        seqs = [self.make_sequence(p, sp, stream_text=False) for p, sp in zip(prompts, params_list)]
         for seq in seqs:
             self.add_sequence(seq)
         pending = {s.request_id for s in seqs}

@@ -110,6 +110,20 @@ def test_cut_character_at_the_end_becomes_replacement():
     assert detok.flush() == "\ufffd"
 
 
+
+@pytest.mark.parametrize("data", ["a€😀 plain".encode(), "é".encode()[:1], "x".encode() + bytes([0xFF]) + "ü".encode()])
+def test_deferred_text_equals_the_streamed_text(data: bytes) -> None:
+    """Offline generation decodes once at the end (`stream=False`): same final text, cut characters
+    and invalid bytes included; with stop strings it stays incremental (they need checking per token)."""
+    tok = ByteTokenizer()
+    streamed, deferred = IncrementalDetokenizer(tok), IncrementalDetokenizer(tok, stream=False)
+    pieces = "".join(feed(streamed, data)) + streamed.flush()
+    assert feed(deferred, data) == [""] * len(data)
+    assert deferred.flush() == pieces and deferred.text == streamed.text == pieces
+    with_stop = IncrementalDetokenizer(tok, stop=["lain"], stream=False)
+    feed(with_stop, data)
+    assert with_stop.stopped_by == ("lain" if b"plain" in data else None)
+
 def test_stop_string_across_tokens_is_never_emitted():
     detok = IncrementalDetokenizer(ByteTokenizer(), stop=["END"])
     pieces = feed(detok, b"abcENxEND tail")
