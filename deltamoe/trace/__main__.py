@@ -61,14 +61,14 @@ def click_app():
 
 def _fast_analyze(argv: list[str]) -> int:
     """`analyze ARGS` without click: argparse errors exit 2 after their usage line."""
-    from deltamoe.trace.command import parser, run_analyze
+    from deltamoe.trace.command import parse_args, run_analyze
 
     try:
-        args = parser().parse_args(argv)
+        args = parse_args(argv)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 2
     try:
-        run_analyze(**vars(args))
+        run_analyze(**args)
     except DeltaMoEError as e:
         print(f"error: {e.one_line()}", file=sys.stderr)
         return 2
