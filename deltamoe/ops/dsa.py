@@ -54,27 +54,58 @@ def causal_topk(
     dense attention. Entries are ordered by descending score, ties broken by the lower slot, so
     the result is deterministic; invalid entries (beyond n) hold slot 0.
     """
-    ranked, visible, top = _ranked_scores(scores, q_positions, kv_lengths, top_k)
+    ranked, counts, top = _ranked_prefix(scores, q_positions, kv_lengths, top_k)
     batch, time, _ = ranked.shape
     if top == 0 or batch * time == 0:
         return causal_topk_reference(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=top_k)
-    # The same selection as the reference's full sort, in O(S): the top-th largest value is the
-    # threshold; keep everything above it and the lowest slots among the ties at it (exactly
-    # `top` per row), then order only those `top` entries.
-    threshold = torch.topk(ranked, top, dim=-1, sorted=False).values.min(dim=-1, keepdim=True).values
+    # The same selection as the reference's full sort, in O(S). torch.topk finds the `top` largest
+    # scores but picks arbitrarily among ties at the smallest of them (the threshold). Unless some
+    # tied key was left out, its set is the reference's; a row that sees fewer than `top` keys
+    # (threshold -inf) holds every visible key, and what fills it up is masked below.
+    values, slots = torch.topk(ranked, top, dim=-1, sorted=False)
+    threshold = values.min(dim=-1, keepdim=True).values
+    settled = ranked.device.type == "cpu" and bool(  # the check reads back a flag: on CPUs only
+        ((threshold.squeeze(-1) == float("-inf"))
+         | ((ranked == threshold).sum(dim=-1) == (values == threshold).sum(dim=-1))).all())
+    if not settled:
+        slots = _lowest_slots_at_threshold(ranked, threshold, top)
+    slots = slots.sort(dim=-1).values  # ascending slot, so the stable sort below breaks ties by slot
+    order = torch.sort(ranked.gather(-1, slots), dim=-1, descending=True, stable=True).indices
+    valid = torch.arange(top, device=scores.device) < counts[..., None]
+    return slots.gather(-1, order).masked_fill(~valid, 0), valid
+
+
+def _lowest_slots_at_threshold(ranked: torch.Tensor, threshold: torch.Tensor, top: int) -> torch.Tensor:
+    """Exactly `top` slots per row: every key above the threshold, then the lowest slots among the
+    ties at it -> long [B, T, top] in ascending slot order."""
+    batch, time, _ = ranked.shape
     above = ranked > threshold
     tie = ranked == threshold
     room = top - above.sum(dim=-1, keepdim=True)
     keep = above | (tie & (tie.cumsum(dim=-1) <= room))
-    # Scatter each kept slot to its rank among the kept ones (ascending slot order); dropped slots
-    # go to a spill column. Shapes never depend on the data, so meta-device tracing (pipeline
-    # stages infer their output shapes that way) sees the real [B,T,top].
+    # Scatter each kept slot to its rank among the kept ones; dropped slots go to a spill column.
+    # Shapes never depend on the data, so meta-device tracing (pipeline stages infer their output
+    # shapes that way) sees the real [B,T,top].
     rank = torch.where(keep, keep.cumsum(dim=-1) - 1, top)
-    arange = torch.arange(ranked.shape[-1], device=scores.device).expand_as(ranked)
-    slots = ranked.new_zeros((batch, time, top + 1), dtype=torch.long).scatter_(-1, rank, arange)[..., :top]
-    order = torch.sort(ranked.gather(-1, slots), dim=-1, descending=True, stable=True).indices
-    valid = torch.arange(top, device=scores.device) < visible.sum(dim=-1, keepdim=True)
-    return slots.gather(-1, order).masked_fill(~valid, 0), valid
+    arange = torch.arange(ranked.shape[-1], device=ranked.device).expand_as(ranked)
+    return ranked.new_zeros((batch, time, top + 1), dtype=torch.long).scatter_(-1, rank, arange)[..., :top]
+
+
+def _ranked_prefix(
+    scores: torch.Tensor, q_positions: torch.Tensor, kv_lengths: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """`_ranked_scores` in fewer passes: the keys a query sees are always a prefix of the slots,
+    [0, n) with n = min(q_position + 1, kv_length), so one comparison masks the rest.
+    Returns (ranked fp32 [B,T,S], n long [B,T], K)."""
+    _check_topk_args(scores, q_positions, top_k)
+    visible_keys(q_positions[:, :0], kv_lengths, 0)  # the same argument checks as the reference
+    num_keys = scores.shape[-1]
+    top = min(top_k, num_keys)
+    counts = torch.minimum(q_positions + 1, kv_lengths[:, None]).clamp(min=0, max=num_keys)
+    lowest = torch.finfo(torch.float32).min
+    ranked = scores.float().clamp(min=lowest)
+    ranked.masked_fill_(torch.arange(num_keys, device=scores.device) >= counts[..., None], float("-inf"))
+    return ranked, counts, top
 
 
 def causal_topk_reference(
@@ -96,16 +127,19 @@ def _ranked_scores(
     order is unspecified). Visible scores are clamped to the lowest finite float so that hidden
     keys (-inf) rank strictly after every visible key, even a visible -inf one.
     """
+    _check_topk_args(scores, q_positions, top_k)
+    visible = visible_keys(q_positions, kv_lengths, scores.shape[-1])
+    lowest = torch.finfo(torch.float32).min
+    ranked = torch.where(visible, scores.float().clamp(min=lowest), float("-inf"))
+    return ranked, visible, min(top_k, scores.shape[-1])
+
+
+def _check_topk_args(scores: torch.Tensor, q_positions: torch.Tensor, top_k: int) -> None:
     if top_k <= 0:
         raise ValueError(f"top_k: expected a positive integer, got {top_k}")
     if scores.dim() != 3:
         raise ValueError(f"scores: expected shape [B, T, S], got {tuple(scores.shape)}")
-    batch, time, num_keys = scores.shape
-    check_shape("q_positions", q_positions, "[B, T]", (batch, time))
-    visible = visible_keys(q_positions, kv_lengths, num_keys)
-    lowest = torch.finfo(torch.float32).min
-    ranked = torch.where(visible, scores.float().clamp(min=lowest), float("-inf"))
-    return ranked, visible, min(top_k, num_keys)
+    check_shape("q_positions", q_positions, "[B, T]", scores.shape[:2])
 
 
 def topk_mask(indices: torch.Tensor, valid: torch.Tensor, num_keys: int) -> torch.Tensor:

@@ -102,6 +102,31 @@ def test_causal_topk_equals_the_full_sort_reference(seed: int) -> None:
 
 
 
+
+@pytest.mark.parametrize("seed", range(4))
+def test_causal_topk_without_threshold_ties_skips_the_tie_pass(seed: int, monkeypatch) -> None:
+    """Continuous scores: torch.topk's set is already the reference's, so the tie-resolving pass
+    never runs, and the result equals the full sort: rows that see more keys than K, fewer
+    (threshold -inf), none (a padding query at position -1), and a decode row."""
+    from deltamoe.ops import dsa
+
+    calls = []
+    real = dsa._lowest_slots_at_threshold
+    monkeypatch.setattr(dsa, "_lowest_slots_at_threshold", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(seed)
+    b, t, s, k = 3, 5, 300, 16
+    scores = torch.randn(b, t, s, generator=g)
+    q_positions = torch.tensor([[0, 1, 2, 3, -1], [100, 101, 102, 103, 104], [295, 296, 297, 298, 299]])
+    kv_lengths = torch.tensor([4, 105, 300])
+    got = causal_topk(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=k)
+    want = dsa.causal_topk_reference(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=k)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]) and not calls
+    # A tie straddling the threshold needs the pass (and still equals the reference).
+    scores[1, 2, :105] = 0.0
+    got = causal_topk(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=k)
+    want = dsa.causal_topk_reference(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=k)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]) and calls
+
 def test_causal_topk_shapes_do_not_depend_on_data() -> None:
     """Pipeline stages infer output shapes with meta tensors; the selection must not use
     data-dependent shapes (nonzero), or the stage sees [B,T,0] and the whole job fails."""
