@@ -34,7 +34,9 @@ def rank_info(header: dict, path: str) -> tuple[int, int, str, dict[str, tuple[i
 def _compact_ranks(ranks: list) -> tuple[int, ...] | range:
     """Strided rank lists (world, DP, TP groups) as a `range`: every file lists the world
     group, and 10,000 files x 10,000 ranks must not travel back to the parent as tuples."""
-    if isinstance(ranks, list) and set(map(type, ranks)) == {int}:  # the usual case, without numpy
+    # Short lists (most groups) without numpy's per-call cost; long ones (the world group of a
+    # large job) are faster in numpy.
+    if isinstance(ranks, list) and len(ranks) <= 256 and set(map(type, ranks)) == {int}:
         if len(ranks) >= 2:
             step = ranks[1] - ranks[0]
             if step > 0 and ranks == list(range(ranks[0], ranks[-1] + 1, step)):

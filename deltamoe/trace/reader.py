@@ -290,7 +290,8 @@ def _child(paths: list[str], sizes: dict[str, int], cfg: ReadConfig, claim_fd: i
                 break
             start, count = int.from_bytes(claim[:4], "little"), int.from_bytes(claim[4:], "little")
             batch = [(i, read_one(paths[i], cfg, sizes[paths[i]])) for i in range(start, min(n, start + count))]
-            data = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+            # Protocol 4: with 5, each array loads as a view on its own bytearray (~50% more memory).
+            data = pickle.dumps(batch, protocol=4)
             view = memoryview(len(data).to_bytes(_FRAME, "little") + data)
             while view:
                 view = view[os.write(out_fd, view):]
