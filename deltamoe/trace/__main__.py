@@ -18,6 +18,10 @@ import os
 import sys
 from collections.abc import Callable
 
+# The analyzer never multiplies matrices: without this, importing numpy starts one OpenBLAS
+# thread per core, whose spinning costs ~70 ms of CPU that the reader processes need.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 from deltamoe.errors import DeltaMoEError
 
 
