@@ -80,6 +80,7 @@ def read_one(path: str, cfg: ReadConfig, size: int | None = None) -> RankSummary
     """Parse and reduce one file in this process (worker entry point); `size`: decompressed bytes."""
     if (_size(path) if size is None else size) > cfg.whole_bytes:
         return read_sliced(path, cfg)
+    gc_was_on = gc.isenabled()
     gc.disable()  # millions of fresh dicts would trigger useless cyclic collections
     try:
         doc = schema.decode_trace(jsonsplit.read_bytes(path))
@@ -96,12 +97,14 @@ def read_one(path: str, cfg: ReadConfig, size: int | None = None) -> RankSummary
     except Exception as e:  # a malformed event must cost one rank, not the whole analysis
         return RankError(path, f"{path}: {type(e).__name__}: {e}")
     finally:
-        gc.enable()
+        if gc_was_on:
+            gc.enable()
 
 
 def _read_slices(job: tuple[list[jsonsplit.Slice], ReadConfig]) -> EventTables:
     """Consecutive slices parsed one by one (each stays in cache), returned as one table."""
     run, cfg = job
+    gc_was_on = gc.isenabled()
     gc.disable()
     try:
         parts = []
@@ -111,7 +114,8 @@ def _read_slices(job: tuple[list[jsonsplit.Slice], ReadConfig]) -> EventTables:
             parts.append(t.freeze())
         return EventTables.merge(parts).freeze()
     finally:
-        gc.enable()
+        if gc_was_on:
+            gc.enable()
 
 
 def _runs(parts: Iterator[jsonsplit.Slice], n: int) -> Iterator[list[jsonsplit.Slice]]:

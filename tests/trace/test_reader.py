@@ -185,3 +185,17 @@ def test_claims_cover_every_file_once_and_fit_a_pipe(workers):
         runs = _claims(n, workers)
         assert [i for start, count in runs for i in range(start, start + count)] == list(range(n))
         assert len(runs) <= 4096 and all(count >= 1 for _, count in runs)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_analyze_restores_the_collector_state(dp_job, workers):
+    import gc
+
+    was = gc.isenabled()
+    try:
+        for state in (True, False):
+            gc.enable() if state else gc.disable()
+            analyze(dp_job[0], workers=workers)
+            assert gc.isenabled() is state
+    finally:
+        gc.enable() if was else gc.disable()
