@@ -66,14 +66,16 @@ def bubbles(j: Joined, summaries: list[RankSummary]) -> dict | None:
     per_stage: dict[int, list[float]] = defaultdict(list)
     per_rank: dict[int, list[float]] = defaultdict(list)
     wait_s: dict[int, float] = defaultdict(float)
+    # Where each step is in each rank's arrays (step ids are sorted and unique).
+    index = {s.rank: {step: i for i, step in enumerate(s.step_ids.tolist())} for s in summaries}
     for stages in pipes:
         sums = [by_rank[r] for r in stages]
-        steps = set.intersection(*(set(s.step_ids.tolist()) for s in sums))
+        steps = set.intersection(*(set(index[r]) for r in stages))
         for step in sorted(steps):
-            idx = [int(np.searchsorted(s.step_ids, step)) for s in sums]
+            idx = [index[s.rank][step] for s in sums]
             first = [s.pipe_first[i] for s, i in zip(sums, idx)]
             last = [s.pipe_end[i] for s, i in zip(sums, idx)]
-            if any(np.isnan(first)) or any(np.isnan(last)):
+            if any(x != x for x in first) or any(x != x for x in last):  # NaN: no pipeline compute
                 continue
             w = max(last) - min(first)
             if w <= 0:
