@@ -80,14 +80,20 @@ def _first_p2p(c: dict[str, np.ndarray]) -> dict:
 def _concat(summaries: list[RankSummary]) -> dict[str, np.ndarray]:
     """All ranks' rows inside kept steps, concatenated column by column (step = ProfilerStep number)."""
     colls = [s.coll for s in summaries]
-    local = np.concatenate([c.step for c in colls]) if colls else np.zeros(0, dtype=np.int64)
+    if not colls:
+        return {k: np.zeros(0, dtype=np.int64) for k in ("rank", "step")} | {
+            k: np.zeros(0) for k in ("seq", "nbytes", "arrive", "end", "peer")} | {
+            k: np.zeros(0, dtype=object) for k in ("kind", "pg")}
+    local = np.concatenate([c.step for c in colls])
     keep = local >= 0
-    out = {"rank": np.repeat(np.array([s.rank for s in summaries], dtype=np.int64), [len(c) for c in colls])[keep],
-           "step": np.concatenate([s.step_ids[np.maximum(s.coll.step, 0)] if len(s.step_ids)
-                                   else np.zeros(len(s.coll), dtype=np.int64) for s in summaries]
-                                  or [np.zeros(0, dtype=np.int64)])[keep]}
+    rows = [len(c) for c in colls]
+    # A kept row's step number: its rank's step_ids at the row's step index, all ranks at once.
+    ids = [s.step_ids for s in summaries]
+    first_id = np.cumsum([0] + [len(x) for x in ids[:-1]])
+    out = {"rank": np.repeat(np.array([s.rank for s in summaries], dtype=np.int64), rows)[keep],
+           "step": np.concatenate(ids)[(np.repeat(first_id, rows) + local)[keep]]}
     for k in ("kind", "pg", "seq", "nbytes", "arrive", "end", "peer"):
-        out[k] = np.concatenate([getattr(c, k) for c in colls])[keep] if colls else np.zeros(0)
+        out[k] = np.concatenate([getattr(c, k) for c in colls])[keep]
     out["pg"] = out["pg"].astype(object)
     out["kind"] = out["kind"].astype(object)
     return out

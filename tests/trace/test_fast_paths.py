@@ -377,3 +377,34 @@ def test_instance_ids_match_reference(seed):
     _, pg_id = np.unique(key_pg, return_inverse=True)
     _, inst = np.unique(pg_id.astype(np.int64) * (1 << 32) + c["seq"].astype(np.int64), return_inverse=True)
     np.testing.assert_array_equal(_instances(c)["inst"], inst)
+
+
+def ref_concat(summaries) -> dict:
+    colls = [s.coll for s in summaries]
+    local = np.concatenate([c.step for c in colls]) if colls else np.zeros(0, dtype=np.int64)
+    keep = local >= 0
+    out = {"rank": np.repeat(np.array([s.rank for s in summaries], dtype=np.int64), [len(c) for c in colls])[keep],
+           "step": np.concatenate([s.step_ids[np.maximum(s.coll.step, 0)] if len(s.step_ids)
+                                   else np.zeros(len(s.coll), dtype=np.int64) for s in summaries]
+                                  or [np.zeros(0, dtype=np.int64)])[keep]}
+    for k in ("kind", "pg", "seq", "nbytes", "arrive", "end", "peer"):
+        out[k] = np.concatenate([getattr(c, k) for c in colls])[keep] if colls else np.zeros(0)
+    out["pg"] = out["pg"].astype(object)
+    out["kind"] = out["kind"].astype(object)
+    return out
+
+
+@pytest.mark.parametrize("job", ["pipeline_job", "dp_job", "clean_pipeline_job"])
+def test_concat_matches_reference(job, request):
+    from deltamoe.trace.join import _concat
+    from deltamoe.trace.reader import ReadConfig, dedupe_ranks, find_traces, read_one
+
+    folder = request.getfixturevalue(job)[0]
+    for steps in ((None, None), (1, 3), (2, 3), (7, 9)):
+        summaries, _ = dedupe_ranks([read_one(p, ReadConfig(steps=steps)) for p in find_traces(folder)])
+        summaries = [s for s in summaries if not isinstance(s, Exception)]
+        got, want = _concat(summaries), ref_concat(summaries)
+        assert got.keys() == want.keys()
+        for k in want:
+            assert got[k].dtype == want[k].dtype, k
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)

@@ -137,7 +137,8 @@ def _sender_blame(j: Joined, stage_of: dict[int, int]) -> list[tuple[int, int, f
     """
     groups: dict[tuple, list[int]] = defaultdict(list)
     seen: dict[tuple[int, int, int], int] = defaultdict(int)
-    for i, (s, d, st) in enumerate(zip(j.p2p_src.tolist(), j.p2p_dst.tolist(), j.p2p_step.tolist())):
+    src, step, send = j.p2p_src.tolist(), j.p2p_step.tolist(), j.p2p_send.tolist()
+    for i, (s, d, st) in enumerate(zip(src, j.p2p_dst.tolist(), step)):
         k = seen[(s, d, st)]
         seen[(s, d, st)] += 1
         groups[(stage_of.get(s, -1), stage_of.get(d, -1), st, k)].append(i)
@@ -149,7 +150,7 @@ def _sender_blame(j: Joined, stage_of: dict[int, int]) -> list[tuple[int, int, f
         excess = w - (np.median(w) if len(rows) >= 3 else w.min())
         for i, x in zip(rows, excess.tolist()):
             if x > 0:
-                out.append((int(j.p2p_src[i]), int(j.p2p_step[i]), float(j.p2p_send[i]), x))
+                out.append((src[i], step[i], send[i], x))
     return out
 
 
