@@ -48,12 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     except typer.Abort:
         print("aborted", file=sys.stderr)
         return 130
-    except Exception as e:  # click usage errors
+    except Exception as e:  # usage errors: click's, or typer's own (typer >= 0.26 vendors click)
         import click
 
-        if isinstance(e, click.ClickException):
+        if isinstance(e, (click.ClickException, typer.TyperException)) and hasattr(e, "show"):
             e.show()
-            return 2
+            return getattr(e, "exit_code", 2) or 2
         raise
     return 0
 
