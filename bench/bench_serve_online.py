@@ -37,6 +37,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from common import markdown_table, result_name, write_result  # noqa: E402
 
+# What `deltamoe serve` picks without --threads once OMP_NUM_THREADS is removed from its environment.
+SERVER_DEFAULT_THREADS = max(1, (os.cpu_count() or 1) - 1)
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_NAME = "bench"
 
@@ -57,11 +60,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str, port: int, max_model_len: int, max_num_seqs: int, threads: int) -> subprocess.Popen:
+def start_server(model: str, port: int, max_model_len: int, max_num_seqs: int, threads: int | None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "deltamoe.cli", "serve", model, "--port", str(port), "--served-model-name",
            MODEL_NAME, "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
            "--log-level", "warning"]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    if threads is not None:
+        cmd += ["--threads", str(threads)]
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # the server's own default
     return subprocess.Popen(cmd, cwd=ROOT, env=env)
 
 
@@ -161,7 +166,8 @@ def main() -> None:
     ap.add_argument("--prompts-per-client", type=int, default=4)
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=2, help="torch threads of the server process")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads of the server (default: the server's own, all cores but one)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="2 requests per client, 32 in / 16 out tokens, writes serve_online_quick.json")
     args = ap.parse_args()
@@ -190,7 +196,7 @@ def main() -> None:
             proc.kill()
 
     config = {"model": args.model, "input_len": args.input_len, "output_len": args.output_len,
-              "prompts_per_client": args.prompts_per_client, "server_threads": args.threads, "quick": args.quick,
+              "prompts_per_client": args.prompts_per_client, "server_threads": args.threads or SERVER_DEFAULT_THREADS, "quick": args.quick,
               "command": " ".join(["bench/bench_serve_online.py", *sys.argv[1:]])}
     path = write_result(result_name("serve_online", args.quick), {"config": config, "runs": rows})
     headers = ["clients", "done", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms",

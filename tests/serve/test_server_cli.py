@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import torch
+
 from deltamoe.cli import main
 from deltamoe.model.load import build_model
 from deltamoe.model.weights import save_checkpoint
 from deltamoe.serve import api
+from deltamoe.serve.cli import engine_threads
 
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
 
@@ -18,8 +22,8 @@ def test_serve_flags_reach_the_server(tmp_path, monkeypatch, helpers):
     seen = {}
     monkeypatch.setattr(api, "run", lambda engine, **kw: seen.update(engine=engine, **kw))
     rc = main(["serve", str(tmp_path), "--port", "8123", "--api-key", "sk-1", "--served-model-name", "kimi",
-               "--max-model-len", "96", "--cache-memory", "8MiB", "--log-level", "warning"])
-    assert rc == 0
+               "--max-model-len", "96", "--cache-memory", "8MiB", "--log-level", "warning", "--threads", "1"])
+    assert rc == 0 and torch.get_num_threads() == 1
     assert (seen["model_name"], seen["host"], seen["port"], seen["api_key"]) == ("kimi", "127.0.0.1", 8123, "sk-1")
     assert seen["engine"].max_model_len == 96 and seen["chat_template"].source == TEMPLATE
     assert seen["log_level"] == "warning"
@@ -30,3 +34,16 @@ def test_serve_bad_flags_exit_2(capsys):
     assert "max_model_len" in capsys.readouterr().err
     assert main(["serve", "tiny", "--cache-memory", "lots"]) == 2
     assert "cache_memory" in capsys.readouterr().err
+
+
+def test_engine_threads_leave_a_core_for_the_front_end(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert engine_threads(None, "cpu") == 7 and engine_threads(3, "cpu") == 3
+    monkeypatch.setattr("os.cpu_count", lambda: 1)
+    assert engine_threads(None, "cpu") == 1
+    assert engine_threads(None, "cuda:0") is None  # a GPU engine keeps torch's default
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert engine_threads(None, "cpu") is None  # the user's setting stands
+    with pytest.raises(Exception, match="threads"):
+        engine_threads(0, "cpu")
