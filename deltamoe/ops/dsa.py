@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from deltamoe.ops.mla import visible_keys
+from deltamoe.ops.mla import visible_counts, visible_keys
 from deltamoe.ops.shapes import check_shape
 
 
@@ -94,14 +94,13 @@ def _lowest_slots_at_threshold(ranked: torch.Tensor, threshold: torch.Tensor, to
 def _ranked_prefix(
     scores: torch.Tensor, q_positions: torch.Tensor, kv_lengths: torch.Tensor, top_k: int
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """`_ranked_scores` in fewer passes: the keys a query sees are always a prefix of the slots,
-    [0, n) with n = min(q_position + 1, kv_length), so one comparison masks the rest.
-    Returns (ranked fp32 [B,T,S], n long [B,T], K)."""
+    """`_ranked_scores` in fewer passes: the keys a query sees are a prefix of the slots
+    (`mla.visible_counts`), so one comparison masks the rest.
+    Returns (ranked fp32 [B,T,S], visible keys per query long [B,T], K)."""
     _check_topk_args(scores, q_positions, top_k)
-    visible_keys(q_positions[:, :0], kv_lengths, 0)  # the same argument checks as the reference
     num_keys = scores.shape[-1]
     top = min(top_k, num_keys)
-    counts = torch.minimum(q_positions + 1, kv_lengths[:, None]).clamp(min=0, max=num_keys)
+    counts = visible_counts(q_positions, kv_lengths, num_keys)
     lowest = torch.finfo(torch.float32).min
     ranked = scores.float().clamp(min=lowest)
     ranked.masked_fill_(torch.arange(num_keys, device=scores.device) >= counts[..., None], float("-inf"))

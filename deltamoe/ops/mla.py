@@ -32,12 +32,23 @@ def visible_keys(q_positions: torch.Tensor, kv_lengths: torch.Tensor, num_keys: 
 
     The single definition of causality + padding, shared by MLA and the DSA top-k.
     """
+    _check_visibility(q_positions, kv_lengths)
+    slots = torch.arange(num_keys, device=q_positions.device)
+    return (slots <= q_positions[..., None]) & (slots < kv_lengths[:, None, None])
+
+
+def visible_counts(q_positions: torch.Tensor, kv_lengths: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """long [B, T]: how many keys each query sees. `visible_keys` is always a prefix of the slots,
+    [0, n) with n = min(q_position + 1, kv_length), so this count says the same in one number."""
+    _check_visibility(q_positions, kv_lengths)
+    return torch.minimum(q_positions + 1, kv_lengths[:, None]).clamp(min=0, max=num_keys)
+
+
+def _check_visibility(q_positions: torch.Tensor, kv_lengths: torch.Tensor) -> None:
     if q_positions.dim() != 2 or q_positions.is_floating_point():
         got = f"{q_positions.dtype} {tuple(q_positions.shape)}"
         raise ValueError(f"q_positions: expected integer shape [B, T], got {got}")
     check_shape("kv_lengths", kv_lengths, "[B]", (q_positions.shape[0],))
-    slots = torch.arange(num_keys, device=q_positions.device)
-    return (slots <= q_positions[..., None]) & (slots < kv_lengths[:, None, None])
 
 
 def _allowed_keys(

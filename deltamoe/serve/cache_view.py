@@ -37,7 +37,7 @@ class PagedBatchView:
         total = max(p + n for p, n in zip(past_lengths, counts))
         self._table, self._total = table, total
         new_pos = (self.past_lengths[:, None] + torch.arange(t, device=device)).clamp(max=total - 1)  # [B, T]
-        write = table.gather(1, new_pos // bs) * bs + new_pos % bs
+        write = self._page_rows(new_pos)
         if ragged:  # only real tokens are stored; padding positions are dropped before the write
             self._real = (torch.arange(t, device=device) < self.new_lengths[:, None]).reshape(-1)
             self._write = write.reshape(-1)[self._real]
@@ -54,10 +54,14 @@ class PagedBatchView:
         """[B, S] flat page row of every position < S, built once per call and only when the pages
         are not one consecutive slice (at long context the map itself costs several passes)."""
         if self._read_rows is None:
-            bs = self._cache.block_size
             pos = torch.arange(self._total, device=self._table.device)
-            self._read_rows = self._table[:, pos // bs] * bs + pos % bs
+            self._read_rows = self._page_rows(pos.expand(self._table.shape[0], -1))
         return self._read_rows
+
+    def _page_rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """Flat page row of each position [B, N] of each row: vLLM's slot mapping."""
+        bs = self._cache.block_size
+        return self._table.gather(1, positions // bs) * bs + positions % bs
 
     def kda_state(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if self._fresh:  # the model's own zero-state path, exactly as a lone prefill takes it
@@ -92,8 +96,7 @@ class PagedBatchView:
         """Only the rows asked for, wherever their pages are: DSA decode's top-k reads stay
         O(k) per query even when a long sequence's blocks are scattered over the pool."""
         pages = self._cache.latent[self._cache.latent_index[layer]]
-        bs = self._cache.block_size
-        rows = self._table.gather(1, positions // bs) * bs + positions % bs  # [B, N]
+        rows = self._page_rows(positions)
         return pages.index_select(0, rows.reshape(-1)).view(*positions.shape, pages.shape[-1])
 
     def append_index_keys(self, layer: int, keys: torch.Tensor) -> torch.Tensor:

@@ -47,13 +47,13 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end of generation: release held-back text (an unfinished character becomes U+FFFD)."""
-        early = ""
+        delta = ""
         if self._deferred:
             pending, self._deferred = b"".join(self._deferred), []
-            early = self._add(self._decoder.decode(pending))
-        delta = early + (self._add(self._decoder.decode(b"", final=True)) if self.stopped_by is None else "")
+            delta = self._add(self._decoder.decode(pending))
         if self.stopped_by is not None:  # _add already released everything up to the stop
             return delta
+        delta += self._add(self._decoder.decode(b"", final=True))
         delta += self.text[self.emitted:]
         self.emitted = len(self.text)
         return delta
