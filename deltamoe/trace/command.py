@@ -45,51 +45,10 @@ def progress(console: Console) -> Progress:
                     console=console, auto_refresh=False, transient=True)
 
 
-_VALUE_OPTIONS = {"--json": "json_out", "--html": "html_out", "--workers": "workers", "--steps": "steps",
-                  "--comm-pattern": "comm_pattern"}
-
-
 def parse_args(argv: list[str]) -> dict:
-    """`analyze`'s arguments as parser() reads them; argparse itself only for unusual input.
-
-    The usual forms (DIR, --opt VALUE, --opt=VALUE, --quiet) are read here: importing and
-    building the argparse parser costs a few ms of start-up (it loads shutil to format help).
-    Anything else, including every error, goes to argparse, which reports it and exits 2."""
-    out: dict = {"folder": None, "json_out": None, "html_out": None, "workers": 0, "steps": None,
-                 "comm_pattern": [], "quiet": False}
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "--quiet":
-            out["quiet"] = True
-        elif arg.startswith("-"):
-            name, eq, value = arg.partition("=")
-            if name not in _VALUE_OPTIONS:
-                break
-            if not eq:
-                if i + 1 >= len(argv) or argv[i + 1].startswith("-"):
-                    break
-                i += 1
-                value = argv[i]
-            dest = _VALUE_OPTIONS[name]
-            if dest == "comm_pattern":
-                out[dest].append(value)
-            elif dest == "workers":
-                try:
-                    out[dest] = int(value)
-                except ValueError:
-                    break
-            else:
-                out[dest] = value
-        elif out["folder"] is None:
-            out["folder"] = arg
-        else:
-            break
-        i += 1
-    else:
-        if out["folder"] is not None:
-            return out
-    return vars(parser().parse_args(argv))  # exits 2 with argparse's message on an error
+    """`analyze`'s arguments as keyword arguments of `run_analyze`; exits 2 with argparse's
+    message on an error."""
+    return vars(parser().parse_args(argv))
 
 
 def parser():
