@@ -11,6 +11,9 @@ of N runs each; the attention layer's own forward is timed within the same steps
 - one sequence whose blocks are scattered (the pool's free list shuffled, as in a long-running
   server): dense MLA first gathers every latent row, DSA only its top-k rows;
 - `--batch` sequences (default 8) with consecutive blocks: a server's decode batch.
+Each curve is measured twice: with the decode step compiled (`EngineConfig(compile_decode=True)`,
+both models, graphs compiled in untimed warm-up steps) and eagerly. The attention layer's own time
+is measured in the eager runs only (its timing hooks would split a compiled graph).
 
     .venv/bin/python bench/bench_serve_dsa_decode.py [--quick] [--batch N]
 """
@@ -92,9 +95,12 @@ class LayerTimer:
     alone, apart from the rest of the step (three KDA layers, MoE, head, engine bookkeeping)."""
 
     def __init__(self, module: torch.nn.Module):
-        self.last = 0.0
-        module.register_forward_pre_hook(self._start)
-        module.register_forward_hook(self._stop)
+        self.last = float("nan")
+        self._handles = [module.register_forward_pre_hook(self._start), module.register_forward_hook(self._stop)]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
 
     def _start(self, *_: object) -> None:
         self._t0 = time.perf_counter()
@@ -103,7 +109,7 @@ class LayerTimer:
         self.last = time.perf_counter() - self._t0
 
 
-def interleaved_min_seconds(steps: dict[str, object], timers: dict[str, LayerTimer],
+def interleaved_min_seconds(steps: dict[str, object], timers: dict[str, LayerTimer | None],
                             repeats: int) -> tuple[dict[str, float], dict[str, float]]:
     """Alternate the contenders and keep each one's fastest step (and attention layer): on a shared
     machine the minimum is the least disturbed estimate, and alternating exposes both to the same
@@ -117,13 +123,25 @@ def interleaved_min_seconds(steps: dict[str, object], timers: dict[str, LayerTim
             t0 = time.perf_counter()
             fn()
             best[name] = min(best[name], time.perf_counter() - t0)
-            best_layer[name] = min(best_layer[name], timers[name].last)
+            if timers[name] is not None:
+                best_layer[name] = min(best_layer[name], timers[name].last)
     return best, best_layer
 
 
-def measure(models: dict, timers: dict, contexts: list[int], repeats: int, batch: int = 1,
-            scattered: bool = False) -> tuple[list[dict], list[list[str]]]:
-    """Both models' decode step (and attention layer) at each context: one results row per context."""
+def measure(models: dict, contexts: list[int], repeats: int, batch: int = 1, scattered: bool = False,
+            compiled: bool = False) -> tuple[list[dict], list[list[str]]]:
+    """Both models' decode step (and, eager, the attention layer) at each context: one row per context."""
+    timers = {name: None if compiled else LayerTimer(model.model.layers[3].self_attn) for name, model in models.items()}
+    try:
+        return _measure(models, timers, contexts, repeats, batch, scattered, compiled)
+    finally:
+        for timer in timers.values():
+            if timer is not None:
+                timer.remove()
+
+
+def _measure(models: dict, timers: dict, contexts: list[int], repeats: int, batch: int, scattered: bool,
+             compiled: bool) -> tuple[list[dict], list[list[str]]]:
     results, rows = [], []
     for context in contexts:
         # A fresh cache per context. Consecutive blocks let attention read one slice of the pages;
@@ -132,18 +150,23 @@ def measure(models: dict, timers: dict, contexts: list[int], repeats: int, batch
         for name, model in models.items():
             engines[name] = LLMEngine(model, config=EngineConfig(
                 cache_memory=f"{max(512, 2 * batch * context // 1024)}MiB", max_num_seqs=batch, max_snapshots=0,
-                enable_prefix_caching=False))
+                enable_prefix_caching=False, compile_decode=compiled))
             if scattered:
                 scatter_free_blocks(engines[name])
         steps = {name: decode_step(engine, context, batch)[1] for name, engine in engines.items()}
+        for step in steps.values():
+            step()  # compiled: the first step at a new shape class compiles (untimed)
         times, layer = interleaved_min_seconds(steps, timers, repeats)
         del engines, steps
         dsa, dense = times["dsa"], times["mla"]
-        results.append({"context": context, "dsa_ms": dsa * 1e3, "dense_mla_ms": dense * 1e3, "speedup": dense / dsa,
-                        "dsa_layer_ms": layer["dsa"] * 1e3, "dense_mla_layer_ms": layer["mla"] * 1e3,
-                        "layer_speedup": layer["mla"] / layer["dsa"]})
+        row = {"context": context, "dsa_ms": dsa * 1e3, "dense_mla_ms": dense * 1e3, "speedup": dense / dsa}
+        if not compiled:
+            row.update(dsa_layer_ms=layer["dsa"] * 1e3, dense_mla_layer_ms=layer["mla"] * 1e3,
+                       layer_speedup=layer["mla"] / layer["dsa"])
+        results.append(row)
         rows.append([f"{context:,}", f"{dsa * 1e3:.2f}", f"{dense * 1e3:.2f}", f"{dense / dsa:.1f}x",
-                     f"{layer['dsa'] * 1e3:.2f} / {layer['mla'] * 1e3:.2f}", f"{layer['mla'] / layer['dsa']:.1f}x"])
+                     "-" if compiled else f"{layer['dsa'] * 1e3:.2f} / {layer['mla'] * 1e3:.2f}",
+                     "-" if compiled else f"{layer['mla'] / layer['dsa']:.1f}x"])
     return results, rows
 
 
@@ -157,25 +180,26 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     contexts = [1024, 8192] if args.quick else [1024, 8192, MAX_CONTEXT]
     repeats = 3 if args.quick else 7
-    models, timers = {}, {}
-    for attention in ("dsa", "mla"):
-        models[attention] = build_model(config(attention), seed=0).eval()
-        timers[attention] = LayerTimer(models[attention].model.layers[3].self_attn)
+    models = {attention: build_model(config(attention), seed=0).eval() for attention in ("dsa", "mla")}
     curves = {"one sequence, consecutive blocks": dict(batch=1),
               "one sequence, scattered blocks": dict(batch=1, scattered=True),
               f"{args.batch} sequences, consecutive blocks": dict(batch=args.batch)}
-    measured = {name: measure(models, timers, contexts, repeats, **kw) for name, kw in curves.items()}
-    (results, _), (scattered, _), (batched, _) = measured.values()
+    measured = {(compiled, name): measure(models, contexts, repeats, compiled=compiled, **kw)
+                for compiled in (True, False) for name, kw in curves.items()}
+
+    def mode(compiled: bool) -> dict:
+        (results, _), (scattered, _), (batched, _) = (measured[compiled, name] for name in curves)
+        return {"results": results, "scattered": scattered, "batched": {"batch": args.batch, "results": batched}}
+
     ratio = cost_ratio(config("dsa"))
     path = write_result(result_name("serve_dsa_decode", args.quick), {
         "config": {"index_topk": 256, "mla_to_indexer_cost_per_past_token": ratio, "layers": "kda,kda,kda,attn",
-                   "batch": 1}, "results": results, "scattered": scattered,
-        "batched": {"batch": args.batch, "results": batched},
-        "target": {"speedup": 4.0, "context": MAX_CONTEXT}})
+                   "batch": 1},
+        **mode(False), "compiled": mode(True), "target": {"speedup": 4.0, "context": MAX_CONTEXT}})
     print(f"MLA / indexer cost per past token: {ratio:.1f}x (K3.1: 25.5x); top-k 256; threads "
           f"{torch.get_num_threads()}")
-    for name, (_, rows) in measured.items():
-        print(f"\n{name}:\n")
+    for (compiled, name), (_, rows) in measured.items():
+        print(f"\n{name}, {'compiled decode' if compiled else 'eager'}:\n")
         print(markdown_table(["context", "DSA decode step (ms)", "dense MLA decode step (ms)", "DSA speedup",
                               "attention layer alone, DSA / dense (ms)", "layer speedup"], rows))
     print(f"\nwrote {path}")

@@ -10,7 +10,7 @@ from torch import nn
 from deltamoe.config import ModelConfig
 from deltamoe.model.norm import RMSNorm
 from deltamoe.ops.activations import glu
-from deltamoe.ops.moe import experts_forward, route_tokens
+from deltamoe.ops.moe import expert_load, experts_forward, route_tokens
 
 
 class DenseMLP(nn.Module):
@@ -93,7 +93,7 @@ class MoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         weights, indices = self.gate(flat)
         with torch.no_grad():
-            self.last_expert_load = torch.bincount(indices.flatten(), minlength=c.num_experts)
+            self.last_expert_load = expert_load(indices, c.num_experts)
         z = self.routed_expert_down_proj(flat) if c.latent_moe_size is not None else flat
         routed = self.dispatcher(z, weights, indices, self.experts).to(x.dtype)
         if c.latent_moe_size is not None:

@@ -13,7 +13,7 @@ from deltamoe.config import ModelConfig
 from deltamoe.model.cache import ModelCache
 from deltamoe.model.norm import RMSNorm
 from deltamoe.ops.dsa import causal_topk, indexer_scores, topk_mask
-from deltamoe.ops.mla import absorb_kv_b, mla_attention, mla_attention_absorbed, mla_attention_absorbed_rows
+from deltamoe.ops.mla import absorb_kv_b, mla_attention, mla_attention_absorbed_joined, mla_attention_absorbed_rows
 from deltamoe.ops.rope import apply_rope, rope_cos_sin
 
 # With a cache, new chunks of at most this many tokens use the absorbed form: it never expands
@@ -111,8 +111,8 @@ class LatentAttention(nn.Module):
                 rows = cache.latent_rows(self.layer_idx, indices.masked_fill(~valid, 0).reshape(b, -1))
                 o = mla_attention_absorbed_rows(q_nope, q_pe, rows, w_uk, w_uv, scale=self.scale, valid=valid)
             else:
-                o = mla_attention_absorbed(q_nope, q_pe, latent_kv, k_pe_all, w_uk, w_uv, scale=self.scale,
-                                           q_positions=q_positions, kv_lengths=kv_lengths)
+                o = mla_attention_absorbed_joined(q_nope, q_pe, latent, w_uk, w_uv, scale=self.scale,
+                                                  q_positions=q_positions, kv_lengths=kv_lengths)
         else:
             s = latent_kv.shape[1]
             kv = self.kv_b_proj(latent_kv).reshape(b, s, h, self.nope + self.vdim)

@@ -64,7 +64,9 @@ def causal_topk(
     # (threshold -inf) holds every visible key, and what fills it up is masked below.
     values, slots = torch.topk(ranked, top, dim=-1, sorted=False)
     threshold = values.min(dim=-1, keepdim=True).values
-    settled = ranked.device.type == "cpu" and bool(  # the check reads back a flag: on CPUs only
+    # The check reads back a flag: on CPUs only, and never inside a compiled graph (which cannot
+    # branch on data); the pass below then always runs, with the same result.
+    settled = ranked.device.type == "cpu" and not torch.compiler.is_compiling() and bool(
         ((threshold.squeeze(-1) == float("-inf"))
          | ((ranked == threshold).sum(dim=-1) == (values == threshold).sum(dim=-1))).all())
     if not settled:

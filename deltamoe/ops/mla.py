@@ -233,12 +233,37 @@ def mla_attention_absorbed(
     width R+Dr, and the per-head up-projection is applied once to the output.
     """
     _check_absorbed(q_nope, q_pe, latent, k_pe, w_uk, w_uv)
-    batch, time = q_nope.shape[:2]
-    visible = _allowed_keys(q_positions, kv_lengths, selected, batch, time, latent.shape[1])
+    return mla_attention_absorbed_joined(q_nope, q_pe, _join_latent(latent, k_pe), w_uk, w_uv, scale=scale,
+                                         q_positions=q_positions, kv_lengths=kv_lengths, selected=selected)
+
+
+def mla_attention_absorbed_joined(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    joined: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    *,
+    scale: float,
+    q_positions: torch.Tensor,
+    kv_lengths: torch.Tensor,
+    selected: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`mla_attention_absorbed` on the caches' own row layout: joined [B, S, R+Dr] = [latent | k_pe],
+    as a cache hands it back, so nothing is joined (or copied) -> o [B, T, H, Dv] in joined.dtype."""
+    if q_nope.dim() != 4:
+        raise ValueError(f"q_nope: expected shape [B, T, H, Dn], got {tuple(q_nope.shape)}")
+    batch, time, heads, nope = q_nope.shape
+    rank = w_uk.shape[-1]
+    check_shape("q_pe", q_pe, "[B, T, H, Dr]", (batch, time, heads, None))
+    check_shape("joined", joined, "[B, S, R+Dr]", (batch, None, rank + q_pe.shape[-1]))
+    check_shape("w_uk", w_uk, "[H, Dn, R]", (heads, nope, rank))
+    check_shape("w_uv", w_uv, "[H, Dv, R]", (heads, None, rank))
+    visible = _allowed_keys(q_positions, kv_lengths, selected, batch, time, joined.shape[1])
     q = _absorb_query(q_nope, q_pe, w_uk).transpose(1, 2)  # [B,H,T,R+Dr]
-    k = _join_latent(latent.float(), k_pe.float())[:, None]  # [B,1,S,R+Dr]
-    out_latent = _attend(q, k, latent[:, None], visible, scale)  # [B,H,T,R]
-    return torch.einsum("bhtr,hvr->bthv", out_latent, w_uv.float()).to(latent.dtype)
+    k = joined.float()[:, None]  # [B,1,S,R+Dr]
+    out_latent = _attend(q, k, k[..., :rank], visible, scale)  # [B,H,T,R]
+    return torch.einsum("bhtr,hvr->bthv", out_latent, w_uv.float()).to(joined.dtype)
 
 
 def mla_attention_absorbed_sparse(

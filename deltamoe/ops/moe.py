@@ -3,7 +3,8 @@
 `route_tokens` turns router logits into (weights, expert indices) exactly as transformers'
 `KimiLinearTopkRouter` and NeMo's `KimiK3Gate` do. `experts_forward` runs the selected
 experts with one matmul per expert over a contiguous, expert-sorted slice of tokens;
-`experts_forward_reference` is the plain dense form the tests compare it with.
+`experts_forward_reference` is the plain dense form the tests compare it with, and
+`experts_forward_static` the routing-independent shapes a compiled decode graph holds.
 
 Both expert functions take the expert weights as stacked tensors in checkpoint layout:
 `w1` (gate) and `w3` (up) are [E, I, D] and `w2` (down) is [E, D, I], so `x @ w1[e].T` is
@@ -147,6 +148,9 @@ def experts_forward(
 
     Returns fp32 [N, D] (fp64 for fp64 inputs).
     """
+    if torch.compiler.is_compiling():  # a compiled graph cannot hold the per-expert slices below
+        return experts_forward_static(x, weights, indices, w1, w3, w2, act=act, situ_beta=situ_beta,
+                                      situ_linear_beta=situ_linear_beta)
     _check_expert_args(x, weights, indices, w1, w3, w2)
     num_tokens, top_k = indices.shape
     acc = _combine_dtype(x)
@@ -160,6 +164,44 @@ def experts_forward(
     y_sorted = _sorted_expert_outputs(x[token_of_slot], counts, w1, w3, w2, act, situ_beta, situ_linear_beta)
     y_sorted = y_sorted.to(acc) * weights.reshape(-1)[order].to(acc).unsqueeze(-1)
     return out.index_add(0, token_of_slot, y_sorted)
+
+
+def experts_forward_static(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    act: str = "silu",
+    situ_beta: float = 4.0,
+    situ_linear_beta: float = 25.0,
+) -> torch.Tensor:
+    """`experts_forward` with shapes that never depend on the routing: the form a compiled graph
+    holds (the sorted form slices rows per expert by counts read back to the host).
+
+    Fewer (token, slot) pairs than experts (small-batch decode) gather just their experts'
+    weights; otherwise every expert runs on every row (E/k times the multiply-adds, each weight
+    read once) and the combine keeps only the selected outputs, with `where` so an unselected
+    expert's inf or NaN never leaks in. Meant for decode batches of small models, where per-op
+    overhead, not arithmetic, bounds a step. Returns fp32 [N, D] (fp64 for fp64 inputs).
+    """
+    _check_expert_args(x, weights, indices, w1, w3, w2)
+    num_tokens, top_k = indices.shape
+    num_experts = w1.shape[0]
+    acc = _combine_dtype(x)
+    if num_tokens * top_k < num_experts:
+        gate = torch.einsum("nd,nkid->nki", x, w1[indices])
+        up = torch.einsum("nd,nkid->nki", x, w3[indices])
+        y = torch.einsum("nki,nkdi->nkd", glu(gate, up, act, situ_beta, situ_linear_beta), w2[indices])
+        return (y.to(acc) * weights.to(acc).unsqueeze(-1)).sum(1)
+    hidden = glu(torch.matmul(x, w1.transpose(1, 2)), torch.matmul(x, w3.transpose(1, 2)), act, situ_beta,
+                 situ_linear_beta)  # [E, N, I]
+    y = torch.matmul(hidden, w2.transpose(1, 2)).to(acc)  # [E, N, D]
+    combine = x.new_zeros(num_tokens, num_experts, dtype=acc).scatter_add_(1, indices, weights.to(acc))
+    chosen = torch.zeros(num_tokens, num_experts, dtype=torch.bool, device=x.device).scatter_(1, indices, True)
+    return torch.where(chosen.t().unsqueeze(-1), y * combine.t().unsqueeze(-1), 0).sum(0)
 
 
 def _sorted_expert_outputs(
@@ -221,4 +263,7 @@ def experts_forward_reference(
 def expert_load(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Tokens routed to each expert, long [num_experts]: the balance statistic that the
     correction-bias update and the EP all-to-all imbalance analysis read."""
-    return torch.bincount(indices.reshape(-1), minlength=num_experts)
+    flat = indices.reshape(-1)
+    # scatter_add rather than bincount: the same counts with a fixed output shape (a compiled graph
+    # cannot hold bincount, whose length depends on the largest index).
+    return torch.zeros(num_experts, dtype=torch.long, device=indices.device).scatter_add_(0, flat, torch.ones_like(flat))

@@ -46,7 +46,9 @@ class PagedBatchView:
             self._write = write.reshape(-1)
         blocks = block_tables[0][: -(-total // bs)]
         consecutive = len(block_tables) == 1 and blocks == list(range(blocks[0], blocks[0] + len(blocks)))
-        self._slice = slice(blocks[0] * bs, blocks[0] * bs + total) if consecutive else None
+        # Plain ints, not a slice object: a compiled decode graph treats ints as symbols but a
+        # slice's bounds as constants (one recompile per step).
+        self._first_row = blocks[0] * bs if consecutive else None
         self._read_rows: torch.Tensor | None = None
 
     @property
@@ -71,26 +73,27 @@ class PagedBatchView:
 
     def set_kda_state(self, layer: int, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> None:
         i = self._cache.kda_index[layer]
-        self._cache.conv[i].index_copy_(0, self._slots, conv_state.to(self._cache.conv.dtype))
-        self._cache.recurrent[i].index_copy_(0, self._slots, recurrent_state.float())
+        _put(self._cache.conv, i, self._slots, conv_state)
+        _put(self._cache.recurrent, i, self._slots, recurrent_state)
 
-    def _store(self, pages: torch.Tensor, new: torch.Tensor) -> None:
+    def _store(self, store: torch.Tensor, layer: int, new: torch.Tensor) -> None:
         rows = new.reshape(-1, new.shape[-1])
         if self._real is not None:
             rows = rows[self._real]
-        pages.index_copy_(0, self._write, rows.to(pages.dtype))
+        _put(store, layer, self._write, rows)
 
-    def _append(self, pages: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        self._store(pages, new)
-        if self._slice is not None:
-            return pages[self._slice].unsqueeze(0)
+    def _append(self, store: torch.Tensor, layer: int, new: torch.Tensor) -> torch.Tensor:
+        self._store(store, layer, new)
+        pages = store[layer]
+        if self._first_row is not None:
+            return pages.narrow(0, self._first_row, self._total).unsqueeze(0)
         return pages[self._read]
 
     def append_latent(self, layer: int, latent: torch.Tensor) -> torch.Tensor:
-        return self._append(self._cache.latent[self._cache.latent_index[layer]], latent)
+        return self._append(self._cache.latent, self._cache.latent_index[layer], latent)
 
     def store_latent(self, layer: int, latent: torch.Tensor) -> None:
-        self._store(self._cache.latent[self._cache.latent_index[layer]], latent)
+        self._store(self._cache.latent, self._cache.latent_index[layer], latent)
 
     def latent_rows(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
         """Only the rows asked for, wherever their pages are: DSA decode's top-k reads stay
@@ -100,7 +103,14 @@ class PagedBatchView:
         return pages.index_select(0, rows.reshape(-1)).view(*positions.shape, pages.shape[-1])
 
     def append_index_keys(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
-        return self._append(self._cache.index_keys[self._cache.index_key_index[layer]], keys)
+        return self._append(self._cache.index_keys, self._cache.index_key_index[layer], keys)
 
     def advance(self, num_tokens: int) -> None:
         self.past_lengths = self.past_lengths + (num_tokens if self.new_lengths is None else self.new_lengths)
+
+
+def _put(store: torch.Tensor, layer: int, index: torch.Tensor, values: torch.Tensor) -> None:
+    """store[layer, index[i]] = values[i], written through the whole [L, N, ...] tensor rather than
+    a view of one layer: in a compiled decode graph (`serve.compiled_decode`) a write into a view
+    of a graph input makes the graph rebuild the whole input (the entire cache) every step."""
+    store.index_put_((torch.full_like(index, layer), index), values.to(store.dtype))

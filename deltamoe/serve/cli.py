@@ -41,12 +41,16 @@ def engine_threads(requested: Optional[int], device: str) -> Optional[int]:
     return max(1, (os.cpu_count() or 1) - 1)
 
 
+COMPILE_DECODE_HELP = ("Run decode steps as one torch.compile graph (about 2x faster steps for small models on a "
+                       "CPU; compiling takes tens of seconds, once, and needs a C++ compiler).")
+
+
 def build_engine(model: str, tokenizer: Optional[str], cache_memory: str, max_num_seqs: int,
-                 max_num_batched_tokens: int, dtype: str, device: str):
+                 max_num_batched_tokens: int, dtype: str, device: str, compile_decode: bool = False):
     from deltamoe.serve.engine import LLMEngine
 
     config = EngineConfig(cache_memory=cache_memory, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens)
+                          max_num_batched_tokens=max_num_batched_tokens, compile_decode=compile_decode)
     return LLMEngine.from_pretrained(model, config, tokenizer, parse_dtype(dtype), device)
 
 
@@ -69,12 +73,14 @@ def generate_command(
     dtype: str = typer.Option("float32"),
     device: str = typer.Option("cpu"),
     progress: bool = typer.Option(False, help="Show a progress bar with tokens/s."),
+    compile_decode: bool = typer.Option(False, "--compile-decode", help=COMPILE_DECODE_HELP),
 ) -> None:
     """Generate text for one or more prompts (continuous batching)."""
     from deltamoe.serve.chat_template import ChatTemplate
     from deltamoe.serve.sampling import SamplingParams
 
-    engine = build_engine(model, tokenizer, cache_memory, max_num_seqs, max_num_batched_tokens, dtype, device)
+    engine = build_engine(model, tokenizer, cache_memory, max_num_seqs, max_num_batched_tokens, dtype, device,
+                          compile_decode)
     stop_ids: list[int] = []
     inputs: list[str | list[int]] = list(prompt)
     if chat:
@@ -159,6 +165,7 @@ def serve_command(
     log_level: str = typer.Option("info", help="uvicorn log level (warning keeps the access log quiet)."),
     threads: Optional[int] = typer.Option(None, help="Torch threads of the engine on a CPU (default: "
                                           "OMP_NUM_THREADS, else all cores but one, kept for the HTTP front end)."),
+    compile_decode: bool = typer.Option(False, "--compile-decode", help=COMPILE_DECODE_HELP + " Compiled at startup."),
 ) -> None:
     """OpenAI-compatible HTTP server (deltamoe.serve.api) over an AsyncLLMEngine."""
     try:
@@ -175,8 +182,12 @@ def serve_command(
         torch.set_num_threads(chosen)
 
     config = EngineConfig(cache_memory=cache_memory, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
+                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                          compile_decode=compile_decode)
     engine = AsyncLLMEngine.from_pretrained(model, config, tokenizer, parse_dtype(dtype), device)
+    if compile_decode:
+        typer.echo("compiling the decode graph (once; tens of seconds on a small CPU)...", err=True)
+        engine.engine.warm_up()
     template = ChatTemplate.for_model(engine.tokenizer, tokenizer or model)
     api.run(engine, model_name=served_model_name or model, host=host, port=port, api_key=api_key,
             chat_template=template, log_level=log_level)

@@ -37,7 +37,7 @@ class LLMEngine:
         self.max_model_len = self.config.max_model_len or model.config.max_position_embeddings
         self.cache = HybridCache(model.config, self.config, self.max_model_len, dtype=model.dtype, device=model.device)
         self.scheduler = Scheduler(self.config, self.cache)
-        self.runner = ModelRunner(model, self.cache)
+        self.runner = ModelRunner(model, self.cache, compiled_decode=self.config.compile_decode)
         self.device = model.device
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -185,6 +185,18 @@ class LLMEngine:
                            text=s.detokenizer.text, token_ids=s.output_ids, finish_reason=s.finish_reason or "",
                            stop_reason=s.stop_reason, logprobs=s.logprobs if s.params.logprobs is not None else None,
                            num_cached_tokens=s.num_cached_tokens, prompt=s.prompt) for s in seqs]
+
+    def warm_up(self) -> None:
+        """Run the decode shapes a server meets first (one sequence, then a batch), so that a
+        compiled decode graph is built before traffic rather than inside the first requests.
+        Leaves no trace: the prompts are shorter than a block (nothing enters the prefix cache)
+        and the request and prefix-lookup totals are restored."""
+        totals, lookups = dict(self._totals), (self.cache.prefix_queries, self.cache.prefix_hits)
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        self.generate([[1, 2]], params, progress=False)
+        self.generate([[1, 2], [3, 4, 5]], params, progress=False)
+        self._totals = totals
+        self.cache.prefix_queries, self.cache.prefix_hits = lookups
 
     # ------------------------------------------------------------------ metrics
     def stats(self) -> EngineStats:

@@ -17,6 +17,7 @@ import torch
 from deltamoe.model.model import DeltaMoEForCausalLM
 from deltamoe.serve.cache import HybridCache
 from deltamoe.serve.cache_view import PagedBatchView
+from deltamoe.serve.compiled_decode import compile_decode
 from deltamoe.serve.sampling import TokenLogprob, sample
 from deltamoe.serve.scheduler import ScheduledBatch
 from deltamoe.serve.sequence import Sequence
@@ -31,10 +32,12 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: DeltaMoEForCausalLM, cache: HybridCache):
+    def __init__(self, model: DeltaMoEForCausalLM, cache: HybridCache, compiled_decode: bool = False):
         self.model = model
         self.cache = cache
         self.device = model.device
+        # Decode calls (T = 1) through one compiled graph; prefill chunks always run eagerly.
+        self._compiled_decode = compile_decode(model) if compiled_decode else None
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[StepResult]:
@@ -63,6 +66,8 @@ class ModelRunner:
         view = PagedBatchView(self.cache, [s.block_table for s in seqs], [s.num_computed for s in seqs],
                               [s.slot for s in seqs], counts)
         # Norm + LM head on the last real position only: prefill chunks need no other logits.
+        if t == 1 and self._compiled_decode is not None:
+            return self._compiled_decode(ids, view)[:, -1].float()
         return self.model(ids, cache=view, logits_to_keep=1).logits[:, -1].float()
 
 

@@ -13,8 +13,11 @@ from deltamoe.ops.mla import (
     mla_attention_absorbed_sparse,
     visible_keys,
 )
+from deltamoe.serve.compiled_decode import compiler_available
 
 B, H, NOPE, ROPE, VDIM, RANK = 2, 3, 16, 8, 16, 12
+
+needs_compiler = pytest.mark.skipif(not compiler_available(), reason="torch.compile needs a C++ compiler")
 
 
 def test_indexer_scores_formula() -> None:
@@ -126,6 +129,22 @@ def test_causal_topk_without_threshold_ties_skips_the_tie_pass(seed: int, monkey
     got = causal_topk(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=k)
     want = dsa.causal_topk_reference(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=k)
     assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]) and calls
+
+@needs_compiler
+def test_causal_topk_compiles_to_one_graph_with_the_same_selection() -> None:
+    """In a compiled graph the host-read check is skipped and the tie pass always runs:
+    integer scores (ties at the threshold everywhere) still give the full sort's selection."""
+    from deltamoe.ops.dsa import causal_topk_reference
+
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randint(-3, 4, (2, 3, 30), generator=g).float()
+    q_positions = torch.tensor([[10, 11, 12], [27, 28, 29]])
+    kv_lengths = torch.tensor([13, 30])
+    compiled = torch.compile(causal_topk, fullgraph=True, dynamic=False)
+    got = compiled(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=6)
+    want = causal_topk_reference(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=6)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
 
 def test_causal_topk_shapes_do_not_depend_on_data() -> None:
     """Pipeline stages infer output shapes with meta tensors; the selection must not use

@@ -11,10 +11,14 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from deltamoe.ops.activations import silu_glu
-from deltamoe.ops.moe import expert_load, experts_forward, experts_forward_reference, route_tokens
+from deltamoe.ops.moe import (expert_load, experts_forward, experts_forward_reference, experts_forward_static,
+                              route_tokens)
+from deltamoe.serve.compiled_decode import compiler_available
 
 transformers = pytest.importorskip("transformers")
 from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
+
+needs_compiler = pytest.mark.skipif(not compiler_available(), reason="torch.compile needs a C++ compiler")
 
 
 def tiny_kimi_linear(**overrides) -> KimiLinearForCausalLM:
@@ -243,6 +247,31 @@ def test_experts_forward_fp32_and_unused_experts() -> None:
     experts_forward(x, weights, indices, w1, w3, w2).sum().backward()
     assert w1.grad[[0, 2, 3, 5, 6, 7, 8]].abs().max() == 0
     assert w1.grad[[1, 4]].abs().min() >= 0 and w1.grad[[1, 4]].abs().max() > 0
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 2, 16, 8), (3, 8, 2, 16, 8), (4, 8, 2, 16, 8), (37, 7, 3, 19, 11)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_experts_forward_static_equals_the_reference(shape: tuple, dtype: torch.dtype) -> None:
+    """The compiled graph's form: gathered weights when N*k < E (the first two shapes), every
+    expert on every row otherwise; an unselected expert's inf never reaches the output."""
+    n, e, k, d, i = shape
+    x, weights, indices, w1, w3, w2 = random_experts(n, e, k, d, i, dtype, seed=n + e)
+    unused = sorted(set(range(e)) - set(indices.flatten().tolist()))
+    if unused:
+        w2[unused[0]] = float("inf")
+    got = experts_forward_static(x, weights.to(dtype), indices, w1, w3, w2, act="situ")
+    ref = experts_forward_reference(x, weights.to(dtype), indices, w1, w3, w2, act="situ")
+    assert got.dtype == ref.dtype and torch.isfinite(got).all()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+@needs_compiler
+def test_experts_forward_compiles_to_one_graph() -> None:
+    """Inside torch.compile `experts_forward` takes the static form: one graph, no host reads."""
+    x, weights, indices, w1, w3, w2 = random_experts(6, 4, 2, 8, 4, torch.float32, seed=5)
+    compiled = torch.compile(experts_forward, fullgraph=True, dynamic=False)
+    torch.testing.assert_close(compiled(x, weights, indices, w1, w3, w2, act="silu"),
+                               experts_forward(x, weights, indices, w1, w3, w2, act="silu"), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

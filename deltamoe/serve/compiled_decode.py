@@ -1,0 +1,79 @@
+"""The decode call as one compiled graph (`EngineConfig.compile_decode`, `--compile-decode`).
+
+Why: a small model's decode step on a CPU is bound by per-op overhead, not arithmetic: about
+900 tensor ops of a few microseconds each for a four-layer model, against ~1 ms of weight reads.
+`torch.compile` (inductor's C++ backend) fuses the elementwise work between the matmuls into a
+few dozen kernels, so a step costs roughly half (bench/bench_serve_offline.py and
+bench/bench_serve_dsa_decode.py report both modes). It is what vLLM's CUDA graphs and
+torch.compile are for on a GPU.
+
+What makes the decode forward one graph (each branch tested against the eager form):
+- the cache view writes through whole cache tensors (`cache_view._put`), never through a view
+  of one layer, so the graph updates pages in place instead of rebuilding the cache;
+- experts take `ops.moe.experts_forward_static` (no per-expert slices sized on the host);
+- DSA's top-k takes its tie-resolving pass unconditionally (no flag read back to the host);
+- absorbed MLA reads the cache's own [latent | k_pe] rows (`mla_attention_absorbed_joined`).
+
+Shapes are dynamic (batch, context length), so one graph serves every step; torch still
+specialises batch 1 and a few boundaries (context under top-k, consecutive vs scattered pages),
+each compiled once on first use (~30 s on two cores, cached on disk by inductor afterwards).
+Prefill chunks stay eager: their lengths vary and they are a small share of the steps.
+
+Guards on the model's modules are skipped (`skip_guard_on_all_nn_modules_unsafe`): checking
+hundreds of parameters costs ~0.2-0.4 ms per step. Torch keeps compiled graphs per code object,
+not per model, so each model gets a key of its own that the graph is guarded on: two models in
+one process never share a graph. What stays the caller's promise: a served model does not change
+its parameter shapes, dtypes or module attributes (weights updated in place, as an RL weight
+sync does, are read afresh every call).
+"""
+
+from __future__ import annotations
+
+import functools
+import uuid
+from typing import Callable
+
+import torch
+
+from deltamoe.errors import ConfigError
+
+
+def compiler_available() -> bool:
+    """Whether inductor finds the C++ compiler it builds CPU kernels with."""
+    from torch._inductor import cpp_builder
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except Exception:  # inductor raises its own error types for a missing compiler
+        return False
+    return True
+
+
+def _decode_call(model: torch.nn.Module, model_key: str, input_ids: torch.Tensor, cache: object) -> torch.Tensor:
+    if not model_key:  # reading the key makes torch guard the graph on it (see the module docstring)
+        raise ValueError("model_key: expected a non-empty key")
+    return model(input_ids, cache=cache, logits_to_keep=1).logits
+
+
+@functools.cache
+def _compiled_call() -> Callable[..., torch.Tensor]:
+    # Specialisations (batch 1, short contexts, scattered pages) and models each take an entry.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    return torch.compile(_decode_call, dynamic=True,
+                         options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+
+
+def compile_decode(model: torch.nn.Module) -> Callable[[torch.Tensor, object], torch.Tensor]:
+    """(input_ids [B, 1], cache view) -> last-position logits [B, 1, V], through the compiled graph.
+
+    Compiles lazily on first use; raises ConfigError where it cannot run (training mode, no C++
+    compiler for CPU kernels)."""
+    if model.training:
+        raise ConfigError("expected a model in eval mode for the compiled decode graph", field="compile_decode")
+    if next(model.parameters()).device.type == "cpu" and not compiler_available():
+        raise ConfigError("needs a C++ compiler for torch.compile's CPU kernels (g++ or $CXX); "
+                          "install one or run without --compile-decode", field="compile_decode")
+    key = model.__dict__.get("_compiled_decode_key")
+    if key is None:
+        key = model._compiled_decode_key = uuid.uuid4().hex
+    return functools.partial(_compiled_call(), model, key)

@@ -1,0 +1,113 @@
+"""The compiled decode graph (`EngineConfig.compile_decode`) gives the eager engine's results.
+
+Greedy tokens are held to plain greedy decoding of each prompt alone (the same oracle as the
+eager engine's contract tests), for a prompt alone and in a batch, on the K3.1-shaped model (KDA,
+DSA with contexts beyond its top-k, latent MoE, AttnRes) and the Kimi Linear one (dense MLA).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltamoe.errors import ConfigError
+from deltamoe.model.load import build_model
+from deltamoe.serve import compiled_decode
+from deltamoe.serve.config import EngineConfig
+from deltamoe.serve.engine import LLMEngine
+from deltamoe.serve.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(not compiled_decode.compiler_available(),
+                                reason="torch.compile's CPU kernels need a C++ compiler")
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def models(helpers):
+    """Two layers of each kind keep the compile time down (each graph compiles in seconds)."""
+    return {"k31": build_model(helpers.k31_tiny(num_hidden_layers=2, layer_types=("kda", "dsa")), seed=3).eval(),
+            "kimi_linear": build_model(helpers.kimi_linear_tiny(num_hidden_layers=2, layer_types=("kda", "mla")),
+                                       seed=5).eval()}
+
+
+def generate(model, prompts: list[list[int]]) -> list[list[int]]:
+    engine = LLMEngine(model, config=EngineConfig(cache_memory="16MiB", compile_decode=True))
+    return [c.token_ids for c in engine.generate(prompts, GREEDY, progress=False)]
+
+
+@pytest.mark.parametrize("name", ["k31", "kimi_linear"])
+def test_compiled_decode_equals_greedy_alone(name, models, helpers):
+    model = models[name]
+    prompts = helpers.prompts(6, 2, 30, seed=31)  # up to 42 tokens of context: beyond DSA's top-k of 8
+    expected = [helpers.reference_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+    assert generate(model, prompts[:1]) == expected[:1]  # batch 1 is its own specialisation
+    assert generate(model, prompts) == expected
+
+
+def test_two_models_never_share_a_graph(models, helpers):
+    """Torch keeps graphs per code object and the module guards are skipped; the per-model key
+    keeps one model from running the other's graph (other layers, other weights)."""
+    prompts = helpers.prompts(3, 5, 20, seed=32)
+    for name in ("k31", "kimi_linear", "k31"):
+        model = models[name]
+        assert generate(model, prompts) == [helpers.reference_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+
+
+def test_compile_decode_refuses_what_it_cannot_run(models, monkeypatch, helpers):
+    training = build_model(helpers.k31_tiny(), seed=1)  # build_model leaves train mode on
+    with pytest.raises(ConfigError, match="eval mode"):
+        LLMEngine(training, config=EngineConfig(compile_decode=True))
+    monkeypatch.setattr(compiled_decode, "compiler_available", lambda: False)
+    with pytest.raises(ConfigError, match="C\\+\\+ compiler"):
+        LLMEngine(models["k31"], config=EngineConfig(compile_decode=True))
+
+
+def test_eager_and_compiled_logits_agree(models, helpers):
+    """Beyond argmax: one decode step's logits, eager and compiled, from the same cache contents."""
+    from deltamoe.serve.cache_view import PagedBatchView
+
+    model = models["k31"]
+    engine = LLMEngine(model, config=EngineConfig(cache_memory="16MiB", compile_decode=True))
+    for p in helpers.prompts(4, 10, 25, seed=33):
+        engine.add_request(p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    seqs = engine.scheduler.running
+    while not (len(seqs) == 4 and all(s.num_computed == len(s.token_ids) - 1 for s in seqs)):
+        engine.step()  # until every prompt's prefill is done (chunks stop at block boundaries)
+    seqs = list(seqs)
+    ids = torch.tensor([[s.token_ids[-1]] for s in seqs])
+    cache = engine.cache
+    saved = [t.clone() for t in (cache.conv, cache.recurrent, cache.latent, cache.index_keys)]
+
+    @torch.inference_mode()
+    def logits(fn):
+        for t, s in zip((cache.conv, cache.recurrent, cache.latent, cache.index_keys), saved):
+            t.copy_(s)  # a step advances the KDA states: both forms start from the same ones
+        view = PagedBatchView(cache, [s.block_table for s in seqs], [s.num_computed for s in seqs],
+                              [s.slot for s in seqs], 1)
+        return fn(ids, view)[:, -1]
+
+    compiled = logits(engine.runner._compiled_decode)
+    eager = logits(lambda i, v: model(i, cache=v, logits_to_keep=1).logits)
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
+
+
+def test_warm_up_compiles_and_leaves_no_trace(models):
+    engine = LLMEngine(models["kimi_linear"], config=EngineConfig(cache_memory="16MiB", compile_decode=True))
+    engine.warm_up()
+    stats = engine.stats()
+    assert (stats.requests_finished, stats.prompt_tokens_total, stats.generation_tokens_total, stats.steps) == (0, 0, 0, 0)
+    assert stats.num_free_blocks == stats.num_blocks and stats.num_snapshots == 0 and stats.prefix_query_tokens == 0
+
+
+def test_generate_cli_flag(models, tmp_path, capsys):
+    """`deltamoe generate --compile-decode` prints what the eager engine prints."""
+    from deltamoe.cli import main
+    from deltamoe.model.weights import save_checkpoint
+
+    save_checkpoint(models["kimi_linear"], tmp_path)
+    args = ["generate", str(tmp_path), "-p", "hello", "--max-tokens", "6", "--temperature", "0", "--ignore-eos"]
+    assert main(args) == 0
+    eager = capsys.readouterr().out
+    assert main([*args, "--compile-decode"]) == 0
+    assert capsys.readouterr().out == eager
