@@ -196,11 +196,22 @@ def experts_forward_static(
         up = torch.einsum("nd,nkid->nki", x, w3[indices])
         y = torch.einsum("nki,nkdi->nkd", glu(gate, up, act, situ_beta, situ_linear_beta), w2[indices])
         return (y.to(acc) * weights.to(acc).unsqueeze(-1)).sum(1)
+    combine = x.new_zeros(num_tokens, num_experts, dtype=acc).scatter_add_(1, indices, weights.to(acc))
+    chosen = torch.zeros(num_tokens, num_experts, dtype=torch.bool, device=x.device).scatter_(1, indices, True)
+    _, inter, dim = w1.shape
+    if x.dtype == acc:
+        # Full precision: every expert's gate/up is one [N, E*I] matmul, and since the combine is
+        # linear, weighting the hidden units first makes the down projections and their sum one
+        # [N, E*I] @ [E*I, D] matmul (three matmuls a layer instead of three batched ones over E).
+        gate = x @ w1.reshape(num_experts * inter, dim).t()
+        up = x @ w3.reshape(num_experts * inter, dim).t()
+        hidden = glu(gate, up, act, situ_beta, situ_linear_beta).view(num_tokens, num_experts, inter)
+        hidden = torch.where(chosen.unsqueeze(-1), hidden * combine.unsqueeze(-1), 0)
+        return hidden.view(num_tokens, -1) @ w2.transpose(1, 2).reshape(num_experts * inter, dim)
+    # bf16 / fp16: each expert output is rounded to x.dtype before the weighted sum, as the sorted form does.
     hidden = glu(torch.matmul(x, w1.transpose(1, 2)), torch.matmul(x, w3.transpose(1, 2)), act, situ_beta,
                  situ_linear_beta)  # [E, N, I]
     y = torch.matmul(hidden, w2.transpose(1, 2)).to(acc)  # [E, N, D]
-    combine = x.new_zeros(num_tokens, num_experts, dtype=acc).scatter_add_(1, indices, weights.to(acc))
-    chosen = torch.zeros(num_tokens, num_experts, dtype=torch.bool, device=x.device).scatter_(1, indices, True)
     return torch.where(chosen.t().unsqueeze(-1), y * combine.t().unsqueeze(-1), 0).sum(0)
 
 

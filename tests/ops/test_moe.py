@@ -250,19 +250,20 @@ def test_experts_forward_fp32_and_unused_experts() -> None:
 
 
 @pytest.mark.parametrize("shape", [(1, 8, 2, 16, 8), (3, 8, 2, 16, 8), (4, 8, 2, 16, 8), (37, 7, 3, 19, 11)])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_experts_forward_static_equals_the_reference(shape: tuple, dtype: torch.dtype) -> None:
     """The compiled graph's form: gathered weights when N*k < E (the first two shapes), every
-    expert on every row otherwise; an unselected expert's inf never reaches the output."""
+    expert on every row otherwise; an unselected expert's inf activations never reach the output."""
     n, e, k, d, i = shape
     x, weights, indices, w1, w3, w2 = random_experts(n, e, k, d, i, dtype, seed=n + e)
     unused = sorted(set(range(e)) - set(indices.flatten().tolist()))
     if unused:
-        w2[unused[0]] = float("inf")
-    got = experts_forward_static(x, weights.to(dtype), indices, w1, w3, w2, act="situ")
-    ref = experts_forward_reference(x, weights.to(dtype), indices, w1, w3, w2, act="situ")
+        w1[unused[0]] = float("inf")
+    got = experts_forward_static(x, weights, indices, w1, w3, w2, act="situ")
+    ref = experts_forward_reference(x, weights, indices, w1, w3, w2, act="situ")
     assert got.dtype == ref.dtype and torch.isfinite(got).all()
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
 
 
 @needs_compiler
