@@ -59,8 +59,11 @@ def _decode_call(model: torch.nn.Module, model_key: str, input_ids: torch.Tensor
 def _compiled_call() -> Callable[..., torch.Tensor]:
     # Specialisations (batch 1, short contexts, scattered pages) and models each take an entry.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    # cpp_wrapper: the graph's launcher is C++ too, not Python calling ~150 kernels and matmuls one
+    # by one (measured 10-17 % off a compiled step, bench models, same process side by side).
     return torch.compile(_decode_call, dynamic=True,
-                         options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+                         options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+                                  "cpp_wrapper": True})
 
 
 def compile_decode(model: torch.nn.Module) -> Callable[[torch.Tensor, object], torch.Tensor]:
