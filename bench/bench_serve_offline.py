@@ -94,7 +94,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="16 prompts x 32 tokens, writes serve_offline_quick.json")
     parser.add_argument("--serial-prompts", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=2, help="alternate the modes this many times, keep the best")
+    parser.add_argument("--rounds", type=int, default=5, help="alternate the modes this many times, keep the best")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads for every side (1 keeps a shared machine's noise down)")
     args = parser.parse_args()

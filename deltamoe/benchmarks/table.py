@@ -36,8 +36,10 @@ def secs(seconds: float) -> str:
 
 
 def times(x: float) -> str:
-    """A ratio: two decimals near 1 (where they matter), one above."""
-    return f"{x:.2f}x" if x < 1.1 else f"{x:.1f}x"
+    """A ratio: two decimals near 1 and wherever one decimal would round onto a whole-number goal
+    (4.97x must not read 5.0x beside a missed >= 5x), one otherwise."""
+    near_whole = abs(x - round(x)) < 0.05 and f"{x:.2f}" != f"{round(x):.2f}"
+    return f"{x:.2f}x" if x < 1.1 or near_whole else f"{x:.1f}x"
 
 
 def rate(x: float) -> str:

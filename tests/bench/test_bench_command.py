@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from deltamoe.benchmarks.suites import REPO_ROOT, bench_dir, discover, select
-from deltamoe.benchmarks.table import END, FORMATTERS, START, render_table, results_files, split_readme, update_readme
+from deltamoe.benchmarks.table import END, FORMATTERS, START, render_table, results_files, split_readme, times, update_readme
 from deltamoe.errors import ConfigError
 
 RESULTS = REPO_ROOT / "bench" / "results"
@@ -80,9 +80,11 @@ def test_table_shows_the_figures_of_the_results_files():
 
     offline, cache, dsa = load("serve_offline"), load("serve_cache_bytes"), load("serve_dsa_decode")
     expected = [
-        f"{offline['tokens_per_s']['deltamoe engine']:,.0f} tok/s",
-        f"**{offline['speedup_vs_best_transformers']:.1f}x**",
+        f"{offline['tokens_per_s']['deltamoe engine, compiled decode']:,.0f} tok/s",
+        f"{offline['tokens_per_s']['deltamoe engine, eager']:,.0f} tok/s",
+        f"**{times(offline['speedup_vs_best_transformers'])}**",
         f"{cache['variants']['Kimi K3 (69 KDA + 24 MLA)']['bytes_per_token']:,} B",
+        f"{dsa['compiled']['results'][-1]['dense_mla_ms']:,.1f} ms",
         f"{dsa['results'][-1]['dense_mla_ms']:,.1f} ms",
         "12 of 13 rows",
     ]
@@ -123,3 +125,9 @@ def test_update_readme_replaces_only_the_block(tmp_path):
     readme.write_text("no markers")
     with pytest.raises(ConfigError, match="bench-table"):
         update_readme(readme, "t")
+
+
+def test_ratios_never_round_onto_a_whole_number_goal():
+    """4.97x beside a missed '>= 5x' must not read 5.0x; far from a whole number one decimal stays."""
+    assert times(4.97) == "4.97x" and times(5.02) == "5.02x" and times(5.0) == "5.0x"
+    assert times(4.4) == "4.4x" and times(0.94) == "0.94x" and times(22.2) == "22.2x"
