@@ -16,7 +16,8 @@ What makes the decode forward one graph (each branch tested against the eager fo
 
 Shapes are dynamic (batch, context length), so one graph serves every step; torch still
 specialises batch 1 and a few boundaries (context under top-k, consecutive vs scattered pages),
-each compiled once on first use (~30 s on two cores, cached on disk by inductor afterwards).
+each compiled once on first use (~10-30 s per graph for a 4-layer model on two cores, cached on
+disk by inductor afterwards).
 Prefill chunks stay eager: their lengths vary and they are a small share of the steps.
 
 Guards on the model's modules are skipped (`skip_guard_on_all_nn_modules_unsafe`): checking
