@@ -31,6 +31,35 @@ def models(helpers):
                                        seed=5).eval()}
 
 
+# Compiled kernels sum in another order than eager ones (vectorised reductions, fused matmuls), so
+# logits differ at the 1e-6 level: greedy tokens must match the reference wherever its top two
+# logits are further apart than this, and may part ways only after a closer call.
+NEAR_TIE = 1e-4
+
+
+@torch.inference_mode()
+def reference_with_margins(model, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    """Plain greedy decoding (ContiguousCache) and, per token, the gap between its top two logits."""
+    from deltamoe.model.cache import ContiguousCache
+
+    cache = ContiguousCache(model.config, batch_size=1, max_length=len(prompt) + max_tokens)
+    logits = model(torch.tensor([prompt]), cache=cache).logits[0, -1]
+    tokens, margins = [], []
+    for _ in range(max_tokens):
+        top = torch.topk(logits.float(), 2).values
+        tokens.append(int(torch.argmax(logits)))
+        margins.append(float(top[0] - top[1]))
+        logits = model(torch.tensor([[tokens[-1]]]), cache=cache).logits[0, -1]
+    return tokens, margins
+
+
+def assert_greedy_matches(model, prompts: list[list[int]], outputs: list[list[int]]) -> None:
+    for prompt, out in zip(prompts, outputs, strict=True):
+        want, margins = reference_with_margins(model, prompt, len(out))
+        checked = next((i + 1 for i, m in enumerate(margins) if m < NEAR_TIE), len(want))
+        assert out[:checked] == want[:checked], (prompt, out, want, margins)
+
+
 def generate(model, prompts: list[list[int]]) -> list[list[int]]:
     engine = LLMEngine(model, config=EngineConfig(cache_memory="16MiB", compile_decode=True))
     return [c.token_ids for c in engine.generate(prompts, GREEDY, progress=False)]
@@ -40,9 +69,8 @@ def generate(model, prompts: list[list[int]]) -> list[list[int]]:
 def test_compiled_decode_equals_greedy_alone(name, models, helpers):
     model = models[name]
     prompts = helpers.prompts(6, 2, 30, seed=31)  # up to 42 tokens of context: beyond DSA's top-k of 8
-    expected = [helpers.reference_greedy(model, p, GREEDY.max_tokens) for p in prompts]
-    assert generate(model, prompts[:1]) == expected[:1]  # batch 1 is its own specialisation
-    assert generate(model, prompts) == expected
+    assert_greedy_matches(model, prompts[:1], generate(model, prompts[:1]))  # batch 1: its own specialisation
+    assert_greedy_matches(model, prompts, generate(model, prompts))
 
 
 def test_two_models_never_share_a_graph(models, helpers):
@@ -51,7 +79,7 @@ def test_two_models_never_share_a_graph(models, helpers):
     prompts = helpers.prompts(3, 5, 20, seed=32)
     for name in ("k31", "kimi_linear", "k31"):
         model = models[name]
-        assert generate(model, prompts) == [helpers.reference_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+        assert_greedy_matches(model, prompts, generate(model, prompts))
 
 
 def test_compile_decode_refuses_what_it_cannot_run(models, monkeypatch, helpers):
