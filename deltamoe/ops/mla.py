@@ -177,19 +177,29 @@ def absorb_kv_b(
     return per_head[:, :nope_dim], per_head[:, nope_dim:]
 
 
-def _check_absorbed(
-    q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, w_uk: torch.Tensor,
-    w_uv: torch.Tensor,
-) -> None:
+def _check_queries(q_nope: torch.Tensor, q_pe: torch.Tensor) -> tuple[int, int, int, int]:
+    """q_nope [B, T, H, Dn] and q_pe [B, T, H, Dr] of every absorbed form -> (B, T, H, Dn)."""
     if q_nope.dim() != 4:
         raise ValueError(f"q_nope: expected shape [B, T, H, Dn], got {tuple(q_nope.shape)}")
     batch, time, heads, nope = q_nope.shape
     check_shape("q_pe", q_pe, "[B, T, H, Dr]", (batch, time, heads, None))
+    return batch, time, heads, nope
+
+
+def _check_absorb_weights(w_uk: torch.Tensor, w_uv: torch.Tensor, heads: int, nope: int, rank: int) -> None:
+    check_shape("w_uk", w_uk, "[H, Dn, R]", (heads, nope, rank))
+    check_shape("w_uv", w_uv, "[H, Dv, R]", (heads, None, rank))
+
+
+def _check_absorbed(
+    q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+) -> None:
+    batch, _, heads, nope = _check_queries(q_nope, q_pe)
     check_shape("latent", latent, "[B, S, R]", (batch, None, None))
     _, num_keys, rank = latent.shape
     check_shape("k_pe", k_pe, "[B, S, Dr]", (batch, num_keys, q_pe.shape[-1]))
-    check_shape("w_uk", w_uk, "[H, Dn, R]", (heads, nope, rank))
-    check_shape("w_uv", w_uv, "[H, Dv, R]", (heads, None, rank))
+    _check_absorb_weights(w_uk, w_uv, heads, nope, rank)
 
 
 def _absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
@@ -251,14 +261,10 @@ def mla_attention_absorbed_joined(
 ) -> torch.Tensor:
     """`mla_attention_absorbed` on the caches' own row layout: joined [B, S, R+Dr] = [latent | k_pe],
     as a cache hands it back, so nothing is joined (or copied) -> o [B, T, H, Dv] in joined.dtype."""
-    if q_nope.dim() != 4:
-        raise ValueError(f"q_nope: expected shape [B, T, H, Dn], got {tuple(q_nope.shape)}")
-    batch, time, heads, nope = q_nope.shape
+    batch, time, heads, nope = _check_queries(q_nope, q_pe)
     rank = w_uk.shape[-1]
-    check_shape("q_pe", q_pe, "[B, T, H, Dr]", (batch, time, heads, None))
     check_shape("joined", joined, "[B, S, R+Dr]", (batch, None, rank + q_pe.shape[-1]))
-    check_shape("w_uk", w_uk, "[H, Dn, R]", (heads, nope, rank))
-    check_shape("w_uv", w_uv, "[H, Dv, R]", (heads, None, rank))
+    _check_absorb_weights(w_uk, w_uv, heads, nope, rank)
     visible = _allowed_keys(q_positions, kv_lengths, selected, batch, time, joined.shape[1])
     q = _absorb_query(q_nope, q_pe, w_uk).transpose(1, 2)  # [B,H,T,R+Dr]
     k = joined.float()[:, None]  # [B,1,S,R+Dr]
@@ -321,17 +327,14 @@ def mla_attention_absorbed_rows(
     by query (a paged cache reads just these with `latent_rows`); valid bool [B, T, K] marks the
     real ones. `mla_attention_absorbed_sparse` is this after gathering from a whole latent.
     """
-    if q_nope.dim() != 4:
-        raise ValueError(f"q_nope: expected shape [B, T, H, Dn], got {tuple(q_nope.shape)}")
-    batch, time, heads, nope = q_nope.shape
+    batch, time, heads, nope = _check_queries(q_nope, q_pe)
     check_shape("valid", valid, "[B, T, K]", (batch, time, None))
     if valid.dtype != torch.bool:
         raise ValueError(f"valid: expected dtype torch.bool, got {valid.dtype}")
     top = valid.shape[-1]
     rank = w_uk.shape[-1]
     check_shape("rows", rows, "[B, T*K, R+Dr]", (batch, time * top, rank + q_pe.shape[-1]))
-    check_shape("w_uk", w_uk, "[H, Dn, R]", (heads, nope, rank))
-    check_shape("w_uv", w_uv, "[H, Dv, R]", (heads, None, rank))
+    _check_absorb_weights(w_uk, w_uv, heads, nope, rank)
     gathered = rows.float().view(batch * time, 1, top, -1)
     # Each query becomes its own batch entry attending to its own K gathered slots.
     q = _absorb_query(q_nope, q_pe, w_uk).reshape(batch * time, heads, 1, -1)
