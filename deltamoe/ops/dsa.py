@@ -54,59 +54,40 @@ def causal_topk(
     dense attention. Entries are ordered by descending score, ties broken by the lower slot, so
     the result is deterministic; invalid entries (beyond n) hold slot 0.
     """
-    ranked, counts, top = _ranked_prefix(scores, q_positions, kv_lengths, top_k)
-    batch, time, _ = ranked.shape
-    if top == 0 or batch * time == 0:
-        return causal_topk_reference(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=top_k)
-    # The same selection as the reference's full sort, in O(S). torch.topk finds the `top` largest
-    # scores but picks arbitrarily among ties at the smallest of them (the threshold). Unless some
-    # tied key was left out, its set is the reference's; a row that sees fewer than `top` keys
-    # (threshold -inf) holds every visible key, and what fills it up is masked below.
-    values, slots = torch.topk(ranked, top, dim=-1, sorted=False)
-    threshold = values.min(dim=-1, keepdim=True).values
-    # The check reads back a flag: on CPUs only, and never inside a compiled graph (which cannot
-    # branch on data); the pass below then always runs, with the same result.
-    settled = ranked.device.type == "cpu" and not torch.compiler.is_compiling() and bool(
-        ((threshold.squeeze(-1) == float("-inf"))
-         | ((ranked == threshold).sum(dim=-1) == (values == threshold).sum(dim=-1))).all())
-    if not settled:
-        slots = _lowest_slots_at_threshold(ranked, threshold, top)
-    slots = slots.sort(dim=-1).values  # ascending slot, so the stable sort below breaks ties by slot
-    order = torch.sort(ranked.gather(-1, slots), dim=-1, descending=True, stable=True).indices
-    valid = torch.arange(top, device=scores.device) < counts[..., None]
-    return slots.gather(-1, order).masked_fill(~valid, 0), valid
-
-
-def _lowest_slots_at_threshold(ranked: torch.Tensor, threshold: torch.Tensor, top: int) -> torch.Tensor:
-    """Exactly `top` slots per row: every key above the threshold, then the lowest slots among the
-    ties at it -> long [B, T, top] in ascending slot order."""
-    batch, time, _ = ranked.shape
-    above = ranked > threshold
-    tie = ranked == threshold
-    room = top - above.sum(dim=-1, keepdim=True)
-    keep = above | (tie & (tie.cumsum(dim=-1) <= room))
-    # Scatter each kept slot to its rank among the kept ones; dropped slots go to a spill column.
-    # Shapes never depend on the data, so meta-device tracing (pipeline stages infer their output
-    # shapes that way) sees the real [B,T,top].
-    rank = torch.where(keep, keep.cumsum(dim=-1) - 1, top)
-    arange = torch.arange(ranked.shape[-1], device=ranked.device).expand_as(ranked)
-    return ranked.new_zeros((batch, time, top + 1), dtype=torch.long).scatter_(-1, rank, arange)[..., :top]
-
-
-def _ranked_prefix(
-    scores: torch.Tensor, q_positions: torch.Tensor, kv_lengths: torch.Tensor, top_k: int
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """`_ranked_scores` in fewer passes: the keys a query sees are a prefix of the slots
-    (`mla.visible_counts`), so one comparison masks the rest.
-    Returns (ranked fp32 [B,T,S], visible keys per query long [B,T], K)."""
     _check_topk_args(scores, q_positions, top_k)
     num_keys = scores.shape[-1]
     top = min(top_k, num_keys)
+    if top == 0 or scores.numel() == 0:
+        return causal_topk_reference(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=top_k)
     counts = visible_counts(q_positions, kv_lengths, num_keys)
-    lowest = torch.finfo(torch.float32).min
-    ranked = scores.float().clamp(min=lowest)
-    ranked.masked_fill_(torch.arange(num_keys, device=scores.device) >= counts[..., None], float("-inf"))
-    return ranked, counts, top
+    # One torch.topk over keys that are all distinct, so its (otherwise unspecified) choice among
+    # ties cannot matter: each key orders by score first, then by lower slot. Sorted output is
+    # already the reference's order; no threshold check, no host read, no second pass, one graph.
+    best = torch.topk(_selection_keys(scores, counts), top, dim=-1, sorted=True).values
+    slots = _SLOT_MASK - (best & _SLOT_MASK)
+    valid = torch.arange(top, device=scores.device) < counts[..., None]
+    return slots.masked_fill(~valid, 0), valid
+
+
+# A selection key is int64: (score's order as int32) * 2^32 + (2^32 - 1 - slot).
+_SLOT_MASK = (1 << 32) - 1
+_SIGN_MASK = (1 << 31) - 1
+_ORDER_OF_LOWEST = -0x7F7FFFFF  # order of the lowest finite float32; -inf's is one below it
+_ORDER_HIDDEN = -(1 << 31)  # below every score's order
+
+
+def _selection_keys(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """int64 [B, T, S] keys whose descending order is the reference's selection order: higher
+    score first (visible -inf just above hidden keys), ties to the lower slot.
+
+    A float32's bits read as int32 order like the float for non-negative values; for negative
+    ones (sign bit set) -(bits without the sign) restores the order, and maps -0.0 to 0 like +0.0
+    (they tie in the reference's sort too). No key collides, since every slot's differs."""
+    bits = scores.float().contiguous().view(torch.int32)
+    order = torch.where(bits >= 0, bits, -(bits & _SIGN_MASK)).clamp_(min=_ORDER_OF_LOWEST)
+    slot = torch.arange(scores.shape[-1], device=scores.device)
+    order = order.masked_fill(slot >= counts[..., None], _ORDER_HIDDEN)
+    return order.long() * (1 << 32) + (_SLOT_MASK - slot)
 
 
 def causal_topk_reference(

@@ -107,33 +107,48 @@ def test_causal_topk_equals_the_full_sort_reference(seed: int) -> None:
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_causal_topk_without_threshold_ties_skips_the_tie_pass(seed: int, monkeypatch) -> None:
-    """Continuous scores: torch.topk's set is already the reference's, so the tie-resolving pass
-    never runs, and the result equals the full sort: rows that see more keys than K, fewer
-    (threshold -inf), none (a padding query at position -1), and a decode row."""
+def test_causal_topk_equals_the_reference_on_continuous_scores(seed: int) -> None:
+    """Random scores: rows that see more keys than K, fewer, none (a padding query at position
+    -1), and a decode row; fp32 and bf16 scores."""
     from deltamoe.ops import dsa
 
-    calls = []
-    real = dsa._lowest_slots_at_threshold
-    monkeypatch.setattr(dsa, "_lowest_slots_at_threshold", lambda *a: calls.append(1) or real(*a))
     g = torch.Generator().manual_seed(seed)
     b, t, s, k = 3, 5, 300, 16
-    scores = torch.randn(b, t, s, generator=g)
     q_positions = torch.tensor([[0, 1, 2, 3, -1], [100, 101, 102, 103, 104], [295, 296, 297, 298, 299]])
     kv_lengths = torch.tensor([4, 105, 300])
-    got = causal_topk(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=k)
-    want = dsa.causal_topk_reference(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=k)
-    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]) and not calls
-    # A tie straddling the threshold needs the pass (and still equals the reference).
-    scores[1, 2, :105] = 0.0
-    got = causal_topk(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=k)
-    want = dsa.causal_topk_reference(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=k)
-    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]) and calls
+    for dtype in (torch.float32, torch.bfloat16):
+        scores = torch.randn(b, t, s, generator=g).to(dtype)
+        got = causal_topk(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=k)
+        want = dsa.causal_topk_reference(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=k)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+
+
+def test_causal_topk_orders_signed_zeros_extremes_and_subnormals_like_the_reference() -> None:
+    """The selection keys reinterpret float bits: -0.0 must tie with +0.0 (lower slot first),
+    subnormals and the largest finite values of both signs keep their order, a visible -inf ties
+    with the lowest finite score (the reference clamps it there) and ranks above hidden keys."""
+    from deltamoe.ops import dsa
+
+    tiny = torch.finfo(torch.float32).tiny / 4  # a subnormal
+    big = torch.finfo(torch.float32).max
+    row = [0.0, -0.0, tiny, -tiny, big, -big, float("inf"), float("-inf"), -0.0, 0.0, 1.0, -1.0, -big, tiny]
+    scores = torch.tensor(row).repeat(2, 1).reshape(1, 2, -1)
+    s = scores.shape[-1]
+    q_positions = torch.tensor([[s - 1, s - 3]])  # the second row hides its last two keys
+    kv_lengths = torch.tensor([s])
+    for k in (1, 5, 9, s):
+        got = causal_topk(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=k)
+        want = dsa.causal_topk_reference(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=k)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), k
+    got = causal_topk(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=s)[0][0, 0].tolist()
+    assert got[:3] == [6, 4, 10] and got[-3:] == [5, 7, 12]  # +inf, max, 1 ... then -max, -inf, -max by slot
+    assert got.index(0) < got.index(1) < got.index(8) < got.index(9)  # the four zeros, by slot
+
 
 @needs_compiler
 def test_causal_topk_compiles_to_one_graph_with_the_same_selection() -> None:
-    """In a compiled graph the host-read check is skipped and the tie pass always runs:
-    integer scores (ties at the threshold everywhere) still give the full sort's selection."""
+    """One graph with no host read: integer scores (ties at the threshold everywhere) still give
+    the full sort's selection."""
     from deltamoe.ops.dsa import causal_topk_reference
 
     g = torch.Generator().manual_seed(3)
