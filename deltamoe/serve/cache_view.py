@@ -33,23 +33,30 @@ class PagedBatchView:
         self._fresh = all(p == 0 for p in past_lengths)  # every row starts from an empty state
         self._slots = torch.tensor(slots, dtype=torch.long, device=device)
         width = max(len(b) for b in block_tables)
-        table = torch.tensor([b + [0] * (width - len(b)) for b in block_tables], dtype=torch.long, device=device)
+        # One flat list, then a view: torch.tensor over a list of lists costs ~1 us per row.
+        flat = [block for b in block_tables for block in (b + [0] * (width - len(b)) if len(b) < width else b)]
+        table = torch.tensor(flat, dtype=torch.long, device=device).view(len(block_tables), width)
         total = max(p + n for p, n in zip(past_lengths, counts))
-        self._table, self._total = table, total
-        new_pos = (self.past_lengths[:, None] + torch.arange(t, device=device)).clamp(max=total - 1)  # [B, T]
-        write = self._page_rows(new_pos)
-        if ragged:  # only real tokens are stored; padding positions are dropped before the write
-            self._real = (torch.arange(t, device=device) < self.new_lengths[:, None]).reshape(-1)
-            self._write = write.reshape(-1)[self._real]
-        else:
-            self._real = None
-            self._write = write.reshape(-1)
+        self._table, self._total, self._num_new = table, total, t
+        # Only real tokens are stored; padding positions are dropped before the write.
+        self._real = (torch.arange(t, device=device) < self.new_lengths[:, None]).reshape(-1) if ragged else None
+        self._write_rows: torch.Tensor | None = None
         blocks = block_tables[0][: -(-total // bs)]
         consecutive = len(block_tables) == 1 and blocks == list(range(blocks[0], blocks[0] + len(blocks)))
         # Plain ints, not a slice object: a compiled decode graph treats ints as symbols but a
         # slice's bounds as constants (one recompile per step).
         self._first_row = blocks[0] * bs if consecutive else None
         self._read_rows: torch.Tensor | None = None
+
+    @property
+    def _write(self) -> torch.Tensor:
+        """Flat page row of every new real token, built on first use: inside a compiled decode graph
+        these few index ops are fused into it instead of running eagerly before the call."""
+        if self._write_rows is None:
+            new_pos = self.past_lengths[:, None] + torch.arange(self._num_new, device=self._table.device)
+            write = self._page_rows(new_pos.clamp(max=self._total - 1)).reshape(-1)  # [B * T]
+            self._write_rows = write if self._real is None else write[self._real]
+        return self._write_rows
 
     @property
     def _read(self) -> torch.Tensor:

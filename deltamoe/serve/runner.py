@@ -61,8 +61,11 @@ class ModelRunner:
         """One model call appending counts[i] tokens to row i (right-padded to the longest with token
         0, which the cache view keeps out of every state) -> each row's last-token logits [B, V] fp32."""
         t = max(counts)
-        ids = torch.tensor([s.token_ids[s.num_computed:s.num_computed + n] + [0] * (t - n)
-                            for s, n in zip(seqs, counts)], device=self.device)
+        if t == 1:  # decode: one flat list (a list of lists costs ~0.5 us more per row)
+            ids = torch.tensor([s.token_ids[s.num_computed] for s in seqs], device=self.device).view(-1, 1)
+        else:
+            ids = torch.tensor([s.token_ids[s.num_computed:s.num_computed + n] + [0] * (t - n)
+                                for s, n in zip(seqs, counts)], device=self.device)
         view = PagedBatchView(self.cache, [s.block_table for s in seqs], [s.num_computed for s in seqs],
                               [s.slot for s in seqs], counts)
         # Norm + LM head on the last real position only: prefill chunks need no other logits.
