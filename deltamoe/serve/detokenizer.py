@@ -14,12 +14,12 @@ from deltamoe.tokenizers.base import Tokenizer
 
 class IncrementalDetokenizer:
     """`stream=False` (offline generation without stop strings: nobody reads text before the end)
-    keeps the bytes and decodes them once in `flush`; the final text is the same."""
+    keeps the token ids and decodes them once in `flush`; the final text is the same."""
 
     def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None, skip_special_tokens: bool = True,
                  include_stop_str_in_output: bool = False, stream: bool = True):
         self._tokenizer = tokenizer
-        self._deferred: list[bytes] | None = None if stream or stop else []
+        self._deferred: list[int] | None = None if stream or stop else []
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._skip = set(tokenizer.special_tokens.values()) if skip_special_tokens else set()
         self._stop = list(stop or [])
@@ -33,7 +33,7 @@ class IncrementalDetokenizer:
         if self.stopped_by is not None:
             return ""
         if self._deferred is not None:
-            self._deferred.append(self._bytes(token_id))
+            self._deferred.append(token_id)
             return ""
         return self._add(self._decoder.decode(self._bytes(token_id)))
 
@@ -49,7 +49,7 @@ class IncrementalDetokenizer:
         """At the end of generation: release held-back text (an unfinished character becomes U+FFFD)."""
         delta = ""
         if self._deferred:
-            pending, self._deferred = b"".join(self._deferred), []
+            pending, self._deferred = b"".join(map(self._bytes, self._deferred)), []
             delta = self._add(self._decoder.decode(pending))
         if self.stopped_by is not None:  # _add already released everything up to the stop
             return delta

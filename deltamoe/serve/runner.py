@@ -23,7 +23,7 @@ from deltamoe.serve.scheduler import ScheduledBatch
 from deltamoe.serve.sequence import Sequence
 
 
-@dataclass
+@dataclass(slots=True)
 class StepResult:
     seq: Sequence
     num_computed: int  # tokens computed this step
@@ -50,11 +50,15 @@ class ModelRunner:
             if rows:  # one gather per call, not one select per row
                 last_logits.append(logits if len(rows) == len(seqs) else logits[rows])
                 to_sample.extend(seqs[row] for row in rows)
-        sampled = {}
-        if to_sample:
-            picks = sample(torch.cat(last_logits), [s.params for s in to_sample], [s.output_ids for s in to_sample],
-                           [s.generator for s in to_sample])
-            sampled = {id(s): p for s, p in zip(to_sample, picks)}
+        if not to_sample:
+            return [StepResult(seq, n, None, None) for seq, n in batch.items]
+        logits = last_logits[0] if len(last_logits) == 1 else torch.cat(last_logits)
+        picks = sample(logits, [s.params for s in to_sample], [s.output_ids for s in to_sample],
+                       [s.generator for s in to_sample])
+        if len(to_sample) == len(batch.items) and all(a is b for a, (b, _) in zip(to_sample, batch.items)):
+            # Every row sampled, in schedule order (a pure decode step): no lookup by sequence.
+            return [StepResult(seq, n, *pick) for (seq, n), pick in zip(batch.items, picks)]
+        sampled = {id(s): p for s, p in zip(to_sample, picks)}
         return [StepResult(seq, n, *sampled.get(id(seq), (None, None))) for seq, n in batch.items]
 
     def _forward(self, seqs: list[Sequence], counts: list[int]) -> torch.Tensor:

@@ -136,5 +136,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], outputs: list[lis
     """Next tokens for a batch of last-position logits [B, V]; plain greedy rows take one batched argmax."""
     plain = [p.greedy and p.logprobs is None and p.presence_penalty == 0 and p.frequency_penalty == 0 for p in params]
     fast = torch.argmax(logits, dim=-1).tolist() if any(plain) else []
+    if all(plain):
+        return [(token, None) for token in fast]
     return [(fast[i], None) if plain[i] else sample_row(logits[i], params[i], outputs[i], generators[i])
             for i in range(len(params))]

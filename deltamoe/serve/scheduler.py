@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from deltamoe.serve.cache import HybridCache
 from deltamoe.serve.config import EngineConfig
-from deltamoe.serve.sequence import Sequence, Status
+from deltamoe.serve.sequence import Sequence, Status, urgency
 
 
 @dataclass
@@ -54,16 +54,20 @@ class Scheduler:
         preemptions_before = self.num_preemptions
         scheduled: set[int] = set()
         budget = self.config.max_num_batched_tokens
-        by_urgency = sorted(self.running, key=lambda s: s.sort_key)
-        decodes = [s for s in by_urgency if s.num_uncomputed == 1]
-        prefills = [s for s in by_urgency if s.num_uncomputed > 1]
+        by_urgency = sorted(self.running, key=urgency)
+        decodes = [s for s in by_urgency if len(s.token_ids) - s.num_computed == 1]
+        prefills = [s for s in by_urgency if len(s.token_ids) - s.num_computed > 1]
+        block_size = self.cache.block_size
         for seq in decodes + prefills:
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            take = self._chunk(seq, budget)
-            if self._grow_or_preempt(seq, take, scheduled):
+            # A decode takes its one token (no snapshot boundary lies inside one token); with room
+            # left in its last block it needs no allocation either: the common step, kept cheap.
+            take = 1 if len(seq.token_ids) - seq.num_computed == 1 else self._chunk(seq, budget)
+            if (take == 1 and seq.num_computed < len(seq.block_table) * block_size
+                    or self._grow_or_preempt(seq, take, scheduled)):
                 batch.items.append((seq, take))
                 scheduled.add(id(seq))
                 budget -= take

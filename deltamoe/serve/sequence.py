@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import operator
 import time
 from dataclasses import dataclass, field
 
@@ -13,6 +14,8 @@ from deltamoe.serve.detokenizer import IncrementalDetokenizer
 from deltamoe.serve.sampling import SamplingParams, TokenLogprob
 
 _arrivals = itertools.count()
+# `Sequence.sort_key` as one C-level getter (the scheduler sorts its running list by it every step).
+urgency = operator.attrgetter("priority", "arrival")
 
 
 class Status(enum.Enum):
@@ -64,7 +67,7 @@ class Sequence:
     @property
     def sort_key(self) -> tuple[int, int]:
         """Scheduling order: most urgent priority first, then first come (preemption picks the last)."""
-        return (self.priority, self.arrival)
+        return urgency(self)
 
     @property
     def finished(self) -> bool:
