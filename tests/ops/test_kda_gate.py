@@ -110,7 +110,7 @@ def conv_by_hand(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> 
     return torch.nn.functional.silu(y)
 
 
-@pytest.mark.parametrize("t", [1, 2, 3, 11, 24])  # 24: past SHORT_CONV_TOKENS, the conv1d path
+@pytest.mark.parametrize("t", [1, 2, 3, 11, 24, 70])
 def test_conv_matches_a_plain_loop(t: int) -> None:
     x, weight = conv_inputs(t)
     state = torch.randn(2, 5, 3)
