@@ -32,7 +32,9 @@ class PagedBatchView:
         self.new_lengths = torch.tensor(counts, dtype=torch.long, device=device) if ragged else None
         self._fresh = all(p == 0 for p in past_lengths)  # every row starts from an empty state
         self._slots = torch.tensor(slots, dtype=torch.long, device=device)
-        width = max(len(b) for b in block_tables)
+        # At least two columns (the extra one is never read): a compiled decode graph would otherwise
+        # specialise on width 1 (contexts within one block) and compile again for longer ones.
+        width = max(2, max(len(b) for b in block_tables))
         # One flat list, then a view: torch.tensor over a list of lists costs ~1 us per row.
         flat = [block for b in block_tables for block in (b + [0] * (width - len(b)) if len(b) < width else b)]
         table = torch.tensor(flat, dtype=torch.long, device=device).view(len(block_tables), width)

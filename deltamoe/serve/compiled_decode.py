@@ -14,10 +14,11 @@ What makes the decode forward one graph (each branch tested against the eager fo
 - DSA's top-k takes its tie-resolving pass unconditionally (no flag read back to the host);
 - absorbed MLA reads the cache's own [latent | k_pe] rows (`mla_attention_absorbed_joined`).
 
-Shapes are dynamic (batch, context length), so one graph serves every step; torch still
-specialises batch 1 and a few boundaries (context under top-k, consecutive vs scattered pages),
-each compiled once on first use (~10-30 s per graph for a 4-layer model on two cores, cached on
-disk by inductor afterwards).
+Shapes are dynamic (batch, context length), traced without duck shaping (see
+`_call_without_duck_shapes`); torch still compiles batch 1 apart (one slice of pages, or gathered
+ones) and the experts' gather / all-experts sides of a batch, each once per process (~10-30 s per
+graph for a 4-layer model on two cores, cached on disk by inductor afterwards).
+`LLMEngine.warm_up` compiles them all before traffic.
 Prefill chunks stay eager: their lengths vary and they are a small share of the steps.
 
 Guards on the model's modules are skipped (`skip_guard_on_all_nn_modules_unsafe`): checking
@@ -83,4 +84,19 @@ def compile_decode(model: torch.nn.Module) -> Callable[[torch.Tensor, object], t
     key = model.__dict__.get("_compiled_decode_key")
     if key is None:
         key = model._compiled_decode_key = uuid.uuid4().hex
-    return functools.partial(_compiled_call(), model, key)
+    return functools.partial(_call_without_duck_shapes, _compiled_call(), model, key)
+
+
+def _call_without_duck_shapes(compiled: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
+    """Trace (when a call compiles) with every dynamic size its own symbol. Torch's default "duck
+    shaping" gives sizes that happen to be equal at trace time one symbol: a block table two
+    blocks wide next to two KDA heads came out as "width == 2", and every longer context then
+    compiled again, in the middle of traffic. Set per call (~4 us), not process-wide."""
+    from torch.fx.experimental import _config as shape_config
+
+    previous = shape_config.use_duck_shape
+    shape_config.use_duck_shape = False
+    try:
+        return compiled(*args)
+    finally:
+        shape_config.use_duck_shape = previous

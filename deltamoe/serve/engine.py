@@ -22,7 +22,7 @@ from deltamoe.serve.detokenizer import IncrementalDetokenizer
 from deltamoe.serve.outputs import Completion, EngineStats, RequestOutput
 from deltamoe.serve.runner import ModelRunner, StepResult
 from deltamoe.serve.sampling import SamplingParams
-from deltamoe.serve.scheduler import Scheduler
+from deltamoe.serve.scheduler import ScheduledBatch, Scheduler
 from deltamoe.serve.sequence import Sequence
 from deltamoe.tokenizers.base import Tokenizer
 from deltamoe.tokenizers.load import load_tokenizer
@@ -187,16 +187,56 @@ class LLMEngine:
                            num_cached_tokens=s.num_cached_tokens, prompt=s.prompt) for s in seqs]
 
     def warm_up(self) -> None:
-        """Run the decode shapes a server meets first (one sequence, then a batch), so that a
-        compiled decode graph is built before traffic rather than inside the first requests.
-        Leaves no trace: the prompts are shorter than a block (nothing enters the prefix cache)
-        and the request and prefix-lookup totals are restored."""
-        totals, lookups = dict(self._totals), (self.cache.prefix_queries, self.cache.prefix_hits)
-        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-        self.generate([[1, 2]], params, progress=False)
-        self.generate([[1, 2], [3, 4, 5]], params, progress=False)
-        self._totals = totals
-        self.cache.prefix_queries, self.cache.prefix_hits = lookups
+        """Compile every decode graph a server meets before traffic does (compiled decode only), so
+        that no request waits for a compile mid-stream (one takes ~10-60 s). Runs one decode step of
+        made-up sequences per graph straight through the runner: no scheduler, prefix cache, request
+        ids, seeds or metrics are touched, and their blocks and state slots go back. Call it at
+        startup, before requests arrive."""
+        if not self.runner.compiles_decode:
+            return
+        for batch, scattered, past in self._decode_shape_classes():
+            self._warm_decode_step(batch, scattered, past)
+
+    def _decode_shape_classes(self) -> list[tuple[int, bool, int]]:
+        """(batch, scattered pages, tokens already cached) of each compiled decode graph:
+        - batch 1 is a graph of its own (torch specialises size 1), reading its pages as one slice
+          or gathering them (blocks scattered over the pool);
+        - batches of 2 and more use gathered expert weights while batch x top_k < num_experts,
+          all experts from there on (`ops.moe.experts_forward_static`);
+        - with DSA layers, contexts shorter than the indexer's top-k and longer ones (the top-k's
+          length is min(top_k, context)) compile apart."""
+        cfg, bs = self.model_config, self.cache.block_size
+        batches = [2]
+        if cfg.num_experts > 0:
+            switch = -(-cfg.num_experts // cfg.num_experts_per_token)  # the first all-experts batch
+            if switch > 2:
+                batches.append(min(switch, self.config.max_num_seqs))
+        pasts = [2] + ([cfg.index_topk] if "dsa" in cfg.layer_types else [])
+        classes = []
+        for past in pasts:
+            classes += [(1, False, past), (1, True, max(past, bs))]  # scattered: two blocks at least
+            classes += [(batch, False, past) for batch in batches]
+        return classes
+
+    def _warm_decode_step(self, batch: int, scattered: bool, past: int) -> None:
+        if past + 1 >= min(self.max_model_len, self.cache.max_tokens_per_sequence()):
+            return  # contexts this long never occur here
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, seed=0)
+        seqs = [self.make_sequence([1] * (past + 1), params, request_id=f"warm-up-{i}") for i in range(batch)]
+        admitted: list[Sequence] = []
+        try:
+            for seq in seqs:
+                if not (self.cache.admit(seq) and self.cache.grow(seq, past + 1)):
+                    self.cache.free(seq)
+                    return  # a cache this small never runs this batch: nothing to compile for it
+                admitted.append(seq)
+                if scattered:  # the first two blocks swapped: no longer one slice of the pages
+                    seq.block_table[:2] = seq.block_table[1::-1]
+                seq.num_computed = past
+            self.runner.execute(ScheduledBatch([(seq, 1) for seq in seqs]))
+        finally:
+            for seq in admitted:
+                self.cache.free(seq)
 
     # ------------------------------------------------------------------ metrics
     def stats(self) -> EngineStats:

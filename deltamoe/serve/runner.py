@@ -39,6 +39,10 @@ class ModelRunner:
         # Decode calls (T = 1) through one compiled graph; prefill chunks always run eagerly.
         self._compiled_decode = compile_decode(model) if compiled_decode else None
 
+    @property
+    def compiles_decode(self) -> bool:
+        return self._compiled_decode is not None
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[StepResult]:
         last_logits: list[torch.Tensor] = []
@@ -73,7 +77,9 @@ class ModelRunner:
         view = PagedBatchView(self.cache, [s.block_table for s in seqs], [s.num_computed for s in seqs],
                               [s.slot for s in seqs], counts)
         # Norm + LM head on the last real position only: prefill chunks need no other logits.
-        if t == 1 and self._compiled_decode is not None:
+        # A T = 1 call where every row starts empty is the prefill of one-token prompts: eager, like
+        # every prefill (compiled, its context of one token would be a graph of its own).
+        if t == 1 and self._compiled_decode is not None and any(s.num_computed for s in seqs):
             return self._compiled_decode(ids, view)[:, -1].float()
         return self.model(ids, cache=view, logits_to_keep=1).logits[:, -1].float()
 

@@ -139,3 +139,31 @@ def test_generate_cli_flag(models, tmp_path, capsys):
     eager = capsys.readouterr().out
     assert main([*args, "--compile-decode"]) == 0
     assert capsys.readouterr().out == eager
+
+
+def scatter_free_blocks(engine: LLMEngine, seed: int = 0) -> None:
+    """The pool's free blocks in random order, as a long-running server's: a new sequence's blocks
+    are then scattered and can no longer be read as one slice."""
+    blocks = engine.cache.blocks
+    taken = [blocks.allocate() for _ in range(blocks.num_free)]
+    for i in torch.randperm(len(taken), generator=torch.Generator().manual_seed(seed)).tolist():
+        blocks.release(taken[i])
+
+
+def test_warm_up_compiles_every_graph_traffic_meets(helpers):
+    """After `warm_up`, traffic never compiles (torch would raise under `fail_on_recompile`): one
+    sequence on consecutive and on scattered pages, batches on both sides of the experts'
+    gather / all-experts switch (8 experts, top-2: from 4 rows), contexts below and above the
+    DSA indexer's top-k (8), and one-token prompts."""
+    model = build_model(helpers.k31_tiny(num_hidden_layers=2, layer_types=("kda", "dsa"), num_experts=8), seed=4).eval()
+    engine = LLMEngine(model, config=EngineConfig(cache_memory="16MiB", compile_decode=True, max_snapshots=0))
+    engine.warm_up()
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        outs = [engine.generate([[5, 6, 7]], params, progress=False)]  # one sequence, context 3 -> 15
+        outs.append(engine.generate([[1, 2], [3, 4, 5]], params, progress=False))
+        outs.append(engine.generate([[i, i + 1, 9] for i in range(6)], params, progress=False))
+        outs.append(engine.generate([[7], [8]], params, progress=False))
+        scatter_free_blocks(engine)
+        outs.append(engine.generate([list(range(40, 80))], params, progress=False))  # 40 + 12 tokens, 4 blocks
+    assert all(len(c.token_ids) == 12 for batch in outs for c in batch)
