@@ -1,6 +1,7 @@
 """Online serving: TTFT, TPOT and ITL at 1, 8 and 32 concurrent clients against `deltamoe serve`.
 
     .venv/bin/python bench/bench_serve_online.py [--quick] [--model tiny] [--input-len 64] [--output-len 32]
+                                                 [--compile-decode]
 
 Starts `deltamoe serve MODEL` as a subprocess on a free local port (default: the `tiny` preset,
 random weights), then for each concurrency C keeps C streaming /v1/completions clients busy
@@ -11,6 +12,10 @@ ITL = gaps between successive text events; E2EL. Output lengths are fixed (`igno
 counted from the server's usage chunk, so a lost or short request shows up as an error.
 With the byte tokenizer and random weights, half of a UTF-8 character is held back and sent with
 the next token, so one SSE event can carry two tokens: ITL is per event, TPOT per token.
+
+`--compile-decode` starts the server with its decode steps compiled (`deltamoe serve
+--compile-decode`; the compile runs at startup, before the health check passes, and is not timed)
+and writes serve_online_compiled.json instead.
 
 Prints a markdown table and writes bench/results/serve_online.json atomically. Absolute times
 are this machine's CPU, shared with other work; read them as a profile of the server, not a
@@ -60,12 +65,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str, port: int, max_model_len: int, max_num_seqs: int, threads: int | None) -> subprocess.Popen:
+def start_server(model: str, port: int, max_model_len: int, max_num_seqs: int, threads: int | None,
+                 compile_decode: bool = False) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "deltamoe.cli", "serve", model, "--port", str(port), "--served-model-name",
            MODEL_NAME, "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
            "--log-level", "warning"]
     if threads is not None:
         cmd += ["--threads", str(threads)]
+    if compile_decode:
+        cmd.append("--compile-decode")
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # the server's own default
     return subprocess.Popen(cmd, cwd=ROOT, env=env)
 
@@ -169,6 +177,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads of the server (default: the server's own, all cores but one)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compile-decode", action="store_true",
+                    help="serve with compiled decode steps; writes serve_online_compiled.json")
     ap.add_argument("--quick", action="store_true", help="2 requests per client, 32 in / 16 out tokens, writes serve_online_quick.json")
     args = ap.parse_args()
     if args.quick:
@@ -176,10 +186,11 @@ def main() -> None:
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = start_server(args.model, port, args.input_len + args.output_len + 8, max(args.concurrency), args.threads)
+    proc = start_server(args.model, port, args.input_len + args.output_len + 8, max(args.concurrency), args.threads,
+                        args.compile_decode)
     rows = []
     try:
-        wait_healthy(proc, url)
+        wait_healthy(proc, url, timeout=1200.0 if args.compile_decode else 300.0)  # compiling takes minutes
         rng = random.Random(args.seed)
         asyncio.run(run_concurrency(url, 1, [random_prompt(rng, args.input_len)], args.output_len))  # warm-up
         for c in args.concurrency:
@@ -197,14 +208,16 @@ def main() -> None:
 
     config = {"model": args.model, "input_len": args.input_len, "output_len": args.output_len,
               "prompts_per_client": args.prompts_per_client, "server_threads": args.threads or SERVER_DEFAULT_THREADS, "quick": args.quick,
-              "command": " ".join(["bench/bench_serve_online.py", *sys.argv[1:]])}
-    path = write_result(result_name("serve_online", args.quick), {"config": config, "runs": rows})
+              "compile_decode": args.compile_decode, "command": " ".join(["bench/bench_serve_online.py", *sys.argv[1:]])}
+    name = "serve_online_compiled" if args.compile_decode else "serve_online"
+    path = write_result(result_name(name, args.quick), {"config": config, "runs": rows})
     headers = ["clients", "done", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms",
                "ITL p50 ms", "ITL p99 ms", "E2EL p50 ms"]
     table = [[r["concurrency"], f"{r['completed']}/{r['completed'] + r['failed']}", r["request_throughput"],
               r["output_throughput"], r["p50_ttft_ms"], r["p99_ttft_ms"], r["p50_tpot_ms"], r["p99_tpot_ms"],
               r["p50_itl_ms"], r["p99_itl_ms"], r["p50_e2el_ms"]] for r in rows]
-    print(f"\n`deltamoe serve {args.model}`, {args.input_len} in / {args.output_len} out tokens, "
+    print(f"\n`deltamoe serve {args.model}{' --compile-decode' if args.compile_decode else ''}`, "
+          f"{args.input_len} in / {args.output_len} out tokens, "
           f"{args.prompts_per_client} requests per client\n")
     print(markdown_table(headers, table))
     print(f"\nwrote {path}")

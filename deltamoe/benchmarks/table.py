@@ -213,10 +213,13 @@ def serve_online_rows(d: dict) -> list[Row]:
     def join(key: str) -> str:
         return " / ".join(f"{r[key]:,.0f}" for r in runs)
 
-    return [[f"online serving, {d['config']['model']}, {' / '.join(str(r['concurrency']) for r in runs)} clients "
-             + command("serve_online"),
-             f"TTFT p50 {join('p50_ttft_ms')} ms; TPOT p50 {join('p50_tpot_ms')} ms", "(no peer server run)", "",
-             d.get("note", "")]]
+    if d["config"].get("compile_decode"):
+        label = "same, server with `--compile-decode` (`python bench/bench_serve_online.py --compile-decode`)"
+    else:
+        label = (f"online serving, {d['config']['model']}, {' / '.join(str(r['concurrency']) for r in runs)} clients "
+                 + command("serve_online"))
+    return [[label, f"TTFT p50 {join('p50_ttft_ms')} ms; TPOT p50 {join('p50_tpot_ms')} ms", "(no peer server run)",
+             "", d.get("note", "")]]
 
 
 def trace_rows(d: dict) -> list[Row]:
@@ -302,6 +305,7 @@ FORMATTERS: dict[str, Callable[[dict], list[Row]]] = {
     "serve_dsa_decode": serve_dsa_decode_rows,
     "serve_cache_bytes": serve_cache_bytes_rows,
     "serve_online": serve_online_rows,
+    "serve_online_compiled": serve_online_rows,
     "trace": trace_rows,
     "plan_validation": plan_validation_rows,
     "moe": moe_rows,
