@@ -56,10 +56,8 @@ def causal_topk(
     """
     _check_topk_args(scores, q_positions, top_k)
     num_keys = scores.shape[-1]
-    # sym_min, not min: in a compiled graph with a symbolic context length, min() would make torch
-    # compile one graph for contexts under top_k and another above (a stall mid-traffic).
-    top = torch.sym_min(top_k, num_keys)
-    if num_keys == 0 or scores.numel() == 0:
+    top = min(top_k, num_keys)  # compiled: contexts under and over top_k are two graphs (LLMEngine.warm_up)
+    if top == 0 or scores.numel() == 0:
         return causal_topk_reference(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=top_k)
     counts = visible_counts(q_positions, kv_lengths, num_keys)
     # One torch.topk over keys that are all distinct, so its (otherwise unspecified) choice among

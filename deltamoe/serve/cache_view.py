@@ -36,7 +36,7 @@ class PagedBatchView:
         # specialise on width 1 (contexts within one block) and compile again for longer ones.
         width = max(2, max(len(b) for b in block_tables))
         # One flat list, then a view: torch.tensor over a list of lists costs ~1 us per row.
-        flat = [block for b in block_tables for block in (b + [0] * (width - len(b)) if len(b) < width else b)]
+        flat = [block for b in block_tables for block in b + [0] * (width - len(b))]
         table = torch.tensor(flat, dtype=torch.long, device=device).view(len(block_tables), width)
         total = max(p + n for p, n in zip(past_lengths, counts))
         self._table, self._total, self._num_new = table, total, t

@@ -11,13 +11,14 @@ What makes the decode forward one graph (each branch tested against the eager fo
 - the cache view writes through whole cache tensors (`cache_view._put`), never through a view
   of one layer, so the graph updates pages in place instead of rebuilding the cache;
 - experts take `ops.moe.experts_forward_static` (no per-expert slices sized on the host);
-- DSA's top-k takes its tie-resolving pass unconditionally (no flag read back to the host);
+- DSA's top-k is one `torch.topk` over distinct keys (no flag read back to the host);
 - absorbed MLA reads the cache's own [latent | k_pe] rows (`mla_attention_absorbed_joined`).
 
 Shapes are dynamic (batch, context length), traced without duck shaping (see
 `_call_without_duck_shapes`); torch still compiles batch 1 apart (one slice of pages, or gathered
-ones) and the experts' gather / all-experts sides of a batch, each once per process (~10-30 s per
-graph for a 4-layer model on two cores, cached on disk by inductor afterwards).
+ones), the experts' gather / all-experts sides of a batch and, with DSA, contexts on either side
+of the indexer's top-k, each once per process (~10-30 s per graph for a 4-layer model on two
+cores, cached on disk by inductor afterwards).
 `LLMEngine.warm_up` compiles them all before traffic.
 Prefill chunks stay eager: their lengths vary and they are a small share of the steps.
 
@@ -60,7 +61,7 @@ def _decode_call(model: torch.nn.Module, model_key: str, input_ids: torch.Tensor
 
 @functools.cache
 def _compiled_call() -> Callable[..., torch.Tensor]:
-    # Specialisations (batch 1, short contexts, scattered pages) and models each take an entry.
+    # Shape classes (`LLMEngine._decode_shape_classes`) and models each take an entry.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     # cpp_wrapper: the graph's launcher is C++ too, not Python calling ~150 kernels and matmuls one
     # by one (measured 10-17 % off a compiled step, bench models, same process side by side).
