@@ -1,6 +1,9 @@
 """`deltamoe` command line: one typer app; each subsystem registers its own command module.
 
-Errors of type DeltaMoEError print as one line (field, message, hint) and exit with code 2.
+Every error is one line on stderr with exit code 2: a DeltaMoEError as `error: field: message
+(hint: ...)`, a usage mistake (unknown option, bad value, missing argument) as `error: message
+(see 'deltamoe CMD --help')`. Registration imports only the command modules, which import
+torch and the model inside their command functions, so `--help` and early errors stay fast.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ import sys
 import typer
 
 from deltamoe.errors import DeltaMoEError
+
+PROG = "deltamoe"
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="deltamoe: the Kimi Linear / K3 / K3.1 family in readable PyTorch.")
@@ -36,10 +41,26 @@ def _register() -> None:
     app.add_typer(trace_app, name="trace", help="Analyse or synthesise per-rank PyTorch profiler traces.")
 
 
+def _usage_errors() -> tuple[type[Exception], ...]:
+    """Click's usage-error classes: typer >= 0.26 vendors click as typer._click, older typer uses click."""
+    try:
+        from typer._click.exceptions import NoArgsIsHelpError, UsageError
+    except ImportError:
+        from click.exceptions import NoArgsIsHelpError, UsageError
+    return UsageError, NoArgsIsHelpError
+
+
+def usage_line(message: str, command_path: str | None) -> str:
+    """A usage mistake as one line: the message with its whitespace folded, and where help is."""
+    where = command_path or PROG
+    return f"error: {' '.join(message.split())} (see '{where} --help')"
+
+
 def main(argv: list[str] | None = None) -> int:
     _register()
+    usage_error, no_args_is_help = _usage_errors()
     try:
-        app(args=argv, standalone_mode=False)
+        app(args=argv, prog_name=PROG, standalone_mode=False)
     except DeltaMoEError as e:
         print(f"error: {e.one_line()}", file=sys.stderr)
         return 2
@@ -48,12 +69,17 @@ def main(argv: list[str] | None = None) -> int:
     except typer.Abort:
         print("aborted", file=sys.stderr)
         return 130
-    except Exception as e:  # usage errors: click's, or typer's own (typer >= 0.26 vendors click)
-        import click
-
-        if isinstance(e, (click.ClickException, typer.TyperException)) and hasattr(e, "show"):
-            e.show()
-            return getattr(e, "exit_code", 2) or 2
+    except no_args_is_help as e:  # `deltamoe` or a group with no arguments: the help is the answer
+        e.show()
+        return 2
+    except usage_error as e:
+        ctx = getattr(e, "ctx", None)
+        print(usage_line(e.format_message(), ctx.command_path if ctx is not None else None), file=sys.stderr)
+        return 2
+    except Exception as e:  # other click errors (a missing file for a typer.Path argument, ...)
+        if hasattr(e, "format_message") and hasattr(e, "exit_code"):
+            print(f"error: {' '.join(e.format_message().split())}", file=sys.stderr)
+            return e.exit_code or 2
         raise
     return 0
 

@@ -7,7 +7,7 @@ server for HGX/Atlas nodes and the whole pod for SuperPoD/NVL72 entries.
 
 from __future__ import annotations
 
-from deltamoe.plan.hardware import ABSENT, UNKNOWN, D, Efficiency, Figure, Hardware, R, V
+from deltamoe.plan.accelerator import ABSENT, UNKNOWN, D, Efficiency, Figure, Hardware, R, V
 
 # ------------------------------------------------------------------ sources
 NV_DENSE = "SemiAnalysisAI/InferenceX-app gpu-specs.ts (dense values, topology, NIC)"

@@ -1,30 +1,61 @@
 """`deltamoe plan`: memory, layouts, throughput estimates and a launch recipe; `--validate`
 compares the estimator with published deployments. Errors are DeltaMoEError types, which the
 top-level CLI prints as one line with exit code 2.
+
+Without `--slo-ttft`/`--slo-tpot` the plan meets interactive targets (TTFT 3 s, TPOT 50 ms)
+and says so, showing the throughput-optimal plan beside it; `--no-slo` ranks by throughput
+alone. The estimator is imported inside the command, so `deltamoe --help` does not load it.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import typer
-from rich.console import Console
 
 from deltamoe.config import ModelConfig, load_config
 from deltamoe.errors import ConfigError
-from deltamoe.plan.costs import model_costs
-from deltamoe.plan.hardware import get_hardware
 from deltamoe.plan.precision import CLI_WEIGHTS, KV_FORMATS
-from deltamoe.plan.recipe import launch_recipe
-from deltamoe.plan.reference_models import REFERENCE_MODELS
-from deltamoe.plan.report import plan_json, render_plan, render_validation
-from deltamoe.plan.search import Workload, best_plan
-from deltamoe.plan.validate import run_validation
+
+# A chat user reads about 20 tokens/s (TPOT 50 ms) and waits a few seconds for the first token;
+# the README's deployment table uses the same targets.
+INTERACTIVE_TTFT_S = 3.0
+INTERACTIVE_TPOT_S = 0.05
+
+
+@dataclass(frozen=True)
+class SloChoice:
+    ttft_s: float | None
+    tpot_s: float | None
+    reason: str  # printed beside the SLO: where the limits came from
+
+    @property
+    def is_default(self) -> bool:
+        return self.reason.startswith("interactive default")
+
+
+def choose_slo(slo_ttft: float | None, slo_tpot: float | None, no_slo: bool) -> SloChoice:
+    """The latency limits a plan must meet: the flags given, none with --no-slo, else interactive ones."""
+    for name, value in (("slo-ttft", slo_ttft), ("slo-tpot", slo_tpot)):
+        if value is not None and value <= 0:
+            raise ConfigError(f"expected a positive number of seconds, got {value}", field=name)
+    if no_slo:
+        if slo_ttft is not None or slo_tpot is not None:
+            raise ConfigError("--no-slo contradicts --slo-ttft/--slo-tpot", field="no-slo",
+                              hint="pass either the limits or --no-slo")
+        return SloChoice(None, None, "none (--no-slo): the most output tok/s per chip, whatever the latency")
+    if slo_ttft is None and slo_tpot is None:
+        return SloChoice(INTERACTIVE_TTFT_S, INTERACTIVE_TPOT_S,
+                         "interactive default (no --slo-* flag given; --no-slo for throughput alone)")
+    return SloChoice(slo_ttft, slo_tpot, "as given")
 
 
 def _model(name: str) -> ModelConfig:
+    from deltamoe.plan.reference_models import REFERENCE_MODELS
+
     if name in REFERENCE_MODELS:
         return REFERENCE_MODELS[name]()
     return load_config(name)
@@ -45,8 +76,11 @@ def plan_command(
     weights: Optional[str] = typer.Option(None, "--weights", help=f"{'|'.join(CLI_WEIGHTS)} (default: native)"),
     kv_cache: str = typer.Option("bf16", "--kv-cache", help="|".join(KV_FORMATS)),
     kda_state: str = typer.Option("fp32", "--kda-state", help="KDA recurrent state dtype: fp32|bf16"),
-    slo_ttft: Optional[float] = typer.Option(None, "--slo-ttft", help="time-to-first-token limit, seconds"),
-    slo_tpot: Optional[float] = typer.Option(None, "--slo-tpot", help="time-per-output-token limit, seconds"),
+    slo_ttft: Optional[float] = typer.Option(None, "--slo-ttft", help="time-to-first-token limit, seconds "
+                                             f"(without either SLO flag: {INTERACTIVE_TTFT_S:g} s)"),
+    slo_tpot: Optional[float] = typer.Option(None, "--slo-tpot", help="time-per-output-token limit, seconds "
+                                             f"(without either SLO flag: {INTERACTIVE_TPOT_S:g} s)"),
+    no_slo: bool = typer.Option(False, "--no-slo", help="no latency limits: the throughput-optimal plan"),
     draft_tokens: int = typer.Option(0, "--draft-tokens", min=0, help="speculative tokens verified per step"),
     accept_len: float = typer.Option(1.0, "--accept-len", help="tokens accepted per step with speculation"),
     headroom: float = typer.Option(0.10, "--headroom", help="fraction of chip memory left free"),
@@ -54,6 +88,15 @@ def plan_command(
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
 ) -> None:
     """Plan a deployment: weights, caches, TP/EP/PP/DP layout, prefill/decode split, tok/s per chip."""
+    from rich.console import Console
+
+    from deltamoe.plan.costs import model_costs
+    from deltamoe.plan.hardware import get_hardware
+    from deltamoe.plan.recipe import launch_recipe
+    from deltamoe.plan.report import plan_json, render_plan, render_validation
+    from deltamoe.plan.search import Workload, best_plan
+    from deltamoe.plan.validate import run_validation
+
     console = Console(width=200)
     if validate:
         rows = run_validation()
@@ -75,16 +118,23 @@ def plan_command(
     if accept_len < 1 or accept_len > 1 + draft_tokens:
         raise ConfigError(f"expected 1 <= accept-len <= 1 + draft-tokens ({1 + draft_tokens}), got {accept_len}",
                           field="accept-len")
+    slo = choose_slo(slo_ttft, slo_tpot, no_slo)
     cfg = _model(model)
     hw = get_hardware(hardware)
     scheme = weights or _default_weights(cfg)
     costs = model_costs(cfg, scheme, kv_cache, 4 if kda_state == "fp32" else 2, draft_tokens)
-    workload = Workload(context=context, output=output, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot,
+    workload = Workload(context=context, output=output, slo_ttft_s=slo.ttft_s, slo_tpot_s=slo.tpot_s,
                         draft_tokens=draft_tokens, accept_len=accept_len, headroom=headroom)
     n_chips = chips or nodes * hw.chips_per_node
     plan, plans = best_plan(costs, hw, workload, n_chips, model)
+    # Beside a default SLO the user did not choose, what dropping it would buy.
+    fastest = None
+    if slo.is_default:
+        fastest, _ = best_plan(costs, hw, replace(workload, slo_ttft_s=None, slo_tpot_s=None),
+                               n_chips, model)
     recipe = launch_recipe(plan, model, scheme, kv_cache, hw)
     if as_json:
-        sys.stdout.write(json.dumps(plan_json(model, costs, hw, plan, plans[:6], recipe), indent=2) + "\n")
+        doc = plan_json(model, costs, hw, plan, plans[:6], recipe, slo.reason, fastest)
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
     else:
-        render_plan(console, model, costs, hw, plan, plans, recipe)
+        render_plan(console, model, costs, hw, plan, plans, recipe, slo.reason, fastest)

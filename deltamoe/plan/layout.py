@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from deltamoe.config import ModelConfig
-from deltamoe.plan.hardware import Hardware
+from deltamoe.plan.accelerator import Hardware
 
 PP_CHOICES = (1, 2, 4, 8)
 TP_MAX = 16  # beyond this, per-rank attention GEMMs get too thin to be worth estimating

@@ -1,14 +1,16 @@
-"""Launch recipes for a plan: `deltamoe serve` flags and the equivalent vLLM and SGLang lines.
+"""Launch recipes for a plan: the vLLM and SGLang lines, and the `deltamoe serve` line it plans.
 
 Text only: the planner never launches anything. Multi-node rendezvous flags (addresses, node
-ranks) are placeholders in angle brackets because only the operator knows them.
+ranks) are placeholders in angle brackets because only the operator knows them. The vLLM and
+SGLang lines use those servers' flags; `deltamoe serve` runs one replica on one device today,
+so its line is the layout deltamoe plans to take and says so (DELTAMOE_PLANNED).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deltamoe.plan.hardware import Hardware
+from deltamoe.plan.accelerator import Hardware
 from deltamoe.plan.search import Plan, PoolEstimate
 
 HF_IDS = {
@@ -16,6 +18,10 @@ HF_IDS = {
     "kimi-k3.1-pro": "moonshotai/Kimi-K3.1-Pro",
     "kimi-linear-48b": "moonshotai/Kimi-Linear-48B-A3B-Instruct",
 }
+
+
+DELTAMOE_PLANNED = ("# planned, not yet supported: `deltamoe serve` runs one replica on one device today and "
+                    "rejects these layout flags; run the vLLM or SGLang line")
 
 
 @dataclass(frozen=True)
@@ -28,7 +34,7 @@ class Recipe:
         return {"deltamoe": self.deltamoe, "vllm": self.vllm, "sglang": self.sglang}
 
     def text(self) -> str:
-        blocks = [("deltamoe serve", self.deltamoe), ("vLLM", self.vllm), ("SGLang", self.sglang)]
+        blocks = [("vLLM", self.vllm), ("SGLang", self.sglang), ("deltamoe serve (planned)", self.deltamoe)]
         return "\n".join(f"# {title}\n" + "\n".join(lines) for title, lines in blocks)
 
 
@@ -107,7 +113,7 @@ def launch_recipe(plan: Plan, model: str, weights: str, kv: str, hw: Hardware) -
         pools = [(plan.decode, None)]
     else:
         pools = [(plan.prefill, "prefill"), (plan.decode, "decode")]
-    out = Recipe([], [], [])
+    out = Recipe([DELTAMOE_PLANNED], [], [])
     for pool, role in pools:
         head = f"# {role or 'colocated'}: {pool.layout.describe()} on {pool.layout.chips} chips"
         out.deltamoe.extend([head, _deltamoe(model, weights, kv, pool, max_len, role)])

@@ -8,8 +8,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from deltamoe.plan.accelerator import Hardware
 from deltamoe.plan.costs import ModelCosts
-from deltamoe.plan.hardware import Hardware
 from deltamoe.plan.recipe import Recipe
 from deltamoe.plan.search import GB, Plan, PoolEstimate
 from deltamoe.plan.validate import LOW, HIGH, ValidationRow
@@ -44,16 +44,20 @@ def costs_json(costs: ModelCosts, context: int) -> dict[str, Any]:
 
 
 def plan_json(model: str, costs: ModelCosts, hw: Hardware, plan: Plan, alternatives: list[Plan],
-              recipe: Recipe) -> dict[str, Any]:
+              recipe: Recipe, slo_reason: str = "", fastest: Plan | None = None) -> dict[str, Any]:
+    """`fastest`: the throughput-optimal plan without an SLO, when the SLO was a default."""
     def one(p: Plan) -> dict[str, Any]:
         return {"mode": p.mode, "chips": p.chips, "meets_slo": p.meets(),
                 "output_tok_s_per_chip": p.output_per_chip, "total_tok_s_per_chip": p.total_per_chip,
                 "requests_per_s": p.requests_per_s, "ttft_ms": p.ttft_s * 1e3, "tpot_ms": p.tpot_s * 1e3,
                 "prefill": p.prefill.to_json() if p.prefill else None, "decode": p.decode.to_json()}
 
-    return {"model": model, **costs_json(costs, plan.workload.context), "hardware": hw.to_json(),
-            "workload": asdict(plan.workload), "plan": one(plan),
-            "alternatives": [one(p) for p in alternatives], "recipe": recipe.to_json()}
+    doc = {"model": model, **costs_json(costs, plan.workload.context), "hardware": hw.to_json(),
+           "workload": asdict(plan.workload), "slo_choice": slo_reason, "plan": one(plan),
+           "alternatives": [one(p) for p in alternatives], "recipe": recipe.to_json()}
+    if fastest is not None:
+        doc["throughput_optimal_without_slo"] = one(fastest)
+    return doc
 
 
 def _gb(x: float) -> str:
@@ -61,7 +65,8 @@ def _gb(x: float) -> str:
 
 
 def render_plan(console: Console, model: str, costs: ModelCosts, hw: Hardware, plan: Plan,
-                alternatives: list[Plan], recipe: Recipe) -> None:
+                alternatives: list[Plan], recipe: Recipe, slo_reason: str = "", fastest: Plan | None = None) -> None:
+    """`slo_reason` says where the SLO came from; `fastest` is the plan without it (shown beside a default)."""
     p, w = costs.params, plan.workload
     head = Table(title=f"{model} on {plan.chips} x {hw.name} — {costs.scheme.name} weights, {costs.kv.name} KV",
                  show_header=False)
@@ -79,10 +84,14 @@ def render_plan(console: Console, model: str, costs: ModelCosts, hw: Hardware, p
                  f"x {p.n_moe} layers")
     slo = ", ".join(x for x in (f"TTFT <= {w.slo_ttft_s:g} s" if w.slo_ttft_s else "",
                                 f"TPOT <= {w.slo_tpot_s * 1e3:g} ms" if w.slo_tpot_s else "") if x) or "none"
-    head.add_row("SLO", slo)
+    head.add_row("SLO", slo + (f" — {slo_reason}" if slo_reason else ""))
+    if fastest is not None:
+        head.add_row("without the SLO", f"{fastest.output_per_chip:,.1f} output tok/s per chip at TTFT "
+                     f"{fastest.ttft_s * 1e3:,.0f} ms, TPOT {fastest.tpot_s * 1e3:,.1f} ms ({_layouts(fastest)})")
     console.print(head)
 
-    pools = Table(title=f"chosen plan: {plan.mode}, {plan.output_per_chip:,.1f} output tok/s per chip "
+    why = "most output tok/s per chip" + (" that meets the SLO" if w.slo_ttft_s or w.slo_tpot_s else "")
+    pools = Table(title=f"chosen plan ({why}): {plan.mode}, {plan.output_per_chip:,.1f} output tok/s per chip "
                   f"({plan.total_per_chip:,.0f} in+out), TTFT {plan.ttft_s * 1e3:,.0f} ms, "
                   f"TPOT {plan.tpot_s * 1e3:,.1f} ms" + ("" if plan.meets() else "  [SLO NOT MET]"))
     for col in ("pool", "chips", "layout", "batch/rank", "mem/chip", "step", "bound", "tok/s/chip", "latency"):
@@ -126,6 +135,13 @@ def render_plan(console: Console, model: str, costs: ModelCosts, hw: Hardware, p
     console.print(figs)
     console.print("[bold]launch recipe[/bold]")
     console.print(recipe.text(), markup=False, highlight=False, soft_wrap=True)
+
+
+def _layouts(plan: Plan) -> str:
+    decode = f"{plan.decode.layout.describe()} on {plan.decode.layout.chips}, {plan.decode.batch}/rank"
+    if plan.prefill is None:
+        return f"{plan.mode} {decode}"
+    return f"{plan.mode}: prefill {plan.prefill.layout.describe()} on {plan.prefill.layout.chips}, decode {decode}"
 
 
 def _pool_row(role: str, pool: PoolEstimate) -> list[str]:

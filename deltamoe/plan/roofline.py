@@ -18,8 +18,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from deltamoe.plan.accelerator import Hardware
 from deltamoe.plan.costs import BF16, ModelCosts
-from deltamoe.plan.hardware import Hardware
 from deltamoe.plan.layout import PoolLayout
 from deltamoe.plan.precision import COMPUTE_PATHS
 

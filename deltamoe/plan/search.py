@@ -15,8 +15,8 @@ from functools import lru_cache
 from typing import Any
 
 from deltamoe.errors import ConfigError
+from deltamoe.plan.accelerator import Hardware
 from deltamoe.plan.costs import ModelCosts
-from deltamoe.plan.hardware import Hardware
 from deltamoe.plan.layout import PoolLayout, layout_candidates
 from deltamoe.plan.precision import COMPUTE_PATHS
 from deltamoe.plan.roofline import StepTime, decode_step, kv_transfer_s, mixed_step, prefill_step

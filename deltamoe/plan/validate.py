@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from deltamoe.config import ModelConfig, load_preset
+from deltamoe.plan.accelerator import Hardware
 from deltamoe.plan.costs import ModelCosts, model_costs
-from deltamoe.plan.hardware import Hardware, get_hardware
+from deltamoe.plan.hardware import get_hardware
 from deltamoe.plan.layout import PoolLayout
 from deltamoe.plan.reference_models import deepseek_v3, kimi_k2
 from deltamoe.plan.roofline import decode_step, mixed_step, prefill_step

@@ -1,28 +1,69 @@
 """`deltamoe generate | chat | serve`: offline generation, terminal chat, and the HTTP server's entry.
 
-Bad input (model path, sampling field, cache size) raises a DeltaMoEError; the top-level CLI
-prints it as one line and exits with code 2.
+Bad input (model path, sampling field, cache size, address) raises a DeltaMoEError; the top-level
+CLI prints it as one line and exits with code 2. Everything a user can get wrong is checked
+before torch and the model load, and torch and the serving internals are imported inside the
+commands, so `--help` and these errors take a fraction of a second.
 """
 
 from __future__ import annotations
 
+import errno
+import socket
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
 from deltamoe.errors import ConfigError
-from deltamoe.serve.config import EngineConfig
+
+if TYPE_CHECKING:
+    import torch
 
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def parse_dtype(name: str) -> "torch.dtype":  # noqa: F821 - torch is imported lazily: `deltamoe --help` stays fast
-    import torch
-
+def check_dtype(name: str) -> str:
     if name not in DTYPES:
         raise ConfigError(f"expected one of {list(DTYPES)}, got {name!r}", field="dtype")
-    return getattr(torch, name)
+    return name
+
+
+def parse_dtype(name: str) -> "torch.dtype":
+    import torch
+
+    return getattr(torch, check_dtype(name))
+
+
+def check_model(model: str) -> None:
+    """A preset, config or checkpoint folder that exists, checked from its config alone."""
+    from deltamoe.config import load_config
+
+    load_config(model)
+
+
+def check_listen_address(host: str, port: int) -> None:
+    """Bind host:port the way uvicorn will and release it: an unknown host or a port in use is a
+    one-line error before the model loads, not a traceback or uvicorn's exit 3 after it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # uvicorn's rule
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn, so TIME_WAIT does not count
+        try:
+            sock.bind((host, port))
+        except socket.gaierror as e:
+            raise ConfigError(f"cannot resolve {host!r} ({e.strerror})", field="host",
+                              hint="an address of this machine such as 127.0.0.1 or 0.0.0.0") from e
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ConfigError(f"{host}:{port} is already in use", field="port",
+                                  hint="pick another --port or stop the process that holds it") from e
+            if e.errno == errno.EACCES:
+                raise ConfigError(f"no permission to bind {host}:{port}", field="port",
+                                  hint="ports below 1024 need privileges; pick a higher --port") from e
+            if e.errno == errno.EADDRNOTAVAIL:
+                raise ConfigError(f"{host!r} is not an address of this machine", field="host",
+                                  hint="127.0.0.1 for local clients, 0.0.0.0 for every interface") from e
+            raise ConfigError(f"cannot bind {host}:{port} ({e.strerror or e})", field="port") from e
 
 
 def engine_threads(requested: Optional[int], device: str) -> Optional[int]:
@@ -48,10 +89,14 @@ COMPILE_DECODE_HELP = ("Run decode steps as one torch.compile graph (2-7x faster
 
 def build_engine(model: str, tokenizer: Optional[str], cache_memory: str, max_num_seqs: int,
                  max_num_batched_tokens: int, dtype: str, device: str, compile_decode: bool = False):
-    from deltamoe.serve.engine import LLMEngine
+    from deltamoe.serve.config import EngineConfig
 
+    check_dtype(dtype)
     config = EngineConfig(cache_memory=cache_memory, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, compile_decode=compile_decode)
+    check_model(model)
+    from deltamoe.serve.engine import LLMEngine  # imports torch: after every check above
+
     return LLMEngine.from_pretrained(model, config, tokenizer, parse_dtype(dtype), device)
 
 
@@ -77,11 +122,11 @@ def generate_command(
     compile_decode: bool = typer.Option(False, "--compile-decode", help=COMPILE_DECODE_HELP),
 ) -> None:
     """Generate text for one or more prompts (continuous batching)."""
+    engine = build_engine(model, tokenizer, cache_memory, max_num_seqs, max_num_batched_tokens, dtype, device,
+                          compile_decode)
     from deltamoe.serve.chat_template import ChatTemplate
     from deltamoe.serve.sampling import SamplingParams
 
-    engine = build_engine(model, tokenizer, cache_memory, max_num_seqs, max_num_batched_tokens, dtype, device,
-                          compile_decode)
     stop_ids: list[int] = []
     inputs: list[str | list[int]] = list(prompt)
     if chat:
@@ -110,13 +155,13 @@ def chat_command(
     device: str = typer.Option("cpu"),
 ) -> None:
     """Interactive chat in the terminal (/reset clears the history, /exit or Ctrl-D quits)."""
+    engine = build_engine(model, tokenizer, cache_memory, 1, 512, dtype, device)
     from rich.console import Console
 
     from deltamoe.serve.chat_template import ChatTemplate
     from deltamoe.serve.sampling import SamplingParams
 
     console = Console()
-    engine = build_engine(model, tokenizer, cache_memory, 1, 512, dtype, device)
     template = ChatTemplate.for_model(engine.tokenizer, tokenizer or model)
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     console.print(f"[dim]deltamoe chat · {Path(model).name} · /reset, /exit[/dim]")
@@ -152,7 +197,7 @@ def chat_command(
 def serve_command(
     model: str = typer.Argument(..., help="Checkpoint folder or preset name."),
     host: str = typer.Option("127.0.0.1", help="Interface to bind; the default keeps the server local."),
-    port: int = typer.Option(8000),
+    port: int = typer.Option(8000, min=1, max=65535),
     api_key: Optional[str] = typer.Option(None, envvar="DELTAMOE_API_KEY",
                                           help="Require 'Authorization: Bearer KEY' on every /v1 route."),
     served_model_name: Optional[str] = typer.Option(None, help="The model name clients send (default: MODEL)."),
@@ -169,6 +214,15 @@ def serve_command(
     compile_decode: bool = typer.Option(False, "--compile-decode", help=COMPILE_DECODE_HELP + " Every decode graph is compiled at startup, before the port opens."),
 ) -> None:
     """OpenAI-compatible HTTP server (deltamoe.serve.api) over an AsyncLLMEngine."""
+    from deltamoe.serve.config import EngineConfig
+
+    check_dtype(dtype)
+    config = EngineConfig(cache_memory=cache_memory, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                          compile_decode=compile_decode)
+    chosen = engine_threads(threads, device)
+    check_model(model)
+    check_listen_address(host, port)
     try:
         from deltamoe.serve import api
     except ImportError as e:
@@ -178,13 +232,8 @@ def serve_command(
     from deltamoe.serve.async_engine import AsyncLLMEngine
     from deltamoe.serve.chat_template import ChatTemplate
 
-    chosen = engine_threads(threads, device)
     if chosen is not None:
         torch.set_num_threads(chosen)
-
-    config = EngineConfig(cache_memory=cache_memory, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                          compile_decode=compile_decode)
     engine = AsyncLLMEngine.from_pretrained(model, config, tokenizer, parse_dtype(dtype), device)
     if compile_decode:
         typer.echo("compiling the decode graphs (once per process; for the 8-layer tiny preset on two cores about "

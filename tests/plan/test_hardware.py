@@ -5,7 +5,8 @@ import json
 import pytest
 
 from deltamoe.errors import HardwareError
-from deltamoe.plan.hardware import NUMBERS, TAGS, get_hardware, list_hardware
+from deltamoe.plan.accelerator import NUMBERS, TAGS
+from deltamoe.plan.hardware import get_hardware, list_hardware
 
 REQUIRED = {"h100", "h200", "b200", "gb200-nvl72", "atlas-800i-a3", "cloudmatrix384", "ascend-950pr",
             "ascend-950dt", "atlas-950-superpod", "mtt-s5000", "zhenwu-810e", "zhenwu-m890", "m890-superpod"}
