@@ -21,10 +21,11 @@ def bench_command(
     table_only: bool = typer.Option(False, "--table-only", help="regenerate the README table from the results, run nothing"),
     check: bool = typer.Option(False, "--check", help="run nothing, write nothing: exit 1 if the README table is stale"),
     results_dir: Path | None = typer.Option(None, "--results-dir", help="write results here instead of bench/results"),
-    bench_folder: Path | None = typer.Option(None, "--bench-dir", help="the suites' folder (default: bench/ of this checkout)"),
+    bench_folder: Path | None = typer.Option(None, "--bench-dir", help="the suites' folder (default: bench/ in the "
+                                             "working directory, i.e. run at the root of a source checkout)"),
 ) -> None:
     """Run the benchmark suites side by side with their peers; the README table is generated from the results."""
-    folder = bench_dir() if bench_folder is None else bench_dir(bench_folder.resolve().parent, bench_folder.name)
+    folder = bench_dir(bench_folder)
     console = Console()
     if list_suites:
         listing = Table(title=f"benchmark suites in {folder}")

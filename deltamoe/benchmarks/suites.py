@@ -1,13 +1,17 @@
-"""Find the benchmark scripts in the repository's bench/ folder and run them, one process each.
+"""Find the benchmark scripts in a source checkout's bench/ folder and run them, one process each.
 
-bench/ sits next to the package in a source checkout, not inside it: a wheel install has no
-suites to run, and we say so by naming the folder we looked in.
+The suites are not part of the package: they compare deltamoe with peers it does not depend on
+(transformers, flash-linear-attention, HTA) and write bench/results/ and the README table of
+the checkout they sit in. So `deltamoe bench` works where `pytest` does, at the root of a
+checkout (bench/ of the working directory), or on the folder `--bench-dir` names, and says
+which folder it looked in when there are no suites.
 """
 
 from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 import time
@@ -16,17 +20,16 @@ from pathlib import Path
 
 from deltamoe.errors import ConfigError
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 RESULTS_ENV = "DELTAMOE_BENCH_RESULTS"  # read by bench/common.py
 
 
-def bench_dir(root: Path = REPO_ROOT, name: str = "bench") -> Path:
-    """The bench/ folder of the source checkout this package was imported from."""
-    folder = root / name
+def bench_dir(folder: Path | None = None) -> Path:
+    """The suites' folder: `folder` (--bench-dir), else bench/ in the working directory."""
+    folder = (folder if folder is not None else Path.cwd() / "bench").resolve()
     if not any(folder.glob("bench_*.py")):
         raise ConfigError(f"no benchmark suites (bench_*.py) in {folder}", field="bench",
-                          hint="run from a source checkout of deltamoe (bench/ is not part of the wheel), "
-                               "or pass --bench-dir")
+                          hint="run `deltamoe bench` at the root of a deltamoe source checkout "
+                               "(the suites are not part of the installed package), or pass --bench-dir")
     return folder
 
 
@@ -45,8 +48,11 @@ class Suite:
 
     @property
     def summary(self) -> str:
+        """The docstring's first sentence, whole even when it runs over several lines."""
         doc = ast.get_docstring(ast.parse(self.source)) or ""
-        return doc.splitlines()[0].strip() if doc else ""
+        paragraph = " ".join(doc.split("\n\n")[0].split())
+        sentence = re.match(r"(.+?[.!?])(\s|$)", paragraph)
+        return sentence.group(1) if sentence else paragraph
 
 
 def discover(folder: Path) -> list[Suite]:

@@ -10,28 +10,36 @@ from pathlib import Path
 
 import pytest
 
-from deltamoe.benchmarks.suites import REPO_ROOT, bench_dir, discover, select
+from deltamoe.benchmarks.suites import bench_dir, discover, select
 from deltamoe.benchmarks.table import END, FORMATTERS, START, render_table, results_files, split_readme, times, update_readme
 from deltamoe.errors import ConfigError
 
-RESULTS = REPO_ROOT / "bench" / "results"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BENCH = REPO_ROOT / "bench"
+RESULTS = BENCH / "results"
 README = REPO_ROOT / "README.md"
 
 
-def deltamoe(*args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "deltamoe", *args], capture_output=True, text=True, cwd=REPO_ROOT, **kw)
+def deltamoe(*args: str, cwd: Path = REPO_ROOT, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deltamoe", *args], capture_output=True, text=True, cwd=cwd, **kw)
 
 
-def test_list_names_every_suite():
+def test_list_names_every_suite_with_its_whole_first_sentence():
     out = deltamoe("bench", "--list")
     assert out.returncode == 0, out.stderr
     for name in ("kda", "model_forward", "moe", "plan_validate", "serve_offline", "serve_dsa_decode",
                  "serve_cache_bytes", "serve_online", "train_throughput", "train_quality", "trace"):
         assert name in out.stdout
+    summaries = {s.name: s.summary for s in discover(BENCH)}
+    # bench_kda's first sentence runs over three docstring lines; the listing keeps all of it.
+    assert summaries["kda"].startswith("KDA prefill: deltamoe `chunk_kda` side by side")
+    assert summaries["kda"].endswith("the plain token-by-token recurrence `recurrent_kda`, in one run.")
+    assert summaries["train_quality"].endswith("reports steps and wall time on two CPU threads.")
+    assert all(s.endswith((".", "!", "?")) for s in summaries.values()), summaries
 
 
 def test_every_suite_has_a_quick_flag_and_names_resolve():
-    suites = discover(bench_dir())
+    suites = discover(bench_dir(BENCH))
     assert all(s.has_quick for s in suites), [s.name for s in suites if not s.has_quick]
     assert [s.name for s in select(suites, ["bench_kda.py", "moe"])] == ["kda", "moe"]
     with pytest.raises(ConfigError, match="unknown suite 'nope'"):
@@ -39,10 +47,23 @@ def test_every_suite_has_a_quick_flag_and_names_resolve():
 
 
 def test_missing_bench_folder_is_named(tmp_path):
-    with pytest.raises(ConfigError, match=str(tmp_path / "bench")):
+    with pytest.raises(ConfigError, match=str(tmp_path)):
         bench_dir(tmp_path)
     out = deltamoe("bench", "--list", "--bench-dir", str(tmp_path / "nowhere"))
     assert out.returncode == 2 and str(tmp_path / "nowhere") in out.stderr
+
+
+def test_suites_come_from_the_working_directory_not_the_package_location(tmp_path, monkeypatch):
+    """An installed package has no bench/ beside it: the default is bench/ where the command runs."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=str(tmp_path / "bench")) as error:
+        bench_dir()
+    assert "source checkout" in error.value.hint
+    monkeypatch.chdir(REPO_ROOT)
+    assert bench_dir() == BENCH
+    out = deltamoe("bench", "--list", cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert str(tmp_path / "bench") in out.stderr and "--bench-dir" in out.stderr
 
 
 def test_unknown_suite_exits_2():
