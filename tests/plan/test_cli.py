@@ -58,3 +58,55 @@ def test_errors_are_one_line_with_exit_code_2(capsys):
     assert main(["plan", "--model", "kimi-k4", "--hardware", "h200"]) == 2
     assert "presets" in capsys.readouterr().err
     assert main(["plan", "--model", "kimi-k3", "--hardware", "h200", "--weights", "int3"]) == 2
+
+
+def _plan_json(*flags: str) -> dict:
+    res = runner.invoke(_app(), ["--model", "kimi-k3.1-pro", "--hardware", "h200", "--nodes", "4", "--json", *flags])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+def test_without_slo_flags_the_plan_meets_interactive_targets_and_says_so():
+    doc = _plan_json()
+    assert (doc["workload"]["slo_ttft_s"], doc["workload"]["slo_tpot_s"]) == (3.0, 0.05)
+    assert doc["slo_choice"].startswith("interactive default")
+    plan, fastest = doc["plan"], doc["throughput_optimal_without_slo"]
+    assert plan["meets_slo"] and plan["tpot_ms"] <= 50 and plan["ttft_ms"] <= 3000
+    # The throughput-optimal plan shown beside it is faster per chip and far slower per token.
+    assert fastest["output_tok_s_per_chip"] > plan["output_tok_s_per_chip"] and fastest["tpot_ms"] > 50
+
+
+def test_no_slo_ranks_by_throughput_alone():
+    doc = _plan_json("--no-slo")
+    assert doc["workload"]["slo_ttft_s"] is None and doc["workload"]["slo_tpot_s"] is None
+    assert doc["slo_choice"].startswith("none (--no-slo)") and "throughput_optimal_without_slo" not in doc
+    assert doc["plan"]["output_tok_s_per_chip"] == _plan_json()["throughput_optimal_without_slo"]["output_tok_s_per_chip"]
+
+
+def test_given_slo_is_used_as_given_without_the_default_for_the_other():
+    doc = _plan_json("--slo-tpot", "0.1")
+    assert (doc["workload"]["slo_ttft_s"], doc["workload"]["slo_tpot_s"]) == (None, 0.1)
+    assert doc["slo_choice"] == "as given" and "throughput_optimal_without_slo" not in doc
+
+
+def test_table_says_which_slo_and_why():
+    res = runner.invoke(_app(), ["--model", "kimi-k3.1-pro", "--hardware", "h200", "--nodes", "4"])
+    assert res.exit_code == 0, res.output
+    out = " ".join(res.stdout.split())
+    assert "TTFT <= 3 s, TPOT <= 50 ms — interactive default" in out
+    assert "without the SLO" in out and "chosen plan (most output tok/s per chip that meets the SLO)" in out
+
+
+def test_slo_flag_errors_are_one_line(capsys):
+    assert main(["plan", "--model", "kimi-k3", "--hardware", "h200", "--no-slo", "--slo-tpot", "0.05"]) == 2
+    assert capsys.readouterr().err.startswith("error: no-slo: ")
+    assert main(["plan", "--model", "kimi-k3", "--hardware", "h200", "--slo-ttft", "0"]) == 2
+    assert capsys.readouterr().err.startswith("error: slo-ttft: ")
+
+
+def test_deltamoe_recipe_is_marked_planned_and_peers_come_first():
+    doc = _plan_json()
+    assert doc["recipe"]["deltamoe"][0].startswith("# planned, not yet supported: `deltamoe serve`")
+    res = runner.invoke(_app(), ["--model", "kimi-k3.1-pro", "--hardware", "h200", "--nodes", "4"])
+    text = res.stdout[res.stdout.index("launch recipe"):]
+    assert text.index("# vLLM") < text.index("# SGLang") < text.index("# deltamoe serve (planned)")

@@ -85,3 +85,19 @@ def test_malformed_file_names_the_field(tmp_path, text, field):
     with pytest.raises(HardwareError) as e:
         get_hardware(str(f))
     assert e.value.field == field
+
+
+def test_catalog_and_accelerator_never_import_the_lookup_module():
+    """accelerator.py (types) <- catalog.py (entries) <- hardware.py (lookup): no cycle, not even a lazy one."""
+    import ast
+    from pathlib import Path
+
+    import deltamoe.plan as plan
+
+    folder = Path(plan.__file__).parent
+    for name, forbidden in (("accelerator", {"deltamoe.plan.hardware", "deltamoe.plan.catalog"}),
+                            ("catalog", {"deltamoe.plan.hardware"})):
+        tree = ast.parse((folder / f"{name}.py").read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert not imported & forbidden, (name, imported & forbidden)

@@ -1,0 +1,39 @@
+"""The `deltamoe` entry point turns usage mistakes into one line on stderr and exit code 2, not a
+traceback or click's four-line usage block."""
+
+from __future__ import annotations
+
+import pytest
+
+from deltamoe.cli import main, usage_line
+
+
+@pytest.mark.parametrize("argv, message, command", [
+    (["demo", "--run-dir", "x"], "No such option: --run-dir", "deltamoe demo"),
+    (["plan", "--chips", "many"], "Invalid value for '--chips'", "deltamoe plan"),
+    (["no-such-command"], "No such command 'no-such-command'", "deltamoe"),
+    (["info"], "Missing argument 'model'", "deltamoe info"),
+    (["serve", "tiny", "--port", "99999"], "Invalid value for '--port'", "deltamoe serve"),
+    (["trace", "nope"], "No such command 'nope'", "deltamoe trace"),
+])
+def test_usage_errors_are_one_line_with_exit_2(argv: list[str], message: str, command: str, capsys) -> None:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1, captured.err
+    line = captured.err.rstrip("\n")
+    assert line.startswith("error: ") and message in line
+    assert line.endswith(f"(see '{command} --help')")
+    assert "Usage:" not in line and "Traceback" not in line
+
+
+def test_usage_line_folds_a_multi_line_message() -> None:
+    assert usage_line("Got unexpected\n  extra argument (x)", "deltamoe plan") == \
+        "error: Got unexpected extra argument (x) (see 'deltamoe plan --help')"
+    assert usage_line("No such command 'x'.", None) == "error: No such command 'x'. (see 'deltamoe --help')"
+
+
+def test_help_still_exits_0(capsys) -> None:
+    assert main(["plan", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "Usage: deltamoe plan" in out and "--no-slo" in out
