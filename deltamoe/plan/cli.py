@@ -31,10 +31,7 @@ class SloChoice:
     ttft_s: float | None
     tpot_s: float | None
     reason: str  # printed beside the SLO: where the limits came from
-
-    @property
-    def is_default(self) -> bool:
-        return self.reason.startswith("interactive default")
+    is_default: bool = False  # the interactive targets, chosen for a user who gave no SLO flag
 
 
 def choose_slo(slo_ttft: float | None, slo_tpot: float | None, no_slo: bool) -> SloChoice:
@@ -49,7 +46,8 @@ def choose_slo(slo_ttft: float | None, slo_tpot: float | None, no_slo: bool) -> 
         return SloChoice(None, None, "none (--no-slo): the most output tok/s per chip, whatever the latency")
     if slo_ttft is None and slo_tpot is None:
         return SloChoice(INTERACTIVE_TTFT_S, INTERACTIVE_TPOT_S,
-                         "interactive default (no --slo-* flag given; --no-slo for throughput alone)")
+                         "interactive default (no --slo-* flag given; --no-slo for throughput alone)",
+                         is_default=True)
     return SloChoice(slo_ttft, slo_tpot, "as given")
 
 
@@ -130,8 +128,7 @@ def plan_command(
     # Beside a default SLO the user did not choose, what dropping it would buy.
     fastest = None
     if slo.is_default:
-        fastest, _ = best_plan(costs, hw, replace(workload, slo_ttft_s=None, slo_tpot_s=None),
-                               n_chips, model)
+        fastest, _ = best_plan(costs, hw, replace(workload, slo_ttft_s=None, slo_tpot_s=None), n_chips, model)
     recipe = launch_recipe(plan, model, scheme, kv_cache, hw)
     if as_json:
         doc = plan_json(model, costs, hw, plan, plans[:6], recipe, slo.reason, fastest)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Optional
 
 import typer
 
+from deltamoe.config import load_config
 from deltamoe.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -33,13 +34,6 @@ def parse_dtype(name: str) -> "torch.dtype":
     import torch
 
     return getattr(torch, check_dtype(name))
-
-
-def check_model(model: str) -> None:
-    """A preset, config or checkpoint folder that exists, checked from its config alone."""
-    from deltamoe.config import load_config
-
-    load_config(model)
 
 
 def check_listen_address(host: str, port: int) -> None:
@@ -94,7 +88,7 @@ def build_engine(model: str, tokenizer: Optional[str], cache_memory: str, max_nu
     check_dtype(dtype)
     config = EngineConfig(cache_memory=cache_memory, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, compile_decode=compile_decode)
-    check_model(model)
+    load_config(model)  # an unknown model fails here, from its config alone
     from deltamoe.serve.engine import LLMEngine  # imports torch: after every check above
 
     return LLMEngine.from_pretrained(model, config, tokenizer, parse_dtype(dtype), device)
@@ -221,7 +215,7 @@ def serve_command(
                           max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                           compile_decode=compile_decode)
     chosen = engine_threads(threads, device)
-    check_model(model)
+    load_config(model)  # an unknown model fails here, from its config alone
     check_listen_address(host, port)
     try:
         from deltamoe.serve import api
