@@ -28,14 +28,12 @@ from common import markdown_table, result_name, write_result  # noqa: E402
 
 def deltamoe_step(model, cfg):
     from deltamoe.parallel import LocalModel
-    from deltamoe.train.balance import ExpertLoadMeter, moe_layers
     from deltamoe.train.optim import Optimizers
     from deltamoe.train.step import TrainStep
 
     pm = LocalModel(model)
     optimizers = Optimizers(pm.model_parts, cfg.optim, total_steps=1000)
-    meter = ExpertLoadMeter(moe_layers(pm.model_parts))
-    return TrainStep(pm, optimizers, meter, None, None, cfg, torch.device("cpu"))
+    return TrainStep(pm, optimizers, None, cfg, torch.device("cpu"))
 
 
 def transformers_step(model, cfg):

@@ -19,7 +19,7 @@ from deltamoe.train.config import TrainConfig
 from deltamoe.train.data import build_data
 from deltamoe.train.data.tasks import Task, make_task
 from deltamoe.train.model_setup import resolve_model_config
-from deltamoe.train.trainer import Trainer, parallel_dims
+from deltamoe.train.trainer import Trainer
 
 PRESET = "tiny"
 TASK = "recall+arithmetic"
@@ -73,7 +73,7 @@ def run_training(folder: RunFolder, plan: TrainPlan, console: Console) -> dict[s
     cfg = train_config(folder, plan)
     model_config = resolve_model_config(cfg.model)
     data = build_data(cfg, model_config)
-    trainer = Trainer(cfg, model_config, data, parallel_dims(cfg), mesh=None)
+    trainer = Trainer(cfg, model_config, data, mesh=None)
     console.print(f"training [bold]{cfg.model.preset}[/] ({model_config.model_type}: KDA + DSA + latent MoE + AttnRes "
                   f"+ MTP) on {TASK}: {cfg.run.steps} steps of {cfg.data.batch_size} x {cfg.data.seq_len} tokens, "
                   f"at most {cfg.run.max_minutes:g} min -> {folder.train}")

@@ -1,9 +1,23 @@
 """Parallelism on torch.distributed: FSDP2 data parallel, expert parallel all-to-all, tensor parallel
-plans, pipeline stages that never cut an AttnRes block. Entry points: `init_distributed`, `parallelize`."""
+plans, pipeline stages that never cut an AttnRes block. Entry points: `ParallelDims.resolve`,
+`init_distributed`, `parallelize`.
 
-from deltamoe.parallel.api import LocalModel, ParallelDims, ParallelModel
-from deltamoe.parallel.mesh import init_distributed
-from deltamoe.parallel.parallelize import parallelize
-from deltamoe.parallel.stage_split import split_stages
+The names below load on first use: `deltamoe.parallel.dims` (the layout the CLI checks) must not pull
+in torch.
+"""
 
-__all__ = ["LocalModel", "ParallelDims", "ParallelModel", "init_distributed", "parallelize", "split_stages"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_HOMES = {"LocalModel": "api", "ParallelModel": "api", "StepResult": "api", "ParallelDims": "dims",
+          "init_distributed": "mesh", "parallelize": "compose", "split_stages": "stage_split"}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'deltamoe.parallel' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"deltamoe.parallel.{_HOMES[name]}"), name)

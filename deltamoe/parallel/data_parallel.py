@@ -8,27 +8,35 @@ normalised by the global token count, and an expert's gradient already holds eve
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from deltamoe.model.ffn import MoE
 from deltamoe.model.mtp import MTPLayer
-from deltamoe.parallel.mesh import data_mesh
+from deltamoe.parallel.mesh import ParallelMesh
 from deltamoe.parallel.stage_module import ModelStage
 
 
-# A decoder layer returns the AttnRes bank, which holds the layer's own input; FSDP2 hands a module
-# its inputs as views (its post-backward hook is an autograd function) and warns when a view comes
-# back out, because an in-place op on it would skip that hook. Bank entries are only ever read (the
-# AttnRes mix), never modified in place, and the gradients of every layout are tested against one
-# process (tests/parallel), so this one warning is noise.
-warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPDecoderLayer\) returned a view tensor")
+@contextlib.contextmanager
+def fsdp_view_warning_ignored() -> Iterator[None]:
+    """Silence one FSDP2 warning while the training step runs.
+
+    A decoder layer returns the AttnRes bank, which holds the layer's own input; FSDP2 hands a module
+    its inputs as views (its post-backward hook is an autograd function) and warns when a view comes
+    back out, because an in-place op on it would skip that hook. Bank entries are only ever read (the
+    AttnRes mix), never modified in place, and the gradients of every layout are tested against one
+    process (tests/parallel), so this one warning is noise.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPDecoderLayer\) returned a view tensor")
+        yield
 
 
-def apply_fsdp(stage: ModelStage, mesh: DeviceMesh, expert_parallel: bool, pipelined: bool) -> None:
-    dp_mesh, expert_mesh = data_mesh(mesh), mesh["dp_rep"]
+def apply_fsdp(stage: ModelStage, mesh: ParallelMesh, expert_parallel: bool, pipelined: bool) -> None:
+    dp_mesh, expert_mesh = mesh.dp, mesh["dp_rep"]
     # Under a pipeline every microbatch would all-gather again; keep the layer unsharded for the step.
     reshard = not pipelined
     for layer in stage.model.layers.values():

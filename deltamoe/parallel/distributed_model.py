@@ -6,46 +6,68 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
-from deltamoe.parallel.api import ParallelDims
+from deltamoe.model.ffn import MoE
+from deltamoe.parallel.api import StepResult
+from deltamoe.parallel.data_parallel import fsdp_view_warning_ignored
+from deltamoe.parallel.dims import ParallelDims
+from deltamoe.parallel.expert_load import empty_load
 from deltamoe.parallel.grad_norm import clip_grads_, global_grad_norm
 from deltamoe.parallel.loss import GlobalTokenLoss, target_counts
-from deltamoe.parallel.mesh import data_mesh
+from deltamoe.parallel.mesh import ParallelMesh
 from deltamoe.parallel.stage_module import ModelStage
 
 
 class DistributedModel:
-    def __init__(self, stages: list[ModelStage], mesh: DeviceMesh, dims: ParallelDims, loss_fn: GlobalTokenLoss,
-                 schedule: _PipelineSchedule | None, after_backward: list[Callable[[], None]]):
+    def __init__(self, stages: list[ModelStage], mesh: ParallelMesh, dims: ParallelDims, loss_fn: GlobalTokenLoss,
+                 schedule: _PipelineSchedule | None, after_backward: list[Callable[[], None]], moe_rows: int):
         self.model_parts: list[ModelStage] = stages
         self.mesh, self.dims, self.loss_fn, self.schedule = mesh, dims, loss_fn, schedule
         self.after_backward = after_backward
-        dp = data_mesh(mesh)
-        self.dp_group = dp.get_group()
-        self.dp_rank, self.dp_size = dp.get_local_rank(), dp.size()
+        self.moe_rows = moe_rows  # MoE layers of the whole model: the rows of StepResult.expert_load
+        self.moe_layers: dict[int, MoE] = {row: m for stage in stages for row, m in stage.moe_layers.items()}
+        self.dp_group = mesh.dp.get_group()
+        self.dp_rank, self.dp_size = mesh.dp.get_local_rank(), mesh.dp.size()
         self.has_first = any(s.first for s in stages)
         self.has_last = any(s.last for s in stages)
 
-    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> StepResult:
         if input_ids.shape[0] % self.dims.microbatches != 0:
             raise ValueError(f"the local batch ({input_ids.shape[0]} rows) must divide into "
                              f"{self.dims.microbatches} microbatches")
         counts = target_counts(labels, self.loss_fn.mtp_depths)
         dist.all_reduce(counts, group=self.dp_group)
         self.loss_fn.counts = counts
-        if self.schedule is not None:
-            local = self._pipelined(input_ids, labels)
-        else:
-            local = self._accumulated(input_ids, labels)
+        for stage in self.model_parts:
+            stage.expert_loads = []
+        try:
+            with fsdp_view_warning_ignored():
+                if self.schedule is not None:
+                    local = self._pipelined(input_ids, labels)
+                else:
+                    local = self._accumulated(input_ids, labels)
+            # Each stage ran every microbatch once; a schedule's first step adds a metadata-inference
+            # forward (and loss call) before them, which the counts leave out.
+            n = self.dims.microbatches
+            load = empty_load(self.moe_rows, self.model_parts[0].config.num_experts, labels.device)
+            for stage in self.model_parts:
+                load += sum(stage.expert_loads[-n:])
+        finally:
+            for stage in self.model_parts:
+                stage.expert_loads = None
         for hook in self.after_backward:
             hook()
-        # Data ranks hold parts of the sum, only the last stage has it, tensor ranks hold copies.
-        total = local.float().clone()
-        dist.all_reduce(total)
-        return total / self.dims.tp
+        # Data ranks hold parts of each sum, only the last stage has the loss, tensor ranks hold copies.
+        terms = self.loss_fn.take_terms(n).to(labels.device)
+        values = torch.cat([local.float().reshape(1), terms])
+        dist.all_reduce(values)
+        dist.all_reduce(load)  # stages fill their own rows; data ranks add up
+        loss, lm, mtp = (values / self.dims.tp).unbind()
+        depths = self.loss_fn.mtp_depths
+        ran_mtp = depths > 0 and labels.shape[1] > 1 + depths  # the model's condition for its MTP loss
+        return StepResult(loss, lm, mtp if ran_mtp else None, load // self.dims.tp)
 
     def _accumulated(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One stage: forward + backward per microbatch; FSDP reduces gradients after the last one only."""

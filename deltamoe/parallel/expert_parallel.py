@@ -46,13 +46,24 @@ def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: dist.Pr
     return AllToAll.apply(x, send, recv, group)
 
 
-class ExpertShard(RoutedExperts):
-    """This rank's slice of the routed experts, callable as a module.
+class ExpertShard(nn.Module):
+    """This rank's slice of one layer's routed experts, in place of its RoutedExperts.
 
-    The weights are EP DTensors (Shard(0)); calling the experts as a module (rather than reading the
-    weights from the dispatcher) is what lets FSDP2 unshard them over the remaining data ranks before
-    use and reduce-scatter their gradients after.
+    The weights keep the names w1/w3/w2 (so checkpoints see `...experts.w1`) and are EP DTensors
+    (Shard(0)) holding the full tensors' shapes; calling the experts as a module (rather than reading
+    the weights from the dispatcher) is what lets FSDP2 unshard them over the remaining data ranks
+    before use and reduce-scatter their gradients after.
     """
+
+    def __init__(self, experts: RoutedExperts, ep_mesh: DeviceMesh):
+        super().__init__()
+        self.config = experts.config
+        rank, size = ep_mesh.get_local_rank(), ep_mesh.size()
+        for name in ("w1", "w3", "w2"):
+            # No communication: every rank starts from the same full weights and keeps its slice.
+            local = getattr(experts, name).detach().chunk(size, dim=0)[rank].clone()
+            self.register_parameter(name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)],
+                                                                          run_check=False)))
 
     def forward(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """x [M, D'] routed here, local_ids [M]: unweighted expert outputs, fp32 [M, D']."""
@@ -76,7 +87,7 @@ class ExpertParallelDispatcher:
         self.experts_per_rank = num_experts // self.size
 
     def __call__(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
-                 experts: RoutedExperts) -> torch.Tensor:
+                 experts: ExpertShard) -> torch.Tensor:
         num_tokens, top_k = indices.shape
         flat = indices.reshape(-1)
         order = torch.argsort(flat, stable=True)  # expert-sorted pairs, hence also grouped by owner rank
@@ -98,21 +109,11 @@ class ExpertParallelDispatcher:
 
 
 def apply_expert_parallel(module: nn.Module, ep_mesh: DeviceMesh) -> None:
-    """Shard every MoE's routed experts along dim 0 over `ep_mesh` and install the all-to-all dispatcher.
+    """Replace every MoE's routed experts by this rank's `ExpertShard` and install the all-to-all dispatcher.
 
     The weights become DTensors (Shard(0)) so optimizers and torch.distributed.checkpoint see the full
-    expert tensors; each rank keeps only its slice (no communication: every rank starts from the same
-    full weights).
+    expert tensors; each rank keeps only its slice.
     """
-    rank, size = ep_mesh.get_local_rank(), ep_mesh.size()
-    for moe in module.modules():
-        if not isinstance(moe, MoE):
-            continue
-        experts = moe.experts
-        experts.__class__ = ExpertShard  # adds a forward over the local slice; parameters and names unchanged
-        for name in ("w1", "w3", "w2"):
-            full = getattr(experts, name)
-            local = full.detach().chunk(size, dim=0)[rank].clone()
-            experts.register_parameter(name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)],
-                                                                             run_check=False)))
+    for moe in [m for m in module.modules() if isinstance(m, MoE)]:
+        moe.experts = ExpertShard(moe.experts, ep_mesh)
         moe.dispatcher = ExpertParallelDispatcher(ep_mesh.get_group(), moe.config.num_experts)

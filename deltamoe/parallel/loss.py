@@ -20,11 +20,18 @@ def target_counts(labels: torch.Tensor, mtp_depths: int) -> torch.Tensor:
 
 
 class GlobalTokenLoss:
-    """`loss_fn(logits, labels)` for a ModelStage's last-stage output; set `counts` (global) before each step."""
+    """`loss_fn(logits, labels)` for a ModelStage's last-stage output; set `counts` (global) before each step.
+
+    A pipeline schedule calls it inside `step()` and keeps only the scalar it returns (for backward), so
+    each call also records its detached [next-token, MTP] terms; `take_terms(n)` hands the sum of the
+    last n calls' terms to the caller, which adds them up over ranks like the loss (the schedule's first
+    step also calls it once for metadata inference, before the microbatches).
+    """
 
     def __init__(self, mtp_depths: int, mtp_weight: float):
         self.mtp_depths, self.mtp_weight = mtp_depths, mtp_weight
         self.counts: torch.Tensor | None = None
+        self._terms: list[torch.Tensor] = []
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         assert self.counts is not None, "set GlobalTokenLoss.counts before the step"
@@ -32,10 +39,21 @@ class GlobalTokenLoss:
         depths = self.mtp_depths if logits.shape[1] > t else 0
         parts = logits.split([t - k for k in range(1 + depths)], dim=1)
         counts = self.counts.clamp(min=1).tolist()
-        loss = _ce_sum(parts[0], labels) / counts[0]
+        lm = _ce_sum(parts[0], labels) / counts[0]
+        loss, mtp = lm, torch.zeros((), device=lm.device)
         for k in range(1, 1 + depths):
-            loss = loss + self.mtp_weight / depths * _ce_sum(parts[k], labels[:, k:]) / counts[k]
+            ce = _ce_sum(parts[k], labels[:, k:])
+            loss = loss + self.mtp_weight / depths * ce / counts[k]
+            mtp = mtp + ce.detach() / counts[k] / depths
+        self._terms.append(torch.stack([lm.detach(), mtp]).float())
         return loss
+
+    def take_terms(self, calls: int) -> torch.Tensor:
+        """[next-token, MTP] terms summed over the last `calls` calls (zeros if none ran here), fp32 [2];
+        forgets every recorded call."""
+        terms = torch.stack(self._terms[-calls:]).sum(0) if self._terms else torch.zeros(2)
+        self._terms = []
+        return terms
 
 
 def _ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

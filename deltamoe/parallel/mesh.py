@@ -1,6 +1,6 @@
 """Process group and DeviceMesh set-up from the torchrun environment.
 
-One mesh ("pp", "dp_rep", "ep", "tp") with dp = dp_rep * ep flattened as "dp" (see api.py for why
+One mesh ("pp", "dp_rep", "ep", "tp") with dp = dp_rep * ep flattened as "dp" (see dims.py for why
 EP lives inside DP). Every parallelism takes its view of this one mesh, so FSDP2 can compose with
 the TP and EP DTensors (they share the root mesh).
 """
@@ -8,51 +8,55 @@ the TP and EP DTensors (they share the root mesh).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from deltamoe.errors import ConfigError
-from deltamoe.parallel.api import ParallelDims
+from deltamoe.parallel.dims import ParallelDims, launch_world_size
 
 MESH_DIMS = ("pp", "dp_rep", "ep", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelMesh:
+    """The world's DeviceMesh and its flattened data-parallel view (dp = dp_rep x ep). torch deprecates
+    slicing a flattened dim back out of the root (`root["dp"]`) and asks callers to keep the mesh that
+    `_flatten` returned, so the two travel together."""
+
+    root: DeviceMesh
+    dp: DeviceMesh
+
+    def __getitem__(self, name: str) -> DeviceMesh:
+        """One named dim of the root: "pp", "dp_rep", "ep" or "tp"."""
+        return self.root[name]
+
+    def size(self) -> int:
+        return self.root.size()
 
 
 def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def build_mesh(dims: ParallelDims, device: str | None = None) -> DeviceMesh:
-    """The world's DeviceMesh; the process group must already exist."""
+def build_mesh(dims: ParallelDims, device: str | None = None) -> ParallelMesh:
+    """The world's mesh; the process group must already exist."""
     device = device or device_type()
-    mesh = init_device_mesh(device, (dims.pp, dims.dp // dims.ep, dims.ep, dims.tp), mesh_dim_names=MESH_DIMS)
+    root = init_device_mesh(device, (dims.pp, dims.data_size // dims.ep, dims.ep, dims.tp), mesh_dim_names=MESH_DIMS)
     # private but stable; torchtitan flattens its data dims the same way
-    _DATA_MESHES[mesh] = mesh["dp_rep", "ep"]._flatten("dp")
-    return mesh
+    return ParallelMesh(root, root["dp_rep", "ep"]._flatten("dp"))
 
 
-# The flattened "dp" mesh of each root mesh. torch deprecates slicing a flattened dim back out of
-# the root (`mesh["dp"]`) and asks callers to keep the mesh `_flatten` returned.
-_DATA_MESHES: dict[DeviceMesh, DeviceMesh] = {}
-
-
-def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The data-parallel mesh (dp = dp_rep x ep) of a mesh made by `build_mesh`."""
-    return _DATA_MESHES[mesh]
-
-
-def init_distributed(dims: ParallelDims, config=None) -> DeviceMesh | None:
+def init_distributed(dims: ParallelDims) -> ParallelMesh | None:
     """Join the torchrun job (RANK, WORLD_SIZE, MASTER_ADDR/PORT) and build the mesh; None when world == 1.
 
-    The dims are validated against the world size first, so a wrong layout fails with a ConfigError
-    before any process group is created (pass the model config to check it against the model too).
+    `dims` come from `ParallelDims.resolve(config, world_size)`, which checks the layout against the
+    world and the model before any process group exists.
     """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if config is not None:
-        dims.validate(config, world)
-    elif world != dims.world_size():
-        raise ConfigError(f"dp * tp * pp = {dims.world_size()} ranks, but WORLD_SIZE is {world}", field="world_size")
+    world = launch_world_size()
+    if world != dims.world_size():
+        raise ValueError(f"dims are for {dims.world_size()} ranks but WORLD_SIZE is {world}: resolve them first")
     if world == 1:
         return None
     device = device_type()

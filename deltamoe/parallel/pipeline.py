@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
-from deltamoe.parallel.api import ParallelDims
+from deltamoe.parallel.dims import ParallelDims
 from deltamoe.parallel.stage_module import ModelStage
 
 

@@ -9,6 +9,12 @@ list of [B, T, D] (one per finished block). It travels packed as one tensor [B, 
 first, h last); n is fixed by where the stage starts. The bank's first entry is the embedding
 output, which the MTP layers on the last stage read instead of the embedding table (the first
 stage's); without AttnRes the embeddings travel in that slot only when there are MTP layers.
+
+Expert load: while `expert_loads` is a list (the DistributedModel sets it for one step), each training
+forward appends its MoE blocks' counts as a [MoE layers, experts] tensor (this stage's rows filled).
+Counting here, once per stage forward, keeps activation-checkpoint recomputation (which reruns the
+layers, not the stage) out of the counts, inside a pipeline schedule too; one entry per forward lets
+the caller keep the microbatches' forwards and drop the schedule's metadata-inference forward.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from torch import nn
 from deltamoe.model.decoder import res_query
 from deltamoe.model.model import DeltaMoEForCausalLM
 from deltamoe.ops.norms import attn_res_mix
+from deltamoe.parallel.expert_load import empty_load, moe_modules, take_expert_load
 
 
 class ModelStage(nn.Module):
@@ -42,6 +49,10 @@ class ModelStage(nn.Module):
                 self.model.output_attn_res_norm = trunk.output_attn_res_norm
                 self.model.output_attn_res_proj = trunk.output_attn_res_proj
             self.lm_head = model.lm_head
+        rows = {id(m): row for row, m in enumerate(moe_modules(model))}
+        self.moe_rows = len(rows)
+        self.moe_layers = {rows[id(m)]: m for m in moe_modules(self.model.layers)}
+        self.expert_loads: list[torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """First stage: token ids [B, T]; others: the packed state. Last stage: logits [B, T + sum_k (T - k), V]
@@ -55,8 +66,14 @@ class ModelStage(nn.Module):
         for key in self.trunk_keys:
             h, bank = self.model.layers[key](h, bank)
         if not self.last:
-            return torch.stack([*bank, *([embeds] if self.carry_embeds else []), h], dim=2)
-        return self._head(h, bank, embeds)
+            out = torch.stack([*bank, *([embeds] if self.carry_embeds else []), h], dim=2)
+        else:
+            out = self._head(h, bank, embeds)
+        if self.training and self.expert_loads is not None:
+            load = empty_load(self.moe_rows, self.config.num_experts, out.device)
+            take_expert_load(self.moe_layers, load)
+            self.expert_loads.append(load)
+        return out
 
     def _unpack(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
         parts = list(x.unbind(dim=2))

@@ -2,31 +2,27 @@
 
 DeepSeek-V3 balances experts mostly without a loss: after each optimizer step every layer's
 selection bias moves by `gamma * sign(mean_load - load_e)`, so overloaded experts become less
-likely to be picked. The load is summed over the micro-steps of the step and over the data
-ranks, so every rank applies the same update and the biases stay replicated. A small
-complementary sequence-wise loss (alpha) can be added on top.
+likely to be picked. The load comes back from each `forward_backward` (StepResult.expert_load),
+already summed over the data ranks and stages; the step sums its micro-steps, so every rank
+applies the same update and the biases stay replicated. A small complementary sequence-wise
+loss (alpha) can be added on top.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
-from torch import nn
 
 from deltamoe.model.ffn import MoE
 
 
-def moe_layers(parts: list[nn.Module]) -> list[MoE]:
-    return [m for part in parts for m in part.modules() if isinstance(m, MoE)]
-
-
 @torch.no_grad()
-def update_router_biases(layers: list[MoE], loads: torch.Tensor, gamma: float) -> None:
-    """loads [layers, experts]: tokens per expert summed over the step; bias += gamma * sign(mean - load)."""
-    for layer, load in zip(layers, loads.float()):
+def update_router_biases(layers: dict[int, MoE], loads: torch.Tensor, gamma: float) -> None:
+    """loads [rows, experts]: tokens per expert summed over the step; each layer (by its row) moves
+    bias += gamma * sign(mean - load)."""
+    loads = loads.float()
+    for row, layer in layers.items():
         bias = layer.gate.e_score_correction_bias
-        bias.add_(gamma * torch.sign(load.mean() - load).to(bias.device))
+        bias.add_(gamma * torch.sign(loads[row].mean() - loads[row]).to(bias.device))
 
 
 def load_stats(loads: torch.Tensor) -> dict[str, float]:
@@ -37,41 +33,6 @@ def load_stats(loads: torch.Tensor) -> dict[str, float]:
         return {}
     ratio = loads.max(dim=1).values / loads.mean(dim=1).clamp_min(1e-9)
     return {"expert_load_max_mean": ratio.mean().item(), "expert_load_max_mean_worst": ratio.max().item()}
-
-
-class ExpertLoadMeter:
-    """Sums `last_expert_load` of every MoE layer over the forwards of one optimizer step.
-
-    A forward hook (not a read after the step) because gradient accumulation runs several
-    forwards per step. Activation-checkpoint recomputation counts a forward twice; the bias
-    update only uses the sign of (mean - load), which uniform scaling leaves unchanged.
-    """
-
-    def __init__(self, layers: list[MoE]):
-        self.layers = layers
-        self.index = {id(m): i for i, m in enumerate(layers)}
-        # int64 on the experts' device: exact counts, no host sync per forward.
-        self.loads: torch.Tensor | None = None
-        self.handles = [m.register_forward_hook(self._hook) for m in layers]
-
-    def _hook(self, module: MoE, inputs: tuple, output: torch.Tensor) -> None:
-        if module.training and module.last_expert_load is not None:
-            load = module.last_expert_load.detach()
-            if self.loads is None:
-                self.loads = torch.zeros(len(self.layers), load.numel(), dtype=torch.int64, device=load.device)
-            self.loads[self.index[id(module)]] += load
-
-    def take(self) -> torch.Tensor:
-        """[layers, experts] loads summed since the last call (zeros if no forward ran), then reset."""
-        if self.loads is None:
-            experts = self.layers[0].config.num_experts if self.layers else 0
-            return torch.zeros(len(self.layers), experts, dtype=torch.int64)
-        out, self.loads = self.loads, None
-        return out
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
 
 
 def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -114,7 +75,7 @@ class SequenceBalanceLoss:
 
     def __init__(self, layers: list[MoE], alpha: float, grad_scale: float = 1.0):
         self.alpha, self.grad_scale = alpha, grad_scale
-        self.values: list[float] = []
+        self.values: list[torch.Tensor] = []  # detached, read once per step (no host sync per layer)
         self.handles = [m.register_forward_hook(self._hook) for m in layers]
 
     def _hook(self, module: MoE, inputs: tuple, output: torch.Tensor) -> torch.Tensor | None:
@@ -128,14 +89,14 @@ class SequenceBalanceLoss:
         b, t = (x.shape[0], x.shape[1]) if x.dim() == 3 else (1, flat.shape[0])
         term = self.alpha * sequence_balance_loss(scores.view(b, t, -1), indices.view(b, t, -1),
                                                   module.config.num_experts_per_token)
-        self.values.append(term.detach().item())
+        self.values.append(term.detach())
         return AttachAuxLoss.apply(output, term * self.grad_scale)
 
     def take(self) -> float | None:
         """Mean alpha-weighted term over the layer forwards since the last call."""
         if not self.values:
             return None
-        out, self.values = sum(self.values) / len(self.values), []
+        out, self.values = torch.stack(self.values).double().mean().item(), []
         return out
 
     def remove(self) -> None:
@@ -143,19 +104,15 @@ class SequenceBalanceLoss:
             h.remove()
 
 
-AllReduce = Callable[[torch.Tensor], torch.Tensor]
-
-
-def balance_step(layers: list[MoE], meter: ExpertLoadMeter, gamma: float,
-                 all_reduce_sum: AllReduce) -> dict[str, float]:
-    """After an optimizer step: global loads -> bias update -> stats for the metrics line."""
-    if not layers:
+def balance_step(layers: dict[int, MoE], loads: torch.Tensor, gamma: float) -> dict[str, float]:
+    """After an optimizer step: the step's global loads [rows, experts] -> bias update -> stats for the
+    metrics line. `layers` are this rank's MoE blocks by row (ParallelModel.moe_layers)."""
+    if loads.numel() == 0:
         return {}
-    loads = all_reduce_sum(meter.take())
     if gamma > 0:
         update_router_biases(layers, loads, gamma)
     stats = load_stats(loads)
-    biases = torch.stack([m.gate.e_score_correction_bias.abs().mean() for m in layers])
-    stats["router_bias_abs_mean"] = biases.mean().item()
+    if layers:  # a pipeline stage may hold no MoE block
+        biases = torch.stack([m.gate.e_score_correction_bias.abs().mean() for m in layers.values()])
+        stats["router_bias_abs_mean"] = biases.mean().item()
     return stats
-

@@ -10,6 +10,7 @@ DCP reshards on load, so a run saved under one layout can resume under another.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import re
@@ -50,10 +51,17 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _dcp(fn, *args, **kwargs):
-    """DCP call; on one process it warns that it assumes one process, which is the point."""
+@contextlib.contextmanager
+def _single_process_dcp():
+    """On one process DCP warns that it assumes one process, which is the point: silence that warning
+    for the call inside only."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _dcp(fn, *args, **kwargs):
+    with _single_process_dcp():
         return fn(*args, no_dist=not _distributed(), **kwargs)
 
 
@@ -165,7 +173,6 @@ def _first_line(e: Exception) -> str:
 def load_model_weights(path: Path, model: nn.Module) -> None:
     """Rank-0 export: load the model entries of a (possibly sharded) checkpoint into a full model."""
     state = {"model": get_model_state_dict(model)}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    with _single_process_dcp():
         dcp.load(state, checkpoint_id=str(path), no_dist=True)
     set_model_state_dict(model, state["model"])

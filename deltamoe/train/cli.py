@@ -1,84 +1,118 @@
 """`deltamoe train`: a TOML/YAML/JSON run file and/or flags (flags win), then the training loop.
 
-Works the same under torchrun (`torchrun --nproc-per-node 2 -m deltamoe train --dp 2 ...`):
-every rank parses the same flags; only the logging rank prints and writes logs.
+Works the same under torchrun (`torchrun --nproc-per-node 2 -m deltamoe train ...`): every rank
+parses the same flags; only the logging rank prints and writes logs. `--dp` defaults to
+WORLD_SIZE / (tp * pp).
+
+Each flag is declared once, in `FLAGS`: the option, the TrainConfig field it sets and its help;
+the option's type comes from that field. This module imports no torch: `--help` and bad input
+(ConfigError: one line, exit 2) answer before the training stack is loaded.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import inspect
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import typer
 
 from deltamoe.errors import ConfigError
+from deltamoe.train.config import TrainConfig, resolve_config
 
 
-def train_command(
-    config: Optional[str] = typer.Option(None, "--config", "-c", help="run file (.toml/.yaml/.json) with "
-                                         "model, data, optim, balance, parallel and run tables"),
-    preset: Optional[str] = typer.Option(None, "--preset", help="model preset (tiny, small, ...)"),
-    model: Optional[str] = typer.Option(None, "--model", help="model config.json or checkpoint folder to start from"),
-    task: Optional[str] = typer.Option(None, "--task", help="synthetic task: recall|arithmetic|copy|reverse, or a mixture: recall+arithmetic"),
-    data: Optional[str] = typer.Option(None, "--data", help=".txt or .jsonl ({'text': ...}) file instead of a task"),
-    steps: Optional[int] = typer.Option(None, "--steps", help="optimizer steps"),
-    seed: Optional[int] = typer.Option(None, "--seed"),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="global rows per optimizer step"),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len"),
-    grad_accum: Optional[int] = typer.Option(None, "--grad-accum", help="micro-steps per optimizer step"),
-    lr: Optional[float] = typer.Option(None, "--lr", help="peak learning rate"),
-    warmup: Optional[int] = typer.Option(None, "--warmup", help="linear warmup steps"),
-    clip_grad: Optional[float] = typer.Option(None, "--clip-grad", help="max gradient norm (<= 0: off)"),
-    precision: Optional[str] = typer.Option(None, "--precision", help="fp32|bf16 (autocast)"),
-    num_pairs: Optional[int] = typer.Option(None, "--num-pairs", help="recall: key/value pairs"),
-    context_len: Optional[int] = typer.Option(None, "--context-len", help="recall: context tokens incl. filler"),
-    gamma: Optional[float] = typer.Option(None, "--bias-gamma", help="router bias update speed (0: off)"),
-    alpha: Optional[float] = typer.Option(None, "--balance-alpha", help="sequence balance loss weight"),
-    out: Optional[str] = typer.Option(None, "--out", "-o", help="run folder"),
-    target_accuracy: Optional[float] = typer.Option(None, "--target-accuracy",
-                                                    help="stop once held-out accuracy reaches it"),
-    max_minutes: Optional[float] = typer.Option(None, "--max-minutes", help="stop after this much wall time"),
-    eval_every: Optional[int] = typer.Option(None, "--eval-every", help="steps between evaluations (0: end only)"),
-    save_every: Optional[int] = typer.Option(None, "--save-every", help="steps between checkpoints (0: end only)"),
-    keep: Optional[int] = typer.Option(None, "--keep-checkpoints", help="checkpoints kept"),
-    resume: Optional[bool] = typer.Option(None, "--resume/--no-resume",
-                                          help="continue from the newest checkpoint in --out"),
-    resume_from: Optional[str] = typer.Option(None, "--resume-from", help="continue from this checkpoint folder"),
-    profile_steps: Optional[str] = typer.Option(None, "--profile-steps", help="A:B profiles steps A..B-1 into traces/"),
-    dp: Optional[int] = typer.Option(None, "--dp"),
-    tp: Optional[int] = typer.Option(None, "--tp"),
-    ep: Optional[int] = typer.Option(None, "--ep"),
-    pp: Optional[int] = typer.Option(None, "--pp"),
-    schedule: Optional[str] = typer.Option(None, "--schedule", help="pipeline schedule: 1f1b|interleaved1f1b"),
-    microbatches: Optional[int] = typer.Option(None, "--microbatches", help="pipeline microbatches"),
-    activation_checkpointing: Optional[bool] = typer.Option(None, "--ac/--no-ac", help="activation checkpointing"),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch threads per process"),
-    progress: Optional[bool] = typer.Option(None, "--progress/--no-progress"),
-) -> None:
+@dataclass(frozen=True)
+class Flag:
+    decls: tuple[str, ...]  # click declarations: ("--lr",), ("--out", "-o"), ("--ac/--no-ac",)
+    field: str  # the TrainConfig field it sets, "section.name"
+    help: str | None = None
+
+
+FLAGS: tuple[Flag, ...] = (
+    Flag(("--preset",), "model.preset", "model preset (tiny, small, ...)"),
+    Flag(("--model",), "model.path", "model config.json or checkpoint folder to start from"),
+    Flag(("--task",), "data.task", "synthetic task: recall|arithmetic|copy|reverse, or a mixture: recall+arithmetic"),
+    Flag(("--data",), "data.path", ".txt or .jsonl ({'text': ...}) file instead of a task"),
+    Flag(("--steps",), "run.steps", "optimizer steps"),
+    Flag(("--seed",), "run.seed"),
+    Flag(("--batch-size",), "data.batch_size", "global rows per optimizer step"),
+    Flag(("--seq-len",), "data.seq_len"),
+    Flag(("--grad-accum",), "optim.grad_accum", "micro-steps per optimizer step"),
+    Flag(("--lr",), "optim.lr", "peak learning rate"),
+    Flag(("--warmup",), "optim.warmup_steps", "linear warmup steps"),
+    Flag(("--clip-grad",), "optim.clip_grad", "max gradient norm (<= 0: off)"),
+    Flag(("--precision",), "run.precision", "fp32|bf16 (autocast)"),
+    Flag(("--num-pairs",), "data.num_pairs", "recall: key/value pairs"),
+    Flag(("--context-len",), "data.context_len", "recall: context tokens incl. filler"),
+    Flag(("--bias-gamma",), "balance.gamma", "router bias update speed (0: off)"),
+    Flag(("--balance-alpha",), "balance.alpha", "sequence balance loss weight"),
+    Flag(("--out", "-o"), "run.out", "run folder"),
+    Flag(("--target-accuracy",), "run.target_accuracy", "stop once held-out accuracy reaches it"),
+    Flag(("--max-minutes",), "run.max_minutes", "stop after this much wall time"),
+    Flag(("--eval-every",), "run.eval_every", "steps between evaluations (0: end only)"),
+    Flag(("--save-every",), "run.save_every", "steps between checkpoints (0: end only)"),
+    Flag(("--keep-checkpoints",), "run.keep_checkpoints", "checkpoints kept"),
+    Flag(("--resume/--no-resume",), "run.resume", "continue from the newest checkpoint in --out"),
+    Flag(("--resume-from",), "run.resume_from", "continue from this checkpoint folder"),
+    Flag(("--profile-steps",), "run.profile_steps", "A:B profiles steps A..B-1 into traces/"),
+    Flag(("--dp",), "parallel.dp", "data-parallel ranks (FSDP2); default: WORLD_SIZE / (tp * pp)"),
+    Flag(("--tp",), "parallel.tp", "tensor-parallel ranks"),
+    Flag(("--ep",), "parallel.ep", "expert-parallel ranks, carved out of dp"),
+    Flag(("--pp",), "parallel.pp", "pipeline ranks"),
+    Flag(("--schedule",), "parallel.schedule", "pipeline schedule: 1f1b|interleaved1f1b"),
+    Flag(("--microbatches",), "parallel.microbatches", "pipeline microbatches (accumulation without pp)"),
+    Flag(("--ac/--no-ac",), "parallel.activation_checkpointing", "activation checkpointing"),
+    Flag(("--threads",), "run.threads", "torch threads per process"),
+    Flag(("--progress/--no-progress",), "run.progress"),
+)
+
+
+def field_type(dotted: str) -> type:
+    """The Python type of a TrainConfig field, without its `| None`."""
+    section, name = dotted.split(".")
+    section_type = typing.get_type_hints(TrainConfig)[section]
+    hint = typing.get_type_hints(section_type)[name]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
+    return hint
+
+
+def _param_name(flag: Flag) -> str:
+    return flag.field.replace(".", "__")
+
+
+def train_command(**options: Any) -> None:
     """Train a model on a synthetic task or a text corpus; writes metrics, evals, checkpoints, plots."""
-    from deltamoe.train.config import resolve_config
+    config = options.pop("config")
+    values = {flag.field: options[_param_name(flag)] for flag in FLAGS}
+    if values["model.preset"] is not None and values["model.path"] is not None:
+        raise ConfigError("pass either --preset or --model, not both", field="model")
+    if values["data.task"] is not None and values["data.path"] is not None:
+        raise ConfigError("pass either --task or --data, not both", field="data")
+    overrides = {k: v for k, v in values.items() if v is not None}
+    # A preset or task flag beats a checkpoint or data file named in the run file.
+    if values["model.preset"] is not None:
+        overrides["model.path"] = None
+    if values["data.task"] is not None:
+        overrides["data.path"] = None
+    cfg = resolve_config(config, overrides)  # ConfigError here costs no torch import
     from deltamoe.train.trainer import train
 
-    if preset is not None and model is not None:
-        raise ConfigError("pass either --preset or --model, not both", field="model")
-    if task is not None and data is not None:
-        raise ConfigError("pass either --task or --data, not both", field="data")
-    flags = {
-        "model.preset": preset, "model.path": model, "data.task": task, "data.path": data,
-        "run.steps": steps, "run.seed": seed, "data.batch_size": batch_size, "data.seq_len": seq_len,
-        "optim.grad_accum": grad_accum, "optim.lr": lr, "optim.warmup_steps": warmup, "optim.clip_grad": clip_grad,
-        "run.precision": precision, "data.num_pairs": num_pairs, "data.context_len": context_len,
-        "balance.gamma": gamma, "balance.alpha": alpha, "run.out": out, "run.eval_every": eval_every,
-        "run.target_accuracy": target_accuracy, "run.max_minutes": max_minutes,
-        "run.save_every": save_every, "run.keep_checkpoints": keep, "run.resume": resume,
-        "run.resume_from": resume_from, "run.profile_steps": profile_steps, "parallel.dp": dp, "parallel.tp": tp,
-        "parallel.ep": ep, "parallel.pp": pp, "parallel.schedule": schedule, "parallel.microbatches": microbatches,
-        "parallel.activation_checkpointing": activation_checkpointing, "run.threads": threads,
-        "run.progress": progress,
-    }
-    overrides = {k: v for k, v in flags.items() if v is not None}
-    # A preset or task flag beats a checkpoint or data file named in the run file.
-    if preset is not None:
-        overrides["model.path"] = None
-    if task is not None:
-        overrides["data.path"] = None
-    train(resolve_config(config, overrides))
+    train(cfg)
+
+
+def _signature() -> inspect.Signature:
+    """One keyword option per FLAGS entry (plus --config): typer reads the command's options from it."""
+    params = [inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str],
+                                default=typer.Option(None, "--config", "-c", help="run file (.toml/.yaml/.json) with "
+                                                     "model, data, optim, balance, parallel and run tables"))]
+    for flag in FLAGS:
+        params.append(inspect.Parameter(_param_name(flag), inspect.Parameter.KEYWORD_ONLY,
+                                        annotation=Optional[field_type(flag.field)],
+                                        default=typer.Option(None, *flag.decls, help=flag.help)))
+    return inspect.Signature(params)
+
+
+train_command.__signature__ = _signature()  # type: ignore[attr-defined]

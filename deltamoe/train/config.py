@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from deltamoe.errors import ConfigError
-from deltamoe.parallel.api import SCHEDULES
+from deltamoe.parallel.dims import ParallelDims, launch_world_size
 
 TASKS = ("recall", "arithmetic", "copy", "reverse")
 PRECISIONS = ("fp32", "bf16")
@@ -68,18 +68,6 @@ class BalanceSection:
 
 
 @dataclass
-class ParallelSection:
-    dp: int = 1
-    tp: int = 1
-    ep: int = 1
-    pp: int = 1
-    schedule: str = "1f1b"  # pipeline schedule: "1f1b" | "interleaved1f1b"
-    microbatches: int = 1
-    stages_per_rank: int = 1
-    activation_checkpointing: bool = False
-
-
-@dataclass
 class RunSection:
     out: str = "runs/train"
     steps: int = 200
@@ -104,7 +92,7 @@ class TrainConfig:
     data: DataSection = field(default_factory=DataSection)
     optim: OptimSection = field(default_factory=OptimSection)
     balance: BalanceSection = field(default_factory=BalanceSection)
-    parallel: ParallelSection = field(default_factory=ParallelSection)
+    parallel: ParallelDims = field(default_factory=ParallelDims)  # the layout itself, as parallelize takes it
     run: RunSection = field(default_factory=RunSection)
 
     # ------------------------------------------------------------- building
@@ -139,7 +127,10 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     # ----------------------------------------------------------- validation
-    def validate(self) -> "TrainConfig":
+    def validate(self, world_size: int | None = None) -> "TrainConfig":
+        """Check every field; fill `parallel.dp` from the world size (default: torchrun's WORLD_SIZE) when
+        it is not given. The layout is checked against the model later, once the model config is read."""
+
         def need(ok: bool, name: str, expected: str) -> None:
             if not ok:
                 section, attr = name.split(".")
@@ -165,9 +156,7 @@ class TrainConfig:
         need(d.path is not None or all(t in TASKS for t in parts), "data.task",
              f"one of {TASKS} or a mixture like 'recall+arithmetic' (or set data.path)")
         for name in ("data.seq_len", "data.batch_size", "data.num_pairs", "data.num_queries", "data.digits",
-                     "data.string_len", "data.eval_rows", "optim.grad_accum", "parallel.dp", "parallel.tp",
-                     "parallel.ep", "parallel.pp", "parallel.microbatches", "parallel.stages_per_rank",
-                     "run.steps", "run.log_every", "run.keep_checkpoints"):
+                     "data.string_len", "data.eval_rows", "optim.grad_accum", "run.steps", "run.log_every", "run.keep_checkpoints"):
             positive_int(name)
         need(d.context_len is None or (isinstance(d.context_len, int) and d.context_len > 0), "data.context_len",
              "None or a positive integer")
@@ -182,7 +171,11 @@ class TrainConfig:
         number("optim.clip_grad", float("-inf"))
         number("balance.gamma", 0.0)
         number("balance.alpha", 0.0)
-        need(p.schedule in SCHEDULES, "parallel.schedule", f"one of {SCHEDULES}")
+        try:
+            p.check_fields()
+            self.parallel = p = p.with_world(launch_world_size() if world_size is None else world_size)
+        except ConfigError as e:
+            raise ConfigError(str(e), field=f"parallel.{e.field}", hint=e.hint) from None
         need(r.precision in PRECISIONS, "run.precision", f"one of {PRECISIONS}")
         for name in ("run.eval_every", "run.save_every"):
             section, attr = name.split(".")

@@ -16,18 +16,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from deltamoe.config import ModelConfig
 from deltamoe.model.load import build_model
 from deltamoe.model.weights import save_checkpoint
-from deltamoe.parallel import ParallelDims, init_distributed, parallelize
+from deltamoe.parallel.dims import launch_world_size
+from deltamoe.parallel.mesh import ParallelMesh, init_distributed
+from deltamoe.parallel.compose import parallelize
 from deltamoe.train import checkpoint
-from deltamoe.train.balance import ExpertLoadMeter, SequenceBalanceLoss, moe_layers
+from deltamoe.train.balance import SequenceBalanceLoss
 from deltamoe.train.config import TrainConfig, parse_profile_steps
 from deltamoe.train.data import DataSource, build_data
 from deltamoe.train.evaluate import evaluate, summarize
-from deltamoe.train.loss_probe import LossProbe
 from deltamoe.train.model_setup import build_train_model, resolve_model_config
 from deltamoe.train.optim import Optimizers
 from deltamoe.train.profiling import StepProfiler
@@ -43,12 +43,6 @@ class RunResult:
     metrics: list[dict[str, Any]] = field(default_factory=list)  # this run's records (logging rank)
 
 
-def parallel_dims(cfg: TrainConfig) -> ParallelDims:
-    p = cfg.parallel
-    return ParallelDims(dp=p.dp, tp=p.tp, ep=p.ep, pp=p.pp, schedule=p.schedule, microbatches=p.microbatches,
-                        stages_per_rank=p.stages_per_rank, activation_checkpointing=p.activation_checkpointing)
-
-
 def _device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -56,44 +50,40 @@ def _device() -> torch.device:
 
 
 def train(cfg: TrainConfig) -> RunResult:
-    cfg.validate()
+    world = launch_world_size()
+    cfg.validate(world)
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     model_config = resolve_model_config(cfg.model)
     data = build_data(cfg, model_config)
-    dims = parallel_dims(cfg)
+    cfg.parallel.check_layout(model_config, world)
     owns_group = not (dist.is_available() and dist.is_initialized())
-    mesh = init_distributed(dims, model_config)
+    mesh = init_distributed(cfg.parallel)
     try:
-        return Trainer(cfg, model_config, data, dims, mesh).run()
+        return Trainer(cfg, model_config, data, mesh).run()
     finally:
         if owns_group and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, model_config: ModelConfig, data: DataSource, dims: ParallelDims,
-                 mesh: DeviceMesh | None):
-        self.cfg, self.model_config, self.data, self.dims = cfg, model_config, data, dims
+    def __init__(self, cfg: TrainConfig, model_config: ModelConfig, data: DataSource, mesh: ParallelMesh | None):
+        """`cfg` validated and its layout checked against the model; `mesh` from `init_distributed`."""
+        self.cfg, self.model_config, self.data, self.dims = cfg, model_config, data, cfg.parallel
         self.out = Path(cfg.run.out)
         self.device = _device()
         self.world = 1 if mesh is None else mesh.size()
         self.rank = dist.get_rank() if self.world > 1 else 0
         torch.manual_seed(cfg.run.seed)
         model = build_train_model(cfg.model, model_config, cfg.run.seed, self.device)
-        self.pm = parallelize(model, dims, mesh)
+        self.pm = parallelize(model, self.dims, mesh)
         self.parts = self.pm.model_parts
         self.optimizers = Optimizers(self.parts, cfg.optim, cfg.run.steps)
-        layers = moe_layers(self.parts)
-        self.meter = ExpertLoadMeter(layers)
         # Gradients of each forward_backward are summed over data ranks and pipeline microbatches.
-        grad_scale = 1.0 / (self.pm.dp_size * dims.microbatches)
-        self.seq_balance = (SequenceBalanceLoss(layers, cfg.balance.alpha, grad_scale)
+        grad_scale = 1.0 / (self.pm.dp_size * self.dims.microbatches)
+        self.seq_balance = (SequenceBalanceLoss(list(self.pm.moe_layers.values()), cfg.balance.alpha, grad_scale)
                             if cfg.balance.alpha > 0 else None)
-        # Only an unsplit model has the whole output to read loss parts from, and can be evaluated.
-        self.whole_model = dims.pp == 1 and dims.stages_per_rank == 1
-        self.probe = LossProbe(self.parts) if self.whole_model else None
-        self.step_fn = TrainStep(self.pm, self.optimizers, self.meter, self.probe, self.seq_balance, cfg, self.device)
+        self.step_fn = TrainStep(self.pm, self.optimizers, self.seq_balance, cfg, self.device)
         self.log = RunLog(self.out, self.pm.is_logging_rank())
         self.state = checkpoint.TrainState()
 
@@ -171,7 +161,7 @@ class Trainer:
                 and result.get("accuracy") is not None and result["accuracy"] >= target)
 
     def _evaluate(self, step: int) -> dict[str, Any] | None:
-        if not self.whole_model or self.data.eval_rows == 0:  # pipeline stages: no whole model to score
+        if not self.dims.whole_model or self.data.eval_rows == 0:  # pipeline stages: no whole model to score
             return None
         autocast = self.step_fn.autocast() if self.cfg.run.precision == "bf16" else None
         # No activations are kept for backward, so eval runs the whole per-step rows at once.

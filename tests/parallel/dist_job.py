@@ -53,7 +53,7 @@ def kimi_linear_toy():
 
 CASES = {
     "dp2": (k31_toy, ParallelDims(dp=2)),
-    "ep2": (k31_toy, ParallelDims(dp=2, ep=2)),
+    "ep2": (k31_toy, ParallelDims(ep=2)),  # dp inferred from the world: 2
     "ep2_ac_mb2": (k31_toy, ParallelDims(dp=2, ep=2, activation_checkpointing=True, microbatches=2)),
     "tp2": (k31_toy, ParallelDims(tp=2)),
     "tp2_kimi_linear": (kimi_linear_toy, ParallelDims(tp=2)),
@@ -105,15 +105,16 @@ def run_case(name: str) -> dict:
     ids, labels = global_batch(config)
 
     reference = build_model(config, seed=0).train()
-    ref_loss = LocalModel(reference).forward_backward(ids, labels)
+    expected = LocalModel(reference).forward_backward(ids, labels)
     ref_grads = {n: p.grad for n, p in reference.named_parameters()}
     ref_norm = torch.nn.utils.get_total_norm([g for g in ref_grads.values() if g is not None])
 
-    mesh = init_distributed(dims, config)  # the trainer's entry: the group exists, so it only builds the mesh
+    dims = dims.resolve(config, dist.get_world_size())
+    mesh = init_distributed(dims)  # the trainer's entry: the group exists, so it only builds the mesh
     pm = parallelize(build_model(config, seed=0).train(), dims, mesh)
     rows = BATCH // pm.dp_size
     local = slice(pm.dp_rank * rows, (pm.dp_rank + 1) * rows)
-    loss = pm.forward_backward(ids[local], labels[local])
+    result = pm.forward_backward(ids[local], labels[local])
 
     worst, worst_name, checked = 0.0, "", []
     for part in pm.model_parts:
@@ -139,7 +140,11 @@ def run_case(name: str) -> dict:
     # The trainer's optimizer over model_parts: DTensors of several meshes (dp x tp, dp, ep) and plain tensors.
     torch.optim.AdamW([p for part in pm.model_parts for p in part.parameters()], lr=1e-3).step()
     return {"worst_param": worst_name if float(worst_t) == worst else None, "layout": layout(pm),
-            "loss": float(loss), "ref_loss": float(ref_loss), "grad_rel_err": float(worst_t),
+            "loss": float(result.loss), "ref_loss": float(expected.loss), "grad_rel_err": float(worst_t),
+            "lm_loss": float(result.lm_loss), "ref_lm_loss": float(expected.lm_loss),
+            "mtp_loss": float(result.mtp_loss), "ref_mtp_loss": float(expected.mtp_loss),
+            "expert_load": result.expert_load.tolist(), "ref_expert_load": expected.expert_load.tolist(),
+            "moe_rows": sorted(pm.moe_layers),
             "norm": float(norm), "ref_norm": float(ref_norm), "clipped_norm": float(clipped),
             "unchecked": sorted(set(ref_grads) - {n for names, _ in everyone for n in names}),
             "state_dict_mismatch": sorted(set(reference.state_dict()) ^ {k for _, ks in everyone for k in ks})}

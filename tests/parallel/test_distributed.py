@@ -44,6 +44,10 @@ def two_ranks(tmp_path_factory):
 
 def check(result: dict, case: str) -> None:
     assert result["loss"] == pytest.approx(result["ref_loss"], rel=1e-6)
+    # The step's measurements come back as values, equal to the one-process ones in every layout.
+    assert result["lm_loss"] == pytest.approx(result["ref_lm_loss"], rel=1e-6)
+    assert result["mtp_loss"] == pytest.approx(result["ref_mtp_loss"], rel=1e-6)
+    assert result["expert_load"] == result["ref_expert_load"]
     assert result["grad_rel_err"] < 1e-5, result["worst_param"]
     assert result["norm"] == pytest.approx(result["ref_norm"], rel=1e-5)  # clip_grad_norm_ sees every shard
     assert result["clipped_norm"] == pytest.approx(result["ref_norm"] / 2, rel=1e-4)

@@ -25,40 +25,48 @@ TINY = load_preset("tiny")  # 8 layers in 2 AttnRes blocks of 4, 16 experts, 4 K
 ])
 def test_bad_layouts_name_the_field(dims, world, field, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")) as e:
-        dims.validate(TINY, world)
+        dims.resolve(TINY, world)
     assert e.value.field == field
     assert not dist.is_initialized()
 
 
 def test_tied_embeddings_cannot_be_pipelined():
     with pytest.raises(ConfigError) as e:
-        ParallelDims(pp=2).validate(TINY.replace(tie_word_embeddings=True), 2)
+        ParallelDims(pp=2).resolve(TINY.replace(tie_word_embeddings=True), 2)
     assert e.value.field == "tie_word_embeddings"
 
 
 def test_ep_needs_routed_experts():
     with pytest.raises(ConfigError, match="without routed experts"):
-        ParallelDims(dp=2, ep=2).validate(TINY.replace(num_experts=0), 2)
+        ParallelDims(dp=2, ep=2).resolve(TINY.replace(num_experts=0), 2)
 
 
 def test_valid_layouts_pass():
-    ParallelDims(dp=2, ep=2, tp=2, pp=2, microbatches=2).validate(TINY, 8)
-    ParallelDims(pp=2, schedule="interleaved1f1b", stages_per_rank=2, microbatches=4).validate(
+    ParallelDims(dp=2, ep=2, tp=2, pp=2, microbatches=2).resolve(TINY, 8)
+    ParallelDims(pp=2, schedule="interleaved1f1b", stages_per_rank=2, microbatches=4).resolve(
         load_preset("kimi-k3"), 2)
     assert ParallelDims(dp=4, ep=4, tp=2, pp=8).world_size() == 64  # ep does not add ranks
 
 
-def test_init_distributed_checks_the_world_before_joining(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(ConfigError) as e:
-        init_distributed(ParallelDims(dp=2), TINY)
-    assert e.value.field == "world_size"
-    with pytest.raises(ConfigError):
-        init_distributed(ParallelDims(dp=2, ep=3))  # no config: still checks the world size
-    assert not dist.is_initialized()
+def test_dp_is_inferred_from_the_world():
+    assert ParallelDims(tp=2, pp=2).resolve(TINY, 8).dp == 2
+    assert ParallelDims(ep=2).resolve(TINY, 4).dp == 4
+    assert ParallelDims(dp=2).resolve(TINY, 2).dp == 2  # given: kept
+    with pytest.raises(ConfigError, match="not a multiple of tp \\* pp = 2") as e:
+        ParallelDims(tp=2).resolve(TINY, 3)
+    assert e.value.field == "dp"
 
 
 def test_single_process_needs_no_process_group(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert init_distributed(ParallelDims(), TINY) is None
+    assert init_distributed(ParallelDims().resolve(TINY, 1)) is None
     assert not dist.is_initialized()
+
+
+def test_the_cli_module_and_the_layout_import_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, deltamoe.train.cli, deltamoe.parallel.dims; "
+            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

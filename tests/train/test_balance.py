@@ -2,8 +2,10 @@ import pytest
 import torch
 
 from deltamoe.model.load import build_model
-from deltamoe.train.balance import (ExpertLoadMeter, SequenceBalanceLoss, balance_step, load_stats, moe_layers,
-                                    sequence_balance_loss, update_router_biases)
+from deltamoe.parallel.api import LocalModel
+from deltamoe.parallel.expert_load import moe_modules
+from deltamoe.train.balance import (SequenceBalanceLoss, balance_step, load_stats, sequence_balance_loss,
+                                    update_router_biases)
 from tests.train.conftest import MICRO_MODEL
 
 
@@ -15,7 +17,7 @@ def model():
 
 
 def test_bias_moves_toward_balance(model):
-    layers = moe_layers([model])
+    layers = dict(enumerate(moe_modules(model)))
     assert len(layers) == 2  # layer 1 and the MTP layer
     # Layer 1: mean 4, expert 0 overloaded, 1 and 3 underloaded, 2 balanced. MTP layer: balanced.
     load = torch.tensor([[10, 2, 4, 0], [3, 3, 3, 3]])
@@ -33,23 +35,21 @@ def test_load_stats():
     assert stats == {"expert_load_max_mean": pytest.approx(1.5), "expert_load_max_mean_worst": pytest.approx(2.0)}
 
 
-def test_meter_sums_forwards_and_balance_step_applies_global_load(model):
-    layers = moe_layers([model])
-    meter = ExpertLoadMeter(layers)
+def test_step_result_carries_the_expert_load_and_balance_step_applies_it(model):
+    pm = LocalModel(model)
+    layers = pm.moe_layers
     ids = torch.randint(0, 256, (2, 8))
-    model(ids)
-    first = layers[0].last_expert_load.clone()
-    model(ids)
-    assert first.sum() == 2 * 8 * 2  # tokens * top-k
-    doubled = []
-    stats = balance_step(layers, meter, 0.5, lambda t: doubled.append(t) or 2 * t)  # fake 2-rank all-reduce
-    assert doubled[0][0].tolist() == (2 * first).tolist()
-    expected = 0.5 * torch.sign((4 * first).float().mean() - 4 * first)
+    first = pm.forward_backward(ids, ids).expert_load
+    assert first.shape == (2, 4) and first.dtype == torch.int64
+    assert first[0].sum() == 2 * 8 * 2 and first[1].sum() == 2 * 7 * 2  # tokens * top-k; MTP sees T - 1
+    second = pm.forward_backward(ids, ids).expert_load
+    assert second.tolist() == first.tolist()  # each result holds its own forward only
+    model.zero_grad()
+    stats = balance_step(layers, first + second, 0.5)
+    expected = 0.5 * torch.sign((2 * first[0]).float().mean() - 2 * first[0])
     assert layers[0].gate.e_score_correction_bias.tolist() == pytest.approx(expected.tolist())
-    assert stats["expert_load_max_mean"] >= 1.0
-    assert meter.take().sum() == 0  # reset after each step
-    meter.remove()
-    for layer in layers:
+    assert stats["expert_load_max_mean"] >= 1.0 and "router_bias_abs_mean" in stats
+    for layer in layers.values():
         layer.gate.e_score_correction_bias.zero_()
 
 
@@ -63,7 +63,7 @@ def test_sequence_balance_loss_values():
 
 
 def test_sequence_balance_term_reaches_router_gradients_without_changing_the_loss(model):
-    layers = moe_layers([model])
+    layers = moe_modules(model)
     ids = torch.randint(0, 256, (2, 8))
     model.zero_grad()
     plain = model(ids, labels=ids).loss

@@ -1,5 +1,8 @@
 """`parallelize(model, dims, mesh)`: apply the parallelisms in torchtitan order and return the ParallelModel.
 
+`dims` are resolved and checked (`ParallelDims.resolve`) before the process group exists; here they are
+only applied.
+
 Order: pipeline split -> tensor parallel -> expert parallel -> activation checkpointing -> FSDP2.
 Each step works on this rank's `ModelStage`s only; the full model passed in can be dropped afterwards.
 """
@@ -9,24 +12,25 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 
 from deltamoe.model.model import DeltaMoEForCausalLM
-from deltamoe.parallel.api import LocalModel, ParallelDims, ParallelModel
+from deltamoe.parallel.api import LocalModel, ParallelModel
 from deltamoe.parallel.checkpointing import apply_activation_checkpointing
 from deltamoe.parallel.data_parallel import apply_fsdp
+from deltamoe.parallel.dims import ParallelDims
 from deltamoe.parallel.distributed_model import DistributedModel
+from deltamoe.parallel.expert_load import moe_modules
 from deltamoe.parallel.expert_parallel import apply_expert_parallel
 from deltamoe.parallel.loss import GlobalTokenLoss
+from deltamoe.parallel.mesh import ParallelMesh
 from deltamoe.parallel.pipeline import build_schedule, stage_ids
 from deltamoe.parallel.stage_module import ModelStage
 from deltamoe.parallel.stage_split import split_stages
 from deltamoe.parallel.tensor_parallel import apply_tensor_parallel
 
 
-def parallelize(model: DeltaMoEForCausalLM, dims: ParallelDims, mesh: DeviceMesh | None) -> ParallelModel:
+def parallelize(model: DeltaMoEForCausalLM, dims: ParallelDims, mesh: ParallelMesh | None) -> ParallelModel:
     config = model.config
-    dims.validate(config, 1 if mesh is None else mesh.size())
     if mesh is None:
         return LocalModel(model)
 
@@ -51,4 +55,4 @@ def parallelize(model: DeltaMoEForCausalLM, dims: ParallelDims, mesh: DeviceMesh
     schedule = None
     if dims.pp > 1:
         schedule = build_schedule(stages, ids, dims, mesh["pp"], loss_fn, torch.device(model.device))
-    return DistributedModel(stages, mesh, dims, loss_fn, schedule, after_backward)
+    return DistributedModel(stages, mesh, dims, loss_fn, schedule, after_backward, len(moe_modules(model)))
