@@ -45,9 +45,22 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = nn.Module()
         self.o_norm.weight = nn.Parameter(torch.ones(k))
         self.o_proj = nn.Linear(p, d, bias=False)
+        # (rank, size) of a tensor-parallel head shard: the projections are sharded by
+        # parallel/tensor_parallel.py, while the small per-head parameters below stay whole (as
+        # checkpoints, FSDP and state dicts name them) and are read through this rank's slice.
+        self.head_shard: tuple[int, int] = (0, 1)
+
+    def _local_heads(self, t: torch.Tensor) -> torch.Tensor:
+        rank, size = self.head_shard
+        return t if size == 1 else t.chunk(size, dim=0)[rank]
+
+    def gate_params(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A_log, dt_bias) of this module's heads."""
+        return self._local_heads(self.A_log), self._local_heads(self.dt_bias)
 
     def conv_weight(self) -> torch.Tensor:
-        return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0).squeeze(1)
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        return torch.cat([self._local_heads(c.weight) for c in convs], 0).squeeze(1)
 
     def output_gate(self, x: torch.Tensor) -> torch.Tensor:
         if self.config.kda_output_gate == "full_rank":
@@ -64,7 +77,8 @@ class KimiDeltaAttention(nn.Module):
         qkv, new_conv_state = causal_conv1d(qkv, self.conv_weight(), conv_state, activation="silu", lengths=lengths)
         q, k_, v = (z.reshape(b, t, h, k) for z in qkv.chunk(3, dim=-1))
 
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)), self.A_log, self.dt_bias, h,
+        a_log, dt_bias = self.gate_params()
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)), a_log, dt_bias, h,
                      kind=self.config.kda_gate, lower_bound=self.config.kda_gate_lower_bound)
         beta = torch.sigmoid(self.b_proj(x).float())
         if lengths is not None:

@@ -10,7 +10,7 @@ What stays replicated: embeddings, LM head, norms, AttnRes vectors, the low-rank
 (those are expert-parallel instead).
 
 Small per-head KDA parameters (A_log, dt_bias, the three depthwise convs) and the per-head-dim
-o_norm stay replicated; each rank reads its heads' slice through a local view, so their gradients
+o_norm stay replicated; each rank reads its heads' slice (`KimiDeltaAttention.head_shard`), so their gradients
 are partial sums over TP ranks and `TensorParallelGradSync` adds them up after backward.
 The MLA rope key k_pe is computed once and used by every head: it is entered into the
 head-parallel region with an all-reduce in backward (Megatron's "f").
@@ -36,51 +36,12 @@ def reduce_grad_in_backward(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 
 
-def _rank_slice(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    return t.chunk(size, dim=0)[rank]
-
-
-class TensorParallelKDA(KimiDeltaAttention):
-    """KimiDeltaAttention on its local heads: inside forward, per-head parameters read as this rank's slice.
-
-    Outside forward the names give the parameters themselves, as FSDP2 and state dicts expect.
-    """
-
-    tp_rank: int
-    tp_size: int
-    _local_view: bool = False
-
-    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
-        self._local_view = True
-        try:
-            return super().forward(x, cache)
-        finally:
-            self._local_view = False
-
-    def _head_slice(self, name: str) -> torch.Tensor:
-        p = self._parameters[name]
-        return _rank_slice(p.reshape(-1), self.tp_rank, self.tp_size) if self._local_view else p
-
-    @property
-    def A_log(self) -> torch.Tensor:  # type: ignore[override]
-        return self._head_slice("A_log")
-
-    @property
-    def dt_bias(self) -> torch.Tensor:  # type: ignore[override]
-        return self._head_slice("dt_bias")
-
-    def conv_weight(self) -> torch.Tensor:
-        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-        return torch.cat([_rank_slice(c.weight, self.tp_rank, self.tp_size) for c in convs], 0).squeeze(1)
-
-
 def _tp_kda(attn: KimiDeltaAttention, mesh: DeviceMesh) -> list[tuple[nn.Module, str]]:
     plan = {name: ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj", "f_b_proj", "b_proj")}
     plan["g_proj" if hasattr(attn, "g_proj") else "g_b_proj"] = ColwiseParallel()
     plan["o_proj"] = RowwiseParallel()
     parallelize_module(attn, mesh, plan)
-    attn.__class__ = TensorParallelKDA  # the swap only adds local views; parameters and names are unchanged
-    attn.tp_rank, attn.tp_size = mesh.get_local_rank(), mesh.size()
+    attn.head_shard = (mesh.get_local_rank(), mesh.size())  # per-head parameters read as this rank's slice
     attn.num_heads //= mesh.size()
     return [(attn, "A_log"), (attn, "dt_bias"), (attn.q_conv1d, "weight"), (attn.k_conv1d, "weight"),
             (attn.v_conv1d, "weight"), (attn.o_norm, "weight")]
