@@ -12,8 +12,9 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from deltamoe.config import ModelConfig, load_config
+from deltamoe.config import ModelConfig
 from deltamoe.errors import ConfigError
+from deltamoe.hf_config import load_config
 from deltamoe.plan.costs import model_costs
 from deltamoe.plan.hardware import get_hardware
 from deltamoe.plan.precision import CLI_WEIGHTS, KV_FORMATS
