@@ -34,8 +34,9 @@ class TrainEstimate:
         return self.steps * self.step_s + self.evaluations * self.evaluation_s
 
     def describe(self) -> str:
+        evaluations = f"{self.evaluations} evaluation" + "s" * (self.evaluations != 1)
         return (f"about {self.total_s / 60:.1f} min at this machine's current speed ({self.steps} steps at "
-                f"{self.step_s:.2f} s, {self.evaluations} evaluation{"s" * (self.evaluations != 1)} at {self.evaluation_s:.1f} s)")
+                f"{self.step_s:.2f} s, {evaluations} at {self.evaluation_s:.1f} s)")
 
 
 def estimate_training(cfg: TrainConfig) -> TrainEstimate:
