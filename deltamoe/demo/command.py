@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from deltamoe.demo.train_estimate import TrainEstimate
     from deltamoe.demo.train_stage import TrainPlan
 
-DEFAULT_STEPS = 200  # about 2.5 min of training with one thread on an idle two-core machine
+DEFAULT_STEPS = 200  # sized for two to three minutes of training on an idle two-core machine (docs/demo.md)
 
 
 def demo_command(
