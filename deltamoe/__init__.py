@@ -9,7 +9,7 @@ __all__ = ["ModelConfig", "load_config", "load_preset", "load_model", "save_chec
 
 # Lazy: `import deltamoe` (the trace analyzer, the CLI's --help) must not pay for the config
 # module (~15 ms) or for building torch modules; each name is imported on first use.
-_LAZY = {"ModelConfig": "deltamoe.config", "load_config": "deltamoe.config", "load_preset": "deltamoe.config",
+_LAZY = {"ModelConfig": "deltamoe.config", "load_config": "deltamoe.hf_config", "load_preset": "deltamoe.config",
          "load_model": "deltamoe.model.load", "save_checkpoint": "deltamoe.model.weights"}
 
 

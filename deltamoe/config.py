@@ -1,8 +1,7 @@
 """ModelConfig: every knob of the Kimi Linear / K3 / K3.1 Pro family in one frozen dataclass.
 
-The config is dims only; `from_hf` / `to_hf` translate HF `config.json` (model_type
-`kimi_linear`, or `kimi_k3` with a nested `text_config`; K3.1 adds `dsa_config`).
-Presets are JSON files in `deltamoe/presets/`.
+The config is dims only. Presets are JSON files in `deltamoe/presets/`; `deltamoe.hf_config`
+translates HF `config.json` both ways and holds `load_config`, which reads any config source.
 """
 
 from __future__ import annotations
@@ -205,18 +204,6 @@ class ModelConfig:
             tok = getattr(self, name)
             need(tok is None or 0 <= tok < self.vocab_size, name, f"None or a token id below vocab_size ({self.vocab_size})")
 
-    # ---------------------------------------------------------------- HF JSON
-    @classmethod
-    def from_hf(cls, data: dict[str, Any]) -> "ModelConfig":
-        from deltamoe.hf_config import config_from_hf
-
-        return config_from_hf(data)
-
-    def to_hf(self) -> dict[str, Any]:
-        from deltamoe.hf_config import config_to_hf
-
-        return config_to_hf(self)
-
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["layer_types"] = list(self.layer_types)
@@ -258,25 +245,3 @@ def load_preset(name: str) -> ModelConfig:
     if not path.exists():
         raise ConfigError(f"unknown preset {name!r}; known presets: {', '.join(list_presets())}", field="preset")
     return ModelConfig.from_dict(json.loads(path.read_text()))
-
-
-def load_config(source: str | Path) -> ModelConfig:
-    """A preset name, a `config.json` (HF or deltamoe form), or a checkpoint folder holding one."""
-    path = Path(source)
-    if path.is_dir():
-        path = path / "config.json"
-        if not path.exists():
-            raise ConfigError(f"no config.json in {source}", field="model",
-                              hint="pass a preset name or a checkpoint folder")
-    if path.suffix == ".json" and path.exists():
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} is not valid JSON ({e})", field="config") from e
-        if "model_type" in data and ("architectures" in data or "text_config" in data or "linear_attn_config" in data):
-            return ModelConfig.from_hf(data)
-        return ModelConfig.from_dict(data)
-    if str(source) in list_presets():
-        return load_preset(str(source))
-    raise ConfigError(f"{source!r} is neither a preset nor a config file/folder; presets: {', '.join(list_presets())}",
-                      field="model")

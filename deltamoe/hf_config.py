@@ -1,4 +1,5 @@
-"""HF `config.json` <-> ModelConfig for `kimi_linear`, `kimi_k3` (nested text_config) and K3.1 (`dsa_config`).
+"""HF `config.json` <-> ModelConfig for `kimi_linear`, `kimi_k3` (nested text_config) and K3.1 (`dsa_config`),
+and `load_config`: a ModelConfig from any source (a preset name, either JSON form, a checkpoint folder).
 
 Layer lists in HF files are 1-based (`linear_attn_config.full_attn_layers`, `kda_layers`).
 Kimi Linear files may instead carry `layer_types` with `full_attention` / `linear_attention`.
@@ -6,9 +7,11 @@ Kimi Linear files may instead carry `layer_types` with `full_attention` / `linea
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
-from deltamoe.config import MODEL_TYPES, ModelConfig, VisionConfig
+from deltamoe.config import MODEL_TYPES, ModelConfig, VisionConfig, list_presets, load_preset
 from deltamoe.errors import ConfigError
 
 # K3.1 `dsa_config` key names are unconfirmed publicly (spec §2.3); accept the plausible spellings.
@@ -26,6 +29,28 @@ _ALIASES = {
     "norm_topk_prob": "moe_renormalize",
     "model_max_length": "max_position_embeddings",
 }
+
+
+def load_config(source: str | Path) -> ModelConfig:
+    """A preset name, a `config.json` (HF or deltamoe form), or a checkpoint folder holding one."""
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.exists():
+            raise ConfigError(f"no config.json in {source}", field="model",
+                              hint="pass a preset name or a checkpoint folder")
+    if path.suffix == ".json" and path.exists():
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON ({e})", field="config") from e
+        if "model_type" in data and ("architectures" in data or "text_config" in data or "linear_attn_config" in data):
+            return config_from_hf(data)
+        return ModelConfig.from_dict(data)
+    if str(source) in list_presets():
+        return load_preset(str(source))
+    raise ConfigError(f"{source!r} is neither a preset nor a config file/folder; presets: {', '.join(list_presets())}",
+                      field="model")
 
 
 def _first(d: dict[str, Any], keys: tuple[str, ...], default: Any = None) -> Any:

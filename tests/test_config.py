@@ -4,14 +4,15 @@ import json
 
 import pytest
 
-from deltamoe.config import ModelConfig, list_presets, load_config, load_preset
+from deltamoe.config import ModelConfig, list_presets, load_preset
 from deltamoe.errors import ConfigError
+from deltamoe.hf_config import config_from_hf, config_to_hf, load_config
 
 
 @pytest.mark.parametrize("name", list_presets())
 def test_preset_round_trips_through_hf_json(name):
     cfg = load_preset(name)
-    assert ModelConfig.from_hf(json.loads(json.dumps(cfg.to_hf()))) == cfg
+    assert config_from_hf(json.loads(json.dumps(config_to_hf(cfg)))) == cfg
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
 
 
@@ -21,22 +22,22 @@ def test_k3_schedule_matches_spec():
     assert full == list(range(3, 92, 4)) + [92]
     assert len(full) == 24 and cfg.layer_types.count("kda") == 69
     assert cfg.layer_types[0] == "kda" and not cfg.is_moe_layer(0) and all(cfg.is_moe_layer(i) for i in range(1, 93))
-    hf = cfg.to_hf()
+    hf = config_to_hf(cfg)
     assert hf["model_type"] == "kimi_k3" and hf["text_config"]["linear_attn_config"]["full_attn_layers"][-2:] == [92, 93]
 
 
 def test_k31_dsa_config_on_full_attention_layers():
     cfg = load_preset("kimi-k3.1-pro")
-    hf = cfg.to_hf()
+    hf = config_to_hf(cfg)
     dsa = hf["text_config"]["dsa_config"]
     assert dsa["dsa_layers"] == hf["text_config"]["linear_attn_config"]["full_attn_layers"]
     assert (dsa["index_n_heads"], dsa["index_head_dim"], dsa["index_topk"]) == (32, 128, 2048)
     # alternative key spellings are accepted
     hf["text_config"]["dsa_config"] = {"head_count": 32, "key_length": 128, "top_k": 2048, "layers": dsa["dsa_layers"]}
-    assert ModelConfig.from_hf(hf) == cfg
+    assert config_from_hf(hf) == cfg
     hf["text_config"]["dsa_config"]["layers"] = [1, 2]
     with pytest.raises(ConfigError) as e:
-        ModelConfig.from_hf(hf)
+        config_from_hf(hf)
     assert e.value.field == "dsa_config.layers"
 
 
@@ -49,13 +50,13 @@ def test_transformers_kimi_linear_config_parses():
         routed_scaling_factor=1.0, first_k_dense_replace=1,
         linear_attn_config={"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4, "kda_layers": [1, 2, 3],
                             "full_attn_layers": [4]}, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    cfg = ModelConfig.from_hf(hf_cfg.to_dict())
+    cfg = config_from_hf(hf_cfg.to_dict())
     assert cfg.layer_types == ("kda", "kda", "kda", "mla")
     assert (cfg.kda_gate, cfg.kda_output_gate, cfg.mla_output_gate) == ("softplus", "low_rank", False)
     assert (cfg.num_experts, cfg.num_experts_per_token, cfg.shared_expert_size) == (8, 2, 32)
     assert cfg.latent_moe_size is None and cfg.attn_res_block_size is None and cfg.hidden_act == "silu"
     # and back: transformers reads what we write
-    back = transformers.KimiLinearConfig(**{k: v for k, v in cfg.to_hf().items() if k != "architectures"})
+    back = transformers.KimiLinearConfig(**{k: v for k, v in config_to_hf(cfg).items() if k != "architectures"})
     assert back.layer_types == hf_cfg.layer_types and back.num_local_experts == 8
 
 
@@ -78,7 +79,7 @@ def test_invalid_configs_name_the_field(change, field):
 
 def test_unknown_model_type_and_preset():
     with pytest.raises(ConfigError) as e:
-        ModelConfig.from_hf({"model_type": "mixtral", "num_hidden_layers": 2})
+        config_from_hf({"model_type": "mixtral", "num_hidden_layers": 2})
     assert e.value.field == "model_type" and "kimi_linear" in str(e.value)
     with pytest.raises(ConfigError) as e:
         load_config("no-such-preset")
@@ -90,7 +91,7 @@ def test_unknown_model_type_and_preset():
 
 def test_config_file_and_folder(tmp_path):
     cfg = load_preset("tiny")
-    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf()))
+    (tmp_path / "config.json").write_text(json.dumps(config_to_hf(cfg)))
     assert load_config(tmp_path) == cfg
     assert load_config(tmp_path / "config.json") == cfg
     (tmp_path / "bad.json").write_text("{not json")

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from deltamoe.config import load_config
+from deltamoe.hf_config import load_config
 
 
 def _human(n: float, unit: str = "") -> str:

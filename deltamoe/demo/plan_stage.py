@@ -18,9 +18,9 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from deltamoe.config import load_config
 from deltamoe.demo.run_folder import RunFolder
 from deltamoe.errors import DeltaMoEError
+from deltamoe.hf_config import load_config
 from deltamoe.plan.costs import model_costs
 from deltamoe.plan.hardware import get_hardware
 from deltamoe.plan.recipe import launch_recipe

@@ -27,9 +27,8 @@ TASK = "recall+arithmetic"
 # answer) and sums of 1-2 digit numbers. 48-token rows hold one recall example and one or two
 # sums; with 40-token rows (one task per row, half of them recall) recall stayed at chance for
 # 200 steps. lr 1e-3 beat 2e-3, 3e-3 (the recall-only tuning) and 6e-3 at every evaluation up
-# to step 150 (one run each), which matters when the time limit ends a run early: held-out
-# answer accuracy at step 125 / 200 was 35 / 39 % at 1e-3, 32 / 38 % at 5e-4, 23 / 39 % at
-# 2e-3, 19 / 29 % at 3e-3.
+# to step 150 (one run each), which matters when a --minutes cap ends a run early (see
+# docs/demo.md for the held-out accuracies per learning rate).
 RECIPE: dict[str, dict[str, Any]] = {
     "model": {"preset": PRESET},
     "data": {"num_pairs": 8, "num_queries": 8, "digits": 2, "seq_len": 48, "batch_size": 32, "eval_rows": 128},
@@ -42,7 +41,7 @@ PROFILE_STEPS = "3:5"  # two steps (after one warmup step) recorded as train/tra
 @dataclass(frozen=True)
 class TrainPlan:
     steps: int
-    max_minutes: float
+    max_minutes: float | None  # None: no time cap, the step count alone ends training
     profile: bool
     seed: int = 0
     threads: int | None = None
@@ -75,8 +74,8 @@ def run_training(folder: RunFolder, plan: TrainPlan, console: Console) -> dict[s
     data = build_data(cfg, model_config)
     trainer = Trainer(cfg, model_config, data, mesh=None)
     console.print(f"training [bold]{cfg.model.preset}[/] ({model_config.model_type}: KDA + DSA + latent MoE + AttnRes "
-                  f"+ MTP) on {TASK}: {cfg.run.steps} steps of {cfg.data.batch_size} x {cfg.data.seq_len} tokens, "
-                  f"at most {cfg.run.max_minutes:g} min -> {folder.train}")
+                  f"+ MTP) on {TASK}: {cfg.run.steps} steps of {cfg.data.batch_size} x {cfg.data.seq_len} tokens"
+                  + (f", at most {cfg.run.max_minutes:g} min" if cfg.run.max_minutes else "") + f" -> {folder.train}")
     t0 = time.perf_counter()
     result = trainer.run()
     wall = time.perf_counter() - t0

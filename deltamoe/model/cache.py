@@ -6,8 +6,8 @@ Per sequence it holds, for each layer:
 - MLA: the compressed latent KV, 576 values per token in K3 (kv_lora + shared rope key);
 - DSA: the indexer key per token.
 
-`serve/cache.py` implements the same interface over pages and state slots; `model` never
-imports `serve`. Rows of a batch may have different past lengths (`past_lengths`); every row
+The serving engine's paged HybridCache (`deltamoe.serve.engine.cache`) implements the same
+interface over pages and state slots; `model` never imports `serve`. Rows of a batch may have different past lengths (`past_lengths`); every row
 appends the same number T of new tokens per forward.
 """
 
@@ -59,7 +59,8 @@ class ModelCache(Protocol):
 
 
 class ContiguousCache:
-    """Dense per-layer tensors for `generate`, tests and simple batched decoding.
+    """Dense per-layer tensors for plain decoding loops, tests and simple batched decoding (the
+    serving engine, and so `deltamoe generate`, uses the paged cache instead).
 
     Rows share one time axis of capacity `max_length`; a row with a shorter past simply has
     unused slots, which attention masks by `past_lengths`.

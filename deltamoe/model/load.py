@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from deltamoe.config import ModelConfig, load_config
+from deltamoe.config import ModelConfig
+from deltamoe.hf_config import load_config
 from deltamoe.model.init import init_weights
 from deltamoe.model.model import DeltaMoEForCausalLM
 from deltamoe.model.weights import checkpoint_files, load_weights

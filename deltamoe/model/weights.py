@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 from deltamoe.config import ModelConfig
 from deltamoe.errors import CheckpointError
+from deltamoe.hf_config import config_to_hf
 from deltamoe.model.checkpoint_names import TensorTarget, checkpoint_to_param, param_to_checkpoint
 from deltamoe.model.model import DeltaMoEForCausalLM
 from deltamoe.ops.quant import dequantize_mxfp4
@@ -193,7 +194,7 @@ def save_checkpoint(model: DeltaMoEForCausalLM, path: str | Path, max_shard_byte
     if n > 1:
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         write_json_atomic(path / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
-    write_json_atomic(path / "config.json", model.config.to_hf())
+    write_json_atomic(path / "config.json", config_to_hf(model.config))
 
 
 def write_json_atomic(path: Path, data: dict) -> None:

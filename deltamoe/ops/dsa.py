@@ -2,8 +2,8 @@
 
 The indexer scores every visible key cheaply; each query then runs MLA over only its
 top-k keys (`mla.mla_attention(..., selected=topk_mask(...))` for prefill, or
-`mla.mla_attention_absorbed_sparse(..., indices, valid)` for decode). Visibility (causality
-and per-row lengths) is `mla.visible_keys`, so the indexer and the attention agree on it.
+`mla.mla_attention_absorbed_rows` over the cached rows at those slots for decode). Visibility
+(causality and per-row lengths) is `mla.visible_keys`, so the indexer and the attention agree on it.
 
 Constant positive factors (DeepSeek's n_heads^-1/2 * head_dim^-1/2 on the weights, the
 softmax scale on q.k) do not change the ranking, so `indexer_scores` leaves them to the

@@ -10,7 +10,8 @@ Three forms of this one recurrence:
 
 - `recurrent_kda`: the readable reference, one token at a time (fla's `naive_recurrent_kda`).
 - `chunk_kda`: the chunked WY / UT-transform form for prefill and training (derivation below).
-- `kda_decode_step`: one token for N sequences whose states live in a slot pool (serving).
+- `kda_step`: one decode token for N sequences at once (the model's decode path; the cache hands
+  it their states, and takes the new ones back).
 
 Conventions (as fla): q, k [B, T, H, K]; v [B, T, H, V]; g = log-decay [B, T, H, K] (<= 0);
 beta [B, T, H] (already sigmoid-ed); state [B, H, K, V] fp32; scale defaults to K^-1/2.
@@ -121,41 +122,6 @@ def recurrent_kda(
     return o.to(out_dtype), (state if output_final_state else None)
 
 
-def kda_decode_step(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state_pool: torch.Tensor,
-    slot_ids: torch.Tensor,
-    scale: float | None = None,
-    use_qk_l2norm: bool = False,
-) -> torch.Tensor:
-    """One decode token for N sequences at once; their states live in `state_pool` rows.
-
-    q, k, g [N, H, K]; v [N, H, V]; beta [N, H]; state_pool [S, H, K, V] fp32; slot_ids [N] long,
-    distinct. Reads `state_pool[slot_ids]`, advances each state by one token and writes it back
-    in place (other slots are untouched). Returns o [N, H, V] in v.dtype.
-    """
-    check_shape("q", q, "[N, H, K]", [None] * 3)
-    n, h, dk = q.shape
-    check_shape("k", k, "[N, H, K]", [n, h, dk])
-    check_shape("v", v, "[N, H, V]", [n, h, None])
-    dv = v.shape[-1]
-    check_shape("g", g, "[N, H, K]", [n, h, dk])
-    check_shape("beta", beta, "[N, H]", [n, h])
-    check_shape("state_pool", state_pool, "[S, H, K, V]", [None, h, dk, dv])
-    check_shape("slot_ids", slot_ids, "[N]", [n])
-    if state_pool.dtype != torch.float32:
-        raise ValueError(f"state_pool: expected dtype torch.float32, got {state_pool.dtype}")
-    if slot_ids.dtype != torch.long:
-        raise ValueError(f"slot_ids: expected dtype torch.long, got {slot_ids.dtype}")
-    o, state = kda_step(q, k, v, g, beta, state_pool.index_select(0, slot_ids), scale, use_qk_l2norm)
-    state_pool.index_copy_(0, slot_ids, state.to(state_pool.dtype))
-    return o
-
-
 def kda_step(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -166,9 +132,10 @@ def kda_step(
     scale: float | None = None,
     use_qk_l2norm: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decode token for a batch whose states are already gathered: no pool, no copies.
+    """One decode token for N sequences, given their current states (`ModelCache.kda_state`).
 
-    q, k, g [N, H, K]; v [N, H, V]; beta [N, H]; state [N, H, K, V] (not modified).
+    q, k, g [N, H, K]; v [N, H, V]; beta [N, H]; state [N, H, K, V] (not modified: the caller
+    stores the returned state, e.g. a paged cache back into its slot pool).
     Returns (o [N, H, V] in v.dtype, new state [N, H, K, V] in the compute dtype).
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale

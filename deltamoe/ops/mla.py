@@ -191,60 +191,10 @@ def _check_absorb_weights(w_uk: torch.Tensor, w_uv: torch.Tensor, heads: int, no
     check_shape("w_uv", w_uv, "[H, Dv, R]", (heads, None, rank))
 
 
-def _check_absorbed(
-    q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, w_uk: torch.Tensor,
-    w_uv: torch.Tensor,
-) -> None:
-    batch, _, heads, nope = _check_queries(q_nope, q_pe)
-    check_shape("latent", latent, "[B, S, R]", (batch, None, None))
-    _, num_keys, rank = latent.shape
-    check_shape("k_pe", k_pe, "[B, S, Dr]", (batch, num_keys, q_pe.shape[-1]))
-    _check_absorb_weights(w_uk, w_uv, heads, nope, rank)
-
-
 def _absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
     """[q_nope . w_uk | q_pe] in fp32 -> [B, T, H, R+Dr]: a query in the latent key space."""
     q_latent = torch.einsum("bthd,hdr->bthr", q_nope.float(), w_uk.float())
     return torch.cat((q_latent, q_pe.float()), dim=-1)
-
-
-def _join_latent(latent: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
-    """[latent | k_pe] -> [B, S, R+Dr]. The caches store exactly this row layout and hand the two
-    back as adjacent column slices of one tensor; then the join is a view, not a copy of the
-    whole cache per decode step."""
-    b, s, r = latent.shape
-    width = r + k_pe.shape[-1]
-    adjacent = (latent.dtype == k_pe.dtype and latent.stride() == k_pe.stride() and latent.stride(-1) == 1
-                and (s == 1 or latent.stride(1) == width) and latent.untyped_storage().data_ptr()
-                == k_pe.untyped_storage().data_ptr() and k_pe.storage_offset() == latent.storage_offset() + r)
-    if adjacent:
-        return latent.as_strided((b, s, width), latent.stride(), latent.storage_offset())
-    return torch.cat((latent, k_pe), dim=-1)
-
-
-def mla_attention_absorbed(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    latent: torch.Tensor,
-    k_pe: torch.Tensor,
-    w_uk: torch.Tensor,
-    w_uv: torch.Tensor,
-    *,
-    scale: float,
-    q_positions: torch.Tensor,
-    kv_lengths: torch.Tensor,
-    selected: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Absorbed MLA over the compressed cache -> o [B, T, H, Dv] in latent.dtype.
-
-    latent [B,S,R] is the normed c_kv, k_pe [B,S,Dr]; w_uk / w_uv from `absorb_kv_b`. Because
-    k_nope = w_uk latent and v = w_uv latent, q_nope . k_nope = (q_nope w_uk) . latent and
-    P v = w_uv (P latent): attention runs as multi-query attention over one latent "head" of
-    width R+Dr, and the per-head up-projection is applied once to the output.
-    """
-    _check_absorbed(q_nope, q_pe, latent, k_pe, w_uk, w_uv)
-    return mla_attention_absorbed_joined(q_nope, q_pe, _join_latent(latent, k_pe), w_uk, w_uv, scale=scale,
-                                         q_positions=q_positions, kv_lengths=kv_lengths, selected=selected)
 
 
 def mla_attention_absorbed_joined(
@@ -259,8 +209,14 @@ def mla_attention_absorbed_joined(
     kv_lengths: torch.Tensor,
     selected: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`mla_attention_absorbed` on the caches' own row layout: joined [B, S, R+Dr] = [latent | k_pe],
-    as a cache hands it back, so nothing is joined (or copied) -> o [B, T, H, Dv] in joined.dtype."""
+    """Absorbed MLA over the compressed cache -> o [B, T, H, Dv] in joined.dtype.
+
+    joined [B, S, R+Dr] = [normed c_kv latent | k_pe], the row layout a cache stores and hands
+    back (`ModelCache.append_latent`), so nothing is split or copied; w_uk / w_uv from
+    `absorb_kv_b`. Because k_nope = w_uk latent and v = w_uv latent, q_nope . k_nope =
+    (q_nope w_uk) . latent and P v = w_uv (P latent): attention runs as multi-query attention over
+    one latent "head" of width R+Dr, and the per-head up-projection is applied once to the output.
+    """
     batch, time, heads, nope = _check_queries(q_nope, q_pe)
     rank = w_uk.shape[-1]
     check_shape("joined", joined, "[B, S, R+Dr]", (batch, None, rank + q_pe.shape[-1]))
@@ -270,45 +226,6 @@ def mla_attention_absorbed_joined(
     k = joined.float()[:, None]  # [B,1,S,R+Dr]
     out_latent = _attend(q, k, k[..., :rank], visible, scale)  # [B,H,T,R]
     return torch.einsum("bhtr,hvr->bthv", out_latent, w_uv.float()).to(joined.dtype)
-
-
-def mla_attention_absorbed_sparse(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    latent: torch.Tensor,
-    k_pe: torch.Tensor,
-    w_uk: torch.Tensor,
-    w_uv: torch.Tensor,
-    *,
-    scale: float,
-    indices: torch.Tensor,
-    valid: torch.Tensor,
-) -> torch.Tensor:
-    """DSA decode: absorbed MLA over only the gathered key slots -> o [B, T, H, Dv].
-
-    indices long [B,T,K] are key slots per query and valid bool [B,T,K] marks the real ones
-    (as returned by `dsa.causal_topk`); valid slots must be distinct. Cost scales with K, not
-    S. Visibility is entirely the caller's (the top-k already applied causality and lengths),
-    so this equals `mla_attention_absorbed(..., selected=topk_mask(indices, valid, S))`.
-    """
-    _check_absorbed(q_nope, q_pe, latent, k_pe, w_uk, w_uv)
-    batch, time, heads = q_nope.shape[:3]
-    check_shape("indices", indices, "[B, T, K]", (batch, time, None))
-    top = indices.shape[-1]
-    check_shape("valid", valid, "[B, T, K]", (batch, time, top))
-    if valid.dtype != torch.bool:
-        raise ValueError(f"valid: expected dtype torch.bool, got {valid.dtype}")
-    num_keys = latent.shape[1]
-    if bool((valid & ((indices < 0) | (indices >= num_keys))).any()):
-        raise ValueError(f"indices: valid entries must lie in [0, S) = [0, {num_keys})")
-    # Invalid entries may hold anything (e.g. -1); point them at slot 0 so the gather is safe.
-    slots = indices.long().masked_fill(~valid, 0).reshape(batch, time * top)
-    # Gather the K selected rows first (whole rows of the joined [latent | k_pe] cache layout, one
-    # index_select over the batch's flattened rows), never copying the whole cache.
-    joined = _join_latent(latent, k_pe)
-    flat = slots + torch.arange(batch, device=slots.device)[:, None] * num_keys
-    rows = joined.reshape(batch * num_keys, -1).index_select(0, flat.view(-1)).view(batch, time * top, -1)
-    return mla_attention_absorbed_rows(q_nope, q_pe, rows, w_uk, w_uv, scale=scale, valid=valid).to(latent.dtype)
 
 
 def mla_attention_absorbed_rows(
@@ -321,11 +238,13 @@ def mla_attention_absorbed_rows(
     scale: float,
     valid: torch.Tensor,
 ) -> torch.Tensor:
-    """DSA decode on rows already gathered -> o [B, T, H, Dv] in rows.dtype.
+    """DSA decode: absorbed MLA over only each query's K selected keys -> o [B, T, H, Dv] in rows.dtype.
 
     rows [B, T*K, R+Dr] are the cached [latent | k_pe] rows of each query's K selected keys, query
-    by query (a paged cache reads just these with `latent_rows`); valid bool [B, T, K] marks the
-    real ones. `mla_attention_absorbed_sparse` is this after gathering from a whole latent.
+    by query (a cache reads just these with `ModelCache.latent_rows`, at the slots of
+    `dsa.causal_topk`); valid bool [B, T, K] marks the real ones. Cost scales with K, not S.
+    Visibility is entirely the caller's (the top-k already applied causality and lengths), so this
+    equals `mla_attention_absorbed_joined(..., selected=topk_mask(indices, valid, S))`.
     """
     batch, time, heads, nope = _check_queries(q_nope, q_pe)
     check_shape("valid", valid, "[B, T, K]", (batch, time, None))

@@ -16,8 +16,9 @@ from typing import Optional
 
 import typer
 
-from deltamoe.config import ModelConfig, load_config
+from deltamoe.config import ModelConfig
 from deltamoe.errors import ConfigError
+from deltamoe.hf_config import load_config
 from deltamoe.plan.precision import CLI_WEIGHTS, KV_FORMATS
 
 # A chat user reads about 20 tokens/s (TPOT 50 ms) and waits a few seconds for the first token;

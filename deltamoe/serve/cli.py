@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Optional
 
 import typer
 
-from deltamoe.config import load_config
+from deltamoe.hf_config import load_config
 from deltamoe.errors import ConfigError
 
 if TYPE_CHECKING:

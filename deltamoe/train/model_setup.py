@@ -7,8 +7,9 @@ from pathlib import Path
 
 import torch
 
-from deltamoe.config import ModelConfig, load_config, load_preset
+from deltamoe.config import ModelConfig, load_preset
 from deltamoe.errors import ConfigError
+from deltamoe.hf_config import load_config
 from deltamoe.model.load import build_model, load_model
 from deltamoe.model.model import DeltaMoEForCausalLM
 from deltamoe.train.config import ModelSection

@@ -36,12 +36,14 @@ def temp_files(root: Path) -> list[Path]:
 
 def test_run_folder_reuse_and_fresh(tmp_path, capsys):
     out = tmp_path / "demo"
-    assert demo(out, "--steps", "5") == 0
+    assert demo(out, "--steps", "20") == 0  # long enough for the up-front time estimate
     first = capsys.readouterr().out
     weights = out / "checkpoint" / "model.safetensors"
     assert (out / "checkpoint" / "config.json").is_file() and weights.is_file()
     r = json.loads((out / "results.json").read_text())
-    assert r["train"]["steps"] == 5 and not r["train"]["reused"] and r["train"]["task"] == "recall+arithmetic"
+    assert r["train"]["steps"] == 20 and not r["train"]["reused"] and r["train"]["task"] == "recall+arithmetic"
+    assert not r["train"]["stopped_by_time"] and r["train"]["estimated_s"] > 0
+    assert "training: about" in first and "at this machine's current speed (20 steps at" in first
     s = r["serve"]
     assert s["prompts"] == 6 and set(s["per_task"]) == {"recall", "arithmetic"}
     assert 0 <= s["accuracy"] <= 1 and s["tokens_per_s"] > 0 and s["output_tokens"] > 0
@@ -57,16 +59,17 @@ def test_run_folder_reuse_and_fresh(tmp_path, capsys):
 
     # A second run finds the finished checkpoint and goes straight to serving.
     mtime = weights.stat().st_mtime_ns
-    assert demo(out, "--steps", "5") == 0
+    assert demo(out, "--steps", "20") == 0
     assert "skipping training" in capsys.readouterr().out
     r2 = json.loads((out / "results.json").read_text())
-    assert r2["train"]["reused"] and r2["train"]["steps"] == 5 and weights.stat().st_mtime_ns == mtime
+    assert r2["train"]["reused"] and r2["train"]["steps"] == 20 and weights.stat().st_mtime_ns == mtime
     assert r2["serve"]["prompts"] == 6
 
     # --fresh forgets all of it and trains again.
     assert demo(out, "--fresh", "--steps", "2", "--no-profile") == 0
     r3 = json.loads((out / "results.json").read_text())
     assert not r3["train"]["reused"] and r3["train"]["steps"] == 2 and weights.stat().st_mtime_ns != mtime
+    assert "estimated_s" not in r3["train"]  # a run this short starts without timing steps first
     assert "trace" not in r3 and not (out / "trace-report.json").exists() and not (out / "train" / "traces").exists()
 
 

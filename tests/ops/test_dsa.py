@@ -9,8 +9,8 @@ from deltamoe.ops.dsa import causal_topk, indexer_scores, topk_mask
 from deltamoe.ops.mla import (
     absorb_kv_b,
     mla_attention,
-    mla_attention_absorbed,
-    mla_attention_absorbed_sparse,
+    mla_attention_absorbed_joined,
+    mla_attention_absorbed_rows,
     visible_keys,
 )
 from deltamoe.serve.compiled_decode import compiler_available
@@ -187,6 +187,13 @@ def mla_inputs(gen: torch.Generator, time: int, keys: int) -> dict[str, torch.Te
             "kv_b": kv_b, "k_nope": k_nope, "v": v}
 
 
+def selected_rows(x: dict[str, torch.Tensor], indices: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The cached [latent | k_pe] rows at each query's selected slots, as `latent_rows` reads them."""
+    rows = torch.cat((x["latent"], x["k_pe"]), dim=-1)
+    slots = indices.masked_fill(~valid, 0).reshape(B, -1)
+    return rows.gather(1, slots[..., None].expand(-1, -1, rows.shape[-1]))
+
+
 @pytest.mark.parametrize("kind", ["random", "constant", "with_inf"])
 def test_dsa_equals_dense_when_every_key_fits(kind: str) -> None:
     """T <= top_k: every visible key is selected, whatever the scores, so DSA is dense MLA exactly."""
@@ -207,8 +214,8 @@ def test_dsa_equals_dense_when_every_key_fits(kind: str) -> None:
     assert torch.equal(sparse, dense)
     # The gathered decode form agrees too (different summation order, so to fp32 precision).
     w_uk, w_uv = absorb_kv_b(x["kv_b"], H, NOPE, VDIM)
-    gathered = mla_attention_absorbed_sparse(x["q_nope"], x["q_pe"], x["latent"], x["k_pe"], w_uk, w_uv,
-                                             scale=kwargs["scale"], indices=indices, valid=valid)
+    gathered = mla_attention_absorbed_rows(x["q_nope"], x["q_pe"], selected_rows(x, indices, valid), w_uk, w_uv,
+                                           scale=kwargs["scale"], valid=valid)
     torch.testing.assert_close(gathered, dense, rtol=1e-5, atol=1e-5)
 
 
@@ -242,11 +249,12 @@ def test_dsa_limits_attention_beyond_top_k() -> None:
     torch.testing.assert_close(out[0, ~late], dense[0, ~late], rtol=0, atol=0)
     # The decode forms over the latent cache agree with the masked prefill form.
     w_uk, w_uv = absorb_kv_b(x["kv_b"], H, NOPE, VDIM)
-    latent_args = (x["q_nope"], x["q_pe"], x["latent"], x["k_pe"], w_uk, w_uv)
-    absorbed = mla_attention_absorbed(*latent_args, selected=selected, **kwargs)
+    joined = torch.cat((x["latent"], x["k_pe"]), dim=-1)
+    absorbed = mla_attention_absorbed_joined(x["q_nope"], x["q_pe"], joined, w_uk, w_uv, selected=selected, **kwargs)
     torch.testing.assert_close(absorbed, out, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(mla_attention_absorbed_sparse(*latent_args, scale=scale, indices=indices, valid=valid),
-                               out, rtol=1e-5, atol=1e-5)
+    rows = mla_attention_absorbed_rows(x["q_nope"], x["q_pe"], selected_rows(x, indices, valid), w_uk, w_uv,
+                                       scale=scale, valid=valid)
+    torch.testing.assert_close(rows, out, rtol=1e-5, atol=1e-5)
 
 
 # --- transformers oracle: DeepseekV32Indexer with rotary off (cos = 1, sin = 0) ---------------

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deltamoe.ops import kda as kda_module
-from deltamoe.ops.kda import chunk_kda, kda_decode_step, l2_normalize, recurrent_kda
+from deltamoe.ops.kda import chunk_kda, kda_step, l2_normalize, recurrent_kda
 from deltamoe.ops.kda_gate import kda_gate
 
 GATES = ("softplus", "lower_bound")
@@ -176,34 +176,27 @@ def test_chunk_equals_recurrent_property(b, t, h, dk, dv, chunk_size, gate, with
     assert_rel_close(s, s_ref, 1e-5)
 
 
-# --- decode step over a slot pool ------------------------------------------------------------
+# --- decode step -----------------------------------------------------------------------------
 
 
-def test_decode_steps_over_scattered_slots_equal_recurrent() -> None:
+def test_decode_steps_equal_recurrent_and_leave_the_given_state_alone() -> None:
     n, h, dk, dv, steps = 3, 2, 8, 6, 4
-    pool = torch.randn(7, h, dk, dv)
-    slots = torch.tensor([5, 0, 3])
-    untouched = [i for i in range(7) if i not in slots.tolist()]
-    before = pool.clone()
+    initial = torch.randn(n, h, dk, dv, generator=torch.Generator().manual_seed(16))
     x = make_inputs(n, steps, h, dk, dv, seed=17)  # batch axis = the N sequences
 
-    outputs = []
+    outputs, state = [], initial.clone()
     for i in range(steps):
         step = {name: t[:, i] for name, t in x.items()}
-        outputs.append(kda_decode_step(**step, state_pool=pool, slot_ids=slots, use_qk_l2norm=True))
-    o_ref, s_ref = recurrent_kda(**x, initial_state=before[slots], output_final_state=True, use_qk_l2norm=True)
+        given = state.clone()
+        o, state_next = kda_step(**step, state=state, use_qk_l2norm=True)
+        assert torch.equal(state, given)  # the caller stores the new state, not the op
+        outputs.append(o)
+        state = state_next
+    o_ref, s_ref = recurrent_kda(**x, initial_state=initial, output_final_state=True, use_qk_l2norm=True)
 
     torch.testing.assert_close(torch.stack(outputs, dim=1), o_ref, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(pool[slots], s_ref, rtol=1e-6, atol=1e-6)
-    assert torch.equal(pool[untouched], before[untouched])
-
-
-def test_decode_step_rejects_bad_pool() -> None:
-    x = {name: t[:, 0] for name, t in make_inputs(2, 1, 2, 4, 4).items()}
-    with pytest.raises(ValueError, match="state_pool"):
-        kda_decode_step(**x, state_pool=torch.zeros(3, 2, 4, 4, dtype=torch.bfloat16), slot_ids=torch.tensor([0, 1]))
-    with pytest.raises(ValueError, match="slot_ids"):
-        kda_decode_step(**x, state_pool=torch.zeros(3, 2, 4, 4), slot_ids=torch.tensor([0, 1, 2]))
+    torch.testing.assert_close(state, s_ref, rtol=1e-6, atol=1e-6)
+    assert state.dtype == torch.float32 and outputs[0].dtype == x["v"].dtype
 
 
 @pytest.mark.parametrize("fn", [chunk_kda, recurrent_kda])

@@ -1,4 +1,4 @@
-"""MLA: fast vs reference, absorbed vs expanded, sparse gather vs mask, RoPE properties."""
+"""MLA: fast vs reference, absorbed vs expanded, selected rows vs mask, RoPE properties."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 from deltamoe.ops.mla import (
     absorb_kv_b,
     mla_attention,
-    mla_attention_absorbed,
-    mla_attention_absorbed_sparse,
+    mla_attention_absorbed_joined,
+    mla_attention_absorbed_rows,
     mla_attention_reference,
     visible_keys,
 )
@@ -58,6 +58,17 @@ def latent_inputs(gen: torch.Generator, time: int, keys: int, rope: int) -> dict
         "k_nope": k_nope,
         "v": v,
     }
+
+
+def joined(x: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The cache's row layout [latent | k_pe] -> [B, S, R+Dr]."""
+    return torch.cat((x["latent"], x["k_pe"]), dim=-1)
+
+
+def selected_rows(rows: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """What a cache's `latent_rows` hands DSA decode: each query's K selected rows -> [B, T*K, R+Dr]."""
+    slots = indices.masked_fill(~valid, 0).reshape(rows.shape[0], -1)
+    return rows.gather(1, slots[..., None].expand(-1, -1, rows.shape[-1]))
 
 
 @pytest.mark.parametrize("rope", [8, 0])
@@ -135,7 +146,7 @@ def test_absorbed_matches_expanded(scenario: str, rope: int) -> None:
     w_uk, w_uv = absorb_kv_b(x["kv_b"], H, NOPE, VDIM)
     kwargs = dict(scale=(NOPE + rope) ** -0.5, q_positions=q_positions, kv_lengths=kv_lengths)
     expanded = mla_attention_reference(x["q_nope"], x["q_pe"], x["k_nope"], x["k_pe"], x["v"], **kwargs)
-    absorbed = mla_attention_absorbed(x["q_nope"], x["q_pe"], x["latent"], x["k_pe"], w_uk, w_uv, **kwargs)
+    absorbed = mla_attention_absorbed_joined(x["q_nope"], x["q_pe"], joined(x), w_uk, w_uv, **kwargs)
     assert absorbed.shape == (B, time, H, VDIM)
     assert rel_err(absorbed, expanded) <= 1e-5
 
@@ -172,7 +183,7 @@ def random_selection(gen: torch.Generator, visible: torch.Tensor, top: int) -> t
 
 
 @pytest.mark.parametrize("rope", [8, 0])
-def test_sparse_gather_matches_masked(rope: int) -> None:
+def test_selected_rows_match_masked(rope: int) -> None:
     time, keys, top = 6, 19, 4
     gen = torch.Generator().manual_seed(4 + rope)
     x = latent_inputs(gen, time, keys, rope)
@@ -182,10 +193,10 @@ def test_sparse_gather_matches_masked(rope: int) -> None:
     selected = torch.zeros(B, time, keys, dtype=torch.bool)
     rows, cols, ks = valid.nonzero(as_tuple=True)
     selected[rows, cols, indices[rows, cols, ks]] = True
-    sparse = mla_attention_absorbed_sparse(x["q_nope"], x["q_pe"], x["latent"], x["k_pe"], w_uk, w_uv,
-                                           scale=0.3, indices=indices, valid=valid)
-    masked = mla_attention_absorbed(x["q_nope"], x["q_pe"], x["latent"], x["k_pe"], w_uk, w_uv, scale=0.3,
-                                    q_positions=q_positions, kv_lengths=kv_lengths, selected=selected)
+    sparse = mla_attention_absorbed_rows(x["q_nope"], x["q_pe"], selected_rows(joined(x), indices, valid), w_uk, w_uv,
+                                         scale=0.3, valid=valid)
+    masked = mla_attention_absorbed_joined(x["q_nope"], x["q_pe"], joined(x), w_uk, w_uv, scale=0.3,
+                                           q_positions=q_positions, kv_lengths=kv_lengths, selected=selected)
     assert rel_err(sparse, masked) <= 1e-5
     empty = ~valid.any(-1)
     assert empty.any() and (~empty).any() and sparse[empty].abs().max() == 0
@@ -207,11 +218,14 @@ def test_bad_shapes_name_the_tensor() -> None:
     with pytest.raises(ValueError, match=r"kv_b_weight: expected shape \[H\*\(Dn\+Dv\), R\]"):
         absorb_kv_b(torch.zeros(10, RANK), H, NOPE, VDIM)
     w_uk, w_uv = absorb_kv_b(torch.zeros(H * (NOPE + VDIM), RANK), H, NOPE, VDIM)
-    with pytest.raises(ValueError, match="w_uk"):
-        mla_attention_absorbed(q_nope, q_pe, torch.zeros(B, 5, RANK + 1), k_pe, w_uk, w_uv, **kwargs)
-    with pytest.raises(ValueError, match="indices: valid entries"):
-        mla_attention_absorbed_sparse(q_nope, q_pe, torch.zeros(B, 5, RANK), k_pe, w_uk, w_uv, scale=0.2,
-                                      indices=torch.full((B, 3, 2), 5), valid=torch.ones(B, 3, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"joined: expected shape \[B, S, R\+Dr\]"):
+        mla_attention_absorbed_joined(q_nope, q_pe, torch.zeros(B, 5, RANK + 1), w_uk, w_uv, **kwargs)
+    valid = torch.ones(B, 3, 2, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"rows: expected shape \[B, T\*K, R\+Dr\]"):
+        mla_attention_absorbed_rows(q_nope, q_pe, torch.zeros(B, 5, RANK + 8), w_uk, w_uv, scale=0.2, valid=valid)
+    with pytest.raises(ValueError, match="valid: expected dtype torch.bool"):
+        mla_attention_absorbed_rows(q_nope, q_pe, torch.zeros(B, 6, RANK + 8), w_uk, w_uv, scale=0.2,
+                                    valid=valid.long())
 
 
 # --- RoPE -------------------------------------------------------------------------------
@@ -255,15 +269,3 @@ def test_rope_matches_transformers_rotate_half() -> None:
     q_hf, k_hf = apply_rotary_pos_emb(q, k, hf_cos, hf_sin, unsqueeze_dim=2)
     torch.testing.assert_close(apply_rope(q, cos, sin), q_hf)
     torch.testing.assert_close(apply_rope(k[:, :, 0], cos, sin), k_hf[:, :, 0])
-
-
-def test_join_latent_is_a_view_for_adjacent_slices_and_a_copy_otherwise():
-    from deltamoe.ops.mla import _join_latent
-
-    joined = torch.randn(3, 7, 10)
-    view = _join_latent(joined[..., :8], joined[..., 8:])
-    assert view.data_ptr() == joined.data_ptr() and torch.equal(view, joined)
-    latent, k_pe = torch.randn(3, 7, 8), torch.randn(3, 7, 2)  # separate tensors: joined by a copy
-    torch.testing.assert_close(_join_latent(latent, k_pe), torch.cat((latent, k_pe), -1), rtol=0, atol=0)
-    strided = torch.randn(3, 9, 10)[:, ::2]  # adjacent columns, but rows are not contiguous
-    torch.testing.assert_close(_join_latent(strided[..., :8], strided[..., 8:]), strided, rtol=0, atol=0)
