@@ -59,6 +59,7 @@ def synth(
     slowdown: float = typer.Option(1.5, "--slowdown", help="compute time factor of stragglers"),
     imbalance: str = typer.Option(None, "--imbalance", metavar="RANK:FACTOR,...", help="MoE hot ranks"),
     nccl_names: str = typer.Option("dev", "--nccl-names", help="dev: ncclDevKernel_*, legacy: ncclKernel_*"),
+    p2p: str = typer.Option("batched", "--p2p", help="batched: coalesced kernels (batch_isend_irecv); single: isend/irecv"),
     compact: bool = typer.Option(False, "--compact", help="compact JSON instead of Kineto's pretty layout"),
     gz: bool = typer.Option(False, "--gz", help="write .json.gz"),
     jitter: float = typer.Option(0.02, "--jitter"),
@@ -74,7 +75,7 @@ def synth(
         raise TraceError(f"unknown value {nccl_names!r}", field="--nccl-names", hint="dev or legacy")
     cfg = SynthConfig(ranks=ranks, steps=steps, pp=pp, microbatches=microbatches, tp=tp, ep=ep, layers=layers,
                       stragglers=tuple(straggler), slowdown=slowdown, hot_ranks=_imbalance(imbalance),
-                      jitter=jitter, seed=seed, nccl_names=nccl_names, compact=compact, gz=gz)
+                      jitter=jitter, seed=seed, nccl_names=nccl_names, compact=compact, gz=gz, p2p=p2p)
     console = Console(stderr=True)
     with _progress(console) as bar:
         task = bar.add_task("writing ranks", total=ranks)

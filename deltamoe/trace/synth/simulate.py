@@ -27,6 +27,7 @@ def simulate_step(lay: Layout, progs: dict[int, list[tuple]], start: dict[int, f
     recvd: dict[tuple[int, int], int] = {}
     waiting_recv: dict[tuple[int, int], int] = {}  # (src, dst) -> blocked receiver
     waiting_comm: set[int] = set()
+    sr_posted: dict[tuple[int, int], float] = {}  # (rank, op index) -> when a batched op was posted
     runnable = deque(progs)
     queued = set(progs)
     done = 0
@@ -91,6 +92,24 @@ def simulate_step(lay: Layout, progs: dict[int, list[tuple]], start: dict[int, f
                 w = waiting_recv.pop((r, op[1]), None)
                 if w is not None:
                     wake(w)
+            elif code == "SR":  # the send part is posted once, then the kernel waits for the recv
+                posted = sr_posted.get((r, i))
+                if posted is None:
+                    posted = sr_posted[(r, i)] = max(t_comp[r], t_p2p[r])
+                    sent.setdefault((r, op[1]), []).append(posted + op[2])
+                    w = waiting_recv.pop((r, op[1]), None)
+                    if w is not None:
+                        wake(w)
+                key = (op[4], r)
+                k = recvd.get(key, 0)
+                arrivals = sent.get(key, [])
+                if len(arrivals) <= k:
+                    waiting_recv[key] = r
+                    break
+                recvd[key] = k + 1
+                end = max(posted + op[2], posted + 5.0, arrivals[k])
+                times[r][i] = (posted, end)
+                t_comp[r] = t_p2p[r] = end
             elif code == "R":
                 key = (op[1], r)
                 k = recvd.get(key, 0)
