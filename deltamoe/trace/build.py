@@ -26,6 +26,10 @@ def rank_info(header: dict, path: str) -> tuple[int, int, str, dict[str, tuple[i
     if not isinstance(info, dict) or not isinstance(info.get("rank"), int):
         raise TraceError("no distributedInfo.rank in the trace metadata", field=path,
                          hint="record with torch.distributed initialised so Kineto writes it")
+    world = info.get("world_size")
+    if isinstance(world, int) and world > 0 and not 0 <= info["rank"] < world:
+        raise TraceError(f"rank {info['rank']} outside the world size {world}", field=path,
+                         hint="distributedInfo.rank must be in 0..world_size-1")
     groups, descs = {}, {}
     for pg in info.get("pg_config") or []:
         if isinstance(pg, dict) and "ranks" in pg:
@@ -62,6 +66,8 @@ def build_summary(t: EventTables, header: dict, path: str, steps: StepRange = (N
     gpu = bool((t.kernels[:, 2] != MEMORY).any())
     builder = _GpuView(t, groups) if gpu else _CpuView(t, rank, cpu_p2p_group(rank, groups, descs))
     step_ids, windows = builder.step_windows()
+    step_ids = step_ids + _step_offset(header)
+    in_trace = tuple(step_ids.tolist())
     keep = _select(step_ids, steps)
     step_ids, windows = step_ids[keep], windows[keep]
     coll = builder.collectives(windows)
@@ -73,7 +79,7 @@ def build_summary(t: EventTables, header: dict, path: str, steps: StepRange = (N
                     overlap=np.zeros(len(step_ids)), p2p_wait=np.zeros(len(step_ids)),
                     pipe_first=np.full(len(step_ids), np.nan), pipe_end=np.full(len(step_ids), np.nan),
                     pipe_busy=np.zeros(len(step_ids)), heat=np.zeros((len(step_ids), HEAT_BINS), np.float32),
-                    coll=coll)
+                    coll=coll, steps_in_trace=in_trace)
     if not len(step_ids):
         s.warnings.append("no ProfilerStep in the selected range")
     compute, comm, mem = builder.spans()
@@ -101,6 +107,14 @@ def _breakdown(s: RankSummary, compute: iv.Spans, comm: iv.Spans, mem: iv.Spans)
     s.memcpy = busy_len - both
     s.idle = (hi - lo) - busy_len
     s.heat = iv.binned_busy(compute, lo, hi, HEAT_BINS).astype(np.float32)
+
+
+def _step_offset(header: dict) -> int:
+    """ProfilerStep#N counts `prof.step()` calls from 0; a recorder that knows which training
+    step that was writes it as the top-level `profiler_step_offset`, and steps are reported
+    (and selected with --steps) as training steps."""
+    off = header.get("profiler_step_offset")
+    return off if isinstance(off, int) and not isinstance(off, bool) else 0
 
 
 def _select(step_ids: np.ndarray, steps: StepRange) -> np.ndarray:

@@ -37,6 +37,18 @@ def parse_steps(text: str | None) -> tuple[int | None, int | None]:
     return a, b
 
 
+def parse_patterns(patterns: list[str] | None) -> list[str]:
+    """`--comm-pattern` regexes, each compiled here: a bad one is a usage error, not a file error."""
+    import re
+
+    for p in patterns or []:
+        try:
+            re.compile(p)
+        except re.error as e:
+            raise TraceError(f"invalid regular expression {p!r} ({e})", field="--comm-pattern") from None
+    return list(patterns or [])
+
+
 def progress(console: Console) -> Progress:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -80,7 +92,7 @@ def run_analyze(folder: str, json_out: str | None = None, html_out: str | None =
     if not Path(folder).is_dir():
         raise TraceError(f"not a directory: {folder}", field="DIR",
                          hint="pass the folder that holds one trace file per rank")
-    cfg = ReadConfig(patterns=Patterns().with_extra(list(comm_pattern or [])), steps=parse_steps(steps))
+    cfg = ReadConfig(patterns=Patterns().with_extra(parse_patterns(comm_pattern)), steps=parse_steps(steps))
     if quiet:
         result = run(folder, cfg, workers)
     else:

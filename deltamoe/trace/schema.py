@@ -66,9 +66,11 @@ class Trace(msgspec.Struct):
     traceEvents: list[AnyEvent] | None = None  # noqa: N815 (the Kineto key)
     distributedInfo: Any = None  # noqa: N815
     host_name: Any = None
+    profiler_step_offset: Any = None  # training step of ProfilerStep#0, where the recorder says
 
     def header(self) -> dict:
-        return {"distributedInfo": self.distributedInfo, "host_name": self.host_name or ""}
+        return {"distributedInfo": self.distributedInfo, "host_name": self.host_name or "",
+                "profiler_step_offset": self.profiler_step_offset}
 
 
 _TRACE = msgspec.json.Decoder(Trace)
@@ -86,7 +88,7 @@ def decode_trace(data: bytes) -> Trace:
             raise
         events = doc.get("traceEvents")
         return Trace(None if events is None else _complete_events(events),
-                     doc.get("distributedInfo"), doc.get("host_name"))
+                     doc.get("distributedInfo"), doc.get("host_name"), doc.get("profiler_step_offset"))
 
 
 def decode_events(data: bytes) -> list:
