@@ -51,6 +51,7 @@ def _analyze(folder: str, cfg: ReadConfig | None, workers: int, on_file: Callabl
     from deltamoe.trace.analyses.overlap import overlap
     from deltamoe.trace.analyses.steps import step_times
     from deltamoe.trace.analyses.stragglers import stragglers
+    from deltamoe.trace.analyses.sync_skew import sync_skew
     from deltamoe.trace.join import join
 
     _check_steps(cfg, summaries)
@@ -76,6 +77,7 @@ def _analyze(folder: str, cfg: ReadConfig | None, workers: int, on_file: Callabl
         "straggler_detail": {k: v for k, v in strag.items() if k != "stragglers"},
         "ranks": rows,
         "overlap": overlap(summaries),
+        "sync_skew": sync_skew(j),
         "pipeline": pipe,
         "bubble_fraction": pipe["bubble_fraction"] if pipe else None,
         "alltoall": a2a,
@@ -132,5 +134,6 @@ def _load_analyses() -> None:
     import deltamoe.trace.analyses.overlap
     import deltamoe.trace.analyses.steps
     import deltamoe.trace.analyses.stragglers
+    import deltamoe.trace.analyses.sync_skew
     import deltamoe.trace.join
     import deltamoe.trace.report  # noqa: F401

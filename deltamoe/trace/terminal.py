@@ -20,6 +20,10 @@ def print_summary(report: dict, console: Console | None = None) -> None:
     t = r["totals"]
     c.print("time: " + ", ".join(f"{k.replace('_fraction', '')} {v:.1%}" for k, v in t.items())
             + f"; comm hidden under compute {r['overlap']['job_overlap_fraction']:.1%}")
+    sk = r.get("sync_skew")
+    if sk:
+        c.print(f"collectives: {sk['sync_wait_s']:.4f} s waiting for late peers (sync skew), "
+                f"{sk['transfer_s']:.4f} s transferring ({sk['sync_fraction']:.1%} skew)")
     if r["stragglers"]:
         tab = Table(title="Stragglers")
         for col in ("rank", "host", "score", "others waited (s)", "compute vs peers", "cause", "main evidence"):
