@@ -36,6 +36,9 @@ def test_synth_then_analyze_writes_json_and_html(tmp_path, capsys):
     assert {"compute_s", "comm_s", "idle_s"} <= set(rep["ranks"][0])
     page = out_html.read_text()
     assert page.count("data:image/png;base64,") >= 5 and "Stragglers" in page
+    # Tables a reader can scan: stragglers with evidence, per-rank breakdown, bubbles per stage.
+    assert page.count("<table>") >= 4 and "Straggler: rank 1." in page and "Score: the time" in page
+    assert "measured bubble" in page and "{'" not in page
 
 
 def test_bad_options_exit_2(tmp_path, capsys):
