@@ -100,7 +100,12 @@ def consistency(summaries: list[RankSummary], j) -> dict:
     for u in j.unmatched:
         by_group.setdefault((u["rank"], u["group"]), []).append(u)
     for (rank, group), items in sorted(by_group.items()):
-        seqs = ", ".join(str(u["seq"]) for u in items[:8]) + (", ..." if len(items) > 8 else "")
+        if not group or group.startswith("?"):  # gloo ops whose completion matched no group
+            warnings.append(f"rank {rank}: {len(items)} {items[0]['kind']} op(s) matched no process group by "
+                            "completion time (gloo does not name it); excluded from straggler evidence")
+            continue
+        seqs = sorted(u["seq"] for u in items)
+        seqs = ", ".join(map(str, seqs[:8])) + (", ..." if len(seqs) > 8 else "")
         warnings.append(f"rank {rank} lacks {len(items)} collective(s) of group {group or '?'} that its other "
                         f"members ran ({items[0]['kind']}, sequence {seqs}); excluded from straggler evidence")
     for s in summaries:

@@ -193,11 +193,16 @@ def _concat(summaries: list[RankSummary]) -> dict[str, np.ndarray]:
 
 
 def _resolve_unnamed_groups(cols: dict[str, np.ndarray], summaries: list[RankSummary]) -> None:
-    """gloo traces do not name the group of a collective; pick it by completion times.
+    """gloo traces do not name the group of a collective; find it from completion times.
 
-    Members of one collective finish together. For each collective kind, try every family of
-    same-size groups from `pg_config` that partitions the ranks (the world, the DP groups,
-    ...) and keep the family under which the k-th ops of each group end closest together.
+    Members of one collective finish together. An op's candidates are its rank's groups in
+    which every other member has an op of the same kind ending within `_END_TOL` (plus 1% of
+    the op's duration) of it; their spread is the largest such distance. The largest group
+    whose members all end within `_END_TIGHT` wins (an all-reduce over the world ends on
+    every rank at once); otherwise the smallest candidate, the tightest of equal size (two
+    data-parallel pairs that all-reduce at about the same time are not a world all-reduce,
+    and gloo's ends of one collective may lie milliseconds apart). The ops are then numbered
+    per group in order, as a named group's are; an op that fits no group stays unnamed.
     """
     unnamed = (cols["pg"] == "") & ~np.isin(cols["kind"], list(P2P_KINDS))
     if not unnamed.any():
@@ -205,41 +210,45 @@ def _resolve_unnamed_groups(cols: dict[str, np.ndarray], summaries: list[RankSum
     groups: dict[tuple[int, ...], str] = {}
     for s in summaries:
         for name, ranks in s.groups.items():
-            groups.setdefault(tuple(sorted(ranks)), name)
-    by_size: dict[int, list[tuple[tuple[int, ...], str]]] = {}
-    for ranks, name in groups.items():
-        by_size.setdefault(len(ranks), []).append((ranks, name))
-    families = []
-    for size, fam in by_size.items():
-        members = [r for ranks, _ in fam for r in ranks]
-        if size > 1 and len(members) == len(set(members)):
-            families.append(fam)
-    for kind in set(cols["kind"][unnamed]):
-        rows = np.flatnonzero(unnamed & (cols["kind"] == kind))
-        best, best_score = None, np.inf
-        for fam in families:
-            score = _family_spread(cols, rows, fam)
-            if score < best_score:
-                best, best_score = fam, score
-        if best is None:
+            if len(ranks) > 1:
+                groups.setdefault(tuple(sorted(ranks)), name)
+    of_rank: dict[int, list[tuple[tuple[int, ...], str]]] = {}
+    for ranks, name in sorted(groups.items(), key=lambda kv: -len(kv[0])):
+        for r in ranks:
+            of_rank.setdefault(r, []).append((ranks, name))
+    rows = np.flatnonzero(unnamed)
+    ends: dict[tuple[int, str], np.ndarray] = {}
+    for key in set(zip(cols["rank"][rows].tolist(), cols["kind"][rows].tolist())):
+        mine = rows[(cols["rank"][rows] == key[0]) & (cols["kind"][rows] == key[1])]
+        ends[key] = np.sort(cols["end"][mine])
+
+    def distance(rank: int, kind: str, t: float) -> float:
+        e = ends.get((rank, kind))
+        if e is None or not len(e):
+            return np.inf
+        i = int(np.searchsorted(e, t))
+        return min(abs(float(e[j]) - t) for j in (i - 1, i) if 0 <= j < len(e))
+
+    count: dict[tuple[int, str], int] = {}
+    for i, r, kind, t, dur in zip(rows.tolist(), cols["rank"][rows].tolist(), cols["kind"][rows].tolist(),
+                                  cols["end"][rows].tolist(), (cols["end"] - cols["arrive"])[rows].tolist()):
+        tol = _END_TOL + 0.01 * max(dur, 0.0)
+        fits = []  # (size, spread, group name), largest groups first
+        for ranks, name in of_rank.get(r, []):
+            spread = max((distance(m, kind, t) for m in ranks if m != r), default=0.0)
+            if spread <= tol:
+                fits.append((len(ranks), spread, name))
+        if not fits:
             continue
-        owner = {r: name for ranks, name in best for r in ranks}
-        cols["pg"][rows] = [owner.get(int(r), "") for r in cols["rank"][rows]]
+        tight = [f for f in fits if f[1] <= _END_TIGHT]
+        name = tight[0][2] if tight else min(fits, key=lambda f: (f[0], f[1]))[2]
+        k = count.get((r, name), 0)
+        count[(r, name)] = k + 1
+        cols["pg"][i], cols["seq"][i] = name, k
 
 
-def _family_spread(cols: dict[str, np.ndarray], rows: np.ndarray, fam: list) -> float:
-    spreads = []
-    owner = {r: i for i, (ranks, _) in enumerate(fam) for r in ranks}
-    ends: dict[tuple[int, int], list[float]] = {}
-    for i in rows:
-        g = owner.get(int(cols["rank"][i]))
-        if g is None:
-            continue
-        ends.setdefault((g, int(cols["seq"][i])), []).append(float(cols["end"][i]))
-    for (g, _k), e in ends.items():
-        if len(e) == len(fam[g][0]):
-            spreads.append(max(e) - min(e))
-    return float(np.median(spreads)) if spreads else np.inf
+_END_TOL = 5000.0   # us: how far apart the ends of one gloo collective may be on its members
+_END_TIGHT = 250.0  # us: members ending this close together finished one collective
 
 
 def _instances(c: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
