@@ -51,8 +51,10 @@ def _analyze(folder: str, cfg: ReadConfig | None, workers: int, on_file: Callabl
     from deltamoe.trace.analyses.overlap import overlap
     from deltamoe.trace.analyses.steps import step_times
     from deltamoe.trace.analyses.stragglers import stragglers
+    from deltamoe.trace.analyses.sync_skew import sync_skew
     from deltamoe.trace.join import join
 
+    _check_steps(cfg, summaries)
     j = join(summaries)
     pipe = bubbles(j, summaries)
     stage_of = {int(k): v for k, v in pipe["stage_of_rank"].items()} if pipe else {}
@@ -68,18 +70,64 @@ def _analyze(folder: str, cfg: ReadConfig | None, workers: int, on_file: Callabl
         "events": sum(s.events for s in summaries),
         "read_seconds": round(t_read, 3), "analysis_seconds": round(time.perf_counter() - t0 - t_read, 3),
         "skipped": [{"path": e.path, "error": e.message} for e in errors],
+        "consistency": consistency(summaries, j),
         "collectives_matched": j.instances, "p2p_matched": int(len(j.p2p_src)),
         "totals": totals(rows),
         "stragglers": strag["stragglers"],
         "straggler_detail": {k: v for k, v in strag.items() if k != "stragglers"},
         "ranks": rows,
         "overlap": overlap(summaries),
+        "sync_skew": sync_skew(j),
         "pipeline": pipe,
         "bubble_fraction": pipe["bubble_fraction"] if pipe else None,
         "alltoall": a2a,
         "step_times": step_times(summaries),
     }
     return Analysis(report, summaries)
+
+
+def consistency(summaries: list[RankSummary], j) -> dict:
+    """What does not add up across the rank files: ranks missing from the world, collectives a
+    member lacks (excluded from straggler evidence), per-rank warnings."""
+    world = max(s.world_size for s in summaries)
+    present = {s.rank for s in summaries}
+    missing = sorted(set(range(world)) - present)
+    warnings = []
+    if missing:
+        warnings.append(f"{len(missing)} of {world} rank files missing (ranks {_ranks_text(missing)}); "
+                        "collectives of their groups are matched among the others")
+    by_group: dict[tuple[int, str], list[dict]] = {}
+    for u in j.unmatched:
+        by_group.setdefault((u["rank"], u["group"]), []).append(u)
+    for (rank, group), items in sorted(by_group.items()):
+        if not group or group.startswith("?"):  # gloo ops whose completion matched no group
+            warnings.append(f"rank {rank}: {len(items)} {items[0]['kind']} op(s) matched no process group by "
+                            "completion time (gloo does not name it); excluded from straggler evidence")
+            continue
+        seqs = sorted(u["seq"] for u in items)
+        seqs = ", ".join(map(str, seqs[:8])) + (", ..." if len(seqs) > 8 else "")
+        warnings.append(f"rank {rank} lacks {len(items)} collective(s) of group {group or '?'} that its other "
+                        f"members ran ({items[0]['kind']}, sequence {seqs}); excluded from straggler evidence")
+    for s in summaries:
+        warnings += [f"rank {s.rank}: {w}" for w in s.warnings]
+    return {"world_size": world, "missing_ranks": missing, "unmatched_collectives": j.unmatched[:256],
+            "unmatched_count": len(j.unmatched), "warnings": warnings[:64]}
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:16])) + (f", ... ({len(ranks)} in all)" if len(ranks) > 16 else "")
+
+
+def _check_steps(cfg: ReadConfig, summaries: list[RankSummary]) -> None:
+    """`--steps` that selects nothing is a usage error, not a report of zeros."""
+    if cfg.steps == (None, None) or any(len(s.step_ids) for s in summaries):
+        return
+    held = sorted({n for s in summaries for n in s.steps_in_trace})
+    lo, hi = cfg.steps
+    asked = f"{'' if lo is None else lo}:{'' if hi is None else hi}"
+    have = f"{held[0]}..{held[-1]}" if held else "none"
+    raise TraceError(f"no step of {asked} in the traces (they hold steps {have})", field="--steps",
+                     hint="pick A:B inside that range")
 
 
 def _load_analyses() -> None:
@@ -91,5 +139,6 @@ def _load_analyses() -> None:
     import deltamoe.trace.analyses.overlap
     import deltamoe.trace.analyses.steps
     import deltamoe.trace.analyses.stragglers
+    import deltamoe.trace.analyses.sync_skew
     import deltamoe.trace.join
     import deltamoe.trace.report  # noqa: F401

@@ -11,6 +11,7 @@ from deltamoe.errors import TraceError
 from deltamoe.trace import intervals as iv
 from deltamoe.trace.classify import P2P_KINDS
 from deltamoe.trace.collectives import cpu_collectives, gpu_collectives
+from deltamoe.trace.p2p import cpu_p2p_group
 from deltamoe.trace.summary import HEAT_BINS, Collectives, RankSummary
 from deltamoe.trace.tables import COMM, COMPUTE, MEMORY, EventTables
 
@@ -18,17 +19,24 @@ StepRange = tuple[int | None, int | None]
 _PIPE_KINDS = P2P_KINDS | {"send_recv", "coalesced"}
 
 
-def rank_info(header: dict, path: str) -> tuple[int, int, str, dict[str, tuple[int, ...]]]:
-    """Rank, world size, backend and process groups from `distributedInfo` (never the file name)."""
+def rank_info(header: dict, path: str) -> tuple[int, int, str, dict[str, tuple[int, ...] | range], dict[str, str]]:
+    """Rank, world size, backend, process groups (name -> global ranks) and their descriptions
+    from `distributedInfo` (never the file name)."""
     info = header.get("distributedInfo")
     if not isinstance(info, dict) or not isinstance(info.get("rank"), int):
         raise TraceError("no distributedInfo.rank in the trace metadata", field=path,
                          hint="record with torch.distributed initialised so Kineto writes it")
-    groups = {}
+    world = info.get("world_size")
+    if isinstance(world, int) and world > 0 and not 0 <= info["rank"] < world:
+        raise TraceError(f"rank {info['rank']} outside the world size {world}", field=path,
+                         hint="distributedInfo.rank must be in 0..world_size-1")
+    groups, descs = {}, {}
     for pg in info.get("pg_config") or []:
         if isinstance(pg, dict) and "ranks" in pg:
-            groups[str(pg.get("pg_name", ""))] = _compact_ranks(pg["ranks"])
-    return info["rank"], int(info.get("world_size", 0) or 0), str(info.get("backend", "")), groups
+            name = str(pg.get("pg_name", ""))
+            groups[name] = _compact_ranks(pg["ranks"])
+            descs[name] = str(pg.get("pg_desc", ""))
+    return info["rank"], int(info.get("world_size", 0) or 0), str(info.get("backend", "")), groups, descs
 
 
 def _compact_ranks(ranks: list) -> tuple[int, ...] | range:
@@ -51,13 +59,15 @@ def _compact_ranks(ranks: list) -> tuple[int, ...] | range:
 
 
 def build_summary(t: EventTables, header: dict, path: str, steps: StepRange = (None, None)) -> RankSummary:
-    rank, world, backend, groups = rank_info(header, path)
+    rank, world, backend, groups, descs = rank_info(header, path)
     if t.events == 0:
         raise TraceError("the trace has no events", field=path)
     t.freeze()
     gpu = bool((t.kernels[:, 2] != MEMORY).any())
-    builder = _GpuView(t) if gpu else _CpuView(t)
+    builder = _GpuView(t, groups) if gpu else _CpuView(t, rank, cpu_p2p_group(rank, groups, descs))
     step_ids, windows = builder.step_windows()
+    step_ids = step_ids + _step_offset(header)
+    in_trace = tuple(step_ids.tolist())
     keep = _select(step_ids, steps)
     step_ids, windows = step_ids[keep], windows[keep]
     coll = builder.collectives(windows)
@@ -69,7 +79,7 @@ def build_summary(t: EventTables, header: dict, path: str, steps: StepRange = (N
                     overlap=np.zeros(len(step_ids)), p2p_wait=np.zeros(len(step_ids)),
                     pipe_first=np.full(len(step_ids), np.nan), pipe_end=np.full(len(step_ids), np.nan),
                     pipe_busy=np.zeros(len(step_ids)), heat=np.zeros((len(step_ids), HEAT_BINS), np.float32),
-                    coll=coll)
+                    coll=coll, steps_in_trace=in_trace)
     if not len(step_ids):
         s.warnings.append("no ProfilerStep in the selected range")
     compute, comm, mem = builder.spans()
@@ -97,6 +107,14 @@ def _breakdown(s: RankSummary, compute: iv.Spans, comm: iv.Spans, mem: iv.Spans)
     s.memcpy = busy_len - both
     s.idle = (hi - lo) - busy_len
     s.heat = iv.binned_busy(compute, lo, hi, HEAT_BINS).astype(np.float32)
+
+
+def _step_offset(header: dict) -> int:
+    """ProfilerStep#N counts `prof.step()` calls from 0; a recorder that knows which training
+    step that was writes it as the top-level `profiler_step_offset`, and steps are reported
+    (and selected with --steps) as training steps."""
+    off = header.get("profiler_step_offset")
+    return off if isinstance(off, int) and not isinstance(off, bool) else 0
 
 
 def _select(step_ids: np.ndarray, steps: StepRange) -> np.ndarray:
@@ -131,9 +149,10 @@ def _pipeline(s: RankSummary, compute: iv.Spans, comm: iv.Spans, coll: Collectiv
     # Idle compute under a pending P2P op: |(p2p u compute) in W| - |compute in W|
     # (the latter is s.compute of those steps, measured per window by _breakdown).
     wait = iv.length_in(iv.merge(pipe, compute), lo, hi) - s.compute[steps]
-    # The last pipeline op of each step (the first of equal ends, as argmax picks).
+    # The last pipeline op of each step (the first of equal ends, as argmax picks; of the
+    # send and the recv one coalesced kernel carries, the recv, whose data compute consumes).
     rows = np.flatnonzero(in_step)
-    rows = rows[np.lexsort((-coll.end[rows], coll.step[rows]))]
+    rows = rows[np.lexsort((coll.kind[rows] == "send", -coll.end[rows], coll.step[rows]))]
     first_of_step = np.empty(len(rows), dtype=bool)
     first_of_step[:1] = True
     np.not_equal(coll.step[rows][1:], coll.step[rows][:-1], out=first_of_step[1:])
@@ -186,8 +205,8 @@ def _block_end(cs: np.ndarray, ce: np.ndarray, after: float, p2p: iv.Spans) -> f
 class _GpuView:
     """Kernels on GPU streams; steps from kernel launch times."""
 
-    def __init__(self, t: EventTables):
-        self.t = t
+    def __init__(self, t: EventTables, groups: dict):
+        self.t, self.groups = t, groups
         k = t.kernels
         self.ts, self.dur, self.cls = k[:, 0], k[:, 1], k[:, 2].astype(np.int8)
         self.corr, self.ext, self.nid = k[:, 4].astype(np.int64), k[:, 5].astype(np.int64), k[:, 6].astype(np.int64)
@@ -236,14 +255,14 @@ class _GpuView:
     def collectives(self, windows: np.ndarray) -> Collectives:
         rows = np.flatnonzero(self.cls == COMM)
         return gpu_collectives(self.t, rows, self.ext[rows], self.nid[rows], self.ts[rows],
-                               self.ts[rows] + self.dur[rows], windows)
+                               self.ts[rows] + self.dur[rows], windows, self.groups, self.launch[rows])
 
 
 class _CpuView:
     """gloo / CPU-only traces: the main thread is the device; collectives are c10d + gloo ops."""
 
-    def __init__(self, t: EventTables):
-        self.t = t
+    def __init__(self, t: EventTables, rank: int, p2p_group):
+        self.t, self.rank, self.p2p_group = t, rank, p2p_group
         tids = [s[3] for s in t.steps] or [o[2] for o in t.cpu_ops]
         self.main = max(set(tids), key=tids.count) if tids else 0
 
@@ -267,7 +286,7 @@ class _CpuView:
         return compute, _spans(comm_all), iv.EMPTY
 
     def collectives(self, windows: np.ndarray) -> Collectives:
-        return cpu_collectives(self.t, self.main, windows)
+        return cpu_collectives(self.t, self.main, windows, self.rank, self.p2p_group)
 
 
 def _steps(t: EventTables) -> tuple[np.ndarray, np.ndarray, np.ndarray] | tuple:

@@ -14,14 +14,20 @@ from __future__ import annotations
 import numpy as np
 
 from deltamoe.trace.classify import P2P_KINDS, collective_kind, dtype_bytes, peer_from_name
+from deltamoe.trace.p2p import Ranks, coalesced_parts, cpu_peer, group_ranks, to_global
 from deltamoe.trace.schema import NO_ARGS
 from deltamoe.trace.summary import Collectives
 from deltamoe.trace.tables import EventTables
 
 
 def gpu_collectives(t: EventTables, rows: np.ndarray, ext: np.ndarray, name_id: np.ndarray,
-                    start: np.ndarray, end: np.ndarray, windows: np.ndarray) -> Collectives:
-    """`rows`: indices of the communication kernels in `t.kernels`; the other arrays are theirs."""
+                    start: np.ndarray, end: np.ndarray, windows: np.ndarray,
+                    groups: dict[str, Ranks] | None = None, launch: np.ndarray | None = None) -> Collectives:
+    """`rows`: indices of the communication kernels in `t.kernels`; the other arrays are theirs.
+
+    With `groups` (the rank's process groups) P2P peers are mapped from group ranks to global
+    ranks and each coalesced kernel becomes one row per send / recv it carries (p2p.py);
+    `launch`: each row's launch time, which places the parts of a coalesced kernel."""
     kc, pc = t.kernel_coll, t.param_comms
     args = [kc.get(i) or pc.get(x) or NO_ARGS for i, x in zip(rows.tolist(), ext.tolist())]
     names = {v: k for k, v in t.names.items()}
@@ -35,19 +41,74 @@ def gpu_collectives(t: EventTables, rows: np.ndarray, ext: np.ndarray, name_id: 
     dtypes = [d or "float" for d in _strs([a.dtype for a in args])]
     size_of = {d: dtype_bytes(d) for d in set(dtypes)}
     width = np.array([size_of[d] for d in dtypes], dtype=np.int64)
-    return finish(pg=_text(_strs([a.pg_name for a in args])), seq=_ints([a.seq for a in args], -1),
-                  kind=_text(kinds), nbytes=elems * width, arrive=start, end=end, peer=peer, windows=windows)
+    pg = _strs([a.pg_name for a in args])
+    seq, nbytes = _ints([a.seq for a in args], -1), elems * width
+    if groups is not None:
+        kinds, pg, seq, nbytes, start, end, peer = _resolve_p2p(
+            t, args, kinds, pg, seq, nbytes, start, end, peer, ext,
+            launch if launch is not None else start, groups)
+    return finish(pg=_text(pg), seq=seq, kind=_text(kinds), nbytes=nbytes, arrive=start, end=end, peer=peer,
+                  windows=windows)
 
 
-def cpu_collectives(t: EventTables, main: int, windows: np.ndarray) -> Collectives:
-    """Pair the k-th c10d call of a kind on the main thread with the k-th gloo annotation of it."""
-    calls: dict[str, list] = {}
+def _resolve_p2p(t: EventTables, args: list, kinds: list[str], pg: list[str], seq: np.ndarray,
+                 nbytes: np.ndarray, start: np.ndarray, end: np.ndarray, peer: np.ndarray, ext: np.ndarray,
+                 launch: np.ndarray, groups: dict[str, Ranks]) -> tuple:
+    """Coalesced kernels split into their sends and recvs; every peer as a global rank."""
+    coalesced = [(float(launch[i]), i, pg[i]) for i, k in enumerate(kinds) if k == "coalesced"]
+    parts: dict[int, list] = {}
+    if coalesced:
+        single = [float(launch[i]) for i, k in enumerate(kinds) if k in P2P_KINDS]
+        parts = coalesced_parts(t.p2p_ops, t.annotations, set(ext.tolist()), coalesced, single)
+    if not parts and not any(k in P2P_KINDS for k in kinds):
+        return kinds, pg, seq, nbytes, start, end, peer
+    out: dict[str, list] = {k: [] for k in ("kind", "pg", "seq", "nbytes", "start", "end", "peer")}
+    for i, kind in enumerate(kinds):
+        # A coalesced kernel without P2P parts is a coalesced collective: kept as one row.
+        pieces = parts.get(i) or [(kind, int(peer[i]), int(nbytes[i]))]
+        ranks = group_ranks(pg[i], groups, args[i])
+        for part_kind, part_peer, part_bytes in pieces:
+            out["kind"].append(part_kind)
+            out["pg"].append(pg[i])
+            out["seq"].append(int(seq[i]) if len(pieces) == 1 else -1)
+            out["nbytes"].append(part_bytes)
+            out["start"].append(float(start[i]))
+            out["end"].append(float(end[i]))
+            # A group the trace does not describe: the default group, where both numberings agree.
+            out["peer"].append((to_global(part_peer, ranks) if ranks is not None else part_peer)
+                               if part_kind in P2P_KINDS else -1)
+    return (out["kind"], out["pg"], np.array(out["seq"], dtype=np.int64), np.array(out["nbytes"], dtype=np.int64),
+            np.array(out["start"], dtype=float), np.array(out["end"], dtype=float),
+            np.array(out["peer"], dtype=np.int64))
+
+
+def cpu_collectives(t: EventTables, main: int, windows: np.ndarray, rank: int = -1,
+                    p2p_group: Ranks | None = None) -> Collectives:
+    """gloo: c10d calls on the main thread paired with the gloo annotations of their exchange.
+
+    P2P: the k-th c10d send (recv) with the k-th `gloo:send` (`gloo:recv`), both on the main
+    thread; the peer is the group rank in `Concrete Inputs` mapped through `p2p_group`
+    (p2p.cpu_peer). Collectives: gloo runs a group's work in the order it was issued, so each
+    exchange annotation (on a gloo worker thread) belongs to the earliest unpaired c10d call
+    issued before it. The kind comes from the call: gloo records a reduce-scatter as
+    `gloo:all_reduce`."""
+    calls: dict[str, list] = {}   # P2P kind -> [(ts, dur, concrete inputs)]
+    coll_calls: list = []         # [(ts, dur, kind)]
     for name, ts, dur, tid, ci in sorted(t.cpu_coll_ops, key=lambda o: o[1]):
         if name.startswith("c10d::") and tid == main:
-            calls.setdefault(collective_kind(name), []).append((ts, dur, ci))
+            kind = collective_kind(name)
+            if kind in P2P_KINDS:
+                calls.setdefault(kind, []).append((ts, dur, ci))
+            else:
+                coll_calls.append((ts, dur, kind))
     exch: dict[str, list] = {}
+    coll_exch: list = []
     for name, ts, dur, _tid in sorted(t.annotations, key=lambda a: a[1]):
-        exch.setdefault(collective_kind(name), []).append((ts, dur, name))
+        kind = collective_kind(name)
+        if kind in P2P_KINDS:
+            exch.setdefault(kind, []).append((ts, dur, name))
+        else:
+            coll_exch.append((ts, dur, kind))
     rows = []
     for kind in set(calls) | set(exch):
         c, x = calls.get(kind, []), exch.get(kind, [])
@@ -56,13 +117,20 @@ def cpu_collectives(t: EventTables, main: int, windows: np.ndarray) -> Collectiv
             ann = x[j] if j < len(x) else None
             arrive = call[0] if call else ann[0]
             end = max(ann[0] + ann[1] if ann else 0.0, call[0] + call[1] if call else 0.0)
-            peer = -1
-            if kind in P2P_KINDS:
-                ci = call[2] if call else None
-                peer = _int(ci[2], -1) if isinstance(ci, list) and len(ci) > 2 else -1
-                if peer < 0 and ann:
-                    peer = peer_from_name(ann[2])
-            rows.append((kind, float(arrive), float(end), peer))
+            ci = call[2] if call else None
+            local = _int(ci[2], -1) if isinstance(ci, list) and len(ci) > 2 else -1
+            if local < 0 and ann:
+                local = peer_from_name(ann[2])
+            rows.append((kind, float(arrive), float(end), cpu_peer(rank, local, p2p_group)))
+    pending = 0  # the earliest unpaired call
+    for ts, dur, kind in coll_exch:
+        if pending < len(coll_calls) and coll_calls[pending][0] <= ts:
+            c_ts, c_dur, c_kind = coll_calls[pending]
+            pending += 1
+            rows.append((c_kind, float(c_ts), float(max(ts + dur, c_ts + c_dur)), -1))
+        else:
+            rows.append((kind, float(ts), float(ts + dur), -1))
+    rows += [(k, float(ts), float(ts + dur), -1) for ts, dur, k in coll_calls[pending:]]
     rows.sort(key=lambda r: r[1])
     kind, arrive, end, peer = (list(c) for c in zip(*rows)) if rows else ([], [], [], [])
     return finish(pg=np.full(len(rows), "", dtype=str), seq=np.full(len(rows), -1, dtype=np.int64),

@@ -1,9 +1,8 @@
-"""The body of `deltamoe trace analyze`, free of Typer and click, and its plain argparse parser.
+"""`trace analyze` and `trace synth`: their options (argparse, declared once) and their bodies.
 
-cli.py declares the command for the `deltamoe` CLI (Typer) and calls `run_analyze`;
-`python -m deltamoe.trace analyze` parses the same options with `parser()` instead, which
-costs a few ms where importing Typer, click and inspect costs ~40 ms, more than reading a
-hundred rank files takes. tests/trace/test_cli.py checks both declare the same options.
+Both entry points use these parsers: `deltamoe trace ...` (cli.py hands its arguments over
+untouched) and `python -m deltamoe.trace ...` (__main__.py), which imports neither Typer nor
+click: ~40 ms of start-up, more than reading a hundred rank files takes.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ if TYPE_CHECKING:  # rich loads only when something is shown (~40 ms of start-up
     from rich.progress import Progress
 
 ANALYZE_HELP = "Find stragglers, pipeline bubbles, overlap and imbalance in a folder of per-rank traces."
+SYNTH_HELP = "Write realistic per-rank Kineto traces (DP/TP/PP/EP, 1F1B, NCCL) plus _ground_truth.json."
 
 
 def parse_steps(text: str | None) -> tuple[int | None, int | None]:
@@ -37,6 +37,18 @@ def parse_steps(text: str | None) -> tuple[int | None, int | None]:
     return a, b
 
 
+def parse_patterns(patterns: list[str] | None) -> list[str]:
+    """`--comm-pattern` regexes, each compiled here: a bad one is a usage error, not a file error."""
+    import re
+
+    for p in patterns or []:
+        try:
+            re.compile(p)
+        except re.error as e:
+            raise TraceError(f"invalid regular expression {p!r} ({e})", field="--comm-pattern") from None
+    return list(patterns or [])
+
+
 def progress(console: Console) -> Progress:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -45,27 +57,105 @@ def progress(console: Console) -> Progress:
                     console=console, auto_refresh=False, transient=True)
 
 
-def parse_args(argv: list[str]) -> dict:
-    """`analyze`'s arguments as keyword arguments of `run_analyze`; exits 2 with argparse's
-    message on an error."""
-    return vars(parser().parse_args(argv))
-
-
-def parser():
-    """`analyze`'s options as argparse declares them (same names and defaults as cli.analyze)."""
+def parser(command: str, prog: str = "python -m deltamoe.trace"):
+    """The options of `analyze` or `synth`."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m deltamoe.trace analyze", description=ANALYZE_HELP,
-                                allow_abbrev=False)
-    p.add_argument("folder", metavar="DIR", help="folder with one Kineto trace per rank (.json / .json.gz)")
-    p.add_argument("--json", dest="json_out", metavar="OUT.json", default=None, help="write the full report as JSON")
-    p.add_argument("--html", dest="html_out", metavar="OUT.html", default=None, help="write a self-contained HTML report")
-    p.add_argument("--workers", type=int, default=0, help="reader processes (0: one per CPU)")
-    p.add_argument("--steps", metavar="A:B", default=None, help="keep ProfilerStep numbers A <= n < B")
-    p.add_argument("--comm-pattern", dest="comm_pattern", action="append", default=[],
-                   help="extra regex for communication kernels (other vendors)")
-    p.add_argument("--quiet", action="store_true", default=False, help="no progress bar or summary")
+    if command == "analyze":
+        p = argparse.ArgumentParser(prog=f"{prog} analyze", description=ANALYZE_HELP, allow_abbrev=False)
+        p.add_argument("folder", metavar="DIR", help="folder with one Kineto trace per rank (.json / .json.gz)")
+        p.add_argument("--json", dest="json_out", metavar="OUT.json", help="write the full report as JSON")
+        p.add_argument("--html", dest="html_out", metavar="OUT.html", help="write a self-contained HTML report")
+        p.add_argument("--workers", type=int, default=0, help="reader processes (0: one per CPU)")
+        p.add_argument("--steps", metavar="A:B", help="keep ProfilerStep numbers A <= n < B")
+        p.add_argument("--comm-pattern", dest="comm_pattern", action="append", default=[],
+                       help="extra regex for communication kernels (other vendors; repeatable)")
+        p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+        return p
+    p = argparse.ArgumentParser(prog=f"{prog} synth", description=SYNTH_HELP, allow_abbrev=False)
+    p.add_argument("outdir", metavar="OUTDIR")
+    p.add_argument("--ranks", type=int, required=True)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (1F1B)")
+    p.add_argument("--microbatches", type=int, default=0, help="0: 2*pp with pipelines, else 2")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=0, help="expert-parallel group size (0: largest divisor of dp up to 8)")
+    p.add_argument("--layers", type=int, default=2, help="layers per stage (more layers, more events)")
+    p.add_argument("--straggler", type=int, action="append", default=[], help="rank to slow down (repeatable)")
+    p.add_argument("--slowdown", type=float, default=1.5, help="compute time factor of stragglers")
+    p.add_argument("--imbalance", metavar="RANK:FACTOR,...", help="MoE hot ranks")
+    p.add_argument("--nccl-names", dest="nccl_names", default="dev", choices=("dev", "legacy"),
+                   help="dev: ncclDevKernel_*, legacy: ncclKernel_*")
+    p.add_argument("--p2p", default="batched", choices=("batched", "single"),
+                   help="batched: coalesced kernels (batch_isend_irecv); single: isend/irecv")
+    p.add_argument("--compact", action="store_true", help="compact JSON instead of Kineto's pretty layout")
+    p.add_argument("--gz", action="store_true", help="write .json.gz")
+    p.add_argument("--jitter", type=float, default=0.02)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=0, help="writer processes (0: one per CPU)")
     return p
+
+
+def main(argv: list[str], prog: str = "python -m deltamoe.trace") -> int:
+    """Run `analyze ...` or `synth ...`; usage errors exit 2 (argparse prints why), as
+    DeltaMoEErrors do after one line."""
+    import sys
+
+    from deltamoe.errors import DeltaMoEError
+
+    if not argv or argv[0] not in ("analyze", "synth"):
+        print(f"usage: {prog} {{analyze,synth}} ...\n  analyze  {ANALYZE_HELP}\n  synth    {SYNTH_HELP}",
+              file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    try:
+        args = vars(parser(argv[0], prog).parse_args(argv[1:]))
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        (run_analyze if argv[0] == "analyze" else run_synth)(**args)
+    except DeltaMoEError as e:
+        print(f"error: {e.one_line()}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def parse_imbalance(spec: str | None) -> tuple[tuple[int, float], ...]:
+    """'R:F[,R:F...]' gives rank R a token share F times the mean."""
+    if not spec:
+        return ()
+    out = []
+    try:
+        for part in spec.split(","):
+            r, f = part.split(":")
+            out.append((int(r), float(f)))
+    except ValueError:
+        raise TraceError(f"cannot parse {spec!r}", field="--imbalance", hint="use RANK:FACTOR[,RANK:FACTOR]") from None
+    return tuple(out)
+
+
+def run_synth(outdir: str, ranks: int, steps: int = 4, pp: int = 1, microbatches: int = 0, tp: int = 1,
+              ep: int = 0, layers: int = 2, straggler: list[int] | None = None, slowdown: float = 1.5,
+              imbalance: str | None = None, nccl_names: str = "dev", p2p: str = "batched", compact: bool = False,
+              gz: bool = False, jitter: float = 0.02, seed: int = 0, workers: int = 0) -> None:
+    import os
+
+    from rich.console import Console
+
+    from deltamoe.trace.synth import SynthConfig, generate
+
+    cfg = SynthConfig(ranks=ranks, steps=steps, pp=pp, microbatches=microbatches, tp=tp, ep=ep, layers=layers,
+                      stragglers=tuple(straggler or ()), slowdown=slowdown, hot_ranks=parse_imbalance(imbalance),
+                      jitter=jitter, seed=seed, nccl_names=nccl_names, compact=compact, gz=gz, p2p=p2p)
+    console = Console(stderr=True)
+    with progress(console) as bar:
+        task = bar.add_task("writing ranks", total=ranks)
+
+        def tick() -> None:
+            bar.advance(task)
+            bar.refresh()
+        truth = generate(cfg, outdir, workers or min(os.cpu_count() or 1, 2), on_rank=tick)
+    ev = sum(r["events"] for r in truth["ranks"])
+    console.print(f"wrote {ranks} rank traces ({ev:,} events) and _ground_truth.json to {outdir}")
 
 
 def run_analyze(folder: str, json_out: str | None = None, html_out: str | None = None, workers: int = 0,
@@ -80,7 +170,7 @@ def run_analyze(folder: str, json_out: str | None = None, html_out: str | None =
     if not Path(folder).is_dir():
         raise TraceError(f"not a directory: {folder}", field="DIR",
                          hint="pass the folder that holds one trace file per rank")
-    cfg = ReadConfig(patterns=Patterns().with_extra(list(comm_pattern or [])), steps=parse_steps(steps))
+    cfg = ReadConfig(patterns=Patterns().with_extra(parse_patterns(comm_pattern)), steps=parse_steps(steps))
     if quiet:
         result = run(folder, cfg, workers)
     else:

@@ -33,6 +33,7 @@ class Joined:
     inst_last: np.ndarray     # rank that arrived last
     inst_skew: np.ndarray     # last arrival - first arrival
     inst_blame: np.ndarray    # total time the others waited for the last arriver
+    inst_complete: np.ndarray  # every analysed member of the group took part (else: no evidence)
     # P2P pairs: one row per matched send/recv
     p2p_src: np.ndarray
     p2p_dst: np.ndarray
@@ -44,6 +45,8 @@ class Joined:
     p2p_nbytes: np.ndarray
     # each rank's first P2P op in the kept steps: rank -> (kind, peer), and ('send1', rank) -> ('send', peer)
     first_p2p: dict = field(default_factory=dict)
+    # collectives some analysed member of the group lacks: {"rank", "group", "seq", "kind"}
+    unmatched: list = field(default_factory=list)
 
     @property
     def instances(self) -> int:
@@ -55,11 +58,101 @@ def join(summaries: list[RankSummary]) -> Joined:
     _resolve_unnamed_groups(cols, summaries)
     p2p = np.isin(cols["kind"], list(P2P_KINDS))
     coll = {k: v[~p2p] for k, v in cols.items()}
+    align_missing(coll)
     inst_cols = _instances(coll)
+    members = _analysed_members(summaries)
+    complete, unmatched = _completeness(coll, inst_cols, members)
+    inst_cols["wait"] = np.where(complete[inst_cols["inst"]], inst_cols["wait"], 0.0)
     p2p_cols = {k: v[p2p] for k, v in cols.items()}
     pairs = _pair_p2p(p2p_cols)
     return Joined(**{k: coll[k] for k in ("rank", "kind", "pg", "seq", "nbytes", "arrive", "end", "step")},
-                  **inst_cols, **pairs, first_p2p=_first_p2p(p2p_cols))
+                  **inst_cols, inst_complete=complete, **pairs, first_p2p=_first_p2p(p2p_cols),
+                  unmatched=unmatched)
+
+
+def align_missing(c: dict[str, np.ndarray]) -> None:
+    """Renumber the collectives of a rank that lacks some its group's other members have.
+
+    Without `Seq` a collective's number is its ordinal on the rank, so a rank that misses the
+    first three all-to-alls would be matched with the wrong instances from then on. Members of
+    one collective finish together: each op of such a rank takes the number of the reference
+    instance (median end over the ranks with the most ops) that ends closest to it, in order.
+    The numbers it never takes are its missing collectives (`_completeness` reports them).
+    """
+    n = len(c["rank"])
+    if not n:
+        return
+    # Ops per (group, rank), all groups at once: a loop over groups would be quadratic at scale.
+    code = {name: i for i, name in enumerate(sorted(set(c["pg"].tolist())))}
+    pg_id = np.fromiter(map(code.__getitem__, c["pg"].tolist()), dtype=np.int64, count=n)
+    pairs, counts = np.unique(pg_id * (1 << 32) + c["rank"], return_counts=True)
+    pair_pg = pairs >> 32
+    lo_n = np.full(len(code), np.iinfo(np.int64).max)
+    hi_n = np.zeros(len(code), dtype=np.int64)
+    np.minimum.at(lo_n, pair_pg, counts)
+    np.maximum.at(hi_n, pair_pg, counts)
+    for g in np.flatnonzero(lo_n < hi_n).tolist():
+        rows = np.flatnonzero(pg_id == g)
+        ranks = c["rank"][rows]
+        per_rank = {int(r): int(k) for r, k in zip(*np.unique(ranks, return_counts=True))}
+        most = int(hi_n[g])
+        full = rows[np.isin(ranks, [r for r, k in per_rank.items() if k == most])]
+        seqs = np.unique(c["seq"][full])
+        ref = np.array([np.median(c["end"][full][c["seq"][full] == q]) for q in seqs])
+        for r, k in per_rank.items():
+            if k == most:
+                continue
+            mine = rows[ranks == r]
+            mine = mine[np.argsort(c["arrive"][mine], kind="stable")]
+            lo = 0
+            for j, i in enumerate(mine.tolist()):
+                hi = len(seqs) - (len(mine) - 1 - j)  # leave room for the ops still to place
+                at = lo + int(np.argmin(np.abs(ref[lo:hi] - c["end"][i]))) if hi > lo else lo
+                c["seq"][i] = seqs[min(at, len(seqs) - 1)]
+                lo = at + 1
+
+
+def _analysed_members(summaries: list[RankSummary]) -> dict[str, set[int]]:
+    """Each named group's members among the analysed ranks (a missing rank file is reported
+    once as missing; its absence does not make every collective of its groups unmatched)."""
+    present = {s.rank for s in summaries}
+    out: dict[str, set[int]] = {}
+    for s in summaries:
+        for name, ranks in s.groups.items():
+            if name not in out:
+                out[name] = {r for r in ranks if r in present}
+    return out
+
+
+def _completeness(c: dict[str, np.ndarray], inst: dict[str, np.ndarray],
+                  members: dict[str, set[int]]) -> tuple[np.ndarray, list[dict]]:
+    """Per instance: did every analysed member of its group take part? And who did not."""
+    n_inst = len(inst["inst_size"])
+    complete = np.ones(n_inst, dtype=bool)
+    if not n_inst:
+        return complete, []
+    first = np.full(n_inst, -1, dtype=np.int64)
+    first[inst["inst"][::-1]] = np.arange(len(inst["inst"]))[::-1]
+    pgs = c["pg"][first].tolist()
+    largest: dict[str, int] = {}
+    for pg, size in zip(pgs, inst["inst_size"].tolist()):
+        largest[pg] = max(largest.get(pg, 0), size)
+    unmatched = []
+    short = [k for k, (pg, size) in enumerate(zip(pgs, inst["inst_size"].tolist()))
+             if size < (len(members[pg]) if pg in members else largest[pg])]
+    if not short:
+        return complete, []
+    by_inst: dict[int, set[int]] = {}
+    for k, r in zip(inst["inst"].tolist(), c["rank"].tolist()):
+        by_inst.setdefault(k, set()).add(r)
+    for k in short:
+        complete[k] = False
+        pg = pgs[k]
+        expected = members.get(pg) or set().union(*(v for kk, v in by_inst.items() if pgs[kk] == pg))
+        for r in sorted(expected - by_inst[k]):
+            unmatched.append({"rank": r, "group": pg, "seq": int(c["seq"][first[k]]),
+                              "kind": str(c["kind"][first[k]])})
+    return complete, unmatched
 
 
 def _first_p2p(c: dict[str, np.ndarray]) -> dict:
@@ -100,11 +193,16 @@ def _concat(summaries: list[RankSummary]) -> dict[str, np.ndarray]:
 
 
 def _resolve_unnamed_groups(cols: dict[str, np.ndarray], summaries: list[RankSummary]) -> None:
-    """gloo traces do not name the group of a collective; pick it by completion times.
+    """gloo traces do not name the group of a collective; find it from completion times.
 
-    Members of one collective finish together. For each collective kind, try every family of
-    same-size groups from `pg_config` that partitions the ranks (the world, the DP groups,
-    ...) and keep the family under which the k-th ops of each group end closest together.
+    Members of one collective finish together. An op's candidates are its rank's groups in
+    which every other member has an op of the same kind ending within `_END_TOL` (plus 1% of
+    the op's duration) of it; their spread is the largest such distance. The largest group
+    whose members all end within `_END_TIGHT` wins (an all-reduce over the world ends on
+    every rank at once); otherwise the smallest candidate, the tightest of equal size (two
+    data-parallel pairs that all-reduce at about the same time are not a world all-reduce,
+    and gloo's ends of one collective may lie milliseconds apart). The ops are then numbered
+    per group in order, as a named group's are; an op that fits no group stays unnamed.
     """
     unnamed = (cols["pg"] == "") & ~np.isin(cols["kind"], list(P2P_KINDS))
     if not unnamed.any():
@@ -112,41 +210,45 @@ def _resolve_unnamed_groups(cols: dict[str, np.ndarray], summaries: list[RankSum
     groups: dict[tuple[int, ...], str] = {}
     for s in summaries:
         for name, ranks in s.groups.items():
-            groups.setdefault(tuple(sorted(ranks)), name)
-    by_size: dict[int, list[tuple[tuple[int, ...], str]]] = {}
-    for ranks, name in groups.items():
-        by_size.setdefault(len(ranks), []).append((ranks, name))
-    families = []
-    for size, fam in by_size.items():
-        members = [r for ranks, _ in fam for r in ranks]
-        if size > 1 and len(members) == len(set(members)):
-            families.append(fam)
-    for kind in set(cols["kind"][unnamed]):
-        rows = np.flatnonzero(unnamed & (cols["kind"] == kind))
-        best, best_score = None, np.inf
-        for fam in families:
-            score = _family_spread(cols, rows, fam)
-            if score < best_score:
-                best, best_score = fam, score
-        if best is None:
+            if len(ranks) > 1:
+                groups.setdefault(tuple(sorted(ranks)), name)
+    of_rank: dict[int, list[tuple[tuple[int, ...], str]]] = {}
+    for ranks, name in sorted(groups.items(), key=lambda kv: -len(kv[0])):
+        for r in ranks:
+            of_rank.setdefault(r, []).append((ranks, name))
+    rows = np.flatnonzero(unnamed)
+    ends: dict[tuple[int, str], np.ndarray] = {}
+    for key in set(zip(cols["rank"][rows].tolist(), cols["kind"][rows].tolist())):
+        mine = rows[(cols["rank"][rows] == key[0]) & (cols["kind"][rows] == key[1])]
+        ends[key] = np.sort(cols["end"][mine])
+
+    def distance(rank: int, kind: str, t: float) -> float:
+        e = ends.get((rank, kind))
+        if e is None or not len(e):
+            return np.inf
+        i = int(np.searchsorted(e, t))
+        return min(abs(float(e[j]) - t) for j in (i - 1, i) if 0 <= j < len(e))
+
+    count: dict[tuple[int, str], int] = {}
+    for i, r, kind, t, dur in zip(rows.tolist(), cols["rank"][rows].tolist(), cols["kind"][rows].tolist(),
+                                  cols["end"][rows].tolist(), (cols["end"] - cols["arrive"])[rows].tolist()):
+        tol = _END_TOL + 0.01 * max(dur, 0.0)
+        fits = []  # (size, spread, group name), largest groups first
+        for ranks, name in of_rank.get(r, []):
+            spread = max((distance(m, kind, t) for m in ranks if m != r), default=0.0)
+            if spread <= tol:
+                fits.append((len(ranks), spread, name))
+        if not fits:
             continue
-        owner = {r: name for ranks, name in best for r in ranks}
-        cols["pg"][rows] = [owner.get(int(r), "") for r in cols["rank"][rows]]
+        tight = [f for f in fits if f[1] <= _END_TIGHT]
+        name = tight[0][2] if tight else min(fits, key=lambda f: (f[0], f[1]))[2]
+        k = count.get((r, name), 0)
+        count[(r, name)] = k + 1
+        cols["pg"][i], cols["seq"][i] = name, k
 
 
-def _family_spread(cols: dict[str, np.ndarray], rows: np.ndarray, fam: list) -> float:
-    spreads = []
-    owner = {r: i for i, (ranks, _) in enumerate(fam) for r in ranks}
-    ends: dict[tuple[int, int], list[float]] = {}
-    for i in rows:
-        g = owner.get(int(cols["rank"][i]))
-        if g is None:
-            continue
-        ends.setdefault((g, int(cols["seq"][i])), []).append(float(cols["end"][i]))
-    for (g, _k), e in ends.items():
-        if len(e) == len(fam[g][0]):
-            spreads.append(max(e) - min(e))
-    return float(np.median(spreads)) if spreads else np.inf
+_END_TOL = 5000.0   # us: how far apart the ends of one gloo collective may be on its members
+_END_TIGHT = 250.0  # us: members ending this close together finished one collective
 
 
 def _instances(c: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -9,6 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from deltamoe.trace.summary import RankSummary  # noqa: E402
 
@@ -39,6 +40,7 @@ def heatmap(summaries: list[RankSummary]) -> bytes:
     im = ax.imshow(m, aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
     ax.set_xlabel(f"time (steps {int(ids[0])}..{int(ids[-1])}, {bins} slices each)")
     ax.set_ylabel("rank" if band == 1 else f"rank / {band}")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     for k in range(1, len(ids)):
         ax.axvline(k * bins - 0.5, color="white", lw=0.5)
     fig.colorbar(im, ax=ax, label="compute busy fraction")
@@ -60,8 +62,9 @@ def breakdown_bars(rows: list[dict]) -> bytes:
             ax.fill_between(ranks, bottom, bottom + v, label=label, color=color, step="mid")
         bottom += v
     ax.set_xlabel("rank")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("seconds (kept steps)")
-    ax.legend(ncol=4, fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars, not on them
     ax.set_title("Per-rank time breakdown")
     return _png(fig)
 
@@ -87,7 +90,8 @@ def bubble_chart(pipe: dict) -> bytes:
                    label=f"{pipe['schedule']} theory (p={pipe['stages']}, m={pipe['microbatches']})")
     ax.set_xlabel("pipeline stage")
     ax.set_ylabel("bubble fraction")
-    ax.legend(fontsize=8)
+    ax.set_ylim(0, max(vals + [pipe.get("theoretical_bubble_fraction") or 0]) * 1.15 or 1)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_title("Pipeline bubbles per stage")
     return _png(fig)
 

@@ -21,7 +21,8 @@ import msgspec
 class Args(msgspec.Struct, gc=False, rename={
     "external_id": "External id", "collective": "Collective name", "pg_name": "Process Group Name",
     "seq": "Seq", "in_nelems": "In msg nelems", "out_nelems": "Out msg nelems", "src": "Src Rank",
-    "dst": "Dst Rank", "concrete_inputs": "Concrete Inputs"}):  # gc=False: no cycles, cheaper
+    "dst": "Dst Rank", "concrete_inputs": "Concrete Inputs", "pg_ranks": "Process Group Ranks",
+    "rank_start": "Global rank start", "rank_stride": "Global rank stride", "group_size": "Group size"}):  # gc=False: no cycles, cheaper
     external_id: Any = None
     correlation: Any = None
     stream: Any = None
@@ -34,6 +35,10 @@ class Args(msgspec.Struct, gc=False, rename={
     src: Any = None
     dst: Any = None
     concrete_inputs: Any = None
+    pg_ranks: Any = None      # "[1, 13, 25, 37]": the group's global ranks (truncated beyond 30)
+    rank_start: Any = None    # first global rank of a strided group
+    rank_stride: Any = None
+    group_size: Any = None
 
 
 NO_ARGS = Args()
@@ -61,9 +66,11 @@ class Trace(msgspec.Struct):
     traceEvents: list[AnyEvent] | None = None  # noqa: N815 (the Kineto key)
     distributedInfo: Any = None  # noqa: N815
     host_name: Any = None
+    profiler_step_offset: Any = None  # training step of ProfilerStep#0, where the recorder says
 
     def header(self) -> dict:
-        return {"distributedInfo": self.distributedInfo, "host_name": self.host_name or ""}
+        return {"distributedInfo": self.distributedInfo, "host_name": self.host_name or "",
+                "profiler_step_offset": self.profiler_step_offset}
 
 
 _TRACE = msgspec.json.Decoder(Trace)
@@ -81,7 +88,7 @@ def decode_trace(data: bytes) -> Trace:
             raise
         events = doc.get("traceEvents")
         return Trace(None if events is None else _complete_events(events),
-                     doc.get("distributedInfo"), doc.get("host_name"))
+                     doc.get("distributedInfo"), doc.get("host_name"), doc.get("profiler_step_offset"))
 
 
 def decode_events(data: bytes) -> list:

@@ -53,6 +53,7 @@ class RankSummary:
     pipe_busy: np.ndarray          # per step, compute busy within [pipe_first, pipe_end]
     heat: np.ndarray               # (steps, HEAT_BINS) compute utilisation
     coll: Collectives
+    steps_in_trace: tuple[int, ...] = ()  # every ProfilerStep number of the file, kept or not
     warnings: list[str] = field(default_factory=list)
 
     @property

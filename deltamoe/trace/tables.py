@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 import numpy as np
 
-from deltamoe.trace.classify import STEP, Patterns
+from deltamoe.trace.classify import P2P_KINDS, STEP, Patterns, collective_kind
 from deltamoe.trace.schema import NO_ARGS as _NO_ARGS
 from deltamoe.trace.schema import Event
 
@@ -35,6 +35,7 @@ class EventTables:
     kernel_coll: dict = field(default_factory=dict)  # kernel index -> Args with the collective
     runtimes: list = field(default_factory=list)     # (correlation, ts) per runtime call
     param_comms: dict = field(default_factory=dict)  # External id -> record_param_comms Args
+    p2p_ops: list = field(default_factory=list)      # (ts, Args) of record_param_comms send / recv
     annotations: list = field(default_factory=list)  # (name, ts, dur, tid) for comm annotations
     cpu_coll_ops: list = field(default_factory=list)  # (name, ts, dur, tid, concrete inputs)
     cpu_ops: list = field(default_factory=list)      # (ts, dur, tid) of cpu_op events
@@ -89,6 +90,10 @@ class EventTables:
                 if kind == _PARAM_COMMS:
                     a = e.args or _NO_ARGS
                     param_comms[a.external_id] = a
+                    if a.collective == "send" or a.collective == "recv":
+                        # Inside batch_isend_irecv these launch no kernel of their own: the
+                        # `coalesced` kernel that follows carries them (collectives.py).
+                        self.p2p_ops.append((e.ts, a))
                 else:
                     ci = (e.args or _NO_ARGS).concrete_inputs
                     self.cpu_coll_ops.append((name, e.ts, e.dur, e.tid, ci))
@@ -122,14 +127,16 @@ class EventTables:
         """Pack the big columns into numpy arrays (before building, or pickling a slice back).
 
         CPU ops, c10d calls and annotations only matter for CPU-only traces, so a table that
-        saw a compute or communication kernel (a GPU trace) drops them. The args of a
+        saw a compute or communication kernel (a GPU trace) drops them, except the P2P
+        annotations (`nccl:send 3->4`), which name the parts of a coalesced kernel. The args of a
         `record_param_comms` op whose kernel carries them too (Kineto copies them) are
         never looked up, so they are dropped as well.
         """
         self.kernels = _rows_array(self.kernels, 7)
         self.runtimes = _rows_array(self.runtimes, 2)
         if (self.kernels[:, 2] != MEMORY).any():
-            self.cpu_ops, self.cpu_coll_ops, self.annotations = [], [], []
+            self.cpu_ops, self.cpu_coll_ops = [], []
+            self.annotations = [a for a in self.annotations if collective_kind(a[0]) in P2P_KINDS]
         if self.kernel_coll:  # ops whose kernels carry their args are never looked up
             own = set(self.kernels[list(self.kernel_coll), 5].astype(np.int64).tolist())
             self.param_comms = {x: a for x, a in self.param_comms.items() if x not in own}
@@ -151,6 +158,7 @@ class EventTables:
             runtimes.append(_rows_array(p.runtimes, 2))
             out.kernel_coll.update({base + i: a for i, a in p.kernel_coll.items()})
             out.param_comms.update(p.param_comms)
+            out.p2p_ops.extend(p.p2p_ops)
             out.annotations.extend(p.annotations)
             out.cpu_coll_ops.extend(p.cpu_coll_ops)
             out.cpu_ops.extend(p.cpu_ops)

@@ -10,13 +10,20 @@ def print_summary(report: dict, console: Console | None = None) -> None:
     c = console or Console()
     r = report
     backend = f"{r['backend']} ({r['mode']})" if r["backend"] else f"no collectives ({r['mode']})"
-    c.print(f"[bold]{r['ranks_analyzed']}[/] of {r['ranks_found']} ranks, {r['events']:,} events, "
+    world = r["consistency"]["world_size"]
+    c.print(f"[bold]{r['ranks_analyzed']}[/] of {world} ranks ({r['ranks_found']} files), {r['events']:,} events, "
             f"{backend}, read in {r['read_seconds']} s")
     for s in r["skipped"]:
         c.print(f"[yellow]skipped[/] {s['error']}")
+    for w in r["consistency"]["warnings"]:
+        c.print(f"[yellow]warning[/] {w}")
     t = r["totals"]
     c.print("time: " + ", ".join(f"{k.replace('_fraction', '')} {v:.1%}" for k, v in t.items())
             + f"; comm hidden under compute {r['overlap']['job_overlap_fraction']:.1%}")
+    sk = r.get("sync_skew")
+    if sk:
+        c.print(f"collectives: {sk['sync_wait_s']:.4f} s waiting for late peers (sync skew), "
+                f"{sk['transfer_s']:.4f} s transferring ({sk['sync_fraction']:.1%} skew)")
     if r["stragglers"]:
         tab = Table(title="Stragglers")
         for col in ("rank", "host", "score", "others waited (s)", "compute vs peers", "cause", "main evidence"):

@@ -36,6 +36,9 @@ def test_synth_then_analyze_writes_json_and_html(tmp_path, capsys):
     assert {"compute_s", "comm_s", "idle_s"} <= set(rep["ranks"][0])
     page = out_html.read_text()
     assert page.count("data:image/png;base64,") >= 5 and "Stragglers" in page
+    # Tables a reader can scan: stragglers with evidence, per-rank breakdown, bubbles per stage.
+    assert page.count("<table>") >= 4 and "Straggler: rank 1." in page and "Score: the time" in page
+    assert "measured bubble" in page and "{'" not in page
 
 
 def test_bad_options_exit_2(tmp_path, capsys):
@@ -78,30 +81,17 @@ def test_module_entry_point_takes_the_same_options(tmp_path, capsys):
     assert "--workers" in capsys.readouterr().err
 
 
-def test_fast_analyze_parser_declares_the_typer_options():
-    """`python -m deltamoe.trace analyze` parses with argparse: same names, flags, defaults, help."""
-    import inspect
+def test_one_declaration_serves_both_entry_points(tmp_path, capsys):
+    """`deltamoe trace` hands its arguments to the argparse parsers `python -m deltamoe.trace` uses."""
+    from deltamoe.trace.command import parser
 
-    from typer.models import ArgumentInfo
-
-    from deltamoe.trace import cli
-    from deltamoe.trace.command import ANALYZE_HELP, parser
-
-    p = parser()
-    actions = {a.dest: a for a in p._actions if a.dest != "help"}
-    params = inspect.signature(cli.analyze).parameters
-    assert list(actions) == list(params)
-    for name, par in params.items():
-        info, a = par.default, actions[name]
-        assert a.help == info.help
-        if isinstance(info, ArgumentInfo):
-            assert not a.option_strings and a.metavar == info.metavar and info.default is ...
-        else:
-            assert a.option_strings == list(info.param_decls) and a.metavar == info.metavar
-            assert a.default == info.default
-    assert p.description == ANALYZE_HELP == inspect.getdoc(cli.analyze)
-    ns = p.parse_args(["d", "--comm-pattern", "a", "--comm-pattern", "b", "--quiet", "--workers", "3"])
+    ns = parser("analyze").parse_args(["d", "--comm-pattern", "a", "--comm-pattern", "b", "--quiet", "--workers", "3"])
     assert ns.comm_pattern == ["a", "b"] and ns.quiet and ns.workers == 3 and ns.json_out is None
+    assert main(["trace", "analyze", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: deltamoe trace analyze") and "--comm-pattern" in out
+    assert main(["trace", "synth", str(tmp_path / "x"), "--ranks", "4", "--p2p", "nope"]) == 2
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
 
 
 def test_module_analyze_skips_click(tmp_path):

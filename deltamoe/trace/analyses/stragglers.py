@@ -51,7 +51,8 @@ def stragglers(j: Joined, summaries: list[RankSummary], stage_of: dict[int, int]
 
     first_row = np.full(j.instances, -1, dtype=np.int64)
     first_row[j.inst[::-1]] = np.arange(len(j.inst))[::-1]
-    late = np.flatnonzero((j.inst_size >= 2) & (j.inst_blame > 0))
+    # Collectives some member lacks are no evidence: who was last is unknown (join.py warns).
+    late = np.flatnonzero((j.inst_size >= 2) & (j.inst_blame > 0) & j.inst_complete)
     rows = first_row[late]
     # Plain Python values: this loop runs once per collective instance of the whole job.
     for last, step, skew, t_last, kind, pg, inst_blame, size in zip(

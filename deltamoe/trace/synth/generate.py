@@ -92,8 +92,10 @@ def _write_rank(rank: int) -> dict:
             elif code == "X":
                 comm.append(w.comm(op[2], op[1], op[4], s0, e0))
                 step_pipe.append(comm[-1])  # exposed MoE/TP comm is not bubble
-            elif code in ("S", "R"):
-                comm.append(w.comm("send" if code == "S" else "recv", -1, op[-1], s0, e0, peer=op[1]))
+            elif code in ("S", "R", "SR"):
+                parts = ([("send", op[1], op[3]), ("recv", op[4], op[5])] if code == "SR"
+                         else [("send" if code == "S" else "recv", op[1], op[-1])])
+                comm.append(w.p2p(parts, lay.group(rank, "pp"), s0, e0))
         firsts.append(float(np.nanmin(tm[:, 0])))
         comp += step_comp
         pipe.append(step_pipe)
@@ -147,7 +149,8 @@ def _ground_truth(lay: Layout, truths: list[dict]) -> dict:
         "hot_ranks": sorted(r for r, _f in c.hot_ranks),
         "pipeline": ({"stages": c.pp, "microbatches": c.m, "virtual": 1,
                       "theoretical_bubble": (c.pp - 1) / (c.m + c.pp - 1),
-                      "bubble_fraction": {str(s): float(np.mean(v)) for s, v in sorted(bubbles.items())}}
+                      "bubble_fraction": {str(s): float(np.mean(v)) for s, v in sorted(bubbles.items())},
+                      "pipelines": sorted(list(r) for _n, d, r in lay.groups if d == "pp")}
                      if c.pp > 1 else None),
         "ranks": truths,
     }

@@ -4,6 +4,8 @@ Each kernel gets its CPU op, its launch (`cuda_runtime` with a correlation id), 
 itself on its stream and the `ac2g` flow pair; each collective gets `c10d::*`,
 `record_param_comms` with the collective args, the `nccl:*` annotation and an NCCL kernel
 carrying the args (as Kineto copies them). `distributedInfo` carries rank and groups.
+Pipeline P2P is written as torch.distributed does: peers as ranks of the pipeline group, and
+with `p2p="batched"` one `coalesced` SendRecv kernel per batch_isend_irecv (see `p2p`).
 """
 
 from __future__ import annotations
@@ -21,14 +23,17 @@ T0 = 5_161_000_000_000.0  # trace-clock offset of the first step (us), like real
 _DEV = {"all_reduce": "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
         "all_to_all": "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)",
         "send": "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)",
-        "recv": "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)"}
+        "recv": "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)",
+        "coalesced": "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)"}
 _LEGACY = {"all_reduce": "ncclKernel_AllReduce_RING_LL_Sum_bfloat16(ncclDevComm*, unsigned long, ncclWork*)",
            "all_to_all": "ncclKernel_SendRecv_RING_SIMPLE_Sum_int8_t(ncclDevComm*, unsigned long, ncclWork*)",
            "send": "ncclKernel_SendRecv_RING_SIMPLE_Sum_int8_t(ncclDevComm*, unsigned long, ncclWork*)",
-           "recv": "ncclKernel_SendRecv_RING_SIMPLE_Sum_int8_t(ncclDevComm*, unsigned long, ncclWork*)"}
+           "recv": "ncclKernel_SendRecv_RING_SIMPLE_Sum_int8_t(ncclDevComm*, unsigned long, ncclWork*)",
+           "coalesced": "ncclKernel_SendRecv_RING_SIMPLE_Sum_int8_t(ncclDevComm*, unsigned long, ncclWork*)"}
 _C10D = {"all_reduce": "c10d::allreduce_", "all_to_all": "c10d::alltoall_base_",
          "send": "c10d::send", "recv": "c10d::recv_"}
-_COLL_NAME = {"all_reduce": "allreduce", "all_to_all": "all_to_allv", "send": "send", "recv": "recv"}
+_COLL_NAME = {"all_reduce": "allreduce", "all_to_all": "all_to_allv", "send": "send", "recv": "recv",
+              "coalesced": "coalesced"}
 _ANNOT = {"all_reduce": "nccl:all_reduce", "all_to_all": "nccl:all_to_all"}
 
 
@@ -85,35 +90,72 @@ class RankWriter:
                      cat="gpu_memcpy", rt="cudaMemcpyAsync")
         return round(start, 3), round(start, 3) + round(dur, 3)
 
-    def comm(self, kind: str, gid: int, nbytes: int, start: float, end: float, peer: int = -1) -> tuple[float, float]:
-        name, desc, ranks = self.lay.groups[gid] if gid >= 0 else ("0", "default_pg", ())
+    def _args(self, kind: str, gid: int, nbytes: int) -> dict:
+        """record_param_comms args; ranks in them (`Rank`, `Src/Dst Rank`) are group ranks."""
+        name, desc, ranks = self.lay.groups[gid]
         args = {"Collective name": _COLL_NAME[kind], "dtype": "BFloat16",
                 "In msg nelems": nbytes // 2, "Out msg nelems": nbytes // 2,
-                "In split size": "[]", "Out split size": "[]", "Group size": len(ranks) or 2,
+                "In split size": "[]", "Out split size": "[]", "Group size": len(ranks),
                 "Process Group Name": name, "Process Group Description": desc,
-                "Process Group Ranks": _truncated(ranks), "Rank": self.rank}
-        if kind == "send":
-            args["Dst Rank"] = peer
-        if kind == "recv":
-            args["Src Rank"] = peer
-        if self.lay.cfg.with_seq and kind not in ("send", "recv"):
+                "Process Group Ranks": _truncated(ranks), "Rank": ranks.index(self.rank)}
+        if self.lay.cfg.with_seq and kind not in ("send", "recv", "coalesced"):
             k = self.seq.get(gid, 0)
             self.seq[gid] = k + 1
             args["Seq"] = k
-        annot = _ANNOT.get(kind) or (f"nccl:send {self.rank}->{peer}" if kind == "send"
-                                     else f"nccl:recv {self.rank}<-{peer}")
+        return args
+
+    def comm(self, kind: str, gid: int, nbytes: int, start: float, end: float) -> tuple[float, float]:
+        """A collective: c10d op > record_param_comms + `nccl:*` annotation > NCCL kernel with the args."""
+        return self._kernel(kind, _ANNOT[kind], self._args(kind, gid, nbytes), start, end)
+
+    def p2p(self, parts: list[tuple[str, int, int]], gid: int, start: float, end: float) -> tuple[float, float]:
+        """Pipeline P2P in the pipeline group `gid`; parts: (send | recv, peer global rank, bytes).
+
+        `batched` (torch.distributed.pipelining's batch_isend_irecv): each part is a
+        record_param_comms op and an annotation that launch nothing, then one `coalesced`
+        SendRecv kernel carries them all. `single` (isend / irecv): one kernel per part."""
+        ranks = self.lay.groups[gid][2]
+        me = ranks.index(self.rank)
+        t0 = start - LEAD
+        named = []
+        for kind, peer, nbytes in parts:
+            args = self._args(kind, gid, nbytes)
+            args["Dst Rank" if kind == "send" else "Src Rank"] = ranks.index(peer)
+            arrow = f"{me}->{ranks.index(peer)}" if kind == "send" else f"{me}<-{ranks.index(peer)}"
+            named.append((kind, f"nccl:{kind} {arrow}", args))
+        if self.lay.cfg.p2p == "single":
+            (kind, annot, args), = named
+            return self._kernel(kind, annot, args, start, end)
+        for k, (kind, annot, args) in enumerate(named):
+            ts = t0 - 4.0 * (len(named) - k)
+            self.ev.append({"ph": "X", "cat": "cpu_op", "name": _C10D[kind], "pid": self.cpu, "tid": self.cpu,
+                            "ts": round(ts, 3), "dur": 3.0, "args": {"External id": self.ext, "Record function id": 0}})
+            self.ev.append({"ph": "X", "cat": "cpu_op", "name": "record_param_comms", "pid": self.cpu,
+                            "tid": self.cpu, "ts": round(ts + 0.5, 3), "dur": 2.0,
+                            "args": {"External id": self.ext, "Record function id": 0, **args}})
+            self.ev.append({"ph": "X", "cat": "user_annotation", "name": annot, "pid": self.cpu, "tid": self.cpu,
+                            "ts": round(ts + 1.0, 3), "dur": 1.0,
+                            "args": {"External id": self.ext + 1000000, "Record function id": 0}})
+            self.ext += 1
+        args = self._args("coalesced", gid, sum(n for _, _, n in parts))
+        return self._kernel("coalesced", "nccl:coalesced", args, start, end, launcher="record_param_comms")
+
+    def _kernel(self, kind: str, annot: str, args: dict, start: float, end: float,
+                launcher: str | None = None) -> tuple[float, float]:
         ts = round(start, 3)
         self.ev.append({"ph": "X", "cat": "user_annotation", "name": annot, "pid": self.cpu,
                         "tid": self.cpu, "ts": round(start - LEAD + 1, 3), "dur": 6.0,
                         "args": {"External id": self.ext + 1000000, "Record function id": 0}})
-        self._launch(_C10D[kind], {"ph": "X", "name": self.kernel_names[kind], "pid": self.dev,
-                                   "tid": STREAM["S" if kind in ("send", "recv") else "X"],
-                                   "ts": ts, "dur": round(end - start, 3), "args": dict(args)},
-                     rt="cudaLaunchKernelExC", cpu_args={})
-        # record_param_comms sits inside the c10d op and shares the kernel's External id.
-        self.ev.append({"ph": "X", "cat": "cpu_op", "name": "record_param_comms", "pid": self.cpu,
-                        "tid": self.cpu, "ts": round(start - LEAD + 0.5, 3), "dur": 7.0,
-                        "args": {"External id": self.ext - 1, "Record function id": 0, **args}})
+        stream = STREAM["S" if kind in ("send", "recv", "coalesced") else "X"]
+        self._launch(launcher or _C10D[kind], {"ph": "X", "name": self.kernel_names[kind], "pid": self.dev,
+                                               "tid": stream, "ts": ts, "dur": round(end - start, 3),
+                                               "args": dict(args)},
+                     rt="cudaLaunchKernelExC", cpu_args=args if launcher else {})
+        if launcher is None:
+            # record_param_comms sits inside the c10d op and shares the kernel's External id.
+            self.ev.append({"ph": "X", "cat": "cpu_op", "name": "record_param_comms", "pid": self.cpu,
+                            "tid": self.cpu, "ts": round(start - LEAD + 0.5, 3), "dur": 7.0,
+                            "args": {"External id": self.ext - 1, "Record function id": 0, **args}})
         return ts, ts + round(end - start, 3)
 
     def step_span(self, step: int, lo: float, hi: float) -> None:

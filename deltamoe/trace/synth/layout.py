@@ -25,6 +25,7 @@ class SynthConfig:
     compact: bool = False
     gz: bool = False
     with_seq: bool = False         # newer PyTorch builds record `Seq` on collectives
+    p2p: str = "batched"           # 'batched': coalesced kernels (batch_isend_irecv); 'single': isend/irecv
     events_per_rank: int = 0       # 0: no target; otherwise pick layers to get close
 
     @property
@@ -53,6 +54,8 @@ class SynthConfig:
         if self.pp > 1 and self.m < self.pp:
             raise ConfigError(f"microbatches={self.m} must be >= pp={self.pp} for 1F1B",
                               field="--microbatches")
+        if self.p2p not in ("batched", "single"):
+            raise ConfigError(f"unknown P2P style {self.p2p!r}; expected batched or single", field="--p2p")
         bad = [r for r in self.stragglers if not 0 <= r < self.ranks]
         if bad:
             raise ConfigError(f"straggler rank {bad[0]} outside 0..{self.ranks - 1}", field="--straggler")

@@ -6,6 +6,9 @@ Ops (tuples):
   ("X", group, kind, xfer, nbytes, async) collective; async ones do not block compute
   ("S", peer, xfer, nbytes)              pipeline send (async on the P2P stream)
   ("R", peer, nbytes)                    pipeline recv (compute waits for it)
+  ("SR", peer, xfer, nbytes, peer, nbytes) a send and a recv batched into one kernel (p2p="batched":
+                                          torch.distributed.pipelining fuses each send with the recv
+                                          that follows it, e.g. forward output + next backward's grad)
   ("W",)                                 compute waits for the communication stream
 """
 
@@ -92,5 +95,18 @@ def step_program(lay: Layout, rank: int, step: int) -> list[tuple]:
     if c.dp > 1:
         prog.append(("X", lay.group(rank, "dp"), "all_reduce", FINAL_AR_US, 32 << 20, False))
     prog.append(("W",))
+    if c.p2p == "batched":
+        prog = _batch_send_recv(prog)
     prog.append(("C", "opt", [k(ADAM, OPT_US), k(ADAM, OPT_US)]))
     return prog
+
+
+def _batch_send_recv(prog: list[tuple]) -> list[tuple]:
+    """A send directly followed by a recv becomes one batched op, as Schedule1F1B issues them."""
+    out: list[tuple] = []
+    for op in prog:
+        if op[0] == "R" and out and out[-1][0] == "S":
+            out[-1] = ("SR", *out[-1][1:], *op[1:])
+        else:
+            out.append(op)
+    return out

@@ -27,6 +27,7 @@ def simulate_step(lay: Layout, progs: dict[int, list[tuple]], start: dict[int, f
     recvd: dict[tuple[int, int], int] = {}
     waiting_recv: dict[tuple[int, int], int] = {}  # (src, dst) -> blocked receiver
     waiting_comm: set[int] = set()
+    sr_posted: dict[tuple[int, int], float] = {}  # (rank, op index) -> when a batched op was posted
     runnable = deque(progs)
     queued = set(progs)
     done = 0
@@ -35,6 +36,22 @@ def simulate_step(lay: Layout, progs: dict[int, list[tuple]], start: dict[int, f
         if r not in queued:
             queued.add(r)
             runnable.append(r)
+
+    def deliver(src: int, dst: int, at: float) -> None:
+        sent.setdefault((src, dst), []).append(at)
+        w = waiting_recv.pop((src, dst), None)
+        if w is not None:
+            wake(w)
+
+    def take(src: int, dst: int) -> float | None:
+        """Arrival time of dst's next message from src; None (dst now waits) if not sent yet."""
+        k = recvd.get((src, dst), 0)
+        arrivals = sent.get((src, dst), [])
+        if len(arrivals) <= k:
+            waiting_recv[(src, dst)] = dst
+            return None
+        recvd[(src, dst)] = k + 1
+        return arrivals[k]
 
     while runnable:
         r = runnable.popleft()
@@ -87,20 +104,24 @@ def simulate_step(lay: Layout, progs: dict[int, list[tuple]], start: dict[int, f
                 s0 = max(t_comp[r], t_p2p[r])
                 times[r][i] = (s0, s0 + op[2])
                 t_p2p[r] = s0 + op[2]
-                sent.setdefault((r, op[1]), []).append(s0 + op[2])
-                w = waiting_recv.pop((r, op[1]), None)
-                if w is not None:
-                    wake(w)
-            elif code == "R":
-                key = (op[1], r)
-                k = recvd.get(key, 0)
-                arrivals = sent.get(key, [])
-                if len(arrivals) <= k:
-                    waiting_recv[key] = r
+                deliver(r, op[1], s0 + op[2])
+            elif code == "SR":  # the send part is posted once, then the kernel waits for the recv
+                posted = sr_posted.get((r, i))
+                if posted is None:
+                    posted = sr_posted[(r, i)] = max(t_comp[r], t_p2p[r])
+                    deliver(r, op[1], posted + op[2])
+                arrival = take(op[4], r)
+                if arrival is None:
                     break
-                recvd[key] = k + 1
+                end = max(posted + op[2], posted + 5.0, arrival)
+                times[r][i] = (posted, end)
+                t_comp[r] = t_p2p[r] = end
+            elif code == "R":
+                arrival = take(op[1], r)
+                if arrival is None:
+                    break
                 posted = max(t_comp[r], t_p2p[r])
-                end = max(posted + 5.0, arrivals[k])
+                end = max(posted + 5.0, arrival)
                 times[r][i] = (posted, end)
                 t_comp[r] = t_p2p[r] = end
             elif code == "W":
