@@ -3,7 +3,9 @@
 torch.profiler's schedule does the windowing; the trace lands as `traces/rank{r}.json`,
 written atomically. The trace analyzer takes the rank from the trace's `distributedInfo`,
 which Kineto only writes under an initialised process group, so a single-process run gets
-`{"rank": 0, "world_size": 1}` added.
+`{"rank": 0, "world_size": 1}` added. Kineto numbers `ProfilerStep#N` from the profiler's start;
+the trace's top-level `profiler_step_offset` (the training step of ProfilerStep#0) lets the
+analyzer report and select the training steps `--profile-steps` named.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class StepProfiler:
 
     def __init__(self, window: tuple[int, int] | None, first_step: int, out: Path, rank: int):
         self._prof: profile | None = None
+        self._first_step = first_step
         self._stack = contextlib.ExitStack()
         if window is None:
             return
@@ -48,10 +51,11 @@ class StepProfiler:
     def _write(self, prof: profile) -> None:
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         prof.export_chrome_trace(str(tmp))
+        trace = json.loads(tmp.read_text())
+        trace["profiler_step_offset"] = self._first_step
         if not (dist.is_available() and dist.is_initialized()):
-            trace = json.loads(tmp.read_text())
             trace.setdefault("distributedInfo", {"backend": "", "rank": 0, "world_size": 1})
-            tmp.write_text(json.dumps(trace))
+        tmp.write_text(json.dumps(trace))
         os.replace(tmp, self.path)
 
     def step(self) -> None:

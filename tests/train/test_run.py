@@ -88,8 +88,9 @@ def test_profile_window_writes_an_analyzable_trace(micro):
     assert data["distributedInfo"]["rank"] == 0
     steps = {e["name"] for e in data["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")}
     assert len(steps) == 2
+    assert data["profiler_step_offset"] == 1  # ProfilerStep#1..#2 are training steps 2..3
     report = analyze(str(result.out / "traces"), workers=1)
-    assert report is not None
+    assert [x["step"] for x in report.report["step_times"]["steps"]] == [2, 3]
 
 
 def test_stops_at_target_accuracy(micro):
