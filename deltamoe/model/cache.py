@@ -6,7 +6,7 @@ Per sequence it holds, for each layer:
 - MLA: the compressed latent KV, 576 values per token in K3 (kv_lora + shared rope key);
 - DSA: the indexer key per token.
 
-`serve/cache.py` implements the same interface over pages and state slots; `model` never
+`serve/engine/cache.py` implements the same interface over pages and state slots; `model` never
 imports `serve`. Rows of a batch may have different past lengths (`past_lengths`); every row
 appends the same number T of new tokens per forward.
 """

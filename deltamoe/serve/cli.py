@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 
 from deltamoe.errors import ConfigError
-from deltamoe.serve.config import EngineConfig
+from deltamoe.serve.engine.config import EngineConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -48,7 +48,7 @@ COMPILE_DECODE_HELP = ("Run decode steps as one torch.compile graph (2-7x faster
 
 def build_engine(model: str, tokenizer: Optional[str], cache_memory: str, max_num_seqs: int,
                  max_num_batched_tokens: int, dtype: str, device: str, compile_decode: bool = False):
-    from deltamoe.serve.engine import LLMEngine
+    from deltamoe.serve.engine.llm_engine import LLMEngine
 
     config = EngineConfig(cache_memory=cache_memory, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, compile_decode=compile_decode)
@@ -77,8 +77,8 @@ def generate_command(
     compile_decode: bool = typer.Option(False, "--compile-decode", help=COMPILE_DECODE_HELP),
 ) -> None:
     """Generate text for one or more prompts (continuous batching)."""
-    from deltamoe.serve.chat_template import ChatTemplate
-    from deltamoe.serve.sampling import SamplingParams
+    from deltamoe.serve.api.chat_template import ChatTemplate
+    from deltamoe.serve.engine.sampling import SamplingParams
 
     engine = build_engine(model, tokenizer, cache_memory, max_num_seqs, max_num_batched_tokens, dtype, device,
                           compile_decode)
@@ -112,8 +112,8 @@ def chat_command(
     """Interactive chat in the terminal (/reset clears the history, /exit or Ctrl-D quits)."""
     from rich.console import Console
 
-    from deltamoe.serve.chat_template import ChatTemplate
-    from deltamoe.serve.sampling import SamplingParams
+    from deltamoe.serve.api.chat_template import ChatTemplate
+    from deltamoe.serve.engine.sampling import SamplingParams
 
     console = Console()
     engine = build_engine(model, tokenizer, cache_memory, 1, 512, dtype, device)
@@ -170,13 +170,13 @@ def serve_command(
 ) -> None:
     """OpenAI-compatible HTTP server (deltamoe.serve.api) over an AsyncLLMEngine."""
     try:
-        from deltamoe.serve import api
+        from deltamoe.serve.api import server as api
     except ImportError as e:
         raise ConfigError(f"the HTTP server is not available ({e})", field="serve") from e
     import torch
 
-    from deltamoe.serve.async_engine import AsyncLLMEngine
-    from deltamoe.serve.chat_template import ChatTemplate
+    from deltamoe.serve.api.chat_template import ChatTemplate
+    from deltamoe.serve.engine.async_engine import AsyncLLMEngine
 
     chosen = engine_threads(threads, device)
     if chosen is not None:

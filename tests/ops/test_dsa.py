@@ -13,7 +13,7 @@ from deltamoe.ops.mla import (
     mla_attention_absorbed_sparse,
     visible_keys,
 )
-from deltamoe.serve.compiled_decode import compiler_available
+from deltamoe.serve.engine.compiled_decode import compiler_available
 
 B, H, NOPE, ROPE, VDIM, RANK = 2, 3, 16, 8, 16, 12
 

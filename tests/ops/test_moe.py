@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from deltamoe.ops.activations import silu_glu
 from deltamoe.ops.moe import (expert_load, experts_forward, experts_forward_reference, experts_forward_static,
                               route_tokens)
-from deltamoe.serve.compiled_decode import compiler_available
+from deltamoe.serve.engine.compiled_decode import compiler_available
 
 transformers = pytest.importorskip("transformers")
 from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402

@@ -39,7 +39,7 @@ from typing import Callable
 import torch
 
 from deltamoe.errors import ConfigError
-from deltamoe.serve.decode_matvec_pass import DecodeMatvecPass
+from deltamoe.serve.engine.decode_matvec_pass import DecodeMatvecPass
 
 
 def compiler_available() -> bool:

@@ -22,14 +22,14 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from deltamoe.errors import RequestError
-from deltamoe.serve.api_errors import APIError, InternalErrorMiddleware, from_validation_error, install_error_handlers
-from deltamoe.serve.api_format import ChatFormatter, CompletionFormatter
-from deltamoe.serve.api_generate import Generation
-from deltamoe.serve.api_metrics import CONTENT_TYPE, HTTPMetricsMiddleware, ServerMetrics
-from deltamoe.serve.api_params import chat_params, completion_params
-from deltamoe.serve.api_schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields
-from deltamoe.serve.async_engine import AsyncLLMEngine
-from deltamoe.serve.chat_template import ChatTemplate
+from deltamoe.serve.api.chat_template import ChatTemplate
+from deltamoe.serve.api.errors import APIError, InternalErrorMiddleware, from_validation_error, install_error_handlers
+from deltamoe.serve.api.format import ChatFormatter, CompletionFormatter
+from deltamoe.serve.api.generate import Generation
+from deltamoe.serve.api.metrics import CONTENT_TYPE, HTTPMetricsMiddleware, ServerMetrics
+from deltamoe.serve.api.params import chat_params, completion_params
+from deltamoe.serve.api.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields
+from deltamoe.serve.engine.async_engine import AsyncLLMEngine
 
 MAX_BODY_BYTES = 32 * 2**20  # far above any prompt that fits a context; stops a client from filling memory
 R = TypeVar("R", bound=BaseModel)

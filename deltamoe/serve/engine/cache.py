@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch
 
 from deltamoe.config import ModelConfig
-from deltamoe.serve.block_manager import BlockManager, chain_hash
-from deltamoe.serve.cache_layout import CacheLayout, plan_capacity
-from deltamoe.serve.config import EngineConfig
-from deltamoe.serve.sequence import Sequence
-from deltamoe.serve.state_pool import StatePool
+from deltamoe.serve.engine.block_manager import BlockManager, chain_hash
+from deltamoe.serve.engine.cache_layout import CacheLayout, plan_capacity
+from deltamoe.serve.engine.config import EngineConfig
+from deltamoe.serve.engine.sequence import Sequence
+from deltamoe.serve.engine.state_pool import StatePool
 
 
 class HybridCache:

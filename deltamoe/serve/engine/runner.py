@@ -15,12 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from deltamoe.model.model import DeltaMoEForCausalLM
-from deltamoe.serve.cache import HybridCache
-from deltamoe.serve.cache_view import PagedBatchView
-from deltamoe.serve.compiled_decode import compile_decode
-from deltamoe.serve.sampling import TokenLogprob, sample
-from deltamoe.serve.scheduler import ScheduledBatch
-from deltamoe.serve.sequence import Sequence
+from deltamoe.serve.engine.cache import HybridCache
+from deltamoe.serve.engine.cache_view import PagedBatchView
+from deltamoe.serve.engine.compiled_decode import compile_decode
+from deltamoe.serve.engine.sampling import TokenLogprob, sample
+from deltamoe.serve.engine.scheduler import ScheduledBatch
+from deltamoe.serve.engine.sequence import Sequence
 
 
 @dataclass(slots=True)

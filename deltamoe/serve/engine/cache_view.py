@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from deltamoe.serve.cache import HybridCache
+from deltamoe.serve.engine.cache import HybridCache
 
 
 class PagedBatchView:

@@ -16,14 +16,14 @@ import torch
 
 from deltamoe.errors import RequestError
 from deltamoe.model.model import DeltaMoEForCausalLM
-from deltamoe.serve.cache import HybridCache
-from deltamoe.serve.config import EngineConfig
-from deltamoe.serve.detokenizer import IncrementalDetokenizer
-from deltamoe.serve.outputs import Completion, EngineStats, RequestOutput
-from deltamoe.serve.runner import ModelRunner, StepResult
-from deltamoe.serve.sampling import SamplingParams
-from deltamoe.serve.scheduler import ScheduledBatch, Scheduler
-from deltamoe.serve.sequence import Sequence
+from deltamoe.serve.engine.cache import HybridCache
+from deltamoe.serve.engine.config import EngineConfig
+from deltamoe.serve.engine.detokenizer import IncrementalDetokenizer
+from deltamoe.serve.engine.outputs import Completion, EngineStats, RequestOutput
+from deltamoe.serve.engine.runner import ModelRunner, StepResult
+from deltamoe.serve.engine.sampling import SamplingParams
+from deltamoe.serve.engine.scheduler import ScheduledBatch, Scheduler
+from deltamoe.serve.engine.sequence import Sequence
 from deltamoe.tokenizers.base import Tokenizer
 from deltamoe.tokenizers.load import load_tokenizer
 
@@ -118,6 +118,10 @@ class LLMEngine:
             return None
         self.scheduler.finish(seq, "abort")
         return self._output(seq, [], "", None)
+
+    def abort_all(self) -> list[RequestOutput]:
+        """Stop every request, waiting or running, and free its memory; their final outputs."""
+        return [out for request_id in list(self._requests) if (out := self.abort(request_id)) is not None]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
