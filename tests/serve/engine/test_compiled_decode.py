@@ -112,7 +112,7 @@ def test_eager_and_compiled_logits_agree(models, helpers):
         for t, s in zip((cache.conv, cache.recurrent, cache.latent, cache.index_keys), saved):
             t.copy_(s)  # a step advances the KDA states: both forms start from the same ones
         view = PagedBatchView(cache, [s.block_table for s in seqs], [s.num_computed for s in seqs],
-                              [s.slot for s in seqs], 1)
+                              [s.slot for s in seqs], 1, min_table_width=compiled_decode.CompiledDecode.min_table_width)
         return fn(ids, view)[:, -1]
 
     compiled = logits(engine.runner._compiled_decode)
