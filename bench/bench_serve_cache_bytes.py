@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import markdown_table, result_name, write_result  # noqa: E402
 
 from deltamoe.config import load_preset  # noqa: E402
-from deltamoe.serve.cache_layout import CacheLayout  # noqa: E402
+from deltamoe.serve.engine.cache_layout import CacheLayout  # noqa: E402
 
 CONTEXTS = (4096, 32768, 131072, 1048576)
 # K3's per-token cache bytes are expected at about a quarter of the all-MLA layout's.

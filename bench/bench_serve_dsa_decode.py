@@ -32,10 +32,10 @@ from common import markdown_table, result_name, write_result  # noqa: E402
 
 from deltamoe.config import load_preset  # noqa: E402
 from deltamoe.model.load import build_model  # noqa: E402
-from deltamoe.serve.config import EngineConfig  # noqa: E402
-from deltamoe.serve.engine import LLMEngine  # noqa: E402
-from deltamoe.serve.sampling import SamplingParams  # noqa: E402
-from deltamoe.serve.scheduler import ScheduledBatch  # noqa: E402
+from deltamoe.serve.engine.config import EngineConfig  # noqa: E402
+from deltamoe.serve.engine.llm_engine import LLMEngine  # noqa: E402
+from deltamoe.serve.engine.sampling import SamplingParams  # noqa: E402
+from deltamoe.serve.engine.scheduler import ScheduledBatch  # noqa: E402
 
 MAX_CONTEXT = 32 * 1024
 

@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import markdown_table, result_name, write_result  # noqa: E402
 
 from deltamoe.model.load import load_model  # noqa: E402
-from deltamoe.serve.config import EngineConfig  # noqa: E402
-from deltamoe.serve.engine import LLMEngine  # noqa: E402
-from deltamoe.serve.sampling import SamplingParams  # noqa: E402
+from deltamoe.serve.engine.config import EngineConfig  # noqa: E402
+from deltamoe.serve.engine.llm_engine import LLMEngine  # noqa: E402
+from deltamoe.serve.engine.sampling import SamplingParams  # noqa: E402
 
 
 def hf_model():

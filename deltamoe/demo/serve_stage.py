@@ -19,9 +19,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from deltamoe.serve.config import EngineConfig
-from deltamoe.serve.engine import LLMEngine
-from deltamoe.serve.sampling import SamplingParams
+from deltamoe.serve.engine.config import EngineConfig
+from deltamoe.serve.engine.llm_engine import LLMEngine
+from deltamoe.serve.engine.sampling import SamplingParams
 from deltamoe.train.data.task_stream import draw_example
 from deltamoe.train.data.tasks import Task
 

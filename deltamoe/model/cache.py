@@ -7,7 +7,8 @@ Per sequence it holds, for each layer:
 - DSA: the indexer key per token.
 
 The serving engine's paged HybridCache (`deltamoe.serve.engine.cache`) implements the same
-interface over pages and state slots; `model` never imports `serve`. Rows of a batch may have different past lengths (`past_lengths`); every row
+interface over pages and state slots; `model` never imports `serve`. Rows of a batch may have
+different past lengths (`past_lengths`); every row
 appends the same number T of new tokens per forward.
 """
 

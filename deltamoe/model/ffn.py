@@ -10,7 +10,7 @@ from torch import nn
 from deltamoe.config import ModelConfig
 from deltamoe.model.norm import RMSNorm
 from deltamoe.ops.activations import glu
-from deltamoe.ops.moe import expert_load, experts_forward, route_tokens
+from deltamoe.ops.moe import expert_load, experts_forward, experts_forward_static, route_tokens
 
 
 class DenseMLP(nn.Module):
@@ -64,6 +64,15 @@ def local_experts(z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
     c = experts.config
     return experts_forward(z, weights, indices, experts.w1, experts.w3, experts.w2, act=c.hidden_act,
                            situ_beta=c.situ_beta, situ_linear_beta=c.situ_linear_beta)
+
+
+def local_experts_static(z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+                         experts: RoutedExperts) -> torch.Tensor:
+    """`local_experts` with shapes that never depend on the routing: the dispatcher a compiled graph
+    runs (serve's compiled decode installs it on its own view of the model)."""
+    c = experts.config
+    return experts_forward_static(z, weights, indices, experts.w1, experts.w3, experts.w2, act=c.hidden_act,
+                                  situ_beta=c.situ_beta, situ_linear_beta=c.situ_linear_beta)
 
 
 class MoE(nn.Module):

@@ -56,7 +56,7 @@ def causal_topk(
     """
     _check_topk_args(scores, q_positions, top_k)
     num_keys = scores.shape[-1]
-    top = min(top_k, num_keys)  # compiled: contexts under and over top_k are two graphs (LLMEngine.warm_up)
+    top = num_keys if selects_every_key(num_keys, top_k) else top_k
     if top == 0 or scores.numel() == 0:
         return causal_topk_reference(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=top_k)
     counts = visible_counts(q_positions, kv_lengths, num_keys)
@@ -67,6 +67,13 @@ def causal_topk(
     slots = _SLOT_MASK - (best & _SLOT_MASK)
     valid = torch.arange(top, device=scores.device) < counts[..., None]
     return slots.masked_fill(~valid, 0), valid
+
+
+def selects_every_key(num_keys: int, top_k: int) -> bool:
+    """Whether `causal_topk` over `num_keys` keys keeps them all (fewer than top_k): its output is
+    then num_keys wide, else top_k wide. A compiler holds the two as different graphs, so code that
+    compiles ahead of time (serve's compiled decode) asks this where the width rule changes."""
+    return num_keys < top_k
 
 
 # A selection key is int64: (score's order as int32) * 2^32 + (2^32 - 1 - slot).
@@ -113,7 +120,8 @@ def _ranked_scores(
     visible = visible_keys(q_positions, kv_lengths, scores.shape[-1])
     lowest = torch.finfo(torch.float32).min
     ranked = torch.where(visible, scores.float().clamp(min=lowest), float("-inf"))
-    return ranked, visible, min(top_k, scores.shape[-1])
+    num_keys = scores.shape[-1]
+    return ranked, visible, num_keys if selects_every_key(num_keys, top_k) else top_k
 
 
 def _check_topk_args(scores: torch.Tensor, q_positions: torch.Tensor, top_k: int) -> None:

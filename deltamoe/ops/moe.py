@@ -4,7 +4,8 @@
 `KimiLinearTopkRouter` and NeMo's `KimiK3Gate` do. `experts_forward` runs the selected
 experts with one matmul per expert over a contiguous, expert-sorted slice of tokens;
 `experts_forward_reference` is the plain dense form the tests compare it with, and
-`experts_forward_static` the routing-independent shapes a compiled decode graph holds.
+`experts_forward_static` the routing-independent shapes a compiled decode graph holds (its
+caller chooses it; `gathers_expert_weights` says which of its two forms a batch takes).
 
 Both expert functions take the expert weights as stacked tensors in checkpoint layout:
 `w1` (gate) and `w3` (up) are [E, I, D] and `w2` (down) is [E, D, I], so `x @ w1[e].T` is
@@ -146,11 +147,12 @@ def experts_forward(
     bf16, as K3 does); the weighted sum is taken in fp32 with `index_add`, which is also
     what makes the whole function differentiable w.r.t. x, weights and expert weights.
 
+    The expert slices are sized on the host from the routing, so a compiled graph cannot hold
+    this form: it calls `experts_forward_static` instead (the caller picks, see
+    `model.ffn.local_experts_static`).
+
     Returns fp32 [N, D] (fp64 for fp64 inputs).
     """
-    if torch.compiler.is_compiling():  # a compiled graph cannot hold the per-expert slices below
-        return experts_forward_static(x, weights, indices, w1, w3, w2, act=act, situ_beta=situ_beta,
-                                      situ_linear_beta=situ_linear_beta)
     _check_expert_args(x, weights, indices, w1, w3, w2)
     num_tokens, top_k = indices.shape
     acc = _combine_dtype(x)
@@ -164,6 +166,14 @@ def experts_forward(
     y_sorted = _sorted_expert_outputs(x[token_of_slot], counts, w1, w3, w2, act, situ_beta, situ_linear_beta)
     y_sorted = y_sorted.to(acc) * weights.reshape(-1)[order].to(acc).unsqueeze(-1)
     return out.index_add(0, token_of_slot, y_sorted)
+
+
+def gathers_expert_weights(num_tokens: int, top_k: int, num_experts: int) -> bool:
+    """Which form `experts_forward_static` takes for `num_tokens` rows: gathering each row's own
+    experts' weights while there are fewer (token, slot) pairs than experts, else every expert on
+    every row. The two are different graphs to a compiler, so code that compiles ahead of time
+    (serve's compiled decode) asks this to find the batch sizes where the form changes."""
+    return num_tokens * top_k < num_experts
 
 
 def experts_forward_static(
@@ -191,7 +201,7 @@ def experts_forward_static(
     num_tokens, top_k = indices.shape
     num_experts = w1.shape[0]
     acc = _combine_dtype(x)
-    if num_tokens * top_k < num_experts:
+    if gathers_expert_weights(num_tokens, top_k, num_experts):
         gate = torch.einsum("nd,nkid->nki", x, w1[indices])
         up = torch.einsum("nd,nkid->nki", x, w3[indices])
         y = torch.einsum("nki,nkdi->nkd", glu(gate, up, act, situ_beta, situ_linear_beta), w2[indices])

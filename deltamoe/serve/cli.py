@@ -8,6 +8,7 @@ commands, so `--help` and these errors take a fraction of a second.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import socket
 from pathlib import Path
@@ -15,8 +16,8 @@ from typing import TYPE_CHECKING, Optional
 
 import typer
 
-from deltamoe.hf_config import load_config
 from deltamoe.errors import ConfigError
+from deltamoe.hf_config import load_config
 
 if TYPE_CHECKING:
     import torch
@@ -36,12 +37,15 @@ def parse_dtype(name: str) -> "torch.dtype":
     return getattr(torch, check_dtype(name))
 
 
-def check_listen_address(host: str, port: int) -> None:
-    """Bind host:port the way uvicorn will and release it: an unknown host or a port in use is a
-    one-line error before the model loads, not a traceback or uvicorn's exit 3 after it."""
+def bind_listen_address(host: str, port: int) -> socket.socket:
+    """Bind host:port the way uvicorn would, before the model loads: an unknown host or a port in use
+    is a one-line error, not a traceback or uvicorn's exit 3 after minutes of loading. The bound
+    socket is handed to the server, so no other process can take the port in between."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET  # uvicorn's rule
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn, so TIME_WAIT does not count
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn, so TIME_WAIT does not count
+    with contextlib.ExitStack() as on_error:
+        on_error.callback(sock.close)
         try:
             sock.bind((host, port))
         except socket.gaierror as e:
@@ -58,6 +62,8 @@ def check_listen_address(host: str, port: int) -> None:
                 raise ConfigError(f"{host!r} is not an address of this machine", field="host",
                                   hint="127.0.0.1 for local clients, 0.0.0.0 for every interface") from e
             raise ConfigError(f"cannot bind {host}:{port} ({e.strerror or e})", field="port") from e
+        on_error.pop_all()
+    return sock
 
 
 def engine_threads(requested: Optional[int], device: str) -> Optional[int]:
@@ -83,13 +89,13 @@ COMPILE_DECODE_HELP = ("Run decode steps as one torch.compile graph (2-7x faster
 
 def build_engine(model: str, tokenizer: Optional[str], cache_memory: str, max_num_seqs: int,
                  max_num_batched_tokens: int, dtype: str, device: str, compile_decode: bool = False):
-    from deltamoe.serve.config import EngineConfig
+    from deltamoe.serve.engine.config import EngineConfig
 
     check_dtype(dtype)
     config = EngineConfig(cache_memory=cache_memory, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, compile_decode=compile_decode)
     load_config(model)  # an unknown model fails here, from its config alone
-    from deltamoe.serve.engine import LLMEngine  # imports torch: after every check above
+    from deltamoe.serve.engine.llm_engine import LLMEngine  # imports torch: after every check above
 
     return LLMEngine.from_pretrained(model, config, tokenizer, parse_dtype(dtype), device)
 
@@ -118,8 +124,8 @@ def generate_command(
     """Generate text for one or more prompts (continuous batching)."""
     engine = build_engine(model, tokenizer, cache_memory, max_num_seqs, max_num_batched_tokens, dtype, device,
                           compile_decode)
-    from deltamoe.serve.chat_template import ChatTemplate
-    from deltamoe.serve.sampling import SamplingParams
+    from deltamoe.serve.api.chat_template import ChatTemplate
+    from deltamoe.serve.engine.sampling import SamplingParams
 
     stop_ids: list[int] = []
     inputs: list[str | list[int]] = list(prompt)
@@ -152,8 +158,8 @@ def chat_command(
     engine = build_engine(model, tokenizer, cache_memory, 1, 512, dtype, device)
     from rich.console import Console
 
-    from deltamoe.serve.chat_template import ChatTemplate
-    from deltamoe.serve.sampling import SamplingParams
+    from deltamoe.serve.api.chat_template import ChatTemplate
+    from deltamoe.serve.engine.sampling import SamplingParams
 
     console = Console()
     template = ChatTemplate.for_model(engine.tokenizer, tokenizer or model)
@@ -208,7 +214,7 @@ def serve_command(
     compile_decode: bool = typer.Option(False, "--compile-decode", help=COMPILE_DECODE_HELP + " Every decode graph is compiled at startup, before the port opens."),
 ) -> None:
     """OpenAI-compatible HTTP server (deltamoe.serve.api) over an AsyncLLMEngine."""
-    from deltamoe.serve.config import EngineConfig
+    from deltamoe.serve.engine.config import EngineConfig
 
     check_dtype(dtype)
     config = EngineConfig(cache_memory=cache_memory, max_num_seqs=max_num_seqs,
@@ -216,15 +222,16 @@ def serve_command(
                           compile_decode=compile_decode)
     chosen = engine_threads(threads, device)
     load_config(model)  # an unknown model fails here, from its config alone
-    check_listen_address(host, port)
+    listener = bind_listen_address(host, port)
     try:
-        from deltamoe.serve import api
+        from deltamoe.serve.api import server as api
     except ImportError as e:
+        listener.close()
         raise ConfigError(f"the HTTP server is not available ({e})", field="serve") from e
     import torch
 
-    from deltamoe.serve.async_engine import AsyncLLMEngine
-    from deltamoe.serve.chat_template import ChatTemplate
+    from deltamoe.serve.api.chat_template import ChatTemplate
+    from deltamoe.serve.engine.async_engine import AsyncLLMEngine
 
     if chosen is not None:
         torch.set_num_threads(chosen)
@@ -235,4 +242,4 @@ def serve_command(
         engine.engine.warm_up()
     template = ChatTemplate.for_model(engine.tokenizer, tokenizer or model)
     api.run(engine, model_name=served_model_name or model, host=host, port=port, api_key=api_key,
-            chat_template=template, log_level=log_level)
+            chat_template=template, log_level=log_level, sock=listener)

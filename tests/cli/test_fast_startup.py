@@ -21,7 +21,7 @@ from deltamoe.cli import main
 err = io.StringIO()
 with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
     rc = main(argv)
-heavy = sorted(m for m in ("torch", "deltamoe.model", "deltamoe.serve.engine", "uvicorn", "fastapi") if m in sys.modules)
+heavy = sorted(m for m in ("torch", "deltamoe.model", "deltamoe.serve.engine.llm_engine", "uvicorn", "fastapi") if m in sys.modules)
 print(json.dumps({"rc": rc, "heavy": heavy, "err": err.getvalue()}))
 """
 

@@ -9,7 +9,7 @@ import pytest
 
 from deltamoe.cli import main
 from deltamoe.errors import ConfigError
-from deltamoe.serve.cli import check_listen_address
+from deltamoe.serve.cli import bind_listen_address
 
 
 def test_a_port_in_use_is_named(capsys) -> None:
@@ -23,13 +23,17 @@ def test_a_port_in_use_is_named(capsys) -> None:
                   "(hint: pick another --port or stop the process that holds it)\n"
 
 
-def test_a_free_port_passes_and_stays_free() -> None:
+def test_a_free_port_is_bound_and_held_for_the_server() -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    check_listen_address("127.0.0.1", port)
-    with socket.socket() as again:  # the check released it for uvicorn
-        again.bind(("127.0.0.1", port))
+    sock = bind_listen_address("127.0.0.1", port)
+    try:
+        assert sock.getsockname() == ("127.0.0.1", port)
+        with socket.socket() as rival, pytest.raises(OSError):  # nobody takes it while the model loads
+            rival.bind(("127.0.0.1", port))
+    finally:
+        sock.close()
 
 
 @pytest.mark.parametrize("port", ["0", "65536", "99999", "-1"])
@@ -41,8 +45,47 @@ def test_ports_outside_1_to_65535_are_usage_errors(port: str, capsys) -> None:
 
 def test_bad_hosts_name_the_host_field() -> None:
     with pytest.raises(ConfigError, match="cannot resolve 'no-such-host.invalid'") as error:
-        check_listen_address("no-such-host.invalid", 8000)
+        bind_listen_address("no-such-host.invalid", 8000)
     assert error.value.field == "host"
     with pytest.raises(ConfigError, match="not an address of this machine") as error:
-        check_listen_address("192.0.2.1", 8000)  # TEST-NET-1: documentation only, never local
+        bind_listen_address("192.0.2.1", 8000)  # TEST-NET-1: documentation only, never local
     assert error.value.field == "host"
+
+
+def test_serve_process_answers_on_the_port_it_bound_and_stops_on_sigterm(tmp_path) -> None:
+    """The real command end to end: bind first, load, serve on that socket, exit cleanly on SIGTERM."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "deltamoe", "serve", "tiny", "--port", str(port), "--threads", "1",
+                             "--cache-memory", "64MiB", "--log-level", "warning"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up in 120 s"
+            time.sleep(0.5)
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json()["data"][0]["id"] == "tiny"
+        proc.send_signal(signal.SIGTERM)
+        # uvicorn shuts down gracefully, then re-raises the signal it caught (exit status -SIGTERM)
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+        assert "Traceback" not in proc.stderr.read().decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

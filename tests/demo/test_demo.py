@@ -10,7 +10,7 @@ import pytest
 from deltamoe.cli import main
 from deltamoe.demo import train_stage
 from deltamoe.demo.serve_stage import held_out_prompts
-from deltamoe.serve.engine import LLMEngine
+from deltamoe.serve.engine.llm_engine import LLMEngine
 from deltamoe.train import trainer as trainer_module
 from deltamoe.train.data.tasks import QUERY, in_eval_split
 from tests.train.conftest import MICRO_MODEL  # every feature of tiny, at a size where a step takes milliseconds

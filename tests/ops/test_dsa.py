@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltamoe.ops.dsa import causal_topk, indexer_scores, topk_mask
+from deltamoe.ops.dsa import causal_topk, indexer_scores, selects_every_key, topk_mask
 from deltamoe.ops.mla import (
     absorb_kv_b,
     mla_attention,
@@ -13,7 +13,7 @@ from deltamoe.ops.mla import (
     mla_attention_absorbed_rows,
     visible_keys,
 )
-from deltamoe.serve.compiled_decode import compiler_available
+from deltamoe.serve.engine.compiled_decode import compiler_available
 
 B, H, NOPE, ROPE, VDIM, RANK = 2, 3, 16, 8, 16, 12
 
@@ -159,6 +159,16 @@ def test_causal_topk_compiles_to_one_graph_with_the_same_selection() -> None:
     got = compiled(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=6)
     want = causal_topk_reference(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=6)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("num_keys", [3, 5, 6, 9])
+def test_selects_every_key_gives_causal_topks_width(num_keys: int) -> None:
+    """Under top_k keys every key is kept and the output is num_keys wide; from top_k on it is top_k wide."""
+    scores = torch.randn(1, 2, num_keys, generator=torch.Generator().manual_seed(num_keys))
+    indices, valid = causal_topk(scores, q_positions=torch.tensor([[num_keys - 2, num_keys - 1]]),
+                                 kv_lengths=torch.tensor([num_keys]), top_k=6)
+    assert selects_every_key(num_keys, 6) == (num_keys < 6)
+    assert indices.shape[-1] == valid.shape[-1] == (num_keys if selects_every_key(num_keys, 6) else 6)
 
 
 def test_causal_topk_shapes_do_not_depend_on_data() -> None:

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from deltamoe.ops.activations import silu_glu
 from deltamoe.ops.moe import (expert_load, experts_forward, experts_forward_reference, experts_forward_static,
-                              route_tokens)
-from deltamoe.serve.compiled_decode import compiler_available
+                              gathers_expert_weights, route_tokens)
+from deltamoe.serve.engine.compiled_decode import compiler_available
 
 transformers = pytest.importorskip("transformers")
 from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
@@ -267,12 +267,19 @@ def test_experts_forward_static_equals_the_reference(shape: tuple, dtype: torch.
 
 
 @needs_compiler
-def test_experts_forward_compiles_to_one_graph() -> None:
-    """Inside torch.compile `experts_forward` takes the static form: one graph, no host reads."""
-    x, weights, indices, w1, w3, w2 = random_experts(6, 4, 2, 8, 4, torch.float32, seed=5)
-    compiled = torch.compile(experts_forward, fullgraph=True, dynamic=False)
+@pytest.mark.parametrize("num_tokens", [1, 6])  # gathered weights (1 x 2 < 4 experts), all experts (12 >= 4)
+def test_experts_forward_static_compiles_to_one_graph(num_tokens: int) -> None:
+    """The form a compiled graph calls: one graph, no host reads, the sorted form's result."""
+    x, weights, indices, w1, w3, w2 = random_experts(num_tokens, 4, 2, 8, 4, torch.float32, seed=5)
+    compiled = torch.compile(experts_forward_static, fullgraph=True, dynamic=False)
     torch.testing.assert_close(compiled(x, weights, indices, w1, w3, w2, act="silu"),
                                experts_forward(x, weights, indices, w1, w3, w2, act="silu"), rtol=1e-5, atol=1e-6)
+
+
+def test_gathers_expert_weights_marks_the_static_forms_switch() -> None:
+    """Fewer (token, slot) pairs than experts gather; from N * k = E on, every expert runs."""
+    assert [gathers_expert_weights(n, 2, 8) for n in range(1, 6)] == [True, True, True, False, False]
+    assert gathers_expert_weights(1, 8, 8) is False and gathers_expert_weights(47, 8, 384) is True
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -8,11 +8,11 @@ import json
 import pytest
 
 from deltamoe.errors import RequestError
-from deltamoe.serve.async_engine import AsyncLLMEngine
-from deltamoe.serve.chat_template import ChatTemplate
-from deltamoe.serve.config import EngineConfig
-from deltamoe.serve.engine import LLMEngine
-from deltamoe.serve.sampling import SamplingParams
+from deltamoe.serve.api.chat_template import ChatTemplate
+from deltamoe.serve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from deltamoe.serve.engine.config import EngineConfig
+from deltamoe.serve.engine.llm_engine import LLMEngine
+from deltamoe.serve.engine.sampling import SamplingParams
 from deltamoe.tokenizers.byte import ByteTokenizer
 from deltamoe.tokenizers.load import load_tokenizer
 
@@ -108,3 +108,37 @@ def test_async_cancel_aborts_and_frees(k31_model):
         engine.shutdown()
     assert 3 <= len(seen) < 400
     assert (stats.num_running, stats.block_usage, stats.slot_usage) == (0, 0.0, 0.0)
+
+
+def test_a_failed_step_ends_every_stream_and_frees_its_memory(k31_model, monkeypatch):
+    """The engine thread survives a step that raises: each request in flight, running or still
+    waiting, ends with EngineDeadError and gives its blocks and slot back (`LLMEngine.abort_all`)."""
+    sync = LLMEngine(k31_model, config=EngineConfig(cache_memory="8MiB", max_num_seqs=1))
+    engine = AsyncLLMEngine(sync)
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    real_step = sync.step
+    steps = 0
+
+    def failing_step():
+        nonlocal steps
+        steps += 1
+        if steps == 3:  # one request running (max_num_seqs=1), the other still waiting
+            raise RuntimeError("device lost")
+        return real_step()
+
+    monkeypatch.setattr(sync, "step", failing_step)
+
+    async def one(prompt):
+        with pytest.raises(EngineDeadError, match="device lost"):
+            await collect(engine, prompt, params)
+
+    async def main():
+        await asyncio.gather(one([1, 2, 3]), one([4, 5, 6]))
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+    stats = sync.stats()
+    assert (stats.num_running, stats.num_waiting, stats.block_usage, stats.slot_usage) == (0, 0, 0.0, 0.0)
+    assert sync.abort_all() == []

@@ -1,4 +1,4 @@
-"""`deltamoe serve`: its flags reach the app (the HTTP side itself is tested in test_api*.py)."""
+"""`deltamoe serve`: its flags reach the app (the HTTP side itself is tested in api/test_api*.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from deltamoe.cli import main
 from deltamoe.model.load import build_model
 from deltamoe.model.weights import save_checkpoint
-from deltamoe.serve import api
+from deltamoe.serve.api import server as api
 from deltamoe.serve.cli import engine_threads
 
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"

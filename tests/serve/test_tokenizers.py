@@ -8,7 +8,7 @@ import json
 import pytest
 
 from deltamoe.errors import ConfigError
-from deltamoe.serve.detokenizer import IncrementalDetokenizer
+from deltamoe.serve.engine.detokenizer import IncrementalDetokenizer
 from deltamoe.tokenizers.byte import ByteTokenizer
 from deltamoe.tokenizers.hf import HFTokenizer
 from deltamoe.tokenizers.load import load_tokenizer

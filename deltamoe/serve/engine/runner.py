@@ -15,12 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from deltamoe.model.model import DeltaMoEForCausalLM
-from deltamoe.serve.cache import HybridCache
-from deltamoe.serve.cache_view import PagedBatchView
-from deltamoe.serve.compiled_decode import compile_decode
-from deltamoe.serve.sampling import TokenLogprob, sample
-from deltamoe.serve.scheduler import ScheduledBatch
-from deltamoe.serve.sequence import Sequence
+from deltamoe.serve.engine.cache import HybridCache
+from deltamoe.serve.engine.cache_view import PagedBatchView
+from deltamoe.serve.engine.compiled_decode import CompiledDecode
+from deltamoe.serve.engine.sampling import TokenLogprob, sample
+from deltamoe.serve.engine.scheduler import ScheduledBatch
+from deltamoe.serve.engine.sequence import Sequence
 
 
 @dataclass(slots=True)
@@ -37,7 +37,7 @@ class ModelRunner:
         self.cache = cache
         self.device = model.device
         # Decode calls (T = 1) through one compiled graph; prefill chunks always run eagerly.
-        self._compiled_decode = compile_decode(model) if compiled_decode else None
+        self._compiled_decode = CompiledDecode(model) if compiled_decode else None
 
     @property
     def compiles_decode(self) -> bool:
@@ -74,13 +74,15 @@ class ModelRunner:
         else:
             ids = torch.tensor([s.token_ids[s.num_computed:s.num_computed + n] + [0] * (t - n)
                                 for s, n in zip(seqs, counts)], device=self.device)
-        view = PagedBatchView(self.cache, [s.block_table for s in seqs], [s.num_computed for s in seqs],
-                              [s.slot for s in seqs], counts)
-        # Norm + LM head on the last real position only: prefill chunks need no other logits.
         # A T = 1 call where every row starts empty is the prefill of one-token prompts: eager, like
         # every prefill (compiled, its context of one token would be a graph of its own).
-        if t == 1 and self._compiled_decode is not None and any(s.num_computed for s in seqs):
-            return self._compiled_decode(ids, view)[:, -1].float()
+        compiled = self._compiled_decode if t == 1 and any(s.num_computed for s in seqs) else None
+        view = PagedBatchView(self.cache, [s.block_table for s in seqs], [s.num_computed for s in seqs],
+                              [s.slot for s in seqs], counts,
+                              min_table_width=compiled.min_table_width if compiled is not None else 1)
+        # Norm + LM head on the last real position only: prefill chunks need no other logits.
+        if compiled is not None:
+            return compiled(ids, view)[:, -1].float()
         return self.model(ids, cache=view, logits_to_keep=1).logits[:, -1].float()
 
 

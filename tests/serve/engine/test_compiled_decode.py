@@ -12,10 +12,10 @@ import torch
 
 from deltamoe.errors import ConfigError
 from deltamoe.model.load import build_model
-from deltamoe.serve import compiled_decode
-from deltamoe.serve.config import EngineConfig
-from deltamoe.serve.engine import LLMEngine
-from deltamoe.serve.sampling import SamplingParams
+from deltamoe.serve.engine import compiled_decode
+from deltamoe.serve.engine.config import EngineConfig
+from deltamoe.serve.engine.llm_engine import LLMEngine
+from deltamoe.serve.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not compiled_decode.compiler_available(),
                                 reason="torch.compile's CPU kernels need a C++ compiler")
@@ -93,7 +93,7 @@ def test_compile_decode_refuses_what_it_cannot_run(models, monkeypatch, helpers)
 
 def test_eager_and_compiled_logits_agree(models, helpers):
     """Beyond argmax: one decode step's logits, eager and compiled, from the same cache contents."""
-    from deltamoe.serve.cache_view import PagedBatchView
+    from deltamoe.serve.engine.cache_view import PagedBatchView
 
     model = models["k31"]
     engine = LLMEngine(model, config=EngineConfig(cache_memory="16MiB", compile_decode=True))
@@ -112,7 +112,7 @@ def test_eager_and_compiled_logits_agree(models, helpers):
         for t, s in zip((cache.conv, cache.recurrent, cache.latent, cache.index_keys), saved):
             t.copy_(s)  # a step advances the KDA states: both forms start from the same ones
         view = PagedBatchView(cache, [s.block_table for s in seqs], [s.num_computed for s in seqs],
-                              [s.slot for s in seqs], 1)
+                              [s.slot for s in seqs], 1, min_table_width=compiled_decode.CompiledDecode.min_table_width)
         return fn(ids, view)[:, -1]
 
     compiled = logits(engine.runner._compiled_decode)

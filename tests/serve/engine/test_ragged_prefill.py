@@ -9,11 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deltamoe.ops.kda_gate import causal_conv1d
-from deltamoe.serve.config import EngineConfig
-from deltamoe.serve.engine import LLMEngine
-from deltamoe.serve.runner import MAX_PADDING_FRACTION, pack_calls
-from deltamoe.serve.sampling import SamplingParams
-from deltamoe.serve.scheduler import ScheduledBatch
+from deltamoe.serve.engine.config import EngineConfig
+from deltamoe.serve.engine.llm_engine import LLMEngine
+from deltamoe.serve.engine.runner import MAX_PADDING_FRACTION, pack_calls
+from deltamoe.serve.engine.sampling import SamplingParams
+from deltamoe.serve.engine.scheduler import ScheduledBatch
 
 
 def test_conv_state_of_padded_rows_is_the_state_of_their_real_inputs() -> None:

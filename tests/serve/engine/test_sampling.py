@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from deltamoe.serve.config import EngineConfig
-from deltamoe.serve.detokenizer import IncrementalDetokenizer
-from deltamoe.serve.engine import LLMEngine
-from deltamoe.serve.sampling import SamplingParams, apply_penalties, filter_logits, sample_row, token_logprobs
+from deltamoe.serve.engine.config import EngineConfig
+from deltamoe.serve.engine.detokenizer import IncrementalDetokenizer
+from deltamoe.serve.engine.llm_engine import LLMEngine
+from deltamoe.serve.engine.sampling import SamplingParams, apply_penalties, filter_logits, sample_row, token_logprobs
 from deltamoe.tokenizers.byte import ByteTokenizer
 
 NEG = float("-inf")

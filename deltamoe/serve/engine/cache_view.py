@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import torch
 
-from deltamoe.serve.cache import HybridCache
+from deltamoe.serve.engine.cache import HybridCache
 
 
 class PagedBatchView:
     def __init__(self, cache: HybridCache, block_tables: list[list[int]], past_lengths: list[int],
-                 slots: list[int], num_new_tokens: int | list[int]):
-        """`num_new_tokens`: T for every row, or one count per row (rows right-padded to the longest)."""
+                 slots: list[int], num_new_tokens: int | list[int], min_table_width: int = 1):
+        """`num_new_tokens`: T for every row, or one count per row (rows right-padded to the longest).
+        `min_table_width`: block tables are padded to at least this many columns (never read), as a
+        compiled call asks (`compiled_decode.CompiledDecode.min_table_width`)."""
         device = cache.latent.device
         bs = cache.block_size
         self._cache = cache
@@ -32,9 +34,7 @@ class PagedBatchView:
         self.new_lengths = torch.tensor(counts, dtype=torch.long, device=device) if ragged else None
         self._fresh = all(p == 0 for p in past_lengths)  # every row starts from an empty state
         self._slots = torch.tensor(slots, dtype=torch.long, device=device)
-        # At least two columns (the extra one is never read): a compiled decode graph would otherwise
-        # specialise on width 1 (contexts within one block) and compile again for longer ones.
-        width = max(2, max(len(b) for b in block_tables))
+        width = max(min_table_width, max(len(b) for b in block_tables))
         # One flat list, then a view: torch.tensor over a list of lists costs ~1 us per row.
         flat = [block for b in block_tables for block in b + [0] * (width - len(b))]
         table = torch.tensor(flat, dtype=torch.long, device=device).view(len(block_tables), width)
@@ -45,8 +45,6 @@ class PagedBatchView:
         self._write_rows: torch.Tensor | None = None
         blocks = block_tables[0][: -(-total // bs)]
         consecutive = len(block_tables) == 1 and blocks == list(range(blocks[0], blocks[0] + len(blocks)))
-        # Plain ints, not a slice object: a compiled decode graph treats ints as symbols but a
-        # slice's bounds as constants (one recompile per step).
         self._first_row = blocks[0] * bs if consecutive else None
         self._read_rows: torch.Tensor | None = None
 
@@ -94,7 +92,7 @@ class PagedBatchView:
     def _append(self, store: torch.Tensor, layer: int, new: torch.Tensor) -> torch.Tensor:
         self._store(store, layer, new)
         pages = store[layer]
-        if self._first_row is not None:
+        if self._first_row is not None:  # narrow, not a slice: its start and length stay symbols when compiled
             return pages.narrow(0, self._first_row, self._total).unsqueeze(0)
         return pages[self._read]
 
@@ -120,6 +118,6 @@ class PagedBatchView:
 
 def _put(store: torch.Tensor, layer: int, index: torch.Tensor, values: torch.Tensor) -> None:
     """store[layer, index[i]] = values[i], written through the whole [L, N, ...] tensor rather than
-    a view of one layer: in a compiled decode graph (`serve.compiled_decode`) a write into a view
+    a view of one layer: in a compiled decode graph (`compiled_decode.py`) a write into a view
     of a graph input makes the graph rebuild the whole input (the entire cache) every step."""
     store.index_put_((torch.full_like(index, layer), index), values.to(store.dtype))

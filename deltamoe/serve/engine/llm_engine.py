@@ -16,14 +16,15 @@ import torch
 
 from deltamoe.errors import RequestError
 from deltamoe.model.model import DeltaMoEForCausalLM
-from deltamoe.serve.cache import HybridCache
-from deltamoe.serve.config import EngineConfig
-from deltamoe.serve.detokenizer import IncrementalDetokenizer
-from deltamoe.serve.outputs import Completion, EngineStats, RequestOutput
-from deltamoe.serve.runner import ModelRunner, StepResult
-from deltamoe.serve.sampling import SamplingParams
-from deltamoe.serve.scheduler import ScheduledBatch, Scheduler
-from deltamoe.serve.sequence import Sequence
+from deltamoe.serve.engine.cache import HybridCache
+from deltamoe.serve.engine.compiled_decode import WarmUpRound, warm_up_rounds
+from deltamoe.serve.engine.config import EngineConfig
+from deltamoe.serve.engine.detokenizer import IncrementalDetokenizer
+from deltamoe.serve.engine.outputs import Completion, EngineStats, RequestOutput
+from deltamoe.serve.engine.runner import ModelRunner, StepResult
+from deltamoe.serve.engine.sampling import SamplingParams
+from deltamoe.serve.engine.scheduler import Scheduler
+from deltamoe.serve.engine.sequence import Sequence
 from deltamoe.tokenizers.base import Tokenizer
 from deltamoe.tokenizers.load import load_tokenizer
 
@@ -119,6 +120,10 @@ class LLMEngine:
         self.scheduler.finish(seq, "abort")
         return self._output(seq, [], "", None)
 
+    def abort_all(self) -> list[RequestOutput]:
+        """Stop every request, waiting or running, and free its memory; their final outputs."""
+        return [out for request_id in list(self._requests) if (out := self.abort(request_id)) is not None]
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -188,55 +193,41 @@ class LLMEngine:
 
     def warm_up(self) -> None:
         """Compile every decode graph a server meets before traffic does (compiled decode only), so
-        that no request waits for a compile mid-stream (one takes ~10-60 s). Runs one decode step of
-        made-up sequences per graph straight through the runner: no scheduler, prefix cache, request
-        ids, seeds or metrics are touched, and their blocks and state slots go back. Call it at
-        startup, before requests arrive."""
+        that no request waits for a compile mid-stream (one takes ~10-60 s). Sends the made-up
+        requests of `compiled_decode.warm_up_rounds` through the scheduler like any others, then
+        forgets them: request ids, seeds, statistics, prefix cache and the order of free blocks and
+        slots are as before. Call it at startup, before requests arrive."""
         if not self.runner.compiles_decode:
             return
-        for batch, scattered, past in self._decode_shape_classes():
-            self._warm_decode_step(batch, scattered, past)
-
-    def _decode_shape_classes(self) -> list[tuple[int, bool, int]]:
-        """(batch, scattered pages, tokens already cached) of each compiled decode graph:
-        - batch 1 is a graph of its own (torch specialises size 1), reading its pages as one slice
-          or gathering them (blocks scattered over the pool);
-        - batches of 2 and more use gathered expert weights while batch x top_k < num_experts,
-          all experts from there on (`ops.moe.experts_forward_static`);
-        - with DSA layers, contexts shorter than the indexer's top-k and longer ones (the top-k's
-          length is min(top_k, context)) compile apart."""
-        cfg, bs = self.model_config, self.cache.block_size
-        batches = [2]
-        if cfg.num_experts > 0:
-            switch = -(-cfg.num_experts // cfg.num_experts_per_token)  # the first all-experts batch
-            if switch > 2:
-                batches.append(min(switch, self.config.max_num_seqs))
-        pasts = [2] + ([cfg.index_topk] if "dsa" in cfg.layer_types else [])
-        classes = []
-        for past in pasts:
-            classes += [(1, False, past), (1, True, max(past, bs))]  # scattered: two blocks at least
-            classes += [(batch, False, past) for batch in batches]
-        return classes
-
-    def _warm_decode_step(self, batch: int, scattered: bool, past: int) -> None:
-        if past + 1 >= min(self.max_model_len, self.cache.max_tokens_per_sequence()):
-            return  # contexts this long never occur here
-        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, seed=0)
-        seqs = [self.make_sequence([1] * (past + 1), params, request_id=f"warm-up-{i}") for i in range(batch)]
-        admitted: list[Sequence] = []
+        if self.has_unfinished():
+            raise RuntimeError("warm_up: expected an idle engine (call it at startup, before requests arrive)")
+        limit = min(self.max_model_len, self.cache.max_tokens_per_sequence())
+        rounds = warm_up_rounds(self.model_config, self.cache.block_size, self.config.max_num_seqs, limit)
+        totals, preemptions = dict(self._totals), self.scheduler.num_preemptions
         try:
-            for seq in seqs:
-                if not (self.cache.admit(seq) and self.cache.grow(seq, past + 1)):
-                    self.cache.free(seq)
-                    return  # a cache this small never runs this batch: nothing to compile for it
-                admitted.append(seq)
-                if scattered:  # the first two blocks swapped: no longer one slice of the pages
-                    seq.block_table[:2] = seq.block_table[1::-1]
-                seq.num_computed = past
-            self.runner.execute(ScheduledBatch([(seq, 1) for seq in seqs]))
+            for round_ in rounds:
+                with self.cache.leaving_no_trace():
+                    try:
+                        self._run_warm_up_round(round_)
+                    finally:
+                        self.abort_all()  # nothing left behind, even when a compile fails
         finally:
-            for seq in admitted:
-                self.cache.free(seq)
+            self._totals, self.scheduler.num_preemptions = totals, preemptions
+
+    def _run_warm_up_round(self, round_: WarmUpRound) -> None:
+        def request(name: str, prompt_len: int, max_tokens: int) -> Sequence:
+            # Own ids and seeds: the engine's counters stay untouched.
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, seed=0)
+            return self.make_sequence([1] * prompt_len, params, request_id=f"warm-up-{name}", stream_text=False)
+
+        lead = request("lead", *round_.lead)
+        self.add_sequence(lead)
+        while not lead.output_ids:
+            self.step()
+        for i, follower in enumerate(round_.followers):
+            self.add_sequence(request(str(i), *follower))
+        while self.has_unfinished():
+            self.step()
 
     # ------------------------------------------------------------------ metrics
     def stats(self) -> EngineStats:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import time
 
-from deltamoe.serve.api_schemas import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
+from deltamoe.serve.api.schemas import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
                                         ChatDelta, ChatLogprobs, ChatMessageOut, ChatTokenLogprob, CompletionChoice,
                                         CompletionLogprobs, CompletionResponse, PromptTokensDetails, TopLogprob, Usage)
-from deltamoe.serve.outputs import RequestOutput
+from deltamoe.serve.engine.outputs import RequestOutput
 from deltamoe.tokenizers.base import Tokenizer
 
 

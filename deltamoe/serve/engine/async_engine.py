@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 from deltamoe.errors import RequestError
-from deltamoe.serve.config import EngineConfig
-from deltamoe.serve.engine import LLMEngine
-from deltamoe.serve.outputs import EngineStats, RequestOutput
-from deltamoe.serve.sampling import SamplingParams
+from deltamoe.serve.engine.config import EngineConfig
+from deltamoe.serve.engine.llm_engine import LLMEngine
+from deltamoe.serve.engine.outputs import EngineStats, RequestOutput
+from deltamoe.serve.engine.sampling import SamplingParams
 
 
 class EngineDeadError(RuntimeError):
@@ -160,7 +160,6 @@ class AsyncLLMEngine:
                 pass
 
     def _fail_all(self, error: Exception) -> None:
-        for request_id in list(self.engine._requests):
-            self.engine.abort(request_id)
-            self._deliver(request_id, EngineDeadError(f"engine step failed: {error!r}"))
+        for final in self.engine.abort_all():
+            self._deliver(final.request_id, EngineDeadError(f"engine step failed: {error!r}"))
         self._stats = self.engine.stats()

@@ -16,13 +16,13 @@ import pytest
 
 from deltamoe.model.load import build_model
 from deltamoe.model.weights import save_checkpoint
-from deltamoe.serve.api import build_app
-from deltamoe.serve.api_thread import ServerThread
-from deltamoe.serve.async_engine import AsyncLLMEngine
-from deltamoe.serve.chat_template import ChatTemplate
-from deltamoe.serve.config import EngineConfig
-from deltamoe.serve.engine import LLMEngine
-from deltamoe.serve.sampling import SamplingParams
+from deltamoe.serve.api.chat_template import ChatTemplate
+from deltamoe.serve.api.server import build_app
+from deltamoe.serve.api.thread import ServerThread
+from deltamoe.serve.engine.async_engine import AsyncLLMEngine
+from deltamoe.serve.engine.config import EngineConfig
+from deltamoe.serve.engine.llm_engine import LLMEngine
+from deltamoe.serve.engine.sampling import SamplingParams
 
 API_KEY = "sk-test"
 MODEL = "tiny-k31"

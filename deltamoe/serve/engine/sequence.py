@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deltamoe.serve.detokenizer import IncrementalDetokenizer
-from deltamoe.serve.sampling import SamplingParams, TokenLogprob
+from deltamoe.serve.engine.detokenizer import IncrementalDetokenizer
+from deltamoe.serve.engine.sampling import SamplingParams, TokenLogprob
 
 _arrivals = itertools.count()
 # `Sequence.sort_key` as one C-level getter (the scheduler sorts its running list by it every step).

@@ -40,7 +40,7 @@ class EngineConfig:
     max_snapshots: int | None = None  # cap on state slots held by snapshots (default: max_num_seqs)
     max_state_fraction: float = 0.5  # at most this share of cache_memory goes to KDA state slots
     seed: int = 0  # seeds requests that give no seed of their own
-    compile_decode: bool = False  # run decode steps as one torch.compile graph (serve/compiled_decode.py)
+    compile_decode: bool = False  # run decode steps as one torch.compile graph (serve/engine/compiled_decode.py)
 
     def __post_init__(self) -> None:
         self.cache_memory = parse_bytes(self.cache_memory)

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deltamoe.errors import RequestError
-from deltamoe.serve.api_schemas import ErrorInfo, ErrorResponse
+from deltamoe.serve.api.schemas import ErrorInfo, ErrorResponse
 
 log = logging.getLogger("deltamoe.serve.api")
 

@@ -17,14 +17,17 @@ Memory only: which sequence runs, and when, is the scheduler's business.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from deltamoe.config import ModelConfig
-from deltamoe.serve.block_manager import BlockManager, chain_hash
-from deltamoe.serve.cache_layout import CacheLayout, plan_capacity
-from deltamoe.serve.config import EngineConfig
-from deltamoe.serve.sequence import Sequence
-from deltamoe.serve.state_pool import StatePool
+from deltamoe.serve.engine.block_manager import BlockManager, chain_hash
+from deltamoe.serve.engine.cache_layout import CacheLayout, plan_capacity
+from deltamoe.serve.engine.config import EngineConfig
+from deltamoe.serve.engine.sequence import Sequence
+from deltamoe.serve.engine.state_pool import StatePool
 
 
 class HybridCache:
@@ -130,6 +133,23 @@ class HybridCache:
             if self._keeps_snapshot(seq, b):
                 return b
         return end
+
+    @contextlib.contextmanager
+    def leaving_no_trace(self) -> Iterator[None]:
+        """Memory use that the cache forgets: inside, prefix caching is off (no lookups, no blocks
+        published, no snapshots); on exit the prefix statistics and the order in which free blocks
+        and slots are handed out are as before. Every sequence admitted inside is freed before exit.
+        Meant for an idle cache (an engine's warm-up at startup): a block handed out inside loses
+        whatever prefix it held."""
+        saved = (self.prefix_caching, self.prefix_queries, self.prefix_hits)
+        blocks, slots = self.blocks.free_order(), self.slots.free_order()
+        self.prefix_caching = False
+        try:
+            yield
+        finally:
+            self.prefix_caching, self.prefix_queries, self.prefix_hits = saved
+            self.blocks.restore_free_order(blocks)
+            self.slots.restore_free_order(slots)
 
     # ------------------------------------------------------------------ stats
     @property

@@ -13,10 +13,10 @@ import pytest
 
 from deltamoe.model.load import build_model
 from deltamoe.model.weights import save_checkpoint
-from deltamoe.serve.api import build_app
-from deltamoe.serve.api_thread import ServerThread
-from deltamoe.serve.async_engine import AsyncLLMEngine
-from deltamoe.serve.config import EngineConfig
+from deltamoe.serve.api.server import build_app
+from deltamoe.serve.api.thread import ServerThread
+from deltamoe.serve.engine.async_engine import AsyncLLMEngine
+from deltamoe.serve.engine.config import EngineConfig
 
 M = "tiny"
 CLIENTS, TOKENS = 64, 12

@@ -17,9 +17,9 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from deltamoe.serve.cache import HybridCache
-from deltamoe.serve.config import EngineConfig
-from deltamoe.serve.sequence import Sequence, Status, urgency
+from deltamoe.serve.engine.cache import HybridCache
+from deltamoe.serve.engine.config import EngineConfig
+from deltamoe.serve.engine.sequence import Sequence, Status, urgency
 
 
 @dataclass

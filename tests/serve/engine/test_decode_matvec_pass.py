@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from deltamoe.serve import compiled_decode
-from deltamoe.serve.decode_matvec_pass import DecodeMatvecPass
+from deltamoe.serve.engine import compiled_decode
+from deltamoe.serve.engine.decode_matvec_pass import DecodeMatvecPass
 
 pytestmark = pytest.mark.skipif(not compiled_decode.compiler_available(),
                                 reason="torch.compile's CPU kernels need a C++ compiler")

@@ -12,6 +12,7 @@ is an OpenAI-style error body (`api_errors`); none of them takes the server down
 from __future__ import annotations
 
 import secrets
+import socket
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -22,14 +23,14 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from deltamoe.errors import RequestError
-from deltamoe.serve.api_errors import APIError, InternalErrorMiddleware, from_validation_error, install_error_handlers
-from deltamoe.serve.api_format import ChatFormatter, CompletionFormatter
-from deltamoe.serve.api_generate import Generation
-from deltamoe.serve.api_metrics import CONTENT_TYPE, HTTPMetricsMiddleware, ServerMetrics
-from deltamoe.serve.api_params import chat_params, completion_params
-from deltamoe.serve.api_schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields
-from deltamoe.serve.async_engine import AsyncLLMEngine
-from deltamoe.serve.chat_template import ChatTemplate
+from deltamoe.serve.api.chat_template import ChatTemplate
+from deltamoe.serve.api.errors import APIError, InternalErrorMiddleware, from_validation_error, install_error_handlers
+from deltamoe.serve.api.format import ChatFormatter, CompletionFormatter
+from deltamoe.serve.api.generate import Generation
+from deltamoe.serve.api.metrics import CONTENT_TYPE, HTTPMetricsMiddleware, ServerMetrics
+from deltamoe.serve.api.params import chat_params, completion_params
+from deltamoe.serve.api.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields
+from deltamoe.serve.engine.async_engine import AsyncLLMEngine
 
 MAX_BODY_BYTES = 32 * 2**20  # far above any prompt that fits a context; stops a client from filling memory
 R = TypeVar("R", bound=BaseModel)
@@ -142,9 +143,12 @@ def _render(template: ChatTemplate, req: ChatCompletionRequest) -> list[int]:
 
 
 def run(engine: AsyncLLMEngine, model_name: str, host: str = "127.0.0.1", port: int = 8000, *,
-        api_key: str | None = None, chat_template: ChatTemplate | None = None, log_level: str = "info") -> None:
-    """Serve until Ctrl-C (blocking)."""
+        api_key: str | None = None, chat_template: ChatTemplate | None = None, log_level: str = "info",
+        sock: socket.socket | None = None) -> None:
+    """Serve until Ctrl-C (blocking). `sock`: an already bound socket for host:port (the CLI binds
+    it before loading the model); None binds here."""
     import uvicorn
 
     app = build_app(engine, model_name, api_key=api_key, chat_template=chat_template)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)

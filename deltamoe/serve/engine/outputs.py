@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from deltamoe.serve.sampling import TokenLogprob
+from deltamoe.serve.engine.sampling import TokenLogprob
 
 
 @dataclass(slots=True)  # one per running request per step: cheaper to build

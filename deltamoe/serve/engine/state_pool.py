@@ -36,6 +36,16 @@ class StatePool:
         self.num_running -= 1
         self._free.append(slot)
 
+    def free_order(self) -> list[int]:
+        """The free slots, the next one `allocate` hands out last."""
+        return list(self._free)
+
+    def restore_free_order(self, order: list[int]) -> None:
+        """Hand free slots out in `order` again (a `free_order` taken while the same slots were free)."""
+        if sorted(order) != sorted(self._free):
+            raise RuntimeError("restore_free_order: the free slots differ from the ones in the saved order")
+        self._free = list(order)
+
     def lookup(self, block_hash: int) -> int | None:
         slot = self.snapshots.get(block_hash)
         if slot is not None:

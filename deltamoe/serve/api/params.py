@@ -8,9 +8,9 @@ must say so. Features this server does not implement are refused here, never ign
 from __future__ import annotations
 
 from deltamoe.errors import RequestError
-from deltamoe.serve.api_errors import APIError
-from deltamoe.serve.api_schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
-from deltamoe.serve.sampling import SamplingParams
+from deltamoe.serve.api.errors import APIError
+from deltamoe.serve.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from deltamoe.serve.engine.sampling import SamplingParams
 
 
 def _unsupported(param: str, message: str) -> APIError:

@@ -56,6 +56,16 @@ class BlockManager:
         self.ref_counts[block] = 1
         return block
 
+    def free_order(self) -> list[int]:
+        """The free blocks in the order `allocate` hands them out."""
+        return list(self._free)
+
+    def restore_free_order(self, order: list[int]) -> None:
+        """Hand free blocks out in `order` again (a `free_order` taken while the same blocks were free)."""
+        if sorted(order) != sorted(self._free):
+            raise RuntimeError("restore_free_order: the free blocks differ from the ones in the saved order")
+        self._free = OrderedDict((block, None) for block in order)
+
     def ref(self, block: int) -> None:
         """Take one more reference (a prefix hit); a cached free block comes back into use."""
         if self.ref_counts[block] == 0:

@@ -23,12 +23,12 @@ from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
 from deltamoe.errors import RequestError
-from deltamoe.serve.api_errors import APIError, from_request_error
-from deltamoe.serve.api_metrics import RequestTiming, ServerMetrics
-from deltamoe.serve.api_params import rename
-from deltamoe.serve.async_engine import AsyncLLMEngine, EngineDeadError
-from deltamoe.serve.outputs import RequestOutput
-from deltamoe.serve.sampling import SamplingParams
+from deltamoe.serve.api.errors import APIError, from_request_error
+from deltamoe.serve.api.metrics import RequestTiming, ServerMetrics
+from deltamoe.serve.api.params import rename
+from deltamoe.serve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from deltamoe.serve.engine.outputs import RequestOutput
+from deltamoe.serve.engine.sampling import SamplingParams
 
 T = TypeVar("T")
 DISCONNECT_POLL_S = 0.2

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltamoe.serve.config import EngineConfig
-from deltamoe.serve.engine import LLMEngine
-from deltamoe.serve.sampling import SamplingParams
+from deltamoe.serve.engine.config import EngineConfig
+from deltamoe.serve.engine.llm_engine import LLMEngine
+from deltamoe.serve.engine.sampling import SamplingParams
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)

@@ -7,13 +7,13 @@ import torch
 
 from deltamoe.config import load_preset
 from deltamoe.errors import ConfigError
-from deltamoe.serve.block_manager import BlockManager, chain_hash
-from deltamoe.serve.cache import HybridCache
-from deltamoe.serve.cache_layout import CacheLayout, plan_capacity
-from deltamoe.serve.config import EngineConfig, parse_bytes
-from deltamoe.serve.sampling import SamplingParams
-from deltamoe.serve.sequence import Sequence
-from deltamoe.serve.state_pool import StatePool
+from deltamoe.serve.engine.block_manager import BlockManager, chain_hash
+from deltamoe.serve.engine.cache import HybridCache
+from deltamoe.serve.engine.cache_layout import CacheLayout, plan_capacity
+from deltamoe.serve.engine.config import EngineConfig, parse_bytes
+from deltamoe.serve.engine.sampling import SamplingParams
+from deltamoe.serve.engine.sequence import Sequence
+from deltamoe.serve.engine.state_pool import StatePool
 
 
 def test_chain_hash_depends_on_the_whole_prefix():
@@ -91,7 +91,7 @@ def test_hybrid_cache_tensors_match_the_layout():
 
 
 def make_seq(tokens: list[int]) -> Sequence:
-    from deltamoe.serve.detokenizer import IncrementalDetokenizer
+    from deltamoe.serve.engine.detokenizer import IncrementalDetokenizer
     from deltamoe.tokenizers.byte import ByteTokenizer
 
     return Sequence("r", list(tokens), len(tokens), SamplingParams(), torch.Generator(),
@@ -126,7 +126,7 @@ def test_prefix_match_needs_blocks_and_a_snapshot():
 def test_latent_rows_read_only_the_asked_positions_from_scattered_pages():
     """DSA decode reads its top-k latents through `latent_rows`: on blocks scattered over the pool
     (a long-running server) they must be the same rows the full gather returns."""
-    from deltamoe.serve.cache_view import PagedBatchView
+    from deltamoe.serve.engine.cache_view import PagedBatchView
 
     cfg = load_preset("tiny")
     cache = HybridCache(cfg, EngineConfig(cache_memory="4MiB", max_num_seqs=4, block_size=4), max_model_len=256)

@@ -1,0 +1,202 @@
+"""The decode call as one compiled graph (`EngineConfig.compile_decode`, `--compile-decode`).
+
+Everything torch.compile needs to know lives here: the compiled callable and its options, the
+shape settings, the model form it traces, the rule the cache view's block tables follow, and the
+graph classes with the made-up requests that reach each one (`warm_up_rounds`).
+
+Why: a small model's decode step on a CPU is bound by per-op overhead, not arithmetic: about
+900 tensor ops of a few microseconds each for a four-layer model, against ~1 ms of weight reads.
+`torch.compile` (inductor's C++ backend) fuses the elementwise work between the matmuls into a
+few dozen kernels (bench/bench_serve_offline.py and bench/bench_serve_dsa_decode.py report both
+modes). It is what vLLM's CUDA graphs and torch.compile are for on a GPU.
+
+What makes the decode forward one graph (each branch tested against the eager form):
+- the cache view writes through whole cache tensors (`cache_view._put`), never through a view
+  of one layer, so the graph updates pages in place instead of rebuilding the cache;
+- the graph runs `decode_form(model)`: the same parameters, with every MoE dispatching to
+  `ops.moe.experts_forward_static` (no per-expert slices sized on the host);
+- DSA's top-k is one `torch.topk` over distinct keys (no flag read back to the host);
+- absorbed MLA reads the cache's own [latent | k_pe] rows (`mla_attention_absorbed_joined`).
+
+Graph classes. Batch and context length are dynamic, traced without duck shaping (`_compiled_call`);
+a few shape rules still split the graphs, each asked of its owner rather than copied here:
+- batch 1 is a graph of its own (torch specialises size 1), and reads its pages as one slice
+  (blocks consecutive) or gathers them (scattered): `cache_view.PagedBatchView`;
+- batches of 2 and more: one graph per form of `ops.moe.gathers_expert_weights`;
+- with DSA layers, one per form of `ops.dsa.selects_every_key` (contexts under and over top-k).
+Each compiles once per process (~10-30 s for a 4-layer model on two cores; inductor caches it on
+disk). `LLMEngine.warm_up` sends the requests of `warm_up_rounds` through the scheduler so every
+class compiles before traffic. Prefill chunks stay eager: their lengths vary and they are a small
+share of the steps.
+
+Guards on the model's modules are skipped (`skip_guard_on_all_nn_modules_unsafe`): checking
+hundreds of parameters costs ~0.2-0.4 ms per step. Torch keeps compiled graphs per code object,
+not per model, so each model gets a key of its own that the graph is guarded on: two models in
+one process never share a graph. What stays the caller's promise: a served model does not change
+its parameter shapes, dtypes or module attributes (weights updated in place, as an RL weight
+sync does, are read afresh every call).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import uuid
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from deltamoe.config import ModelConfig
+from deltamoe.errors import ConfigError
+from deltamoe.model.ffn import MoE, local_experts, local_experts_static
+from deltamoe.ops.dsa import selects_every_key
+from deltamoe.ops.moe import gathers_expert_weights
+from deltamoe.serve.engine.decode_matvec_pass import DecodeMatvecPass
+
+# Graphs one process may hold for the decode call: the classes above, for a few models.
+RECOMPILE_LIMIT = 64
+
+
+def compiler_available() -> bool:
+    """Whether inductor finds the C++ compiler it builds CPU kernels with."""
+    from torch._inductor import cpp_builder
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except Exception:  # inductor raises its own error types for a missing compiler
+        return False
+    return True
+
+
+class CompiledDecode:
+    """(input_ids [B, 1], cache view) -> last-position logits [B, 1, V], through the compiled graph.
+
+    Compiles lazily on first use of each graph class; raises ConfigError where it cannot run
+    (training mode, no C++ compiler for CPU kernels)."""
+
+    # Block tables a compiled call reads are at least this wide (the extra column is never read):
+    # a table one block wide would specialise to size 1 and compile again for longer contexts.
+    min_table_width = 2
+
+    def __init__(self, model: torch.nn.Module):
+        if model.training:
+            raise ConfigError("expected a model in eval mode for the compiled decode graph", field="compile_decode")
+        if next(model.parameters()).device.type == "cpu" and not compiler_available():
+            raise ConfigError("needs a C++ compiler for torch.compile's CPU kernels (g++ or $CXX); "
+                              "install one or run without --compile-decode", field="compile_decode")
+        key = model.__dict__.get("_compiled_decode_key")
+        if key is None:
+            key = model._compiled_decode_key = uuid.uuid4().hex
+        self._model, self._key, self._call = decode_form(model), key, _compiled_call()
+
+    def __call__(self, input_ids: torch.Tensor, view: object) -> torch.Tensor:
+        return self._call(self._model, self._key, input_ids, view)
+
+
+def decode_form(module: torch.nn.Module) -> torch.nn.Module:
+    """The module tree the graph traces: new module objects over the same parameters and buffers
+    (shared, never copied: in-place weight updates reach both), with every MoE that runs its
+    experts locally dispatching to the static form. The served model itself is left as it is:
+    its eager calls (prefill chunks) keep the sorted expert form."""
+    twin = copy.copy(module)  # shares _parameters and _buffers; _modules is replaced below
+    twin._modules = {name: decode_form(child) if child is not None else None
+                     for name, child in module._modules.items()}
+    if isinstance(twin, MoE):
+        if twin.dispatcher is not local_experts:
+            raise ConfigError("runs experts on this process only (expert-parallel dispatch is not compiled)",
+                              field="compile_decode")
+        twin.dispatcher = local_experts_static
+    return twin
+
+
+def _decode_call(model: torch.nn.Module, model_key: str, input_ids: torch.Tensor, cache: object) -> torch.Tensor:
+    if not model_key:  # reading the key makes torch guard the graph on it (see the module docstring)
+        raise ValueError("model_key: expected a non-empty key")
+    return model(input_ids, cache=cache, logits_to_keep=1).logits
+
+
+@functools.cache
+def _compiled_call() -> Callable[..., torch.Tensor]:
+    """The compiled `_decode_call`, traced with every dynamic size its own symbol.
+
+    Torch's default "duck shaping" gives sizes that happen to be equal at trace time one symbol: a
+    block table two blocks wide next to two KDA heads came out as "width == 2", and every longer
+    context then compiled again, in the middle of traffic. The setting is read when a call
+    compiles, and torch.compile takes no option for it, so the patch wraps the compiled callable
+    (as torch's own `dynamic=True` patches its config around every call): set here, once, for this
+    callable only, not process-wide."""
+    from torch.fx.experimental import _config as shape_config
+
+    # cpp_wrapper: the graph's launcher is C++ too, not Python calling ~150 kernels and matmuls one
+    # by one. The matvec pass turns one-sequence decode's [1, K] @ [K, N] calls into fused
+    # reductions (decode_matvec_pass.py).
+    compiled = torch.compile(_decode_call, dynamic=True, recompile_limit=RECOMPILE_LIMIT,
+                             options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+                                      "cpp_wrapper": True, "post_grad_custom_post_pass": DecodeMatvecPass()})
+    return shape_config.patch(use_duck_shape=False)(compiled)
+
+
+# ---------------------------------------------------------------------------- warm-up plan
+@dataclass(frozen=True)
+class WarmUpRound:
+    """Made-up requests that reach one graph class through the scheduler's normal path.
+
+    The lead request goes first; once it has its first token, the followers join. Every request
+    finishes by itself (max_tokens), so the round ends when the engine is idle again."""
+
+    graph: str  # the class it reaches, for messages
+    lead: tuple[int, int]  # (prompt length, max_tokens)
+    followers: tuple[tuple[int, int], ...] = ()
+
+
+def warm_up_rounds(config: ModelConfig, block_size: int, max_num_seqs: int, max_context: int) -> list[WarmUpRound]:
+    """One round per decode graph class that a server with these limits can meet.
+
+    Contexts and batches are split where an op's shape rule changes form; a round decodes at the
+    first context of its context class:
+    - batch 1 on consecutive blocks: the lead alone decodes once;
+    - batch 1 on scattered blocks: the lead's prompt ends one token short of a block boundary; a
+      follower admitted next to its first decode takes the next block, so the lead's next block
+      is not adjacent to its others (blocks are handed out in order) and its second decode reads
+      scattered pages;
+    - batch B >= 2: B - 1 followers join the lead, and all decode together once (the followers
+      are admitted in one step while the token budget holds 2 per follower).
+    `max_context`: the longest sequence the engine admits (prompt + output)."""
+    moe = config.num_experts > 0
+    dsa = "dsa" in config.layer_types
+    batches = _first_of_each_form(
+        lambda b: gathers_expert_weights(b, config.num_experts_per_token, config.num_experts) if moe else None,
+        range(2, max_num_seqs + 1))
+    starts = _first_of_each_form(lambda s: selects_every_key(s, config.index_topk) if dsa else None,
+                                 range(2, max_context + 1))
+    rounds: list[WarmUpRound] = []
+    for first, end in zip(starts, [*starts[1:], max_context + 1]):
+        contexts = f"contexts {first}-{end - 1}"
+
+        def fits(context: int, lead_prompt: int, lead_tokens: int) -> bool:
+            return first <= context < end and lead_prompt >= 1 and lead_prompt + lead_tokens <= max_context
+
+        # The lead's first decode sees context prompt + 1, its second prompt + 2.
+        if fits(first, first - 1, 2):
+            rounds.append(WarmUpRound(f"batch 1, consecutive blocks, {contexts}", (first - 1, 2)))
+        boundary = max(1, -(-(first - 1) // block_size)) * block_size  # the first block boundary >= context - 1
+        if max_num_seqs >= 2 and fits(boundary + 1, boundary - 1, 3):
+            rounds.append(WarmUpRound(f"batch 1, scattered blocks, {contexts}", (boundary - 1, 3), ((2, 1),)))
+        lead_prompt = max(1, first - 2)
+        for batch in batches:
+            if fits(lead_prompt + 2, lead_prompt, 3):
+                rounds.append(WarmUpRound(f"batch {batch}, {contexts}", (lead_prompt, 3), ((2, 2),) * (batch - 1)))
+    return rounds
+
+
+def _first_of_each_form(form: Callable[[int], object], sizes: range) -> list[int]:
+    """The first size of each run of consecutive sizes for which `form` gives the same answer."""
+    firsts: list[int] = []
+    previous: object = object()
+    for size in sizes:
+        answer = form(size)
+        if not firsts or answer != previous:
+            firsts.append(size)
+        previous = answer
+    return firsts

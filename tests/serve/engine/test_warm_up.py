@@ -1,0 +1,97 @@
+"""`LLMEngine.warm_up` reaches every decode graph class through the scheduler and leaves no trace.
+
+The compiled graph is swapped for the eager model here, so no compile runs: what is checked is
+which decode calls the warm-up's made-up requests make (batch, scattered pages, context) and
+that the engine afterwards is the engine before. `test_compiled_decode.py` checks, with real
+compiles, that traffic after a warm-up never compiles again.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from deltamoe.model.load import build_model
+from deltamoe.ops.dsa import selects_every_key
+from deltamoe.ops.moe import gathers_expert_weights
+from deltamoe.serve.engine import compiled_decode
+from deltamoe.serve.engine.config import EngineConfig
+from deltamoe.serve.engine.llm_engine import LLMEngine
+from deltamoe.serve.engine.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(not compiled_decode.compiler_available(),
+                                reason="an engine with compile_decode needs a C++ compiler")
+
+
+@pytest.fixture(scope="module")
+def model(helpers):
+    """8 experts, top-2 (the all-experts form from 4 rows), DSA top-k 8, 16-token blocks."""
+    config = helpers.k31_tiny(num_hidden_layers=2, layer_types=("kda", "dsa"), num_experts=8)
+    return build_model(config, seed=4).eval()
+
+
+def engine_recording_decodes(model, **config) -> tuple[LLMEngine, list[tuple]]:
+    """An engine whose compiled decode calls run eagerly and are recorded as graph classes:
+    (batch 1 ? scattered pages : experts' form, DSA's top-k form)."""
+    engine = LLMEngine(model, config=EngineConfig(cache_memory="16MiB", compile_decode=True, **config))
+    runner, cfg, bs = engine.runner, model.config, engine.cache.block_size
+    seen: list[tuple] = []
+    forward = runner._forward
+
+    def recording(seqs, counts):
+        if max(counts) == 1 and any(s.num_computed for s in seqs):
+            context = max(s.num_computed + 1 for s in seqs)
+            blocks = seqs[0].block_table[:-(-context // bs)]
+            if len(seqs) == 1:
+                shape = ("batch 1", "consecutive" if blocks == list(range(blocks[0], blocks[0] + len(blocks)))
+                         else "scattered")
+            else:
+                shape = ("batch", gathers_expert_weights(len(seqs), cfg.num_experts_per_token, cfg.num_experts))
+            seen.append((*shape, selects_every_key(context, cfg.index_topk)))
+        return forward(seqs, counts)
+
+    runner._forward = recording
+    runner._compiled_decode = lambda ids, view: model(ids, cache=view, logits_to_keep=1).logits
+    runner._compiled_decode.min_table_width = compiled_decode.CompiledDecode.min_table_width
+    return engine, seen
+
+
+def engine_state(engine: LLMEngine) -> tuple:
+    """What a warm-up must leave as it found: statistics, free blocks and slots in hand-out order,
+    prefix cache and snapshots, and the ids and seeds the next request gets."""
+    cache = engine.cache
+    probe = engine.make_sequence([1, 2, 3])  # draws the next id and seed without queueing anything
+    return (engine.stats(), cache.blocks.free_order(), cache.slots.free_order(), dict(cache.blocks.hash_to_block),
+            dict(cache.slots.snapshots), probe.request_id, probe.generator.initial_seed())
+
+
+def test_warm_up_reaches_every_class_and_leaves_no_trace(model):
+    engine, seen = engine_recording_decodes(model)
+    fresh, _ = engine_recording_decodes(model)
+    engine.warm_up()
+    # Every class: batch 1 on consecutive and scattered pages, batches on both sides of the experts'
+    # switch, each with contexts under and over DSA's top-k (scattered pages need two blocks, 17+
+    # tokens, which is over the top-k of 8).
+    assert set(seen) == {("batch 1", "consecutive", True), ("batch 1", "consecutive", False),
+                         ("batch 1", "scattered", False), ("batch", True, True), ("batch", True, False),
+                         ("batch", False, True), ("batch", False, False)}
+    assert engine_state(engine) == engine_state(fresh)
+    assert not engine.has_unfinished()
+    # And the engine serves as a fresh one does.
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7], list(range(20, 60))]
+    assert ([c.token_ids for c in engine.generate(prompts, params, progress=False)]
+            == [c.token_ids for c in fresh.generate(prompts, params, progress=False)])
+
+
+def test_warm_up_plans_only_classes_the_limits_allow(model):
+    """One sequence at a time: no batches and no scattered pages (nothing runs beside the lead)."""
+    engine, seen = engine_recording_decodes(model, max_num_seqs=1)
+    engine.warm_up()
+    assert set(seen) == {("batch 1", "consecutive", True), ("batch 1", "consecutive", False)}
+
+
+def test_warm_up_refuses_a_busy_engine(model):
+    engine, _ = engine_recording_decodes(model)
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="idle engine"):
+        engine.warm_up()
