@@ -142,3 +142,45 @@ def test_failed_handoff_is_an_error_and_frees_everything(k31_model, helpers, poo
     assert connector.stats()["kv_transfer_failures"] == 1
     assert_all_free(decode.engine)
     assert_all_free(pool.engines["p0"][0].engine)
+
+
+def test_mismatched_block_size_is_refused_by_the_prefill_side(k31_model, helpers, pool):
+    pool.add("p8", k31_model, block_size=8)
+    decode, connector = decode_engine(k31_model, pool)
+
+    async def main():
+        with pytest.raises(RequestFailedError, match="different model, cache layout, dtype or block size"):
+            await collect(decode, helpers.prompts(1, 12, 12, seed=2)[0], "p8")
+        await settle(decode.engine)
+
+    try:
+        asyncio.run(main())
+    finally:
+        decode.shutdown()
+        connector.close()
+    assert_all_free(decode.engine)
+
+
+def test_unreachable_decode_side_fails_the_push_in_bounded_time(k31_model, pool):
+    """The prefill side writes to a transfer address nobody listens on: a TransferFailed, and its
+    blocks and slot go back."""
+    import time
+
+    from deltamoe.serve.kv_transfer.mooncake_transport import TransferFailed
+
+    prefill = pool.add("p0", k31_model)
+    engine, connector = pool.engines["p0"]
+    dest = connector.descriptor.to_json() | {"session": "127.0.0.1:1"}
+    payload = {"transfer_id": "t1", "token_ids": list(range(10)), "first_block": 0, "dst_blocks": [0, 1, 2],
+               "dst_slot": 0, "dest": dest, "timeout_s": 5.0}
+    start = time.monotonic()
+    with pytest.raises(TransferFailed, match="127.0.0.1:1"):
+        pool.client("p0", payload, 10.0)
+    assert time.monotonic() - start < 5.0
+
+    async def wait():
+        await settle(prefill)
+
+    asyncio.run(wait())
+    assert_all_free(prefill)
+    assert connector.stats()["kv_transfer_failures"] == 1
