@@ -17,7 +17,7 @@ import time
 from deltamoe.errors import ConfigError
 from deltamoe.serve.kv_transfer.pools import Segment
 
-POLL_S = 0.0005
+POLL_S = 0.0001
 
 
 class TransferFailed(RuntimeError):

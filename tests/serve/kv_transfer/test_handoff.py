@@ -118,6 +118,11 @@ def test_handoff_equals_colocated(k31_model, helpers, pool, num_prefill):
     assert moved["kv_transfer_received"] == handed_off and moved["kv_transfer_failures"] == 0
     sent = sum(p.stats().extra["kv_transfer_sent"] for p in prefills)
     assert sent == handed_off
+    # Exactly (N-1) tokens of latent + indexer rows and one KDA state per hand-off, nothing more.
+    layout = decode.engine.cache.layout
+    assert moved["kv_transfer_bytes_received"] == sum((len(p) - 1) * layout.bytes_per_token + layout.bytes_per_state_slot
+                                                      for p in prompts if len(p) > 1)
+    assert sum(p.stats().extra["kv_transfer_bytes_sent"] for p in prefills) == moved["kv_transfer_bytes_received"]
     assert prefills[0].stats().prefix_hit_tokens >= 16
 
 
