@@ -220,6 +220,8 @@ def serve_command(
                                          "at (its port is picked free)."),
     kv_transfer_timeout: float = typer.Option(30.0, min=0.1, help="Seconds one hand-off (prefill queue, compute "
                                               "and write) may take before the request fails."),
+    min_hand_off_tokens: int = typer.Option(2, min=2, help="Decode role: prompts shorter than this are computed "
+                                            "by the decode server itself (short chats skip the prefill queue)."),
     block_size: int = typer.Option(16, min=1, help="Tokens per cache block (equal on both sides of a P/D pair)."),
 ) -> None:
     """OpenAI-compatible HTTP server (deltamoe.serve.api) over an AsyncLLMEngine."""
@@ -249,7 +251,7 @@ def serve_command(
     if chosen is not None:
         torch.set_num_threads(chosen)
     try:
-        connector = make_connector(role, kv_transfer_host, kv_transfer_timeout, api_key)
+        connector = make_connector(role, kv_transfer_host, kv_transfer_timeout, api_key, min_hand_off_tokens)
     except ConfigError:
         listener.close()
         raise

@@ -65,7 +65,8 @@ class HandOffConfig:
     host: str = "127.0.0.1"  # the address peers reach this server's transfer engine at
     timeout_s: float = 30.0  # a whole hand-off (prefill queue + compute + write), decode side
     push_share: float = 0.8  # the prefill side finishes (or gives up) within this share of it
-    max_threads: int = 4
+    min_prompt_tokens: int = 2  # decode side: shorter prompts are computed here, with no hand-off
+    max_threads: int = 16  # hand-offs in flight at once (a decode side waits on HTTP in each)
 
 
 class MooncakeConnector(KVConnector):
@@ -90,7 +91,8 @@ class MooncakeConnector(KVConnector):
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, seq: Sequence, num_computed: int) -> int:
         hand_off = seq.kv_transfer
-        if not isinstance(hand_off, RemotePrefill) or hand_off.loaded or seq.num_preemptions:
+        if (not isinstance(hand_off, RemotePrefill) or hand_off.loaded or seq.num_preemptions
+                or seq.num_prompt_tokens < self.config.min_prompt_tokens):
             return 0
         return max(0, seq.num_prompt_tokens - 1 - num_computed)
 

@@ -46,11 +46,13 @@ def http_prefill_client(api_key: str | None = None) -> Callable[[str, dict, floa
     return call
 
 
-def make_connector(role: str, host: str, timeout_s: float, api_key: str | None = None) -> MooncakeConnector | None:
+def make_connector(role: str, host: str, timeout_s: float, api_key: str | None = None,
+                   min_prompt_tokens: int = 2) -> MooncakeConnector | None:
     if role == "colocated":
         return None
     client = http_prefill_client(api_key) if role == "decode" else None
-    return MooncakeConnector(HandOffConfig(host=host, timeout_s=timeout_s), prefill_client=client)
+    config = HandOffConfig(host=host, timeout_s=timeout_s, min_prompt_tokens=min_prompt_tokens)
+    return MooncakeConnector(config, prefill_client=client)
 
 
 def decode_hand_off(request: Request) -> RemotePrefill | None:
@@ -74,12 +76,16 @@ def internal_routes(role: str, engine: AsyncLLMEngine, connector: MooncakeConnec
     if role == "prefill":
         @router.post("/prefill")
         async def prefill(request: Request) -> JSONResponse:
+            metrics = request.app.state.metrics  # a prefill server's TTFT: arrival -> prompt computed
             try:
                 report = await prefill_and_push(engine, connector, await request.json())
             except RequestError as e:
                 return JSONResponse({"error": {"message": e.one_line(), "code": "bad_hand_off"}}, status_code=400)
             except TransferFailed as e:
+                metrics.finished.labels("hand_off_failed").inc()
                 return JSONResponse({"error": {"message": str(e), "code": "kv_transfer_failed"}}, status_code=502)
+            metrics.finished.labels("handed_off").inc()
+            metrics.ttft.observe(report["compute_seconds"])
             return JSONResponse(report)
 
     return router

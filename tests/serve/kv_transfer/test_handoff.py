@@ -59,8 +59,10 @@ def pool():
     p.close()
 
 
-def decode_engine(model, pool: PrefillPool, timeout_s: float = 30.0, **config) -> tuple[AsyncLLMEngine, MooncakeConnector]:
-    connector = MooncakeConnector(HandOffConfig(timeout_s=timeout_s), prefill_client=pool.client)
+def decode_engine(model, pool: PrefillPool, timeout_s: float = 30.0, min_prompt_tokens: int = 2,
+                  **config) -> tuple[AsyncLLMEngine, MooncakeConnector]:
+    hand_off = HandOffConfig(timeout_s=timeout_s, min_prompt_tokens=min_prompt_tokens)
+    connector = MooncakeConnector(hand_off, prefill_client=pool.client)
     return AsyncLLMEngine(LLMEngine(model, config=EngineConfig(**(CONFIG | config)), connector=connector)), connector
 
 
@@ -189,3 +191,23 @@ def test_unreachable_decode_side_fails_the_push_in_bounded_time(k31_model, pool)
     asyncio.run(wait())
     assert_all_free(prefill)
     assert connector.stats()["kv_transfer_failures"] == 1
+
+
+def test_short_prompts_stay_on_the_decode_server(k31_model, helpers, pool):
+    prefill = pool.add("p0", k31_model)
+    decode, connector = decode_engine(k31_model, pool, min_prompt_tokens=10)
+    prompts = [helpers.prompts(1, 9, 9, seed=3)[0], helpers.prompts(1, 10, 10, seed=4)[0]]
+
+    async def main():
+        got = [await collect(decode, p, "p0") for p in prompts]
+        await settle(decode.engine, prefill)
+        return got
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        decode.shutdown()
+        connector.close()
+    assert got == [c.token_ids for c in LLMEngine(k31_model, config=EngineConfig(**CONFIG)).generate(
+        prompts, GREEDY, progress=False)]
+    assert connector.stats()["kv_transfer_received"] == 1  # only the 10-token prompt was handed off

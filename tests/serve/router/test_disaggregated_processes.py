@@ -167,6 +167,8 @@ def test_greedy_through_router_equals_colocated(cluster, model, helpers):
         assert metric(cluster.urls[name], "deltamoe_engine_kv_transfer_received") >= 1
     for name in ("p0", "p1"):
         assert metric(cluster.urls[name], "deltamoe_engine_kv_transfer_sent") >= 1
+        assert metric(cluster.urls[name], "deltamoe_time_to_first_token_seconds_count") >= 1  # prompt computed
+        assert metric(cluster.urls[name], "deltamoe_engine_kv_transfer_bytes_sent") > 0
 
 
 def test_chat_streaming_and_not(cluster):
