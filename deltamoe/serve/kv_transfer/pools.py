@@ -77,6 +77,7 @@ def request_segments(cache: HybridCache, remote: PoolDescriptor, src_blocks: lis
     if len(src_blocks) != len(dst_blocks):
         raise ValueError(f"{len(src_blocks)} source blocks for {len(dst_blocks)} destination blocks")
     rows = [min(bs, num_tokens - (first_block + i) * bs) for i in range(len(src_blocks))]
+    runs = _runs(src_blocks, dst_blocks, rows, bs)
     segments: list[Segment] = []
     for name in ("latent", "index_keys"):
         pool = getattr(cache, name)
@@ -86,7 +87,6 @@ def request_segments(cache: HybridCache, remote: PoolDescriptor, src_blocks: lis
         for layer in range(pool.shape[0]):
             src_base = pool.data_ptr() + layer * layer_bytes
             dst_base = remote.addresses[name] + layer * layer_bytes
-            runs = _runs(src_blocks, dst_blocks, rows, bs)
             segments += [Segment(src_base + s * bs * row_bytes, dst_base + d * bs * row_bytes, n * row_bytes)
                          for s, d, n in runs]
     for name in ("recurrent", "conv"):
