@@ -64,7 +64,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
               routers: Sequence[APIRouter] = ()) -> FastAPI:
     """The app for one engine serving one model name. The engine thread runs for the app's lifespan.
     `hand_off`: a request's KV-connector parameters from its headers (a decode server of a P/D
-    pair, `serve/kv_transfer/routes.py`); `routers`: extra routes (a role's internal ones)."""
+    pair, `serve/kv_transfer/roles.py`); `routers`: extra routes (a role's internal ones)."""
     template = chat_template or ChatTemplate.for_model(engine.tokenizer, None)
     metrics = ServerMetrics(engine.stats)
     vocab_size = engine.model_config.vocab_size

@@ -1,6 +1,6 @@
 """The prefill role's one job: compute a prompt's first N-1 tokens and push them to a decode server.
 
-Shared by the HTTP route (`routes.py`) and in-process tests: the request runs through the
+Shared by the HTTP route (`roles.py`) and in-process tests: the request runs through the
 engine like any other (continuous batching, chunked prefill, prefix caching), as a one-token
 greedy generation of prompt[:-1] whose sampled token is discarded; the connector's
 `request_finished` hook then writes its blocks and state into the decode server's pools. The

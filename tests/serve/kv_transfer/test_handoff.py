@@ -66,6 +66,15 @@ def decode_engine(model, pool: PrefillPool, timeout_s: float = 30.0, min_prompt_
     return AsyncLLMEngine(LLMEngine(model, config=EngineConfig(**(CONFIG | config)), connector=connector)), connector
 
 
+def run_then_close(decode: AsyncLLMEngine, connector: MooncakeConnector, main):
+    """asyncio.run(main()), then stop the decode engine and its connector whatever happened."""
+    try:
+        return asyncio.run(main())
+    finally:
+        decode.shutdown()
+        connector.close()
+
+
 async def collect(engine: AsyncLLMEngine, prompt, url: str, params=GREEDY) -> list[int]:
     tokens = []
     async for out in engine.generate(prompt, params, kv_transfer=RemotePrefill(url)):
@@ -107,11 +116,7 @@ def test_handoff_equals_colocated(k31_model, helpers, pool, num_prefill):
         await settle(decode.engine, *prefills)
         return got
 
-    try:
-        got = asyncio.run(main())
-    finally:
-        decode.shutdown()
-        connector.close()
+    got = run_then_close(decode, connector, main)
     assert got == expected
     for engine in [decode.engine, *prefills]:
         assert_all_free(engine)
@@ -140,11 +145,7 @@ def test_failed_handoff_is_an_error_and_frees_everything(k31_model, helpers, poo
         await settle(decode.engine, pool.engines["p0"][0].engine)
         return ok
 
-    try:
-        ok = asyncio.run(main())
-    finally:
-        decode.shutdown()
-        connector.close()
+    ok = run_then_close(decode, connector, main)
     assert ok == LLMEngine(k31_model, config=EngineConfig(**CONFIG)).generate([prompt], GREEDY, progress=False)[0].token_ids
     assert connector.stats()["kv_transfer_failures"] == 1
     assert_all_free(decode.engine)
@@ -160,11 +161,7 @@ def test_mismatched_block_size_is_refused_by_the_prefill_side(k31_model, helpers
             await collect(decode, helpers.prompts(1, 12, 12, seed=2)[0], "p8")
         await settle(decode.engine)
 
-    try:
-        asyncio.run(main())
-    finally:
-        decode.shutdown()
-        connector.close()
+    run_then_close(decode, connector, main)
     assert_all_free(decode.engine)
 
 
@@ -203,11 +200,7 @@ def test_short_prompts_stay_on_the_decode_server(k31_model, helpers, pool):
         await settle(decode.engine, prefill)
         return got
 
-    try:
-        got = asyncio.run(main())
-    finally:
-        decode.shutdown()
-        connector.close()
+    got = run_then_close(decode, connector, main)
     assert got == [c.token_ids for c in LLMEngine(k31_model, config=EngineConfig(**CONFIG)).generate(
         prompts, GREEDY, progress=False)]
     assert connector.stats()["kv_transfer_received"] == 1  # only the 10-token prompt was handed off
