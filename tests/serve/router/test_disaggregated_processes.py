@@ -208,11 +208,24 @@ def test_decode_killed_mid_stream_is_retried(cluster, model, helpers):
         assert_nothing_held(cluster.urls[name])
 
 
-def test_prefill_killed_is_retried_on_the_other(cluster, model, helpers):
-    cluster.kill("p0")
-    prompts = helpers.prompts(4, 10, 25, seed=9)
-    expected = colocated(model, prompts, 8)
-    got = [complete(cluster.url, p, 8, stream=i % 2 == 1) for i, p in enumerate(prompts)]
-    assert got == expected
-    for name in ("p1", *[n for n in ("d0", "d1") if cluster.procs[n].poll() is None]):
+def test_prefill_killed_mid_prefill_is_retried_on_the_other(cluster, model, helpers):
+    prompt = helpers.prompts(1, 300, 300, seed=12)[0]
+    expected = colocated(model, [prompt], 8)[0]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(complete, cluster.url, prompt, 8, True)
+        killed = None
+        deadline = time.monotonic() + 60
+        while killed is None and not answer.done() and time.monotonic() < deadline:
+            for name in ("p0", "p1"):
+                if httpx.get(cluster.urls[name] + "/internal/kv_transfer/info").json()["load"]["running"]:
+                    cluster.kill(name)
+                    killed = name
+                    break
+            time.sleep(0.02)
+        assert answer.result(120) == expected
+    assert killed is not None  # the kill landed while a prompt was being computed
+    others = [helpers.prompts(1, 12, 25, seed=s)[0] for s in (9, 10)]
+    assert [complete(cluster.url, p, 8, stream=False) for p in others] == colocated(model, others, 8)
+    survivor = "p1" if killed == "p0" else "p0"
+    for name in (survivor, *[n for n in ("d0", "d1") if cluster.procs[n].poll() is None]):
         assert_nothing_held(cluster.urls[name])
