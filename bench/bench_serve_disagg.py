@@ -189,34 +189,40 @@ sys.stdin.read()
 """
 
 
-def raw_tcp_throughput(nbytes: int, repeats: int = 20) -> float:
-    """Bytes per second of one Mooncake TCP write of `nbytes` from this process into another's
-    registered memory (a receiver process, as between two servers), median of `repeats`."""
+def raw_tcp_throughput(sizes: list[tuple[int, int]], repeats: int = 9) -> list[float]:
+    """Bytes per second of Mooncake TCP writes from this process into another's registered memory (a
+    receiver process, as between two servers): for each (total bytes, segments), the total split
+    into that many equal segments in one `MooncakeTransport.write`, median of `repeats`."""
     import torch
 
     from deltamoe.serve.kv_transfer.mooncake_transport import MooncakeTransport
     from deltamoe.serve.kv_transfer.pools import Segment
 
+    largest = max(total for total, _ in sizes)
     env = dict(os.environ, GLOG_minloglevel="2", PYTHONPATH=str(ROOT))
-    receiver = subprocess.Popen([sys.executable, "-c", RECEIVER, str(nbytes)], stdin=subprocess.PIPE,
+    receiver = subprocess.Popen([sys.executable, "-c", RECEIVER, str(largest)], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+    rates = []
     try:
         session, address = json.loads(receiver.stdout.readline())
         sender = MooncakeTransport()
-        src = torch.rand(nbytes // 4 + 1)
+        src = torch.rand(largest // 4 + 1)
         sender.register(src.data_ptr(), src.nbytes)
-        segment = [Segment(src.data_ptr(), address, nbytes)]
-        sender.write(session, segment, 30.0)  # the handshake, not timed
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            sender.write(session, segment, 30.0)
-            times.append(time.perf_counter() - t0)
+        sender.write(session, [Segment(src.data_ptr(), address, 64)], 30.0)  # the handshake, not timed
+        for total, count in sizes:
+            size = total // count
+            segments = [Segment(src.data_ptr() + i * size, address + i * size, size) for i in range(count)]
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                sender.write(session, segments, 30.0)
+                times.append(time.perf_counter() - t0)
+            rates.append(size * count / statistics.median(times))
         sender.close()
     finally:
         receiver.stdin.close()
         receiver.wait(10)
-    return nbytes / statistics.median(times)
+    return rates
 
 
 def bytes_per_handoff(args, disagg: dict, measured_total: float) -> list[dict]:
@@ -273,7 +279,14 @@ def main() -> None:
     print("disaggregated:", disagg, hand_off, flush=True)
     per_request = hand_off["bytes_total"] / max(1, hand_off["handoffs"])
     handoff_rate = hand_off["idle_write_gb_s"] * 1e9
-    raw_rate = raw_tcp_throughput(int(hand_off["idle_bytes_per_handoff"]))  # single writes of the same size
+    idle_size = int(hand_off["idle_bytes_per_handoff"])
+    # One write of the idle hand-offs' size, then hand-off-shaped (16 segments) vs single writes at
+    # sizes where bandwidth, not the per-write cost, decides (a K3 hand-off is hundreds of MiB).
+    sweep = [(idle_size, 1)] + [(mib << 20, count) for mib in (8, 64) for count in (1, 16)]
+    rates = raw_tcp_throughput(sweep)
+    raw_rate = rates[0]
+    transport = [{"bytes": total, "segments": count, "gb_s": round(rate / 1e9, 3)}
+                 for (total, count), rate in zip(sweep, rates)]
     ratio_tpot = colocated["chat_tpot_p99_ms"] / disagg["chat_tpot_p99_ms"]
     summary = {"p99_chat_tpot_colocated_over_disagg": round(ratio_tpot, 2),
                "handoff_write_gb_s": round(handoff_rate / 1e9, 3), "raw_tcp_write_gb_s": round(raw_rate / 1e9, 3),
@@ -282,6 +295,8 @@ def main() -> None:
                "handoff_bytes_per_request": round(per_request),
                "handoff_seconds_per_request": round(hand_off["handoff_seconds_total"] / max(1, hand_off["handoffs"]), 4)}
     sizes = bytes_per_handoff(args, disagg, hand_off["bytes_total"])
+    print(markdown_table(["write (this process -> receiver process)", "GB/s"],
+                         [[f"{t['bytes'] / 2**20:.2f} MiB in {t['segments']} segment(s)", t["gb_s"]] for t in transport]))
     print(markdown_table(["setup", "chat TPOT p50 ms", "chat TPOT p99 ms", "chat TTFT p50 ms", "long TTFT p50 ms",
                           "done (chats/longs)", "failed"],
                          [[name, r["chat_tpot_p50_ms"], r["chat_tpot_p99_ms"], r["chat_ttft_p50_ms"],
@@ -294,7 +309,7 @@ def main() -> None:
                            "" if s["measured"] is None else f"{s['measured'] / 2**20:.2f} MiB"] for s in sizes]))
     path = write_result(result_name("serve_disagg", args.quick), {
         "config": vars(args), "targets": TARGETS, "colocated": colocated, "disaggregated": disagg,
-        "hand_off": hand_off, "summary": summary, "bytes_per_handoff": sizes})
+        "hand_off": hand_off, "summary": summary, "bytes_per_handoff": sizes, "transport": transport})
     print(f"wrote {path}")
 
 
