@@ -27,6 +27,7 @@ def _register() -> None:
     from deltamoe.demo.command import demo_command
     from deltamoe.plan.cli import plan_command
     from deltamoe.serve.cli import chat_command, generate_command, serve_command
+    from deltamoe.serve.router.cli import router_command
     from deltamoe.train.cli import train_command
     from deltamoe.trace.cli import app as trace_app
 
@@ -35,6 +36,7 @@ def _register() -> None:
     app.command("plan")(plan_command)
     app.command("train")(train_command)
     app.command("serve")(serve_command)
+    app.command("router")(router_command)
     app.command("generate")(generate_command)
     app.command("chat")(chat_command)
     app.command("bench")(bench_command)

@@ -5,6 +5,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
+# The Mooncake transfer engine (prefill/decode hand-off) loads libibverbs.so.1, absent on a fresh
+# Debian/Ubuntu machine: install it when missing (quick when present; needs root, as in CI).
+if ! ldconfig -p 2>/dev/null | grep -q "libibverbs.so.1 "; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get install -y -q libibverbs1 >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 >/dev/null; }
+  else
+    echo "warning: libibverbs.so.1 is missing; the P/D hand-off needs it (apt-get install -y libibverbs1)" >&2
+  fi
+fi
 python3 -m venv .venv
 # torch first, pinned to the CPU build: a bare `torch` requirement would pull a multi-GB CUDA build.
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q torch==2.13.0

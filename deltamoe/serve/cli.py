@@ -212,14 +212,27 @@ def serve_command(
     threads: Optional[int] = typer.Option(None, help="Torch threads of the engine on a CPU (default: "
                                           "OMP_NUM_THREADS, else all cores but one, kept for the HTTP front end)."),
     compile_decode: bool = typer.Option(False, "--compile-decode", help=COMPILE_DECODE_HELP + " Every decode graph is compiled at startup, before the port opens."),
+    role: str = typer.Option("colocated", help="colocated (one engine does everything), or one half of a "
+                             "prefill/decode pair behind `deltamoe router`: prefill or decode."),
+    kv_transfer: Optional[str] = typer.Option(None, help="How a prefill/decode pair moves caches: mooncake "
+                                              "(the Mooncake transfer engine over TCP)."),
+    kv_transfer_host: str = typer.Option("127.0.0.1", help="Address peers reach this server's transfer engine "
+                                         "at (its port is picked free)."),
+    kv_transfer_timeout: float = typer.Option(30.0, min=0.1, help="Seconds one hand-off (prefill queue, compute "
+                                              "and write) may take before the request fails."),
+    min_hand_off_tokens: int = typer.Option(2, min=2, help="Decode role: prompts shorter than this are computed "
+                                            "by the decode server itself (short chats skip the prefill queue)."),
+    block_size: int = typer.Option(16, min=1, help="Tokens per cache block (equal on both sides of a P/D pair)."),
 ) -> None:
     """OpenAI-compatible HTTP server (deltamoe.serve.api) over an AsyncLLMEngine."""
     from deltamoe.serve.engine.config import EngineConfig
+    from deltamoe.serve.kv_transfer.role_config import check_role
 
+    check_role(role, kv_transfer)
     check_dtype(dtype)
     config = EngineConfig(cache_memory=cache_memory, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                          compile_decode=compile_decode)
+                          compile_decode=compile_decode, block_size=block_size)
     chosen = engine_threads(threads, device)
     load_config(model)  # an unknown model fails here, from its config alone
     listener = bind_listen_address(host, port)
@@ -232,14 +245,24 @@ def serve_command(
 
     from deltamoe.serve.api.chat_template import ChatTemplate
     from deltamoe.serve.engine.async_engine import AsyncLLMEngine
+    from deltamoe.serve.engine.llm_engine import LLMEngine
+    from deltamoe.serve.kv_transfer.roles import decode_hand_off, internal_routes, make_connector
 
     if chosen is not None:
         torch.set_num_threads(chosen)
-    engine = AsyncLLMEngine.from_pretrained(model, config, tokenizer, parse_dtype(dtype), device)
+    try:
+        connector = make_connector(role, kv_transfer_host, kv_transfer_timeout, api_key, min_hand_off_tokens)
+    except ConfigError:
+        listener.close()
+        raise
+    engine = AsyncLLMEngine(LLMEngine.from_pretrained(model, config, tokenizer, parse_dtype(dtype), device,
+                                                      connector=connector))
     if compile_decode:
         typer.echo("compiling the decode graphs (once per process; for the 8-layer tiny preset on two cores about "
                    "6 min on a first start, 1 min from inductor's disk cache)...", err=True)
         engine.engine.warm_up()
     template = ChatTemplate.for_model(engine.tokenizer, tokenizer or model)
-    api.run(engine, model_name=served_model_name or model, host=host, port=port, api_key=api_key,
-            chat_template=template, log_level=log_level, sock=listener)
+    name = served_model_name or model
+    api.run(engine, model_name=name, host=host, port=port, api_key=api_key, chat_template=template,
+            log_level=log_level, sock=listener, hand_off=decode_hand_off if role == "decode" else None,
+            routers=[internal_routes(role, engine, connector, name)])

@@ -80,9 +80,9 @@ class Generation:
         self.engine, self.metrics, self.field_names = engine, metrics, field_names
 
     async def respond(self, request: Request, prompt: str | list[int], params: SamplingParams, fmt: Formatter,
-                      stream: bool, include_usage: bool) -> Response:
+                      stream: bool, include_usage: bool, kv_transfer: object | None = None) -> Response:
         timing = RequestTiming()
-        outputs = self.engine.generate(prompt, params, request_id=fmt.id)
+        outputs = self.engine.generate(prompt, params, request_id=fmt.id, kv_transfer=kv_transfer)
         # Each failure below has already ended the engine's generator (the error or the
         # cancellation ran through it), so there is nothing left to close.
         try:

@@ -15,6 +15,7 @@ import secrets
 import socket
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
@@ -58,8 +59,12 @@ def _include_usage(req: SamplingFields) -> bool:
 
 
 def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = None,
-              chat_template: ChatTemplate | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """The app for one engine serving one model name. The engine thread runs for the app's lifespan."""
+              chat_template: ChatTemplate | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+              hand_off: Callable[[Request], object | None] | None = None,
+              routers: Sequence[APIRouter] = ()) -> FastAPI:
+    """The app for one engine serving one model name. The engine thread runs for the app's lifespan.
+    `hand_off`: a request's KV-connector parameters from its headers (a decode server of a P/D
+    pair, `serve/kv_transfer/roles.py`); `routers`: extra routes (a role's internal ones)."""
     template = chat_template or ChatTemplate.for_model(engine.tokenizer, None)
     metrics = ServerMetrics(engine.stats)
     vocab_size = engine.model_config.vocab_size
@@ -104,6 +109,9 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    def _hand_off(request: Request) -> object | None:
+        return hand_off(request) if hand_off is not None else None
+
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
 
     @v1.get("/models")
@@ -117,7 +125,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
         params, names = completion_params(req, vocab_size)
         fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", req.model, engine.tokenizer, req.logprobs is not None)
         return await Generation(engine, metrics, names).respond(request, req.prompt, params, fmt, bool(req.stream),
-                                                                _include_usage(req))
+                                                                _include_usage(req), _hand_off(request))
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -127,9 +135,11 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
         prompt = _render(template, req)
         fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", req.model, engine.tokenizer, bool(req.logprobs))
         return await Generation(engine, metrics, names).respond(request, prompt, params, fmt, bool(req.stream),
-                                                                _include_usage(req))
+                                                                _include_usage(req), _hand_off(request))
 
     app.include_router(v1)
+    for router in routers:
+        app.include_router(router, dependencies=[Depends(check_key)])
     return app
 
 
@@ -144,11 +154,13 @@ def _render(template: ChatTemplate, req: ChatCompletionRequest) -> list[int]:
 
 def run(engine: AsyncLLMEngine, model_name: str, host: str = "127.0.0.1", port: int = 8000, *,
         api_key: str | None = None, chat_template: ChatTemplate | None = None, log_level: str = "info",
-        sock: socket.socket | None = None) -> None:
+        sock: socket.socket | None = None, hand_off: Callable[[Request], object | None] | None = None,
+        routers: Sequence[APIRouter] = ()) -> None:
     """Serve until Ctrl-C (blocking). `sock`: an already bound socket for host:port (the CLI binds
     it before loading the model); None binds here."""
     import uvicorn
 
-    app = build_app(engine, model_name, api_key=api_key, chat_template=chat_template)
+    app = build_app(engine, model_name, api_key=api_key, chat_template=chat_template, hand_off=hand_off,
+                    routers=routers)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)

@@ -28,6 +28,13 @@ class EngineDeadError(RuntimeError):
     """The engine thread failed while running a step; the requests in it cannot finish."""
 
 
+class RequestFailedError(EngineDeadError):
+    """One request failed inside the engine (its cache hand-off did not arrive); the engine lives on."""
+
+
+TRANSFER_POLL_S = 0.002  # how often a step that only waits for hand-offs looks again
+
+
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05):
         self.engine = engine
@@ -84,12 +91,15 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------ requests
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs (text deltas) until the one with `finished=True`."""
+                       request_id: str | None = None, priority: int = 0,
+                       kv_transfer: object | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs (text deltas) until the one with `finished=True`.
+        `kv_transfer`: the engine's KV connector's hand-off parameters for this request."""
         self.start()
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             seq = self.engine.make_sequence(prompt, params, request_id, priority)
+            seq.kv_transfer = kv_transfer
             if seq.request_id in self._streams:
                 raise RequestError(f"{seq.request_id!r} is already running", field="request_id")
             self._streams[seq.request_id] = (asyncio.get_running_loop(), queue)
@@ -133,7 +143,14 @@ class AsyncLLMEngine:
                 continue
             self._stats = self.engine.stats()
             for out in outputs:
-                self._deliver(out.request_id, out)
+                if out.finish_reason == "error":
+                    error = self.engine.errors.pop(out.request_id, "the request failed")
+                    self._deliver(out.request_id, RequestFailedError(error))
+                else:
+                    self._deliver(out.request_id, out)
+            if not outputs and self.engine.last_batch_size == 0:  # only waiting for transfers: do not spin
+                self._wake.wait(TRANSFER_POLL_S)
+                self._wake.clear()
 
     def _drain_commands(self) -> None:
         while self._commands:

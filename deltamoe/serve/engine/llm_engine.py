@@ -11,6 +11,7 @@ import itertools
 import random
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,33 +29,41 @@ from deltamoe.serve.engine.sequence import Sequence
 from deltamoe.tokenizers.base import Tokenizer
 from deltamoe.tokenizers.load import load_tokenizer
 
+if TYPE_CHECKING:
+    from deltamoe.serve.kv_transfer.connector import KVConnector
+
 
 class LLMEngine:
     def __init__(self, model: DeltaMoEForCausalLM, tokenizer: Tokenizer | None = None,
-                 config: EngineConfig | None = None):
+                 config: EngineConfig | None = None, connector: KVConnector | None = None):
         self.config = config or EngineConfig()
         self.model_config = model.config
         self.tokenizer = tokenizer or load_tokenizer(None, model.config.vocab_size)
         self.max_model_len = self.config.max_model_len or model.config.max_position_embeddings
         self.cache = HybridCache(model.config, self.config, self.max_model_len, dtype=model.dtype, device=model.device)
-        self.scheduler = Scheduler(self.config, self.cache)
+        self.connector = connector  # hands caches to / takes them from other engines (serve/kv_transfer/)
+        if connector is not None:
+            connector.bind(self.cache, model.config)
+        self.scheduler = Scheduler(self.config, self.cache, connector)
         self.runner = ModelRunner(model, self.cache, compiled_decode=self.config.compile_decode)
         self.device = model.device
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._seeds = random.Random(self.config.seed)
         self._totals = {"prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "steps": 0}
+        self.errors: dict[str, str] = {}  # why a request finished with 'error' (read and popped by the caller)
+        self.last_batch_size = 0  # sequences in the last step (0: it only waited for transfers)
 
     @classmethod
     def from_pretrained(cls, source: str | Path, config: EngineConfig | None = None,
                         tokenizer: str | Path | None = None, dtype: torch.dtype = torch.float32,
-                        device: str | torch.device = "cpu") -> "LLMEngine":
+                        device: str | torch.device = "cpu", connector: KVConnector | None = None) -> "LLMEngine":
         """A checkpoint folder or preset; the tokenizer comes from `tokenizer`, else the folder, else bytes."""
         from deltamoe.model.load import load_model
 
         model = load_model(source, dtype=dtype, device=device)
         tok_path = tokenizer if tokenizer is not None else (source if Path(str(source)).is_dir() else None)
-        return cls(model, load_tokenizer(tok_path, model.config.vocab_size), config)
+        return cls(model, load_tokenizer(tok_path, model.config.vocab_size), config, connector)
 
     # ------------------------------------------------------------------ requests
     def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -130,9 +139,21 @@ class LLMEngine:
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
+        failed = [self._fail(seq, reason) for seq, reason in self.scheduler.take_failed()]
+        self.last_batch_size = len(batch.items)
+        if self.connector is not None:
+            self.connector.start_load_kv()
         results = self.runner.execute(batch) if batch else []
+        if self.connector is not None:
+            self.connector.wait_for_save()
         self._totals["steps"] += 1
-        return [out for r in results if (out := self._postprocess(r)) is not None]
+        return failed + [out for r in results if (out := self._postprocess(r)) is not None]
+
+    def _fail(self, seq: Sequence, reason: str) -> RequestOutput:
+        """A request the scheduler finished with 'error' (its cache never arrived); `errors` says why."""
+        self._requests.pop(seq.request_id, None)
+        self.errors[seq.request_id] = reason
+        return self._output(seq, [], "", None)
 
     def _postprocess(self, r: StepResult) -> RequestOutput | None:
         seq = r.seq
@@ -239,7 +260,13 @@ class LLMEngine:
             slot_usage=c.slot_usage, num_snapshots=len(c.slots.snapshots), prefix_hit_rate=c.prefix_hit_rate,
             prefix_hit_tokens=c.prefix_hits, prefix_query_tokens=c.prefix_queries,
             prompt_tokens_total=self._totals["prompt_tokens"], generation_tokens_total=self._totals["generation_tokens"],
-            requests_finished=self._totals["finished"], steps=self._totals["steps"])
+            requests_finished=self._totals["finished"], steps=self._totals["steps"], extra=self._transfer_stats())
+
+    def _transfer_stats(self) -> dict[str, float]:
+        if self.connector is None:
+            return {}
+        return {**self.connector.stats(), "kv_transfer_loading": float(len(self.scheduler.loading)),
+                "kv_transfer_pinned": float(len(self.scheduler.pinned))}
 
 
 class _Progress:

@@ -10,16 +10,25 @@ yet in this step (highest (priority, arrival), possibly the one asking) is preem
 recompute: its blocks and slot go back, and it rejoins the waiting queue with its tokens so
 far. A request is never dropped; one that fits the cache alone always progresses, since a
 sequence only ever preempts less urgent ones.
+
+With a KV connector (prefill/decode hand-off, `serve/kv_transfer/`), an admitted sequence whose
+prompt another engine computes waits in `loading` on its reserved blocks until the connector
+reports the load done (then it runs) or failed (then it finishes with 'error'); a finished
+sequence whose blocks a transfer still uses waits in `pinned` until that transfer ends.
 """
 
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from deltamoe.serve.engine.cache import HybridCache
 from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.sequence import Sequence, Status, urgency
+
+if TYPE_CHECKING:
+    from deltamoe.serve.kv_transfer.connector import KVConnector
 
 
 @dataclass
@@ -35,11 +44,15 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, cache: HybridCache):
+    def __init__(self, config: EngineConfig, cache: HybridCache, connector: KVConnector | None = None):
         self.config = config
         self.cache = cache
+        self.connector = connector  # loads / saves caches from / for other engines (kv_transfer/)
         self.waiting: list[Sequence] = []  # sorted by sort_key
         self.running: list[Sequence] = []
+        self.loading: dict[str, tuple[Sequence, int]] = {}  # request id -> (sequence, tokens it waits for)
+        self.pinned: dict[str, Sequence] = {}  # finished, but a transfer still uses its blocks and slot
+        self.failed: list[tuple[Sequence, str]] = []  # loads that failed since the last `take_failed`
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -47,9 +60,11 @@ class Scheduler:
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading or self.pinned)
 
     def schedule(self) -> ScheduledBatch:
+        if self.connector is not None:
+            self._end_transfers()
         batch = ScheduledBatch()
         preemptions_before = self.num_preemptions
         scheduled: set[int] = set()
@@ -73,10 +88,16 @@ class Scheduler:
                 budget -= take
         # No admissions in a step that had to preempt: memory is short, new work would only thrash.
         can_admit = self.num_preemptions == preemptions_before
-        while can_admit and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (can_admit and self.waiting and budget > 0
+               and len(self.running) + len(self.loading) < self.config.max_num_seqs):
             seq = self.waiting[0]
             if not self.cache.admit(seq):
                 break
+            external = self.connector.get_num_new_matched_tokens(seq, seq.num_computed) if self.connector else 0
+            if external:
+                if not self._start_load(seq, external):
+                    break
+                continue
             take = self._chunk(seq, budget)
             if not self.cache.grow(seq, seq.num_computed + take):
                 self.cache.free(seq)
@@ -91,14 +112,55 @@ class Scheduler:
         return batch
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Remove a sequence for good (finished or aborted) and give its memory back."""
+        """Remove a sequence for good (finished or aborted) and give its memory back (once no
+        transfer uses it any more)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.cache.free(seq)
+        self.loading.pop(seq.request_id, None)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+        if self.connector is not None and self.connector.request_finished(seq, reason):
+            self.pinned[seq.request_id] = seq
+        else:
+            self.cache.free(seq)
+
+    def take_failed(self) -> list[tuple[Sequence, str]]:
+        """Sequences whose load failed (already finished with reason 'error'), with the reason."""
+        failed, self.failed = self.failed, []
+        return failed
+
+    def _start_load(self, seq: Sequence, external: int) -> bool:
+        """Reserve memory for `external` tokens another engine computes; the sequence waits in `loading`."""
+        if not self.cache.grow(seq, seq.num_computed + external):
+            self.cache.free(seq)
+            seq.num_computed = 0
+            return False
+        self.cache.record_admission(seq)
+        self.waiting.pop(0)
+        self.loading[seq.request_id] = (seq, external)
+        self.connector.update_state_after_alloc(seq, external)
+        return True
+
+    def _end_transfers(self) -> None:
+        """Loaded sequences start running; failed loads finish with 'error'; pinned memory goes back."""
+        done = self.connector.get_finished()
+        for request_id in done.received:
+            if request_id in self.loading:
+                seq, external = self.loading.pop(request_id)
+                seq.num_computed += external
+                seq.status = Status.RUNNING
+                self.running.append(seq)
+        for request_id, reason in done.failed.items():
+            if request_id in self.loading:
+                seq, _ = self.loading.pop(request_id)
+                self.cache.free(seq)
+                seq.status, seq.finish_reason = Status.FINISHED, "error"
+                self.failed.append((seq, reason))
+        for request_id in done.sent | done.received | set(done.failed):
+            if (seq := self.pinned.pop(request_id, None)) is not None:
+                self.cache.free(seq)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         start = seq.num_computed

@@ -51,6 +51,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    kv_transfer: object | None = None  # a KV connector's hand-off parameters for this request (kv_transfer/)
 
     @property
     def output_ids(self) -> list[int]:

@@ -1,0 +1,317 @@
+"""Prefill/decode disaggregation vs one colocated server, side by side in one run, same load.
+
+    .venv/bin/python bench/bench_serve_disagg.py [--quick] [--model tiny] [--duration 40]
+
+Load (the same for both setups): `--chats` clients each stream short completions back to back
+(`--chat-len` prompt tokens, `--chat-output` tokens), while a long prompt (`--long-len` tokens,
+`--long-output` tokens) arrives every `--long-every` seconds. In one server the long prompts'
+prefill chunks share steps with the chats' decodes, so a chat stalls for a whole chunk; with
+`deltamoe router` + `--role prefill` + `--role decode` the decode server never computes a long
+prompt: it waits on the hand-off (Mooncake, TCP) and keeps decoding. The chats' prompts are
+below `--min-hand-off-tokens` (default 256): the decode server computes them itself.
+
+Reported: the short chats' TPOT p50/p99 and TTFT, the long prompts' TTFT; hand-off bytes and
+write throughput (from the prefill server's /metrics: under the load, and for `--idle-handoffs`
+long prompts sent one at a time afterwards) next to the Mooncake transfer engine's raw TCP write
+throughput measured in the same run on the same machine, from this process into a receiver
+process, for single writes of the idle hand-offs' size; and the bytes a hand-off moves for Kimi
+K3 (the planner's cost formulas) at a few prompt lengths beside this run's tiny model (measured
+and predicted).
+
+Resources: the colocated server gets `--colocated-threads` torch threads (default 2), each
+P/D server 1, so both setups use the same number of cores. Absolute times are this shared
+CPU's; read the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_serve_online import free_port, wait_healthy  # noqa: E402
+from common import markdown_table, result_name, write_result  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL_NAME = "bench"
+TARGETS = {"p99_chat_tpot_colocated_over_disagg": 2.0, "handoff_over_raw_tcp": 0.5}
+
+
+def start(args: list[str], port: int) -> tuple[subprocess.Popen, str]:
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | {"GLOG_minloglevel": "2"}
+    proc = subprocess.Popen([sys.executable, "-m", "deltamoe", *args, "--port", str(port), "--log-level", "warning"],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise KeyError(name)
+
+
+async def stream_one(http: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> dict:
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first, tokens = None, 0
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            return {"ok": False, "error": f"HTTP {r.status_code}"}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                return {"ok": False, "error": chunk["error"]["message"][:200]}
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            elif first is None and chunk["choices"]:
+                first = time.perf_counter()
+    end = time.perf_counter()
+    if tokens != max_tokens or first is None:
+        return {"ok": False, "error": f"{tokens} tokens, expected {max_tokens}"}
+    return {"ok": True, "ttft": first - start, "tpot": (end - first) / max(1, tokens - 1)}
+
+
+async def mixed_load(url: str, args) -> dict:
+    rng = random.Random(args.seed)
+    chats, longs = [], []
+    stop = time.perf_counter() + args.duration
+    limits = httpx.Limits(max_connections=args.chats + 16)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+        async def chat_client():
+            while time.perf_counter() < stop:
+                prompt = [rng.randrange(32, 127) for _ in range(args.chat_len)]
+                chats.append(await stream_one(http, prompt, args.chat_output))
+
+        async def long_arrivals():
+            tasks = []
+            await asyncio.sleep(args.long_every / 2)
+            while time.perf_counter() < stop:
+                prompt = [rng.randrange(32, 127) for _ in range(args.long_len)]
+                tasks.append(asyncio.create_task(stream_one(http, prompt, args.long_output)))
+                await asyncio.sleep(args.long_every)
+            longs.extend(await asyncio.gather(*tasks))
+
+        await asyncio.gather(long_arrivals(), *(chat_client() for _ in range(args.chats)))
+
+    def pct(rows, key, q):
+        values = [r[key] for r in rows if r["ok"]]
+        return round(float(np.percentile(values, q)) * 1e3, 2) if values else float("nan")
+
+    return {"chats_ok": sum(r["ok"] for r in chats), "chats_failed": sum(not r["ok"] for r in chats),
+            "longs_ok": sum(r["ok"] for r in longs), "longs_failed": sum(not r["ok"] for r in longs),
+            "chat_tpot_p50_ms": pct(chats, "tpot", 50), "chat_tpot_p99_ms": pct(chats, "tpot", 99),
+            "chat_ttft_p50_ms": pct(chats, "ttft", 50), "chat_ttft_p99_ms": pct(chats, "ttft", 99),
+            "long_ttft_p50_ms": pct(longs, "ttft", 50), "long_ttft_p99_ms": pct(longs, "ttft", 99),
+            "errors": sorted({r["error"] for r in chats + longs if not r["ok"]})[:5]}
+
+
+async def idle_handoffs(url: str, args) -> None:
+    """Long prompts one at a time on idle servers: the hand-off's write speed without CPU contention."""
+    rng = random.Random(args.seed + 1)
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        for _ in range(args.idle_handoffs):
+            result = await stream_one(http, [rng.randrange(32, 127) for _ in range(args.long_len)], 1)
+            if not result["ok"]:
+                raise RuntimeError(f"an idle hand-off failed: {result['error']}")
+
+
+def serve_args(args, threads: int) -> list[str]:
+    return ["serve", args.model, "--served-model-name", MODEL_NAME, "--threads", str(threads), "--cache-memory",
+            args.cache_memory, "--max-num-batched-tokens", str(args.chunk), "--max-model-len",
+            str(args.long_len + args.long_output + 8)]
+
+
+def run_colocated(args) -> dict:
+    proc, url = start(serve_args(args, args.colocated_threads), free_port())
+    try:
+        wait_healthy(proc, url)
+        return asyncio.run(mixed_load(url, args))
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def run_disaggregated(args) -> tuple[dict, dict]:
+    role = ["--kv-transfer", "mooncake"]
+    prefill, p_url = start(serve_args(args, 1) + ["--role", "prefill", *role], free_port())
+    decode, d_url = start(serve_args(args, 1) + ["--role", "decode", *role, "--min-hand-off-tokens",
+                                                  str(args.min_hand_off_tokens)], free_port())
+    procs = [prefill, decode]
+    try:
+        wait_healthy(prefill, p_url)
+        wait_healthy(decode, d_url)
+        router, r_url = start(["router", "--prefill", p_url, "--decode", d_url, "--read-timeout", "600"], free_port())
+        procs.append(router)
+        wait_healthy(router, r_url, 60)
+        row = asyncio.run(mixed_load(r_url, args))
+        loaded = {k: metric(p_url, f"deltamoe_engine_kv_transfer_{k}") for k in ("bytes_sent", "seconds_sent")}
+        asyncio.run(idle_handoffs(r_url, args))
+        idle = {k: metric(p_url, f"deltamoe_engine_kv_transfer_{k}") - v for k, v in loaded.items()}
+        sent = metric(p_url, "deltamoe_engine_kv_transfer_sent")
+        hand_off = {"handoffs": sent, "failures": metric(p_url, "deltamoe_engine_kv_transfer_failures")
+                    + metric(d_url, "deltamoe_engine_kv_transfer_failures"),
+                    "bytes_total": metric(p_url, "deltamoe_engine_kv_transfer_bytes_sent"),
+                    "write_seconds_total": metric(p_url, "deltamoe_engine_kv_transfer_seconds_sent"),
+                    "handoff_seconds_total": metric(d_url, "deltamoe_engine_kv_transfer_seconds_received"),
+                    "retries": metric(r_url, "deltamoe_router_retries_total"),
+                    "loaded_write_gb_s": loaded["bytes_sent"] / max(1e-9, loaded["seconds_sent"]) / 1e9,
+                    "idle_write_gb_s": idle["bytes_sent"] / max(1e-9, idle["seconds_sent"]) / 1e9,
+                    "idle_bytes_per_handoff": idle["bytes_sent"] / max(1, args.idle_handoffs)}
+        return row, hand_off
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+        for proc in procs:
+            proc.wait(30)
+
+
+RECEIVER = """
+import json, sys, time, torch
+from deltamoe.serve.kv_transfer.mooncake_transport import MooncakeTransport
+t = MooncakeTransport(); dst = torch.zeros(int(sys.argv[1]) // 4 + 1); t.register(dst.data_ptr(), dst.nbytes)
+print(json.dumps([t.session, dst.data_ptr()]), flush=True)
+sys.stdin.read()
+"""
+
+
+def raw_tcp_throughput(sizes: list[tuple[int, int]], repeats: int = 9) -> list[float]:
+    """Bytes per second of Mooncake TCP writes from this process into another's registered memory (a
+    receiver process, as between two servers): for each (total bytes, segments), the total split
+    into that many equal segments in one `MooncakeTransport.write`, median of `repeats`."""
+    import torch
+
+    from deltamoe.serve.kv_transfer.mooncake_transport import MooncakeTransport
+    from deltamoe.serve.kv_transfer.pools import Segment
+
+    largest = max(total for total, _ in sizes)
+    env = dict(os.environ, GLOG_minloglevel="2", PYTHONPATH=str(ROOT))
+    receiver = subprocess.Popen([sys.executable, "-c", RECEIVER, str(largest)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+    rates = []
+    try:
+        session, address = json.loads(receiver.stdout.readline())
+        sender = MooncakeTransport()
+        src = torch.rand(largest // 4 + 1)
+        sender.register(src.data_ptr(), src.nbytes)
+        sender.write(session, [Segment(src.data_ptr(), address, 64)], 30.0)  # the handshake, not timed
+        for total, count in sizes:
+            size = total // count
+            segments = [Segment(src.data_ptr() + i * size, address + i * size, size) for i in range(count)]
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                sender.write(session, segments, 30.0)
+                times.append(time.perf_counter() - t0)
+            rates.append(size * count / statistics.median(times))
+        sender.close()
+    finally:
+        receiver.stdin.close()
+        receiver.wait(10)
+    return rates
+
+
+def bytes_per_handoff(args, disagg: dict, measured_total: float) -> list[dict]:
+    """Hand-off bytes for N prompt tokens: (N-1) tokens of latent + indexer rows, plus one KDA state.
+    For this run's model: the formula summed over the requests the run handed off, and the bytes
+    the prefill server reported writing."""
+    from deltamoe.config import load_preset
+    from deltamoe.hf_config import load_config
+    from deltamoe.plan.costs import model_costs
+    from deltamoe.serve.engine.cache_layout import CacheLayout
+
+    rows = []
+    k3 = model_costs(load_preset("kimi-k3"))
+    for n in (4096, 32768, 131072):
+        rows.append({"model": "kimi-k3 (bf16 latent, fp32 KDA state; planner)", "prompt_tokens": n,
+                     "bytes": (n - 1) * k3.kv_bytes_per_token + k3.kda_state_bytes_per_seq, "measured": None})
+    layout = CacheLayout.from_config(load_config(args.model), 16)
+    one = {n: (n - 1) * layout.bytes_per_token + layout.bytes_per_state_slot for n in (args.chat_len, args.long_len)}
+    chats = disagg["chats_ok"] if disagg["chats_ok"] and args.chat_len >= args.min_hand_off_tokens else 0
+    longs = disagg["longs_ok"] + args.idle_handoffs
+    rows.append({"model": f"{args.model} (fp32; engine layout)", "prompt_tokens": args.long_len,
+                 "bytes": one[args.long_len], "measured": None})
+    rows.append({"model": f"{args.model}, this run: {chats} x {args.chat_len} + {longs} x {args.long_len} tokens",
+                 "prompt_tokens": chats * args.chat_len + longs * args.long_len,
+                 "bytes": chats * one[args.chat_len] + longs * one[args.long_len], "measured": measured_total})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--duration", type=float, default=40.0)
+    ap.add_argument("--chats", type=int, default=4)
+    ap.add_argument("--chat-len", type=int, default=32)
+    ap.add_argument("--chat-output", type=int, default=32)
+    ap.add_argument("--long-len", type=int, default=1536)
+    ap.add_argument("--long-output", type=int, default=2)
+    ap.add_argument("--long-every", type=float, default=3.0)
+    ap.add_argument("--chunk", type=int, default=512, help="--max-num-batched-tokens of every server")
+    ap.add_argument("--cache-memory", default="256MiB")
+    ap.add_argument("--colocated-threads", type=int, default=2)
+    ap.add_argument("--min-hand-off-tokens", type=int, default=256,
+                    help="the decode server computes shorter prompts itself (the chats); 2 hands off every prompt")
+    ap.add_argument("--idle-handoffs", type=int, default=5, help="long prompts handed off one at a time after the load")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="15 s per setup; writes serve_disagg_quick.json")
+    args = ap.parse_args()
+    if args.quick:
+        args.duration = 15.0
+
+    colocated = run_colocated(args)
+    print("colocated:", colocated, flush=True)
+    disagg, hand_off = run_disaggregated(args)
+    print("disaggregated:", disagg, hand_off, flush=True)
+    per_request = hand_off["bytes_total"] / max(1, hand_off["handoffs"])
+    handoff_rate = hand_off["idle_write_gb_s"] * 1e9
+    idle_size = int(hand_off["idle_bytes_per_handoff"])
+    # One write of the idle hand-offs' size, then hand-off-shaped (16 segments) vs single writes at
+    # sizes where bandwidth, not the per-write cost, decides (a K3 hand-off is hundreds of MiB).
+    sweep = [(idle_size, 1)] + [(mib << 20, count) for mib in (8, 64) for count in (1, 16)]
+    rates = raw_tcp_throughput(sweep)
+    raw_rate = rates[0]
+    transport = [{"bytes": total, "segments": count, "gb_s": round(rate / 1e9, 3)}
+                 for (total, count), rate in zip(sweep, rates)]
+    ratio_tpot = colocated["chat_tpot_p99_ms"] / disagg["chat_tpot_p99_ms"]
+    summary = {"p99_chat_tpot_colocated_over_disagg": round(ratio_tpot, 2),
+               "handoff_write_gb_s": round(handoff_rate / 1e9, 3), "raw_tcp_write_gb_s": round(raw_rate / 1e9, 3),
+               "handoff_write_under_load_gb_s": round(hand_off["loaded_write_gb_s"], 3),
+               "handoff_over_raw_tcp": round(handoff_rate / raw_rate, 2),
+               "handoff_bytes_per_request": round(per_request),
+               "handoff_seconds_per_request": round(hand_off["handoff_seconds_total"] / max(1, hand_off["handoffs"]), 4)}
+    sizes = bytes_per_handoff(args, disagg, hand_off["bytes_total"])
+    print(markdown_table(["write (this process -> receiver process)", "GB/s"],
+                         [[f"{t['bytes'] / 2**20:.2f} MiB in {t['segments']} segment(s)", t["gb_s"]] for t in transport]))
+    print(markdown_table(["setup", "chat TPOT p50 ms", "chat TPOT p99 ms", "chat TTFT p50 ms", "long TTFT p50 ms",
+                          "done (chats/longs)", "failed"],
+                         [[name, r["chat_tpot_p50_ms"], r["chat_tpot_p99_ms"], r["chat_ttft_p50_ms"],
+                           r["long_ttft_p50_ms"], f"{r['chats_ok']}/{r['longs_ok']}",
+                           r["chats_failed"] + r["longs_failed"]]
+                          for name, r in (("colocated", colocated), ("1P+1D", disagg))]))
+    print(markdown_table(list(summary), [list(summary.values())]))
+    print(markdown_table(["model", "prompt tokens", "bytes per hand-off", "measured"],
+                         [[s["model"], s["prompt_tokens"], f"{s['bytes'] / 2**20:.2f} MiB",
+                           "" if s["measured"] is None else f"{s['measured'] / 2**20:.2f} MiB"] for s in sizes]))
+    path = write_result(result_name("serve_disagg", args.quick), {
+        "config": vars(args), "targets": TARGETS, "colocated": colocated, "disaggregated": disagg,
+        "hand_off": hand_off, "summary": summary, "bytes_per_handoff": sizes, "transport": transport})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

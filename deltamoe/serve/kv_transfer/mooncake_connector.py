@@ -1,0 +1,205 @@
+"""MooncakeConnector: the prefill and decode halves of a hand-off over the Mooncake transfer engine.
+
+The hand-off (vLLM's scheme for models with a recurrent state): the prefill server computes the
+prompt's first N-1 tokens and writes their latent / indexer blocks and the KDA recurrent + conv
+state after token N-1 straight into the decode server's pools; the decode server then runs the
+last prompt token itself, so its first step yields the first output token from fresh logits,
+with its own sampler and generator (seeded sampling continues exactly as in one engine).
+
+Decode side (`RemotePrefill` on a sequence): at admission the scheduler reserves blocks for the
+N-1 tokens and a state slot; `update_state_after_alloc` then asks the prefill server (through
+`prefill_client`, an HTTP call in a server) to compute and write into exactly those blocks,
+skipping the leading blocks that this engine's prefix cache already held. The request runs once
+that call returns; until then (also when it is aborted) its blocks stay pinned.
+
+Prefill side (`PushTo` on a sequence): when the request finishes its N-1 tokens,
+`request_finished` starts the write on a hand-off thread and keeps the blocks and slot pinned
+until the write ends. Prefix caching works as in any engine: cached blocks are not recomputed,
+and are sent like the rest (the decode side lacks them).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from deltamoe.config import ModelConfig
+from deltamoe.errors import RequestError
+from deltamoe.serve.engine.cache import HybridCache
+from deltamoe.serve.engine.sequence import Sequence
+from deltamoe.serve.kv_transfer.connector import FinishedTransfers, KVConnector
+from deltamoe.serve.kv_transfer.mooncake_transport import MooncakeTransport, TransferFailed
+from deltamoe.serve.kv_transfer.pools import PoolDescriptor, describe, pool_tensors, request_segments
+
+# Asks a prefill server (its URL) to compute a prompt and write it into this engine; returns its
+# report ({"bytes", "seconds", ...}) or raises. The third argument bounds the call in seconds.
+PrefillClient = Callable[[str, dict, float], dict]
+
+
+@dataclass
+class RemotePrefill:
+    """Decode side: this request's prompt is computed by the prefill server at `url`."""
+
+    url: str
+    loaded: bool = False  # set once the load was asked for: a preempted request recomputes locally
+
+
+@dataclass
+class PushTo:
+    """Prefill side: where the request's computed cache goes when its N-1 tokens are done."""
+
+    dest: PoolDescriptor
+    first_block: int  # leading blocks the decode side already holds (not sent)
+    dst_blocks: list[int]
+    dst_slot: int
+    timeout_s: float
+    deadline: float = 0.0  # time.monotonic() by which the write ends, one way or the other
+    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass
+class HandOffConfig:
+    host: str = "127.0.0.1"  # the address peers reach this server's transfer engine at
+    timeout_s: float = 30.0  # a whole hand-off (prefill queue + compute + write), decode side
+    push_share: float = 0.8  # the prefill side finishes (or gives up) within this share of it
+    min_prompt_tokens: int = 2  # decode side: shorter prompts are computed here, with no hand-off
+    max_threads: int = 16  # hand-offs in flight at once (a decode side waits on HTTP in each)
+
+
+class MooncakeConnector(KVConnector):
+    def __init__(self, config: HandOffConfig | None = None, prefill_client: PrefillClient | None = None):
+        self.config = config or HandOffConfig()
+        self.prefill_client = prefill_client
+        self.transport: MooncakeTransport | None = None
+        self._threads = concurrent.futures.ThreadPoolExecutor(self.config.max_threads, thread_name_prefix="handoff")
+        self._lock = threading.Lock()
+        self._finished = FinishedTransfers()
+        self._in_flight: set[str] = set()
+        self._totals = {"sent": 0, "received": 0, "failures": 0, "bytes_sent": 0, "bytes_received": 0,
+                        "seconds_sent": 0.0, "seconds_received": 0.0}
+
+    def bind(self, cache: HybridCache, model_config: ModelConfig) -> None:
+        super().bind(cache, model_config)
+        self.transport = MooncakeTransport(self.config.host)
+        for tensor in pool_tensors(cache).values():  # once: the whole pools, never per request
+            self.transport.register(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        self.descriptor = describe(cache, self.transport.session, model_config)
+
+    # ------------------------------------------------------------------ scheduler side
+    def get_num_new_matched_tokens(self, seq: Sequence, num_computed: int) -> int:
+        hand_off = seq.kv_transfer
+        if (not isinstance(hand_off, RemotePrefill) or hand_off.loaded or seq.num_preemptions
+                or seq.num_prompt_tokens < self.config.min_prompt_tokens):
+            return 0
+        return max(0, seq.num_prompt_tokens - 1 - num_computed)
+
+    def update_state_after_alloc(self, seq: Sequence, num_external_tokens: int) -> None:
+        hand_off: RemotePrefill = seq.kv_transfer
+        hand_off.loaded = True
+        bs = self.cache.block_size
+        first_block = seq.num_computed // bs
+        last = -(-(seq.num_computed + num_external_tokens) // bs)
+        payload = {"transfer_id": seq.request_id, "token_ids": seq.token_ids[:seq.num_prompt_tokens],
+                   "first_block": first_block, "dst_blocks": seq.block_table[first_block:last], "dst_slot": seq.slot,
+                   "dest": self.descriptor.to_json(), "timeout_s": self.config.timeout_s * self.config.push_share}
+        with self._lock:
+            self._in_flight.add(seq.request_id)
+        self._threads.submit(self._load, seq.request_id, hand_off.url, payload)
+
+    def request_finished(self, seq: Sequence, reason: str) -> bool:
+        with self._lock:
+            if seq.request_id in self._in_flight:
+                return True  # a load or a push still writes or reads these blocks
+        push = seq.kv_transfer
+        if not isinstance(push, PushTo):
+            return False
+        if reason == "abort":
+            push.done.set_exception(TransferFailed("the prefill was aborted before its hand-off"))
+            return False
+        with self._lock:
+            self._in_flight.add(seq.request_id)
+        src_blocks = seq.block_table[push.first_block:push.first_block + len(push.dst_blocks)]
+        segments = request_segments(self.cache, push.dest, src_blocks, push.dst_blocks, seq.num_computed,
+                                    push.first_block, seq.slot, push.dst_slot)
+        self._threads.submit(self._push, seq.request_id, push, segments)
+        return True
+
+    # ------------------------------------------------------------------ worker side
+    def get_finished(self) -> FinishedTransfers:
+        with self._lock:
+            done, self._finished = self._finished, FinishedTransfers()
+        return done
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            return {f"kv_transfer_{k}": float(v) for k, v in self._totals.items()} | {
+                "kv_transfer_in_flight": float(len(self._in_flight))}
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=True, cancel_futures=True)
+        if self.transport is not None:
+            self.transport.close()
+
+    # ------------------------------------------------------------------ hand-off threads
+    def _load(self, request_id: str, url: str, payload: dict) -> None:
+        start = time.monotonic()
+        try:
+            if self.prefill_client is None:
+                raise TransferFailed("this server has no prefill client (it is not a decode server)")
+            report = self.prefill_client(url, payload, self.config.timeout_s)
+        except Exception as e:  # any failure fails this request only, with the reason
+            self._end(request_id, "received", error=f"prefill hand-off from {url} failed: {e}")
+            return
+        self._end(request_id, "received", nbytes=int(report.get("bytes", 0)), seconds=time.monotonic() - start)
+
+    def _push(self, request_id: str, push: PushTo, segments) -> None:
+        start = time.monotonic()
+        nbytes = sum(s.nbytes for s in segments)
+        try:
+            self.transport.write(push.dest.session, segments, max(0.0, push.deadline - time.monotonic()))
+        except Exception as e:
+            self._end(request_id, "sent", error=str(e))
+            push.done.set_exception(e if isinstance(e, TransferFailed) else TransferFailed(str(e)))
+            return
+        seconds = time.monotonic() - start
+        self._end(request_id, "sent", nbytes=nbytes, seconds=seconds)
+        push.done.set_result({"bytes": nbytes, "seconds": seconds, "segments": len(segments)})
+
+    def _end(self, request_id: str, direction: str, nbytes: int = 0, seconds: float = 0.0,
+             error: str | None = None) -> None:
+        with self._lock:
+            self._in_flight.discard(request_id)
+            if error is not None:
+                self._finished.failed[request_id] = error
+                self._totals["failures"] += 1
+                return
+            getattr(self._finished, direction).add(request_id)
+            self._totals[direction] += 1
+            self._totals[f"bytes_{direction}"] += nbytes
+            self._totals[f"seconds_{direction}"] += seconds
+
+
+def push_target(connector: MooncakeConnector, payload: dict) -> tuple[list[int], PushTo]:
+    """Check a decode server's hand-off request against this engine; (prompt ids, where to write).
+
+    A different model, cache layout, dtype or block size is refused: raw bytes would be garbage."""
+    try:
+        dest = PoolDescriptor.from_json(payload["dest"])
+        token_ids = [int(t) for t in payload["token_ids"]]
+        first_block, dst_blocks = int(payload["first_block"]), [int(b) for b in payload["dst_blocks"]]
+        dst_slot, timeout_s = int(payload["dst_slot"]), float(payload["timeout_s"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise RequestError(f"malformed hand-off request ({e!r})", field="kv_transfer") from e
+    if dest.signature != connector.descriptor.signature:
+        raise RequestError("the decode server runs a different model, cache layout, dtype or block size "
+                           f"(signature {dest.signature} != {connector.descriptor.signature})", field="kv_transfer")
+    bs = connector.cache.block_size
+    need = -(-(len(token_ids) - 1) // bs) - first_block
+    if len(token_ids) < 2 or first_block < 0 or len(dst_blocks) != need:
+        raise RequestError(f"{len(dst_blocks)} destination blocks for {len(token_ids) - 1} tokens from block "
+                           f"{first_block} (expected {need})", field="kv_transfer")
+    return token_ids, PushTo(dest=dest, first_block=first_block, dst_blocks=dst_blocks, dst_slot=dst_slot,
+                             timeout_s=timeout_s, deadline=time.monotonic() + timeout_s)

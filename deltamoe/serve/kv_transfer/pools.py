@@ -1,0 +1,114 @@
+"""Where a request's cache lives in memory: the byte ranges of its blocks and its state slot.
+
+A HybridCache holds four pools, each one tensor allocated once: latent pages and indexer-key
+pages [layers, blocks * block_size, dim] (a block of a layer is one contiguous run of
+block_size rows), recurrent [layers, slots, H, K, V] and conv [layers, slots, 3P, W-1] (a slot
+of a layer is one contiguous run). A transport registers the four tensors once and moves a
+request as a list of (source address, destination address, bytes) segments; the destination's
+base addresses travel in the hand-off request (`PoolDescriptor`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+
+import torch
+
+from deltamoe.config import ModelConfig
+from deltamoe.serve.engine.cache import HybridCache
+
+POOLS = ("latent", "index_keys", "recurrent", "conv")
+
+
+@dataclass(frozen=True)
+class Segment:
+    src: int
+    dst: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class PoolDescriptor:
+    """One engine's pools as a peer needs them: base addresses plus what must match to copy bytes."""
+
+    session: str  # the transport's address of this engine ("host:port")
+    addresses: dict[str, int]
+    signature: str  # model config + cache layout + dtype + block size; equal on both sides or no hand-off
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "PoolDescriptor":
+        return cls(session=str(data["session"]), addresses={k: int(v) for k, v in data["addresses"].items()},
+                   signature=str(data["signature"]))
+
+
+def pool_tensors(cache: HybridCache) -> dict[str, torch.Tensor]:
+    return {name: getattr(cache, name) for name in POOLS}
+
+
+def cache_signature(model_config: ModelConfig, cache: HybridCache) -> str:
+    """Everything that must agree for raw bytes to mean the same on both sides (not the pool sizes)."""
+    shapes = {name: [t.shape[0], *t.shape[2:]] for name, t in pool_tensors(cache).items()}
+    dtypes = {name: str(t.dtype) for name, t in pool_tensors(cache).items()}
+    blob = json.dumps({"model": model_config.to_dict(), "block_size": cache.block_size, "shapes": shapes,
+                       "dtypes": dtypes}, sort_keys=True, default=str)
+    return hashlib.blake2b(blob.encode(), digest_size=8).hexdigest()
+
+
+def describe(cache: HybridCache, session: str, model_config: ModelConfig) -> PoolDescriptor:
+    return PoolDescriptor(session=session, addresses={n: t.data_ptr() for n, t in pool_tensors(cache).items()},
+                          signature=cache_signature(model_config, cache))
+
+
+def request_segments(cache: HybridCache, remote: PoolDescriptor, src_blocks: list[int], dst_blocks: list[int],
+                     num_tokens: int, first_block: int, src_slot: int, dst_slot: int) -> list[Segment]:
+    """Segments that copy tokens [first_block * block_size, num_tokens) of every latent / indexer
+    layer, and the whole state slot of every KDA layer, from this cache into the remote one.
+
+    `src_blocks` / `dst_blocks`: the blocks holding those tokens, in order, on each side. The last
+    block is copied only up to `num_tokens`; runs of consecutive blocks on both sides are merged
+    into one segment.
+    """
+    bs = cache.block_size
+    if len(src_blocks) != len(dst_blocks):
+        raise ValueError(f"{len(src_blocks)} source blocks for {len(dst_blocks)} destination blocks")
+    rows = [min(bs, num_tokens - (first_block + i) * bs) for i in range(len(src_blocks))]
+    runs = _runs(src_blocks, dst_blocks, rows, bs)
+    segments: list[Segment] = []
+    for name in ("latent", "index_keys"):
+        pool = getattr(cache, name)
+        if pool.numel() == 0:
+            continue
+        layer_bytes, row_bytes = pool.stride(0) * pool.element_size(), pool.stride(1) * pool.element_size()
+        for layer in range(pool.shape[0]):
+            src_base = pool.data_ptr() + layer * layer_bytes
+            dst_base = remote.addresses[name] + layer * layer_bytes
+            segments += [Segment(src_base + s * bs * row_bytes, dst_base + d * bs * row_bytes, n * row_bytes)
+                         for s, d, n in runs]
+    for name in ("recurrent", "conv"):
+        pool = getattr(cache, name)
+        if pool.numel() == 0:
+            continue
+        layer_bytes, slot_bytes = pool.stride(0) * pool.element_size(), pool.stride(1) * pool.element_size()
+        for layer in range(pool.shape[0]):
+            segments.append(Segment(pool.data_ptr() + layer * layer_bytes + src_slot * slot_bytes,
+                                    remote.addresses[name] + layer * layer_bytes + dst_slot * slot_bytes,
+                                    slot_bytes))
+    return segments
+
+
+def _runs(src: list[int], dst: list[int], rows: list[int], bs: int) -> list[tuple[int, int, int]]:
+    """(first source block, first destination block, rows) per run of blocks consecutive on both sides."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d, n in zip(src, dst, rows):
+        if runs:
+            s0, d0, n0 = runs[-1]
+            if n0 % bs == 0 and s == s0 + n0 // bs and d == d0 + n0 // bs:
+                runs[-1] = (s0, d0, n0 + n)
+                continue
+        runs.append((s, d, n))
+    return runs

@@ -1,0 +1,21 @@
+"""The P/D role options, checked before torch or the model loads (the CLI's fast path)."""
+
+from __future__ import annotations
+
+from deltamoe.errors import ConfigError
+
+ROLES = ("colocated", "prefill", "decode")
+TRANSPORTS = ("mooncake",)
+
+
+def check_role(role: str, kv_transfer: str | None) -> None:
+    """Before anything loads: a known role, and a transport exactly when the role needs one."""
+    if role not in ROLES:
+        raise ConfigError(f"expected one of {list(ROLES)}, got {role!r}", field="role")
+    if kv_transfer is not None and kv_transfer not in TRANSPORTS:
+        raise ConfigError(f"expected one of {list(TRANSPORTS)}, got {kv_transfer!r}", field="kv_transfer")
+    if role != "colocated" and kv_transfer is None:
+        raise ConfigError(f"the {role} role needs a transport", field="kv_transfer", hint="--kv-transfer mooncake")
+    if role == "colocated" and kv_transfer is not None:
+        raise ConfigError("a colocated server hands nothing off", field="kv_transfer",
+                          hint="add --role prefill or --role decode")

@@ -1,0 +1,91 @@
+"""A server's P/D role: its connector, its internal routes, and how a decode request finds its prefill.
+
+- prefill: `POST /internal/prefill` computes a prompt's first N-1 tokens and pushes them to the
+  decode server named in the body (`prefill_service.prefill_and_push`).
+- decode: a /v1 request with the header `X-DeltaMoE-Prefill-Url` (set by the router) has its
+  prompt computed by that prefill server; the decode engine's connector asks for it over HTTP.
+- both: `GET /internal/kv_transfer/info` reports the role, the cache signature (model config,
+  layout, dtype, block size) and the load, so a router checks a pairing at start-up and
+  picks the least loaded worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from deltamoe.errors import RequestError
+from deltamoe.serve.engine.async_engine import AsyncLLMEngine
+from deltamoe.serve.kv_transfer.mooncake_connector import HandOffConfig, MooncakeConnector, RemotePrefill
+from deltamoe.serve.kv_transfer.mooncake_transport import TransferFailed
+from deltamoe.serve.kv_transfer.prefill_service import prefill_and_push
+
+PREFILL_HEADER = "X-DeltaMoE-Prefill-Url"  # set by the router on a decode server's /v1 requests
+
+def http_prefill_client(api_key: str | None = None) -> Callable[[str, dict, float], dict]:
+    """The decode side's call to a prefill server: POST {url}/internal/prefill, bounded by timeout_s."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def call(url: str, payload: dict, timeout_s: float) -> dict:
+        try:
+            r = httpx.post(f"{url.rstrip('/')}/internal/prefill", json=payload, headers=headers, timeout=timeout_s)
+        except httpx.HTTPError as e:
+            raise TransferFailed(f"{type(e).__name__}: {e}") from e
+        if r.status_code != 200:
+            try:
+                message = r.json()["error"]["message"]
+            except Exception:
+                message = r.text[:200]
+            raise TransferFailed(f"HTTP {r.status_code}: {message}")
+        return r.json()
+
+    return call
+
+
+def make_connector(role: str, host: str, timeout_s: float, api_key: str | None = None,
+                   min_prompt_tokens: int = 2) -> MooncakeConnector | None:
+    if role == "colocated":
+        return None
+    client = http_prefill_client(api_key) if role == "decode" else None
+    config = HandOffConfig(host=host, timeout_s=timeout_s, min_prompt_tokens=min_prompt_tokens)
+    return MooncakeConnector(config, prefill_client=client)
+
+
+def decode_hand_off(request: Request) -> RemotePrefill | None:
+    url = request.headers.get(PREFILL_HEADER)
+    return RemotePrefill(url) if url else None
+
+
+def internal_routes(role: str, engine: AsyncLLMEngine, connector: MooncakeConnector | None,
+                    model_name: str) -> APIRouter:
+    router = APIRouter(prefix="/internal")
+
+    @router.get("/kv_transfer/info")
+    async def info() -> dict:
+        s = engine.stats()
+        return {"role": role, "model": model_name, "block_size": engine.engine.cache.block_size,
+                "signature": connector.descriptor.signature if connector else None,
+                "session": connector.descriptor.session if connector else None,
+                "load": {"running": s.num_running, "waiting": s.num_waiting, "free_blocks": s.num_free_blocks,
+                         "num_blocks": s.num_blocks, **s.extra}}
+
+    if role == "prefill":
+        @router.post("/prefill")
+        async def prefill(request: Request) -> JSONResponse:
+            metrics = request.app.state.metrics  # a prefill server's TTFT: arrival -> prompt computed
+            try:
+                report = await prefill_and_push(engine, connector, await request.json())
+            except RequestError as e:
+                return JSONResponse({"error": {"message": e.one_line(), "code": "bad_hand_off"}}, status_code=400)
+            except TransferFailed as e:
+                metrics.finished.labels("hand_off_failed").inc()
+                return JSONResponse({"error": {"message": str(e), "code": "kv_transfer_failed"}}, status_code=502)
+            metrics.finished.labels("handed_off").inc()
+            metrics.ttft.observe(report["compute_seconds"])
+            return JSONResponse(report)
+
+    return router

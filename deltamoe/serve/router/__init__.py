@@ -1,0 +1,1 @@
+"""`deltamoe router`: an OpenAI front for prefill and decode servers (P/D disaggregation)."""

@@ -1,0 +1,87 @@
+"""The router's HTTP app: OpenAI routes forwarded through prefill/decode pairs (`proxy.py`).
+
+Routes: GET /health, GET /metrics, GET /v1/models (the workers' model), POST /v1/completions and
+POST /v1/chat/completions (streaming or not). Worker loads are refreshed every `poll_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from deltamoe.serve.api.metrics import CONTENT_TYPE
+from deltamoe.serve.router.metrics import RouterMetrics
+from deltamoe.serve.router.proxy import Proxy
+from deltamoe.serve.router.workers import WorkerPool
+
+
+def build_router_app(pool: WorkerPool, *, api_key: str | None = None, max_retries: int = 2,
+                     read_timeout_s: float = 60.0, poll_s: float = 1.0) -> FastAPI:
+    """`pool` must have passed `check` (the model name and the signature come from it)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    metrics = RouterMetrics()
+    created = int(time.time())
+    state: dict = {}
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        timeout = httpx.Timeout(connect=5.0, read=read_timeout_s, write=30.0, pool=30.0)
+        async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as client:
+            state["proxy"] = Proxy(pool, client, metrics, headers, max_retries)
+
+            async def poll():
+                while True:
+                    await asyncio.sleep(poll_s)
+                    await pool.refresh(client)
+
+            task = asyncio.create_task(poll())
+            try:
+                yield
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    app = FastAPI(title="deltamoe router", lifespan=lifespan)
+    app.state.metrics, app.state.pool = metrics, pool
+
+    @app.get("/health")
+    async def health() -> Response:
+        return JSONResponse({"status": "ok", "workers": [
+            {"url": w.url, "role": w.role, "in_flight": w.in_flight, "available": w.available,
+             "failures": w.failures} for w in pool.workers]})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": pool.model, "object": "model", "created": created,
+                                                         "owned_by": "deltamoe"}]})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await state["proxy"].forward("/v1/completions", await request.body())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await state["proxy"].forward("/v1/chat/completions", await request.body())
+
+    return app
+
+
+def run(pool: WorkerPool, host: str, port: int, sock: socket.socket | None = None, log_level: str = "info",
+        **options) -> None:
+    import uvicorn
+
+    app = build_router_app(pool, **options)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)

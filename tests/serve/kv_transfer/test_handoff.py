@@ -1,0 +1,206 @@
+"""Prefill -> decode hand-off through the real Mooncake transfer engine (TCP), two engines in one
+process: the decode engine's greedy tokens equal the colocated engine's, token for token, for
+concurrent prompts longer than a block and than DSA's top-k; and every block and state slot goes
+back to its pool on both sides, also after failed hand-offs."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+
+import pytest
+
+pytest.importorskip("mooncake.engine")
+
+from deltamoe.serve.engine.async_engine import AsyncLLMEngine, RequestFailedError  # noqa: E402
+from deltamoe.serve.engine.config import EngineConfig  # noqa: E402
+from deltamoe.serve.engine.llm_engine import LLMEngine  # noqa: E402
+from deltamoe.serve.engine.sampling import SamplingParams  # noqa: E402
+from deltamoe.serve.kv_transfer.mooncake_connector import HandOffConfig, MooncakeConnector, RemotePrefill  # noqa: E402
+from deltamoe.serve.kv_transfer.prefill_service import prefill_and_push  # noqa: E402
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+CONFIG = dict(cache_memory="4MiB", block_size=4, max_num_seqs=8, max_num_batched_tokens=24)
+
+
+class PrefillPool:
+    """Prefill engines in this process, reached by name the way a decode server reaches URLs."""
+
+    def __init__(self):
+        self.engines: dict[str, tuple[AsyncLLMEngine, MooncakeConnector]] = {}
+        self.loop = asyncio.new_event_loop()
+        self.thread = concurrent.futures.ThreadPoolExecutor(1)
+        self.thread.submit(self.loop.run_forever)
+
+    def add(self, name: str, model, **config) -> LLMEngine:
+        connector = MooncakeConnector()
+        engine = LLMEngine(model, config=EngineConfig(**(CONFIG | config)), connector=connector)
+        self.engines[name] = (AsyncLLMEngine(engine), connector)
+        return engine
+
+    def client(self, url: str, payload: dict, timeout_s: float) -> dict:
+        if url not in self.engines:
+            raise ConnectionError(f"no prefill server at {url}")
+        engine, connector = self.engines[url]
+        return asyncio.run_coroutine_threadsafe(prefill_and_push(engine, connector, payload), self.loop).result(timeout_s)
+
+    def close(self):
+        for engine, connector in self.engines.values():
+            engine.shutdown()
+            connector.close()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.shutdown()
+
+
+@pytest.fixture
+def pool():
+    p = PrefillPool()
+    yield p
+    p.close()
+
+
+def decode_engine(model, pool: PrefillPool, timeout_s: float = 30.0, min_prompt_tokens: int = 2,
+                  **config) -> tuple[AsyncLLMEngine, MooncakeConnector]:
+    hand_off = HandOffConfig(timeout_s=timeout_s, min_prompt_tokens=min_prompt_tokens)
+    connector = MooncakeConnector(hand_off, prefill_client=pool.client)
+    return AsyncLLMEngine(LLMEngine(model, config=EngineConfig(**(CONFIG | config)), connector=connector)), connector
+
+
+def run_then_close(decode: AsyncLLMEngine, connector: MooncakeConnector, main):
+    """asyncio.run(main()), then stop the decode engine and its connector whatever happened."""
+    try:
+        return asyncio.run(main())
+    finally:
+        decode.shutdown()
+        connector.close()
+
+
+async def collect(engine: AsyncLLMEngine, prompt, url: str, params=GREEDY) -> list[int]:
+    tokens = []
+    async for out in engine.generate(prompt, params, kv_transfer=RemotePrefill(url)):
+        tokens += out.delta_token_ids
+    return tokens
+
+
+def assert_all_free(engine: LLMEngine):
+    stats = engine.stats()
+    assert (stats.num_free_blocks, stats.slot_usage) == (stats.num_blocks, 0.0)
+    assert stats.extra["kv_transfer_in_flight"] == stats.extra["kv_transfer_pinned"] == 0
+    assert not engine.scheduler.loading and not engine.has_unfinished()
+
+
+async def settle(*engines: LLMEngine, timeout_s: float = 10.0):
+    """Wait until no transfer holds memory any more (pinned blocks go back on the next steps)."""
+    for _ in range(int(timeout_s / 0.02)):
+        if not any(e.has_unfinished() for e in engines):
+            return
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("num_prefill", [1, 2])
+def test_handoff_equals_colocated(k31_model, helpers, pool, num_prefill):
+    concurrent_prompts = helpers.prompts(6, 1, 30, seed=7)
+    # Then one after the other, sharing 17 tokens: the second hits the prefill side's prefix cache.
+    followers = [list(range(17)) + [5, 6, 7], list(range(17)) + [9, 8, 7, 6, 5]]
+    prompts = concurrent_prompts + followers
+    expected = [c.token_ids for c in LLMEngine(k31_model, config=EngineConfig(**CONFIG)).generate(
+        prompts, GREEDY, progress=False)]
+    prefills = [pool.add(f"p{i}", k31_model) for i in range(num_prefill)]
+    decode, connector = decode_engine(k31_model, pool)
+
+    async def main():
+        got = await asyncio.gather(*(collect(decode, p, f"p{i % num_prefill}")
+                                     for i, p in enumerate(concurrent_prompts)))
+        for p in followers:
+            got.append(await collect(decode, p, "p0"))
+        await settle(decode.engine, *prefills)
+        return got
+
+    got = run_then_close(decode, connector, main)
+    assert got == expected
+    for engine in [decode.engine, *prefills]:
+        assert_all_free(engine)
+    moved = connector.stats()
+    handed_off = sum(len(p) > 1 for p in prompts)
+    assert moved["kv_transfer_received"] == handed_off and moved["kv_transfer_failures"] == 0
+    sent = sum(p.stats().extra["kv_transfer_sent"] for p in prefills)
+    assert sent == handed_off
+    # Exactly (N-1) tokens of latent + indexer rows and one KDA state per hand-off, nothing more.
+    layout = decode.engine.cache.layout
+    assert moved["kv_transfer_bytes_received"] == sum((len(p) - 1) * layout.bytes_per_token + layout.bytes_per_state_slot
+                                                      for p in prompts if len(p) > 1)
+    assert sum(p.stats().extra["kv_transfer_bytes_sent"] for p in prefills) == moved["kv_transfer_bytes_received"]
+    assert prefills[0].stats().prefix_hit_tokens >= 16
+
+
+def test_failed_handoff_is_an_error_and_frees_everything(k31_model, helpers, pool):
+    pool.add("p0", k31_model)
+    decode, connector = decode_engine(k31_model, pool, timeout_s=5.0)
+    prompt = helpers.prompts(1, 20, 20, seed=1)[0]
+
+    async def main():
+        with pytest.raises(RequestFailedError, match="no prefill server at nowhere"):
+            await collect(decode, prompt, "nowhere")
+        ok = await collect(decode, prompt, "p0")  # the engine lives on
+        await settle(decode.engine, pool.engines["p0"][0].engine)
+        return ok
+
+    ok = run_then_close(decode, connector, main)
+    assert ok == LLMEngine(k31_model, config=EngineConfig(**CONFIG)).generate([prompt], GREEDY, progress=False)[0].token_ids
+    assert connector.stats()["kv_transfer_failures"] == 1
+    assert_all_free(decode.engine)
+    assert_all_free(pool.engines["p0"][0].engine)
+
+
+def test_mismatched_block_size_is_refused_by_the_prefill_side(k31_model, helpers, pool):
+    pool.add("p8", k31_model, block_size=8)
+    decode, connector = decode_engine(k31_model, pool)
+
+    async def main():
+        with pytest.raises(RequestFailedError, match="different model, cache layout, dtype or block size"):
+            await collect(decode, helpers.prompts(1, 12, 12, seed=2)[0], "p8")
+        await settle(decode.engine)
+
+    run_then_close(decode, connector, main)
+    assert_all_free(decode.engine)
+
+
+def test_unreachable_decode_side_fails_the_push_in_bounded_time(k31_model, pool):
+    """The prefill side writes to a transfer address nobody listens on: a TransferFailed, and its
+    blocks and slot go back."""
+    import time
+
+    from deltamoe.serve.kv_transfer.mooncake_transport import TransferFailed
+
+    prefill = pool.add("p0", k31_model)
+    engine, connector = pool.engines["p0"]
+    dest = connector.descriptor.to_json() | {"session": "127.0.0.1:1"}
+    payload = {"transfer_id": "t1", "token_ids": list(range(10)), "first_block": 0, "dst_blocks": [0, 1, 2],
+               "dst_slot": 0, "dest": dest, "timeout_s": 5.0}
+    start = time.monotonic()
+    with pytest.raises(TransferFailed, match="127.0.0.1:1"):
+        pool.client("p0", payload, 10.0)
+    assert time.monotonic() - start < 5.0
+
+    async def wait():
+        await settle(prefill)
+
+    asyncio.run(wait())
+    assert_all_free(prefill)
+    assert connector.stats()["kv_transfer_failures"] == 1
+
+
+def test_short_prompts_stay_on_the_decode_server(k31_model, helpers, pool):
+    prefill = pool.add("p0", k31_model)
+    decode, connector = decode_engine(k31_model, pool, min_prompt_tokens=10)
+    prompts = [helpers.prompts(1, 9, 9, seed=3)[0], helpers.prompts(1, 10, 10, seed=4)[0]]
+
+    async def main():
+        got = [await collect(decode, p, "p0") for p in prompts]
+        await settle(decode.engine, prefill)
+        return got
+
+    got = run_then_close(decode, connector, main)
+    assert got == [c.token_ids for c in LLMEngine(k31_model, config=EngineConfig(**CONFIG)).generate(
+        prompts, GREEDY, progress=False)]
+    assert connector.stats()["kv_transfer_received"] == 1  # only the 10-token prompt was handed off

@@ -1,0 +1,70 @@
+"""The router refuses a pairing that cannot work at start-up, in one line, and picks workers by load."""
+
+from __future__ import annotations
+
+import socket
+
+import httpx
+import pytest
+
+from deltamoe.cli import main
+from deltamoe.errors import ConfigError
+from deltamoe.serve.router.workers import WorkerPool
+
+INFO = {"role": "prefill", "model": "m", "block_size": 16, "signature": "abc", "load": {"free_blocks": 10}}
+
+
+def fake_infos(monkeypatch, infos: dict[str, dict]) -> None:
+    def get(url, **_):
+        base = url.removesuffix("/internal/kv_transfer/info")
+        return httpx.Response(200, json=infos[base], request=httpx.Request("GET", url))
+
+    monkeypatch.setattr(httpx, "get", get)
+
+
+def test_unreachable_worker_is_one_line_at_start_up(capsys):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # closed again: nothing listens there
+    assert main(["router", "--prefill", f"http://127.0.0.1:{port}", "--decode", f"http://127.0.0.1:{port}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: prefill: http://127.0.0.1:{port} does not answer")
+
+
+@pytest.mark.parametrize("change,field,message", [
+    ({"role": "decode"}, "prefill", "runs as 'decode', not 'prefill'"),
+    ({"block_size": 8}, "block_size", "uses block size 8"),
+    ({"signature": "xyz"}, "model", "run different models or cache layouts"),
+])
+def test_mismatched_workers_are_refused(monkeypatch, change, field, message):
+    fake_infos(monkeypatch, {"http://p": INFO, "http://p2": INFO | change, "http://d": INFO | {"role": "decode"}})
+    pool = WorkerPool(["http://p", "http://p2"], ["http://d"])
+    with pytest.raises(ConfigError, match=message) as error:
+        pool.check({})
+    assert error.value.field == field
+
+
+def test_pick_prefers_the_least_loaded_available_worker(monkeypatch):
+    fake_infos(monkeypatch, {"http://p": INFO, "http://d1": INFO | {"role": "decode"},
+                             "http://d2": INFO | {"role": "decode", "load": {"free_blocks": 20}}})
+    pool = WorkerPool(["http://p"], ["http://d1", "http://d2"])
+    pool.check({})
+    assert pool.pick("decode", set()).url == "http://d2"  # equal queues: more free blocks
+    pool.workers[2].in_flight = 1
+    assert pool.pick("decode", set()).url == "http://d1"
+    pool.failed(pool.workers[1])
+    assert pool.pick("decode", set()).url == "http://d2"  # d1 sits out after a failure
+    assert pool.pick("decode", {"http://d2"}).url == "http://d1"  # ...unless it is the only one left
+    assert pool.pick("decode", {"http://d1", "http://d2"}) is None
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--role", "decode"], "kv_transfer: the decode role needs a transport"),
+    (["--kv-transfer", "mooncake"], "kv_transfer: a colocated server hands nothing off"),
+    (["--role", "both", "--kv-transfer", "mooncake"], "role: expected one of"),
+    (["--role", "prefill", "--kv-transfer", "nixl"], "kv_transfer: expected one of ['mooncake']"),
+])
+def test_serve_role_options_are_checked_first(capsys, args, message):
+    assert main(["serve", "tiny", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {message}")
