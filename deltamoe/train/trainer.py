@@ -113,7 +113,7 @@ class Trainer:
                 if cfg.run.eval_every and step % cfg.run.eval_every == 0:
                     last_eval = self._evaluate(step)
                 if cfg.run.save_every and step % cfg.run.save_every == 0:
-                    checkpoint.save(self.out, self.parts, self.optimizers, self.state, cfg.run.keep_checkpoints)
+                    self._save()
                     last_saved = step
                 if self._reached_target(last_eval, step) or self._out_of_time(t_start):
                     break
@@ -124,12 +124,16 @@ class Trainer:
             profiler.close()
             self.log.close()
         if last_saved != self.state.step:
-            checkpoint.save(self.out, self.parts, self.optimizers, self.state, cfg.run.keep_checkpoints)
+            self._save()
         self._export()
         self.log.finish(last_eval, f"{self.data.name} · {cfg.model.path or cfg.model.preset}")
         return RunResult(self.out, self.state.step, last_eval, self.log.records)
 
     # ------------------------------------------------------------------ pieces
+    def _save(self) -> None:
+        checkpoint.save(self.out, self.parts, self.optimizers, self.state, self.cfg.run.keep_checkpoints,
+                        self.cfg.to_dict())
+
     def _micro_batches(self):
         """This rank's rows for each micro-step: the global step batch is [position, position + batch_size);
         micro-step m covers a contiguous block of it, split across the data ranks."""
