@@ -150,11 +150,13 @@ def latest_checkpoint(out: Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
-def load(path: Path, parts: list[nn.Module], optimizers: Optimizers) -> TrainState:
+def load(path: Path, parts: list[nn.Module], optimizers: Optimizers, verified: bool = False) -> TrainState:
     """Restore model, optimizers and this rank's RNG in place; return the step and data position.
-    The folder's manifest is verified and its index read safely before any tensor is loaded."""
+    The folder's manifest is verified and its index read safely before any tensor is loaded
+    (`verified`: the caller has just run `check_loadable`)."""
     path = Path(path)
-    check_loadable(path)
+    if not verified:
+        check_loadable(path)
     state = _state_dict(parts, optimizers)
     try:
         _dcp(dcp.load, {"model": state["model"]}, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())

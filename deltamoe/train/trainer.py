@@ -8,6 +8,8 @@ every rank instead of a hang.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -16,8 +18,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from rich.console import Console
 
 from deltamoe.config import ModelConfig
+from deltamoe.errors import TrainingError
 from deltamoe.model.load import build_model
 from deltamoe.model.weights import save_checkpoint
 from deltamoe.parallel.dims import launch_world_size
@@ -31,8 +35,12 @@ from deltamoe.train.evaluate import evaluate, summarize
 from deltamoe.train.model_setup import build_train_model, resolve_model_config
 from deltamoe.train.optim import Optimizers
 from deltamoe.train.profiling import StepProfiler
+from deltamoe.train.resume_check import check_resume, describe
 from deltamoe.train.run_log import RunLog
 from deltamoe.train.step import TrainStep
+
+
+RESUME_LOG = "resumes.jsonl"  # one line per resume that changed a (safe) setting
 
 
 @dataclass
@@ -92,8 +100,10 @@ class Trainer:
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
         resumed = self._maybe_resume()
-        self.log.start({"train_config.json": cfg.to_dict(), "model_config.json": self.model_config.to_dict()},
-                       self.state.step if resumed else None, cfg.run.steps, cfg.run.progress)
+        # The record of the original run stays: a resume writes the configs only into a new run folder.
+        configs = ({} if resumed and (self.out / "train_config.json").exists() else
+                   {"train_config.json": cfg.to_dict(), "model_config.json": self.model_config.to_dict()})
+        self.log.start(configs, self.state.step if resumed else None, cfg.run.steps, cfg.run.progress)
         window = parse_profile_steps(cfg.run.profile_steps) if cfg.run.profile_steps else None
         profiler = StepProfiler(window, self.state.step + 1, self.out, self.rank)
         last_eval: dict[str, Any] | None = None
@@ -103,6 +113,7 @@ class Trainer:
             for step in range(self.state.step + 1, cfg.run.steps + 1):
                 t0 = time.perf_counter()
                 record = self.step_fn(step, self._micro_batches())
+                self._check_finite(step, record, last_saved)
                 self._advance()
                 dt = time.perf_counter() - t0
                 profiler.step()
@@ -130,6 +141,19 @@ class Trainer:
         return RunResult(self.out, self.state.step, last_eval, self.log.records)
 
     # ------------------------------------------------------------------ pieces
+    def _check_finite(self, step: int, record: dict[str, Any], last_saved: int | None) -> None:
+        """Stop on a NaN/inf loss or gradient norm: the update has already spoiled the weights, so
+        nothing more is saved or exported and the last checkpoint stays the last good one. The
+        gradient norm is global, so every rank stops at the same step."""
+        bad = {k: record[k] for k in ("loss", "grad_norm") if not math.isfinite(record[k])}
+        if not bad:
+            return
+        kept = (f"the last good checkpoint is {checkpoint.latest_checkpoint(self.out)}" if last_saved is not None
+                else "no checkpoint was saved")
+        raise TrainingError(f"step {step}: non-finite {', '.join(f'{k} {v}' for k, v in bad.items())}; "
+                            f"stopped, {kept}", field="train",
+                            hint="resume from it with a lower --lr or --clip-grad, or check the data")
+
     def _save(self) -> None:
         checkpoint.save(self.out, self.parts, self.optimizers, self.state, self.cfg.run.keep_checkpoints,
                         self.cfg.to_dict())
@@ -184,7 +208,16 @@ class Trainer:
             path = checkpoint.latest_checkpoint(self.out) if run.resume else None
         if path is None:
             return False
-        self.state = checkpoint.load(path, self.parts, self.optimizers)
+        checkpoint.check_loadable(path)  # manifest and index first: the config below is read from it
+        saved = checkpoint.read_saved_config(path)
+        if saved is not None:
+            saved_step = checkpoint.read_train_state(path / "train_state.rank0.json")[0].step
+            changes = check_resume(saved, self.cfg.to_dict(), saved_step, str(path))
+            if changes and self.pm.is_logging_rank():
+                Console(stderr=True).print(f"resuming {path} with changes: {describe(changes)}", highlight=False)
+                with open(self.out / RESUME_LOG, "a") as f:
+                    f.write(json.dumps({"step": saved_step, "checkpoint": str(path), "changes": changes}) + "\n")
+        self.state = checkpoint.load(path, self.parts, self.optimizers, verified=True)
         return True
 
     def _export(self) -> None:
