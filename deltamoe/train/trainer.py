@@ -24,6 +24,7 @@ from deltamoe.config import ModelConfig
 from deltamoe.errors import TrainingError
 from deltamoe.model.load import build_model
 from deltamoe.model.weights import save_checkpoint
+from deltamoe.output_paths import check_output_folder
 from deltamoe.parallel.dims import launch_world_size
 from deltamoe.parallel.mesh import ParallelMesh, init_distributed
 from deltamoe.parallel.compose import parallelize
@@ -65,6 +66,7 @@ def train(cfg: TrainConfig) -> RunResult:
     model_config = resolve_model_config(cfg.model)
     data = build_data(cfg, model_config)
     cfg.parallel.check_layout(model_config, world)
+    check_output_folder(cfg.run.out, "run.out")  # a folder that is a file or unwritable: now, not at the first save
     owns_group = not (dist.is_available() and dist.is_initialized())
     mesh = init_distributed(cfg.parallel)
     try:
@@ -214,7 +216,8 @@ class Trainer:
             saved_step = checkpoint.read_train_state(path / "train_state.rank0.json")[0].step
             changes = check_resume(saved, self.cfg.to_dict(), saved_step, str(path))
             if changes and self.pm.is_logging_rank():
-                Console(stderr=True).print(f"resuming {path} with changes: {describe(changes)}", highlight=False)
+                Console(stderr=True, soft_wrap=True).print(f"resuming {path} with changes: {describe(changes)}",
+                                                           highlight=False)
                 with open(self.out / RESUME_LOG, "a") as f:
                     f.write(json.dumps({"step": saved_step, "checkpoint": str(path), "changes": changes}) + "\n")
         self.state = checkpoint.load(path, self.parts, self.optimizers, verified=True)
