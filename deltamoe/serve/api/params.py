@@ -23,6 +23,8 @@ def _common(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
         raise _unsupported("n", f"only n=1 is supported, got {req.n}; send n separate requests (with different seeds)")
     if req.logit_bias:
         raise _unsupported("logit_bias", "logit_bias is not supported")
+    if req.prompt_logprobs is not None:
+        raise _unsupported("prompt_logprobs", "prompt_logprobs is not supported yet")
 
     def pick(value, default):
         return default if value is None else value
