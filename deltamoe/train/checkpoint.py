@@ -166,8 +166,7 @@ def load(path: Path, parts: list[nn.Module], optimizers: Optimizers, verified: b
         _dcp(dcp.load, {"optim": state["optim"]}, storage_reader=SafeFileSystemReader(path),
              planner=SafeLoadPlanner(allow_partial_load=True))
     except CheckpointException as e:
-        raise _own_error(e) or CheckpointError(f"{path} does not match this model: {_first_line(e)}",
-                                               field="run.resume_from") from None
+        raise dcp_error(e, path, "run.resume_from") from None
     except RuntimeError as e:
         raise CheckpointError(f"{path} does not match this model: {_first_line(e)}", field="run.resume_from") from e
     for p in parts:  # the merged dict holds every part's keys; each part takes its own
@@ -231,13 +230,21 @@ def read_saved_config(path: Path) -> dict | None:
     return data
 
 
-def _own_error(e: CheckpointException) -> CheckpointError | None:
-    """A CheckpointError that safe_dcp raised inside DCP, which wraps every rank's failure."""
+def dcp_error(e: CheckpointException, path: Path, field: str) -> CheckpointError:
+    """One error for a failed DCP load, which wraps every rank's exception with its traceback: a
+    CheckpointError that safe_dcp raised passes through; a model mismatch says so; anything else
+    (an index pointing at the wrong bytes) names the checkpoint and the first line of the cause."""
     for failure in e.failures.values():
         inner = failure[0] if isinstance(failure, tuple) and failure else None
         if isinstance(inner, CheckpointError):
             return inner
-    return None
+    if "Missing key" in str(e) or "size mismatch" in str(e):
+        return CheckpointError(f"{path} does not match this model: {_first_line(e)}", field=field)
+    inner = next((f[0] for f in e.failures.values() if isinstance(f, tuple) and f), e)
+    # The first sentence: torch's own advice after it (retry with weights_only=False) is the wrong one here.
+    first = next((ln.strip() for ln in str(inner).splitlines() if ln.strip()), "").split(". ")[0]
+    return CheckpointError(f"{path} cannot be loaded ({type(inner).__name__}: {first})", field=field,
+                           hint="its index and shards do not agree; the checkpoint is damaged or was crafted")
 
 
 def _first_line(e: Exception) -> str:
@@ -254,6 +261,5 @@ def load_model_weights(path: Path, model: nn.Module) -> None:
         try:
             dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), no_dist=True)
         except CheckpointException as e:
-            raise _own_error(e) or CheckpointError(f"{path} cannot be loaded: {_first_line(e)}",
-                                                   field=str(path)) from None
+            raise dcp_error(e, path, str(path)) from None
     set_model_state_dict(model, state["model"])

@@ -19,9 +19,10 @@ MICRO_FLAGS = ["--preset", "tiny", "--steps", "3", "--batch-size", "2", "--no-pr
 
 
 def _one_error_line(argv, capfd, *expect: str) -> str:
+    """Exit 2 and one error line (a resume notice before it is allowed: it is not an error)."""
     assert main([str(a) for a in argv]) == 2
     err = capfd.readouterr().err
-    lines = [ln for ln in err.splitlines() if ln.strip()]
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("resuming ")]
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert "Traceback" not in err
     for text in expect:
@@ -152,3 +153,27 @@ def test_resume_with_a_corrupt_shard(resumable, capfd):
     data[100:108] = bytes(b ^ 0xFF for b in data[100:108])
     shard.write_bytes(bytes(data))
     _one_error_line(_resume_argv(out), capfd, "__0_0.distcp does not match its checksum")
+
+
+@pytest.mark.parametrize("damage", ["offsets", "sizes"])
+def test_index_that_unpickles_but_lies_is_one_line(resumable, capfd, damage):
+    """A well-formed index whose entries point at the wrong bytes or claim other shapes."""
+    import pickle
+
+    from deltamoe.train.safe_dcp import read_dcp_metadata
+
+    out, ck = resumable
+    meta = read_dcp_metadata(ck)
+    if damage == "offsets":
+        for info in meta.storage_data.values():
+            info.offset += 7
+    else:
+        import torch
+
+        for entry in meta.state_dict_metadata.values():
+            if hasattr(entry, "size"):
+                entry.size = torch.Size([3] + list(entry.size)[1:])
+    (ck / ".metadata").write_bytes(pickle.dumps(meta))
+    write_manifest(ck)
+    line = _one_error_line(_resume_argv(out), capfd, str(ck))
+    assert ("cannot be loaded" in line or "does not match this model" in line) and len(line) < 600
