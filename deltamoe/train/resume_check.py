@@ -11,9 +11,15 @@ which the notice says).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+
 from deltamoe.errors import ConfigError
+from deltamoe.train import checkpoint
+
+RESUME_LOG = "resumes.jsonl"  # one line per resume that changed a (safe) setting
 
 SAFE_FIELDS = frozenset({
     "run.out", "run.log_every", "run.eval_every", "run.save_every", "run.keep_checkpoints", "run.profile_steps",
@@ -61,3 +67,19 @@ def describe(changes: dict[str, tuple[Any, Any]]) -> str:
     if "run.steps" in changes:
         text += " (the learning-rate schedule now decays over the new run.steps)"
     return text
+
+
+def check_resume_config(path: Path, current: dict[str, Any], out: Path, logging_rank: bool) -> None:
+    """Compare this run's config with the one saved in checkpoint `path` (already verified): refuse an
+    unsafe change; print and record (in `out`/resumes.jsonl) the safe ones. The original run's
+    train_config.json is left as it is."""
+    saved = checkpoint.read_saved_config(path)
+    if saved is None:
+        return
+    step = checkpoint.read_train_state(Path(path) / "train_state.rank0.json")[0].step
+    changes = check_resume(saved, current, step, str(path))
+    if changes and logging_rank:
+        Console(stderr=True, soft_wrap=True).print(f"resuming {path} with changes: {describe(changes)}",
+                                                   highlight=False)
+        with open(Path(out) / RESUME_LOG, "a") as f:
+            f.write(json.dumps({"step": step, "checkpoint": str(path), "changes": changes}) + "\n")

@@ -8,7 +8,6 @@ every rank instead of a hang.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -18,7 +17,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from rich.console import Console
 
 from deltamoe.config import ModelConfig
 from deltamoe.errors import TrainingError
@@ -36,12 +34,9 @@ from deltamoe.train.evaluate import evaluate, summarize
 from deltamoe.train.model_setup import build_train_model, resolve_model_config
 from deltamoe.train.optim import Optimizers
 from deltamoe.train.profiling import StepProfiler
-from deltamoe.train.resume_check import check_resume, describe
+from deltamoe.train.resume_check import check_resume_config
 from deltamoe.train.run_log import RunLog
 from deltamoe.train.step import TrainStep
-
-
-RESUME_LOG = "resumes.jsonl"  # one line per resume that changed a (safe) setting
 
 
 @dataclass
@@ -150,8 +145,8 @@ class Trainer:
         bad = {k: record[k] for k in ("loss", "grad_norm") if not math.isfinite(record[k])}
         if not bad:
             return
-        kept = (f"the last good checkpoint is {checkpoint.latest_checkpoint(self.out)}" if last_saved is not None
-                else "no checkpoint was saved")
+        good = (checkpoint.latest_checkpoint(self.out) or self.cfg.run.resume_from) if last_saved is not None else None
+        kept = f"the last good checkpoint is {good}" if good else "no checkpoint was saved"
         raise TrainingError(f"step {step}: non-finite {', '.join(f'{k} {v}' for k, v in bad.items())}; "
                             f"stopped, {kept}", field="train",
                             hint="resume from it with a lower --lr or --clip-grad, or check the data")
@@ -210,16 +205,8 @@ class Trainer:
             path = checkpoint.latest_checkpoint(self.out) if run.resume else None
         if path is None:
             return False
-        checkpoint.check_loadable(path)  # manifest and index first: the config below is read from it
-        saved = checkpoint.read_saved_config(path)
-        if saved is not None:
-            saved_step = checkpoint.read_train_state(path / "train_state.rank0.json")[0].step
-            changes = check_resume(saved, self.cfg.to_dict(), saved_step, str(path))
-            if changes and self.pm.is_logging_rank():
-                Console(stderr=True, soft_wrap=True).print(f"resuming {path} with changes: {describe(changes)}",
-                                                           highlight=False)
-                with open(self.out / RESUME_LOG, "a") as f:
-                    f.write(json.dumps({"step": saved_step, "checkpoint": str(path), "changes": changes}) + "\n")
+        checkpoint.check_loadable(path)  # manifest and index first: the config compared here is read from it
+        check_resume_config(path, self.cfg.to_dict(), self.out, self.pm.is_logging_rank())
         self.state = checkpoint.load(path, self.parts, self.optimizers, verified=True)
         return True
 

@@ -12,7 +12,8 @@ from deltamoe.errors import ConfigError, TrainingError
 from deltamoe.train import checkpoint
 from deltamoe.train.manifest import verify_manifest
 from deltamoe.train.step import TrainStep
-from deltamoe.train.trainer import RESUME_LOG, train
+from deltamoe.train.resume_check import RESUME_LOG
+from deltamoe.train.trainer import train
 from tests.train.conftest import micro_config
 
 SMALL = {"data.batch_size": 2, "data.eval_rows": 2}
