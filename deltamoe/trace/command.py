@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deltamoe.errors import TraceError
-from deltamoe.output_paths import check_output_file
+from deltamoe.output_paths import check_output_file, check_output_folder
 
 if TYPE_CHECKING:  # rich loads only when something is shown (~40 ms of start-up otherwise)
     from rich.console import Console
@@ -147,6 +147,7 @@ def run_synth(outdir: str, ranks: int, steps: int = 4, pp: int = 1, microbatches
     cfg = SynthConfig(ranks=ranks, steps=steps, pp=pp, microbatches=microbatches, tp=tp, ep=ep, layers=layers,
                       stragglers=tuple(straggler or ()), slowdown=slowdown, hot_ranks=parse_imbalance(imbalance),
                       jitter=jitter, seed=seed, nccl_names=nccl_names, compact=compact, gz=gz, p2p=p2p)
+    check_output_folder(outdir, "OUT", TraceError)
     console = Console(stderr=True)
     with progress(console) as bar:
         task = bar.add_task("writing ranks", total=ranks)

@@ -101,6 +101,13 @@ def test_unwritable_output_folder(tmp_path, capfd):
         out.chmod(0o700)
 
 
+@pytest.mark.parametrize("target", ["/proc/deltamoe-traces", "FILE", "FILE/sub"])
+def test_unwritable_trace_synth_folder(tmp_path, capfd, target):
+    (tmp_path / "file").write_text("x")
+    path = target.replace("FILE", str(tmp_path / "file"))
+    _one_error_line(["trace", "synth", path, "--ranks", "2"], capfd, "OUT")
+
+
 @pytest.mark.parametrize("option", ["--html", "--json"])
 @pytest.mark.parametrize("target", ["/proc/deltamoe/report", "FOLDER", "FILE/report"])
 def test_unwritable_trace_report(tmp_path, capfd, option, target):

@@ -163,6 +163,16 @@ def test_prompt_logprobs_is_refused_not_ignored(server, path, body):
     assert r.json()["error"]["param"] == "prompt_logprobs" and r.json()["error"]["code"] == "unsupported_value"
 
 
+@pytest.mark.parametrize("temperature", [4.853484876905667e-265, 5e-324, 1e-6])
+def test_vanishing_temperature_is_greedy_not_a_500(server, temperature):
+    """Found by the fuzz run: logits / 1e-265 overflow to inf and the sampler's probabilities to NaN."""
+    url, _ = server
+    body = {"model": M, "prompt": "0", "max_tokens": 3}
+    greedy = httpx.post(f"{url}{CMPL}", headers=AUTH, json={**body, "temperature": 0}, timeout=30)
+    r = httpx.post(f"{url}{CMPL}", headers=AUTH, json={**body, "temperature": temperature}, timeout=30)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
+
+
 def test_openapi_publishes_the_request_models(server):
     url, _ = server
     doc = httpx.get(f"{url}/openapi.json").json()
