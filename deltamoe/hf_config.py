@@ -41,6 +41,7 @@ def load_config(source: str | Path) -> ModelConfig:
                               hint="pass a preset name or a checkpoint folder")
     if path.suffix == ".json" and path.exists():
         data = read_json_object(path, field="config")
+        _check_layer_count(data)
         # Every field is type-checked where it is used; what slips through (a list where a number
         # belongs, deep inside) still ends as one ConfigError naming the file, never a traceback.
         try:
@@ -71,6 +72,17 @@ def read_json_object(path: Path, field: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}", field=field)
     return data
+
+
+MAX_LAYERS = 4096  # far above any real model (K3: 93); per-layer lists are built from this number
+
+
+def _check_layer_count(data: dict[str, Any]) -> None:
+    """Refuse an absurd layer count before anything builds a list that long."""
+    text = data.get("text_config") if isinstance(data.get("text_config"), dict) else {}
+    for n in (data.get("num_hidden_layers"), text.get("num_hidden_layers")):
+        if isinstance(n, int) and not isinstance(n, bool) and n > MAX_LAYERS:
+            raise ConfigError(f"expected at most {MAX_LAYERS} layers, got {n}", field="num_hidden_layers")
 
 
 def _short(e: Exception, limit: int = 160) -> str:

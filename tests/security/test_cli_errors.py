@@ -41,6 +41,13 @@ def test_malformed_config_json(tmp_path, capfd, content, expect):
     _one_error_line(["info", tmp_path], capfd, expect)
 
 
+@pytest.mark.parametrize("content", [{"num_hidden_layers": 10**9},
+                                     {"model_type": "kimi_linear", "architectures": ["x"], "num_hidden_layers": 10**9}])
+def test_absurd_layer_count_is_refused_before_building_lists(tmp_path, capfd, content):
+    (tmp_path / "config.json").write_text(json.dumps(content))
+    _one_error_line(["info", tmp_path], capfd, "num_hidden_layers: expected at most 4096 layers")
+
+
 def test_config_json_that_is_a_folder(tmp_path, capfd):
     (tmp_path / "config.json").mkdir()
     _one_error_line(["info", tmp_path], capfd, "cannot read", "config.json")
