@@ -44,3 +44,7 @@ class HardwareError(DeltaMoEError):
 
 class TraceError(DeltaMoEError):
     """A trace file that cannot be read."""
+
+
+class TrainingError(DeltaMoEError):
+    """A training run that cannot go on (a non-finite loss or gradient norm)."""

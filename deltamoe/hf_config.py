@@ -40,17 +40,64 @@ def load_config(source: str | Path) -> ModelConfig:
             raise ConfigError(f"no config.json in {source}", field="model",
                               hint="pass a preset name or a checkpoint folder")
     if path.suffix == ".json" and path.exists():
+        data = read_json_object(path, field="config")
+        _check_layer_count(data)
+        # Every field is type-checked where it is used; what slips through (a list where a number
+        # belongs, deep inside) still ends as one ConfigError naming the file, never a traceback.
         try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} is not valid JSON ({e})", field="config") from e
-        if "model_type" in data and ("architectures" in data or "text_config" in data or "linear_attn_config" in data):
-            return config_from_hf(data)
-        return ModelConfig.from_dict(data)
+            if "model_type" in data and ("architectures" in data or "text_config" in data
+                                         or "linear_attn_config" in data):
+                return config_from_hf(data)
+            return ModelConfig.from_dict(data)
+        except ConfigError:
+            raise
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError) as e:
+            raise ConfigError(f"{path} has a malformed field ({type(e).__name__}: {_short(e)})",
+                              field="config") from None
     if str(source) in list_presets():
         return load_preset(str(source))
     raise ConfigError(f"{source!r} is neither a preset nor a config file/folder; presets: {', '.join(list_presets())}",
                       field="model")
+
+
+def read_json_object(path: Path, field: str) -> dict[str, Any]:
+    """The JSON object in file `path`; ConfigError (naming `field`) for an unreadable file, bad
+    UTF-8, bad JSON or a top-level value that is not an object."""
+    try:
+        data = json.loads(Path(path).read_bytes())
+    except OSError as e:  # a directory, no permission, ...
+        raise ConfigError(f"cannot read {path}: {e.strerror or e}", field=field) from None
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+        raise ConfigError(f"{path} is not valid JSON ({_short(e)})", field=field) from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}", field=field)
+    return data
+
+
+MAX_LAYERS = 4096  # far above any real model (K3: 93); per-layer lists are built from this number
+
+
+def _check_layer_count(data: dict[str, Any]) -> None:
+    """Refuse an absurd layer count before anything builds a list that long."""
+    text = data.get("text_config") if isinstance(data.get("text_config"), dict) else {}
+    for n in (data.get("num_hidden_layers"), text.get("num_hidden_layers")):
+        if isinstance(n, int) and not isinstance(n, bool) and n > MAX_LAYERS:
+            raise ConfigError(f"expected at most {MAX_LAYERS} layers, got {n}", field="num_hidden_layers")
+
+
+def _short(e: Exception, limit: int = 160) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _table(d: dict[str, Any], key: str) -> dict[str, Any]:
+    """A nested object (`text_config`, `linear_attn_config`, ...): {} when absent or null."""
+    value = d.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"expected an object, got {type(value).__name__}", field=key)
+    return value
 
 
 def _first(d: dict[str, Any], keys: tuple[str, ...], default: Any = None) -> Any:
@@ -61,7 +108,7 @@ def _first(d: dict[str, Any], keys: tuple[str, ...], default: Any = None) -> Any
 
 
 def _layer_types(text: dict[str, Any], n: int) -> list[str]:
-    lac = text.get("linear_attn_config") or {}
+    lac = _table(text, "linear_attn_config")
     if "full_attn_layers" in lac:
         full = set(lac["full_attn_layers"])
         bad = [x for x in full if not 1 <= x <= n]
@@ -82,7 +129,7 @@ def _layer_types(text: dict[str, Any], n: int) -> list[str]:
                               field="layer_types") from e
     else:  # transformers' KimiLinear default when nothing is given
         types = ["mla" if i and i % 4 == 0 else "kda" for i in range(n)]
-    dsa = text.get("dsa_config")
+    dsa = _table(text, "dsa_config")
     if dsa:
         layers = _first(dsa, _DSA_LAYERS)
         full_1b = sorted(i + 1 for i, t in enumerate(types) if t == "mla")
@@ -98,7 +145,7 @@ def config_from_hf(data: dict[str, Any]) -> ModelConfig:
     if model_type not in MODEL_TYPES:
         raise ConfigError(f"unknown model_type {model_type!r}; expected one of {MODEL_TYPES}", field="model_type")
     top = data
-    text = dict(data.get("text_config") or {}) if model_type == "kimi_k3" else dict(data)
+    text = dict(_table(data, "text_config")) if model_type == "kimi_k3" else dict(data)
     if model_type == "kimi_k3" and not text:
         raise ConfigError("kimi_k3 config needs a text_config object", field="text_config")
     for old, new in _ALIASES.items():
@@ -107,9 +154,9 @@ def config_from_hf(data: dict[str, Any]) -> ModelConfig:
     n = text.get("num_hidden_layers")
     if not isinstance(n, int):
         raise ConfigError(f"expected an integer, got {n!r}", field="num_hidden_layers")
-    lac = text.get("linear_attn_config") or {}
+    lac = _table(text, "linear_attn_config")
     lower = lac.get("gate_lower_bound")
-    dsa = text.get("dsa_config") or {}
+    dsa = _table(text, "dsa_config")
     kw: dict[str, Any] = dict(
         model_type=model_type,
         vocab_size=text.get("vocab_size", 163840),
@@ -161,7 +208,7 @@ def config_from_hf(data: dict[str, Any]) -> ModelConfig:
         num_nextn_predict_layers=text.get("num_nextn_predict_layers", 0),
         media_placeholder_token_id=top.get("media_placeholder_token_id"),
     )
-    vc = top.get("vision_config") if model_type == "kimi_k3" else None
+    vc = _table(top, "vision_config") if model_type == "kimi_k3" else None
     if vc:
         kw["vision"] = VisionConfig(
             patch_size=vc.get("patch_size", 14),

@@ -18,8 +18,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from deltamoe.config import ModelConfig
-from deltamoe.errors import CheckpointError
-from deltamoe.hf_config import config_to_hf
+from deltamoe.errors import CheckpointError, ConfigError
+from deltamoe.hf_config import config_to_hf, read_json_object
 from deltamoe.model.checkpoint_names import TensorTarget, checkpoint_to_param, param_to_checkpoint
 from deltamoe.model.model import DeltaMoEForCausalLM
 from deltamoe.ops.quant import dequantize_mxfp4
@@ -33,14 +33,20 @@ def checkpoint_files(path: Path) -> dict[str, list[str]]:
     index = path / INDEX_FILE
     if index.exists():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index} is not a valid safetensors index ({e})", field=str(index)) from e
+            weight_map = read_json_object(index, field=str(index)).get("weight_map")
+        except ConfigError as e:
+            raise CheckpointError(str(e), field=str(index)) from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: expected weight_map to be an object of tensor name -> shard file",
+                                  field=f"{index}:weight_map")
         shards: dict[str, list[str]] = defaultdict(list)
         for tensor, shard in weight_map.items():
             shards[shard].append(tensor)
         for shard in shards:
-            if not (path / shard).exists():
+            if not is_plain_file_name(shard):
+                raise CheckpointError(f"shard {shard!r} named in the index is outside the checkpoint folder",
+                                      field=str(index), hint="shards are file names inside the folder")
+            if not (path / shard).is_file():
                 raise CheckpointError(f"shard {shard} named in the index is missing", field=str(path / shard))
         return dict(shards)
     single = path / SINGLE_FILE
@@ -52,6 +58,13 @@ def checkpoint_files(path: Path) -> dict[str, list[str]]:
             raise CheckpointError(f"cannot read {single}: {e}", field=str(single)) from e
     raise CheckpointError(f"no {INDEX_FILE} or {SINGLE_FILE} in {path}", field=str(path),
                           hint="weights are read from safetensors only")
+
+
+def is_plain_file_name(name: str) -> bool:
+    """A name that stays inside its folder: no folder part, not absolute, not `.` / `..`. Symlinks in
+    the folder are followed (a hub cache links into its blob store); they were put there by whoever
+    made the folder, as the files were."""
+    return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\0" not in name
 
 
 class _Loader:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deltamoe.errors import TraceError
+from deltamoe.output_paths import check_output_file, check_output_folder
 
 if TYPE_CHECKING:  # rich loads only when something is shown (~40 ms of start-up otherwise)
     from rich.console import Console
@@ -146,6 +147,7 @@ def run_synth(outdir: str, ranks: int, steps: int = 4, pp: int = 1, microbatches
     cfg = SynthConfig(ranks=ranks, steps=steps, pp=pp, microbatches=microbatches, tp=tp, ep=ep, layers=layers,
                       stragglers=tuple(straggler or ()), slowdown=slowdown, hot_ranks=parse_imbalance(imbalance),
                       jitter=jitter, seed=seed, nccl_names=nccl_names, compact=compact, gz=gz, p2p=p2p)
+    check_output_folder(outdir, "OUT", TraceError)
     console = Console(stderr=True)
     with progress(console) as bar:
         task = bar.add_task("writing ranks", total=ranks)
@@ -170,6 +172,9 @@ def run_analyze(folder: str, json_out: str | None = None, html_out: str | None =
     if not Path(folder).is_dir():
         raise TraceError(f"not a directory: {folder}", field="DIR",
                          hint="pass the folder that holds one trace file per rank")
+    for option, out in (("--json", json_out), ("--html", html_out)):
+        if out:  # before the analysis, not after it
+            check_output_file(out, option, TraceError)
     cfg = ReadConfig(patterns=Patterns().with_extra(parse_patterns(comm_pattern)), steps=parse_steps(steps))
     if quiet:
         result = run(folder, cfg, workers)
@@ -187,10 +192,13 @@ def run_analyze(folder: str, json_out: str | None = None, html_out: str | None =
                 bar.advance(task)
                 bar.refresh()
             result = run(folder, cfg, workers, on_file=done, on_start=start)
-    if json_out:
-        write_json(result.report, json_out)
-    if html_out:
-        write_html(result.report, result.summaries, html_out)
+    try:
+        if json_out:
+            write_json(result.report, json_out)
+        if html_out:
+            write_html(result.report, result.summaries, html_out)
+    except OSError as e:  # e.g. the disk filled up during the analysis
+        raise TraceError(f"cannot write {e.filename}: {e.strerror or e}", field="--json/--html") from None
     if not quiet:
         from rich.console import Console
 

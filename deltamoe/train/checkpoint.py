@@ -5,6 +5,11 @@ Atomicity: every rank writes into `checkpoints/.tmp-step-N`; after a barrier ran
 to `checkpoints/step-N`. A rename is atomic, so `latest_checkpoint` only ever sees complete
 folders; a crash leaves a `.tmp-*` folder that is ignored and removed by the next save.
 DCP reshards on load, so a run saved under one layout can resume under another.
+
+Integrity and safety: rank 0 writes `manifest.json` (size and SHA-256 of every file) last, and
+`load` verifies it before reading anything; the DCP index and non-tensor entries are read
+through `safe_dcp`, which never executes what a checkpoint names. Each checkpoint also holds the
+`train_config.json` it was trained with, which resume compares against (resume_check).
 """
 
 from __future__ import annotations
@@ -23,16 +28,18 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
 from deltamoe.errors import CheckpointError
+from deltamoe.train.manifest import verify_manifest, write_manifest
 from deltamoe.train.optim import Optimizers
+from deltamoe.train.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
 
 _NAME = re.compile(r"^step-(\d+)$")
+CONFIG_FILE = "train_config.json"  # the run's TrainConfig, as saved with each checkpoint
 
 
 @dataclass
@@ -99,7 +106,9 @@ def checkpoint_dir(out: Path) -> Path:
     return Path(out) / "checkpoints"
 
 
-def save(out: Path, parts: list[nn.Module], optimizers: Optimizers, state: TrainState, keep: int) -> Path:
+def save(out: Path, parts: list[nn.Module], optimizers: Optimizers, state: TrainState, keep: int,
+         config: dict | None = None) -> Path:
+    """Write checkpoint `step-N` (with `config`, the run's TrainConfig as a dict, when given)."""
     root = checkpoint_dir(out)
     final = root / f"step-{state.step:08d}"
     tmp = root / f".tmp-step-{state.step:08d}"
@@ -113,8 +122,11 @@ def save(out: Path, parts: list[nn.Module], optimizers: Optimizers, state: Train
     # RNG differs per rank, so it cannot go through DCP's deduplicated state; JSON, not pickle.
     rank_file = tmp / f"train_state.rank{_rank()}.json"
     rank_file.write_text(json.dumps({**asdict(state), "rng": _rng_state()}))
+    if config is not None and _rank() == 0:
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=1))
     _barrier()
     if _rank() == 0:
+        write_manifest(tmp)  # last: every rank's files are complete
         if final.exists():  # re-saving a step (e.g. after resuming from it)
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -138,20 +150,24 @@ def latest_checkpoint(out: Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
-def load(path: Path, parts: list[nn.Module], optimizers: Optimizers) -> TrainState:
-    """Restore model, optimizers and this rank's RNG in place; return the step and data position."""
+def load(path: Path, parts: list[nn.Module], optimizers: Optimizers, verified: bool = False) -> TrainState:
+    """Restore model, optimizers and this rank's RNG in place; return the step and data position.
+    The folder's manifest is verified and its index read safely before any tensor is loaded
+    (`verified`: the caller has just run `check_loadable`)."""
     path = Path(path)
-    if not (path / ".metadata").is_file():
-        raise CheckpointError(f"{path} is not a complete DCP checkpoint (no .metadata)", field="run.resume_from")
+    if not verified:
+        check_loadable(path)
     state = _state_dict(parts, optimizers)
     try:
-        _dcp(dcp.load, {"model": state["model"]}, checkpoint_id=str(path))
+        _dcp(dcp.load, {"model": state["model"]}, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
         # Parameters that never received a gradient (e.g. layer 0's AttnRes query, which sees an
         # empty bank) have no AdamW state in the checkpoint but a fresh zero state here: let
         # those keep it. Model tensors above are loaded strictly.
-        _dcp(dcp.load, {"optim": state["optim"]}, checkpoint_id=str(path),
-             planner=DefaultLoadPlanner(allow_partial_load=True))
-    except (RuntimeError, CheckpointException) as e:
+        _dcp(dcp.load, {"optim": state["optim"]}, storage_reader=SafeFileSystemReader(path),
+             planner=SafeLoadPlanner(allow_partial_load=True))
+    except CheckpointException as e:
+        raise dcp_error(e, path, "run.resume_from") from None
+    except RuntimeError as e:
         raise CheckpointError(f"{path} does not match this model: {_first_line(e)}", field="run.resume_from") from e
     for p in parts:  # the merged dict holds every part's keys; each part takes its own
         set_model_state_dict(p, state["model"], options=StateDictOptions(strict=len(parts) == 1))
@@ -160,9 +176,75 @@ def load(path: Path, parts: list[nn.Module], optimizers: Optimizers) -> TrainSta
     rank_file = path / f"train_state.rank{_rank()}.json"
     if not rank_file.is_file():  # resumed on more ranks than saved: rank 0's counters, fresh RNG
         rank_file = path / "train_state.rank0.json"
-    data = json.loads(rank_file.read_text())
-    _set_rng_state(data.pop("rng"))
-    return TrainState(**data)
+    train_state, rng = read_train_state(rank_file)
+    try:
+        _set_rng_state(rng)
+    except RuntimeError as e:  # a state of the wrong length
+        raise CheckpointError(f"{rank_file}: rng state does not fit this torch ({_first_line(e)})",
+                              field=str(rank_file)) from None
+    return train_state
+
+
+def check_loadable(path: Path) -> None:
+    """A complete checkpoint whose files match their manifest and whose DCP index is plain data."""
+    if not path.is_dir() or not (path / ".metadata").is_file():
+        raise CheckpointError(f"{path} is not a complete DCP checkpoint (no .metadata)", field="run.resume_from")
+    verify_manifest(path)
+    read_dcp_metadata(path)
+
+
+def read_train_state(file: Path) -> tuple[TrainState, dict[str, str]]:
+    """The counters and RNG state of one rank's `train_state.rank*.json`, every field checked."""
+    try:
+        data = json.loads(file.read_bytes())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{file} cannot be read: {e}", field=str(file)) from None
+    names = {"step", "data_position", "tokens"}
+    ok = (isinstance(data, dict) and set(data) == names | {"rng"}
+          and all(isinstance(data[k], int) and not isinstance(data[k], bool) and data[k] >= 0 for k in names)
+          and isinstance(data["rng"], dict) and isinstance(data["rng"].get("cpu"), str)
+          and all(isinstance(v, str) for v in data["rng"].values()))
+    if not ok:
+        raise CheckpointError(f"{file} is not a train state (expected non-negative integers {sorted(names)} "
+                              "and an rng table)", field=str(file))
+    rng = data.pop("rng")
+    try:
+        for v in rng.values():
+            base64.b64decode(v, validate=True)
+    except ValueError as e:
+        raise CheckpointError(f"{file}: rng state is not base64 ({e})", field=str(file)) from None
+    return TrainState(**data), rng
+
+
+def read_saved_config(path: Path) -> dict | None:
+    """The TrainConfig dict saved with checkpoint `path` (verified by its manifest); None if it has none."""
+    file = Path(path) / CONFIG_FILE
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_bytes())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{file} cannot be read: {e}", field=str(file)) from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file}: expected a table of sections", field=str(file))
+    return data
+
+
+def dcp_error(e: CheckpointException, path: Path, field: str) -> CheckpointError:
+    """One error for a failed DCP load, which wraps every rank's exception with its traceback: a
+    CheckpointError that safe_dcp raised passes through; a model mismatch says so; anything else
+    (an index pointing at the wrong bytes) names the checkpoint and the first line of the cause."""
+    for failure in e.failures.values():
+        inner = failure[0] if isinstance(failure, tuple) and failure else None
+        if isinstance(inner, CheckpointError):
+            return inner
+    if "Missing key" in str(e) or "size mismatch" in str(e):
+        return CheckpointError(f"{path} does not match this model: {_first_line(e)}", field=field)
+    inner = next((f[0] for f in e.failures.values() if isinstance(f, tuple) and f), e)
+    # The first sentence: torch's own advice after it (retry with weights_only=False) is the wrong one here.
+    first = next((ln.strip() for ln in str(inner).splitlines() if ln.strip()), "").split(". ")[0]
+    return CheckpointError(f"{path} cannot be loaded ({type(inner).__name__}: {first})", field=field,
+                           hint="its index and shards do not agree; the checkpoint is damaged or was crafted")
 
 
 def _first_line(e: Exception) -> str:
@@ -172,7 +254,12 @@ def _first_line(e: Exception) -> str:
 
 def load_model_weights(path: Path, model: nn.Module) -> None:
     """Rank-0 export: load the model entries of a (possibly sharded) checkpoint into a full model."""
+    path = Path(path)
+    check_loadable(path)
     state = {"model": get_model_state_dict(model)}
     with _single_process_dcp():
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        try:
+            dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), no_dist=True)
+        except CheckpointException as e:
+            raise dcp_error(e, path, str(path)) from None
     set_model_state_dict(model, state["model"])

@@ -222,8 +222,8 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist", field="config")
-    text = path.read_text()
     try:
+        text = path.read_text()
         if path.suffix == ".toml":
             data = tomllib.loads(text)
         elif path.suffix in (".yaml", ".yml"):
@@ -237,7 +237,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
             data = json.loads(text)
         else:
             raise ConfigError(f"{path}: expected a .toml, .yaml, .yml or .json file", field="config")
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError, ValueError) as e:
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror or e}", field="config") from None
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, ValueError) as e:  # incl. UnicodeDecodeError
         raise ConfigError(f"{path} cannot be parsed: {e}", field="config") from e
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a table of sections at the top level", field="config")

@@ -8,6 +8,7 @@ every rank instead of a hang.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -18,8 +19,10 @@ import torch
 import torch.distributed as dist
 
 from deltamoe.config import ModelConfig
+from deltamoe.errors import TrainingError
 from deltamoe.model.load import build_model
 from deltamoe.model.weights import save_checkpoint
+from deltamoe.output_paths import check_output_folder
 from deltamoe.parallel.dims import launch_world_size
 from deltamoe.parallel.mesh import ParallelMesh, init_distributed
 from deltamoe.parallel.compose import parallelize
@@ -31,6 +34,7 @@ from deltamoe.train.evaluate import evaluate, summarize
 from deltamoe.train.model_setup import build_train_model, resolve_model_config
 from deltamoe.train.optim import Optimizers
 from deltamoe.train.profiling import StepProfiler
+from deltamoe.train.resume_check import check_resume_config
 from deltamoe.train.run_log import RunLog
 from deltamoe.train.step import TrainStep
 
@@ -57,6 +61,7 @@ def train(cfg: TrainConfig) -> RunResult:
     model_config = resolve_model_config(cfg.model)
     data = build_data(cfg, model_config)
     cfg.parallel.check_layout(model_config, world)
+    check_output_folder(cfg.run.out, "run.out")  # a folder that is a file or unwritable: now, not at the first save
     owns_group = not (dist.is_available() and dist.is_initialized())
     mesh = init_distributed(cfg.parallel)
     try:
@@ -92,8 +97,10 @@ class Trainer:
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
         resumed = self._maybe_resume()
-        self.log.start({"train_config.json": cfg.to_dict(), "model_config.json": self.model_config.to_dict()},
-                       self.state.step if resumed else None, cfg.run.steps, cfg.run.progress)
+        # The record of the original run stays: a resume writes the configs only into a new run folder.
+        configs = ({} if resumed and (self.out / "train_config.json").exists() else
+                   {"train_config.json": cfg.to_dict(), "model_config.json": self.model_config.to_dict()})
+        self.log.start(configs, self.state.step if resumed else None, cfg.run.steps, cfg.run.progress)
         window = parse_profile_steps(cfg.run.profile_steps) if cfg.run.profile_steps else None
         profiler = StepProfiler(window, self.state.step + 1, self.out, self.rank)
         last_eval: dict[str, Any] | None = None
@@ -103,6 +110,7 @@ class Trainer:
             for step in range(self.state.step + 1, cfg.run.steps + 1):
                 t0 = time.perf_counter()
                 record = self.step_fn(step, self._micro_batches())
+                self._check_finite(step, record, last_saved)
                 self._advance()
                 dt = time.perf_counter() - t0
                 profiler.step()
@@ -113,7 +121,7 @@ class Trainer:
                 if cfg.run.eval_every and step % cfg.run.eval_every == 0:
                     last_eval = self._evaluate(step)
                 if cfg.run.save_every and step % cfg.run.save_every == 0:
-                    checkpoint.save(self.out, self.parts, self.optimizers, self.state, cfg.run.keep_checkpoints)
+                    self._save()
                     last_saved = step
                 if self._reached_target(last_eval, step) or self._out_of_time(t_start):
                     break
@@ -124,12 +132,29 @@ class Trainer:
             profiler.close()
             self.log.close()
         if last_saved != self.state.step:
-            checkpoint.save(self.out, self.parts, self.optimizers, self.state, cfg.run.keep_checkpoints)
+            self._save()
         self._export()
         self.log.finish(last_eval, f"{self.data.name} · {cfg.model.path or cfg.model.preset}")
         return RunResult(self.out, self.state.step, last_eval, self.log.records)
 
     # ------------------------------------------------------------------ pieces
+    def _check_finite(self, step: int, record: dict[str, Any], last_saved: int | None) -> None:
+        """Stop on a NaN/inf loss or gradient norm: the update has already spoiled the weights, so
+        nothing more is saved or exported and the last checkpoint stays the last good one. The
+        gradient norm is global, so every rank stops at the same step."""
+        bad = {k: record[k] for k in ("loss", "grad_norm") if not math.isfinite(record[k])}
+        if not bad:
+            return
+        good = (checkpoint.latest_checkpoint(self.out) or self.cfg.run.resume_from) if last_saved is not None else None
+        kept = f"the last good checkpoint is {good}" if good else "no checkpoint was saved"
+        raise TrainingError(f"step {step}: non-finite {', '.join(f'{k} {v}' for k, v in bad.items())}; "
+                            f"stopped, {kept}", field="train",
+                            hint="resume from it with a lower --lr or --clip-grad, or check the data")
+
+    def _save(self) -> None:
+        checkpoint.save(self.out, self.parts, self.optimizers, self.state, self.cfg.run.keep_checkpoints,
+                        self.cfg.to_dict())
+
     def _micro_batches(self):
         """This rank's rows for each micro-step: the global step batch is [position, position + batch_size);
         micro-step m covers a contiguous block of it, split across the data ranks."""
@@ -180,7 +205,9 @@ class Trainer:
             path = checkpoint.latest_checkpoint(self.out) if run.resume else None
         if path is None:
             return False
-        self.state = checkpoint.load(path, self.parts, self.optimizers)
+        checkpoint.check_loadable(path)  # manifest and index first: the config compared here is read from it
+        check_resume_config(path, self.cfg.to_dict(), self.out, self.pm.is_logging_rank())
+        self.state = checkpoint.load(path, self.parts, self.optimizers, verified=True)
         return True
 
     def _export(self) -> None:

@@ -13,12 +13,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deltamoe.errors import RequestError
 from deltamoe.serve.api.schemas import ErrorInfo, ErrorResponse
 
 log = logging.getLogger("deltamoe.serve.api")
+
+# An error names what was wrong, not all of it: a body of seventeen 1 MiB stop strings must not come
+# back as a 17 MB error. Messages and field names are cut to these lengths.
+MAX_MESSAGE_CHARS = 1024
+MAX_PARAM_CHARS = 128
 
 # OpenAI's `type` per status; 4xx faults are all "invalid_request_error" on api.openai.com.
 _TYPES = {401: "invalid_request_error", 404: "invalid_request_error", 500: "server_error", 503: "server_error"}
@@ -29,6 +35,7 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  type: str | None = None):
+        message, param = clip(message, MAX_MESSAGE_CHARS), None if param is None else clip(param, MAX_PARAM_CHARS)
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or _TYPES.get(status, "invalid_request_error")
@@ -40,6 +47,13 @@ class APIError(Exception):
     def response(self) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def clip(text: str, limit: int) -> str:
+    """`text` cut to about `limit` characters, saying how much was left out."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
 def from_request_error(e: RequestError) -> APIError:
@@ -109,6 +123,11 @@ class InternalErrorMiddleware:
 
         try:
             await self.app(scope, receive, tracking_send)
+        except ClientDisconnect:  # the client left; its own doing, not a server error (and no traceback)
+            log.info("client left during %s", scope.get("path"))
+            if not started:  # recorded as 499 by the metrics middleware; the send itself goes nowhere
+                await APIError(499, "the client closed the connection", code="client_closed_request"
+                               ).response()(scope, receive, send)
         except Exception as e:
             log.exception("unhandled error while serving %s", scope.get("path"))
             if started:  # half a response is out; nothing well-formed can follow it

@@ -34,7 +34,9 @@ class SamplingFields(_Request):
     top_k: int | None = None  # vLLM extension; -1 means off there, 0 here
     min_p: float | None = None
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    stop: Any = Field(None, validate_default=True)  # str | list[str]: checked below so the error names `stop`, not a union branch
+    # str | list[str]: checked below so the error names `stop`, not a union branch; the schema says the shape.
+    stop: Any = Field(None, validate_default=True, json_schema_extra={"anyOf": [
+        {"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "null"}]})
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     presence_penalty: float | None = None
@@ -45,6 +47,7 @@ class SamplingFields(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = None  # vLLM extension; refused until the engine computes them
     user: str | None = None
 
     @field_validator("stop")
@@ -60,7 +63,11 @@ class SamplingFields(_Request):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Any  # str | [str] | [int] | [[int]]: one prompt only (see `prompt_input`)
+    prompt: Any = Field(json_schema_extra={"anyOf": [  # str | [str] | [int] | [[int]]: one prompt only (see `_prompt`)
+        {"type": "string"}, {"type": "array", "items": {"type": "integer"}, "minItems": 1},
+        {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
+        {"type": "array", "items": {"type": "array", "items": {"type": "integer"}, "minItems": 1},
+         "minItems": 1, "maxItems": 1}]})
     max_tokens: int | None = 16  # OpenAI's completions default
     logprobs: int | None = None
     echo: bool = False

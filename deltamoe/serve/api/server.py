@@ -11,6 +11,7 @@ is an OpenAI-style error body (`api_errors`); none of them takes the server down
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import socket
 import time
@@ -20,14 +21,17 @@ from contextlib import asynccontextmanager
 from typing import TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from deltamoe.errors import RequestError
 from deltamoe.serve.api.chat_template import ChatTemplate
+from deltamoe.serve.api.connections import AcceptErrorLog, HTTPLimits, raise_open_file_limit, uvicorn_config
 from deltamoe.serve.api.errors import APIError, InternalErrorMiddleware, from_validation_error, install_error_handlers
 from deltamoe.serve.api.format import ChatFormatter, CompletionFormatter
 from deltamoe.serve.api.generate import Generation
+from deltamoe.serve.api.openapi import install_openapi
 from deltamoe.serve.api.metrics import CONTENT_TYPE, HTTPMetricsMiddleware, ServerMetrics
 from deltamoe.serve.api.params import chat_params, completion_params
 from deltamoe.serve.api.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields
@@ -37,17 +41,32 @@ MAX_BODY_BYTES = 32 * 2**20  # far above any prompt that fits a context; stops a
 R = TypeVar("R", bound=BaseModel)
 
 
-async def read_body(request: Request, schema: type[R], limit: int = MAX_BODY_BYTES) -> R:
-    """The body as `schema`, or a 4xx: too large (413), not UTF-8 / not JSON / wrong types (400)."""
+async def read_body(request: Request, schema: type[R], limit: int = MAX_BODY_BYTES,
+                    timeout_s: float = HTTPLimits.body_timeout_s) -> R:
+    """The body as `schema`, or a 4xx: too large (413), not UTF-8 / not JSON / wrong types (400), not
+    complete within `timeout_s` (408), or the client hung up while sending it (499, nginx's
+    "client closed request": counted as the client's doing, not a server error)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"the request body is {declared} bytes; the limit is {limit}", code="body_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"the request body is over the limit of {limit} bytes", code="body_too_large")
-        chunks.append(chunk)
+    chunks: list[bytes] = []
+
+    async def receive() -> None:
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"the request body is over the limit of {limit} bytes", code="body_too_large")
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(receive(), timeout_s)
+    except ClientDisconnect:
+        raise APIError(499, "the client closed the connection while sending the body",
+                       code="client_closed_request") from None
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout_s:.0f} s",
+                       code="request_timeout") from None
     try:
         return schema.model_validate_json(b"".join(chunks))
     except ValidationError as e:
@@ -60,6 +79,7 @@ def _include_usage(req: SamplingFields) -> bool:
 
 def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = None,
               chat_template: ChatTemplate | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+              body_timeout_s: float = HTTPLimits.body_timeout_s,
               hand_off: Callable[[Request], object | None] | None = None,
               routers: Sequence[APIRouter] = ()) -> FastAPI:
     """The app for one engine serving one model name. The engine thread runs for the app's lifespan.
@@ -72,6 +92,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
+        AcceptErrorLog(asyncio.get_running_loop()).install()
         engine.start()
         try:
             yield
@@ -105,7 +126,9 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
             return APIError(503, "the engine thread is not running", code="engine_not_running").response()
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "Prometheus text exposition format."}})
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
@@ -120,7 +143,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
-        req = await read_body(request, CompletionRequest, max_body_bytes)
+        req = await read_body(request, CompletionRequest, max_body_bytes, body_timeout_s)
         check_model(req.model)
         params, names = completion_params(req, vocab_size)
         fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", req.model, engine.tokenizer, req.logprobs is not None)
@@ -129,7 +152,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = await read_body(request, ChatCompletionRequest, max_body_bytes)
+        req = await read_body(request, ChatCompletionRequest, max_body_bytes, body_timeout_s)
         check_model(req.model)
         params, names = chat_params(req, vocab_size, template.stop_token_ids)
         prompt = _render(template, req)
@@ -140,6 +163,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
     app.include_router(v1)
     for router in routers:
         app.include_router(router, dependencies=[Depends(check_key)])
+    install_openapi(app)
     return app
 
 
@@ -154,13 +178,14 @@ def _render(template: ChatTemplate, req: ChatCompletionRequest) -> list[int]:
 
 def run(engine: AsyncLLMEngine, model_name: str, host: str = "127.0.0.1", port: int = 8000, *,
         api_key: str | None = None, chat_template: ChatTemplate | None = None, log_level: str = "info",
-        sock: socket.socket | None = None, hand_off: Callable[[Request], object | None] | None = None,
-        routers: Sequence[APIRouter] = ()) -> None:
+        sock: socket.socket | None = None, limits: HTTPLimits = HTTPLimits(),
+        hand_off: Callable[[Request], object | None] | None = None, routers: Sequence[APIRouter] = ()) -> None:
     """Serve until Ctrl-C (blocking). `sock`: an already bound socket for host:port (the CLI binds
     it before loading the model); None binds here."""
     import uvicorn
 
+    raise_open_file_limit()
     app = build_app(engine, model_name, api_key=api_key, chat_template=chat_template, hand_off=hand_off,
                     routers=routers)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    config = uvicorn_config(app, host, port, log_level, limits)
     uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)

@@ -12,12 +12,14 @@ import time
 import uvicorn
 from fastapi import FastAPI
 
+from deltamoe.serve.api.connections import HTTPLimits, uvicorn_config
+
 
 class ServerThread:
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 limits: HTTPLimits = HTTPLimits()):
         self.host = host
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                                    timeout_graceful_shutdown=5))
+        self.server = uvicorn.Server(uvicorn_config(app, host, port, log_level, limits))
         self._thread = threading.Thread(target=self.server.run, name="deltamoe-http", daemon=True)
 
     def start(self, timeout: float = 30.0) -> "ServerThread":
