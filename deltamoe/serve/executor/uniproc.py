@@ -1,0 +1,23 @@
+"""UniprocExecutor: the model runs in this process (the default; one device)."""
+
+from __future__ import annotations
+
+from deltamoe.serve.engine.runner import ModelRunner, StepResult
+from deltamoe.serve.engine.scheduler import ScheduledBatch
+
+
+class UniprocExecutor:
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+
+    def execute(self, batch: ScheduledBatch) -> list[StepResult]:
+        return self.runner.execute(batch)
+
+    def check_health(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        return None
+
+    def rank_stats(self) -> dict[str, list]:
+        return {}
