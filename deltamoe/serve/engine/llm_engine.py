@@ -67,6 +67,8 @@ class LLMEngine:
         from deltamoe.model.load import load_model
 
         group = None
+        if workers is not None:
+            workers.check_fields()
         if workers is not None and (workers.world_size > 1 or launched_by_torchrun()):
             from deltamoe.serve.executor.launch import start_replica
 
