@@ -26,8 +26,8 @@ from deltamoe.serve.engine.runner import ModelRunner, StepResult
 from deltamoe.serve.engine.sampling import SamplingParams
 from deltamoe.serve.engine.scheduler import Scheduler
 from deltamoe.serve.executor.base import Executor
-from deltamoe.serve.executor.config import WorkerConfig
-from deltamoe.serve.executor.group import RankGroup, launched_by_torchrun
+from deltamoe.serve.executor.config import WorkerConfig, launched_by_torchrun
+from deltamoe.serve.executor.group import RankGroup
 from deltamoe.serve.executor.multiproc import MultiprocExecutor
 from deltamoe.serve.executor.uniproc import UniprocExecutor
 from deltamoe.serve.engine.sequence import Sequence

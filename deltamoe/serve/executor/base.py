@@ -20,6 +20,7 @@ class WorkerDiedError(RuntimeError):
 @runtime_checkable
 class Executor(Protocol):
     runner: ModelRunner  # rank 0's runner: its model shard and cache
+    healthy: bool  # False once no step can run any more
 
     def execute(self, batch: ScheduledBatch) -> list[StepResult]:
         ...

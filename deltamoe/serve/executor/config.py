@@ -7,6 +7,7 @@ of tp * ep ranks is `ParallelDims(dp=ep, tp=tp, ep=ep)`, so the expert group is 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from deltamoe.config import ModelConfig
@@ -42,3 +43,8 @@ class WorkerConfig:
             raise ConfigError(f"tp = {self.tp} must divide vocab_size ({config.vocab_size}): the embedding and "
                               f"LM head are split by vocabulary", field="tp")
         return dims
+
+
+def launched_by_torchrun() -> bool:
+    """This process is a rank of a torchrun job (its environment names the rank and the world)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ

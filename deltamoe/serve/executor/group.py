@@ -31,7 +31,7 @@ from deltamoe.model.model import DeltaMoEForCausalLM
 from deltamoe.parallel.dims import ParallelDims
 from deltamoe.parallel.mesh import ParallelMesh, build_mesh
 from deltamoe.serve.engine.runner import ModelCall
-from deltamoe.serve.executor.config import WorkerConfig
+from deltamoe.serve.executor.config import WorkerConfig, launched_by_torchrun
 from deltamoe.serve.executor.sharding import shard_for_serving
 
 # The control group waits for rank 0's next step as long as the server idles.
@@ -156,10 +156,6 @@ def join_spawned(spec: WorkerSpec, dims: ParallelDims, rank: int, world: int, po
     group = _finish_join(rank, dims, spec.device_for(rank))
     group._store = store  # type: ignore[attr-defined]
     return group
-
-
-def launched_by_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
 def join_torchrun(spec: WorkerSpec, dims: ParallelDims) -> RankGroup:

@@ -16,9 +16,8 @@ import torch.distributed as dist
 from deltamoe.hf_config import load_config
 from deltamoe.model.model import DeltaMoEForCausalLM
 from deltamoe.serve.engine.config import EngineConfig
-from deltamoe.serve.executor.config import WorkerConfig
-from deltamoe.serve.executor.group import (RankGroup, WorkerSpec, build_shard, join_torchrun, launched_by_torchrun,
-                                           spawn_group)
+from deltamoe.serve.executor.config import WorkerConfig, launched_by_torchrun
+from deltamoe.serve.executor.group import RankGroup, WorkerSpec, build_shard, join_torchrun, spawn_group
 from deltamoe.serve.executor.worker import serve_steps
 
 

@@ -108,7 +108,10 @@ class MultiprocExecutor:
         if self._closed:
             return
         self._closed = True
-        if self._dead is None:
+        alive = self._dead is None
+        with self._lock:
+            self._dead = self._dead or "the model workers were shut down"
+        if alive:
             try:
                 self.group.broadcast(StopMessage())
             except Exception:
@@ -120,7 +123,7 @@ class MultiprocExecutor:
             except Exception:
                 pass
         self._kill_workers()
-        if dist.is_initialized() and self._dead is None:
+        if dist.is_initialized() and alive:
             dist.destroy_process_group()
 
     def _kill_workers(self) -> None:

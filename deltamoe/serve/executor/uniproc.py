@@ -13,6 +13,8 @@ class UniprocExecutor:
     def execute(self, batch: ScheduledBatch) -> list[StepResult]:
         return self.runner.execute(batch)
 
+    healthy = True
+
     def check_health(self) -> None:
         return None
 
