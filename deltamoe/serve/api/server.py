@@ -61,7 +61,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
               chat_template: ChatTemplate | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The app for one engine serving one model name. The engine thread runs for the app's lifespan."""
     template = chat_template or ChatTemplate.for_model(engine.tokenizer, None)
-    metrics = ServerMetrics(engine.stats)
+    metrics = ServerMetrics(engine.stats, engine.rank_stats)
     vocab_size = engine.model_config.vocab_size
     created = int(time.time())
 

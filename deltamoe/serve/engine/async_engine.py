@@ -22,7 +22,7 @@ from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.llm_engine import LLMEngine
 from deltamoe.serve.engine.outputs import EngineStats, RequestOutput
 from deltamoe.serve.engine.sampling import SamplingParams
-from deltamoe.serve.executor.base import WorkerDiedError
+from deltamoe.serve.executor.base import RankReport, WorkerDiedError
 from deltamoe.serve.executor.config import WorkerConfig
 
 
@@ -71,6 +71,10 @@ class AsyncLLMEngine:
     def stats(self) -> EngineStats:
         """The stats after the last step (a snapshot; safe from any thread)."""
         return self._stats
+
+    def rank_stats(self) -> list[RankReport]:
+        """Per-rank step times and expert load of a multi-worker replica (empty on one process)."""
+        return self.engine.executor.rank_stats()
 
     @property
     def is_running(self) -> bool:

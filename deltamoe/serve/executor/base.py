@@ -7,6 +7,7 @@ tp * ep ranks (rank 0 is this process). Both return the same `StepResult`s for t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from deltamoe.serve.engine.runner import ModelRunner, StepResult
@@ -15,6 +16,19 @@ from deltamoe.serve.engine.scheduler import ScheduledBatch
 
 class WorkerDiedError(RuntimeError):
     """A rank of the replica died or stopped answering: no step can run any more (HTTP 503)."""
+
+
+@dataclass
+class RankReport:
+    """One rank of the replica, for /metrics: forward time of its steps (gathered every
+    `multiproc.REPORT_INTERVAL_S`) and the tokens routed to the experts it holds (since start)."""
+
+    rank: int
+    steps: int
+    forward_seconds_total: float
+    last_step_seconds: float
+    first_expert: int  # global id of expert_tokens' first column
+    expert_tokens: list[list[int]]  # [MoE layers in layer order, experts held by this rank]
 
 
 @runtime_checkable
@@ -33,6 +47,6 @@ class Executor(Protocol):
         """Stop every worker process and release the process group (idempotent)."""
         ...
 
-    def rank_stats(self) -> dict[str, list]:
+    def rank_stats(self) -> list[RankReport]:
         """Per-rank numbers for /metrics (empty on one process)."""
         ...

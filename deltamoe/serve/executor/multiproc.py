@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from deltamoe.serve.engine.runner import ModelRunner, StepResult
 from deltamoe.serve.engine.scheduler import ScheduledBatch
-from deltamoe.serve.executor.base import WorkerDiedError
+from deltamoe.serve.executor.base import RankReport, WorkerDiedError
 from deltamoe.serve.executor.group import RankGroup, RankStats, StepMessage, StopMessage
 
 REPORT_INTERVAL_S = 1.0  # how often the ranks' step times are gathered (a step with report=True)
@@ -92,16 +92,20 @@ class MultiprocExecutor:
         self._kill_workers()
 
     # ------------------------------------------------------------------ metrics
-    def rank_stats(self) -> dict[str, list]:
-        """Per rank: forward seconds of the last step and in total, and the tokens its experts received
-        ([MoE layers, experts owned]), from rank 0's routing (every rank routes the same tokens)."""
+    def rank_stats(self) -> list[RankReport]:
+        """Per rank: forward seconds of its steps, and the tokens routed to the experts it holds, from
+        rank 0's routing (every rank routes the same tokens). Rank r holds expert slice r // tp (the
+        mesh orders ranks ep-major, then tp)."""
         load = self.runner.expert_load
-        tp, ep, per_rank = self.group.dims.tp, self.group.dims.ep, None
-        if load is not None and load.numel():
-            width = load.shape[1] // ep  # rank r holds expert slice r // tp (mesh order: ep, then tp)
-            per_rank = {rank: load[:, rank // tp * width:(rank // tp + 1) * width].tolist()
-                        for rank in range(self.group.world_size)}
-        return {"stats": list(self._stats), "expert_load": per_rank or {}}
+        tp, ep = self.group.dims.tp, self.group.dims.ep
+        rows = load.tolist() if load is not None else []
+        width = len(rows[0]) // ep if rows else 0
+        out = []
+        for s in list(self._stats):
+            first = s.rank // tp * width
+            out.append(RankReport(s.rank, s.steps, s.forward_seconds_total, s.last_step_seconds, first,
+                                  [row[first:first + width] for row in rows]))
+        return out
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self, timeout_s: float = 5.0) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from deltamoe.serve.engine.runner import ModelRunner, StepResult
 from deltamoe.serve.engine.scheduler import ScheduledBatch
+from deltamoe.serve.executor.base import RankReport
 
 
 class UniprocExecutor:
@@ -21,5 +22,5 @@ class UniprocExecutor:
     def shutdown(self) -> None:
         return None
 
-    def rank_stats(self) -> dict[str, list]:
-        return {}
+    def rank_stats(self) -> list[RankReport]:
+        return []

@@ -13,6 +13,7 @@ import pytest
 from deltamoe.errors import ConfigError
 from deltamoe.model.load import build_model
 from deltamoe.model.weights import save_checkpoint
+from deltamoe.serve.api.metrics import ServerMetrics
 from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.llm_engine import LLMEngine
 from deltamoe.serve.engine.sampling import SamplingParams
@@ -61,13 +62,25 @@ def check_layout(checkpoint, workload, expected, tp: int, ep: int) -> None:
         assert run(engine, workload) == expected
         stats = engine.stats()
         assert stats.prefix_hit_tokens > 0 and stats.num_preemptions > 0
-        per_rank = engine.executor.rank_stats()
-        assert len(per_rank["stats"]) == tp * ep and per_rank["stats"][0].steps == stats.steps
-        experts = engine.model_config.num_experts // ep
-        assert all(len(rows[0]) == experts for rows in per_rank["expert_load"].values())
+        check_rank_metrics(engine, tp, ep)
     finally:
         engine.shutdown()
     assert all(p.poll() is not None for p in engine.executor.group.processes)
+
+
+def check_rank_metrics(engine: LLMEngine, tp: int, ep: int) -> None:
+    reports = engine.executor.rank_stats()
+    assert [r.rank for r in reports] == list(range(tp * ep)) and reports[0].steps == engine.stats().steps
+    assert all(r.steps > 0 and r.forward_seconds_total > 0 for r in reports)
+    # Rank r holds experts [r // tp * E/ep, ...): the slices of one TP rank per expert group tile the load.
+    whole = [sum((reports[g * tp].expert_tokens[layer] for g in range(ep)), []) for layer in range(len(
+        reports[0].expert_tokens))]
+    assert whole == engine.runner.expert_load.tolist()
+    per_layer = [sum(row) for row in whole]
+    assert per_layer[0] > 0 and len(set(per_layer)) == 1  # every MoE layer routes the same tokens
+    text = ServerMetrics(engine.stats, engine.executor.rank_stats).render().decode()
+    assert f'deltamoe_rank_step_seconds{{rank="{tp * ep - 1}"}}' in text
+    assert f'deltamoe_expert_tokens_total{{expert="0",layer="0",rank="0"}} {float(whole[0][0])}' in text
 
 
 def test_tp2_equals_one_process_short(checkpoint, workload, expected):
