@@ -4,6 +4,8 @@ Which module is column- or row-parallel, how KDA heads and their per-head parame
 experts split and travel: all of it is `parallel/tensor_parallel.py` and `parallel/expert_parallel.py`,
 applied here in the same order as in training (TP, then EP). Serving adds two things:
 - the vocabulary-parallel embedding and LM head (`apply_vocab_parallel`, also in parallel/);
+- `use_local_shards`: the planned DTensor modules become plain local-shard modules with the
+  collective their placement implies (DTensor dispatch costs more than a decode call's math);
 - `ReplicatedTokensDispatcher` around the EP dispatcher: in serving every EP rank holds the same
   tokens (rank 0 sends one batch to all), so each rank dispatches only its share of them through
   the training all-to-all, and an all-gather brings every token's expert output back to every rank.
@@ -20,6 +22,7 @@ from deltamoe.parallel.expert_load import moe_modules
 from deltamoe.parallel.expert_parallel import ExpertParallelDispatcher, ExpertShard, apply_expert_parallel
 from deltamoe.parallel.mesh import ParallelMesh
 from deltamoe.parallel.tensor_parallel import apply_tensor_parallel, apply_vocab_parallel
+from deltamoe.serve.executor.local_shards import use_local_shards
 
 
 class ReplicatedTokensDispatcher:
@@ -51,6 +54,7 @@ def shard_for_serving(model: DeltaMoEForCausalLM, dims: ParallelDims, mesh: Para
     if dims.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])  # its gradient sync is for training only
         apply_vocab_parallel(model, mesh["tp"])
+        use_local_shards(model, mesh["tp"].get_group())
     if dims.ep > 1:
         apply_expert_parallel(model, mesh["ep"])
         for moe in moe_modules(model):

@@ -57,7 +57,7 @@ def expected(checkpoint, workload):
 
 
 def check_layout(checkpoint, workload, expected, tp: int, ep: int) -> None:
-    engine = LLMEngine.from_pretrained(checkpoint, engine_config(), workers=WorkerConfig(tp=tp, ep=ep, timeout_s=60))
+    engine = LLMEngine.from_pretrained(checkpoint, engine_config(), workers=WorkerConfig(tp=tp, ep=ep))
     try:
         assert run(engine, workload) == expected
         stats = engine.stats()
@@ -86,7 +86,7 @@ def check_rank_metrics(engine: LLMEngine, tp: int, ep: int) -> None:
 def test_tp2_equals_one_process_short(checkpoint, workload, expected):
     """The cheap tp2 check (tensor-parallel steps are slow on a CPU): two prompts, greedy and seeded."""
     prompts, params = workload
-    engine = LLMEngine.from_pretrained(checkpoint, engine_config(), workers=WorkerConfig(tp=2, timeout_s=60))
+    engine = LLMEngine.from_pretrained(checkpoint, engine_config(), workers=WorkerConfig(tp=2))
     try:
         short = [SamplingParams(**{**p.__dict__, "max_tokens": 6}) for p in params[:2]]
         got = [c.token_ids for c in engine.generate(prompts[:2], short, progress=False)]
@@ -110,7 +110,7 @@ def test_tp2_ep2_equals_one_process(checkpoint, workload, expected):
 
 
 def test_dead_worker_is_an_error_not_a_hang(checkpoint):
-    engine = LLMEngine.from_pretrained(checkpoint, engine_config(), workers=WorkerConfig(ep=2, timeout_s=60))
+    engine = LLMEngine.from_pretrained(checkpoint, engine_config(), workers=WorkerConfig(ep=2))
     try:
         worker = engine.executor.group.processes[0]
         os.kill(worker.pid, signal.SIGKILL)
