@@ -83,19 +83,6 @@ def check_rank_metrics(engine: LLMEngine, tp: int, ep: int) -> None:
     assert f'deltamoe_expert_tokens_total{{expert="0",layer="0",rank="0"}} {float(whole[0][0])}' in text
 
 
-def test_tp2_equals_one_process_short(checkpoint, workload, expected):
-    """The cheap tp2 check (tensor-parallel steps are slow on a CPU): two prompts, greedy and seeded."""
-    prompts, params = workload
-    engine = LLMEngine.from_pretrained(checkpoint, engine_config(), workers=WorkerConfig(tp=2))
-    try:
-        short = [SamplingParams(**{**p.__dict__, "max_tokens": 6}) for p in params[:2]]
-        got = [c.token_ids for c in engine.generate(prompts[:2], short, progress=False)]
-        assert got == [e[:6] for e in expected[:2]]
-    finally:
-        engine.shutdown()
-
-
-@pytest.mark.slow
 def test_tp2_equals_one_process(checkpoint, workload, expected):
     check_layout(checkpoint, workload, expected, tp=2, ep=1)
 
