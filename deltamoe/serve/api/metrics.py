@@ -5,7 +5,8 @@ one test after another, from sharing counters. Request-level numbers (HTTP statu
 end-to-end latency) are observed by the server as requests finish; engine-level numbers
 (queues, cache usage, prefix hits, preemptions) are read from `AsyncLLMEngine.stats()` at
 scrape time, so they can never drift from what the engine reports. A multi-worker replica adds
-per-rank step times and tokens per expert (`deltamoe_rank_*`, `deltamoe_expert_tokens`).
+per-rank step times, tokens per expert (`deltamoe_rank_*`, `deltamoe_expert_tokens`) and the expert
+load imbalance now and under an EPLB-style rebalanced placement (`deltamoe_expert_imbalance`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deltamoe.serve.engine.outputs import EngineStats
 from deltamoe.serve.executor.base import RankReport
+from deltamoe.serve.executor.rebalance import plan_placement
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
@@ -113,6 +115,18 @@ class _RankCollector(Collector):
                 for i, tokens in enumerate(row):
                     experts.add_metric([rank, str(layer), str(r.first_expert + i)], tokens)
         yield from (last, total, steps, experts)
+        slices = {r.first_expert: r.expert_tokens for r in reports}  # TP ranks of one expert group agree
+        if len(slices) > 1 and any(any(row) for row in next(iter(slices.values()))):
+            ordered = [slices[first] for first in sorted(slices)]
+            load = [sum((part[layer] for part in ordered), []) for layer in range(len(ordered[0]))]
+            placement = plan_placement(load, len(ordered))
+            balance = GaugeMetricFamily("deltamoe_expert_imbalance", "Max / mean tokens per expert-parallel rank, "
+                                        "per MoE layer: with today's placement, and with the rebalanced plan "
+                                        "(serve/executor/rebalance.py).", labels=["layer", "placement"])
+            for layer, (now, planned) in enumerate(zip(placement.imbalance_now, placement.imbalance_planned)):
+                balance.add_metric([str(layer), "now"], now)
+                balance.add_metric([str(layer), "planned"], planned)
+            yield balance
 
 
 class ServerMetrics:

@@ -127,7 +127,7 @@ class MultiprocExecutor:
             except Exception:
                 pass
         self._kill_workers()
-        if dist.is_initialized() and alive:
+        if dist.is_initialized():  # with every other rank gone, so nothing waits on them
             dist.destroy_process_group()
 
     def _kill_workers(self) -> None:

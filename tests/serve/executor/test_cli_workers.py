@@ -71,78 +71,68 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_serve_with_workers_turns_503_when_one_dies_and_exits_cleanly():
-    import httpx
+class ServeEp2:
+    """`deltamoe serve tiny --ep 2` in a subprocess, up and healthy on a free port; killed if a test leaves it."""
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "deltamoe", "serve", "tiny", "--port", str(port), "--ep", "2",
-                             "--threads", "1", "--cache-memory", "16MiB", "--log-level", "warning"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    url = f"http://127.0.0.1:{port}"
-    body = {"model": "tiny", "prompt": "hi", "max_tokens": 4, "temperature": 0}
-    try:
+    def __enter__(self) -> "ServeEp2":
+        import httpx
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "deltamoe", "serve", "tiny", "--port", str(port),
+                                      "--ep", "2", "--threads", "1", "--cache-memory", "16MiB", "--log-level", "warning"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     env=dict(os.environ, OMP_NUM_THREADS="1"))
         deadline = time.monotonic() + 180
         while True:
-            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            assert self.proc.poll() is None, self.proc.stderr.read().decode()[-3000:]
             try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
             except httpx.TransportError:
                 pass
             assert time.monotonic() < deadline, "the server did not come up in 180 s"
             time.sleep(0.5)
-        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
-        workers = _children(proc.pid)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> str:
+        """SIGTERM, as a service manager stops it; its stderr."""
+        self.proc.send_signal(signal.SIGTERM)
+        # uvicorn shuts down gracefully, then re-raises the signal it caught (exit status -SIGTERM)
+        assert self.proc.wait(timeout=30) in (0, -signal.SIGTERM)
+        return self.proc.stderr.read().decode()
+
+
+def test_serve_with_workers_turns_503_when_one_dies():
+    import httpx
+
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 4, "temperature": 0}
+    with ServeEp2() as server:
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+        workers = _children(server.proc.pid)
         assert len(workers) == 1
         os.kill(workers[0], signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while httpx.get(f"{url}/health", timeout=5).status_code != 503:
+        while httpx.get(f"{server.url}/health", timeout=5).status_code != 503:
             assert time.monotonic() < deadline, "/health still 200 after a worker died"
             time.sleep(0.2)
-        answer = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
         assert answer.status_code == 503 and "worker" in answer.json()["error"]["message"]
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        server.stop()
 
 
 def test_serve_sigterm_stops_the_workers():
-    import httpx
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "deltamoe", "serve", "tiny", "--port", str(port), "--ep", "2",
-                             "--threads", "1", "--cache-memory", "16MiB", "--log-level", "warning"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.5)
-        workers = _children(proc.pid)
+    with ServeEp2() as server:
+        workers = _children(server.proc.pid)
         assert len(workers) == 1
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+        assert "Traceback" not in server.stop()
         deadline = time.monotonic() + 5
         while any(_alive(w) for w in workers):
             assert time.monotonic() < deadline, "a worker outlived the server"
             time.sleep(0.1)
-        assert "Traceback" not in proc.stderr.read().decode()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

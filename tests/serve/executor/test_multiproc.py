@@ -81,6 +81,7 @@ def check_rank_metrics(engine: LLMEngine, tp: int, ep: int) -> None:
     text = ServerMetrics(engine.stats, engine.executor.rank_stats).render().decode()
     assert f'deltamoe_rank_step_seconds{{rank="{tp * ep - 1}"}}' in text
     assert f'deltamoe_expert_tokens_total{{expert="0",layer="0",rank="0"}} {float(whole[0][0])}' in text
+    assert ('deltamoe_expert_imbalance{layer="0",placement="planned"}' in text) == (ep > 1)
 
 
 def test_tp2_equals_one_process(checkpoint, workload, expected):
