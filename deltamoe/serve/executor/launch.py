@@ -38,4 +38,11 @@ def start_replica(source: str | Path, engine: EngineConfig, workers: WorkerConfi
         finally:
             dist.destroy_process_group()
         return None
-    return build_shard(spec, group), group
+    try:
+        return build_shard(spec, group), group
+    except BaseException:  # the spawned ranks would wait for rank 0's shard collectives until the timeout
+        for process in group.processes:
+            process.kill()
+            process.wait()
+        dist.destroy_process_group()
+        raise
