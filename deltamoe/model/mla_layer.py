@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from deltamoe.config import ModelConfig
 from deltamoe.model.cache import ModelCache
@@ -106,7 +107,9 @@ class LatentAttention(nn.Module):
                                          top_k=self.config.index_topk)
 
         if absorbed:
-            w_uk, w_uv = absorb_kv_b(self.kv_b_proj.weight, h, self.nope, self.vdim)
+            w = self.kv_b_proj.weight
+            # Tensor parallel (parallel/tensor_parallel.py): a DTensor split by heads; absorb this rank's heads.
+            w_uk, w_uv = absorb_kv_b(w.to_local() if isinstance(w, DTensor) else w, h, self.nope, self.vdim)
             if sparse_decode:
                 rows = cache.latent_rows(self.layer_idx, indices.masked_fill(~valid, 0).reshape(b, -1))
                 o = mla_attention_absorbed_rows(q_nope, q_pe, rows, w_uk, w_uv, scale=self.scale, valid=valid)

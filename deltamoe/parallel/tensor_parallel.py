@@ -5,7 +5,7 @@ What is sharded over the TP group (each rank keeps 1/tp):
   column-wise by heads; o_proj row-wise.
 - MLA (and DSA, MTP blocks): q_proj or q_b_proj, kv_b_proj, g_proj column-wise by heads; o_proj row-wise.
 - Dense MLP and shared experts: gate/up column-wise, down row-wise.
-What stays replicated: embeddings, LM head, norms, AttnRes vectors, the low-rank "a" projections
+What stays replicated in training: embeddings, LM head, norms, AttnRes vectors, the low-rank "a" projections
 (f_a, g_a, q_a, kv_a), the DSA indexer, the router, latent MoE projections and routed experts
 (those are expert-parallel instead).
 
@@ -14,6 +14,9 @@ o_norm stay replicated; each rank reads its heads' slice (`KimiDeltaAttention.he
 are partial sums over TP ranks and `TensorParallelGradSync` adds them up after backward.
 The MLA rope key k_pe is computed once and used by every head: it is entered into the
 head-parallel region with an all-reduce in backward (Megatron's "f").
+
+Serving (`serve/executor/sharding.py`) applies the same plan and adds `apply_vocab_parallel`:
+embedding and LM head rows split by vocabulary, so no rank holds the full vocabulary matrices.
 """
 
 from __future__ import annotations
@@ -82,6 +85,22 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh) -> "TensorPara
         elif layer.config.num_shared_experts > 0:
             _tp_mlp(layer.block_sparse_moe.shared_experts, tp_mesh)
     return TensorParallelGradSync(partial, tp_mesh.get_group())
+
+
+def apply_vocab_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Shard `model.embed_tokens` and `lm_head` of a DeltaMoEForCausalLM by vocabulary rows over the TP group.
+
+    Each rank looks up only the token ids in its rows (zeros elsewhere, then an all-reduce: the sum has
+    one non-zero term, so it is exact) and computes the logits of its rows (then an all-gather), so
+    both give exactly the one-process values. A tied LM head gets its own sharded copy.
+    """
+    vocab = model.config.vocab_size
+    if vocab % tp_mesh.size() != 0:
+        raise ValueError(f"tp = {tp_mesh.size()} must divide vocab_size ({vocab})")
+    parallelize_module(model, tp_mesh, {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    })
 
 
 class TensorParallelGradSync:

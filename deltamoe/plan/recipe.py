@@ -1,9 +1,10 @@
 """Launch recipes for a plan: the vLLM and SGLang lines, and the `deltamoe serve` line it plans.
 
-Text only: the planner never launches anything. Multi-node rendezvous flags (addresses, node
-ranks) are placeholders in angle brackets because only the operator knows them. The vLLM and
-SGLang lines use those servers' flags; `deltamoe serve` runs one replica on one device today,
-so its line is the layout deltamoe plans to take and says so (DELTAMOE_PLANNED).
+Text only: the planner never launches anything. Multi-node rendezvous flags (addresses, ports,
+node ranks) are placeholders in angle brackets because only the operator knows them. The vLLM and
+SGLang lines use those servers' flags. The `deltamoe serve` line uses only flags `deltamoe serve`
+accepts (a test parses it with the real command): one replica of tp * ep ranks, which differs
+from the planned layout in ways its comment lines state (DELTAMOE_LAYOUT).
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ HF_IDS = {
 }
 
 
-DELTAMOE_PLANNED = ("# planned, not yet supported: `deltamoe serve` runs one replica on one device today and "
-                    "rejects these layout flags; run the vLLM or SGLang line")
+DELTAMOE_LAYOUT = ("# deltamoe serve runs one replica over --tp x --ep ranks (spawned on one machine, or the ranks "
+                   "of a torchrun job): attention heads, dense MLPs and the vocabulary split by --tp and replicated "
+                   "over --ep; routed experts split by --ep only (num_experts / ep per rank, where this plan counts "
+                   "num_experts / (tp x dp)), so each chip holds more expert weights than the plan's memory column; "
+                   "weights and cache in --dtype (no FP8 KV cache or weight quantization flags)")
 
 
 @dataclass(frozen=True)
@@ -34,7 +38,7 @@ class Recipe:
         return {"deltamoe": self.deltamoe, "vllm": self.vllm, "sglang": self.sglang}
 
     def text(self) -> str:
-        blocks = [("vLLM", self.vllm), ("SGLang", self.sglang), ("deltamoe serve (planned)", self.deltamoe)]
+        blocks = [("vLLM", self.vllm), ("SGLang", self.sglang), ("deltamoe serve", self.deltamoe)]
         return "\n".join(f"# {title}\n" + "\n".join(lines) for title, lines in blocks)
 
 
@@ -42,15 +46,30 @@ def _nodes(pool: PoolEstimate, hw: Hardware) -> int:
     return max(1, -(-pool.layout.instance_chips // hw.chips_per_node))
 
 
-def _deltamoe(model: str, weights: str, kv: str, pool: PoolEstimate, max_len: int, role: str | None) -> str:
+def _deltamoe(model: str, pool: PoolEstimate, hw: Hardware, max_len: int, role: str | None) -> list[str]:
+    """Comment lines for what the line cannot express, then a `deltamoe serve` command that parses."""
     lay = pool.layout
-    line = (f"deltamoe serve --model {model} --weights {weights} --kv-cache {kv} --tp {lay.tp} --dp {lay.dp} "
-            f"--ep {lay.ep} --pp {lay.pp} --max-model-len {max_len}")
-    if role != "prefill":
-        line += f" --max-num-seqs {pool.batch}"
+    notes = [f"# {model}: a checkpoint folder in its place (the preset name serves random weights)"]
+    if lay.pp > 1:
+        notes.append(f"# no pipeline stages in deltamoe serve: this line holds all layers on each of its "
+                     f"{lay.tp * lay.dp} ranks (the plan splits them over pp = {lay.pp})")
     if role:
-        line += f" --role {role}"
-    return line
+        notes.append(f"# the {role} pool's layout; deltamoe serve has no P/D role flag here, it serves both phases")
+    if lay.replicas > 1:
+        notes.append(f"# run {lay.replicas} replicas of this line behind a load balancer")
+    cache_gib = max(1, int(pool.memory.cache / 2**30))
+    serve = (f"-m deltamoe serve {model} --host 0.0.0.0 --tp {lay.tp} --ep {lay.dp} --dtype bfloat16 --device cuda "
+             f"--max-model-len {max_len} --cache-memory {cache_gib}GiB")
+    if role != "prefill":
+        serve += f" --max-num-seqs {pool.batch}"
+    ranks = lay.tp * lay.dp
+    nodes = -(-ranks // hw.chips_per_node)
+    if hw.vendor == "ascend":
+        notes.append("# deltamoe runs on CUDA GPUs and CPUs, not Ascend NPUs: the line is for a GPU pool of this shape")
+    if nodes <= 1:
+        return notes + ["python " + serve]
+    return notes + [f"torchrun --nnodes {nodes} --nproc-per-node {ranks // nodes} --node-rank <0..{nodes - 1}> "
+                    f"--master-addr <head-ip> --master-port <port> {serve}  # run once per node"]
 
 
 def _vllm(hf: str, weights: str, kv: str, pool: PoolEstimate, hw: Hardware, max_len: int, headroom: float,
@@ -113,10 +132,10 @@ def launch_recipe(plan: Plan, model: str, weights: str, kv: str, hw: Hardware) -
         pools = [(plan.decode, None)]
     else:
         pools = [(plan.prefill, "prefill"), (plan.decode, "decode")]
-    out = Recipe([DELTAMOE_PLANNED], [], [])
+    out = Recipe([DELTAMOE_LAYOUT], [], [])
     for pool, role in pools:
         head = f"# {role or 'colocated'}: {pool.layout.describe()} on {pool.layout.chips} chips"
-        out.deltamoe.extend([head, _deltamoe(model, weights, kv, pool, max_len, role)])
+        out.deltamoe.extend([head, *_deltamoe(model, pool, hw, max_len, role)])
         out.vllm.extend([head, _vllm(hf, weights, kv, pool, hw, max_len, headroom, role)])
         out.sglang.extend([head, _sglang(hf, kv, pool, hw, max_len, headroom, role)])
     return out

@@ -4,8 +4,9 @@
 runner (device), sampling, outputs, the compiled decode graph, and AsyncLLMEngine, the thread that
 drives an LLMEngine for concurrent callers. `api/` is the HTTP side only (FastAPI app, OpenAI
 schemas, request params, error bodies, response formatting, metrics, chat template); it imports
-`engine/`, never the other way round. Room is left beside them for `executor/`, `kv_transfer/`
-and `spec_decode/` (DESIGN.md).
+`engine/`, never the other way round. `executor/` carries the runner's work to the devices: this
+process, or tp x ep worker ranks (`WorkerConfig`). Room is left for `kv_transfer/` and
+`spec_decode/` (DESIGN.md).
 
 The common names are importable from here (`from deltamoe.serve import LLMEngine`); they load on
 first use, so `import deltamoe.serve.engine.config` (the CLI's startup) stays free of torch.
@@ -25,6 +26,7 @@ _PUBLIC = {
     "RequestOutput": "deltamoe.serve.engine.outputs",
     "EngineStats": "deltamoe.serve.engine.outputs",
     "ChatTemplate": "deltamoe.serve.api.chat_template",
+    "WorkerConfig": "deltamoe.serve.executor.config",
 }
 __all__ = sorted(_PUBLIC)
 

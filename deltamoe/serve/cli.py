@@ -82,22 +82,51 @@ def engine_threads(requested: Optional[int], device: str) -> Optional[int]:
     return max(1, (os.cpu_count() or 1) - 1)
 
 
+TP_HELP = ("Tensor-parallel ranks: attention heads, MLP widths and the vocabulary split over this many "
+           "processes (started here; or the torchrun job's ranks).")
+EP_HELP = "Expert-parallel ranks: routed experts split over this many processes (tp * ep processes in all)."
+
+
+def check_workers(model: str, tp: int, ep: int, compile_decode: bool):
+    """The worker layout checked against the model's config before anything loads; None for one process."""
+    from deltamoe.serve.executor.config import WorkerConfig
+    from deltamoe.serve.executor.config import launched_by_torchrun
+
+    import os
+
+    workers = WorkerConfig(tp=tp, ep=ep)
+    workers.check_fields()
+    if workers.world_size == 1 and not launched_by_torchrun():
+        return None
+    workers.dims(load_config(model))
+    world = int(os.environ.get("WORLD_SIZE", workers.world_size))
+    if launched_by_torchrun() and world != workers.world_size:
+        raise ConfigError(f"torchrun started {world} processes but --tp {tp} --ep {ep} makes {workers.world_size}",
+                          field="tp", hint="start tp * ep processes (--nproc-per-node times nodes)")
+    if compile_decode:
+        raise ConfigError("compiled decode runs on one process; drop --compile-decode or --tp/--ep",
+                          field="compile_decode")
+    return workers
+
+
 COMPILE_DECODE_HELP = ("Run decode steps as one torch.compile graph (2-7x faster steps for small models on a CPU, "
                        "one sequence gains most; compiling takes seconds to minutes with the model's size, once, and "
                        "needs a C++ compiler).")
 
 
 def build_engine(model: str, tokenizer: Optional[str], cache_memory: str, max_num_seqs: int,
-                 max_num_batched_tokens: int, dtype: str, device: str, compile_decode: bool = False):
+                 max_num_batched_tokens: int, dtype: str, device: str, compile_decode: bool = False,
+                 tp: int = 1, ep: int = 1):
     from deltamoe.serve.engine.config import EngineConfig
 
     check_dtype(dtype)
     config = EngineConfig(cache_memory=cache_memory, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, compile_decode=compile_decode)
     load_config(model)  # an unknown model fails here, from its config alone
+    workers = check_workers(model, tp, ep, compile_decode)
     from deltamoe.serve.engine.llm_engine import LLMEngine  # imports torch: after every check above
 
-    return LLMEngine.from_pretrained(model, config, tokenizer, parse_dtype(dtype), device)
+    return LLMEngine.from_pretrained(model, config, tokenizer, parse_dtype(dtype), device, workers)
 
 
 def generate_command(
@@ -120,10 +149,12 @@ def generate_command(
     device: str = typer.Option("cpu"),
     progress: bool = typer.Option(False, help="Show a progress bar with tokens/s."),
     compile_decode: bool = typer.Option(False, "--compile-decode", help=COMPILE_DECODE_HELP),
+    tp: int = typer.Option(1, "--tp", help=TP_HELP),
+    ep: int = typer.Option(1, "--ep", help=EP_HELP),
 ) -> None:
     """Generate text for one or more prompts (continuous batching)."""
     engine = build_engine(model, tokenizer, cache_memory, max_num_seqs, max_num_batched_tokens, dtype, device,
-                          compile_decode)
+                          compile_decode, tp, ep)
     from deltamoe.serve.api.chat_template import ChatTemplate
     from deltamoe.serve.engine.sampling import SamplingParams
 
@@ -136,6 +167,7 @@ def generate_command(
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                             seed=seed, stop=list(stop), stop_token_ids=stop_ids, ignore_eos=ignore_eos)
     completions = engine.generate(inputs, params, progress=progress)
+    engine.shutdown()
     for i, c in enumerate(completions):
         if len(completions) > 1:
             typer.echo(f"--- [{i}] {prompt[i]!r} ({c.finish_reason})")
@@ -194,6 +226,12 @@ def chat_command(
         history.append({"role": "assistant", "content": reply})
 
 
+def _torchrun_rank() -> int:
+    import os
+
+    return int(os.environ.get("RANK", "0"))  # 0 outside torchrun
+
+
 def serve_command(
     model: str = typer.Argument(..., help="Checkpoint folder or preset name."),
     host: str = typer.Option("127.0.0.1", help="Interface to bind; the default keeps the server local."),
@@ -223,6 +261,8 @@ def serve_command(
     min_hand_off_tokens: int = typer.Option(2, min=2, help="Decode role: prompts shorter than this are computed "
                                             "by the decode server itself (short chats skip the prefill queue)."),
     block_size: int = typer.Option(16, min=1, help="Tokens per cache block (equal on both sides of a P/D pair)."),
+    tp: int = typer.Option(1, "--tp", help=TP_HELP),
+    ep: int = typer.Option(1, "--ep", help=EP_HELP),
 ) -> None:
     """OpenAI-compatible HTTP server (deltamoe.serve.api) over an AsyncLLMEngine."""
     from deltamoe.serve.engine.config import EngineConfig
@@ -235,6 +275,13 @@ def serve_command(
                           compile_decode=compile_decode, block_size=block_size)
     chosen = engine_threads(threads, device)
     load_config(model)  # an unknown model fails here, from its config alone
+    workers = check_workers(model, tp, ep, compile_decode)
+    if workers is not None and _torchrun_rank() > 0:
+        # A torchrun rank > 0 runs its shard of the model until rank 0 stops (from_pretrained exits).
+        from deltamoe.serve.engine.llm_engine import LLMEngine
+
+        LLMEngine.from_pretrained(model, config, tokenizer, parse_dtype(dtype), device, workers)
+        return
     listener = bind_listen_address(host, port)
     try:
         from deltamoe.serve.api import server as api
@@ -256,7 +303,7 @@ def serve_command(
         listener.close()
         raise
     engine = AsyncLLMEngine(LLMEngine.from_pretrained(model, config, tokenizer, parse_dtype(dtype), device,
-                                                      connector=connector))
+                                                      workers, connector=connector))
     if compile_decode:
         typer.echo("compiling the decode graphs (once per process; for the 8-layer tiny preset on two cores about "
                    "6 min on a first start, 1 min from inductor's disk cache)...", err=True)

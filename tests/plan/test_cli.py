@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import typer
 from typer.testing import CliRunner
 
@@ -32,7 +33,7 @@ def test_json_plan_has_costs_layout_estimates_and_recipe():
     assert plan["decode"]["step"]["bound"] in ("compute", "HBM", "scale-up link", "scale-out link", "latency")
     assert any(line.startswith("vllm serve moonshotai/Kimi-K3.1-Pro") for line in doc["recipe"]["vllm"])
     assert any("sglang.launch_server" in line for line in doc["recipe"]["sglang"])
-    assert any(line.startswith("deltamoe serve --model kimi-k3.1-pro") for line in doc["recipe"]["deltamoe"])
+    assert any("-m deltamoe serve kimi-k3.1-pro --host 0.0.0.0 --tp " in line for line in doc["recipe"]["deltamoe"])
 
 
 def test_table_output_and_user_hardware_file():
@@ -104,9 +105,37 @@ def test_slo_flag_errors_are_one_line(capsys):
     assert capsys.readouterr().err.startswith("error: slo-ttft: ")
 
 
-def test_deltamoe_recipe_is_marked_planned_and_peers_come_first():
+def test_deltamoe_recipe_line_is_a_command_deltamoe_serve_accepts(monkeypatch):
+    """The printed `deltamoe serve` line (after a torchrun prefix, if any) runs the real command up to the
+    model load: every flag parses, the layout passes the model's checks, the values reach the engine."""
+    import shlex
+
+    from deltamoe.serve import cli as serve_cli
+    from deltamoe.serve.engine.async_engine import AsyncLLMEngine
+
     doc = _plan_json()
-    assert doc["recipe"]["deltamoe"][0].startswith("# planned, not yet supported: `deltamoe serve`")
+    line = next(x for x in doc["recipe"]["deltamoe"] if not x.startswith("#"))
+    args = shlex.split(line.split("  #")[0])
+    args = args[args.index("deltamoe") + 1:]
+    assert args[:2] == ["serve", "kimi-k3.1-pro"]
+    seen = {}
+
+    class Loading(Exception):
+        pass
+
+    def engine(source, config, tokenizer, dtype, device, workers):
+        seen.update(source=source, config=config, device=device, workers=workers)
+        raise Loading  # what a loaded engine would do next needs the GPUs
+
+    monkeypatch.setattr(serve_cli, "bind_listen_address", lambda host, port: None)
+    monkeypatch.setattr(AsyncLLMEngine, "from_pretrained", staticmethod(engine))
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(Loading):
+        main(args)
+    plan = doc["plan"]["decode"]["layout"]
+    assert (seen["workers"].tp, seen["workers"].ep) == (plan["tp"], plan["dp"])
+    assert seen["config"].max_model_len == 9216 and seen["device"] == "cuda"
     res = runner.invoke(_app(), ["--model", "kimi-k3.1-pro", "--hardware", "h200", "--nodes", "4"])
     text = res.stdout[res.stdout.index("launch recipe"):]
-    assert text.index("# vLLM") < text.index("# SGLang") < text.index("# deltamoe serve (planned)")
+    assert text.index("# vLLM") < text.index("# SGLang") < text.index("# deltamoe serve")

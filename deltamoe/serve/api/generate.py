@@ -70,7 +70,7 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 
 def _engine_failed(e: EngineDeadError) -> APIError:
-    return APIError(500, str(e), code="engine_error")
+    return APIError(e.status, str(e), code="model_unavailable" if e.status == 503 else "engine_error")
 
 
 class Generation:

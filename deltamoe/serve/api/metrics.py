@@ -4,7 +4,9 @@ A per-app registry (not prometheus_client's global one) keeps two servers in one
 one test after another, from sharing counters. Request-level numbers (HTTP status, TTFT, TPOT,
 end-to-end latency) are observed by the server as requests finish; engine-level numbers
 (queues, cache usage, prefix hits, preemptions) are read from `AsyncLLMEngine.stats()` at
-scrape time, so they can never drift from what the engine reports.
+scrape time, so they can never drift from what the engine reports. A multi-worker replica adds
+per-rank step times, tokens per expert (`deltamoe_rank_*`, `deltamoe_expert_tokens`) and the expert
+load imbalance now and under an EPLB-style rebalanced placement (`deltamoe_expert_imbalance`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deltamoe.serve.engine.outputs import EngineStats
+from deltamoe.serve.executor.base import RankReport
+from deltamoe.serve.executor.rebalance import plan_placement
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
@@ -85,8 +89,48 @@ class _EngineCollector(Collector):
             yield GaugeMetricFamily(f"deltamoe_engine_{key}", f"Engine stat {key}.", value=float(value))
 
 
+class _RankCollector(Collector):
+    """Per rank of a multi-worker replica: step times, and tokens per expert for the experts it holds."""
+
+    def __init__(self, ranks: Callable[[], list[RankReport]]):
+        self._ranks = ranks
+
+    def collect(self):
+        reports = self._ranks()
+        if not reports:
+            return
+        last = GaugeMetricFamily("deltamoe_rank_step_seconds", "Forward time of the rank's last reported step.",
+                                 labels=["rank"])
+        total = CounterMetricFamily("deltamoe_rank_forward_seconds", "Forward time of the rank's steps.",
+                                    labels=["rank"])
+        steps = CounterMetricFamily("deltamoe_rank_steps", "Steps the rank has run.", labels=["rank"])
+        experts = CounterMetricFamily("deltamoe_expert_tokens", "Tokens routed to each expert, by the rank holding it "
+                                      "and the MoE layer (its row in layer order).", labels=["rank", "layer", "expert"])
+        for r in reports:
+            rank = str(r.rank)
+            last.add_metric([rank], r.last_step_seconds)
+            total.add_metric([rank], r.forward_seconds_total)
+            steps.add_metric([rank], r.steps)
+            for layer, row in enumerate(r.expert_tokens):
+                for i, tokens in enumerate(row):
+                    experts.add_metric([rank, str(layer), str(r.first_expert + i)], tokens)
+        yield from (last, total, steps, experts)
+        slices = {r.first_expert: r.expert_tokens for r in reports}  # TP ranks of one expert group agree
+        if len(slices) > 1 and any(any(row) for row in next(iter(slices.values()))):
+            ordered = [slices[first] for first in sorted(slices)]
+            load = [sum((part[layer] for part in ordered), []) for layer in range(len(ordered[0]))]
+            placement = plan_placement(load, len(ordered))
+            balance = GaugeMetricFamily("deltamoe_expert_imbalance", "Max / mean tokens per expert-parallel rank, "
+                                        "per MoE layer: with today's placement, and with the rebalanced plan "
+                                        "(serve/executor/rebalance.py).", labels=["layer", "placement"])
+            for layer, (now, planned) in enumerate(zip(placement.imbalance_now, placement.imbalance_planned)):
+                balance.add_metric([str(layer), "now"], now)
+                balance.add_metric([str(layer), "planned"], planned)
+            yield balance
+
+
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], EngineStats]):
+    def __init__(self, stats: Callable[[], EngineStats], ranks: Callable[[], list[RankReport]] | None = None):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.http_requests = Counter("deltamoe_http_requests", "HTTP requests by endpoint and status code.",
@@ -100,6 +144,8 @@ class ServerMetrics:
         self.e2e = Histogram("deltamoe_e2e_request_latency_seconds", "Time from request arrival to its last token.",
                              buckets=_E2E_BUCKETS, registry=r)
         r.register(_EngineCollector(stats))
+        if ranks is not None:
+            r.register(_RankCollector(ranks))
 
     def observe(self, timing: RequestTiming, finish_reason: str) -> None:
         if timing.end is None:

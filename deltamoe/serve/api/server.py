@@ -86,7 +86,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
     `hand_off`: a request's KV-connector parameters from its headers (a decode server of a P/D
     pair, `serve/kv_transfer/roles.py`); `routers`: extra routes (a role's internal ones)."""
     template = chat_template or ChatTemplate.for_model(engine.tokenizer, None)
-    metrics = ServerMetrics(engine.stats)
+    metrics = ServerMetrics(engine.stats, engine.rank_stats)
     vocab_size = engine.model_config.vocab_size
     created = int(time.time())
 

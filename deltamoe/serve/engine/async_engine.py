@@ -22,10 +22,19 @@ from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.llm_engine import LLMEngine
 from deltamoe.serve.engine.outputs import EngineStats, RequestOutput
 from deltamoe.serve.engine.sampling import SamplingParams
+from deltamoe.serve.executor.base import RankReport, WorkerDiedError
+from deltamoe.serve.executor.config import WorkerConfig
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread failed while running a step; the requests in it cannot finish."""
+    """The engine thread failed while running a step; the requests in it cannot finish.
+
+    `status`: 503 when the model workers are down (nothing will run until the server restarts),
+    else 500."""
+
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status
 
 
 class RequestFailedError(EngineDeadError):
@@ -50,8 +59,8 @@ class AsyncLLMEngine:
     @classmethod
     def from_pretrained(cls, source: str | Path, config: EngineConfig | None = None,
                         tokenizer: str | Path | None = None, dtype: torch.dtype = torch.float32,
-                        device: str | torch.device = "cpu") -> "AsyncLLMEngine":
-        return cls(LLMEngine.from_pretrained(source, config, tokenizer, dtype, device))
+                        device: str | torch.device = "cpu", workers: WorkerConfig | None = None) -> "AsyncLLMEngine":
+        return cls(LLMEngine.from_pretrained(source, config, tokenizer, dtype, device, workers))
 
     # ------------------------------------------------------------------ what the server reads
     @property
@@ -70,9 +79,14 @@ class AsyncLLMEngine:
         """The stats after the last step (a snapshot; safe from any thread)."""
         return self._stats
 
+    def rank_stats(self) -> list[RankReport]:
+        """Per-rank step times and expert load of a multi-worker replica (empty on one process)."""
+        return self.engine.executor.rank_stats()
+
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        """The engine thread runs and its model workers (if any) are up: /health is 200 only then."""
+        return self._thread is not None and self._thread.is_alive() and self.engine.executor.healthy
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -83,11 +97,13 @@ class AsyncLLMEngine:
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread, then the model workers (if any: a server's lifespan ends here)."""
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        self.engine.shutdown()
 
     # ------------------------------------------------------------------ requests
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -177,6 +193,10 @@ class AsyncLLMEngine:
                 pass
 
     def _fail_all(self, error: Exception) -> None:
+        if isinstance(error, WorkerDiedError):
+            dead = EngineDeadError(f"the model is unavailable: {error}", status=503)
+        else:
+            dead = EngineDeadError(f"engine step failed: {error!r}")
         for final in self.engine.abort_all():
-            self._deliver(final.request_id, EngineDeadError(f"engine step failed: {error!r}"))
+            self._deliver(final.request_id, dead)
         self._stats = self.engine.stats()

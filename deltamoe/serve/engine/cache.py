@@ -12,6 +12,11 @@ a boundary that the retention policy keeps: every `snapshot_interval_blocks` blo
 full block of each prompt (where a follow-up turn most likely diverges). The scheduler cuts
 prefill chunks at those boundaries (`next_snapshot_boundary`).
 
+With tensor-parallel workers (`serve/executor/`) each rank holds the KDA state of its own heads
+(`tp_size`); the latent and indexer pages are replicated. Rank 0 owns the bookkeeping and logs every
+state-slot write it makes outside a forward (zeroing a slot, copying a snapshot) in `state_log`, so
+that the other ranks replay them on their shards (`apply_state_ops`) before the next forward.
+
 Memory only: which sequence runs, and when, is the scheduler's business.
 """
 
@@ -32,9 +37,9 @@ from deltamoe.serve.engine.state_pool import StatePool
 
 class HybridCache:
     def __init__(self, model_config: ModelConfig, config: EngineConfig, max_model_len: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", tp_size: int = 1):
         self.config = config
-        self.layout = layout = CacheLayout.from_config(model_config, config.block_size, dtype)
+        self.layout = layout = CacheLayout.from_config(model_config, config.block_size, dtype, tp_size)
         self.block_size = bs = config.block_size
         max_blocks = config.max_num_seqs * -(-max_model_len // bs)  # never more than all sequences can use
         want_slots = config.max_num_seqs + (config.max_snapshots or 0)
@@ -54,6 +59,9 @@ class HybridCache:
         self.prefix_caching = config.enable_prefix_caching
         self.prefix_queries = 0  # prompt tokens looked up at admission
         self.prefix_hits = 0  # of which served from the cache
+        # (src, dst) state-slot writes since the last `take_state_ops` (src None: zero dst), when
+        # other ranks mirror this cache; None: not logged.
+        self.state_log: list[tuple[int | None, int]] | None = None
 
     # ------------------------------------------------------------------ capacity questions
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
@@ -76,8 +84,7 @@ class HybridCache:
             return False
         seq.slot = slot
         if snapshot is None:
-            self.recurrent[:, slot].zero_()
-            self.conv[:, slot].zero_()
+            self._zero_state(slot)
         elif snapshot != slot:
             self._copy_state(snapshot, slot)
         for block in hit_blocks:
@@ -200,6 +207,27 @@ class HybridCache:
                 best = (i + 1, slot)
         return blocks[: best[0]], best[1]
 
+    def take_state_ops(self) -> list[tuple[int | None, int]]:
+        """The logged state-slot writes since the last call, for the other ranks to replay."""
+        ops, self.state_log = self.state_log or [], [] if self.state_log is not None else None
+        return ops
+
+    def apply_state_ops(self, ops: list[tuple[int | None, int]]) -> None:
+        """Replay rank 0's state-slot writes on this rank's shard, in order."""
+        for src, dst in ops:
+            if src is None:
+                self._zero_state(dst)
+            else:
+                self._copy_state(src, dst)
+
+    def _zero_state(self, slot: int) -> None:
+        self.recurrent[:, slot].zero_()
+        self.conv[:, slot].zero_()
+        if self.state_log is not None:
+            self.state_log.append((None, slot))
+
     def _copy_state(self, src: int, dst: int) -> None:
         self.recurrent[:, dst] = self.recurrent[:, src]
         self.conv[:, dst] = self.conv[:, src]
+        if self.state_log is not None:
+            self.state_log.append((src, dst))

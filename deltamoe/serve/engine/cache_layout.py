@@ -3,7 +3,9 @@
 Per token of context (paged, `block_size` tokens per block): the MLA latent (kv_lora + rope
 dims) of every MLA/DSA layer and the indexer key of every DSA layer. Per sequence (fixed, one
 state slot): the KDA recurrent state [H, K, V] fp32 and the short-conv state [3P, W-1] of every
-KDA layer. Computed from the config alone, so the byte counts need no allocation.
+KDA layer. Computed from the config alone, so the byte counts need no allocation. Under tensor
+parallelism (`tp_size`) a rank holds the state of its kda_num_heads / tp_size heads only; latents
+and indexer keys are per token, shared by all heads, so every rank keeps them whole.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ class CacheLayout:
     dtype: torch.dtype
 
     @classmethod
-    def from_config(cls, config: ModelConfig, block_size: int = 16, dtype: torch.dtype = torch.float32) -> "CacheLayout":
+    def from_config(cls, config: ModelConfig, block_size: int = 16, dtype: torch.dtype = torch.float32,
+                    tp_size: int = 1) -> "CacheLayout":
         types = config.layer_types
+        heads = config.kda_num_heads // tp_size
         return cls(
             block_size=block_size,
             kda_layers=tuple(i for i, t in enumerate(types) if t == "kda"),
@@ -38,8 +42,8 @@ class CacheLayout:
             index_layers=tuple(i for i, t in enumerate(types) if t == "dsa"),
             latent_dim=config.latent_cache_dim,
             index_dim=config.index_head_dim,
-            recurrent_shape=(config.kda_num_heads, config.kda_head_dim, config.kda_head_dim),
-            conv_shape=(3 * config.kda_dim, config.kda_conv_size - 1),
+            recurrent_shape=(heads, config.kda_head_dim, config.kda_head_dim),
+            conv_shape=(3 * heads * config.kda_head_dim, config.kda_conv_size - 1),
             dtype=dtype,
         )
 

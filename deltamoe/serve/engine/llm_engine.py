@@ -1,8 +1,9 @@
 """LLMEngine: add requests, `step()` them forward together, read outputs. Offline `generate` on top.
 
-nano-vllm's shape: the scheduler decides (policy), the cache holds memory, the runner touches
-the model; `step()` is schedule -> execute -> postprocess. Not thread-safe: one thread drives it
-(`AsyncLLMEngine` owns that thread for the server).
+nano-vllm's shape: the scheduler decides (policy), the cache holds memory, the executor runs the
+model (in this process, or over tp * ep worker ranks: `serve/executor/`); `step()` is schedule ->
+execute -> postprocess. Not thread-safe: one thread drives it (`AsyncLLMEngine` owns that thread
+for the server).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from deltamoe.errors import RequestError
+from deltamoe.errors import ConfigError, RequestError
 from deltamoe.model.model import DeltaMoEForCausalLM
 from deltamoe.serve.engine.cache import HybridCache
 from deltamoe.serve.engine.compiled_decode import WarmUpRound, warm_up_rounds
@@ -25,6 +26,11 @@ from deltamoe.serve.engine.outputs import Completion, EngineStats, RequestOutput
 from deltamoe.serve.engine.runner import ModelRunner, StepResult
 from deltamoe.serve.engine.sampling import SamplingParams
 from deltamoe.serve.engine.scheduler import Scheduler
+from deltamoe.serve.executor.base import Executor
+from deltamoe.serve.executor.config import WorkerConfig, launched_by_torchrun
+from deltamoe.serve.executor.group import RankGroup
+from deltamoe.serve.executor.multiproc import MultiprocExecutor
+from deltamoe.serve.executor.uniproc import UniprocExecutor
 from deltamoe.serve.engine.sequence import Sequence
 from deltamoe.tokenizers.base import Tokenizer
 from deltamoe.tokenizers.load import load_tokenizer
@@ -35,17 +41,26 @@ if TYPE_CHECKING:
 
 class LLMEngine:
     def __init__(self, model: DeltaMoEForCausalLM, tokenizer: Tokenizer | None = None,
-                 config: EngineConfig | None = None, connector: KVConnector | None = None):
+                 config: EngineConfig | None = None, group: RankGroup | None = None,
+                 connector: KVConnector | None = None):
+        """`group`: the worker ranks when `model` is rank 0's shard of a tp * ep replica
+        (`from_pretrained(..., workers=...)` starts them); None runs the whole model here.
+        `connector`: hands caches to / takes them from other engines (serve/kv_transfer/)."""
         self.config = config or EngineConfig()
         self.model_config = model.config
         self.tokenizer = tokenizer or load_tokenizer(None, model.config.vocab_size)
         self.max_model_len = self.config.max_model_len or model.config.max_position_embeddings
-        self.cache = HybridCache(model.config, self.config, self.max_model_len, dtype=model.dtype, device=model.device)
-        self.connector = connector  # hands caches to / takes them from other engines (serve/kv_transfer/)
+        self.cache = HybridCache(model.config, self.config, self.max_model_len, dtype=model.dtype, device=model.device,
+                                 tp_size=group.dims.tp if group is not None else 1)
+        if connector is not None and group is not None:
+            raise ConfigError("a prefill/decode role runs on one process: drop --tp/--ep or the role",
+                              field="kv_transfer")
+        self.connector = connector
         if connector is not None:
             connector.bind(self.cache, model.config)
         self.scheduler = Scheduler(self.config, self.cache, connector)
         self.runner = ModelRunner(model, self.cache, compiled_decode=self.config.compile_decode)
+        self.executor: Executor = UniprocExecutor(self.runner) if group is None else MultiprocExecutor(self.runner, group)
         self.device = model.device
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -57,13 +72,34 @@ class LLMEngine:
     @classmethod
     def from_pretrained(cls, source: str | Path, config: EngineConfig | None = None,
                         tokenizer: str | Path | None = None, dtype: torch.dtype = torch.float32,
-                        device: str | torch.device = "cpu", connector: KVConnector | None = None) -> "LLMEngine":
-        """A checkpoint folder or preset; the tokenizer comes from `tokenizer`, else the folder, else bytes."""
+                        device: str | torch.device = "cpu", workers: WorkerConfig | None = None,
+                        connector: KVConnector | None = None) -> "LLMEngine":
+        """A checkpoint folder or preset; the tokenizer comes from `tokenizer`, else the folder, else bytes.
+
+        `workers` with tp * ep > 1: this process becomes rank 0 of a replica over that many ranks
+        (spawned here, or the torchrun job it runs in). On a torchrun rank > 0 this call serves rank
+        0's steps until rank 0 shuts down, then raises SystemExit(0): the process is done."""
         from deltamoe.model.load import load_model
 
-        model = load_model(source, dtype=dtype, device=device)
+        group = None
+        if workers is not None:
+            workers.check_fields()
+        if workers is not None and (workers.world_size > 1 or launched_by_torchrun()):
+            from deltamoe.serve.executor.launch import start_replica
+
+            config = config or EngineConfig()
+            started = start_replica(source, config, workers, dtype, str(device))
+            if started is None:
+                raise SystemExit(0)
+            model, group = started
+        else:
+            model = load_model(source, dtype=dtype, device=device)
         tok_path = tokenizer if tokenizer is not None else (source if Path(str(source)).is_dir() else None)
-        return cls(model, load_tokenizer(tok_path, model.config.vocab_size), config, connector)
+        return cls(model, load_tokenizer(tok_path, model.config.vocab_size), config, group, connector)
+
+    def shutdown(self) -> None:
+        """Stop the worker ranks, if any (idempotent; also runs at interpreter exit)."""
+        self.executor.shutdown()
 
     # ------------------------------------------------------------------ requests
     def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -143,7 +179,7 @@ class LLMEngine:
         self.last_batch_size = len(batch.items)
         if self.connector is not None:
             self.connector.start_load_kv()
-        results = self.runner.execute(batch) if batch else []
+        results = self.executor.execute(batch) if batch else []
         if self.connector is not None:
             self.connector.wait_for_save()
         self._totals["steps"] += 1

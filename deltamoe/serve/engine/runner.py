@@ -3,9 +3,11 @@
 All decodes (T = 1) go in one model call; prefill chunks of different lengths share calls,
 right-padded to the longest (`pack_calls` bounds the padding), with the real counts in the cache
 view so padding never enters a state. Only each row's last real position goes through the final
-norm and LM head, and only rows that reach the end of their tokens are sampled. Future workers
-(TP/EP under torchrun, speculative verification, a prefill worker handing off blocks) replace or
-extend this class only.
+norm and LM head, and only rows that reach the end of their tokens are sampled.
+
+A step is first planned as `ModelCall`s, plain host data (token ids, block tables, past lengths,
+slots), then each call runs: that split is what lets TP/EP workers (`serve/executor/`) run the
+same calls on their shards from the data rank 0 sends them, while only rank 0 samples.
 """
 
 from __future__ import annotations
@@ -14,13 +16,41 @@ from dataclasses import dataclass
 
 import torch
 
+from deltamoe.model.ffn import MoE
 from deltamoe.model.model import DeltaMoEForCausalLM
+from deltamoe.parallel.expert_load import empty_load, moe_modules, take_expert_load
 from deltamoe.serve.engine.cache import HybridCache
 from deltamoe.serve.engine.cache_view import PagedBatchView
 from deltamoe.serve.engine.compiled_decode import CompiledDecode
 from deltamoe.serve.engine.sampling import TokenLogprob, sample
 from deltamoe.serve.engine.scheduler import ScheduledBatch
 from deltamoe.serve.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class ModelCall:
+    """One model call as host data: everything a rank needs to run it on its shard of model and cache."""
+
+    token_ids: list[int]  # row-major [B, T], rows right-padded with token 0 to T = max(counts)
+    block_tables: list[list[int]]
+    past_lengths: list[int]
+    slots: list[int]
+    counts: list[int]  # real new tokens per row
+    compiled: bool  # through the compiled decode graph
+
+    @classmethod
+    def of(cls, group: list[tuple[Sequence, int]], compiled_decode: bool) -> "ModelCall":
+        seqs, counts = [seq for seq, _ in group], [n for _, n in group]
+        t = max(counts)
+        if t == 1:  # decode: one flat list (a list of lists costs ~0.5 us more per row)
+            ids = [s.token_ids[s.num_computed] for s in seqs]
+        else:
+            ids = [tok for s, n in zip(seqs, counts) for tok in s.token_ids[s.num_computed:s.num_computed + n] + [0] * (t - n)]
+        # A T = 1 call where every row starts empty is the prefill of one-token prompts: eager, like
+        # every prefill (compiled, its context of one token would be a graph of its own).
+        compiled = compiled_decode and t == 1 and any(s.num_computed for s in seqs)
+        return cls(ids, [s.block_table for s in seqs], [s.num_computed for s in seqs], [s.slot for s in seqs],
+                   counts, compiled)
 
 
 @dataclass(slots=True)
@@ -38,18 +68,37 @@ class ModelRunner:
         self.device = model.device
         # Decode calls (T = 1) through one compiled graph; prefill chunks always run eagerly.
         self._compiled_decode = CompiledDecode(model) if compiled_decode else None
+        # Tokens routed to each expert [MoE layers, experts], summed over calls: kept when asked
+        # (`track_expert_load`), for the per-rank expert load a multi-worker server reports.
+        self.expert_load: torch.Tensor | None = None
+        self._moe_rows: dict[int, MoE] = {}
+
+    def track_expert_load(self) -> None:
+        moes = moe_modules(self.model)
+        self._moe_rows = dict(enumerate(moes))
+        self.expert_load = empty_load(len(moes), self.model.config.num_experts)
 
     @property
     def compiles_decode(self) -> bool:
         return self._compiled_decode is not None
 
+    def plan(self, batch: ScheduledBatch) -> list[tuple[list[tuple[Sequence, int]], ModelCall]]:
+        """The step's model calls (the decodes, T = 1, first), each with the items it computes."""
+        compiled = self._compiled_decode is not None
+        return [(group, ModelCall.of(group, compiled)) for group in pack_calls(batch.items)]
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[StepResult]:
+        return self.run(batch, self.plan(batch))
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, calls: list[tuple[list[tuple[Sequence, int]], ModelCall]]) -> list[StepResult]:
+        """Run the planned calls and sample every row that reaches the end of its tokens."""
         last_logits: list[torch.Tensor] = []
         to_sample: list[Sequence] = []
-        for group in pack_calls(batch.items):  # the decodes (T = 1) first
-            seqs, counts = [seq for seq, _ in group], [n for _, n in group]
-            logits = self._forward(seqs, counts)
+        for group, call in calls:
+            seqs = [seq for seq, _ in group]
+            logits = self.forward(call)
             rows = [row for row, (seq, n) in enumerate(group) if seq.num_computed + n == len(seq.token_ids)]
             if rows:  # one gather per call, not one select per row
                 last_logits.append(logits if len(rows) == len(seqs) else logits[rows])
@@ -65,25 +114,22 @@ class ModelRunner:
         sampled = {id(s): p for s, p in zip(to_sample, picks)}
         return [StepResult(seq, n, *sampled.get(id(seq), (None, None))) for seq, n in batch.items]
 
-    def _forward(self, seqs: list[Sequence], counts: list[int]) -> torch.Tensor:
+    @torch.inference_mode()
+    def forward(self, call: ModelCall) -> torch.Tensor:
         """One model call appending counts[i] tokens to row i (right-padded to the longest with token
         0, which the cache view keeps out of every state) -> each row's last-token logits [B, V] fp32."""
-        t = max(counts)
-        if t == 1:  # decode: one flat list (a list of lists costs ~0.5 us more per row)
-            ids = torch.tensor([s.token_ids[s.num_computed] for s in seqs], device=self.device).view(-1, 1)
-        else:
-            ids = torch.tensor([s.token_ids[s.num_computed:s.num_computed + n] + [0] * (t - n)
-                                for s, n in zip(seqs, counts)], device=self.device)
-        # A T = 1 call where every row starts empty is the prefill of one-token prompts: eager, like
-        # every prefill (compiled, its context of one token would be a graph of its own).
-        compiled = self._compiled_decode if t == 1 and any(s.num_computed for s in seqs) else None
-        view = PagedBatchView(self.cache, [s.block_table for s in seqs], [s.num_computed for s in seqs],
-                              [s.slot for s in seqs], counts,
+        ids = torch.tensor(call.token_ids, device=self.device).view(len(call.counts), -1)
+        compiled = self._compiled_decode if call.compiled else None
+        view = PagedBatchView(self.cache, call.block_tables, call.past_lengths, call.slots, call.counts,
                               min_table_width=compiled.min_table_width if compiled is not None else 1)
         # Norm + LM head on the last real position only: prefill chunks need no other logits.
         if compiled is not None:
-            return compiled(ids, view)[:, -1].float()
-        return self.model(ids, cache=view, logits_to_keep=1).logits[:, -1].float()
+            logits = compiled(ids, view)[:, -1].float()
+        else:
+            logits = self.model(ids, cache=view, logits_to_keep=1).logits[:, -1].float()
+        if self.expert_load is not None:
+            take_expert_load(self._moe_rows, self.expert_load)
+        return logits
 
 
 # Prefill chunks of different lengths share a call while padding stays within this share of the

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from deltamoe.ops.kda_gate import causal_conv1d
 from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.llm_engine import LLMEngine
-from deltamoe.serve.engine.runner import MAX_PADDING_FRACTION, pack_calls
+from deltamoe.serve.engine.runner import MAX_PADDING_FRACTION, ModelCall, pack_calls
 from deltamoe.serve.engine.sampling import SamplingParams
 from deltamoe.serve.engine.scheduler import ScheduledBatch
 
@@ -53,7 +53,7 @@ def test_one_padded_call_equals_one_call_per_prompt(fixture: str, request) -> No
         logits = {}
         for items_ in batches:
             for call in pack_calls(items_):  # (longest first: map rows back to their sequences)
-                out = engine.runner._forward([s for s, _ in call], [n for _, n in call])
+                out = engine.runner.forward(ModelCall.of(call, compiled_decode=False))
                 logits.update({id(s): row for (s, _), row in zip(call, out)})
         if together:
             assert len(pack_calls(items)) == 1  # 9, 5 and 9 tokens: one call, 27 slots for 23 tokens

@@ -35,21 +35,21 @@ def engine_recording_decodes(model, **config) -> tuple[LLMEngine, list[tuple]]:
     engine = LLMEngine(model, config=EngineConfig(cache_memory="16MiB", compile_decode=True, **config))
     runner, cfg, bs = engine.runner, model.config, engine.cache.block_size
     seen: list[tuple] = []
-    forward = runner._forward
+    forward = runner.forward
 
-    def recording(seqs, counts):
-        if max(counts) == 1 and any(s.num_computed for s in seqs):
-            context = max(s.num_computed + 1 for s in seqs)
-            blocks = seqs[0].block_table[:-(-context // bs)]
-            if len(seqs) == 1:
+    def recording(call):
+        if call.compiled:
+            context = max(p + 1 for p in call.past_lengths)
+            blocks = call.block_tables[0][:-(-context // bs)]
+            if len(call.counts) == 1:
                 shape = ("batch 1", "consecutive" if blocks == list(range(blocks[0], blocks[0] + len(blocks)))
                          else "scattered")
             else:
-                shape = ("batch", gathers_expert_weights(len(seqs), cfg.num_experts_per_token, cfg.num_experts))
+                shape = ("batch", gathers_expert_weights(len(call.counts), cfg.num_experts_per_token, cfg.num_experts))
             seen.append((*shape, selects_every_key(context, cfg.index_topk)))
-        return forward(seqs, counts)
+        return forward(call)
 
-    runner._forward = recording
+    runner.forward = recording
     runner._compiled_decode = lambda ids, view: model(ids, cache=view, logits_to_keep=1).logits
     runner._compiled_decode.min_table_width = compiled_decode.CompiledDecode.min_table_width
     return engine, seen

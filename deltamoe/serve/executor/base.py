@@ -1,0 +1,52 @@
+"""The executor contract: how the engine's scheduled batch reaches the devices.
+
+`LLMEngine.step()` is schedule -> `executor.execute(batch)` -> postprocess, whatever the layout:
+`UniprocExecutor` runs the model in this process; `MultiprocExecutor` runs one replica over
+tp * ep ranks (rank 0 is this process). Both return the same `StepResult`s for the same batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from deltamoe.serve.engine.runner import ModelRunner, StepResult
+from deltamoe.serve.engine.scheduler import ScheduledBatch
+
+
+class WorkerDiedError(RuntimeError):
+    """A rank of the replica died or stopped answering: no step can run any more (HTTP 503)."""
+
+
+@dataclass
+class RankReport:
+    """One rank of the replica, for /metrics: forward time of its steps (gathered every
+    `multiproc.REPORT_INTERVAL_S`) and the tokens routed to the experts it holds (since start)."""
+
+    rank: int
+    steps: int
+    forward_seconds_total: float
+    last_step_seconds: float
+    first_expert: int  # global id of expert_tokens' first column
+    expert_tokens: list[list[int]]  # [MoE layers in layer order, experts held by this rank]
+
+
+@runtime_checkable
+class Executor(Protocol):
+    runner: ModelRunner  # rank 0's runner: its model shard and cache
+    healthy: bool  # False once no step can run any more
+
+    def execute(self, batch: ScheduledBatch) -> list[StepResult]:
+        ...
+
+    def check_health(self) -> None:
+        """Raise WorkerDiedError when the executor can no longer run steps."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop every worker process and release the process group (idempotent)."""
+        ...
+
+    def rank_stats(self) -> list[RankReport]:
+        """Per-rank numbers for /metrics (empty on one process)."""
+        ...

@@ -1,0 +1,138 @@
+"""MultiprocExecutor: rank 0 of a tp * ep replica. It plans each step, tells every rank, runs its own
+shard with them, and samples (the LM head's logits are whole on every rank after the vocab gather).
+
+A dead rank never hangs the server:
+- a watchdog thread polls the spawned ranks; when one exits, the executor turns unhealthy and kills
+  the others, so that a collective rank 0 may be blocked in fails at once (gloo reports the closed
+  connections) instead of waiting out the timeout;
+- any failure inside a step (a peer gone, a collective past `WorkerConfig.timeout_s`) leaves the
+  ranks out of step, so it also turns the executor unhealthy for good;
+- unhealthy, `execute` raises WorkerDiedError at once; the server answers 503.
+`shutdown` tells the ranks to stop, waits briefly, then kills whatever is left; it also runs at exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+
+import torch.distributed as dist
+
+from deltamoe.serve.engine.runner import ModelRunner, StepResult
+from deltamoe.serve.engine.scheduler import ScheduledBatch
+from deltamoe.serve.executor.base import RankReport, WorkerDiedError
+from deltamoe.serve.executor.group import RankGroup, RankStats, StepMessage, StopMessage
+
+REPORT_INTERVAL_S = 1.0  # how often the ranks' step times are gathered (a step with report=True)
+_WATCH_INTERVAL_S = 0.2
+
+
+class MultiprocExecutor:
+    def __init__(self, runner: ModelRunner, group: RankGroup):
+        if runner.compiles_decode:
+            raise ValueError("compiled decode runs on one process only")
+        self.runner, self.group = runner, group
+        runner.cache.state_log = []  # every state-slot write outside a forward is replayed on the ranks
+        runner.track_expert_load()
+        self._dead: str | None = None
+        self._closed = False
+        self._stats = [RankStats(rank) for rank in range(group.world_size)]
+        self._last_report = 0.0
+        self._lock = threading.Lock()
+        self._watchdog = threading.Thread(target=self._watch, name="deltamoe-worker-watch", daemon=True)
+        self._watchdog.start()
+        atexit.register(self.shutdown)
+
+    # ------------------------------------------------------------------ the step
+    def execute(self, batch: ScheduledBatch) -> list[StepResult]:
+        self.check_health()
+        calls = self.runner.plan(batch)
+        now = time.monotonic()
+        report = now - self._last_report >= REPORT_INTERVAL_S
+        try:
+            self.group.broadcast(StepMessage(self.runner.cache.take_state_ops(), [c for _, c in calls], report))
+            start = time.perf_counter()
+            results = self.runner.run(batch, calls)
+            own = self._stats[0]
+            own.last_step_seconds = time.perf_counter() - start
+            own.forward_seconds_total += own.last_step_seconds
+            own.steps += 1
+            if report:
+                gathered = self.group.gather_stats(own)
+                self._stats = list(gathered) if gathered is not None else self._stats
+                self._last_report = now
+        except Exception as e:
+            self._fail(f"a step failed across the workers ({e})")
+            raise WorkerDiedError(self._dead) from e
+        return results
+
+    # ------------------------------------------------------------------ health
+    def check_health(self) -> None:
+        if self._dead is not None:
+            raise WorkerDiedError(self._dead)
+
+    @property
+    def healthy(self) -> bool:
+        return self._dead is None
+
+    def _watch(self) -> None:
+        while not self._closed and self._dead is None:
+            for rank, process in enumerate(self.group.processes, start=1):
+                code = process.poll()
+                if code is not None:
+                    self._fail(f"worker rank {rank} exited with code {code}")
+                    return
+            time.sleep(_WATCH_INTERVAL_S)
+
+    def _fail(self, reason: str) -> None:
+        with self._lock:
+            if self._dead is None:
+                self._dead = f"the model workers are down: {reason}"
+        self._kill_workers()
+
+    # ------------------------------------------------------------------ metrics
+    def rank_stats(self) -> list[RankReport]:
+        """Per rank: forward seconds of its steps, and the tokens routed to the experts it holds, from
+        rank 0's routing (every rank routes the same tokens). Rank r holds expert slice r // tp (the
+        mesh orders ranks ep-major, then tp)."""
+        load = self.runner.expert_load
+        tp, ep = self.group.dims.tp, self.group.dims.ep
+        rows = load.tolist() if load is not None else []
+        width = len(rows[0]) // ep if rows else 0
+        out = []
+        for s in list(self._stats):
+            first = s.rank // tp * width
+            out.append(RankReport(s.rank, s.steps, s.forward_seconds_total, s.last_step_seconds, first,
+                                  [row[first:first + width] for row in rows]))
+        return out
+
+    # ------------------------------------------------------------------ shutdown
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        alive = self._dead is None
+        with self._lock:
+            self._dead = self._dead or "the model workers were shut down"
+        if alive:
+            try:
+                self.group.broadcast(StopMessage())
+            except Exception:
+                pass
+        deadline = time.monotonic() + timeout_s
+        for process in self.group.processes:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except Exception:
+                pass
+        self._kill_workers()
+        if dist.is_initialized():  # with every other rank gone, so nothing waits on them
+            dist.destroy_process_group()
+
+    def _kill_workers(self) -> None:
+        for process in self.group.processes:
+            if process.poll() is None:
+                process.kill()
+        for process in self.group.processes:
+            process.wait()

@@ -1,0 +1,26 @@
+"""UniprocExecutor: the model runs in this process (the default; one device)."""
+
+from __future__ import annotations
+
+from deltamoe.serve.engine.runner import ModelRunner, StepResult
+from deltamoe.serve.engine.scheduler import ScheduledBatch
+from deltamoe.serve.executor.base import RankReport
+
+
+class UniprocExecutor:
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+
+    def execute(self, batch: ScheduledBatch) -> list[StepResult]:
+        return self.runner.execute(batch)
+
+    healthy = True
+
+    def check_health(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        return None
+
+    def rank_stats(self) -> list[RankReport]:
+        return []

@@ -1,0 +1,93 @@
+"""A rank > 0 of a serving replica: build the shard and its cache, then run rank 0's steps until told to stop.
+
+It holds no scheduler and samples nothing: each `StepMessage` carries the state-slot writes rank 0
+made since the last step and the step's model calls; the worker replays the writes on its cache
+shard and runs the calls, joining their collectives. It exits when rank 0 says stop, when a
+collective fails (a peer died), or, when rank 0 spawned it, as soon as rank 0 is gone (no orphans).
+
+Spawned as `python -m deltamoe.serve.executor.worker '<json>'` by `group.spawn_group`; under torchrun
+`deltamoe serve` calls `run_worker` on ranks > 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from deltamoe.hf_config import load_config
+from deltamoe.serve.engine.cache import HybridCache
+from deltamoe.serve.engine.config import EngineConfig
+from deltamoe.serve.engine.runner import ModelRunner
+from deltamoe.serve.executor.group import (RankGroup, RankStats, StepMessage, StopMessage, WorkerSpec, build_shard,
+                                           join_spawned)
+
+
+def max_model_len(spec: WorkerSpec, engine: EngineConfig) -> int:
+    """The context limit `LLMEngine` derives, so every rank sizes its cache alike."""
+    return engine.max_model_len or load_config(spec.source).max_position_embeddings
+
+
+def serve_steps(spec: WorkerSpec, group: RankGroup) -> None:
+    """The worker loop (rank > 0)."""
+    engine = EngineConfig(**spec.engine)
+    model = build_shard(spec, group)
+    cache = HybridCache(model.config, engine, max_model_len(spec, engine), dtype=model.dtype, device=group.device,
+                        tp_size=group.dims.tp)
+    runner = ModelRunner(model, cache)
+    stats = RankStats(group.rank)
+    with torch.inference_mode():
+        while True:
+            message = group.receive()
+            if isinstance(message, StopMessage):
+                return
+            assert isinstance(message, StepMessage)
+            start = time.perf_counter()
+            cache.apply_state_ops(message.state_ops)
+            for call in message.calls:
+                runner.forward(call)
+            stats.last_step_seconds = time.perf_counter() - start
+            stats.forward_seconds_total += stats.last_step_seconds
+            stats.steps += 1
+            if message.report:
+                group.gather_stats(stats)
+
+
+def _exit_with_parent() -> None:
+    """Exit the moment the spawning rank 0 is gone, however it went (even SIGKILL)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent:
+                os._exit(1)
+            time.sleep(0.2)
+
+    threading.Thread(target=watch, name="deltamoe-parent-watch", daemon=True).start()
+
+
+def main(argv: list[str]) -> int:
+    args = json.loads(argv[0])
+    spec = WorkerSpec(**args["spec"])
+    _exit_with_parent()
+    # Ctrl-C in a terminal reaches the whole process group: rank 0 decides when the workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if spec.threads is not None:
+        torch.set_num_threads(spec.threads)
+    dims = spec.worker_config().dims(load_config(spec.source))
+    group = join_spawned(spec, dims, args["rank"], args["world_size"], args["port"])
+    try:
+        serve_steps(spec, group)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,123 @@
+"""Distributed serving equals one process: tp2, ep2 (and tp2 x ep2, slow) on gloo give the single-process
+engine's tokens, greedy and seeded sampling, through prefix-cache hits and preemption; a dead worker
+is an error at once, never a hang, and shutdown leaves no process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from deltamoe.errors import ConfigError
+from deltamoe.model.load import build_model
+from deltamoe.model.weights import save_checkpoint
+from deltamoe.serve.api.metrics import ServerMetrics
+from deltamoe.serve.engine.config import EngineConfig
+from deltamoe.serve.engine.llm_engine import LLMEngine
+from deltamoe.serve.engine.sampling import SamplingParams
+from deltamoe.serve.executor.base import WorkerDiedError
+from deltamoe.serve.executor.config import WorkerConfig
+
+
+def engine_config() -> EngineConfig:
+    # Small enough that four running sequences run out of blocks (preemption by recompute); one
+    # snapshot per block, so requests sharing a prefix hit the cache.
+    return EngineConfig(cache_memory=40_000, max_num_seqs=4, max_num_batched_tokens=64, snapshot_interval_blocks=1)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, helpers):
+    path = tmp_path_factory.mktemp("ckpt") / "k31-tiny"
+    save_checkpoint(build_model(helpers.k31_tiny(), seed=3).eval(), path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def workload(helpers):
+    prefix = helpers.prompts(1, 32, 32, seed=11)[0]
+    prompts = helpers.prompts(8, 18, 40, seed=12, prefix=prefix)
+    params = [SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0) if i % 2 == 0 else
+              SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.9, top_k=40, seed=100 + i)
+              for i in range(len(prompts))]
+    return prompts, params
+
+
+def run(engine: LLMEngine, workload) -> list[list[int]]:
+    prompts, params = workload
+    first = engine.generate(prompts[:1], params[:1], progress=False)  # its prefix is then cached
+    rest = engine.generate(prompts[1:], params[1:], progress=False)
+    return [c.token_ids for c in first + rest]
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoint, workload):
+    return run(LLMEngine.from_pretrained(checkpoint, engine_config()), workload)
+
+
+def check_layout(checkpoint, workload, expected, tp: int, ep: int) -> None:
+    engine = LLMEngine.from_pretrained(checkpoint, engine_config(), workers=WorkerConfig(tp=tp, ep=ep))
+    try:
+        assert run(engine, workload) == expected
+        stats = engine.stats()
+        assert stats.prefix_hit_tokens > 0 and stats.num_preemptions > 0
+        check_rank_metrics(engine, tp, ep)
+    finally:
+        engine.shutdown()
+    assert all(p.poll() is not None for p in engine.executor.group.processes)
+
+
+def check_rank_metrics(engine: LLMEngine, tp: int, ep: int) -> None:
+    reports = engine.executor.rank_stats()
+    assert [r.rank for r in reports] == list(range(tp * ep)) and reports[0].steps == engine.stats().steps
+    assert all(r.steps > 0 and r.forward_seconds_total > 0 for r in reports)
+    # Rank r holds experts [r // tp * E/ep, ...): the slices of one TP rank per expert group tile the load.
+    whole = [sum((reports[g * tp].expert_tokens[layer] for g in range(ep)), []) for layer in range(len(
+        reports[0].expert_tokens))]
+    assert whole == engine.runner.expert_load.tolist()
+    per_layer = [sum(row) for row in whole]
+    assert per_layer[0] > 0 and len(set(per_layer)) == 1  # every MoE layer routes the same tokens
+    text = ServerMetrics(engine.stats, engine.executor.rank_stats).render().decode()
+    assert f'deltamoe_rank_step_seconds{{rank="{tp * ep - 1}"}}' in text
+    assert f'deltamoe_expert_tokens_total{{expert="0",layer="0",rank="0"}} {float(whole[0][0])}' in text
+    assert ('deltamoe_expert_imbalance{layer="0",placement="planned"}' in text) == (ep > 1)
+
+
+def test_tp2_equals_one_process(checkpoint, workload, expected):
+    check_layout(checkpoint, workload, expected, tp=2, ep=1)
+
+
+def test_ep2_equals_one_process(checkpoint, workload, expected):
+    check_layout(checkpoint, workload, expected, tp=1, ep=2)
+
+
+@pytest.mark.slow
+def test_tp2_ep2_equals_one_process(checkpoint, workload, expected):
+    check_layout(checkpoint, workload, expected, tp=2, ep=2)
+
+
+def test_dead_worker_is_an_error_not_a_hang(checkpoint):
+    engine = LLMEngine.from_pretrained(checkpoint, engine_config(), workers=WorkerConfig(ep=2))
+    try:
+        worker = engine.executor.group.processes[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=4))
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError, match="worker|workers"):
+            while engine.has_unfinished():
+                engine.step()
+        assert time.monotonic() - start < 30
+        with pytest.raises(WorkerDiedError):  # and every later step, at once
+            engine.executor.check_health()
+        assert not engine.executor.healthy
+    finally:
+        engine.shutdown()
+    assert all(p.poll() is not None for p in engine.executor.group.processes)
+
+
+def test_layout_that_does_not_fit_the_model_names_the_field(checkpoint):
+    for workers, field in [(WorkerConfig(tp=3), "tp"), (WorkerConfig(ep=3), "ep"), (WorkerConfig(tp=0), "tp")]:
+        with pytest.raises(ConfigError) as error:
+            LLMEngine.from_pretrained(checkpoint, engine_config(), workers=workers)
+        assert error.value.field == field
