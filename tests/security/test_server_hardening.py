@@ -201,7 +201,9 @@ def _fuzz(server, examples: int) -> None:
     statuses: list[int] = []
     client = httpx.Client(base_url=url, headers=AUTH, timeout=60)
 
-    @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    # derandomize: the default suite draws the same bodies every run (a fuzz that passes by luck is no test)
+    @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None,
+              derandomize=True)
     @given(cases, st.booleans())
     def run(case, our_model):
         body = case.body
@@ -219,8 +221,11 @@ def _fuzz(server, examples: int) -> None:
         run()
     finally:
         client.close()
-    assert any(s == 200 for s in statuses) and any(s == 400 for s in statuses), statuses
+    assert any(s == 400 for s in statuses), statuses
     healthy(url)
+    # and still serves: a valid request after the fuzz completes
+    r = httpx.post(f"{url}{CMPL}", json={"model": M, "prompt": "hi", "max_tokens": 2}, headers=AUTH, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text[:500]
 
 
 def test_fuzz_from_the_published_schema(server):
