@@ -13,11 +13,6 @@ from deltamoe.serve.api.schemas import ChatCompletionRequest, CompletionRequest,
 from deltamoe.serve.engine.sampling import SamplingParams
 
 
-# Below this a temperature is greedy, as in vLLM: dividing logits by, say, 1e-300 overflows to inf
-# and the sampler's probabilities to NaN, while the limit T -> 0 of sampling is the argmax anyway.
-GREEDY_TEMPERATURE = 1e-5
-
-
 def _unsupported(param: str, message: str) -> APIError:
     return APIError(400, f"{param}: {message}", param=param, code="unsupported_value")
 
@@ -34,11 +29,8 @@ def _common(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
     def pick(value, default):
         return default if value is None else value
 
-    temperature = pick(req.temperature, 1.0)
-    if isinstance(temperature, float) and 0 < temperature < GREEDY_TEMPERATURE:
-        temperature = 0.0
     return SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, top_p=pick(req.top_p, 1.0),
+        max_tokens=max_tokens, temperature=pick(req.temperature, 1.0), top_p=pick(req.top_p, 1.0),
         top_k=0 if req.top_k in (None, -1) else req.top_k,  # -1 is vLLM's "off"
         min_p=pick(req.min_p, 0.0), seed=req.seed, stop=list(req.stop),
         stop_token_ids=sorted(set(pick(req.stop_token_ids, [])) | set(stop_token_ids)),

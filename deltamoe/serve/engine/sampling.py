@@ -1,7 +1,7 @@
 """SamplingParams (validated per request) and the sampler: penalties -> temperature -> top-k/top-p/min-p -> draw.
 
-Greedy when temperature == 0. Each request draws from its own `torch.Generator`, so the same
-seed gives the same tokens whatever else is in the batch. Logprobs are those of the model's
+Greedy when temperature < GREEDY_TEMPERATURE (0 included). Each request draws from its own
+`torch.Generator`, so the same seed gives the same tokens whatever else is in the batch. Logprobs are those of the model's
 raw distribution (log_softmax of the logits before penalties and temperature), as vLLM does.
 """
 
@@ -15,6 +15,11 @@ import torch
 from deltamoe.errors import RequestError
 
 MAX_TOP_LOGPROBS = 20  # the OpenAI API limit
+
+
+# Below this a temperature is greedy, as in vLLM: dividing logits by, say, 1e-300 overflows to inf
+# and the sampler's probabilities to NaN, while the limit T -> 0 of sampling is the argmax anyway.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -40,7 +45,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self, vocab_size: int) -> None:
         """Raise RequestError naming the first bad field."""

@@ -65,6 +65,17 @@ def test_greedy_and_seeded_draws():
     assert {sample_row(logits, top1, [], torch.Generator().manual_seed(s))[0] for s in range(10)} == {1}
 
 
+def test_a_vanishing_temperature_is_greedy(k31_model):
+    # 1e-300 would overflow logits / T to inf and the probabilities to NaN: the limit T -> 0 is argmax
+    engine = LLMEngine(k31_model, config=EngineConfig(cache_memory="8MiB"))
+    greedy = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+                             progress=False)[0].token_ids
+    for t in (1e-300, 1e-6):
+        tiny = SamplingParams(max_tokens=6, temperature=t, ignore_eos=True, seed=3)
+        assert tiny.greedy and engine.generate([[5, 6, 7]], tiny, progress=False)[0].token_ids == greedy
+    assert not SamplingParams(temperature=1e-4).greedy
+
+
 def test_same_seed_same_output_in_any_batch(k31_model, helpers):
     engine = LLMEngine(k31_model, config=EngineConfig(cache_memory="8MiB"))
     p = [5, 6, 7, 8]
