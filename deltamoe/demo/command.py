@@ -44,6 +44,9 @@ def demo_command(
                                             help="held-out rows per training evaluation (tests)"),
 ) -> None:
     """Train tiny K3.1 on recall + arithmetic, serve it on held-out prompts, plan K3.1 Pro, summarise a trace."""
+    from deltamoe.output_paths import check_output_folder
+
+    check_output_folder(out, "--out")  # a file, /proc or an unwritable folder: one line before any work
     from deltamoe.demo.run_folder import RunFolder  # imports torch: here, so `deltamoe --help` stays fast
     from deltamoe.demo.train_stage import TrainPlan
 

@@ -97,6 +97,14 @@ def test_unusable_output_folder(tmp_path, capfd, make_out, expect):
     _one_error_line(["train", *MICRO_FLAGS, "--out", out], capfd, "run.out", expect)
 
 
+@pytest.mark.parametrize("make_out, expect", [
+    (lambda p: _a_file(p / "out"), "exists and is not a folder"),
+    (lambda p: "/proc/deltamoe-demo", "cannot write into /proc/deltamoe-demo"),
+])
+def test_unusable_demo_folder(tmp_path, capfd, make_out, expect):
+    _one_error_line(["demo", "--out", str(make_out(tmp_path))], capfd, "--out", expect)
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes through permissions")
 def test_unwritable_output_folder(tmp_path, capfd):
     out = tmp_path / "ro"
