@@ -196,7 +196,8 @@ def _resolve_unnamed_groups(cols: dict[str, np.ndarray], summaries: list[RankSum
     """gloo traces do not name the group of a collective; find it from the ops' overlap in time.
 
     A collective cannot finish on one member before every member has entered it, so the ops of
-    one instance overlap: the latest arrival precedes the earliest end (up to `_CLOCK_TOL`).
+    one instance overlap: the latest arrival precedes the earliest end (up to `_CLOCK_TOL`; a
+    wider slack would let an op without partners overlap the next collective its peers start).
     Members issue a group's collectives in one order and each rank's ops are ordered, so the
     instances are rebuilt in order from each rank's next unplaced op (its head): a group fits
     when all its members' heads are of one kind and overlap. Completion times only break ties
@@ -253,7 +254,7 @@ def _resolve_unnamed_groups(cols: dict[str, np.ndarray], summaries: list[RankSum
                     head[r] += 1
 
 
-_CLOCK_TOL = 500.0  # us: how far the ranks' clocks (one host or NTP-synced hosts) may disagree
+_CLOCK_TOL = 20.0    # us: timestamp rounding (all ranks of a job share the trace clock)
 _END_TIGHT = 250.0  # us: members ending this close together finished one collective
 
 

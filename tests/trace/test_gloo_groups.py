@@ -72,6 +72,12 @@ def test_op_without_partner_stays_unnamed_and_the_rest_keep_their_order():
     assert _placed(ops, PAIR02) == [("", -1), ("1", 0), ("1", 0), ("1", 1), ("1", 1)]
 
 
+def test_op_without_partner_does_not_take_the_next_instance_started_right_after_it():
+    # Ranks 1 and 3 start their next all-reduce 100 us after rank 1's unpartnered one ended.
+    ops = [(1, "all_reduce", 0, 1000), (1, "all_reduce", 1100, 3000), (3, "all_reduce", 1150, 3000)]
+    assert _placed(ops, PAIR13) == [("", -1), ("2", 0), ("2", 0)]
+
+
 def test_kinds_and_order_keep_interleaved_groups_apart():
     # Rank 0 all-reduces with rank 2, then broadcasts over the world; rank 2 enters the
     # broadcast late, long after its all-reduce ended: no op is matched across kinds.
