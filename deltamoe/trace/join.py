@@ -222,6 +222,8 @@ def _resolve_unnamed_groups(cols: dict[str, np.ndarray], summaries: list[RankSum
         for name, ranks in s.groups.items():
             if len(ranks) > 1 and all(r in queue for r in ranks):
                 groups.setdefault(tuple(sorted(ranks)), name)
+    if not groups:
+        return
     kind, arrive, end = cols["kind"].tolist(), cols["arrive"].tolist(), cols["end"].tolist()
     head = dict.fromkeys(queue, 0)
     count: dict[str, int] = {}
