@@ -100,9 +100,9 @@ def consistency(summaries: list[RankSummary], j) -> dict:
     for u in j.unmatched:
         by_group.setdefault((u["rank"], u["group"]), []).append(u)
     for (rank, group), items in sorted(by_group.items()):
-        if not group or group.startswith("?"):  # gloo ops whose completion matched no group
-            warnings.append(f"rank {rank}: {len(items)} {items[0]['kind']} op(s) matched no process group by "
-                            "completion time (gloo does not name it); excluded from straggler evidence")
+        if not group or group.startswith("?"):  # gloo ops that no group's members overlap in time
+            warnings.append(f"rank {rank}: {len(items)} {items[0]['kind']} op(s) matched no process group (gloo does "
+                            "not name it; no group's members overlap it in time); excluded from straggler evidence")
             continue
         seqs = sorted(u["seq"] for u in items)
         seqs = ", ".join(map(str, seqs[:8])) + (", ..." if len(seqs) > 8 else "")

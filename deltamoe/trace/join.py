@@ -193,61 +193,70 @@ def _concat(summaries: list[RankSummary]) -> dict[str, np.ndarray]:
 
 
 def _resolve_unnamed_groups(cols: dict[str, np.ndarray], summaries: list[RankSummary]) -> None:
-    """gloo traces do not name the group of a collective; find it from completion times.
+    """gloo traces do not name the group of a collective; find it from the ops' overlap in time.
 
-    Members of one collective finish together. An op's candidates are its rank's groups in
-    which every other member has an op of the same kind ending within `_END_TOL` (plus 1% of
-    the op's duration) of it; their spread is the largest such distance. The largest group
-    whose members all end within `_END_TIGHT` wins (an all-reduce over the world ends on
-    every rank at once); otherwise the smallest candidate, the tightest of equal size (two
-    data-parallel pairs that all-reduce at about the same time are not a world all-reduce,
-    and gloo's ends of one collective may lie milliseconds apart). The ops are then numbered
-    per group in order, as a named group's are; an op that fits no group stays unnamed.
+    A collective cannot finish on one member before every member has entered it, so the ops of
+    one instance overlap: the latest arrival precedes the earliest end (up to `_CLOCK_TOL`; a
+    wider slack would let an op without partners overlap the next collective its peers start).
+    Members issue a group's collectives in one order and each rank's ops are ordered, so the
+    instances are rebuilt in order from each rank's next unplaced op (its head): a group fits
+    when all its members' heads are of one kind and overlap. Completion times only break ties
+    (they drift by milliseconds when a loaded host deschedules a process, so they never rule
+    a group out): the largest fitting group whose members all end within `_END_TIGHT` wins
+    (an all-reduce over the world ends on every rank at once), otherwise the smallest, the
+    tightest of equal size (two data-parallel pairs that all-reduce at about the same time
+    are not a world all-reduce). Ops are numbered per group in instance order, as a named
+    group's are. When no group fits, the head that ends first has no partner among the other
+    ranks' ops (they lack it, e.g. it lies outside their kept steps): it stays unnamed.
     """
     unnamed = (cols["pg"] == "") & ~np.isin(cols["kind"], list(P2P_KINDS))
     if not unnamed.any():
         return
+    rows = np.flatnonzero(unnamed)
+    rows = rows[np.lexsort((cols["arrive"][rows], cols["rank"][rows]))]
+    queue: dict[int, list[int]] = {}
+    for i, r in zip(rows.tolist(), cols["rank"][rows].tolist()):
+        queue.setdefault(r, []).append(i)
     groups: dict[tuple[int, ...], str] = {}
     for s in summaries:
         for name, ranks in s.groups.items():
-            if len(ranks) > 1:
+            if len(ranks) > 1 and all(r in queue for r in ranks):
                 groups.setdefault(tuple(sorted(ranks)), name)
-    of_rank: dict[int, list[tuple[tuple[int, ...], str]]] = {}
-    for ranks, name in sorted(groups.items(), key=lambda kv: -len(kv[0])):
-        for r in ranks:
-            of_rank.setdefault(r, []).append((ranks, name))
-    rows = np.flatnonzero(unnamed)
-    ends: dict[tuple[int, str], np.ndarray] = {}
-    for key in set(zip(cols["rank"][rows].tolist(), cols["kind"][rows].tolist())):
-        mine = rows[(cols["rank"][rows] == key[0]) & (cols["kind"][rows] == key[1])]
-        ends[key] = np.sort(cols["end"][mine])
-
-    def distance(rank: int, kind: str, t: float) -> float:
-        e = ends.get((rank, kind))
-        if e is None or not len(e):
-            return np.inf
-        i = int(np.searchsorted(e, t))
-        return min(abs(float(e[j]) - t) for j in (i - 1, i) if 0 <= j < len(e))
-
-    count: dict[tuple[int, str], int] = {}
-    for i, r, kind, t, dur in zip(rows.tolist(), cols["rank"][rows].tolist(), cols["kind"][rows].tolist(),
-                                  cols["end"][rows].tolist(), (cols["end"] - cols["arrive"])[rows].tolist()):
-        tol = _END_TOL + 0.01 * max(dur, 0.0)
-        fits = []  # (size, spread, group name), largest groups first
-        for ranks, name in of_rank.get(r, []):
-            spread = max((distance(m, kind, t) for m in ranks if m != r), default=0.0)
-            if spread <= tol:
-                fits.append((len(ranks), spread, name))
+    if not groups:
+        return
+    kind, arrive, end = cols["kind"].tolist(), cols["arrive"].tolist(), cols["end"].tolist()
+    head = dict.fromkeys(queue, 0)
+    count: dict[str, int] = {}
+    while True:
+        heads = {r: q[head[r]] for r, q in queue.items() if head[r] < len(q)}
+        if not heads:
+            return
+        fits = []  # (preference, members)
+        for ranks in groups:
+            ops = [heads.get(r) for r in ranks]
+            if None in ops or len({kind[i] for i in ops}) > 1:
+                continue
+            if max(arrive[i] for i in ops) > min(end[i] for i in ops) + _CLOCK_TOL:
+                continue
+            spread = max(end[i] for i in ops) - min(end[i] for i in ops)
+            fits.append(((0, -len(ranks), spread) if spread <= _END_TIGHT else (1, len(ranks), spread), ranks))
         if not fits:
+            first = min(heads, key=lambda r: end[heads[r]])
+            head[first] += 1
             continue
-        tight = [f for f in fits if f[1] <= _END_TIGHT]
-        name = tight[0][2] if tight else min(fits, key=lambda f: (f[0], f[1]))[2]
-        k = count.get((r, name), 0)
-        count[(r, name)] = k + 1
-        cols["pg"][i], cols["seq"][i] = name, k
+        taken: set[int] = set()
+        for _, ranks in sorted(fits):
+            if taken.isdisjoint(ranks):
+                taken.update(ranks)
+                name = groups[ranks]
+                k = count.get(name, 0)
+                count[name] = k + 1
+                for r in ranks:
+                    cols["pg"][heads[r]], cols["seq"][heads[r]] = name, k
+                    head[r] += 1
 
 
-_END_TOL = 5000.0   # us: how far apart the ends of one gloo collective may be on its members
+_CLOCK_TOL = 20.0    # us: timestamp rounding (all ranks of a job share the trace clock)
 _END_TIGHT = 250.0  # us: members ending this close together finished one collective
 
 

@@ -18,6 +18,8 @@ import torch.multiprocessing as mp
 from torch.profiler import ProfilerActivity, profile, schedule
 
 MICROBATCHES, STEPS, SLOW_RANK, SLEEP_S = 2, 4, 3, 0.08  # sleep large against scheduling noise
+# Stage 1 enters its all-reduce this much after stage 0 (see dp_stagger).
+DP_STAGGER_S = 0.03
 
 
 def _free_port() -> int:
@@ -32,6 +34,17 @@ def slow_host(rank: int) -> None:
     docs/traces.md), so sleeping before the recv would make its pipeline peer look late too."""
     if rank == SLOW_RANK:
         time.sleep(SLEEP_S)
+
+
+def dp_stagger(stage: int) -> None:
+    """Stage 1's wait before its data-parallel all-reduce. Without it ranks 2 and 3 release both
+    pairs' all-reduces at about the same instant: all four ops overlap and may end within
+    250 us, which a gloo trace (no group names) cannot tell from one all-reduce over the world
+    (docs/traces.md). The stagger lets {0, 2} finish before rank 3 enters {1, 3}. Time spent before
+    stage 1's next recv holds stage 0 in a send, which is not modelled as waiting, so it blames
+    no rank."""
+    if stage == 1:
+        time.sleep(DP_STAGGER_S)
 
 
 def _work(rank: int, world: int, port: int, out: str) -> None:
@@ -63,6 +76,7 @@ def _work(rank: int, world: int, port: int, out: str) -> None:
                     y = act @ w
                     dist.send(y, dst=peer)
                     grads += y
+            dp_stagger(stage)
             dist.all_reduce(grads, group=dp)
             prof.step()
     dist.barrier()

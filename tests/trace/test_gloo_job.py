@@ -27,7 +27,7 @@ def test_gloo_job_end_to_end(gloo_traces):
     assert rep["backend"] == "gloo" and rep["mode"] == "cpu"
     # 3 profiled steps; per step 2 microbatches x (activation + gradient) per pipeline.
     assert rep["p2p_matched"] == 3 * 2 * 2 * 2
-    # One all-reduce per step in each DP group, matched to groups {0,2} and {1,3} by timing.
+    # One all-reduce per step in each DP group, placed in groups {0,2} and {1,3} by overlap in time.
     assert rep["collectives_matched"] == 3 * 2
     pipe = rep["pipeline"]
     assert pipe["pipelines_ranks"] == [[0, 1], [2, 3]] and pipe["microbatches"] == 2
