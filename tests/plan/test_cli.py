@@ -111,7 +111,7 @@ def test_deltamoe_recipe_line_is_a_command_deltamoe_serve_accepts(monkeypatch):
     import shlex
 
     from deltamoe.serve import cli as serve_cli
-    from deltamoe.serve.engine.async_engine import AsyncLLMEngine
+    from deltamoe.serve.engine.llm_engine import LLMEngine
 
     doc = _plan_json()
     line = next(x for x in doc["recipe"]["deltamoe"] if not x.startswith("#"))
@@ -123,12 +123,12 @@ def test_deltamoe_recipe_line_is_a_command_deltamoe_serve_accepts(monkeypatch):
     class Loading(Exception):
         pass
 
-    def engine(source, config, tokenizer, dtype, device, workers):
+    def engine(source, config, tokenizer, dtype, device, workers, connector=None):
         seen.update(source=source, config=config, device=device, workers=workers)
         raise Loading  # what a loaded engine would do next needs the GPUs
 
     monkeypatch.setattr(serve_cli, "bind_listen_address", lambda host, port: None)
-    monkeypatch.setattr(AsyncLLMEngine, "from_pretrained", staticmethod(engine))
+    monkeypatch.setattr(LLMEngine, "from_pretrained", staticmethod(engine))
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(Loading):
