@@ -28,11 +28,12 @@ def build_model(config: ModelConfig, dtype: torch.dtype = torch.float32, device:
 
 def load_model(source: str | Path | ModelConfig, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", seed: int | None = 0,
-               dequantize: bool = False) -> DeltaMoEForCausalLM:
+               dequantize: bool = False, quant_kernels: bool = True) -> DeltaMoEForCausalLM:
     """A preset name or ModelConfig gives random weights (seeded); a checkpoint folder loads its safetensors.
 
     A quantized checkpoint (config.json `quantization_config`) runs quantized (`quantized_skeleton`);
-    `dequantize=True` loads it into a float model instead (the reference it is compared with)."""
+    `dequantize=True` loads it into a float model instead; `quant_kernels=False` keeps it quantized
+    but runs the dequantising reference matmuls (the forms the kernels are tested against)."""
     if isinstance(source, ModelConfig):
         return build_model(source, dtype, device, seed).eval()
     config = load_config(source)
@@ -44,7 +45,7 @@ def load_model(source: str | Path | ModelConfig, dtype: torch.dtype = torch.floa
     with torch.device("meta"):
         model = DeltaMoEForCausalLM(config)
     if scheme is not None and not dequantize:
-        quantized_skeleton(model, scheme, device)
+        quantized_skeleton(model, scheme, device, use_kernel=None if quant_kernels else False)
     model.to_empty(device=device)
     model.to(dtype)
     # Buffers (router correction bias) stay fp32: they steer routing and are updated in small steps.
@@ -57,9 +58,10 @@ def load_model(source: str | Path | ModelConfig, dtype: torch.dtype = torch.floa
     return model.eval()
 
 
-def quantized_skeleton(model: DeltaMoEForCausalLM, scheme: QuantScheme, device: str | torch.device) -> None:
+def quantized_skeleton(model: DeltaMoEForCausalLM, scheme: QuantScheme, device: str | torch.device,
+                       use_kernel: bool | None = None) -> None:
     """Swap the meta-built model's quantized Linears and experts for their packed forms (CPU kernels only)."""
     if torch.device(device).type != "cpu":
         raise CheckpointError(f"quantized checkpoints ({scheme.format}) run on the CPU, got device {device}",
                               field="device", hint="load with dequantize=True for another device")
-    quantize_modules(model, scheme)
+    quantize_modules(model, scheme, use_kernel)

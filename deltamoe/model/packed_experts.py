@@ -26,7 +26,7 @@ PROJECTIONS = ("w1", "w3", "w2")  # gate, up [I, D']; down [D', I]
 
 
 class PackedExperts(nn.Module):
-    def __init__(self, config: ModelConfig, scheme: QuantScheme):
+    def __init__(self, config: ModelConfig, scheme: QuantScheme, use_kernel: bool | None = None):
         super().__init__()
         self.config = config
         self.scheme = scheme
@@ -34,7 +34,8 @@ class PackedExperts(nn.Module):
         self.shapes = {"w1": (i, d), "w3": (i, d), "w2": (d, i)}  # [out, in] per expert
         self.num_experts = e
         if scheme.weight_format == "int4":
-            self.linears = nn.ModuleDict({w: nn.ModuleList(Int4Linear(s[1], s[0], scheme) for _ in range(e))
+            self.linears = nn.ModuleDict({w: nn.ModuleList(Int4Linear(s[1], s[0], scheme, use_kernel)
+                                                        for _ in range(e))
                                           for w, s in self.shapes.items()})
         else:
             # Allocated by the first tensor that loads (the model skeleton is built on meta).

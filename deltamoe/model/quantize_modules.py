@@ -28,19 +28,20 @@ def quantized_module_names(model: DeltaMoEForCausalLM, scheme: QuantScheme) -> l
     return names
 
 
-def quantize_modules(model: DeltaMoEForCausalLM, scheme: QuantScheme) -> list[str]:
-    """Replace every module `quantized_module_names` lists; returns those names."""
+def quantize_modules(model: DeltaMoEForCausalLM, scheme: QuantScheme, use_kernel: bool | None = None) -> list[str]:
+    """Replace every module `quantized_module_names` lists; returns those names. `use_kernel=False`
+    makes the int4 modules run their dequantising references (the default: the kernel when present)."""
     names = quantized_module_names(model, scheme)
     for name in names:
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         old = getattr(parent, leaf)
         if isinstance(old, RoutedExperts):
-            setattr(parent, leaf, PackedExperts(old.config, scheme))
+            setattr(parent, leaf, PackedExperts(old.config, scheme, use_kernel))
             assert isinstance(parent, MoE)
             parent.dispatcher = packed_local_experts
         else:
-            setattr(parent, leaf, Int4Linear(old.in_features, old.out_features, scheme))
+            setattr(parent, leaf, Int4Linear(old.in_features, old.out_features, scheme, use_kernel))
     return names
 
 

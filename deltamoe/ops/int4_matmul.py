@@ -16,7 +16,8 @@ u8 [N, K/2], two's-complement nibbles, the even element in the low nibble; bf16 
   activations; the row scale is applied to the output.
 
 Each has a `*_reference` that dequantises the weight with `dequantize_int4` and does a
-plain fp32 matmul; the tests hold the fast forms to them.
+plain fp32 matmul, rounding where the kernel's contract rounds; the tests hold the fast
+forms to them.
 """
 
 from __future__ import annotations
@@ -83,12 +84,17 @@ def int4_matmul(x: torch.Tensor, weight: torch.Tensor, scales_and_zeros: torch.T
     return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
 
 
+def dequantized_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                       group_size: int = INT4_GROUP) -> torch.Tensor:
+    """x @ dequantize_int4(packed, scale)^T, all in fp32."""
+    return x.float() @ dequantize_int4(packed, scale, group_size, dtype=torch.float32).t()
+
+
 def int4_matmul_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                           group_size: int = INT4_GROUP) -> torch.Tensor:
-    """x @ dequantize_int4(packed, scale)^T in fp32 -> x.dtype: the readable form of `int4_matmul`
-    (without its bf16 activation rounding)."""
-    w = dequantize_int4(packed, scale, group_size, dtype=torch.float32)
-    return (x.float() @ w.t()).to(x.dtype)
+    """The readable form of `int4_matmul`, with its contract: bf16 activations in, fp32
+    accumulation against the dequantised weight, bf16 out, returned in x.dtype."""
+    return dequantized_matmul(x.bfloat16(), packed, scale, group_size).bfloat16().to(x.dtype)
 
 
 def int4_weight_from_kernel(weight: torch.Tensor, scales_and_zeros: torch.Tensor, out_features: int,
@@ -143,7 +149,7 @@ def w4a8_int8_matmul_reference(x: torch.Tensor, packed: torch.Tensor, scale: tor
                                group_size: int = INT4_GROUP) -> torch.Tensor:
     """`w4a8_int8_matmul` written out: int8 activations dequantised, times the dequantised weight, in fp32."""
     q, s, z = int8_act_asymmetric(x.float())
-    return int4_matmul_reference((q - z) * s, packed, scale, group_size).to(x.dtype)
+    return dequantized_matmul((q - z) * s, packed, scale, group_size).to(x.dtype)
 
 
 def fp8_act_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,4 +170,4 @@ def w4a8_fp8_matmul_reference(x: torch.Tensor, packed: torch.Tensor, scale: torc
                               group_size: int = INT4_GROUP) -> torch.Tensor:
     """`w4a8_fp8_matmul` written out in fp32."""
     q, s = fp8_act_per_row(x)
-    return int4_matmul_reference(q * s, packed, scale, group_size).to(x.dtype)
+    return (int4_matmul_reference(q, packed, scale, group_size) * s).to(x.dtype)
