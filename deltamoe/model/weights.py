@@ -192,6 +192,10 @@ def load_weights(model: DeltaMoEForCausalLM, path: str | Path, scheme: QuantSche
 def state_dict_for_checkpoint(model: DeltaMoEForCausalLM) -> dict[str, torch.Tensor]:
     """Our parameters under their published names (experts split per expert)."""
     config = model.config
+    if any(isinstance(m, (Int4Linear, PackedExperts)) for m in model.modules()):
+        raise CheckpointError("a model loaded quantized holds its weights in kernel layouts and is not saved",
+                              field="model", hint="load with dequantize=True to save a float copy, or run "
+                                                  "`deltamoe quantize` on the float checkpoint")
     out: dict[str, torch.Tensor] = {}
     tensors = dict(model.named_parameters())
     tensors.update(dict(model.named_buffers()))

@@ -97,21 +97,6 @@ def int4_matmul_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Te
     return dequantized_matmul(x.bfloat16(), packed, scale, group_size).bfloat16().to(x.dtype)
 
 
-def int4_weight_from_kernel(weight: torch.Tensor, scales_and_zeros: torch.Tensor, out_features: int,
-                            in_features: int, group_size: int = INT4_GROUP) -> torch.Tensor:
-    """The signed codes int32 [N, K] back out of the kernel layout, exactly.
-
-    The layout is private to torch, so it is read back through the kernel itself: with unit
-    scales and zero offsets, an identity input row k yields column k of (u - 8), a single
-    integer product per output, which is exact.
-    """
-    unit = torch.zeros_like(scales_and_zeros)
-    unit[..., 0] = 1
-    eye = torch.eye(in_features, dtype=torch.bfloat16)
-    cols = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, weight, group_size, unit)  # [K, N padded]
-    return cols[:, :out_features].t().round().to(torch.int32).contiguous()
-
-
 # ----------------------------------------------------------------------------- W4A8
 
 

@@ -167,3 +167,10 @@ def test_quantize_command_bad_options_exit_2_with_one_line(tmp_path, capsys, arg
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {field}:") and "\n" not in err
     assert not (tmp_path / "q").exists()
+
+
+def test_saving_a_quantized_model_is_refused(checkpoints, tmp_path):
+    from deltamoe.model.weights import save_checkpoint
+
+    with pytest.raises(CheckpointError, match="not saved"):
+        save_checkpoint(load_model(checkpoints["mxfp4"]), tmp_path / "copy")

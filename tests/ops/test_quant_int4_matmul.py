@@ -13,14 +13,13 @@ from deltamoe.ops.int4_matmul import (
     int4_kernel_weight,
     int4_matmul,
     int4_matmul_reference,
-    int4_weight_from_kernel,
     w4a8_fp8_matmul,
     w4a8_fp8_matmul_reference,
     w4a8_int8_matmul,
     w4a8_int8_matmul_reference,
     w4a8_int8_weight,
 )
-from deltamoe.ops.quant import quantize_int4, unpack_nibbles
+from deltamoe.ops.quant import quantize_int4
 
 needs_int4 = pytest.mark.skipif(not has_int4_cpu_kernel(), reason="torch build lacks the CPU int4 kernel")
 SHAPES = [(1, 7, 128, 128), (3, 100, 384, 128), (5, 65, 256, 64), (2, 33, 96, 32)]  # (M, N, K, group)
@@ -59,16 +58,6 @@ def test_int4_matmul_keeps_leading_dims():
     weight, sz = int4_kernel_weight(packed, scale)
     x = torch.randn(2, 3, 256)
     assert torch.equal(int4_matmul(x, weight, sz, 48), int4_matmul(x.reshape(6, 256), weight, sz, 48).reshape(2, 3, 48))
-
-
-@needs_int4
-@pytest.mark.parametrize("n,k,group", [(7, 128, 128), (100, 384, 128), (65, 256, 64)])
-def test_kernel_layout_reads_back_exactly(n, k, group):
-    packed, scale = _weights(n, k, group, seed=3)
-    weight, sz = int4_kernel_weight(packed, scale, group)
-    codes = int4_weight_from_kernel(weight, sz, n, k, group)
-    nibbles = unpack_nibbles(packed).to(torch.int32)
-    assert torch.equal(codes, torch.where(nibbles >= 8, nibbles - 16, nibbles))
 
 
 def test_int4_kernel_rejects_unsupported_group():
