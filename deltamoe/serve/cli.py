@@ -87,13 +87,19 @@ COMPILE_DECODE_HELP = ("Run decode steps as one torch.compile graph (2-7x faster
                        "needs a C++ compiler).")
 
 
+KV_CACHE_DTYPE_HELP = ("Latent-KV and indexer-key pages: auto (the model dtype) or fp8 (e4m3 with a scale per "
+                       "tile of each row: about half the bytes per token of bf16).")
+
+
 def build_engine(model: str, tokenizer: Optional[str], cache_memory: str, max_num_seqs: int,
-                 max_num_batched_tokens: int, dtype: str, device: str, compile_decode: bool = False):
+                 max_num_batched_tokens: int, dtype: str, device: str, compile_decode: bool = False,
+                 kv_cache_dtype: str = "auto"):
     from deltamoe.serve.engine.config import EngineConfig
 
     check_dtype(dtype)
     config = EngineConfig(cache_memory=cache_memory, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens, compile_decode=compile_decode)
+                          max_num_batched_tokens=max_num_batched_tokens, compile_decode=compile_decode,
+                          kv_cache_dtype=kv_cache_dtype)
     load_config(model)  # an unknown model fails here, from its config alone
     from deltamoe.serve.engine.llm_engine import LLMEngine  # imports torch: after every check above
 
@@ -120,10 +126,11 @@ def generate_command(
     device: str = typer.Option("cpu"),
     progress: bool = typer.Option(False, help="Show a progress bar with tokens/s."),
     compile_decode: bool = typer.Option(False, "--compile-decode", help=COMPILE_DECODE_HELP),
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help=KV_CACHE_DTYPE_HELP),
 ) -> None:
     """Generate text for one or more prompts (continuous batching)."""
     engine = build_engine(model, tokenizer, cache_memory, max_num_seqs, max_num_batched_tokens, dtype, device,
-                          compile_decode)
+                          compile_decode, kv_cache_dtype)
     from deltamoe.serve.api.chat_template import ChatTemplate
     from deltamoe.serve.engine.sampling import SamplingParams
 
@@ -212,6 +219,7 @@ def serve_command(
     threads: Optional[int] = typer.Option(None, help="Torch threads of the engine on a CPU (default: "
                                           "OMP_NUM_THREADS, else all cores but one, kept for the HTTP front end)."),
     compile_decode: bool = typer.Option(False, "--compile-decode", help=COMPILE_DECODE_HELP + " Every decode graph is compiled at startup, before the port opens."),
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help=KV_CACHE_DTYPE_HELP),
 ) -> None:
     """OpenAI-compatible HTTP server (deltamoe.serve.api) over an AsyncLLMEngine."""
     from deltamoe.serve.engine.config import EngineConfig
@@ -219,7 +227,7 @@ def serve_command(
     check_dtype(dtype)
     config = EngineConfig(cache_memory=cache_memory, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                          compile_decode=compile_decode)
+                          compile_decode=compile_decode, kv_cache_dtype=kv_cache_dtype)
     chosen = engine_threads(threads, device)
     load_config(model)  # an unknown model fails here, from its config alone
     listener = bind_listen_address(host, port)

@@ -27,9 +27,11 @@ class CacheLayout:
     recurrent_shape: tuple[int, int, int]  # [H, K, V], always fp32
     conv_shape: tuple[int, int]  # [3P, W-1], in the cache dtype
     dtype: torch.dtype
+    kv_fp8: bool = False  # latent / index pages in e4m3 with one fp32 scale per `fp8_tile` values
 
     @classmethod
-    def from_config(cls, config: ModelConfig, block_size: int = 16, dtype: torch.dtype = torch.float32) -> "CacheLayout":
+    def from_config(cls, config: ModelConfig, block_size: int = 16, dtype: torch.dtype = torch.float32,
+                    kv_fp8: bool = False) -> "CacheLayout":
         types = config.layer_types
         return cls(
             block_size=block_size,
@@ -41,6 +43,7 @@ class CacheLayout:
             recurrent_shape=(config.kda_num_heads, config.kda_head_dim, config.kda_head_dim),
             conv_shape=(3 * config.kda_dim, config.kda_conv_size - 1),
             dtype=dtype,
+            kv_fp8=kv_fp8,
         )
 
     @property
@@ -49,6 +52,9 @@ class CacheLayout:
 
     @property
     def bytes_per_token(self) -> int:
+        if self.kv_fp8:  # one byte a value plus an fp32 scale per tile
+            return sum(n * (dim + dim // fp8_tile(dim) * 4) for n, dim in
+                       ((len(self.latent_layers), self.latent_dim), (len(self.index_layers), self.index_dim)))
         values = len(self.latent_layers) * self.latent_dim + len(self.index_layers) * self.index_dim
         return values * self.element_bytes
 
@@ -61,6 +67,15 @@ class CacheLayout:
         h, k, v = self.recurrent_shape
         c, w = self.conv_shape
         return len(self.kda_layers) * (h * k * v * 4 + c * w * self.element_bytes)
+
+
+def fp8_tile(dim: int) -> int:
+    """Values per fp8 scale in a cached row: the largest power of two <= 128 dividing `dim`
+    (128 for the indexer keys; 64 for K3's 576-wide latent [512 | 64])."""
+    tile = 128
+    while dim % tile:
+        tile //= 2
+    return tile
 
 
 @dataclass(frozen=True)
