@@ -79,9 +79,16 @@ def int4_kernel_weight(packed: torch.Tensor, scale: torch.Tensor, group_size: in
 def int4_matmul(x: torch.Tensor, weight: torch.Tensor, scales_and_zeros: torch.Tensor, out_features: int,
                 group_size: int = INT4_GROUP) -> torch.Tensor:
     """x [..., K] @ W^T with W in the kernel layout of `int4_kernel_weight` -> [..., N] in x.dtype."""
-    flat = _flat(x).to(torch.bfloat16)
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, weight, group_size, scales_and_zeros)[:, :out_features]
-    return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
+    # Each step is skipped when it would be a no-op: a decode step calls this hundreds of times.
+    flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if flat.dtype != torch.bfloat16:
+        flat = flat.to(torch.bfloat16)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.contiguous(), weight, group_size, scales_and_zeros)
+    if y.shape[1] != out_features:
+        y = y[:, :out_features]
+    if x.dtype != torch.bfloat16:
+        y = y.to(x.dtype)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], out_features)
 
 
 def dequantized_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
