@@ -11,7 +11,9 @@ Accuracy: a trained checkpoint (`--checkpoint`, with the `--train-config` of its
 the tiny model trained here for `--train-steps` steps on the recall task) is quantized per
 format (group 32, so the tiny model's 96-wide experts are quantized too; unquantized tensors
 kept fp32) and scored on its held-out task rows: logit error against the fp32 model, eval
-loss / perplexity delta, argmax agreement and task accuracy.
+loss / perplexity delta, argmax agreement and task accuracy (bound: within 0.02 of fp32).
+
+KV cache: latent-KV + indexer-key bytes per token, bf16 pages vs `--kv-cache-dtype fp8`.
 
     .venv/bin/python bench/bench_quant.py [--quick] [--checkpoint DIR --train-config JSON]
 """
@@ -86,6 +88,21 @@ def speed(preset: str, new_tokens: int, rounds: int, tmp: Path) -> list[dict]:
         r["speedup_vs_bf16"] = round(r["decode_tok_s"] / base["bf16"]["decode_tok_s"], 2)
         r["speedup_vs_fp32"] = round(r["decode_tok_s"] / base["fp32"]["decode_tok_s"], 2)
         r["memory_vs_bf16"] = round(r["weight_bytes"] / base["bf16"]["weight_bytes"], 3)
+    return rows
+
+
+def kv_cache_bytes() -> list[dict]:
+    """Latent-KV + indexer-key bytes per token of context: bf16 pages vs fp8 (e4m3 + per-tile scales)."""
+    from deltamoe.config import load_preset
+    from deltamoe.serve.engine.cache_layout import CacheLayout
+
+    rows = []
+    for preset in ("small", "kimi-k3", "kimi-k3.1-pro"):
+        config = load_preset(preset)
+        bf16 = CacheLayout.from_config(config, dtype=torch.bfloat16).bytes_per_token
+        fp8 = CacheLayout.from_config(config, dtype=torch.bfloat16, kv_fp8=True).bytes_per_token
+        rows.append({"preset": preset, "bf16_bytes_per_token": bf16, "fp8_bytes_per_token": fp8,
+                     "fp8_vs_bf16": round(fp8 / bf16, 4)})
     return rows
 
 
@@ -181,9 +198,14 @@ def main() -> None:
                              [[r["format"], r["loss"], r["ppl"], r.get("ppl_delta", ""), r["accuracy"],
                                r.get("accuracy_delta", ""), r.get("logit_max_abs_err", ""),
                                r.get("logit_rms_err_rel", ""), r.get("argmax_agreement", "")] for r in acc_rows]))
+    cache_rows = kv_cache_bytes()
+    print(markdown_table(["preset", "KV bytes/token bf16", "fp8", "fp8 / bf16"],
+                         [[r["preset"], r["bf16_bytes_per_token"], r["fp8_bytes_per_token"], r["fp8_vs_bf16"]]
+                          for r in cache_rows]))
     write_result(result_name("quant", args.quick), {
-        "preset": preset, "new_tokens": new_tokens, "speed": speed_rows,
-        "accuracy_source": source, "accuracy": acc_rows})
+        "preset": preset, "new_tokens": new_tokens, "threads": args.threads, "speed": speed_rows,
+        "accuracy_source": source, "accuracy": acc_rows, "kv_cache": cache_rows,
+        "target": {"int4_decode_vs_bf16": 2.0, "accuracy_delta_abs": 0.02, "fp8_kv_vs_bf16": 0.56}})
 
 
 if __name__ == "__main__":

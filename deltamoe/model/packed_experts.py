@@ -20,7 +20,7 @@ from deltamoe.model.quant_scheme import PARTS, QuantScheme
 from deltamoe.model.quantized_linear import Int4Linear
 from deltamoe.ops.activations import glu
 from deltamoe.ops.packed_experts import experts_forward_by_expert
-from deltamoe.ops.quant import MXFP4_GROUP, dequantize_mxfp4
+from deltamoe.ops.quant import MXFP4_GROUP, dequantize_mxfp4, dequantize_mxfp4_bf16
 
 PROJECTIONS = ("w1", "w3", "w2")  # gate, up [I, D']; down [D', I]
 
@@ -73,8 +73,11 @@ class PackedExperts(nn.Module):
         return None
 
     def expert_weight(self, proj: str, expert: int, dtype: torch.dtype) -> torch.Tensor:
-        """MXFP4: one expert's projection dequantised to `dtype` (the reference form)."""
-        return dequantize_mxfp4(self.packed[proj][expert], self.scale[proj][expert], dtype=dtype)
+        """MXFP4: one expert's projection dequantised to `dtype`."""
+        packed, scale = self.packed[proj][expert], self.scale[proj][expert]
+        if dtype in (torch.bfloat16, torch.float32):  # both hold every MXFP4 value exactly
+            return dequantize_mxfp4_bf16(packed, scale).to(dtype)
+        return dequantize_mxfp4(packed, scale, dtype=dtype)
 
     def expert_mlp(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         c = self.config

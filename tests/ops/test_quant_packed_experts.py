@@ -8,7 +8,7 @@ import torch
 from deltamoe.ops.moe import experts_forward_reference, route_tokens
 from deltamoe.ops.packed_experts import experts_forward_by_expert
 from deltamoe.ops.activations import glu
-from deltamoe.ops.quant import dequantize_mxfp4, quantize_mxfp4
+from deltamoe.ops.quant import dequantize_mxfp4, dequantize_mxfp4_bf16, quantize_mxfp4
 
 
 def _mxfp4_stack(e: int, rows: int, cols: int, gen: torch.Generator):
@@ -48,3 +48,14 @@ def test_mismatched_routing_is_rejected():
     with pytest.raises(ValueError, match="weights and indices"):
         experts_forward_by_expert(torch.zeros(3, 8), torch.zeros(3, 2), torch.zeros(2, 2, dtype=torch.long), 4,
                                   lambda e, x: x)
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 32), (7, 96), (64, 256)])
+def test_bf16_table_dequant_equals_the_reference_bit_for_bit(rows, cols):
+    gen = torch.Generator().manual_seed(rows)
+    packed = torch.randint(0, 256, (rows, cols // 2), generator=gen, dtype=torch.uint8)
+    scale = torch.randint(0, 255, (rows, cols // 32), generator=gen, dtype=torch.uint8)  # every E8M0 but NaN
+    got = dequantize_mxfp4_bf16(packed, scale)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, dequantize_mxfp4(packed, scale, torch.bfloat16))
+    assert torch.equal(got.float(), dequantize_mxfp4(packed, scale, torch.float32))  # bf16 holds them exactly
