@@ -126,7 +126,7 @@ def scheme_from_config(qc: dict) -> QuantScheme:
         raise CheckpointError(f"expected one config group, got {len(groups)}", field=where)
     weights, acts = groups[0].get("weights") or {}, groups[0].get("input_activations")
     ignore = tuple(qc.get("ignore") or ())
-    fmt = qc.get("format")
+    fmt = qc.get("format") or groups[0].get("format")  # newer compressed-tensors name it per group
     if fmt == "mxfp4-pack-quantized":
         return QuantScheme("mxfp4", MXFP4_GROUP, None, ignore=ignore)
     if fmt != "pack-quantized" or weights.get("num_bits") != 4 or weights.get("type") != "int" \

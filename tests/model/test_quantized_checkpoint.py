@@ -123,6 +123,14 @@ def test_missing_quantized_tensor_names_it(checkpoints, tmp_path):
         load_model(tmp_path)
 
 
+def test_k3_style_config_with_the_format_in_its_group_reads_as_mxfp4():
+    qc = {"quant_method": "compressed-tensors", "ignore": ["lm_head", "re:.*shared_experts.*"],
+          "config_groups": {"group_0": {"format": "mxfp4-pack-quantized", "targets": ["Linear"],
+                                        "weights": {"num_bits": 4, "type": "float", "group_size": 32}}}}
+    scheme = scheme_from_config(qc)
+    assert scheme.format == "mxfp4" and scheme.ignore == ("lm_head", "re:.*shared_experts.*")
+
+
 def test_unsupported_quantization_config_is_a_checkpoint_error():
     qc = scheme_to_config(make_scheme("int4"))
     qc["config_groups"]["group_0"]["weights"]["symmetric"] = False
