@@ -4,7 +4,8 @@ activations) and MXFP4 experts.
 Speed and memory: the `small` preset (random weights, ~0.5 B-class shape at 512 wide) is
 quantized with `deltamoe quantize`'s code (group 128), loaded with `load_model`, and one
 prompt is decoded greedily at batch 1 through `LLMEngine` (EOS ignored); decode tokens/s is
-the generated tokens over the time after the first token. Resident weight bytes count every
+the generated tokens over the time after the first token, best of alternating rounds over all
+formats (one torch thread). Resident weight bytes count every
 parameter, buffer and packed weight the model holds.
 
 Accuracy: a trained checkpoint (`--checkpoint`, with the `--train-config` of its run; default:
@@ -70,19 +71,23 @@ def decode_rate(model, new_tokens: int, rounds: int) -> float:
 
 
 def speed(preset: str, new_tokens: int, rounds: int, tmp: Path) -> list[dict]:
-    rows = []
+    """Every format loaded side by side, then timed in alternating rounds (best of `rounds` each),
+    so a shared machine's load swings reach every format alike."""
+    models = {}
     for label, fmt, dtype in SPEED_FORMATS:
         if fmt is None:
-            model = load_model(preset, dtype=dtype)
+            models[label] = load_model(preset, dtype=dtype)
         else:
             path = tmp / label.split()[0] / (fmt[2] or "")
             quantize_checkpoint(preset, path, make_scheme(*fmt), dtype=dtype)
-            model = load_model(path, dtype=dtype)
-        rate = decode_rate(model, new_tokens, rounds)
-        rows.append({"format": label, "rest_dtype": str(dtype).removeprefix("torch."),
-                     "decode_tok_s": round(rate, 2), "weight_bytes": resident_weight_bytes(model)})
-        print(rows[-1], flush=True)
-        del model
+            models[label] = load_model(path, dtype=dtype)
+    best = {label: 0.0 for label in models}
+    for r in range(rounds):
+        for label, model in models.items():
+            best[label] = max(best[label], decode_rate(model, new_tokens, 1))
+            print(f"round {r}: {label} {best[label]:.2f} tok/s", flush=True)
+    rows = [{"format": label, "rest_dtype": str(dtype).removeprefix("torch."), "decode_tok_s": round(best[label], 2),
+             "weight_bytes": resident_weight_bytes(models[label])} for label, _, dtype in SPEED_FORMATS]
     base = {r["format"]: r for r in rows}
     for r in rows:
         r["speedup_vs_bf16"] = round(r["decode_tok_s"] / base["bf16"]["decode_tok_s"], 2)
@@ -164,7 +169,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="tiny preset, few tokens (a smoke run)")
     ap.add_argument("--new-tokens", type=int, default=48)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3, help="alternating timing rounds (best of)")
     ap.add_argument("--checkpoint", type=Path, default=None, help="trained checkpoint for the accuracy part")
     ap.add_argument("--train-config", type=Path, default=None, help="the train_config.json of that run")
     ap.add_argument("--train-steps", type=int, default=300, help="without --checkpoint: train tiny this long")
