@@ -26,6 +26,7 @@ def _register() -> None:
     from deltamoe.commands.info import info
     from deltamoe.demo.command import demo_command
     from deltamoe.plan.cli import plan_command
+    from deltamoe.quantize.cli import quantize_command
     from deltamoe.serve.cli import chat_command, generate_command, serve_command
     from deltamoe.serve.router.cli import router_command
     from deltamoe.train.cli import train_command
@@ -40,6 +41,7 @@ def _register() -> None:
     app.command("generate")(generate_command)
     app.command("chat")(chat_command)
     app.command("bench")(bench_command)
+    app.command("quantize")(quantize_command)
     app.add_typer(trace_app, name="trace", help="Analyse or synthesise per-rank PyTorch profiler traces.")
 
 

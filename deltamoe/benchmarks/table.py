@@ -295,6 +295,30 @@ def moe_rows(d: dict) -> list[Row]:
              f"{ours['median_ms']:.1f} ms", peers, " / ".join(ratios), d.get("note", "")]]
 
 
+def quant_rows(d: dict) -> list[Row]:
+    speed = {r["format"]: r for r in d["speed"]}
+    t = d.get("target", {})
+    int4, bf16 = speed["int4 (W4A16)"], speed["bf16"]
+    goal = t.get("int4_decode_vs_bf16")
+    out = [[f"int4 W4A16 batch-1 decode, {d['preset']} {command('quant')}",
+            f"{int4['decode_tok_s']:.2f} tok/s, {int4['memory_vs_bf16']:.2f}x bf16 bytes",
+            f"bf16 {bf16['decode_tok_s']:.2f} tok/s", bold(times(int4["speedup_vs_bf16"])),
+            verdict([(f">= {goal:g}x", int4["speedup_vs_bf16"] >= goal)], d.get("note")) if goal else ""]]
+    if d.get("accuracy"):
+        bound = t.get("accuracy_delta_abs")
+        deltas = [abs(r["accuracy_delta"]) for r in d["accuracy"] if r.get("accuracy_delta") is not None]
+        out.append([f"same, task-accuracy change over {', '.join(r['format'] for r in d['accuracy'][1:])}",
+                    f"max {max(deltas):.3f}", "fp32", "",
+                    verdict([(f"within {bound:g}", max(deltas) <= bound)]) if bound else ""])
+    if d.get("kv_cache"):
+        k3 = next((r for r in d["kv_cache"] if r["preset"] == "kimi-k3"), d["kv_cache"][0])
+        bound = t.get("fp8_kv_vs_bf16")
+        out.append([f"same, FP8 KV cache bytes per token, {k3['preset']}", f"{k3['fp8_bytes_per_token']:,} B",
+                    f"bf16 {k3['bf16_bytes_per_token']:,} B", f"{k3['fp8_vs_bf16']:.2f}",
+                    verdict([(f"<= {bound:g}", k3["fp8_vs_bf16"] <= bound)]) if bound else ""])
+    return out
+
+
 # results file stem -> formatter, in the order the README lists them
 FORMATTERS: dict[str, Callable[[dict], list[Row]]] = {
     "kda": kda_rows,
@@ -309,6 +333,7 @@ FORMATTERS: dict[str, Callable[[dict], list[Row]]] = {
     "trace": trace_rows,
     "plan_validation": plan_validation_rows,
     "moe": moe_rows,
+    "quant": quant_rows,
 }
 
 

@@ -2,8 +2,8 @@
 
 Our module tree already uses the published names, so most tensors map 1:1. The exceptions:
 - K3 prefixes text weights with `language_model.`;
-- routed experts are stored per expert (`experts.E.w1.weight`, or MXFP4 `weight_packed` +
-  `weight_scale`) but held here stacked as `experts.w1` [E, I, D];
+- routed experts are stored per expert (`experts.E.w1.weight`, or quantized `weight_packed` +
+  `weight_scale` (+ `weight_shape` for int4)) but held here stacked as `experts.w1` [E, I, D];
 - Kimi Linear stores its dense layer-0 MLP under `block_sparse_moe.` (K3 under `mlp.`);
 - KDA `A_log` is [1,1,H,1] in Kimi Linear and [128] zero-padded in K3; we hold [H];
 - transformers' in-memory layout (merged `conv1d`, `forget_gate.*`, `mlp.experts.gate_up_proj`)
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from deltamoe.config import ModelConfig
 
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.(weight|weight_packed|weight_scale)$")
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.(weight|weight_packed|weight_scale|weight_shape)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 
 
@@ -27,7 +27,7 @@ class TensorTarget:
 
     param: str  # our parameter / buffer name
     expert: int | None = None  # slice of a stacked expert tensor
-    part: str = "weight"  # "weight", "weight_packed" or "weight_scale" (MXFP4 halves)
+    part: str = "weight"  # "weight", or a quantized part: "weight_packed", "weight_scale", "weight_shape"
     kind: str = "copy"  # copy | a_log | split_conv | split_gate_up
     split_index: int = 0  # which third/half for split kinds
 

@@ -7,10 +7,13 @@ from pathlib import Path
 import torch
 
 from deltamoe.config import ModelConfig
+from deltamoe.errors import CheckpointError
 from deltamoe.hf_config import load_config
 from deltamoe.model.init import init_weights
 from deltamoe.model.model import DeltaMoEForCausalLM
-from deltamoe.model.weights import checkpoint_files, load_weights
+from deltamoe.model.quant_scheme import QuantScheme
+from deltamoe.model.quantize_modules import quantize_modules
+from deltamoe.model.weights import checkpoint_files, load_weights, read_quant_scheme
 
 
 def build_model(config: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -24,8 +27,13 @@ def build_model(config: ModelConfig, dtype: torch.dtype = torch.float32, device:
 
 
 def load_model(source: str | Path | ModelConfig, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", seed: int | None = 0) -> DeltaMoEForCausalLM:
-    """A preset name or ModelConfig gives random weights (seeded); a checkpoint folder loads its safetensors."""
+               device: str | torch.device = "cpu", seed: int | None = 0,
+               dequantize: bool = False, quant_kernels: bool = True) -> DeltaMoEForCausalLM:
+    """A preset name or ModelConfig gives random weights (seeded); a checkpoint folder loads its safetensors.
+
+    A quantized checkpoint (config.json `quantization_config`) runs quantized (`quantized_skeleton`);
+    `dequantize=True` loads it into a float model instead; `quant_kernels=False` keeps it quantized
+    but runs the dequantising reference matmuls (the forms the kernels are tested against)."""
     if isinstance(source, ModelConfig):
         return build_model(source, dtype, device, seed).eval()
     config = load_config(source)
@@ -33,15 +41,27 @@ def load_model(source: str | Path | ModelConfig, dtype: torch.dtype = torch.floa
     if not path.is_dir():
         return build_model(config, dtype, device, seed).eval()
     checkpoint_files(path)  # fail early, naming the folder, when there are no weights
+    scheme = read_quant_scheme(path)
     with torch.device("meta"):
         model = DeltaMoEForCausalLM(config)
+    if scheme is not None and not dequantize:
+        quantized_skeleton(model, scheme, device, use_kernel=None if quant_kernels else False)
     model.to_empty(device=device)
     model.to(dtype)
     # Buffers (router correction bias) stay fp32: they steer routing and are updated in small steps.
     for module in model.modules():
         if hasattr(module, "e_score_correction_bias"):
             module.e_score_correction_bias.data = module.e_score_correction_bias.data.float()
-    load_weights(model, path)
+    load_weights(model, path, scheme)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
+
+
+def quantized_skeleton(model: DeltaMoEForCausalLM, scheme: QuantScheme, device: str | torch.device,
+                       use_kernel: bool | None = None) -> None:
+    """Swap the meta-built model's quantized Linears and experts for their packed forms (CPU kernels only)."""
+    if torch.device(device).type != "cpu":
+        raise CheckpointError(f"quantized checkpoints ({scheme.format}) run on the CPU, got device {device}",
+                              field="device", hint="load with dequantize=True for another device")
+    quantize_modules(model, scheme, use_kernel)

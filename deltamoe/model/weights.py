@@ -20,9 +20,11 @@ from safetensors.torch import save_file
 from deltamoe.config import ModelConfig
 from deltamoe.errors import CheckpointError, ConfigError
 from deltamoe.hf_config import config_to_hf, read_json_object
-from deltamoe.model.checkpoint_names import TensorTarget, checkpoint_to_param, param_to_checkpoint
+from deltamoe.model.checkpoint_names import TensorTarget, checkpoint_to_param, param_to_checkpoint, text_prefix
 from deltamoe.model.model import DeltaMoEForCausalLM
-from deltamoe.ops.quant import dequantize_mxfp4
+from deltamoe.model.packed_experts import PackedExperts
+from deltamoe.model.quant_scheme import PARTS, QuantScheme, dequantize_weight, make_scheme, scheme_from_config
+from deltamoe.model.quantized_linear import Int4Linear
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -67,14 +69,22 @@ def is_plain_file_name(name: str) -> bool:
     return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\0" not in name
 
 
+# Expert tensors split into `weight_packed` + `weight_scale` with no quantization_config are MXFP4 (K3's).
+_DEFAULT_EXPERT_SCHEME = make_scheme("mxfp4")
+
+
 class _Loader:
-    def __init__(self, model: torch.nn.Module, config: ModelConfig):
+    def __init__(self, model: torch.nn.Module, config: ModelConfig, scheme: QuantScheme | None = None):
         self.config = config
+        self.scheme = scheme
         self.params = dict(model.named_parameters())
         self.params.update(dict(model.named_buffers()))
+        # Modules that keep their weights quantized take the published tensors themselves.
+        self.quantized = {n: m for n, m in model.named_modules() if isinstance(m, (Int4Linear, PackedExperts))}
         self.done: set[str] = set()
         self.experts_done: dict[str, set[int]] = defaultdict(set)
-        self.pending_mxfp4: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+        # Quantized tensors of a float model, held until all parts of one weight are here to dequantise.
+        self.pending: dict[tuple[str, int | None], dict[str, torch.Tensor]] = {}
 
     def put(self, ckpt_name: str, tensor: torch.Tensor) -> None:
         targets = checkpoint_to_param(ckpt_name, self.config)
@@ -84,6 +94,19 @@ class _Loader:
             self._put_one(ckpt_name, t, tensor)
 
     def _put_one(self, name: str, t: TensorTarget, tensor: torch.Tensor) -> None:
+        module, _, leaf = t.param.rpartition(".")
+        owner = self.quantized.get(module)
+        if owner is not None:
+            if t.expert is not None:
+                owner.load_part(name, leaf, t.expert, t.part, tensor)
+            else:
+                owner.load_part(name, leaf, tensor)
+            return
+        if t.expert is None and self.scheme is not None and leaf in PARTS["int4"]:
+            tensor = self._gather_parts(name, module + ".weight", None, leaf, tensor)
+            if tensor is None:
+                return
+            t = TensorTarget(module + ".weight")
         dest = self.params.get(t.param)
         if dest is None:
             raise CheckpointError(f"unexpected tensor {name} (no parameter {t.param} in this model)", field=name,
@@ -91,16 +114,10 @@ class _Loader:
         if t.expert is not None:
             if not 0 <= t.expert < dest.shape[0]:
                 raise CheckpointError(f"expert index {t.expert} out of range (num_experts={dest.shape[0]})", field=name)
-            if t.part != "weight":  # MXFP4: wait for both the codes and the scales
-                halves = self.pending_mxfp4.setdefault((t.param, t.expert), {})
-                halves[t.part] = tensor
-                if len(halves) < 2:
+            if t.part != "weight":  # quantized: wait for all parts (codes, scales, shape), then dequantise
+                tensor = self._gather_parts(name, t.param, t.expert, t.part, tensor)
+                if tensor is None:
                     return
-                del self.pending_mxfp4[(t.param, t.expert)]
-                try:
-                    tensor = dequantize_mxfp4(halves["weight_packed"], halves["weight_scale"], dtype=torch.float32)
-                except ValueError as e:
-                    raise CheckpointError(f"bad MXFP4 expert tensor: {e}", field=name) from e
             self._copy(name, dest[t.expert], tensor)
             self.experts_done[t.param].add(t.expert)
             return
@@ -118,6 +135,17 @@ class _Loader:
         self._copy(name, dest, tensor)
         self.done.add(t.param)
 
+    def _gather_parts(self, name: str, param: str, expert: int | None, part: str, tensor: torch.Tensor
+                      ) -> torch.Tensor | None:
+        """Collect one quantized weight's parts; the fp32 weight once the last arrives, else None."""
+        scheme = self.scheme or _DEFAULT_EXPERT_SCHEME
+        parts = self.pending.setdefault((param, expert), {})
+        parts[part] = tensor
+        if len(parts) < len(PARTS[scheme.weight_format]):
+            return None
+        del self.pending[(param, expert)]
+        return dequantize_weight(scheme, name, parts)
+
     @staticmethod
     def _copy(name: str, dest: torch.Tensor, src: torch.Tensor) -> None:
         if tuple(src.shape) != tuple(dest.shape):
@@ -127,10 +155,19 @@ class _Loader:
             dest.copy_(src.to(dest.dtype))
 
     def check_complete(self, tied: set[str]) -> None:
-        if self.pending_mxfp4:
-            (param, e), halves = next(iter(self.pending_mxfp4.items()))
-            missing = {"weight_packed", "weight_scale"} - set(halves)
-            raise CheckpointError(f"MXFP4 expert {e} of {param} lacks {sorted(missing)}", field=f"{param}.{e}")
+        if self.pending:
+            (param, e), parts = next(iter(self.pending.items()))
+            fmt = (self.scheme or _DEFAULT_EXPERT_SCHEME).weight_format
+            missing = set(PARTS[fmt]) - set(parts)
+            what = f"{fmt.upper()} expert {e} of {param}" if e is not None else f"{fmt.upper()} weight {param}"
+            raise CheckpointError(f"{what} lacks {sorted(missing)}", field=param if e is None else f"{param}.{e}")
+        for name, m in self.quantized.items():
+            if isinstance(m, Int4Linear) and not m.is_loaded and ".experts." not in name:
+                ck = param_to_checkpoint(name + ".weight_packed", self.config)
+                raise CheckpointError(f"missing tensor {ck} (or its weight_scale / weight_shape)", field=str(ck))
+            if isinstance(m, PackedExperts) and m.missing() is not None:
+                ck = f"{text_prefix(self.config)}{name}.{m.missing()}"
+                raise CheckpointError(f"missing tensor {ck}", field=ck)
         for name, p in self.params.items():
             if name in tied:
                 continue
@@ -145,10 +182,13 @@ class _Loader:
                 raise CheckpointError(f"missing tensor {ck} (for parameter {name})", field=str(ck))
 
 
-def load_weights(model: DeltaMoEForCausalLM, path: str | Path) -> None:
-    """Fill every parameter of `model` from the safetensors checkpoint folder `path`, shard by shard."""
+def load_weights(model: DeltaMoEForCausalLM, path: str | Path, scheme: QuantScheme | None = None) -> None:
+    """Fill every parameter of `model` from the safetensors checkpoint folder `path`, shard by shard.
+
+    `scheme` is the checkpoint's quantization (`read_quant_scheme`): modules swapped by
+    `quantize_modules` take its tensors as they are, float modules get them dequantised."""
     path = Path(path)
-    loader = _Loader(model, model.config)
+    loader = _Loader(model, model.config, scheme)
     for shard, names in checkpoint_files(path).items():
         try:
             with safe_open(str(path / shard), "pt", device="cpu") as f:
@@ -165,6 +205,10 @@ def load_weights(model: DeltaMoEForCausalLM, path: str | Path) -> None:
 def state_dict_for_checkpoint(model: DeltaMoEForCausalLM) -> dict[str, torch.Tensor]:
     """Our parameters under their published names (experts split per expert)."""
     config = model.config
+    if any(isinstance(m, (Int4Linear, PackedExperts)) for m in model.modules()):
+        raise CheckpointError("a model loaded quantized holds its weights in kernel layouts and is not saved",
+                              field="model", hint="load with dequantize=True to save a float copy, or run "
+                                                  "`deltamoe quantize` on the float checkpoint")
     out: dict[str, torch.Tensor] = {}
     tensors = dict(model.named_parameters())
     tensors.update(dict(model.named_buffers()))
@@ -184,9 +228,14 @@ def state_dict_for_checkpoint(model: DeltaMoEForCausalLM) -> dict[str, torch.Ten
 
 def save_checkpoint(model: DeltaMoEForCausalLM, path: str | Path, max_shard_bytes: int = 2 * 1024**3) -> None:
     """Write config.json + sharded safetensors + index in the published layout; every file atomically."""
+    save_tensors(state_dict_for_checkpoint(model), path, config_to_hf(model.config), max_shard_bytes)
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: str | Path, config_json: dict,
+                 max_shard_bytes: int = 2 * 1024**3) -> None:
+    """Write published-name tensors as sharded safetensors (+ index when sharded) and config.json."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = state_dict_for_checkpoint(model)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in tensors.items():
@@ -207,7 +256,17 @@ def save_checkpoint(model: DeltaMoEForCausalLM, path: str | Path, max_shard_byte
     if n > 1:
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         write_json_atomic(path / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
-    write_json_atomic(path / "config.json", config_to_hf(model.config))
+    write_json_atomic(path / "config.json", config_json)
+
+
+def read_quant_scheme(path: str | Path) -> QuantScheme | None:
+    """The checkpoint's `quantization_config` (config.json) as a QuantScheme; None when it has none."""
+    config_file = Path(path) / "config.json"
+    try:
+        qc = json.loads(config_file.read_text()).get("quantization_config")
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot read {config_file}: {e}", field=str(config_file)) from e
+    return None if qc is None else scheme_from_config(qc)
 
 
 def write_json_atomic(path: Path, data: dict) -> None:

@@ -73,6 +73,31 @@ def dequantize_mxfp4(
     return w.view(rows, cols).to(dtype)
 
 
+_BYTE_PAIRS: dict[torch.device, torch.Tensor] = {}  # per device: [256] int32, two bf16 values a byte
+_E8M0_BF16: dict[torch.device, torch.Tensor] = {}  # per device: [256] bf16, 2^(s-127)
+
+
+def dequantize_mxfp4_bf16(weight_packed: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """`dequantize_mxfp4(..., dtype=bf16)` in two passes, for experts dequantised at every use.
+
+    Each byte indexes a table of its two decoded bf16 values (stored as one int32, so the gather
+    writes both elements in place), then each group of 32 is multiplied by its bf16 power of two.
+    Both steps are exact in bf16 (an e2m1 value has 2 significant bits and the scale is a power
+    of two), so the result equals the reference bit for bit; tests hold it to that.
+    """
+    device = weight_packed.device
+    if device not in _BYTE_PAIRS:
+        byte = torch.arange(256, device=device)
+        table = _e2m1_table(torch.bfloat16, device)
+        pairs = torch.stack([table[byte & 0x0F], table[byte >> 4]], dim=-1)  # little-endian: low nibble first
+        _BYTE_PAIRS[device] = pairs.contiguous().view(torch.int32).reshape(256)
+        _E8M0_BF16[device] = torch.ldexp(torch.ones(256, device=device), byte - E8M0_BIAS).to(torch.bfloat16)
+    rows, half_cols = weight_packed.shape
+    values = _BYTE_PAIRS[device][weight_packed.int()].view(torch.bfloat16)  # [R, C]
+    scale = _E8M0_BF16[device][weight_scale.int()]  # [R, C/32]
+    return (values.view(rows, -1, MXFP4_GROUP) * scale.unsqueeze(-1)).view(rows, 2 * half_cols)
+
+
 def _round_to_e2m1_code(x: torch.Tensor) -> torch.Tensor:
     """Nearest E2M1 code (ties to the even code, as OCP rounding), saturating at +-6."""
     mags = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=x.device)

@@ -114,14 +114,19 @@ COMPILE_DECODE_HELP = ("Run decode steps as one torch.compile graph (2-7x faster
                        "needs a C++ compiler).")
 
 
+KV_CACHE_DTYPE_HELP = ("Latent-KV and indexer-key pages: auto (the model dtype) or fp8 (e4m3 with a scale per "
+                       "tile of each row: about half the bytes per token of bf16).")
+
+
 def build_engine(model: str, tokenizer: Optional[str], cache_memory: str, max_num_seqs: int,
                  max_num_batched_tokens: int, dtype: str, device: str, compile_decode: bool = False,
-                 tp: int = 1, ep: int = 1):
+                 tp: int = 1, ep: int = 1, kv_cache_dtype: str = "auto"):
     from deltamoe.serve.engine.config import EngineConfig
 
     check_dtype(dtype)
     config = EngineConfig(cache_memory=cache_memory, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens, compile_decode=compile_decode)
+                          max_num_batched_tokens=max_num_batched_tokens, compile_decode=compile_decode,
+                          kv_cache_dtype=kv_cache_dtype)
     load_config(model)  # an unknown model fails here, from its config alone
     workers = check_workers(model, tp, ep, compile_decode)
     from deltamoe.serve.engine.llm_engine import LLMEngine  # imports torch: after every check above
@@ -151,10 +156,11 @@ def generate_command(
     compile_decode: bool = typer.Option(False, "--compile-decode", help=COMPILE_DECODE_HELP),
     tp: int = typer.Option(1, "--tp", help=TP_HELP),
     ep: int = typer.Option(1, "--ep", help=EP_HELP),
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help=KV_CACHE_DTYPE_HELP),
 ) -> None:
     """Generate text for one or more prompts (continuous batching)."""
     engine = build_engine(model, tokenizer, cache_memory, max_num_seqs, max_num_batched_tokens, dtype, device,
-                          compile_decode, tp, ep)
+                          compile_decode, tp, ep, kv_cache_dtype)
     from deltamoe.serve.api.chat_template import ChatTemplate
     from deltamoe.serve.engine.sampling import SamplingParams
 
@@ -263,6 +269,7 @@ def serve_command(
     block_size: int = typer.Option(16, min=1, help="Tokens per cache block (equal on both sides of a P/D pair)."),
     tp: int = typer.Option(1, "--tp", help=TP_HELP),
     ep: int = typer.Option(1, "--ep", help=EP_HELP),
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help=KV_CACHE_DTYPE_HELP),
 ) -> None:
     """OpenAI-compatible HTTP server (deltamoe.serve.api) over an AsyncLLMEngine."""
     from deltamoe.serve.engine.config import EngineConfig
@@ -272,7 +279,7 @@ def serve_command(
     check_dtype(dtype)
     config = EngineConfig(cache_memory=cache_memory, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                          compile_decode=compile_decode, block_size=block_size)
+                          compile_decode=compile_decode, block_size=block_size, kv_cache_dtype=kv_cache_dtype)
     chosen = engine_threads(threads, device)
     load_config(model)  # an unknown model fails here, from its config alone
     workers = check_workers(model, tp, ep, compile_decode)

@@ -3,6 +3,8 @@
 Tensors (allocated once from the byte budget):
 - latent pages  [n_latent_layers, num_blocks * block_size, kv_lora + rope]
 - index pages   [n_dsa_layers,    num_blocks * block_size, index_head_dim]
+  (`kv_cache_dtype="fp8"`: e4m3 pages plus fp32 scales per tile of each row, `latent_scale` /
+  `index_key_scale`: about half the bytes of bf16 pages)
 - recurrent     [n_kda_layers, num_slots, H, K, V] fp32 and conv [n_kda_layers, num_slots, 3P, W-1]
 
 Prefix caching needs two things at a block boundary: the latent/index blocks up to it (hash
@@ -29,7 +31,8 @@ import torch
 
 from deltamoe.config import ModelConfig
 from deltamoe.serve.engine.block_manager import BlockManager, chain_hash
-from deltamoe.serve.engine.cache_layout import CacheLayout, plan_capacity
+from deltamoe.ops.quant import FP8_DTYPE
+from deltamoe.serve.engine.cache_layout import CacheLayout, fp8_tile, plan_capacity
 from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.sequence import Sequence
 from deltamoe.serve.engine.state_pool import StatePool
@@ -39,7 +42,8 @@ class HybridCache:
     def __init__(self, model_config: ModelConfig, config: EngineConfig, max_model_len: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", tp_size: int = 1):
         self.config = config
-        self.layout = layout = CacheLayout.from_config(model_config, config.block_size, dtype, tp_size)
+        kv_fp8 = config.kv_cache_dtype == "fp8"
+        self.layout = layout = CacheLayout.from_config(model_config, config.block_size, dtype, tp_size, kv_fp8)
         self.block_size = bs = config.block_size
         max_blocks = config.max_num_seqs * -(-max_model_len // bs)  # never more than all sequences can use
         want_slots = config.max_num_seqs + (config.max_snapshots or 0)
@@ -49,8 +53,17 @@ class HybridCache:
         self.latent_index = {layer: i for i, layer in enumerate(layout.latent_layers)}
         self.index_key_index = {layer: i for i, layer in enumerate(layout.index_layers)}
         self.kda_index = {layer: i for i, layer in enumerate(layout.kda_layers)}
-        self.latent = torch.zeros(len(layout.latent_layers), nb * bs, layout.latent_dim, dtype=dtype, device=device)
-        self.index_keys = torch.zeros(len(layout.index_layers), nb * bs, layout.index_dim, dtype=dtype, device=device)
+        page_dtype = FP8_DTYPE if kv_fp8 else dtype
+        self.latent = torch.zeros(len(layout.latent_layers), nb * bs, layout.latent_dim, dtype=page_dtype, device=device)
+        self.index_keys = torch.zeros(len(layout.index_layers), nb * bs, layout.index_dim, dtype=page_dtype,
+                                      device=device)
+        # fp8 pages: the fp32 scale of each `fp8_tile` values of each row (None otherwise).
+        self.latent_scale = self.index_key_scale = None
+        if kv_fp8:
+            self.latent_scale = torch.zeros(*self.latent.shape[:2], layout.latent_dim // fp8_tile(layout.latent_dim),
+                                            device=device)
+            self.index_key_scale = torch.zeros(*self.index_keys.shape[:2], layout.index_dim // fp8_tile(layout.index_dim),
+                                               device=device)
         self.recurrent = torch.zeros(len(layout.kda_layers), ns, *layout.recurrent_shape, device=device)
         self.conv = torch.zeros(len(layout.kda_layers), ns, *layout.conv_shape, dtype=dtype, device=device)
         max_snapshots = min(config.max_snapshots or 0, ns - 1) if layout.kda_layers else 0

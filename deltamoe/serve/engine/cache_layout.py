@@ -29,10 +29,11 @@ class CacheLayout:
     recurrent_shape: tuple[int, int, int]  # [H, K, V], always fp32
     conv_shape: tuple[int, int]  # [3P, W-1], in the cache dtype
     dtype: torch.dtype
+    kv_fp8: bool = False  # latent / index pages in e4m3 with one fp32 scale per `fp8_tile` values
 
     @classmethod
     def from_config(cls, config: ModelConfig, block_size: int = 16, dtype: torch.dtype = torch.float32,
-                    tp_size: int = 1) -> "CacheLayout":
+                    tp_size: int = 1, kv_fp8: bool = False) -> "CacheLayout":
         types = config.layer_types
         heads = config.kda_num_heads // tp_size
         return cls(
@@ -45,6 +46,7 @@ class CacheLayout:
             recurrent_shape=(heads, config.kda_head_dim, config.kda_head_dim),
             conv_shape=(3 * heads * config.kda_head_dim, config.kda_conv_size - 1),
             dtype=dtype,
+            kv_fp8=kv_fp8,
         )
 
     @property
@@ -53,6 +55,9 @@ class CacheLayout:
 
     @property
     def bytes_per_token(self) -> int:
+        if self.kv_fp8:  # one byte a value plus an fp32 scale per tile
+            return sum(n * (dim + dim // fp8_tile(dim) * 4) for n, dim in
+                       ((len(self.latent_layers), self.latent_dim), (len(self.index_layers), self.index_dim)))
         values = len(self.latent_layers) * self.latent_dim + len(self.index_layers) * self.index_dim
         return values * self.element_bytes
 
@@ -65,6 +70,15 @@ class CacheLayout:
         h, k, v = self.recurrent_shape
         c, w = self.conv_shape
         return len(self.kda_layers) * (h * k * v * 4 + c * w * self.element_bytes)
+
+
+def fp8_tile(dim: int) -> int:
+    """Values per fp8 scale in a cached row: the largest power of two <= 128 dividing `dim`
+    (128 for the indexer keys; 64 for K3's 576-wide latent [512 | 64])."""
+    tile = 128
+    while dim % tile:
+        tile //= 2
+    return tile
 
 
 @dataclass(frozen=True)

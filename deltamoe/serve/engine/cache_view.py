@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from deltamoe.ops.quant import dequantize_fp8_act, quantize_fp8_act
 from deltamoe.serve.engine.cache import HybridCache
+from deltamoe.serve.engine.cache_layout import fp8_tile
 
 
 class PagedBatchView:
@@ -83,34 +85,46 @@ class PagedBatchView:
         _put(self._cache.conv, i, self._slots, conv_state)
         _put(self._cache.recurrent, i, self._slots, recurrent_state)
 
-    def _store(self, store: torch.Tensor, layer: int, new: torch.Tensor) -> None:
+    def _store(self, store: torch.Tensor, scales: torch.Tensor | None, layer: int, new: torch.Tensor) -> None:
         rows = new.reshape(-1, new.shape[-1])
         if self._real is not None:
             rows = rows[self._real]
+        if scales is not None:  # fp8 pages: e4m3 values and one fp32 scale per tile
+            rows, row_scales = quantize_fp8_act(rows, fp8_tile(rows.shape[-1]))
+            _put(scales, layer, self._write, row_scales)
         _put(store, layer, self._write, rows)
 
-    def _append(self, store: torch.Tensor, layer: int, new: torch.Tensor) -> torch.Tensor:
-        self._store(store, layer, new)
-        pages = store[layer]
+    def _append(self, store: torch.Tensor, scales: torch.Tensor | None, layer: int, new: torch.Tensor) -> torch.Tensor:
+        self._store(store, scales, layer, new)
         if self._first_row is not None:  # narrow, not a slice: its start and length stay symbols when compiled
-            return pages.narrow(0, self._first_row, self._total).unsqueeze(0)
-        return pages[self._read]
+            rows = [t[layer].narrow(0, self._first_row, self._total).unsqueeze(0) for t in (store, scales)
+                    if t is not None]
+        else:
+            rows = [t[layer][self._read] for t in (store, scales) if t is not None]
+        return rows[0] if scales is None else self._dequantize(*rows)
+
+    def _dequantize(self, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return dequantize_fp8_act(values, scales, fp8_tile(values.shape[-1])).to(self._cache.layout.dtype)
 
     def append_latent(self, layer: int, latent: torch.Tensor) -> torch.Tensor:
-        return self._append(self._cache.latent, self._cache.latent_index[layer], latent)
+        return self._append(self._cache.latent, self._cache.latent_scale, self._cache.latent_index[layer], latent)
 
     def store_latent(self, layer: int, latent: torch.Tensor) -> None:
-        self._store(self._cache.latent, self._cache.latent_index[layer], latent)
+        self._store(self._cache.latent, self._cache.latent_scale, self._cache.latent_index[layer], latent)
 
     def latent_rows(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
         """Only the rows asked for, wherever their pages are: DSA decode's top-k reads stay
         O(k) per query even when a long sequence's blocks are scattered over the pool."""
-        pages = self._cache.latent[self._cache.latent_index[layer]]
-        rows = self._page_rows(positions)
-        return pages.index_select(0, rows.reshape(-1)).view(*positions.shape, pages.shape[-1])
+        i = self._cache.latent_index[layer]
+        rows = self._page_rows(positions).reshape(-1)
+        pages = self._cache.latent[i].index_select(0, rows).view(*positions.shape, -1)
+        if self._cache.latent_scale is None:
+            return pages
+        return self._dequantize(pages, self._cache.latent_scale[i].index_select(0, rows).view(*positions.shape, -1))
 
     def append_index_keys(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
-        return self._append(self._cache.index_keys, self._cache.index_key_index[layer], keys)
+        return self._append(self._cache.index_keys, self._cache.index_key_scale, self._cache.index_key_index[layer],
+                            keys)
 
     def advance(self, num_tokens: int) -> None:
         self.past_lengths = self.past_lengths + (num_tokens if self.new_lengths is None else self.new_lengths)

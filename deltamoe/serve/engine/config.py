@@ -41,6 +41,7 @@ class EngineConfig:
     max_state_fraction: float = 0.5  # at most this share of cache_memory goes to KDA state slots
     seed: int = 0  # seeds requests that give no seed of their own
     compile_decode: bool = False  # run decode steps as one torch.compile graph (serve/engine/compiled_decode.py)
+    kv_cache_dtype: str = "auto"  # latent-KV and indexer-key pages: "auto" (the model dtype) or "fp8" (e4m3 + scales)
 
     def __post_init__(self) -> None:
         self.cache_memory = parse_bytes(self.cache_memory)
@@ -53,9 +54,13 @@ class EngineConfig:
             ("snapshot_interval_blocks", self.snapshot_interval_blocks >= 1, "a positive integer"),
             ("max_snapshots", self.max_snapshots is None or self.max_snapshots >= 0, "None or >= 0"),
             ("max_state_fraction", 0 < self.max_state_fraction <= 1, "a number in (0, 1]"),
+            ("kv_cache_dtype", self.kv_cache_dtype in ("auto", "fp8"), "auto or fp8"),
         ]
         for field, ok, expected in checks:
             if not ok:
                 raise ConfigError(f"expected {expected}, got {getattr(self, field)!r}", field=field)
+        if self.kv_cache_dtype == "fp8" and self.compile_decode:
+            raise ConfigError("an fp8 KV cache runs eagerly only (compiled decode is not yet fp8-aware)",
+                              field="kv_cache_dtype")
         if self.max_snapshots is None:
             self.max_snapshots = self.max_num_seqs if self.enable_prefix_caching else 0

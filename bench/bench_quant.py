@@ -1,0 +1,217 @@
+"""Quantized execution on the CPU, side by side: fp32, bf16, int4 weight-only, W4A8 (fp8 and int8
+activations) and MXFP4 experts.
+
+Speed and memory: the `small` preset (random weights, ~0.5 B-class shape at 512 wide) is
+quantized with `deltamoe quantize`'s code (group 128), loaded with `load_model`, and one
+prompt is decoded greedily at batch 1 through `LLMEngine` (EOS ignored); decode tokens/s is
+the generated tokens over the time after the first token, best of alternating rounds over all
+formats (one torch thread). Resident weight bytes count every
+parameter, buffer and packed weight the model holds.
+
+Accuracy: a trained checkpoint (`--checkpoint`, with the `--train-config` of its run; default:
+the tiny model trained here for `--train-steps` steps on the recall task) is quantized per
+format (group 32, so the tiny model's 96-wide experts are quantized too; unquantized tensors
+kept fp32) and scored on its held-out task rows: logit error against the fp32 model, eval
+loss / perplexity delta, argmax agreement and task accuracy (bound: within 0.02 of fp32).
+
+KV cache: latent-KV + indexer-key bytes per token, bf16 pages vs `--kv-cache-dtype fp8`.
+
+    .venv/bin/python bench/bench_quant.py [--quick] [--checkpoint DIR --train-config JSON]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import markdown_table, result_name, write_result  # noqa: E402
+
+from deltamoe.model.load import load_model  # noqa: E402
+from deltamoe.model.quant_scheme import make_scheme  # noqa: E402
+from deltamoe.model.quantize_modules import resident_weight_bytes  # noqa: E402
+from deltamoe.quantize.checkpoint import quantize_checkpoint  # noqa: E402
+from deltamoe.serve.engine.config import EngineConfig  # noqa: E402
+from deltamoe.serve.engine.llm_engine import LLMEngine  # noqa: E402
+from deltamoe.serve.engine.sampling import SamplingParams  # noqa: E402
+
+# (label, format args for make_scheme or None for float, dtype of the unquantized rest)
+SPEED_FORMATS = [
+    ("fp32", None, torch.float32),
+    ("bf16", None, torch.bfloat16),
+    ("int4 (W4A16)", ("int4", None, None), torch.bfloat16),
+    ("w4a8 fp8", ("w4a8", None, "fp8"), torch.bfloat16),
+    ("w4a8 int8", ("w4a8", None, "int8"), torch.bfloat16),
+    ("mxfp4 experts", ("mxfp4", None, None), torch.bfloat16),
+]
+ACCURACY_FORMATS = [("int4", ("int4", 32, None)), ("w4a8 fp8", ("w4a8", 32, "fp8")),
+                    ("w4a8 int8", ("w4a8", 32, "int8")), ("mxfp4 experts", ("mxfp4", None, None))]
+
+
+def decode_rate(model, new_tokens: int, rounds: int) -> float:
+    """Batch-1 greedy decode tokens/s: (new_tokens - 1) over the time a `new_tokens` run takes
+    beyond a 1-token run (prefill and first token), best of `rounds`."""
+    engine = LLMEngine(model, config=EngineConfig(cache_memory="64MiB", max_num_seqs=1))
+    prompt = [256] + list(range(65, 65 + 15))
+
+    def run(n: int) -> float:
+        t0 = time.perf_counter()
+        engine.generate([prompt], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), progress=False)
+        return time.perf_counter() - t0
+
+    run(2)  # warm-up
+    return max((new_tokens - 1) / (run(new_tokens) - run(1)) for _ in range(rounds))
+
+
+def speed(preset: str, new_tokens: int, rounds: int, tmp: Path) -> list[dict]:
+    """Every format loaded side by side, then timed in alternating rounds (best of `rounds` each),
+    so a shared machine's load swings reach every format alike."""
+    models = {}
+    for label, fmt, dtype in SPEED_FORMATS:
+        if fmt is None:
+            models[label] = load_model(preset, dtype=dtype)
+        else:
+            path = tmp / label.split()[0] / (fmt[2] or "")
+            quantize_checkpoint(preset, path, make_scheme(*fmt), dtype=dtype)
+            models[label] = load_model(path, dtype=dtype)
+    best = {label: 0.0 for label in models}
+    for r in range(rounds):
+        for label, model in models.items():
+            best[label] = max(best[label], decode_rate(model, new_tokens, 1))
+            print(f"round {r}: {label} {best[label]:.2f} tok/s", flush=True)
+    rows = [{"format": label, "rest_dtype": str(dtype).removeprefix("torch."), "decode_tok_s": round(best[label], 2),
+             "weight_bytes": resident_weight_bytes(models[label])} for label, _, dtype in SPEED_FORMATS]
+    base = {r["format"]: r for r in rows}
+    for r in rows:
+        r["speedup_vs_bf16"] = round(r["decode_tok_s"] / base["bf16"]["decode_tok_s"], 2)
+        r["speedup_vs_fp32"] = round(r["decode_tok_s"] / base["fp32"]["decode_tok_s"], 2)
+        r["memory_vs_bf16"] = round(r["weight_bytes"] / base["bf16"]["weight_bytes"], 3)
+    return rows
+
+
+def kv_cache_bytes() -> list[dict]:
+    """Latent-KV + indexer-key bytes per token of context: bf16 pages vs fp8 (e4m3 + per-tile scales)."""
+    from deltamoe.config import load_preset
+    from deltamoe.serve.engine.cache_layout import CacheLayout
+
+    rows = []
+    for preset in ("small", "kimi-k3", "kimi-k3.1-pro"):
+        config = load_preset(preset)
+        bf16 = CacheLayout.from_config(config, dtype=torch.bfloat16).bytes_per_token
+        fp8 = CacheLayout.from_config(config, dtype=torch.bfloat16, kv_fp8=True).bytes_per_token
+        rows.append({"preset": preset, "bf16_bytes_per_token": bf16, "fp8_bytes_per_token": fp8,
+                     "fp8_vs_bf16": round(fp8 / bf16, 4)})
+    return rows
+
+
+def train_tiny(steps: int, out: Path) -> tuple[Path, Path]:
+    from deltamoe.train.config import TrainConfig
+    from deltamoe.train.trainer import train
+
+    settings = {"model": {"preset": "tiny"},
+                "data": {"task": "recall", "num_pairs": 8, "num_queries": 8, "seq_len": 40, "batch_size": 32,
+                         "eval_rows": 128},
+                "optim": {"lr": 3e-3, "warmup_steps": 20, "min_lr_ratio": 0.1},
+                "run": {"steps": steps, "eval_every": steps, "threads": 2, "out": str(out)}}
+    cfg = TrainConfig.from_dict(settings).validate()
+    train(cfg)
+    config_file = out / "bench_train_config.json"
+    config_file.write_text(json.dumps(settings))
+    return out / "model", config_file
+
+
+@torch.no_grad()
+def accuracy(checkpoint: Path, train_config: Path, tmp: Path) -> list[dict]:
+    from deltamoe.hf_config import load_config
+    from deltamoe.train.config import TrainConfig
+    from deltamoe.train.data import build_data
+    from deltamoe.train.evaluate import evaluate, next_token_logits, summarize
+
+    settings = json.loads(Path(train_config).read_text())
+    cfg = TrainConfig.from_dict(settings).validate()
+    data = build_data(cfg, load_config(checkpoint))
+    rows_eval = data.rows("eval", 0, data.eval_rows)
+
+    def score(model) -> tuple[dict, torch.Tensor]:
+        s = summarize(evaluate(model, data, 0, 1, batch_rows=32), data.scores_answers)
+        return s, next_token_logits(model, rows_eval.input_ids).float()
+
+    ref_model = load_model(checkpoint)
+    ref, ref_logits = score(ref_model)
+    out = [{"format": "fp32", "loss": round(ref["loss"], 4), "ppl": round(math.exp(ref["loss"]), 4),
+            "accuracy": ref["accuracy"], "weight_bytes": resident_weight_bytes(ref_model)}]
+    for label, fmt in ACCURACY_FORMATS:
+        path = tmp / ("acc-" + label.replace(" ", "-"))
+        quantize_checkpoint(checkpoint, path, make_scheme(*fmt), dtype=torch.float32)
+        model = load_model(path)
+        s, logits = score(model)
+        err = logits - ref_logits
+        out.append({"format": label, "loss": round(s["loss"], 4), "ppl": round(math.exp(s["loss"]), 4),
+                    "ppl_delta": round(math.exp(s["loss"]) - math.exp(ref["loss"]), 4),
+                    "accuracy": s["accuracy"],
+                    "accuracy_delta": None if s["accuracy"] is None else round(s["accuracy"] - ref["accuracy"], 4),
+                    "logit_max_abs_err": round(err.abs().max().item(), 4),
+                    "logit_rms_err_rel": round((err.pow(2).mean().sqrt() / ref_logits.pow(2).mean().sqrt()).item(), 4),
+                    "argmax_agreement": round((logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item(), 4),
+                    "weight_bytes": resident_weight_bytes(model)})
+        print(out[-1], flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="tiny preset, few tokens (a smoke run)")
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=3, help="alternating timing rounds (best of)")
+    ap.add_argument("--checkpoint", type=Path, default=None, help="trained checkpoint for the accuracy part")
+    ap.add_argument("--train-config", type=Path, default=None, help="the train_config.json of that run")
+    ap.add_argument("--train-steps", type=int, default=300, help="without --checkpoint: train tiny this long")
+    ap.add_argument("--skip-accuracy", action="store_true")
+    # One thread: on a shared machine, OpenMP barriers of a 2-thread run wait on descheduled
+    # threads and swamp the per-token times being compared.
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    preset = "tiny" if args.quick else "small"
+    new_tokens = 8 if args.quick else args.new_tokens
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        speed_rows = speed(preset, new_tokens, 1 if args.quick else args.rounds, tmp)
+        acc_rows = []
+        source = None
+        if not args.skip_accuracy:
+            if args.checkpoint is None:
+                ckpt, tcfg = train_tiny(20 if args.quick else args.train_steps, tmp / "train")
+                source = f"tiny trained here for {20 if args.quick else args.train_steps} steps (recall)"
+            else:
+                ckpt, tcfg = args.checkpoint, args.train_config
+                source = str(args.checkpoint)
+            acc_rows = accuracy(ckpt, tcfg, tmp)
+    print(markdown_table(["format", "rest", "decode tok/s (batch 1)", "x bf16", "x fp32", "weight MiB", "x bf16 bytes"],
+                         [[r["format"], r["rest_dtype"], r["decode_tok_s"], r["speedup_vs_bf16"], r["speedup_vs_fp32"],
+                           round(r["weight_bytes"] / 2**20, 1), r["memory_vs_bf16"]] for r in speed_rows]))
+    if acc_rows:
+        print(markdown_table(["format", "eval loss", "ppl", "ppl delta", "task acc", "acc delta", "logit max err",
+                              "logit rms err (rel)", "argmax agree"],
+                             [[r["format"], r["loss"], r["ppl"], r.get("ppl_delta", ""), r["accuracy"],
+                               r.get("accuracy_delta", ""), r.get("logit_max_abs_err", ""),
+                               r.get("logit_rms_err_rel", ""), r.get("argmax_agreement", "")] for r in acc_rows]))
+    cache_rows = kv_cache_bytes()
+    print(markdown_table(["preset", "KV bytes/token bf16", "fp8", "fp8 / bf16"],
+                         [[r["preset"], r["bf16_bytes_per_token"], r["fp8_bytes_per_token"], r["fp8_vs_bf16"]]
+                          for r in cache_rows]))
+    write_result(result_name("quant", args.quick), {
+        "preset": preset, "new_tokens": new_tokens, "threads": args.threads, "speed": speed_rows,
+        "accuracy_source": source, "accuracy": acc_rows, "kv_cache": cache_rows,
+        "target": {"int4_decode_vs_bf16": 2.0, "accuracy_delta_abs": 0.02, "fp8_kv_vs_bf16": 0.56}})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""`PackedExperts`: a layer's routed experts kept in their checkpoint format in memory.
+
+- MXFP4 (native K3): the E2M1 codes and E8M0 scales of every expert stay as loaded (0.53
+  byte per weight, about a quarter of bf16) and an expert is dequantised to the activation
+  dtype only when tokens are routed to it (no mature CPU MXFP4 matmul exists).
+- INT4 (int4 / w4a8): each expert projection is an `Int4Linear` running the CPU int4 kernel.
+
+It replaces `RoutedExperts` (same place in the module tree, `block_sparse_moe.experts`) and
+`packed_local_experts` replaces the MoE's dispatcher.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deltamoe.config import ModelConfig
+from deltamoe.errors import CheckpointError
+from deltamoe.model.quant_scheme import PARTS, QuantScheme
+from deltamoe.model.quantized_linear import Int4Linear
+from deltamoe.ops.activations import glu
+from deltamoe.ops.packed_experts import experts_forward_by_expert
+from deltamoe.ops.quant import MXFP4_GROUP, dequantize_mxfp4, dequantize_mxfp4_bf16
+
+PROJECTIONS = ("w1", "w3", "w2")  # gate, up [I, D']; down [D', I]
+
+
+class PackedExperts(nn.Module):
+    def __init__(self, config: ModelConfig, scheme: QuantScheme, use_kernel: bool | None = None):
+        super().__init__()
+        self.config = config
+        self.scheme = scheme
+        e, i, d = config.num_experts, config.moe_intermediate_size, config.expert_dim
+        self.shapes = {"w1": (i, d), "w3": (i, d), "w2": (d, i)}  # [out, in] per expert
+        self.num_experts = e
+        if scheme.weight_format == "int4":
+            self.linears = nn.ModuleDict({w: nn.ModuleList(Int4Linear(s[1], s[0], scheme, use_kernel)
+                                                        for _ in range(e))
+                                          for w, s in self.shapes.items()})
+        else:
+            # Allocated by the first tensor that loads (the model skeleton is built on meta).
+            self.packed: dict[str, torch.Tensor] = {}
+            self.scale: dict[str, torch.Tensor] = {}
+        self.loaded: set[tuple[str, int, str]] = set()
+
+    def load_part(self, name: str, proj: str, expert: int, part: str, tensor: torch.Tensor) -> None:
+        """One published tensor of one expert (`experts.E.w1.weight_packed`, ...)."""
+        if not 0 <= expert < self.num_experts:
+            raise CheckpointError(f"expert index {expert} out of range (num_experts={self.num_experts})", field=name)
+        if part not in PARTS[self.scheme.weight_format]:
+            raise CheckpointError(f"unexpected tensor {name} for {self.scheme.weight_format} experts", field=name)
+        if self.scheme.weight_format == "int4":
+            self.linears[proj][expert].load_part(name, part, tensor)
+        else:
+            rows, cols = self.shapes[proj]
+            expect = (rows, cols // 2) if part == "weight_packed" else (rows, cols // MXFP4_GROUP)
+            if tuple(tensor.shape) != expect or tensor.dtype != torch.uint8:
+                raise CheckpointError(f"shape mismatch for {name}: checkpoint {tensor.dtype} {tuple(tensor.shape)}, "
+                                      f"model uint8 {expect}", field=name)
+            store = self.packed if part == "weight_packed" else self.scale
+            if proj not in store:
+                store[proj] = torch.empty(self.num_experts, *expect, dtype=torch.uint8)
+            store[proj][expert].copy_(tensor)
+        self.loaded.add((proj, expert, part))
+
+    def missing(self) -> str | None:
+        """The first published tensor not loaded yet, as `E.w1.weight_scale`, or None."""
+        for w in PROJECTIONS:
+            for e in range(self.num_experts):
+                for part in PARTS[self.scheme.weight_format]:
+                    if (w, e, part) not in self.loaded:
+                        return f"{e}.{w}.{part}"
+        return None
+
+    def expert_weight(self, proj: str, expert: int, dtype: torch.dtype) -> torch.Tensor:
+        """MXFP4: one expert's projection dequantised to `dtype`."""
+        packed, scale = self.packed[proj][expert], self.scale[proj][expert]
+        if dtype in (torch.bfloat16, torch.float32):  # both hold every MXFP4 value exactly
+            return dequantize_mxfp4_bf16(packed, scale).to(dtype)
+        return dequantize_mxfp4(packed, scale, dtype=dtype)
+
+    def expert_mlp(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        if self.scheme.weight_format == "int4":
+            lin = {w: self.linears[w][expert] for w in PROJECTIONS}
+            hidden = glu(lin["w1"](x), lin["w3"](x), c.hidden_act, c.situ_beta, c.situ_linear_beta)
+            return lin["w2"](hidden)
+        w1, w3, w2 = (self.expert_weight(w, expert, x.dtype) for w in PROJECTIONS)
+        return glu(x @ w1.T, x @ w3.T, c.hidden_act, c.situ_beta, c.situ_linear_beta) @ w2.T
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        return experts_forward_by_expert(x, weights, indices, self.num_experts, self.expert_mlp)
+
+    def resident_bytes(self) -> int:
+        if self.scheme.weight_format == "int4":
+            return sum(m.resident_bytes() for m in self.linears.modules() if isinstance(m, Int4Linear))
+        return sum(t.numel() * t.element_size() for t in [*self.packed.values(), *self.scale.values()])
+
+
+def packed_local_experts(z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+                         experts: PackedExperts) -> torch.Tensor:
+    """The MoE dispatcher for packed experts (same signature as `ffn.local_experts`)."""
+    return experts(z, weights, indices)

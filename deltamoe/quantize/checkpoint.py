@@ -1,0 +1,52 @@
+"""Write a quantized checkpoint from a float one, in the published compressed-tensors layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from deltamoe.hf_config import config_to_hf
+from deltamoe.model.load import load_model
+from deltamoe.model.model import DeltaMoEForCausalLM
+from deltamoe.model.quant_scheme import QuantScheme, quantize_weight, scheme_to_config
+from deltamoe.model.quantize_modules import quantized_module_names
+from deltamoe.model.checkpoint_names import param_to_checkpoint
+from deltamoe.model.weights import save_tensors, state_dict_for_checkpoint
+
+
+def quantized_state_dict(model: DeltaMoEForCausalLM, scheme: QuantScheme,
+                         dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """Published names -> tensors: each quantized weight `X.weight` becomes `X.weight_packed`,
+    `X.weight_scale` (+ `X.weight_shape` for int4); other floating tensors are cast to `dtype`,
+    except fp32 buffers (the router correction bias stays fp32, as in the released checkpoints)."""
+    targets: set[str] = set()
+    for module in quantized_module_names(model, scheme):
+        for name, _ in model.get_submodule(module).named_parameters(prefix=module):
+            ck = param_to_checkpoint(name, model.config)
+            targets.update(ck if isinstance(ck, list) else [ck])
+    buffers = {param_to_checkpoint(n, model.config) for n, _ in model.named_buffers()}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state_dict_for_checkpoint(model).items():
+        if name in targets:
+            stem = name.removesuffix(".weight")
+            for part, value in quantize_weight(scheme, t).items():
+                out[f"{stem}.{part}"] = value.contiguous()
+        elif t.is_floating_point() and name not in buffers:
+            out[name] = t.to(dtype).contiguous()
+        else:
+            out[name] = t
+    return out
+
+
+def quantize_checkpoint(source: str | Path, out: str | Path, scheme: QuantScheme,
+                        dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 2 * 1024**3) -> dict[str, int]:
+    """Load `source` (checkpoint folder or preset) in fp32, quantize, write to `out`. Returns byte counts."""
+    model = load_model(source, dtype=torch.float32)
+    tensors = quantized_state_dict(model, scheme, dtype)
+    config = config_to_hf(model.config)
+    config["quantization_config"] = scheme_to_config(scheme)
+    save_tensors(tensors, out, config, max_shard_bytes)
+    quantized = sum(t.numel() * t.element_size() for n, t in tensors.items() if n.rsplit(".", 1)[-1].startswith("weight_"))
+    return {"tensors": len(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+            "quantized_bytes": quantized}

@@ -1,0 +1,184 @@
+"""`deltamoe quantize` checkpoints: published layout, loading quantized, kernels vs references, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from deltamoe.errors import CheckpointError
+from deltamoe.model.load import load_model
+from deltamoe.model.packed_experts import PackedExperts
+from deltamoe.model.quant_scheme import make_scheme, scheme_from_config, scheme_to_config
+from deltamoe.model.quantize_modules import resident_weight_bytes
+from deltamoe.model.quantized_linear import Int4Linear
+from deltamoe.quantize.checkpoint import quantize_checkpoint
+from deltamoe.serve.engine.config import EngineConfig
+from deltamoe.serve.engine.llm_engine import LLMEngine
+from deltamoe.serve.engine.sampling import SamplingParams
+
+# tiny: hidden 128, latent experts 64 x 96, so group 32 quantizes the experts too.
+FORMATS = {"int4": ("int4", 32, None), "w4a8-fp8": ("w4a8", 32, "fp8"), "w4a8-int8": ("w4a8", 32, "int8"),
+           "mxfp4": ("mxfp4", None, None)}
+EXPERT = "language_model.model.layers.1.block_sparse_moe.experts.3.w2"
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    out = {}
+    for key, args in FORMATS.items():
+        path = tmp_path_factory.mktemp(key)
+        quantize_checkpoint("tiny", path, make_scheme(*args), dtype=torch.float32)
+        out[key] = path
+    return out
+
+
+def _logits(model, seed=0):
+    ids = torch.randint(0, 256, (2, 19), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_int4_checkpoint_uses_compressed_tensors_names(checkpoints):
+    path = checkpoints["int4"]
+    config = json.loads((path / "config.json").read_text())
+    qc = config["quantization_config"]
+    assert qc["format"] == "pack-quantized" and qc["config_groups"]["group_0"]["weights"]["group_size"] == 32
+    tensors = load_file(str(path / "model.safetensors"))
+    assert tensors[f"{EXPERT}.weight_packed"].dtype == torch.int32
+    assert tensors[f"{EXPERT}.weight_packed"].shape == (64, 96 // 8)  # [D', I/8]
+    assert tensors[f"{EXPERT}.weight_scale"].shape == (64, 96 // 32)
+    assert tensors[f"{EXPERT}.weight_shape"].tolist() == [64, 96]
+    assert "language_model.model.layers.0.mlp.gate_proj.weight_packed" in tensors
+    assert "language_model.lm_head.weight" in tensors  # ignored: stays float
+    assert "language_model.model.layers.3.self_attn.kv_b_proj.weight" in tensors
+    assert scheme_from_config(qc) == make_scheme("int4", 32)
+
+
+def test_mxfp4_checkpoint_quantizes_routed_experts_only(checkpoints):
+    tensors = load_file(str(checkpoints["mxfp4"] / "model.safetensors"))
+    assert tensors[f"{EXPERT}.weight_packed"].dtype == torch.uint8
+    assert tensors[f"{EXPERT}.weight_packed"].shape == (64, 48)
+    assert tensors[f"{EXPERT}.weight_scale"].shape == (64, 3)
+    assert "language_model.model.layers.1.block_sparse_moe.shared_experts.gate_proj.weight" in tensors
+    assert not any(n.endswith("weight_packed") and ".experts." not in n for n in tensors)
+
+
+@pytest.mark.parametrize("key", list(FORMATS))
+def test_quantized_model_runs_packed_and_matches_its_reference(checkpoints, key):
+    model = load_model(checkpoints[key])
+    linears = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    experts = [m for m in model.modules() if isinstance(m, PackedExperts)]
+    assert len(experts) == 8  # every MoE layer: 7 of the trunk (layer 0 is dense) and the MTP layer
+    if key == "mxfp4":
+        assert not linears
+    else:
+        assert all(m.use_kernel for m in linears)
+        assert not any(isinstance(m, torch.nn.Linear) and m.in_features % 32 == 0 for n, m in model.named_modules()
+                       if not n.endswith(("lm_head", "head", "kv_b_proj")))
+    reference = load_model(checkpoints[key], quant_kernels=False)
+    got, ref = _logits(model), _logits(reference)
+    # Same arithmetic up to summation order; a bf16 output (or int8 activation) rounding step
+    # that lands the other way moves a few logits by up to about 1 %.
+    tol = 1e-5 if key == "mxfp4" else 2e-2
+    assert (got - ref).abs().max() < tol * ref.abs().max()
+    assert (got - ref).abs().median() < 2e-3 * ref.abs().max()
+    dequantized = load_model(checkpoints[key], dequantize=True)
+    assert (_logits(dequantized) - ref).abs().max() < 0.2 * ref.abs().max()  # activation rounding only
+    assert resident_weight_bytes(model) < 0.6 * resident_weight_bytes(dequantized)
+
+
+def test_mxfp4_experts_equal_the_dequantized_model(checkpoints):
+    got = _logits(load_model(checkpoints["mxfp4"]))
+    ref = _logits(load_model(checkpoints["mxfp4"], dequantize=True))
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("key", ["int4", "mxfp4"])
+def test_engine_greedy_output_equals_the_reference_model(checkpoints, key):
+    prompts = [[256, 72, 101, 108], [256, 87, 104, 97, 116, 32, 105, 115], [256, 1, 2, 3, 4, 5]]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    runs = []
+    for kw in ({}, {"quant_kernels": False} if key == "int4" else {"dequantize": True}):
+        engine = LLMEngine(load_model(checkpoints[key], **kw), config=EngineConfig(cache_memory="8MiB"))
+        runs.append([c.token_ids for c in engine.generate(prompts, params, progress=False)])
+    assert runs[0] == runs[1]
+    assert all(len(t) == 10 for t in runs[0])
+
+
+def test_missing_quantized_tensor_names_it(checkpoints, tmp_path):
+    src = checkpoints["int4"]
+    tensors = load_file(str(src / "model.safetensors"))
+    del tensors[f"{EXPERT}.weight_scale"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((src / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="experts.3.w2.weight_scale"):
+        load_model(tmp_path)
+    del tensors["language_model.model.layers.0.mlp.up_proj.weight_packed"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="layers.0.mlp.up_proj.weight"):
+        load_model(tmp_path)
+
+
+def test_k3_style_config_with_the_format_in_its_group_reads_as_mxfp4():
+    qc = {"quant_method": "compressed-tensors", "ignore": ["lm_head", "re:.*shared_experts.*"],
+          "config_groups": {"group_0": {"format": "mxfp4-pack-quantized", "targets": ["Linear"],
+                                        "weights": {"num_bits": 4, "type": "float", "group_size": 32}}}}
+    scheme = scheme_from_config(qc)
+    assert scheme.format == "mxfp4" and scheme.ignore == ("lm_head", "re:.*shared_experts.*")
+
+
+def test_unsupported_quantization_config_is_a_checkpoint_error():
+    qc = scheme_to_config(make_scheme("int4"))
+    qc["config_groups"]["group_0"]["weights"]["symmetric"] = False
+    with pytest.raises(CheckpointError, match="symmetric int4"):
+        scheme_from_config(qc)
+    with pytest.raises(CheckpointError, match="quant_method"):
+        scheme_from_config({"quant_method": "gptq"})
+
+
+def test_make_scheme_rejects_bad_options():
+    with pytest.raises(ValueError, match="format"):
+        make_scheme("nf4")
+    with pytest.raises(ValueError, match="group_size"):
+        make_scheme("int4", 48)
+    with pytest.raises(ValueError, match="activations"):
+        make_scheme("int4", activations="fp8")
+    assert make_scheme("w4a8").activations == "fp8"
+
+
+def test_quantize_command_writes_a_loadable_checkpoint(tmp_path, capsys):
+    from deltamoe.cli import main
+
+    assert main(["quantize", "tiny", str(tmp_path / "q"), "--format", "w4a8", "--group-size", "32",
+                 "--activations", "int8"]) == 0
+    assert "quantized w4a8" in capsys.readouterr().out
+    model = load_model(tmp_path / "q")
+    linear = model.model.layers[0].mlp.gate_proj
+    assert isinstance(linear, Int4Linear) and linear.activations == "int8"
+    assert model.lm_head.weight.dtype == torch.float32  # loaded in fp32 from the bf16 file
+    with safe_open(str(tmp_path / "q" / "model.safetensors"), "pt") as f:
+        assert f.get_slice("language_model.lm_head.weight").get_dtype() == "BF16"
+
+
+@pytest.mark.parametrize("args,field", [(["--format", "nf4"], "--format"),
+                                        (["--format", "int4", "--group-size", "48"], "--group-size"),
+                                        (["--format", "mxfp4", "--activations", "fp8"], "--activations"),
+                                        (["--format", "int4", "--dtype", "fp16"], "--dtype")])
+def test_quantize_command_bad_options_exit_2_with_one_line(tmp_path, capsys, args, field):
+    from deltamoe.cli import main
+
+    assert main(["quantize", "tiny", str(tmp_path / "q"), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {field}:") and "\n" not in err
+    assert not (tmp_path / "q").exists()
+
+
+def test_saving_a_quantized_model_is_refused(checkpoints, tmp_path):
+    from deltamoe.model.weights import save_checkpoint
+
+    with pytest.raises(CheckpointError, match="not saved"):
+        save_checkpoint(load_model(checkpoints["mxfp4"]), tmp_path / "copy")
