@@ -18,6 +18,7 @@ import typer
 
 from deltamoe.errors import ConfigError
 from deltamoe.hf_config import load_config
+from deltamoe.threads import THREADS_HELP, choose_threads
 
 if TYPE_CHECKING:
     import torch
@@ -66,20 +67,12 @@ def bind_listen_address(host: str, port: int) -> socket.socket:
     return sock
 
 
-def engine_threads(requested: Optional[int], device: str) -> Optional[int]:
-    """Torch threads for a CPU server's engine: `--threads`, else OMP_NUM_THREADS if set, else all
-    cores but one. The HTTP front end (and on a workstation, the clients) needs a core of its own:
-    on two cores, two intra-op threads beside a busy front end made the online benchmark's
-    streams 3x slower (TPOT p50 56 vs 14 ms at 8 clients). None: leave torch's setting alone."""
-    import os
-
-    if requested is not None:
-        if requested < 1:
-            raise ConfigError(f"expected a positive number of threads, got {requested}", field="threads")
-        return requested
-    if not device.startswith("cpu") or os.environ.get("OMP_NUM_THREADS"):
-        return None
-    return max(1, (os.cpu_count() or 1) - 1)
+def engine_threads(requested: Optional[int]) -> int:
+    """Torch threads for the serving engine: `deltamoe.threads.choose_threads` keeping one core for
+    the HTTP front end (and on a workstation, the clients): on two cores, two intra-op threads beside
+    a busy front end made the online benchmark's streams 3x slower (TPOT p50 56 vs 14 ms at 8
+    clients). `--threads` or OMP_NUM_THREADS, when given, stand as they are."""
+    return choose_threads(requested, reserve=1)
 
 
 COMPILE_DECODE_HELP = ("Run decode steps as one torch.compile graph (2-7x faster steps for small models on a CPU, "
@@ -88,15 +81,19 @@ COMPILE_DECODE_HELP = ("Run decode steps as one torch.compile graph (2-7x faster
 
 
 def build_engine(model: str, tokenizer: Optional[str], cache_memory: str, max_num_seqs: int,
-                 max_num_batched_tokens: int, dtype: str, device: str, compile_decode: bool = False):
+                 max_num_batched_tokens: int, dtype: str, device: str, compile_decode: bool = False,
+                 threads: Optional[int] = None):
     from deltamoe.serve.engine.config import EngineConfig
 
     check_dtype(dtype)
+    chosen = choose_threads(threads)
     config = EngineConfig(cache_memory=cache_memory, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, compile_decode=compile_decode)
     load_config(model)  # an unknown model fails here, from its config alone
     from deltamoe.serve.engine.llm_engine import LLMEngine  # imports torch: after every check above
+    from deltamoe.threads import apply_threads
 
+    apply_threads(chosen)
     return LLMEngine.from_pretrained(model, config, tokenizer, parse_dtype(dtype), device)
 
 
@@ -120,10 +117,11 @@ def generate_command(
     device: str = typer.Option("cpu"),
     progress: bool = typer.Option(False, help="Show a progress bar with tokens/s."),
     compile_decode: bool = typer.Option(False, "--compile-decode", help=COMPILE_DECODE_HELP),
+    threads: Optional[int] = typer.Option(None, help=THREADS_HELP),
 ) -> None:
     """Generate text for one or more prompts (continuous batching)."""
     engine = build_engine(model, tokenizer, cache_memory, max_num_seqs, max_num_batched_tokens, dtype, device,
-                          compile_decode)
+                          compile_decode, threads)
     from deltamoe.serve.api.chat_template import ChatTemplate
     from deltamoe.serve.engine.sampling import SamplingParams
 
@@ -153,9 +151,10 @@ def chat_command(
     cache_memory: str = typer.Option("1GiB"),
     dtype: str = typer.Option("float32"),
     device: str = typer.Option("cpu"),
+    threads: Optional[int] = typer.Option(None, help=THREADS_HELP),
 ) -> None:
     """Interactive chat in the terminal (/reset clears the history, /exit or Ctrl-D quits)."""
-    engine = build_engine(model, tokenizer, cache_memory, 1, 512, dtype, device)
+    engine = build_engine(model, tokenizer, cache_memory, 1, 512, dtype, device, threads=threads)
     from rich.console import Console
 
     from deltamoe.serve.api.chat_template import ChatTemplate
@@ -209,8 +208,8 @@ def serve_command(
     dtype: str = typer.Option("float32"),
     device: str = typer.Option("cpu"),
     log_level: str = typer.Option("info", help="uvicorn log level (warning keeps the access log quiet)."),
-    threads: Optional[int] = typer.Option(None, help="Torch threads of the engine on a CPU (default: "
-                                          "OMP_NUM_THREADS, else all cores but one, kept for the HTTP front end)."),
+    threads: Optional[int] = typer.Option(None, help=THREADS_HELP + "; serve keeps one more core for the HTTP "
+                                          "front end"),
     compile_decode: bool = typer.Option(False, "--compile-decode", help=COMPILE_DECODE_HELP + " Every decode graph is compiled at startup, before the port opens."),
 ) -> None:
     """OpenAI-compatible HTTP server (deltamoe.serve.api) over an AsyncLLMEngine."""
@@ -220,7 +219,7 @@ def serve_command(
     config = EngineConfig(cache_memory=cache_memory, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                           compile_decode=compile_decode)
-    chosen = engine_threads(threads, device)
+    chosen = engine_threads(threads)
     load_config(model)  # an unknown model fails here, from its config alone
     listener = bind_listen_address(host, port)
     try:
@@ -233,8 +232,7 @@ def serve_command(
     from deltamoe.serve.api.chat_template import ChatTemplate
     from deltamoe.serve.engine.async_engine import AsyncLLMEngine
 
-    if chosen is not None:
-        torch.set_num_threads(chosen)
+    torch.set_num_threads(chosen)
     engine = AsyncLLMEngine.from_pretrained(model, config, tokenizer, parse_dtype(dtype), device)
     if compile_decode:
         typer.echo("compiling the decode graphs (once per process; for the 8-layer tiny preset on two cores about "
