@@ -75,9 +75,11 @@ def engine_threads(requested: Optional[int]) -> int:
     return choose_threads(requested, reserve=1)
 
 
-COMPILE_DECODE_HELP = ("Run decode steps as one torch.compile graph (2-7x faster steps for small models on a CPU, "
-                       "one sequence gains most; compiling takes seconds to minutes with the model's size, once, and "
-                       "needs a C++ compiler).")
+COMPILE_HELP = ("Run decode steps through torch.compile'd layer regions (faster steps for small models on a CPU, "
+                "most for one sequence; the first start compiles for about two minutes of CPU for the tiny preset, "
+                "later ones mostly read inductor's disk cache; needs a C++ compiler). Greedy tokens are the same as "
+                "--no-compile's (eager, the default). --compile-decode: the same as --compile.")
+COMPILE_DECLS = ("--compile/--no-compile", "--compile-decode")
 
 
 def build_engine(model: str, tokenizer: Optional[str], cache_memory: str, max_num_seqs: int,
@@ -116,7 +118,7 @@ def generate_command(
     dtype: str = typer.Option("float32"),
     device: str = typer.Option("cpu"),
     progress: bool = typer.Option(False, help="Show a progress bar with tokens/s."),
-    compile_decode: bool = typer.Option(False, "--compile-decode", help=COMPILE_DECODE_HELP),
+    compile_decode: bool = typer.Option(False, *COMPILE_DECLS, help=COMPILE_HELP),
     threads: Optional[int] = typer.Option(None, help=THREADS_HELP),
 ) -> None:
     """Generate text for one or more prompts (continuous batching)."""
@@ -152,9 +154,11 @@ def chat_command(
     dtype: str = typer.Option("float32"),
     device: str = typer.Option("cpu"),
     threads: Optional[int] = typer.Option(None, help=THREADS_HELP),
+    compile_decode: bool = typer.Option(False, *COMPILE_DECLS, help=COMPILE_HELP),
 ) -> None:
     """Interactive chat in the terminal (/reset clears the history, /exit or Ctrl-D quits)."""
-    engine = build_engine(model, tokenizer, cache_memory, 1, 512, dtype, device, threads=threads)
+    engine = build_engine(model, tokenizer, cache_memory, 1, 512, dtype, device, compile_decode, threads)
+    engine.warm_up()  # compiles before the first question (a no-op when decoding eagerly)
     from rich.console import Console
 
     from deltamoe.serve.api.chat_template import ChatTemplate
@@ -210,7 +214,9 @@ def serve_command(
     log_level: str = typer.Option("info", help="uvicorn log level (warning keeps the access log quiet)."),
     threads: Optional[int] = typer.Option(None, help=THREADS_HELP + "; serve keeps one more core for the HTTP "
                                           "front end"),
-    compile_decode: bool = typer.Option(False, "--compile-decode", help=COMPILE_DECODE_HELP + " Every decode graph is compiled at startup, before the port opens."),
+    compile_decode: bool = typer.Option(False, *COMPILE_DECLS,
+                                        help=COMPILE_HELP + " Every decode graph compiles at startup, before the "
+                                                            "port opens."),
 ) -> None:
     """OpenAI-compatible HTTP server (deltamoe.serve.api) over an AsyncLLMEngine."""
     from deltamoe.serve.engine.config import EngineConfig
@@ -234,9 +240,9 @@ def serve_command(
 
     torch.set_num_threads(chosen)
     engine = AsyncLLMEngine.from_pretrained(model, config, tokenizer, parse_dtype(dtype), device)
-    if compile_decode:
-        typer.echo("compiling the decode graphs (once per process; for the 8-layer tiny preset on two cores about "
-                   "6 min on a first start, 1 min from inductor's disk cache)...", err=True)
+    if config.compile_decode:
+        typer.echo("compiling the decode regions (once per process; for the 8-layer tiny preset about 2 min of CPU "
+                   "on a first start, 20 s from inductor's disk cache)...", err=True)
         engine.engine.warm_up()
     template = ChatTemplate.for_model(engine.tokenizer, tokenizer or model)
     api.run(engine, model_name=served_model_name or model, host=host, port=port, api_key=api_key,
