@@ -1,7 +1,7 @@
-"""Decode steps through compiled layer regions (`EngineConfig.compile_decode`, `--compile`).
+"""The decode call as one compiled graph (`EngineConfig.compile_decode`, `--compile`).
 
-Everything torch.compile needs to know lives here: the compiled regions and their options, the
-shape settings, the model form they trace, the rule the cache view's block tables follow, and the
+Everything torch.compile needs to know lives here: the compiled callable and its options, the
+shape settings, the model form it traces, the rule the cache view's block tables follow, and the
 graph classes with the made-up requests that reach each one (`warm_up_rounds`).
 
 Why: a small model's decode step on a CPU is bound by per-op overhead, not arithmetic: about
@@ -10,48 +10,37 @@ Why: a small model's decode step on a CPU is bound by per-op overhead, not arith
 few dozen kernels (bench/bench_serve_offline.py and bench/bench_serve_dsa_decode.py report both
 modes). It is what vLLM's CUDA graphs and torch.compile are for on a GPU.
 
-Regions, not one graph ("regional compilation"): each decoder layer's attention and its FFN run
-through one shared compiled function (`_region_call`) that takes the module as an argument, so
-layers of the same structure (every KDA attention, every MoE, ...) run the same compiled code with
-their own parameters: a graph per kind of block instead of one per model, and a shape class that
-concerns one block (the experts' gather form, DSA's top-k) recompiles only that block. The glue
-between them (norms, AttnRes mixes, residual adds, the LM head) runs eagerly. For the 8-layer
-`tiny` preset the first start compiles 13 small graphs instead of 8 whole-model ones (measured
-figures in docs/serving.md). Each layer's cache is handed over as that layer's own slices
-(`LayerStores`), so the graph never depends on which layer it serves.
-
-What makes each region one graph (each branch tested against the eager form):
+What makes the decode forward one graph (each branch tested against the eager form):
 - the cache view writes through whole cache tensors (`cache_view._put`), never through a view
-  made inside the graph, so the graph updates pages in place instead of rebuilding the cache;
-- the regions run `decode_form(model)`: the same parameters, with every MoE dispatching to
+  of one layer, so the graph updates pages in place instead of rebuilding the cache;
+- the graph runs `decode_form(model)`: the same parameters, with every MoE dispatching to
   `ops.moe.experts_forward_static` (no per-expert slices sized on the host);
 - DSA's top-k is one `torch.topk` over distinct keys (no flag read back to the host);
 - absorbed MLA reads the cache's own [latent | k_pe] rows (`mla_attention_absorbed_joined`).
 
-Graph classes. Batch and context length are dynamic, traced without duck shaping (`_compiled_region`);
+Graph classes. Batch and context length are dynamic, traced without duck shaping (`_compiled_call`);
 a few shape rules still split the graphs, each asked of its owner rather than copied here:
-- batch 1 is a graph of its own (torch specialises size 1), and attention reads its pages as one
-  slice (blocks consecutive) or gathers them (scattered): `cache_view.PagedBatchView`;
-- batches of 2 and more: MoE has one graph per form of `ops.moe.gathers_expert_weights`;
-- DSA attention, one per form of `ops.dsa.selects_every_key` (contexts under and over top-k).
-`LLMEngine.warm_up` sends the requests of `warm_up_rounds` through the scheduler so every class
-compiles before traffic. Prefill chunks stay eager: their lengths vary and they are a small share
-of the steps.
+- batch 1 is a graph of its own (torch specialises size 1), and reads its pages as one slice
+  (blocks consecutive) or gathers them (scattered): `cache_view.PagedBatchView`;
+- batches of 2 and more: one graph per form of `ops.moe.gathers_expert_weights`;
+- with DSA layers, one per form of `ops.dsa.selects_every_key` (contexts under and over top-k).
+Each compiles once per process (~10-30 s for a 4-layer model on two cores; inductor caches it on
+disk). `LLMEngine.warm_up` sends the requests of `warm_up_rounds` through the scheduler so every
+class compiles before traffic. Prefill chunks stay eager: their lengths vary and they are a small
+share of the steps.
 
 Guards on the model's modules are skipped (`skip_guard_on_all_nn_modules_unsafe`): checking
-hundreds of parameters costs ~0.2-0.4 ms per step. Instead each region's call carries a key that
-the graph is guarded on: the model's own id and the block's structure (class, parameter names,
-shapes and dtypes). Two models in one process never share a graph, and within a model only
-blocks of one structure do. What stays the caller's promise: a served model does not change its
-parameter shapes, dtypes or module attributes (weights updated in place, as an RL weight sync
-does, are read afresh every call).
+hundreds of parameters costs ~0.2-0.4 ms per step. Torch keeps compiled graphs per code object,
+not per model, so each model gets a key of its own that the graph is guarded on: two models in
+one process never share a graph. What stays the caller's promise: a served model does not change
+its parameter shapes, dtypes or module attributes (weights updated in place, as an RL weight
+sync does, are read afresh every call).
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import hashlib
 import uuid
 from dataclasses import dataclass
 from typing import Callable
@@ -65,8 +54,8 @@ from deltamoe.ops.dsa import selects_every_key
 from deltamoe.ops.moe import gathers_expert_weights
 from deltamoe.serve.engine.decode_matvec_pass import DecodeMatvecPass
 
-# Graphs one process may hold for the regions: each kind of block's classes, for a few models.
-RECOMPILE_LIMIT = 256
+# Graphs one process may hold for the decode call: the classes above, for a few models.
+RECOMPILE_LIMIT = 64
 
 
 def compiler_available() -> bool:
@@ -81,7 +70,7 @@ def compiler_available() -> bool:
 
 
 class CompiledDecode:
-    """(input_ids [B, 1], cache view) -> last-position logits [B, 1, V], through the compiled regions.
+    """(input_ids [B, 1], cache view) -> last-position logits [B, 1, V], through the compiled graph.
 
     Compiles lazily on first use of each graph class; raises ConfigError where it cannot run
     (training mode, no C++ compiler for CPU kernels)."""
@@ -92,17 +81,17 @@ class CompiledDecode:
 
     def __init__(self, model: torch.nn.Module):
         if model.training:
-            raise ConfigError("expected a model in eval mode for compiled decode", field="compile_decode")
+            raise ConfigError("expected a model in eval mode for the compiled decode graph", field="compile_decode")
         if next(model.parameters()).device.type == "cpu" and not compiler_available():
             raise ConfigError("needs a C++ compiler for torch.compile's CPU kernels (g++ or $CXX); "
                               "install one or run with --no-compile", field="compile_decode")
         key = model.__dict__.get("_compiled_decode_key")
         if key is None:
             key = model._compiled_decode_key = uuid.uuid4().hex
-        self._model = regional_form(decode_form(model), key)
+        self._model, self._key, self._call = decode_form(model), key, _compiled_call()
 
     def __call__(self, input_ids: torch.Tensor, view: object) -> torch.Tensor:
-        return self._model(input_ids, cache=view, logits_to_keep=1).logits
+        return self._call(self._model, self._key, input_ids, view)
 
 
 def decode_form(module: torch.nn.Module) -> torch.nn.Module:
@@ -121,88 +110,15 @@ def decode_form(module: torch.nn.Module) -> torch.nn.Module:
     return twin
 
 
-def regional_form(twin: torch.nn.Module, model_key: str) -> torch.nn.Module:
-    """`twin` (a `decode_form`) with each trunk layer's attention and FFN called through the shared
-    compiled region function; everything else in it runs eagerly."""
-    from deltamoe.model.decoder import DecoderLayer
-
-    for layer in twin.model.trunk:
-        if not isinstance(layer, DecoderLayer):
-            raise ConfigError(f"expected decoder layers, got {type(layer).__name__}", field="compile_decode")
-        ffn = "block_sparse_moe" if layer.is_moe else "mlp"
-        for name, layer_idx in (("self_attn", layer.layer_idx), (ffn, None)):
-            block = layer._modules[name]
-            layer._modules[name] = CompiledRegion(block, f"{model_key}/{_structure(block)}", layer_idx)
-    return twin
-
-
-class CompiledRegion(torch.nn.Module):
-    """One layer's attention (`layer_idx` set: it reads the cache) or FFN, run by `_compiled_region()`."""
-
-    def __init__(self, block: torch.nn.Module, key: str, layer_idx: int | None):
-        super().__init__()
-        self.block, self.key, self.layer_idx = block, key, layer_idx
-
-    def forward(self, x: torch.Tensor, cache: object = None) -> torch.Tensor:
-        if self.layer_idx is None:
-            return _compiled_region()(self.block, self.key, x, None)
-        view = copy.copy(cache)  # the step's view, over this layer's slices of the cache
-        view._cache = LayerStores(cache._cache, self.layer_idx)
-        return _compiled_region()(self.block, self.key, x, view)
-
-
-class LayerStores:
-    """The cache as one layer's region sees it: that layer's slice of each store, one layer deep
-    (views, no copies). Every layer's stores are at index 0, so the layer number the attention
-    module passes to its cache view never reaches the graph, and layers of one kind share it."""
-
-    def __init__(self, cache: object, layer: int):
-        self.block_size = cache.block_size
-        self.conv = self.recurrent = self.latent = self.index_keys = None
-        if layer in cache.kda_index:
-            i = cache.kda_index[layer]
-            self.conv, self.recurrent = cache.conv[i:i + 1], cache.recurrent[i:i + 1]
-        if layer in cache.latent_index:
-            i = cache.latent_index[layer]
-            self.latent = cache.latent[i:i + 1]
-        if layer in cache.index_key_index:
-            i = cache.index_key_index[layer]
-            self.index_keys = cache.index_keys[i:i + 1]
-
-    @property
-    def kda_index(self) -> "_IndexZero":
-        return _INDEX_ZERO
-
-    latent_index = index_key_index = kda_index
-
-
-class _IndexZero:
-    """The layer -> store index map of `LayerStores`: every layer is at 0."""
-
-    def __getitem__(self, layer: int) -> int:
-        return 0
-
-
-_INDEX_ZERO = _IndexZero()
-
-
-def _structure(block: torch.nn.Module) -> str:
-    """A digest of what a block's graph depends on besides its inputs: its class and its parameters' and
-    buffers' names, shapes and dtypes (blocks built from one model config differ in nothing else)."""
-    tensors = [*block.named_parameters(), *block.named_buffers()]
-    text = "|".join([type(block).__qualname__, *(f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in tensors)])
-    return hashlib.sha1(text.encode()).hexdigest()
-
-
-def _region_call(block: torch.nn.Module, key: str, x: torch.Tensor, cache: object) -> torch.Tensor:
-    if not key:  # reading the key makes torch guard the graph on it (see the module docstring)
-        raise ValueError("key: expected a non-empty key")
-    return block(x) if cache is None else block(x, cache)
+def _decode_call(model: torch.nn.Module, model_key: str, input_ids: torch.Tensor, cache: object) -> torch.Tensor:
+    if not model_key:  # reading the key makes torch guard the graph on it (see the module docstring)
+        raise ValueError("model_key: expected a non-empty key")
+    return model(input_ids, cache=cache, logits_to_keep=1).logits
 
 
 @functools.cache
-def _compiled_region() -> Callable[..., torch.Tensor]:
-    """The compiled `_region_call`, traced with every dynamic size its own symbol.
+def _compiled_call() -> Callable[..., torch.Tensor]:
+    """The compiled `_decode_call`, traced with every dynamic size its own symbol.
 
     Torch's default "duck shaping" gives sizes that happen to be equal at trace time one symbol: a
     block table two blocks wide next to two KDA heads came out as "width == 2", and every longer
@@ -212,10 +128,10 @@ def _compiled_region() -> Callable[..., torch.Tensor]:
     callable only, not process-wide."""
     from torch.fx.experimental import _config as shape_config
 
-    # cpp_wrapper: each graph's launcher is C++ too, not Python calling its kernels and matmuls one
+    # cpp_wrapper: the graph's launcher is C++ too, not Python calling ~150 kernels and matmuls one
     # by one. The matvec pass turns one-sequence decode's [1, K] @ [K, N] calls into fused
     # reductions (decode_matvec_pass.py).
-    compiled = torch.compile(_region_call, dynamic=True, recompile_limit=RECOMPILE_LIMIT,
+    compiled = torch.compile(_decode_call, dynamic=True, recompile_limit=RECOMPILE_LIMIT,
                              options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
                                       "cpp_wrapper": True, "post_grad_custom_post_pass": DecodeMatvecPass()})
     return shape_config.patch(use_duck_shape=False)(compiled)
