@@ -18,6 +18,7 @@ import typer
 
 from deltamoe.errors import ConfigError
 from deltamoe.hf_config import load_config
+from deltamoe.threads import THREADS_HELP, choose_threads
 
 if TYPE_CHECKING:
     import torch
@@ -66,20 +67,12 @@ def bind_listen_address(host: str, port: int) -> socket.socket:
     return sock
 
 
-def engine_threads(requested: Optional[int], device: str) -> Optional[int]:
-    """Torch threads for a CPU server's engine: `--threads`, else OMP_NUM_THREADS if set, else all
-    cores but one. The HTTP front end (and on a workstation, the clients) needs a core of its own:
-    on two cores, two intra-op threads beside a busy front end made the online benchmark's
-    streams 3x slower (TPOT p50 56 vs 14 ms at 8 clients). None: leave torch's setting alone."""
-    import os
-
-    if requested is not None:
-        if requested < 1:
-            raise ConfigError(f"expected a positive number of threads, got {requested}", field="threads")
-        return requested
-    if not device.startswith("cpu") or os.environ.get("OMP_NUM_THREADS"):
-        return None
-    return max(1, (os.cpu_count() or 1) - 1)
+def engine_threads(requested: Optional[int]) -> int:
+    """Torch threads for the serving engine: `deltamoe.threads.choose_threads` keeping one core for
+    the HTTP front end (and on a workstation, the clients): on two cores, two intra-op threads beside
+    a busy front end made the online benchmark's streams 3x slower (TPOT p50 56 vs 14 ms at 8
+    clients). `--threads` or OMP_NUM_THREADS, when given, stand as they are."""
+    return choose_threads(requested, reserve=1)
 
 
 TP_HELP = ("Tensor-parallel ranks: attention heads, MLP widths and the vocabulary split over this many "
@@ -104,14 +97,16 @@ def check_workers(model: str, tp: int, ep: int, compile_decode: bool):
         raise ConfigError(f"torchrun started {world} processes but --tp {tp} --ep {ep} makes {workers.world_size}",
                           field="tp", hint="start tp * ep processes (--nproc-per-node times nodes)")
     if compile_decode:
-        raise ConfigError("compiled decode runs on one process; drop --compile-decode or --tp/--ep",
+        raise ConfigError("compiled decode runs on one process; drop --compile or --tp/--ep",
                           field="compile_decode")
     return workers
 
 
-COMPILE_DECODE_HELP = ("Run decode steps as one torch.compile graph (2-7x faster steps for small models on a CPU, "
-                       "one sequence gains most; compiling takes seconds to minutes with the model's size, once, and "
-                       "needs a C++ compiler).")
+COMPILE_HELP = ("Run decode steps as one torch.compile graph (2-7x faster steps for small models on a CPU, one "
+                "sequence gains most; compiling takes seconds to minutes with the model's size, once, and needs a C++ "
+                "compiler). Greedy tokens are the same as --no-compile's (eager, the default). --compile-decode: the "
+                "same as --compile.")
+COMPILE_DECLS = ("--compile/--no-compile", "--compile-decode")
 
 
 KV_CACHE_DTYPE_HELP = ("Latent-KV and indexer-key pages: auto (the model dtype) or fp8 (e4m3 with a scale per "
@@ -120,17 +115,20 @@ KV_CACHE_DTYPE_HELP = ("Latent-KV and indexer-key pages: auto (the model dtype) 
 
 def build_engine(model: str, tokenizer: Optional[str], cache_memory: str, max_num_seqs: int,
                  max_num_batched_tokens: int, dtype: str, device: str, compile_decode: bool = False,
-                 tp: int = 1, ep: int = 1, kv_cache_dtype: str = "auto"):
+                 tp: int = 1, ep: int = 1, kv_cache_dtype: str = "auto", threads: Optional[int] = None):
     from deltamoe.serve.engine.config import EngineConfig
 
     check_dtype(dtype)
+    chosen = choose_threads(threads)
     config = EngineConfig(cache_memory=cache_memory, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, compile_decode=compile_decode,
                           kv_cache_dtype=kv_cache_dtype)
     load_config(model)  # an unknown model fails here, from its config alone
     workers = check_workers(model, tp, ep, compile_decode)
     from deltamoe.serve.engine.llm_engine import LLMEngine  # imports torch: after every check above
+    from deltamoe.threads import apply_threads
 
+    apply_threads(chosen)
     return LLMEngine.from_pretrained(model, config, tokenizer, parse_dtype(dtype), device, workers)
 
 
@@ -153,14 +151,15 @@ def generate_command(
     dtype: str = typer.Option("float32"),
     device: str = typer.Option("cpu"),
     progress: bool = typer.Option(False, help="Show a progress bar with tokens/s."),
-    compile_decode: bool = typer.Option(False, "--compile-decode", help=COMPILE_DECODE_HELP),
+    compile_decode: bool = typer.Option(False, *COMPILE_DECLS, help=COMPILE_HELP),
+    threads: Optional[int] = typer.Option(None, help=THREADS_HELP),
     tp: int = typer.Option(1, "--tp", help=TP_HELP),
     ep: int = typer.Option(1, "--ep", help=EP_HELP),
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help=KV_CACHE_DTYPE_HELP),
 ) -> None:
     """Generate text for one or more prompts (continuous batching)."""
     engine = build_engine(model, tokenizer, cache_memory, max_num_seqs, max_num_batched_tokens, dtype, device,
-                          compile_decode, tp, ep, kv_cache_dtype)
+                          compile_decode, tp=tp, ep=ep, kv_cache_dtype=kv_cache_dtype, threads=threads)
     from deltamoe.serve.api.chat_template import ChatTemplate
     from deltamoe.serve.engine.sampling import SamplingParams
 
@@ -191,9 +190,12 @@ def chat_command(
     cache_memory: str = typer.Option("1GiB"),
     dtype: str = typer.Option("float32"),
     device: str = typer.Option("cpu"),
+    threads: Optional[int] = typer.Option(None, help=THREADS_HELP),
+    compile_decode: bool = typer.Option(False, *COMPILE_DECLS, help=COMPILE_HELP),
 ) -> None:
     """Interactive chat in the terminal (/reset clears the history, /exit or Ctrl-D quits)."""
-    engine = build_engine(model, tokenizer, cache_memory, 1, 512, dtype, device)
+    engine = build_engine(model, tokenizer, cache_memory, 1, 512, dtype, device, compile_decode, threads=threads)
+    engine.warm_up()  # compiles before the first question (a no-op when decoding eagerly)
     from rich.console import Console
 
     from deltamoe.serve.api.chat_template import ChatTemplate
@@ -253,9 +255,11 @@ def serve_command(
     dtype: str = typer.Option("float32"),
     device: str = typer.Option("cpu"),
     log_level: str = typer.Option("info", help="uvicorn log level (warning keeps the access log quiet)."),
-    threads: Optional[int] = typer.Option(None, help="Torch threads of the engine on a CPU (default: "
-                                          "OMP_NUM_THREADS, else all cores but one, kept for the HTTP front end)."),
-    compile_decode: bool = typer.Option(False, "--compile-decode", help=COMPILE_DECODE_HELP + " Every decode graph is compiled at startup, before the port opens."),
+    threads: Optional[int] = typer.Option(None, help=THREADS_HELP + "; serve keeps one more core for the HTTP "
+                                          "front end"),
+    compile_decode: bool = typer.Option(False, *COMPILE_DECLS,
+                                        help=COMPILE_HELP + " Every decode graph compiles at startup, before the "
+                                                            "port opens."),
     role: str = typer.Option("colocated", help="colocated (one engine does everything), or one half of a "
                              "prefill/decode pair behind `deltamoe router`: prefill or decode."),
     kv_transfer: Optional[str] = typer.Option(None, help="How a prefill/decode pair moves caches: mooncake "
@@ -280,7 +284,7 @@ def serve_command(
     config = EngineConfig(cache_memory=cache_memory, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                           compile_decode=compile_decode, block_size=block_size, kv_cache_dtype=kv_cache_dtype)
-    chosen = engine_threads(threads, device)
+    chosen = engine_threads(threads)
     load_config(model)  # an unknown model fails here, from its config alone
     workers = check_workers(model, tp, ep, compile_decode)
     if workers is not None and _torchrun_rank() > 0:
@@ -302,8 +306,7 @@ def serve_command(
     from deltamoe.serve.engine.llm_engine import LLMEngine
     from deltamoe.serve.kv_transfer.roles import decode_hand_off, internal_routes, make_connector
 
-    if chosen is not None:
-        torch.set_num_threads(chosen)
+    torch.set_num_threads(chosen)
     try:
         connector = make_connector(role, kv_transfer_host, kv_transfer_timeout, api_key, min_hand_off_tokens)
     except ConfigError:
@@ -311,7 +314,7 @@ def serve_command(
         raise
     engine = AsyncLLMEngine(LLMEngine.from_pretrained(model, config, tokenizer, parse_dtype(dtype), device,
                                                       workers, connector=connector))
-    if compile_decode:
+    if config.compile_decode:
         typer.echo("compiling the decode graphs (once per process; for the 8-layer tiny preset on two cores about "
                    "6 min on a first start, 1 min from inductor's disk cache)...", err=True)
         engine.engine.warm_up()

@@ -20,6 +20,7 @@ from typing import Any, Optional
 import typer
 
 from deltamoe.errors import ConfigError
+from deltamoe.threads import THREADS_HELP
 from deltamoe.train.config import TrainConfig, resolve_config
 
 
@@ -64,7 +65,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--schedule",), "parallel.schedule", "pipeline schedule: 1f1b|interleaved1f1b"),
     Flag(("--microbatches",), "parallel.microbatches", "pipeline microbatches (accumulation without pp)"),
     Flag(("--ac/--no-ac",), "parallel.activation_checkpointing", "activation checkpointing"),
-    Flag(("--threads",), "run.threads", "torch threads per process"),
+    Flag(("--threads",), "run.threads", THREADS_HELP + ", shared among torchrun's local ranks"),
     Flag(("--progress/--no-progress",), "run.progress"),
 )
 

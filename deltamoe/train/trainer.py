@@ -37,6 +37,7 @@ from deltamoe.train.profiling import StepProfiler
 from deltamoe.train.resume_check import check_resume_config
 from deltamoe.train.run_log import RunLog
 from deltamoe.train.step import TrainStep
+from deltamoe.threads import choose_threads
 
 
 @dataclass
@@ -56,8 +57,7 @@ def _device() -> torch.device:
 def train(cfg: TrainConfig) -> RunResult:
     world = launch_world_size()
     cfg.validate(world)
-    if cfg.run.threads:
-        torch.set_num_threads(cfg.run.threads)
+    torch.set_num_threads(choose_threads(cfg.run.threads))  # the default shares the idle cores among local ranks
     model_config = resolve_model_config(cfg.model)
     data = build_data(cfg, model_config)
     cfg.parallel.check_layout(model_config, world)

@@ -38,12 +38,12 @@ def test_serve_bad_flags_exit_2(capsys):
 
 def test_engine_threads_leave_a_core_for_the_front_end(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr("os.cpu_count", lambda: 8)
-    assert engine_threads(None, "cpu") == 7 and engine_threads(3, "cpu") == 3
-    monkeypatch.setattr("os.cpu_count", lambda: 1)
-    assert engine_threads(None, "cpu") == 1
-    assert engine_threads(None, "cuda:0") is None  # a GPU engine keeps torch's default
+    monkeypatch.setattr("deltamoe.threads.available_cores", lambda: 8)
+    monkeypatch.setattr("deltamoe.threads.busy_cores", lambda: 0)
+    assert engine_threads(None) == 7 and engine_threads(3) == 3
+    monkeypatch.setattr("deltamoe.threads.available_cores", lambda: 1)
+    assert engine_threads(None) == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "4")
-    assert engine_threads(None, "cpu") is None  # the user's setting stands
+    assert engine_threads(None) == 4  # the user's setting stands
     with pytest.raises(Exception, match="threads"):
-        engine_threads(0, "cpu")
+        engine_threads(0)

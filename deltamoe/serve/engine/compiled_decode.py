@@ -1,4 +1,4 @@
-"""The decode call as one compiled graph (`EngineConfig.compile_decode`, `--compile-decode`).
+"""The decode call as one compiled graph (`EngineConfig.compile_decode`, `--compile`).
 
 Everything torch.compile needs to know lives here: the compiled callable and its options, the
 shape settings, the model form it traces, the rule the cache view's block tables follow, and the
@@ -84,7 +84,7 @@ class CompiledDecode:
             raise ConfigError("expected a model in eval mode for the compiled decode graph", field="compile_decode")
         if next(model.parameters()).device.type == "cpu" and not compiler_available():
             raise ConfigError("needs a C++ compiler for torch.compile's CPU kernels (g++ or $CXX); "
-                              "install one or run without --compile-decode", field="compile_decode")
+                              "install one or run with --no-compile", field="compile_decode")
         key = model.__dict__.get("_compiled_decode_key")
         if key is None:
             key = model._compiled_decode_key = uuid.uuid4().hex

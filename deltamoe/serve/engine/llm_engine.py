@@ -309,28 +309,43 @@ class LLMEngine:
 
 
 class _Progress:
-    """A rich progress bar over requests that also shows output tokens per second."""
+    """A rich progress bar over requests that also shows output tokens per second (plain lines where
+    stderr is not a terminal: `deltamoe.plain_progress`)."""
 
     def __init__(self, total: int, enabled: bool):
         self.enabled, self.total = enabled, total
-        self.tokens, self.start = 0, time.perf_counter()
+        self.tokens, self.start, self.finished = 0, time.perf_counter(), 0
+        self._plain = None
 
     def __enter__(self) -> "_Progress":
         if self.enabled:
+            from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+            from deltamoe.plain_progress import PlainProgress
+
+            console = Console(stderr=True)
+            if not console.is_terminal:
+                self._plain = PlainProgress("generate", self.total, console)
+                return self
             self._bar = Progress(TextColumn("generate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                 TextColumn("{task.fields[rate]}"), transient=False)
+                                 TextColumn("{task.fields[rate]}"), transient=False, console=console)
             self._bar.__enter__()
             self._task = self._bar.add_task("generate", total=self.total, rate="")
         return self
 
     def advance(self, tokens: int, finished: int) -> None:
         self.tokens += tokens
+        self.finished += finished
         if self.enabled:
-            rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
-            self._bar.update(self._task, advance=finished, rate=f"{rate:,.0f} tok/s")
+            rate = f"{self.tokens / max(time.perf_counter() - self.start, 1e-9):,.0f} tok/s"
+            if self._plain is not None:
+                self._plain.update(self.finished, rate)
+            else:
+                self._bar.update(self._task, advance=finished, rate=rate)
 
     def __exit__(self, *exc: object) -> None:
-        if self.enabled:
+        if self._plain is not None:
+            self._plain.close()
+        elif self.enabled:
             self._bar.__exit__(*exc)

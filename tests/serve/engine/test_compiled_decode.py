@@ -129,16 +129,18 @@ def test_warm_up_compiles_and_leaves_no_trace(models):
 
 
 def test_generate_cli_flag(models, tmp_path, capsys):
-    """`deltamoe generate --compile-decode` prints what the eager engine prints."""
+    """`deltamoe generate --compile` (and its old spelling `--compile-decode`) prints what the eager
+    engine (the default, `--no-compile`) prints."""
     from deltamoe.cli import main
     from deltamoe.model.weights import save_checkpoint
 
     save_checkpoint(models["kimi_linear"], tmp_path)
     args = ["generate", str(tmp_path), "-p", "hello", "--max-tokens", "6", "--temperature", "0", "--ignore-eos"]
-    assert main(args) == 0
+    assert main([*args, "--no-compile"]) == 0
     eager = capsys.readouterr().out
-    assert main([*args, "--compile-decode"]) == 0
-    assert capsys.readouterr().out == eager
+    for flag in (["--compile"], ["--compile-decode"]):
+        assert main([*args, *flag]) == 0
+        assert capsys.readouterr().out == eager
 
 
 def scatter_free_blocks(engine: LLMEngine, seed: int = 0) -> None:
