@@ -5,13 +5,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
-# The Mooncake transfer engine (prefill/decode hand-off) loads libibverbs.so.1, absent on a fresh
-# Debian/Ubuntu machine: install it when missing (quick when present; needs root, as in CI).
-if ! ldconfig -p 2>/dev/null | grep -q "libibverbs.so.1 "; then
+# The Mooncake transfer engine (prefill/decode hand-off) loads libibverbs.so.1 (absent on a fresh
+# Debian/Ubuntu machine), libnuma.so.1 and libcurl.so.4: install them when missing (quick when
+# present; needs root, as in CI).
+missing=()
+for lib in "libibverbs.so.1:libibverbs1" "libnuma.so.1:libnuma1" "libcurl.so.4:libcurl4"; do
+  ldconfig -p 2>/dev/null | grep -q "${lib%%:*} " || missing+=("${lib##*:}")
+done
+if [ ${#missing[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
-    apt-get install -y -q libibverbs1 >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 >/dev/null; }
+    # a fresh machine has no package lists yet: update first, then install
+    apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >/dev/null
   else
-    echo "warning: libibverbs.so.1 is missing; the P/D hand-off needs it (apt-get install -y libibverbs1)" >&2
+    echo "warning: the P/D hand-off needs ${missing[*]} (apt-get install -y ${missing[*]})" >&2
   fi
 fi
 python3 -m venv .venv
