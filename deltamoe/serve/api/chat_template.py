@@ -8,13 +8,30 @@ wins when present. Otherwise the documented default for the byte tokenizer's spe
 and generation stops at `<|end|>` (or the template's turn terminator / EOS). Special-token
 names that the template writes become their ids; message content is always encoded as plain
 text, so a user typing '<|end|>' gets those bytes, never the special token.
+
+Tools and thinking (Kimi's format, as its own templates write it): the template gets `tools`
+(the request's definitions), assistant messages keep `tool_calls` (`id` `functions.NAME:IDX`,
+`function.arguments` as a JSON string), tool messages keep `tool_call_id`, and the request's
+`chat_template_kwargs` (e.g. `thinking`) are passed as template variables. The default
+templates declare tools as JSON in a system turn and write calls as
+
+    <|tool_calls_section_begin|><|tool_call_begin|>ID<|tool_call_argument_begin|>ARGS<|tool_call_end|>...
+    <|tool_calls_section_end|>
+
+and open a `<think>` section after the generation prompt when `thinking` is true. What a
+client wrote (content, call ids and arguments, `tojson` output such as tool descriptions) is
+plain text there too: it is rendered as a placeholder and encoded apart from the template's
+own text.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
+
+from jinja2 import pass_context
 
 from deltamoe.errors import RequestError
 from deltamoe.tokenizers.base import Tokenizer
@@ -22,19 +39,33 @@ from deltamoe.tokenizers.hf import token_name
 from deltamoe.tokenizers.load import tokenizer_config
 
 ROLES = ("system", "user", "assistant", "tool")
+# A message's body: a tool result names its call; an assistant's calls follow its content.
+_BODY = (
+    "{% if m.tool_call_id %}## Return of {{ m.tool_call_id }}\n{% endif %}{{ m.content }}"
+    "{% if m.tool_calls %}<|tool_calls_section_begin|>{% for c in m.tool_calls %}<|tool_call_begin|>{{ c.id }}"
+    "<|tool_call_argument_begin|>{{ c.function.arguments }}<|tool_call_end|>{% endfor %}"
+    "<|tool_calls_section_end|>{% endif %}"
+)
 DEFAULT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    "{% if tools %}<|system|>tool_declare\n{{ tools | tojson }}<|end|>{% endif %}"
+    "{% for m in messages %}<|{{ m.role }}|>" + _BODY + "<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% if thinking %}<think>{% endif %}{% endif %}"
 )
 PLAIN_TEMPLATE = (  # for a tokenizer without the byte specials and without a template of its own
-    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
+    "{% if tools %}tool_declare: {{ tools | tojson }}\n{% endif %}"
+    "{% for m in messages %}{{ m.role }}: " + _BODY + "\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% if thinking %}<think>{% endif %}{% endif %}"
 )
+PLAIN_MARK = "\x00{}\x00"  # a placeholder for client text in the rendered skeleton
+_MARK_RE = re.compile("(\x00\\d+\x00)")
 TURN_END_NAMES = ("<|end|>", "<|im_end|>", "<|eot_id|>", "<|end_of_msg|>")
 
 
-def normalize_messages(messages: Any) -> list[dict[str, str]]:
-    """OpenAI-style messages -> [{role, content: str}]; content parts of type text are joined."""
+def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+    """OpenAI-style messages -> [{role, content: str, ...}]; content parts of type text are joined.
+
+    An assistant message keeps its `tool_calls` (arguments as a JSON string), a tool message its
+    `tool_call_id`; other fields are dropped."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("expected a non-empty list of messages", field="messages")
     out = []
@@ -52,7 +83,30 @@ def normalize_messages(messages: Any) -> list[dict[str, str]]:
             content = ""
         if not isinstance(content, str):
             raise RequestError("expected a string or a list of text parts", field=f"messages[{i}].content")
-        out.append({"role": role, "content": content})
+        message: dict[str, Any] = {"role": role, "content": content}
+        if role == "assistant" and m.get("tool_calls") is not None:
+            message["tool_calls"] = _tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
+        if role == "tool" and m.get("tool_call_id") is not None:
+            if not isinstance(m["tool_call_id"], str):
+                raise RequestError("expected a string", field=f"messages[{i}].tool_call_id")
+            message["tool_call_id"] = m["tool_call_id"]
+        out.append(message)
+    return out
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's calls as [{id, type, function: {name, arguments: JSON text}}]."""
+    if not isinstance(calls, list):
+        raise RequestError("expected a list of tool calls", field=where)
+    out = []
+    for j, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(c.get("id"), str) or not isinstance(f.get("name"), str):
+            raise RequestError("expected {id, type: 'function', function: {name, arguments}}", field=f"{where}[{j}]")
+        arguments = f.get("arguments", "{}")
+        if not isinstance(arguments, str):  # some clients send the object itself
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        out.append({"id": c["id"], "type": "function", "function": {"name": f["name"], "arguments": arguments}})
     return out
 
 
@@ -67,6 +121,7 @@ class ChatTemplate:
         self.source = template
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
+        env.filters["tojson"] = _tojson
         self._template = env.from_string(template)
         cfg = config or {}
         self._names = {"bos_token": token_name(cfg.get("bos_token")) or "", "eos_token": token_name(cfg.get("eos_token")) or ""}
@@ -74,6 +129,9 @@ class ChatTemplate:
         if tokenizer.eos_token_id is not None:
             stop.add(tokenizer.eos_token_id)
         self.stop_token_ids = sorted(stop)
+        # A checkpoint template that writes <think> belongs to a thinking model: thinking is on unless
+        # a request turns it off. The built-in templates open the section only when asked to.
+        self.thinking_default = "<think>" in template and template not in (DEFAULT_TEMPLATE, PLAIN_TEMPLATE)
         self._specials = specials
         # Longest names first, so '<|im_end|>' is never split as a shorter special inside it.
         names = sorted(specials, key=len, reverse=True)
@@ -88,22 +146,43 @@ class ChatTemplate:
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
         return cls(tokenizer, template if isinstance(template, str) else None, cfg)
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self._names)
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None,
+               plain: list[str] | None = None) -> str:
+        """The template's text. `plain`: a list that collects `tojson` output (placeholders in the text)."""
+        variables = {**(template_kwargs or {}), **self._names}
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                     deltamoe_plain=plain, **variables)
 
-    def encode(self, messages: Any, add_generation_prompt: bool = True) -> list[int]:
+    def encode(self, messages: Any, add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
+               template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Token ids of the rendered conversation: specials the template writes become their ids.
 
-        Each message's content is encoded as plain text on its own (a user typing '<|end|>' gets the
+        What the client wrote (content, tool-call ids and arguments, tool results' call ids,
+        `tojson` output) is encoded as plain text on its own (a user typing '<|end|>' gets the
         bytes, not the special), by rendering with placeholders first.
         """
-        messages = normalize_messages(messages)
-        marks = [f"\x00{i}\x00" for i in range(len(messages))]
-        skeleton = self.render([{**m, "content": mark} for m, mark in zip(messages, marks)], add_generation_prompt)
+        plain: list[str] = []
+
+        def mark(text: str) -> str:
+            plain.append(text)
+            return PLAIN_MARK.format(len(plain) - 1)
+
+        marked = []
+        for m in normalize_messages(messages):
+            m = {**m, "content": mark(m["content"])}
+            if "tool_call_id" in m:
+                m["tool_call_id"] = mark(m["tool_call_id"])
+            if "tool_calls" in m:
+                m["tool_calls"] = [{**c, "id": mark(c["id"]),
+                                    "function": {**c["function"], "arguments": mark(c["function"]["arguments"])}}
+                                   for c in m["tool_calls"]]
+            marked.append(m)
+        skeleton = self.render(marked, add_generation_prompt, tools, template_kwargs, plain)
         ids: list[int] = []
-        for piece in re.split("(\x00\\d+\x00)", skeleton):
-            if piece in marks:
-                ids += self.tokenizer.encode(messages[marks.index(piece)]["content"])
+        for piece in _MARK_RE.split(skeleton):
+            if _MARK_RE.fullmatch(piece):
+                ids += self.tokenizer.encode(plain[int(piece[1:-1])])
             elif piece:
                 ids += self._encode_with_specials(piece)
         return ids
@@ -118,6 +197,19 @@ class ChatTemplate:
             ids.append(self._specials[m.group()])
             pos = m.end()
         return ids + (self.tokenizer.encode(text[pos:]) if pos < len(text) else [])
+
+
+@pass_context
+def _tojson(context: Any, value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """HF's `tojson` (templates are written for it: no HTML escaping, `separators`), whose text is
+    client data: while encoding, it becomes a placeholder so it is never read as specials."""
+    text = json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    plain = context.get("deltamoe_plain")
+    if plain is None:
+        return text
+    plain.append(text)
+    return PLAIN_MARK.format(len(plain) - 1)
 
 
 def _raise(message: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+from deltamoe.serve.api.chat_output import ChatChoiceParser
 from deltamoe.serve.api.schemas import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
                                         ChatDelta, ChatLogprobs, ChatMessageOut, ChatTokenLogprob, CompletionChoice,
                                         CompletionLogprobs, CompletionResponse, PromptTokensDetails, TopLogprob, Usage)
@@ -93,22 +94,28 @@ class CompletionFormatter(_Formatter):
 
 
 class ChatFormatter(_Formatter):
-    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, logprobs: bool):
+    """`parser`: splits the text into reasoning, content and tool calls (chat_output.py); None: all content."""
+
+    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, logprobs: bool,
+                 parser: ChatChoiceParser | None = None):
         super().__init__(request_id, model, tokenizer)
         self._logprobs: list[ChatTokenLogprob] | None = [] if logprobs else None
         self._sent_role = False
+        self.parser = parser
 
     def add(self, out: RequestOutput) -> ChatCompletionChunk | None:
         self._track(out)
         delta_lp = self._add_logprobs(out)
         first = not self._sent_role
-        if not (first or out.delta_text or delta_lp or out.finished):
+        parsed = self.parser.add_output(out) if self.parser is not None else None
+        if not (first or (parsed if self.parser is not None else out.delta_text) or delta_lp or out.finished):
             return None
         self._sent_role = True
         # The first chunk carries the role, as OpenAI's does; clients key the message off it.
-        delta = ChatDelta(role="assistant" if first else None, content=out.delta_text)
+        delta = ChatDelta(role="assistant" if first else None, content=out.delta_text) if parsed is None \
+            else self.parser.delta(parsed, first)
         choice = ChatChunkChoice(delta=delta, logprobs=ChatLogprobs(content=delta_lp) if delta_lp else None,
-                                 finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+                                 finish_reason=self._finish_reason(), stop_reason=out.stop_reason)
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
 
     def _add_logprobs(self, out: RequestOutput) -> list[ChatTokenLogprob] | None:
@@ -123,13 +130,22 @@ class ChatFormatter(_Formatter):
         self._logprobs.extend(delta)
         return delta
 
+    def _finish_reason(self) -> str | None:
+        reason = self.last.finish_reason
+        return reason if self.parser is None else self.parser.finish_reason(reason)
+
+    def _usage(self) -> Usage:
+        usage = usage_of(self.last)
+        return usage if self.parser is None else self.parser.usage(usage)
+
     def usage_chunk(self) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
-                                   usage=usage_of(self.last))
+                                   usage=self._usage())
 
     def response(self) -> ChatCompletionResponse:
         logprobs = ChatLogprobs(content=self._logprobs) if self._logprobs is not None else None
-        choice = ChatChoice(message=ChatMessageOut(content=self.text), logprobs=logprobs,
-                            finish_reason=self.last.finish_reason, stop_reason=self.last.stop_reason)
+        message = ChatMessageOut(content=self.text) if self.parser is None else self.parser.message_out()
+        choice = ChatChoice(message=message, logprobs=logprobs,
+                            finish_reason=self._finish_reason(), stop_reason=self.last.stop_reason)
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
-                                      usage=usage_of(self.last))
+                                      usage=self._usage())

@@ -76,8 +76,10 @@ def _engine_failed(e: EngineDeadError) -> APIError:
 class Generation:
     """Runs one request against the engine and answers it (see the module docstring)."""
 
-    def __init__(self, engine: AsyncLLMEngine, metrics: ServerMetrics, field_names: dict[str, str]):
+    def __init__(self, engine: AsyncLLMEngine, metrics: ServerMetrics, field_names: dict[str, str],
+                 continuous_usage: bool = False):
         self.engine, self.metrics, self.field_names = engine, metrics, field_names
+        self.continuous_usage = continuous_usage  # stream_options.continuous_usage_stats: usage on every chunk
 
     async def respond(self, request: Request, prompt: str | list[int], params: SamplingParams, fmt: Formatter,
                       stream: bool, include_usage: bool, kv_transfer: object | None = None) -> Response:
@@ -135,6 +137,8 @@ class Generation:
             out = first
             while True:
                 chunk = fmt.add(out)
+                if chunk is not None and self.continuous_usage:
+                    chunk.usage = fmt.usage_chunk().usage
                 if chunk is not None:
                     yield f"data: {chunk.model_dump_json()}\n\n"
                 if out.finished:

@@ -21,8 +21,6 @@ def _common(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
             stop_token_ids: list[int]) -> SamplingParams:
     if req.n not in (None, 1):
         raise _unsupported("n", f"only n=1 is supported, got {req.n}; send n separate requests (with different seeds)")
-    if req.logit_bias:
-        raise _unsupported("logit_bias", "logit_bias is not supported")
     if req.prompt_logprobs is not None:
         raise _unsupported("prompt_logprobs", "prompt_logprobs is not supported yet")
 
@@ -36,7 +34,18 @@ def _common(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
         stop_token_ids=sorted(set(pick(req.stop_token_ids, [])) | set(stop_token_ids)),
         ignore_eos=req.ignore_eos, logprobs=logprobs, presence_penalty=pick(req.presence_penalty, 0.0),
         frequency_penalty=pick(req.frequency_penalty, 0.0), skip_special_tokens=req.skip_special_tokens,
-        include_stop_str_in_output=req.include_stop_str_in_output)
+        include_stop_str_in_output=req.include_stop_str_in_output, logit_bias=_logit_bias(req.logit_bias))
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys (strings); the range checks are SamplingParams.validate's."""
+    if not bias:
+        return None
+    try:
+        return {int(k): v for k, v in bias.items()}
+    except ValueError:
+        raise APIError(400, f"logit_bias: keys must be token ids, got {list(bias)[:4]}", param="logit_bias",
+                       code="invalid_value") from None
 
 
 def validated(params: SamplingParams, vocab_size: int, names: dict[str, str]) -> SamplingParams:
@@ -65,10 +74,6 @@ def completion_params(req: CompletionRequest, vocab_size: int) -> tuple[Sampling
 
 def chat_params(req: ChatCompletionRequest, vocab_size: int,
                 stop_token_ids: list[int]) -> tuple[SamplingParams, dict[str, str]]:
-    if req.tools:
-        raise _unsupported("tools", "tool calling is not supported")
-    if req.tool_choice not in (None, "none"):
-        raise _unsupported("tool_choice", "tool calling is not supported")
     if req.response_format and req.response_format.get("type", "text") != "text":
         raise _unsupported("response_format", "only {'type': 'text'} is supported")
     if req.top_logprobs is not None and not req.logprobs:

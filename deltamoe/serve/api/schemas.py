@@ -23,6 +23,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM extension: usage so far on every chunk
 
 
 class SamplingFields(_Request):
@@ -49,6 +50,7 @@ class SamplingFields(_Request):
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None  # vLLM extension; refused until the engine computes them
     user: str | None = None
+    metadata: dict[str, str] | None = None  # accepted and not used, as OpenAI stores it with the request
 
     @field_validator("stop")
     @classmethod
@@ -105,10 +107,29 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
+    tools: list[Any] | None = None  # checked by tool_request.py, so errors name tools[i].function.name
     tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None  # template variables, e.g. {"thinking": false}
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+
+
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a `prompt`, or chat `messages` (+ tools, template kwargs) rendered as chat would."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = True
+    tools: list[Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
 
 
 # ---------------------------------------------------------------------------- responses
@@ -116,11 +137,16 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class _Choice(BaseModel):
@@ -170,9 +196,26 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str  # Kimi's own: functions.NAME:IDX
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+class ToolCallDelta(ToolCallOut):  # a streamed call arrives whole, in one delta
+    index: int
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(_Choice):
@@ -188,6 +231,8 @@ class ChatCompletionResponse(_Envelope):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -203,6 +248,17 @@ class ChatChunkChoice(_Choice):
 class ChatCompletionChunk(_Envelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChatChunkChoice]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(BaseModel):

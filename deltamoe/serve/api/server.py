@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP server (FastAPI + uvicorn) over `AsyncLLMEngine`.
 
 Routes: GET /health, GET /metrics (Prometheus), and under /v1 (Bearer key, when one is set):
-GET /models, POST /completions, POST /chat/completions (SSE streaming or one JSON body).
+GET /models, POST /completions, POST /chat/completions (SSE streaming or one JSON body); POST /tokenize and
+/detokenize (vLLM's, at the root, behind the key too).
 
 The flow per request: the key is checked -> the body is parsed strictly (`api_schemas`) ->
 the model name is checked -> fields become SamplingParams (`api_params`) -> the engine runs
@@ -25,7 +26,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
-from deltamoe.errors import RequestError
+from deltamoe.serve.api.chat_request import ChatOptions
 from deltamoe.serve.api.chat_template import ChatTemplate
 from deltamoe.serve.api.connections import AcceptErrorLog, HTTPLimits, raise_open_file_limit, uvicorn_config
 from deltamoe.serve.api.errors import APIError, InternalErrorMiddleware, from_validation_error, install_error_handlers
@@ -35,6 +36,7 @@ from deltamoe.serve.api.openapi import install_openapi
 from deltamoe.serve.api.metrics import CONTENT_TYPE, HTTPMetricsMiddleware, ServerMetrics
 from deltamoe.serve.api.params import chat_params, completion_params
 from deltamoe.serve.api.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields
+from deltamoe.serve.api.tokenize import tokenize_router
 from deltamoe.serve.engine.async_engine import AsyncLLMEngine
 
 MAX_BODY_BYTES = 32 * 2**20  # far above any prompt that fits a context; stops a client from filling memory
@@ -75,6 +77,10 @@ async def read_body(request: Request, schema: type[R], limit: int = MAX_BODY_BYT
 
 def _include_usage(req: SamplingFields) -> bool:
     return req.stream_options is not None and req.stream_options.include_usage
+
+
+def _continuous_usage(req: SamplingFields) -> bool:
+    return req.stream_options is not None and req.stream_options.continuous_usage_stats
 
 
 def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = None,
@@ -147,33 +153,29 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
         check_model(req.model)
         params, names = completion_params(req, vocab_size)
         fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", req.model, engine.tokenizer, req.logprobs is not None)
-        return await Generation(engine, metrics, names).respond(request, req.prompt, params, fmt, bool(req.stream),
-                                                                _include_usage(req), _hand_off(request))
+        return await Generation(engine, metrics, names, _continuous_usage(req)).respond(
+            request, req.prompt, params, fmt, bool(req.stream), _include_usage(req), _hand_off(request))
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = await read_body(request, ChatCompletionRequest, max_body_bytes, body_timeout_s)
         check_model(req.model)
         params, names = chat_params(req, vocab_size, template.stop_token_ids)
-        prompt = _render(template, req)
-        fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", req.model, engine.tokenizer, bool(req.logprobs))
-        return await Generation(engine, metrics, names).respond(request, prompt, params, fmt, bool(req.stream),
-                                                                _include_usage(req), _hand_off(request))
+        options = ChatOptions.of(req, template)
+        prompt = options.encode(template, req.messages, req.add_generation_prompt)
+        fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", req.model, engine.tokenizer, bool(req.logprobs),
+                            options.parser(prompt, params, engine.tokenizer))
+        return await Generation(engine, metrics, names, _continuous_usage(req)).respond(
+            request, prompt, params, fmt, bool(req.stream), _include_usage(req), _hand_off(request))
 
     app.include_router(v1)
+    app.include_router(tokenize_router(engine, template, check_model,
+                                       lambda r, schema: read_body(r, schema, max_body_bytes, body_timeout_s)),
+                       dependencies=[Depends(check_key)])
     for router in routers:
         app.include_router(router, dependencies=[Depends(check_key)])
     install_openapi(app)
     return app
-
-
-def _render(template: ChatTemplate, req: ChatCompletionRequest) -> list[int]:
-    from jinja2 import TemplateError
-
-    try:
-        return template.encode([m.model_dump() for m in req.messages], req.add_generation_prompt)
-    except TemplateError as e:  # a checkpoint template that cannot render these messages
-        raise RequestError(f"the chat template failed on these messages ({e})", field="messages") from e
 
 
 def run(engine: AsyncLLMEngine, model_name: str, host: str = "127.0.0.1", port: int = 8000, *,

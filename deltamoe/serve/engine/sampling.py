@@ -1,4 +1,4 @@
-"""SamplingParams (validated per request) and the sampler: penalties -> temperature -> top-k/top-p/min-p -> draw.
+"""SamplingParams (validated per request) and the sampler: logit bias -> penalties -> temperature -> top-k/top-p/min-p -> draw.
 
 Greedy when temperature < GREEDY_TEMPERATURE (0 included). Each request draws from its own
 `torch.Generator`, so the same seed gives the same tokens whatever else is in the batch. Logprobs are those of the model's
@@ -15,6 +15,7 @@ import torch
 from deltamoe.errors import RequestError
 
 MAX_TOP_LOGPROBS = 20  # the OpenAI API limit
+MAX_LOGIT_BIAS = 300  # entries per request, as vLLM allows
 
 
 # Below this a temperature is greedy, as in vLLM: dividing logits by, say, 1e-300 overflows to inf
@@ -38,6 +39,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -76,6 +78,10 @@ class SamplingParams:
              "logprobs", f"None or an integer in [0, {MAX_TOP_LOGPROBS}]")
         for name in ("presence_penalty", "frequency_penalty"):
             need(is_num(getattr(self, name)) and -2 <= getattr(self, name) <= 2, name, "a number in [-2, 2]")
+        need(self.logit_bias is None or (isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_LOGIT_BIAS
+                                         and all(is_int(t) and 0 <= t < vocab_size and is_num(b) and -100 <= b <= 100
+                                                 for t, b in self.logit_bias.items())),
+             "logit_bias", f"at most {MAX_LOGIT_BIAS} token ids in [0, {vocab_size}) with biases in [-100, 100]")
 
 
 @dataclass
@@ -83,6 +89,14 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob), best first; empty unless logprobs > 0
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float] | None) -> torch.Tensor:
+    """OpenAI's logit_bias: each listed token's logit plus its bias (100 all but forces it, -100 all but bans it)."""
+    if not bias:
+        return logits
+    ids = torch.tensor(list(bias), device=logits.device)
+    return logits.index_add(-1, ids, torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device))
 
 
 def apply_penalties(logits: torch.Tensor, output_ids: list[int], presence: float, frequency: float) -> torch.Tensor:
@@ -125,7 +139,7 @@ def token_logprobs(logits: torch.Tensor, token_id: int, top_n: int) -> TokenLogp
 def sample_row(logits: torch.Tensor, params: SamplingParams, output_ids: list[int],
                generator: torch.Generator) -> tuple[int, TokenLogprob | None]:
     """One next token for one request from its last-position logits [V]."""
-    x = apply_penalties(logits.float(), output_ids, params.presence_penalty, params.frequency_penalty)
+    x = apply_penalties(apply_logit_bias(logits.float(), params.logit_bias), output_ids, params.presence_penalty, params.frequency_penalty)
     if params.greedy:
         token = int(torch.argmax(x))
     else:
@@ -139,7 +153,8 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, output_ids: list[in
 def sample(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]],
            generators: list[torch.Generator]) -> list[tuple[int, TokenLogprob | None]]:
     """Next tokens for a batch of last-position logits [B, V]; plain greedy rows take one batched argmax."""
-    plain = [p.greedy and p.logprobs is None and p.presence_penalty == 0 and p.frequency_penalty == 0 for p in params]
+    plain = [p.greedy and p.logprobs is None and p.presence_penalty == 0 and p.frequency_penalty == 0
+             and not p.logit_bias for p in params]
     fast = torch.argmax(logits, dim=-1).tolist() if any(plain) else []
     if all(plain):
         return [(token, None) for token in fast]

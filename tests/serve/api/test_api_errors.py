@@ -22,7 +22,9 @@ KEY = "sk-errors"
 M = "tiny"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+TOKENIZE, DETOKENIZE = "/tokenize", "/detokenize"
 USER = [{"role": "user", "content": "hi"}]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +80,28 @@ CASES = [
     (CHAT, raw({"model": M, "messages": USER, "logprobs": True, "top_logprobs": 50}), AUTH, 400, "top_logprobs",
      "invalid_value"),
     (CHAT, raw({"model": M, "messages": USER, "top_logprobs": 2}), AUTH, 400, "top_logprobs", "invalid_value"),
-    (CHAT, raw({"model": M, "messages": USER, "tools": [{"type": "function"}]}), AUTH, 400, "tools",
-     "unsupported_value"),
+    (CHAT, raw({"model": M, "messages": USER, "tools": [{"type": "function"}]}), AUTH, 400, "tools[0].function",
+     "invalid_value"),
+    (CHAT, raw({"model": M, "messages": USER, "tools": [{"type": "function", "function": {"name": "a b"}}]}), AUTH,
+     400, "tools[0].function.name", "invalid_value"),
+    (CHAT, raw({"model": M, "messages": USER, "tools": TOOLS, "tool_choice": {"type": "function",
+                                                                              "function": {"name": "nope"}}}),
+     AUTH, 400, "tool_choice", "invalid_value"),
+    (CHAT, raw({"model": M, "messages": USER, "tool_choice": "required"}), AUTH, 400, "tool_choice", "invalid_value"),
+    (CHAT, raw({"model": M, "messages": USER, "tools": TOOLS, "tool_choice": "required"}), AUTH, 400, "tool_choice",
+     "unsupported_value"),  # until constrained decoding lands (tool_request.decoding_constraint)
+    (CHAT, raw({"model": M, "messages": USER, "tools": TOOLS, "parallel_tool_calls": "yes"}), AUTH, 400,
+     "parallel_tool_calls", "invalid_value"),
+    (CHAT, raw({"model": M, "messages": USER, "chat_template_kwargs": {"thinking": "yes"}}), AUTH, 400,
+     "chat_template_kwargs.thinking", "invalid_value"),
+    (CHAT, raw({"model": M, "messages": [{"role": "assistant", "tool_calls": [{"id": 1}]}]}), AUTH, 400,
+     "messages[0].tool_calls[0]", "invalid_value"),
+    (CMPL, raw({"model": M, "prompt": "a", "logit_bias": {"99999": 5}}), AUTH, 400, "logit_bias", "invalid_value"),
+    (CMPL, raw({"model": M, "prompt": "a", "logit_bias": {"5": 101}}), AUTH, 400, "logit_bias", "invalid_value"),
+    (CMPL, raw({"model": M, "prompt": "a", "logit_bias": {"five": 1}}), AUTH, 400, "logit_bias", "invalid_value"),
+    (TOKENIZE, raw({"prompt": "a", "messages": USER}), AUTH, 400, "prompt", "invalid_value"),
+    (DETOKENIZE, raw({"tokens": [1, 10**6]}), AUTH, 400, "tokens", "invalid_value"),
+    (TOKENIZE, raw({"prompt": "a"}), {}, 401, None, "invalid_api_key"),
     (CHAT, raw({"model": M, "messages": USER}), {}, 401, None, "invalid_api_key"),
     (CHAT, raw({"model": M, "messages": USER}), {"Authorization": "Bearer sk-nope"}, 401, None, "invalid_api_key"),
 ]

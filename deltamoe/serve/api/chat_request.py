@@ -1,0 +1,74 @@
+"""What a chat request asks of the template and of the output parsing: tools, thinking, template kwargs.
+
+`ChatOptions.of(request, template)` checks `tools` / `tool_choice` / `parallel_tool_calls` and
+`chat_template_kwargs` (errors name the field); `parser(...)` builds the choice's output parser
+once the prompt is rendered (the prompt tells whether the template already opened `<think>`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from deltamoe.errors import RequestError
+from deltamoe.serve.api.chat_output import ChatChoiceParser
+from deltamoe.serve.api.chat_template import ChatTemplate
+from deltamoe.serve.api.errors import APIError
+from deltamoe.serve.api.reasoning_parser import THINK_BEGIN, THINK_END, ReasoningParser
+from deltamoe.serve.api.schemas import ChatCompletionRequest, ChatMessage, TokenizeRequest
+from deltamoe.serve.api.tool_parser import ARGUMENT_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END, \
+    ToolCallParser
+from deltamoe.serve.api.tool_request import ToolRequest, decoding_constraint, tool_request
+from deltamoe.serve.engine.sampling import SamplingParams
+from deltamoe.tokenizers.base import Tokenizer
+
+MARKERS = (THINK_BEGIN, THINK_END, CALL_BEGIN, ARGUMENT_BEGIN, CALL_END, *SECTION_BEGIN, *SECTION_END)
+# Variables the server itself passes to the template; a request may not override them.
+RESERVED_KWARGS = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "deltamoe_plain",
+                   "raise_exception")
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    tools: ToolRequest
+    thinking: bool
+    template_kwargs: dict[str, Any]
+    constraint: object | None = None  # from tool_request.decoding_constraint, for a forced tool_choice
+
+    @classmethod
+    def of(cls, req: ChatCompletionRequest | TokenizeRequest, template: ChatTemplate) -> "ChatOptions":
+        tools = tool_request(req.tools, getattr(req, "tool_choice", None), getattr(req, "parallel_tool_calls", None))
+        kwargs = dict(req.chat_template_kwargs or {})
+        for name in RESERVED_KWARGS:
+            if name in kwargs:
+                raise APIError(400, f"chat_template_kwargs.{name}: set by the server, not by a request",
+                               param=f"chat_template_kwargs.{name}", code="invalid_value")
+        thinking = kwargs.get("thinking", template.thinking_default)
+        if not isinstance(thinking, bool):
+            raise APIError(400, f"chat_template_kwargs.thinking: expected true or false, got {thinking!r}",
+                           param="chat_template_kwargs.thinking", code="invalid_value")
+        kwargs["thinking"] = thinking
+        constraint = decoding_constraint(tools) if tools.forced else None
+        return cls(tools, thinking, kwargs, constraint)
+
+    def encode(self, template: ChatTemplate, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        """The prompt's token ids, with the request's tools and template kwargs."""
+        try:
+            return template.encode([m.model_dump() for m in messages], add_generation_prompt,
+                                   self.tools.tools or None, self.template_kwargs)
+        except RequestError:
+            raise
+        except Exception as e:  # the (sandboxed) template cannot render this request's messages or kwargs
+            raise RequestError(f"the chat template failed on these messages ({type(e).__name__}: {e})",
+                               field="messages") from e
+
+    def parser(self, prompt: list[int], params: SamplingParams, tokenizer: Tokenizer) -> ChatChoiceParser | None:
+        """The output parser for this request, or None (all content). Where the markers are special
+        tokens, they must reach the text to be parsed, so `params` keeps special tokens then."""
+        if not (self.thinking or self.tools.parse_calls):
+            return None
+        tail = tokenizer.decode(prompt[-16:], skip_special_tokens=False)
+        reasoning = ReasoningParser(starts_inside=tail.rstrip().endswith(THINK_BEGIN)) if self.thinking else None
+        if any(m in tokenizer.special_tokens for m in MARKERS):
+            params.skip_special_tokens = False
+        return ChatChoiceParser(reasoning, ToolCallParser(self.tools.parallel) if self.tools.parse_calls else None)
