@@ -188,3 +188,41 @@ def test_metrics_count_requests_and_latencies(server, client):
     assert value("deltamoe_num_preemptions_total") == 0  # the cache is far larger than these requests need
     hits, queries = value("deltamoe_prefix_cache_hit_tokens_total"), value("deltamoe_prefix_cache_query_tokens_total")
     assert hits >= 32 and value("deltamoe_prefix_cache_hit_rate") == pytest.approx(hits / queries)
+
+
+def test_tokenize_and_detokenize(server, client):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(f"{server.url}/tokenize", headers=headers,
+                   json={"model": MODEL, "prompt": "héllo", "return_token_strs": True}).json()
+    assert r["tokens"] == list("héllo".encode()) and r["count"] == 6 and r["max_model_len"] == MAX_MODEL_LEN
+    assert len(r["token_strs"]) == 6
+    messages = [{"role": "user", "content": "hi"}]
+    chat = httpx.post(f"{server.url}/tokenize", headers=headers, json={"messages": messages}).json()
+    assert chat["tokens"] == server.template.encode(messages)  # what /v1/chat/completions feeds the model
+    used = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).usage.prompt_tokens
+    assert used == chat["count"]
+    back = httpx.post(f"{server.url}/detokenize", headers=headers, json={"tokens": chat["tokens"]}).json()
+    assert back == {"prompt": "[user]hi<|end|>[assistant]"}  # specials by name
+
+
+def test_logit_bias_forces_and_bans_tokens(server, client):
+    kw = dict(model=MODEL, prompt="abc", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.completions.create(**kw).choices[0].text
+    forced = client.completions.create(logit_bias={str(ord("Q")): 100}, **kw).choices[0].text
+    assert forced == "Q" * 6 != plain
+    first = plain.encode()[0]
+    banned = client.completions.create(logit_bias={str(first): -100}, **kw).choices[0].text
+    assert banned.encode()[0] != first
+    # Sampled too, not only greedy: the bias is applied before temperature.
+    hot = client.completions.create(logit_bias={str(ord("Q")): 100}, **{**kw, "temperature": 1.5, "seed": 3})
+    assert hot.choices[0].text == "Q" * 6
+
+
+def test_continuous_usage_stats_and_accepted_extras(server, client):
+    chunks = list(client.completions.create(
+        model=MODEL, prompt="hey", max_tokens=5, stream=True, user="u-1",
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True, "metadata": {"team": "a"}}))
+    counts = [c.usage.completion_tokens for c in chunks[:-1]]
+    assert counts == sorted(counts) and counts[-1] == 5 and all(c.usage.prompt_tokens == 3 for c in chunks)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5

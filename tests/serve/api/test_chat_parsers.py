@@ -128,3 +128,39 @@ def test_assistant_parser_joins_both_and_counts_reasoning_tokens():
         total += d
     assert total == p.message == MessageDelta("I should look", "Sure.", [ToolCall(0, "functions.f:0", "f", "{}")])
     assert p.reasoning_tokens == 3  # pieces that arrived while the section was open, up to the one closing it
+
+
+def test_chat_formatter_streams_what_it_answers_in_openai_shapes():
+    """The formatter with a parser: chunks parse as the SDK's ChatCompletionChunk and add up to the response."""
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    from deltamoe.serve.api.chat_output import ChatChoiceParser
+    from deltamoe.serve.api.format import ChatFormatter
+    from deltamoe.serve.engine.outputs import RequestOutput
+    from deltamoe.tokenizers.byte import ByteTokenizer
+
+    text = "hmm</think>Sure." + SB + call("functions.f:0", '{"x": 1}') + call("functions.g:1", "{") + SE
+    rng = random.Random(1)
+    cuts = random_cuts(rng, len(text))
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    fmt = ChatFormatter("chatcmpl-1", "m", ByteTokenizer(), False,
+                        ChatChoiceParser(ReasoningParser(starts_inside=True), ToolCallParser()))
+    chunks = []
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        out = RequestOutput("chatcmpl-1", piece, [0], None, text[:sum(map(len, pieces[:i + 1]))], 5, i + 1, 0,
+                            finished=last, finish_reason="stop" if last else None)
+        if (chunk := fmt.add(out)) is not None:
+            chunks.append(ChatCompletionChunk.model_validate_json(chunk.model_dump_json()))
+    reasoning = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    calls = [tc for c in chunks for tc in c.choices[0].delta.tool_calls or []]
+    response = ChatCompletion.model_validate_json(fmt.response().model_dump_json())
+    message = response.choices[0].message
+    assert (reasoning, content) == ("hmm", "Sure." + call("functions.g:1", "{")) == \
+        (message.model_extra["reasoning_content"], message.content)
+    assert [(c.index, c.id, c.function.name, c.function.arguments) for c in calls] == [(0, "functions.f:0", "f",
+                                                                                         '{"x": 1}')]
+    assert [(c.id, c.function.arguments) for c in message.tool_calls] == [("functions.f:0", '{"x": 1}')]
+    assert chunks[-1].choices[0].finish_reason == response.choices[0].finish_reason == "tool_calls"
+    assert response.usage.completion_tokens_details.reasoning_tokens >= 1
