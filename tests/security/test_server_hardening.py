@@ -196,7 +196,7 @@ def _fuzz(server, examples: int) -> None:
 
     url, _ = server
     schema = schemathesis.openapi.from_dict(httpx.get(f"{url}/openapi.json").json())
-    cases = st.one_of([schema[path]["POST"].as_strategy(mode) for path in (CMPL, CHAT)
+    cases = st.one_of([schema[path]["POST"].as_strategy(mode) for path in (CMPL, CHAT, "/tokenize", "/detokenize")
                        for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE)])
     statuses: list[int] = []
     client = httpx.Client(base_url=url, headers=AUTH, timeout=60)

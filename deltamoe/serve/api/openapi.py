@@ -14,14 +14,18 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from deltamoe.serve.api.schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                        CompletionResponse, ErrorResponse)
+                                        CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
+                                        TokenizeRequest, TokenizeResponse)
 
 REF = "#/components/schemas/{model}"
 ERROR_STATUSES = ("400", "401", "404", "408", "413")
 BODY_ROUTES: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
     "/v1/completions": (CompletionRequest, CompletionResponse),
     "/v1/chat/completions": (ChatCompletionRequest, ChatCompletionResponse),
+    "/tokenize": (TokenizeRequest, TokenizeResponse),
+    "/detokenize": (DetokenizeRequest, DetokenizeResponse),
 }
+STREAMING_ROUTES = ("/v1/completions", "/v1/chat/completions")
 
 
 def _add(components: dict[str, Any], model: type[BaseModel], mode: str) -> dict[str, str]:
@@ -42,10 +46,12 @@ def install_openapi(app: FastAPI) -> None:
                 op = doc["paths"][path]["post"]
                 op["requestBody"] = {"required": True, "content": {"application/json": {"schema": _add(
                     components, request, "validation")}}}
+                content = {"application/json": {"schema": _add(components, response, "serialization")}}
+                if path in STREAMING_ROUTES:
+                    content["text/event-stream"] = {"schema": {"type": "string"}}
                 op["responses"] = {
-                    "200": {"description": "The completion; with stream=true, server-sent events of chunks.",
-                            "content": {"application/json": {"schema": _add(components, response, "serialization")},
-                                        "text/event-stream": {"schema": {"type": "string"}}}},
+                    "200": {"description": "The completion; with stream=true, server-sent events of chunks."
+                            if path in STREAMING_ROUTES else "The result.", "content": content},
                     **{s: {"description": "An OpenAI-style error.", "content": {"application/json": {"schema": error}}}
                        for s in ERROR_STATUSES},
                 }

@@ -7,10 +7,12 @@ import math
 import pytest
 import torch
 
+from deltamoe.errors import RequestError
 from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.detokenizer import IncrementalDetokenizer
 from deltamoe.serve.engine.llm_engine import LLMEngine
-from deltamoe.serve.engine.sampling import SamplingParams, apply_penalties, filter_logits, sample_row, token_logprobs
+from deltamoe.serve.engine.sampling import (SamplingParams, apply_logit_bias, apply_penalties, filter_logits, sample_row,
+                                            token_logprobs)
 from deltamoe.tokenizers.byte import ByteTokenizer
 
 NEG = float("-inf")
@@ -167,3 +169,15 @@ def test_engine_stop_string_output(k31_model, helpers):
                           progress=False)[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == raw[: raw.index(stop)]
+
+
+def test_logit_bias_is_validated_and_shifts_the_logits():
+    for bad in ({10: 1.0}, {-1: 1.0}, {1: 101.0}, {1: float("nan")}, {True: 1.0}):
+        with pytest.raises(RequestError) as e:
+            SamplingParams(logit_bias=bad).validate(vocab_size=10)
+        assert e.value.field == "logit_bias"
+    logits = torch.tensor([0.0, 5.0, 1.0, 2.0])
+    assert apply_logit_bias(logits, {0: 10.0, 2: -1.0}).tolist() == [10.0, 5.0, 0.0, 2.0]
+    gen = torch.Generator().manual_seed(0)
+    assert sample_row(logits, SamplingParams(temperature=0, logit_bias={3: 100}), [], gen)[0] == 3
+    assert sample_row(logits, SamplingParams(temperature=1.0, logit_bias={1: -100, 3: 100}), [], gen)[0] == 3
