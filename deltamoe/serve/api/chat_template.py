@@ -165,6 +165,8 @@ class ChatTemplate:
         plain: list[str] = []
 
         def mark(text: str) -> str:
+            if not text:  # nothing to protect, and an empty field stays falsy for the template's tests
+                return text
             plain.append(text)
             return PLAIN_MARK.format(len(plain) - 1)
 
