@@ -1,8 +1,8 @@
 """OpenAI-compatible HTTP server (FastAPI + uvicorn) over `AsyncLLMEngine`.
 
 Routes: GET /health, GET /metrics (Prometheus), and under /v1 (Bearer key, when one is set):
-GET /models, POST /completions, POST /chat/completions (SSE streaming or one JSON body); POST /tokenize and
-/detokenize (vLLM's, at the root, behind the key too).
+GET /models, POST /completions, POST /chat/completions (SSE streaming or one JSON body); and vLLM's
+POST /tokenize and POST /detokenize at the root (behind the key too).
 
 The flow per request: the key is checked -> the body is parsed strictly (`api_schemas`) ->
 the model name is checked -> fields become SamplingParams (`api_params`) -> the engine runs
