@@ -94,6 +94,8 @@ CASES = [
      "parallel_tool_calls", "invalid_value"),
     (CHAT, raw({"model": M, "messages": USER, "chat_template_kwargs": {"thinking": "yes"}}), AUTH, 400,
      "chat_template_kwargs.thinking", "invalid_value"),
+    (CHAT, raw({"model": M, "messages": USER, "chat_template_kwargs": {"messages": []}}), AUTH, 400,
+     "chat_template_kwargs.messages", "invalid_value"),
     (CHAT, raw({"model": M, "messages": [{"role": "assistant", "tool_calls": [{"id": 1}]}]}), AUTH, 400,
      "messages[0].tool_calls[0]", "invalid_value"),
     (CMPL, raw({"model": M, "prompt": "a", "logit_bias": {"99999": 5}}), AUTH, 400, "logit_bias", "invalid_value"),
