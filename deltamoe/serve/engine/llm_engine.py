@@ -138,7 +138,7 @@ class LLMEngine:
         if not params.ignore_eos and self.tokenizer.eos_token_id is not None:
             stop_ids.add(self.tokenizer.eos_token_id)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        return Sequence(
+        seq = Sequence(
             request_id=str(request_id) if request_id is not None else f"req-{next(self._ids)}",
             token_ids=ids, num_prompt_tokens=len(ids), params=params,
             generator=torch.Generator(device=self.device).manual_seed(seed),
@@ -146,6 +146,11 @@ class LLMEngine:
                                                params.include_stop_str_in_output, stream=stream_text),
             max_tokens=params.max_tokens or room, stop_ids=frozenset(stop_ids), priority=priority,
             prompt=prompt if isinstance(prompt, str) else None)
+        if params.structured is not None:
+            from deltamoe.serve.structured.matcher import GrammarMatcher
+
+            seq.grammar = GrammarMatcher(params.structured, self.tokenizer, self.model_config.vocab_size, seq.stop_ids)
+        return seq
 
     def add_sequence(self, seq: Sequence) -> str:
         if seq.request_id in self._requests:
@@ -212,7 +217,11 @@ class LLMEngine:
         else:
             delta = seq.detokenizer.push(r.token)
             stop_reason = seq.detokenizer.stopped_by
-            reason = "stop" if stop_reason is not None else "length" if seq.num_output_tokens >= seq.max_tokens else None
+            if seq.grammar is not None:
+                seq.grammar.accept(r.token)
+            # A complete grammar admits nothing more: the output is whole, as if a stop token came.
+            done = stop_reason is not None or (seq.grammar is not None and seq.grammar.done)
+            reason = "stop" if done else "length" if seq.num_output_tokens >= seq.max_tokens else None
         if reason is not None:
             seq.stop_reason = stop_reason
             delta += seq.detokenizer.flush()

@@ -106,8 +106,9 @@ class ModelRunner:
         if not to_sample:
             return [StepResult(seq, n, None, None) for seq, n in batch.items]
         logits = last_logits[0] if len(last_logits) == 1 else torch.cat(last_logits)
+        allowed = [s.grammar.allowed() if s.grammar is not None else None for s in to_sample]
         picks = sample(logits, [s.params for s in to_sample], [s.output_ids for s in to_sample],
-                       [s.generator for s in to_sample])
+                       [s.generator for s in to_sample], allowed)
         if len(to_sample) == len(batch.items) and all(a is b for a, (b, _) in zip(to_sample, batch.items)):
             # Every row sampled, in schedule order (a pure decode step): no lookup by sequence.
             return [StepResult(seq, n, *pick) for (seq, n), pick in zip(batch.items, picks)]

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from deltamoe.errors import RequestError
+
+if TYPE_CHECKING:
+    from deltamoe.serve.structured.constraint import Constraint
 
 MAX_TOP_LOGPROBS = 20  # the OpenAI API limit
 
@@ -38,6 +42,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured: Constraint | None = None  # a grammar the output must match (serve/structured/)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -123,9 +128,10 @@ def token_logprobs(logits: torch.Tensor, token_id: int, top_n: int) -> TokenLogp
 
 
 def sample_row(logits: torch.Tensor, params: SamplingParams, output_ids: list[int],
-               generator: torch.Generator) -> tuple[int, TokenLogprob | None]:
-    """One next token for one request from its last-position logits [V]."""
-    x = apply_penalties(logits.float(), output_ids, params.presence_penalty, params.frequency_penalty)
+               generator: torch.Generator, allowed: torch.Tensor | None = None) -> tuple[int, TokenLogprob | None]:
+    """One next token for one request from its last-position logits [V]; only `allowed` ones, when given."""
+    x = logits.float() if allowed is None else logits.float().masked_fill(~allowed.to(logits.device), float("-inf"))
+    x = apply_penalties(x, output_ids, params.presence_penalty, params.frequency_penalty)
     if params.greedy:
         token = int(torch.argmax(x))
     else:
@@ -137,11 +143,15 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, output_ids: list[in
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]],
-           generators: list[torch.Generator]) -> list[tuple[int, TokenLogprob | None]]:
-    """Next tokens for a batch of last-position logits [B, V]; plain greedy rows take one batched argmax."""
-    plain = [p.greedy and p.logprobs is None and p.presence_penalty == 0 and p.frequency_penalty == 0 for p in params]
+           generators: list[torch.Generator],
+           allowed: list[torch.Tensor | None] | None = None) -> list[tuple[int, TokenLogprob | None]]:
+    """Next tokens for a batch of last-position logits [B, V]; plain greedy rows take one batched argmax.
+    `allowed`: per row, the bool [V] mask of a grammar-constrained request (None: unconstrained)."""
+    allowed = allowed or [None] * len(params)
+    plain = [p.greedy and p.logprobs is None and p.presence_penalty == 0 and p.frequency_penalty == 0
+             and a is None for p, a in zip(params, allowed)]
     fast = torch.argmax(logits, dim=-1).tolist() if any(plain) else []
     if all(plain):
         return [(token, None) for token in fast]
-    return [(fast[i], None) if plain[i] else sample_row(logits[i], params[i], outputs[i], generators[i])
+    return [(fast[i], None) if plain[i] else sample_row(logits[i], params[i], outputs[i], generators[i], allowed[i])
             for i in range(len(params))]
