@@ -69,8 +69,6 @@ def chat_params(req: ChatCompletionRequest, vocab_size: int,
         raise _unsupported("tools", "tool calling is not supported")
     if req.tool_choice not in (None, "none"):
         raise _unsupported("tool_choice", "tool calling is not supported")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise _unsupported("response_format", "only {'type': 'text'} is supported")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs: needs logprobs=true", param="top_logprobs", code="invalid_value")
     names = {"logprobs": "top_logprobs", "prompt": "messages"}

@@ -49,6 +49,12 @@ class SamplingFields(_Request):
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None  # vLLM extension; refused until the engine computes them
     user: str | None = None
+    # Structured outputs (serve/structured/request.py reads them): vLLM's current name and its older ones.
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -73,6 +79,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    response_format: dict[str, Any] | None = None  # as vLLM: structured output for completions too
 
     @field_validator("prompt")
     @classmethod

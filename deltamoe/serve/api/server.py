@@ -36,6 +36,7 @@ from deltamoe.serve.api.metrics import CONTENT_TYPE, HTTPMetricsMiddleware, Serv
 from deltamoe.serve.api.params import chat_params, completion_params
 from deltamoe.serve.api.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields
 from deltamoe.serve.engine.async_engine import AsyncLLMEngine
+from deltamoe.serve.structured.request import constrain
 
 MAX_BODY_BYTES = 32 * 2**20  # far above any prompt that fits a context; stops a client from filling memory
 R = TypeVar("R", bound=BaseModel)
@@ -146,6 +147,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
         req = await read_body(request, CompletionRequest, max_body_bytes, body_timeout_s)
         check_model(req.model)
         params, names = completion_params(req, vocab_size)
+        await constrain(params, req, engine.tokenizer)
         fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", req.model, engine.tokenizer, req.logprobs is not None)
         return await Generation(engine, metrics, names).respond(request, req.prompt, params, fmt, bool(req.stream),
                                                                 _include_usage(req), _hand_off(request))
@@ -155,6 +157,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
         req = await read_body(request, ChatCompletionRequest, max_body_bytes, body_timeout_s)
         check_model(req.model)
         params, names = chat_params(req, vocab_size, template.stop_token_ids)
+        await constrain(params, req, engine.tokenizer)
         prompt = _render(template, req)
         fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", req.model, engine.tokenizer, bool(req.logprobs))
         return await Generation(engine, metrics, names).respond(request, prompt, params, fmt, bool(req.stream),
