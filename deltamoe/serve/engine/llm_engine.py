@@ -22,6 +22,7 @@ from deltamoe.serve.engine.cache import HybridCache
 from deltamoe.serve.engine.compiled_decode import WarmUpRound, warm_up_rounds
 from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.detokenizer import IncrementalDetokenizer
+from deltamoe.serve.engine.forks import ForkBook, start_forks
 from deltamoe.serve.engine.outputs import Completion, EngineStats, RequestOutput
 from deltamoe.serve.engine.runner import ModelRunner, StepResult
 from deltamoe.serve.engine.sampling import SamplingParams
@@ -70,6 +71,7 @@ class LLMEngine:
         self._seeds = random.Random(self.config.seed)
         self._totals = {"prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "steps": 0}
         self.errors: dict[str, str] = {}  # why a request finished with 'error' (read and popped by the caller)
+        self.forks = ForkBook()  # choices waiting to share another choice's prefill (n > 1)
         self.last_batch_size = 0  # sequences in the last step (0: it only waited for transfers)
 
     @classmethod
@@ -157,6 +159,10 @@ class LLMEngine:
             raise RequestError(f"{seq.request_id!r} is already running", field="request_id")
         self._requests[seq.request_id] = seq
         self._totals["prompt_tokens"] += seq.num_prompt_tokens
+        if seq.fork_of is not None:  # waits for its parent's prefill (forks.py)
+            self.forks.hold(seq)
+            return seq.request_id
+        self.forks.attach(seq)
         self.scheduler.add(seq)
         return seq.request_id
 
@@ -170,6 +176,10 @@ class LLMEngine:
         seq = self._requests.pop(request_id, None)
         if seq is None:
             return None
+        self.forks.drop(seq, self._requests.get(seq.fork_of or ""))
+        for child in seq.forks:  # its waiting choices now prefill on their own
+            self.scheduler.add(child)
+        seq.forks = []
         self.scheduler.finish(seq, "abort")
         return self._output(seq, [], "", None)
 
@@ -191,7 +201,8 @@ class LLMEngine:
         if self.connector is not None:
             self.connector.wait_for_save()
         self._totals["steps"] += 1
-        return failed + [out for r in results if (out := self._postprocess(r)) is not None]
+        outputs = [out for r in results if (out := self._postprocess(r)) is not None]
+        return failed + outputs + [out for r in start_forks(self, results) if (out := self._postprocess(r)) is not None]
 
     def _fail(self, seq: Sequence, reason: str) -> RequestOutput:
         """A request the scheduler finished with 'error' (its cache never arrived); `errors` says why."""

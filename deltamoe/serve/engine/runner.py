@@ -22,6 +22,7 @@ from deltamoe.parallel.expert_load import empty_load, moe_modules, take_expert_l
 from deltamoe.serve.engine.cache import HybridCache
 from deltamoe.serve.engine.cache_view import PagedBatchView
 from deltamoe.serve.engine.compiled_decode import CompiledDecode
+from deltamoe.serve.engine.forks import sample_first_tokens, with_fork_picks
 from deltamoe.serve.engine.sampling import TokenLogprob, sample
 from deltamoe.serve.engine.scheduler import ScheduledBatch
 from deltamoe.serve.engine.sequence import Sequence
@@ -59,6 +60,7 @@ class StepResult:
     num_computed: int  # tokens computed this step
     token: int | None  # the sampled next token, when the chunk reached the end of the sequence
     logprob: TokenLogprob | None
+    forks: list[tuple[int, TokenLogprob | None]] | None = None  # first tokens of the choices forking it (forks.py)
 
 
 class ModelRunner:
@@ -109,6 +111,8 @@ class ModelRunner:
         allowed = [s.grammar.allowed() if s.grammar is not None else None for s in to_sample]
         picks = sample(logits, [s.params for s in to_sample], [s.output_ids for s in to_sample],
                        [s.generator for s in to_sample], allowed)
+        if any(s.forks for s in to_sample):
+            return with_fork_picks(batch, to_sample, picks, sample_first_tokens(logits, to_sample))
         if len(to_sample) == len(batch.items) and all(a is b for a, (b, _) in zip(to_sample, batch.items)):
             # Every row sampled, in schedule order (a pure decode step): no lookup by sequence.
             return [StepResult(seq, n, *pick) for (seq, n), pick in zip(batch.items, picks)]

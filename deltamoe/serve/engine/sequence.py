@@ -57,6 +57,8 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     kv_transfer: object | None = None  # a KV connector's hand-off parameters for this request (kv_transfer/)
     grammar: GrammarMatcher | None = None  # params.structured's matcher, advanced with each token
+    fork_of: str | None = None  # another choice of the same request, whose prefill this one shares (forks.py)
+    forks: list[Sequence] = field(default_factory=list)  # choices waiting to fork this one's prefill
 
     @property
     def output_ids(self) -> list[int]:
