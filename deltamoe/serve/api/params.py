@@ -19,8 +19,6 @@ def _unsupported(param: str, message: str) -> APIError:
 
 def _common(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
             stop_token_ids: list[int]) -> SamplingParams:
-    if req.n not in (None, 1):
-        raise _unsupported("n", f"only n=1 is supported, got {req.n}; send n separate requests (with different seeds)")
     if req.logit_bias:
         raise _unsupported("logit_bias", "logit_bias is not supported")
     if req.prompt_logprobs is not None:
@@ -57,8 +55,6 @@ def completion_params(req: CompletionRequest, vocab_size: int) -> tuple[Sampling
         raise _unsupported("echo", "echo is not supported")
     if req.suffix:
         raise _unsupported("suffix", "suffix (insertion) is not supported")
-    if req.best_of not in (None, 1):
-        raise _unsupported("best_of", f"only best_of=1 is supported, got {req.best_of}")
     names: dict[str, str] = {}
     return validated(_common(req, req.max_tokens, req.logprobs, []), vocab_size, names), names
 

@@ -62,7 +62,7 @@ CASES = [
     (CMPL, raw({"model": M, "prompt": "a", "stop": 5}), AUTH, 400, "stop", "value_error"),
     (CMPL, raw({"model": M, "prompt": "a", "seed": 2**70}), AUTH, 400, "seed", "less_than_equal"),
     (CMPL, raw({"model": M, "prompt": "a", "logprobs": 99}), AUTH, 400, "logprobs", "invalid_value"),
-    (CMPL, raw({"model": M, "prompt": "a", "n": 2}), AUTH, 400, "n", "unsupported_value"),
+    (CMPL, raw({"model": M, "prompt": "a", "n": 17}), AUTH, 400, "n", "invalid_value"),
     (CMPL, raw({"model": M, "prompt": "a", "echo": True}), AUTH, 400, "echo", "unsupported_value"),
     (CMPL, raw({"model": M, "prompt": "a", "stream": True, "max_tokens": 0}), AUTH, 400, "max_tokens",
      "invalid_value"),  # a streaming request is refused before any event, as a plain 400
