@@ -212,6 +212,9 @@ async def respond_choices(gen: Generation, request: Request, req, prompt: str | 
     """The server's path for a request with n > 1 or best_of > 1 (see the module docstring)."""
     stream = bool(req.stream)
     n, count = choice_count(req.n, getattr(req, "best_of", None), stream)
+    if getattr(req, "echo", False) or getattr(req, "prompt_logprobs", None) is not None:
+        raise APIError(400, "n: several choices with echo or prompt_logprobs: not yet (send one request per choice)",
+                       param="n", code="unsupported_value")
     engine = gen.engine.engine
     num_prompt = len(prompt) if isinstance(prompt, list) else len(engine.tokenizer.encode(prompt))
     check_room(num_prompt, params.max_tokens, count, engine.cache.max_tokens_per_sequence())

@@ -8,6 +8,7 @@ must say so. Features this server does not implement are refused here, never ign
 from __future__ import annotations
 
 from deltamoe.errors import RequestError
+from deltamoe.serve.api.echo import prompt_logprobs_count
 from deltamoe.serve.api.errors import APIError
 from deltamoe.serve.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from deltamoe.serve.engine.sampling import SamplingParams
@@ -21,8 +22,6 @@ def _common(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
             stop_token_ids: list[int]) -> SamplingParams:
     if req.logit_bias:
         raise _unsupported("logit_bias", "logit_bias is not supported")
-    if req.prompt_logprobs is not None:
-        raise _unsupported("prompt_logprobs", "prompt_logprobs is not supported yet")
 
     def pick(value, default):
         return default if value is None else value
@@ -51,12 +50,12 @@ def rename(e: RequestError, names: dict[str, str]) -> RequestError:
 
 
 def completion_params(req: CompletionRequest, vocab_size: int) -> tuple[SamplingParams, dict[str, str]]:
-    if req.echo:
-        raise _unsupported("echo", "echo is not supported")
     if req.suffix:
         raise _unsupported("suffix", "suffix (insertion) is not supported")
     names: dict[str, str] = {}
-    return validated(_common(req, req.max_tokens, req.logprobs, []), vocab_size, names), names
+    params = _common(req, req.max_tokens, req.logprobs, [])
+    params.prompt_logprobs = prompt_logprobs_count(req)  # echo with logprobs needs them too
+    return validated(params, vocab_size, names), names
 
 
 def chat_params(req: ChatCompletionRequest, vocab_size: int,
@@ -65,6 +64,8 @@ def chat_params(req: ChatCompletionRequest, vocab_size: int,
         raise _unsupported("tools", "tool calling is not supported")
     if req.tool_choice not in (None, "none"):
         raise _unsupported("tool_choice", "tool calling is not supported")
+    if req.prompt_logprobs is not None:
+        raise _unsupported("prompt_logprobs", "prompt_logprobs on chat completions: not yet (use /v1/completions)")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs: needs logprobs=true", param="top_logprobs", code="invalid_value")
     names = {"logprobs": "top_logprobs", "prompt": "messages"}

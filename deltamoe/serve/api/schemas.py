@@ -156,6 +156,7 @@ class CompletionLogprobs(BaseModel):
 class CompletionChoice(_Choice):
     text: str
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's extension, when asked
 
 
 class CompletionResponse(_Envelope):  # also each streamed chunk, as on api.openai.com

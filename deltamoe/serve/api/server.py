@@ -28,6 +28,7 @@ from starlette.requests import ClientDisconnect
 from deltamoe.errors import RequestError
 from deltamoe.serve.api.chat_template import ChatTemplate
 from deltamoe.serve.api.choices import respond_choices, wants_choices
+from deltamoe.serve.api.echo import EchoCompletionFormatter
 from deltamoe.serve.api.connections import AcceptErrorLog, HTTPLimits, raise_open_file_limit, uvicorn_config
 from deltamoe.serve.api.errors import APIError, InternalErrorMiddleware, from_validation_error, install_error_handlers
 from deltamoe.serve.api.format import ChatFormatter, CompletionFormatter
@@ -150,6 +151,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
         params, names = completion_params(req, vocab_size)
         await constrain(params, req, engine.tokenizer)
         fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", req.model, engine.tokenizer, req.logprobs is not None)
+        if req.echo or req.prompt_logprobs is not None:  # the prompt's text and logprobs too (api/echo.py)
+            fmt = EchoCompletionFormatter(fmt.id, req.model, engine.tokenizer, req)
         if wants_choices(req):  # n > 1 or best_of > 1: several choices, one prefill
             return await respond_choices(Generation(engine, metrics, names), request, req, req.prompt, params, lambda: (
                 CompletionFormatter(fmt.id, req.model, engine.tokenizer, req.logprobs is not None)), _include_usage(req))

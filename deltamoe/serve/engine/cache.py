@@ -232,7 +232,7 @@ class HybridCache:
 
         At least one token is left to compute: the last prompt token's logits are needed.
         """
-        if not self.prefix_caching:
+        if not self.prefix_caching or seq.params.prompt_logprobs is not None:  # a hit would skip tokens to score
             return [], None
         blocks: list[int] = []
         best: tuple[int, int | None] = (0, None)

@@ -136,6 +136,8 @@ class LLMEngine:
         if params.max_tokens is not None and params.max_tokens > room:
             raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the limit of "
                                f"{len(ids) + room} tokens", field="max_tokens")
+        if params.prompt_logprobs is not None and self.cache.state_log is not None:
+            raise RequestError("prompt logprobs with --tp/--ep workers: not yet", field="prompt_logprobs")
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos and self.tokenizer.eos_token_id is not None:
             stop_ids.add(self.tokenizer.eos_token_id)
@@ -214,6 +216,8 @@ class LLMEngine:
         seq = r.seq
         seq.num_computed += r.num_computed
         self.cache.commit(seq)
+        if r.prompt_logprobs:
+            seq.prompt_logprobs.extend(r.prompt_logprobs)
         if r.token is None:
             return None
         seq.token_ids.append(r.token)
@@ -247,7 +251,9 @@ class LLMEngine:
             delta_logprobs=([logprob] if logprob is not None else []) if seq.params.logprobs is not None else None,
             text=seq.detokenizer.text[:seq.detokenizer.emitted], num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens, num_cached_tokens=seq.num_cached_tokens,
-            finished=seq.finished, finish_reason=seq.finish_reason, stop_reason=stop_reason)
+            finished=seq.finished, finish_reason=seq.finish_reason, stop_reason=stop_reason,
+            prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None and seq.num_output_tokens <= 1
+            and new_ids else None)
 
     # ------------------------------------------------------------------ offline
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
@@ -269,7 +275,9 @@ class LLMEngine:
         return [Completion(request_id=s.request_id, prompt_token_ids=s.token_ids[:s.num_prompt_tokens],
                            text=s.detokenizer.text, token_ids=s.output_ids, finish_reason=s.finish_reason or "",
                            stop_reason=s.stop_reason, logprobs=s.logprobs if s.params.logprobs is not None else None,
-                           num_cached_tokens=s.num_cached_tokens, prompt=s.prompt) for s in seqs]
+                           num_cached_tokens=s.num_cached_tokens, prompt=s.prompt,
+                           prompt_logprobs=s.prompt_logprobs if s.params.prompt_logprobs is not None else None)
+                for s in seqs]
 
     def warm_up(self) -> None:
         """Compile every decode graph a server meets before traffic does (compiled decode only), so

@@ -23,6 +23,7 @@ from deltamoe.serve.engine.cache import HybridCache
 from deltamoe.serve.engine.cache_view import PagedBatchView
 from deltamoe.serve.engine.compiled_decode import CompiledDecode
 from deltamoe.serve.engine.forks import sample_first_tokens, with_fork_picks
+from deltamoe.serve.engine.prompt_logprobs import chunk_prompt_logprobs, wants_prompt_logprobs
 from deltamoe.serve.engine.sampling import TokenLogprob, sample
 from deltamoe.serve.engine.scheduler import ScheduledBatch
 from deltamoe.serve.engine.sequence import Sequence
@@ -61,6 +62,7 @@ class StepResult:
     token: int | None  # the sampled next token, when the chunk reached the end of the sequence
     logprob: TokenLogprob | None
     forks: list[tuple[int, TokenLogprob | None]] | None = None  # first tokens of the choices forking it (forks.py)
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens this step scored (prompt_logprobs.py)
 
 
 class ModelRunner:
@@ -98,13 +100,27 @@ class ModelRunner:
         """Run the planned calls and sample every row that reaches the end of its tokens."""
         last_logits: list[torch.Tensor] = []
         to_sample: list[Sequence] = []
+        scored: dict[int, list[TokenLogprob]] = {}  # prompt logprobs of this step, by sequence
         for group, call in calls:
             seqs = [seq for seq, _ in group]
-            logits = self.forward(call)
+            scoring = [row for row, (seq, _) in enumerate(group) if wants_prompt_logprobs(seq)]
+            if scoring and max(call.counts) > 1:
+                logits, hidden = self.forward(call, with_hidden=True)
+            else:
+                logits, hidden = self.forward(call), None
+            for row in scoring:
+                seq, n = group[row]
+                scored[id(seq)] = chunk_prompt_logprobs(self.model, seq, n, None if hidden is None else hidden[row, :n],
+                                                        logits[row])
             rows = [row for row, (seq, n) in enumerate(group) if seq.num_computed + n == len(seq.token_ids)]
             if rows:  # one gather per call, not one select per row
                 last_logits.append(logits if len(rows) == len(seqs) else logits[rows])
                 to_sample.extend(seqs[row] for row in rows)
+        if scored:
+            return with_prompt_logprobs(self._sample(batch, last_logits, to_sample), scored)
+        return self._sample(batch, last_logits, to_sample)
+
+    def _sample(self, batch: ScheduledBatch, last_logits: list[torch.Tensor], to_sample: list[Sequence]) -> list[StepResult]:
         if not to_sample:
             return [StepResult(seq, n, None, None) for seq, n in batch.items]
         logits = last_logits[0] if len(last_logits) == 1 else torch.cat(last_logits)
@@ -120,9 +136,10 @@ class ModelRunner:
         return [StepResult(seq, n, *sampled.get(id(seq), (None, None))) for seq, n in batch.items]
 
     @torch.inference_mode()
-    def forward(self, call: ModelCall) -> torch.Tensor:
+    def forward(self, call: ModelCall, with_hidden: bool = False):
         """One model call appending counts[i] tokens to row i (right-padded to the longest with token
-        0, which the cache view keeps out of every state) -> each row's last-token logits [B, V] fp32."""
+        0, which the cache view keeps out of every state) -> each row's last-token logits [B, V] fp32
+        (`with_hidden`, eager calls only: and the hidden states [B, T, D], for prompt logprobs)."""
         ids = torch.tensor(call.token_ids, device=self.device).view(len(call.counts), -1)
         compiled = self._compiled_decode if call.compiled else None
         view = PagedBatchView(self.cache, call.block_tables, call.past_lengths, call.slots, call.counts,
@@ -131,10 +148,17 @@ class ModelRunner:
         if compiled is not None:
             logits = compiled(ids, view)[:, -1].float()
         else:
-            logits = self.model(ids, cache=view, logits_to_keep=1).logits[:, -1].float()
+            out = self.model(ids, cache=view, logits_to_keep=1)
+            logits = out.logits[:, -1].float()
         if self.expert_load is not None:
             take_expert_load(self._moe_rows, self.expert_load)
-        return logits
+        return (logits, out.hidden_states) if with_hidden else logits
+
+
+def with_prompt_logprobs(results: list[StepResult], scored: dict[int, list[TokenLogprob]]) -> list[StepResult]:
+    for r in results:
+        r.prompt_logprobs = scored.get(id(r.seq))
+    return results
 
 
 # Prefill chunks of different lengths share a call while padding stays within this share of the

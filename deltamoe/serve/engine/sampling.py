@@ -43,6 +43,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured: Constraint | None = None  # a grammar the output must match (serve/structured/)
+    prompt_logprobs: int | None = None  # None: off; 0: each prompt token's logprob; n: plus the top n
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -79,6 +80,8 @@ class SamplingParams:
              "stop_token_ids", f"token ids in [0, {vocab_size})")
         need(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
              "logprobs", f"None or an integer in [0, {MAX_TOP_LOGPROBS}]")
+        need(self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
+             "prompt_logprobs", f"None or an integer in [0, {MAX_TOP_LOGPROBS}]")
         for name in ("presence_penalty", "frequency_penalty"):
             need(is_num(getattr(self, name)) and -2 <= getattr(self, name) <= 2, name, "a number in [-2, 2]")
 

@@ -55,6 +55,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.. (prompt_logprobs.py)
     kv_transfer: object | None = None  # a KV connector's hand-off parameters for this request (kv_transfer/)
     grammar: GrammarMatcher | None = None  # params.structured's matcher, advanced with each token
     fork_of: str | None = None  # another choice of the same request, whose prefill this one shares (forks.py)

@@ -63,7 +63,8 @@ CASES = [
     (CMPL, raw({"model": M, "prompt": "a", "seed": 2**70}), AUTH, 400, "seed", "less_than_equal"),
     (CMPL, raw({"model": M, "prompt": "a", "logprobs": 99}), AUTH, 400, "logprobs", "invalid_value"),
     (CMPL, raw({"model": M, "prompt": "a", "n": 17}), AUTH, 400, "n", "invalid_value"),
-    (CMPL, raw({"model": M, "prompt": "a", "echo": True}), AUTH, 400, "echo", "unsupported_value"),
+    (CHAT, raw({"model": M, "messages": USER, "prompt_logprobs": 1}), AUTH, 400, "prompt_logprobs", "unsupported_value"),
+    (CMPL, raw({"model": M, "prompt": "a", "prompt_logprobs": 99}), AUTH, 400, "prompt_logprobs", "invalid_value"),
     (CMPL, raw({"model": M, "prompt": "a", "stream": True, "max_tokens": 0}), AUTH, 400, "max_tokens",
      "invalid_value"),  # a streaming request is refused before any event, as a plain 400
     (CMPL, raw({"model": M, "prompt": "a" * (2**20)}), AUTH, 413, None, "body_too_large"),
