@@ -3,15 +3,9 @@ streamed chunks carry their choice's index, best_of keeps the likeliest, limits 
 
 from __future__ import annotations
 
+import openai
 import pytest
 
-import openai
-
-from deltamoe.model.load import build_model
-from deltamoe.model.weights import save_checkpoint
-from deltamoe.serve.api.server import build_app
-from deltamoe.serve.api.thread import ServerThread
-from deltamoe.serve.engine.async_engine import AsyncLLMEngine
 from deltamoe.serve.engine.config import EngineConfig
 
 M = "tiny"
@@ -20,11 +14,9 @@ PROMPT = "Once upon a time, in a land far away"
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory, helpers):
-    folder = tmp_path_factory.mktemp("ckpt")
-    save_checkpoint(build_model(helpers.k31_tiny(), seed=2), folder)
-    engine = AsyncLLMEngine.from_pretrained(folder, EngineConfig(cache_memory="1MiB", max_model_len=512))
-    with ServerThread(build_app(engine, M)) as thread:
-        yield openai.OpenAI(base_url=f"{thread.url}/v1", api_key="none", max_retries=0, timeout=60)
+    config = EngineConfig(cache_memory="1MiB", max_model_len=512)
+    with helpers.openai_server(tmp_path_factory.mktemp("ckpt"), config) as client:
+        yield client
 
 
 def one(client, seed, **kw):
