@@ -150,12 +150,14 @@ def test_guidellm_fixed_concurrency_has_no_errors(served, tmp_path):
     pytest.importorskip("guidellm")
     url, folder, _ = served
     out = tmp_path / "guidellm.json"
-    cmd = [sys.executable, "-m", "guidellm", "benchmark", "run", "--target", url, "--model", "tiny",
-           "--processor", str(folder), "--profile", "concurrent", "--rate", "4", "--max-requests", "16",
-           "--data", "prompt_tokens=32,output_tokens=8", "--output-path", str(out)]
+    cmd = [sys.executable, "-m", "guidellm", "run", "--backend", f"kind=openai_http,target={url},model=tiny",
+           "--profile", "kind=concurrent,streams=4", "--constraint", "kind=max_requests,count=16",
+           "--data", "kind=synthetic_text,prompt_tokens=32,output_tokens=8",
+           "--tokenizer", f"kind=huggingface_auto,model={folder}", "--output", f"kind=json,path={out}",
+           "--disable-console-interactive"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     report = json.loads(out.read_text())
-    totals = report["benchmarks"][0]["request_totals"]
-    assert totals["errored"] == 0 and totals["successful"] == 16, totals
+    requests = report["benchmarks"][0]["requests"]
+    assert len(requests["successful"]) == 16 and not requests["errored"] and not requests["incomplete"]
