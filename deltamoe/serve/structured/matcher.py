@@ -51,8 +51,3 @@ class GrammarMatcher:
         """The grammar is complete and admits nothing more."""
         return self._ll.is_stopped()
 
-
-def masked(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
-    """Logits [V] with every token outside `allowed` at -inf (unchanged when there is no constraint)."""
-    return logits if allowed is None else logits.masked_fill(~allowed.to(logits.device), float("-inf"))
-
