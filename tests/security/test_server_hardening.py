@@ -155,8 +155,8 @@ def test_error_bodies_do_not_echo_huge_input(server):
     assert r.status_code == 400 and len(r.content) < 2 * MAX_MESSAGE_CHARS
 
 
-@pytest.mark.parametrize("path, body", [(CMPL, {"prompt": "a"}), (CHAT, {"messages": [{"role": "user", "content": "a"}]})])
-def test_prompt_logprobs_is_refused_not_ignored(server, path, body):
+@pytest.mark.parametrize("path, body", [(CHAT, {"messages": [{"role": "user", "content": "a"}]})])
+def test_prompt_logprobs_is_refused_not_ignored(server, path, body):  # on chat; completions serve them (api/echo.py)
     url, _ = server
     r = httpx.post(f"{url}{path}", headers=AUTH, json={"model": M, **body, "prompt_logprobs": 1})
     assert r.status_code == 400

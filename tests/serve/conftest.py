@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -63,6 +65,21 @@ def prompts(n: int, lo: int, hi: int, vocab: int = 256, seed: int = 0, prefix: l
     return [(prefix or []) + torch.randint(0, vocab, (k,), generator=g).tolist() for k in lengths]
 
 
+@contextlib.contextmanager
+def openai_server(folder, config, seed: int = 2, model_name: str = "tiny"):
+    """An `openai` client of a server (in a thread) over a k31_tiny checkpoint saved to `folder`."""
+    import openai
+
+    from deltamoe.model.weights import save_checkpoint
+    from deltamoe.serve.api.server import build_app
+    from deltamoe.serve.api.thread import ServerThread
+    from deltamoe.serve.engine.async_engine import AsyncLLMEngine
+
+    save_checkpoint(build_model(k31_tiny(), seed=seed), folder)
+    with ServerThread(build_app(AsyncLLMEngine.from_pretrained(folder, config), model_name)) as thread:
+        yield openai.OpenAI(base_url=f"{thread.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
 # With --import-mode=importlib test files cannot import this module; they take these as fixtures.
 @pytest.fixture(scope="session")
 def helpers():
@@ -71,4 +88,5 @@ def helpers():
 
     h = Helpers()
     h.prompts, h.reference_greedy, h.k31_tiny, h.kimi_linear_tiny = prompts, reference_greedy, k31_tiny, kimi_linear_tiny
+    h.openai_server = openai_server
     return h

@@ -18,7 +18,7 @@ from deltamoe.serve.api.reasoning_parser import THINK_BEGIN, THINK_END, Reasonin
 from deltamoe.serve.api.schemas import ChatCompletionRequest, ChatMessage, TokenizeRequest
 from deltamoe.serve.api.tool_parser import ARGUMENT_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END, \
     ToolCallParser
-from deltamoe.serve.api.tool_request import ToolRequest, decoding_constraint, tool_request
+from deltamoe.serve.api.tool_request import ToolRequest, tool_request
 from deltamoe.serve.engine.sampling import SamplingParams
 from deltamoe.tokenizers.base import Tokenizer
 
@@ -33,7 +33,6 @@ class ChatOptions:
     tools: ToolRequest
     thinking: bool
     template_kwargs: dict[str, Any]
-    constraint: object | None = None  # from tool_request.decoding_constraint, for a forced tool_choice
 
     @classmethod
     def of(cls, req: ChatCompletionRequest | TokenizeRequest, template: ChatTemplate) -> "ChatOptions":
@@ -48,8 +47,7 @@ class ChatOptions:
             raise APIError(400, f"chat_template_kwargs.thinking: expected true or false, got {thinking!r}",
                            param="chat_template_kwargs.thinking", code="invalid_value")
         kwargs["thinking"] = thinking
-        constraint = decoding_constraint(tools) if tools.forced else None
-        return cls(tools, thinking, kwargs, constraint)
+        return cls(tools, thinking, kwargs)
 
     def encode(self, template: ChatTemplate, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
         """The prompt's token ids, with the request's tools and template kwargs."""

@@ -8,6 +8,7 @@ must say so. Features this server does not implement are refused here, never ign
 from __future__ import annotations
 
 from deltamoe.errors import RequestError
+from deltamoe.serve.api.echo import prompt_logprobs_count
 from deltamoe.serve.api.errors import APIError
 from deltamoe.serve.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from deltamoe.serve.engine.sampling import SamplingParams
@@ -19,10 +20,6 @@ def _unsupported(param: str, message: str) -> APIError:
 
 def _common(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
             stop_token_ids: list[int]) -> SamplingParams:
-    if req.n not in (None, 1):
-        raise _unsupported("n", f"only n=1 is supported, got {req.n}; send n separate requests (with different seeds)")
-    if req.prompt_logprobs is not None:
-        raise _unsupported("prompt_logprobs", "prompt_logprobs is not supported yet")
 
     def pick(value, default):
         return default if value is None else value
@@ -62,20 +59,18 @@ def rename(e: RequestError, names: dict[str, str]) -> RequestError:
 
 
 def completion_params(req: CompletionRequest, vocab_size: int) -> tuple[SamplingParams, dict[str, str]]:
-    if req.echo:
-        raise _unsupported("echo", "echo is not supported")
     if req.suffix:
         raise _unsupported("suffix", "suffix (insertion) is not supported")
-    if req.best_of not in (None, 1):
-        raise _unsupported("best_of", f"only best_of=1 is supported, got {req.best_of}")
     names: dict[str, str] = {}
-    return validated(_common(req, req.max_tokens, req.logprobs, []), vocab_size, names), names
+    params = _common(req, req.max_tokens, req.logprobs, [])
+    params.prompt_logprobs = prompt_logprobs_count(req)  # echo with logprobs needs them too
+    return validated(params, vocab_size, names), names
 
 
 def chat_params(req: ChatCompletionRequest, vocab_size: int,
                 stop_token_ids: list[int]) -> tuple[SamplingParams, dict[str, str]]:
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise _unsupported("response_format", "only {'type': 'text'} is supported")
+    if req.prompt_logprobs is not None:
+        raise _unsupported("prompt_logprobs", "prompt_logprobs on chat completions: not yet (use /v1/completions)")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs: needs logprobs=true", param="top_logprobs", code="invalid_value")
     names = {"logprobs": "top_logprobs", "prompt": "messages"}

@@ -51,6 +51,12 @@ class SamplingFields(_Request):
     prompt_logprobs: int | None = None  # vLLM extension; refused until the engine computes them
     user: str | None = None
     metadata: dict[str, str] | None = None  # accepted and not used, as OpenAI stores it with the request
+    # Structured outputs (serve/structured/request.py reads them): vLLM's current name and its older ones.
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -75,6 +81,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    response_format: dict[str, Any] | None = None  # as vLLM: structured output for completions too
 
     @field_validator("prompt")
     @classmethod
@@ -175,6 +182,7 @@ class CompletionLogprobs(BaseModel):
 class CompletionChoice(_Choice):
     text: str
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's extension, when asked
 
 
 class CompletionResponse(_Envelope):  # also each streamed chunk, as on api.openai.com

@@ -28,6 +28,8 @@ from starlette.requests import ClientDisconnect
 
 from deltamoe.serve.api.chat_request import ChatOptions
 from deltamoe.serve.api.chat_template import ChatTemplate
+from deltamoe.serve.api.choices import respond_choices, wants_choices
+from deltamoe.serve.api.echo import EchoCompletionFormatter
 from deltamoe.serve.api.connections import AcceptErrorLog, HTTPLimits, raise_open_file_limit, uvicorn_config
 from deltamoe.serve.api.errors import APIError, InternalErrorMiddleware, from_validation_error, install_error_handlers
 from deltamoe.serve.api.format import ChatFormatter, CompletionFormatter
@@ -38,6 +40,7 @@ from deltamoe.serve.api.params import chat_params, completion_params
 from deltamoe.serve.api.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields
 from deltamoe.serve.api.tokenize import tokenize_router
 from deltamoe.serve.engine.async_engine import AsyncLLMEngine
+from deltamoe.serve.structured.request import constrain
 
 MAX_BODY_BYTES = 32 * 2**20  # far above any prompt that fits a context; stops a client from filling memory
 R = TypeVar("R", bound=BaseModel)
@@ -152,9 +155,16 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
         req = await read_body(request, CompletionRequest, max_body_bytes, body_timeout_s)
         check_model(req.model)
         params, names = completion_params(req, vocab_size)
+        await constrain(params, req, engine.tokenizer)
         fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", req.model, engine.tokenizer, req.logprobs is not None)
-        return await Generation(engine, metrics, names, _continuous_usage(req)).respond(
-            request, req.prompt, params, fmt, bool(req.stream), _include_usage(req), _hand_off(request))
+        if req.echo or req.prompt_logprobs is not None:  # the prompt's text and logprobs too (api/echo.py)
+            fmt = EchoCompletionFormatter(fmt.id, req.model, engine.tokenizer, req)
+        gen = Generation(engine, metrics, names, _continuous_usage(req))
+        if wants_choices(req):  # n > 1 or best_of > 1: several choices, one prefill
+            return await respond_choices(gen, request, req, req.prompt, params, lambda: (
+                CompletionFormatter(fmt.id, req.model, engine.tokenizer, req.logprobs is not None)), _include_usage(req))
+        return await gen.respond(request, req.prompt, params, fmt, bool(req.stream), _include_usage(req),
+                                 _hand_off(request))
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -162,11 +172,19 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
         check_model(req.model)
         params, names = chat_params(req, vocab_size, template.stop_token_ids)
         options = ChatOptions.of(req, template)
+        await constrain(params, req, engine.tokenizer)  # response_format, guided_*, a forced tool_choice
         prompt = options.encode(template, req.messages, req.add_generation_prompt)
-        fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", req.model, engine.tokenizer, bool(req.logprobs),
-                            options.parser(prompt, params, engine.tokenizer))
-        return await Generation(engine, metrics, names, _continuous_usage(req)).respond(
-            request, prompt, params, fmt, bool(req.stream), _include_usage(req), _hand_off(request))
+        chat_id = f"chatcmpl-{uuid.uuid4().hex}"
+
+        def formatter() -> ChatFormatter:  # one per choice: each output parser keeps its own state
+            return ChatFormatter(chat_id, req.model, engine.tokenizer, bool(req.logprobs),
+                                 options.parser(prompt, params, engine.tokenizer))
+
+        gen = Generation(engine, metrics, names, _continuous_usage(req))
+        if wants_choices(req):
+            return await respond_choices(gen, request, req, prompt, params, formatter, _include_usage(req))
+        return await gen.respond(request, prompt, params, formatter(), bool(req.stream), _include_usage(req),
+                                 _hand_off(request))
 
     app.include_router(v1)
     app.include_router(tokenize_router(engine, template, check_model,

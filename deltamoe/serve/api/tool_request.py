@@ -3,7 +3,7 @@
 `tool_choice`: "auto" (the default with tools: the model decides, its tool-call section is
 parsed), "none" (the default without tools: output is plain content), "required" (at least
 one call) or {"type": "function", "function": {"name": ...}} (that function). The last two
-need constrained decoding: `decoding_constraint` is the one place the server asks for it.
+are enforced by constrained decoding: serve/structured/ builds the grammar (`tool_call_constraint`).
 """
 
 from __future__ import annotations
@@ -79,15 +79,3 @@ def tool_request(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> Tool
         raise _bad("tool_choice", f"names the function {f['name']!r}, which is not in `tools` "
                                   f"({', '.join(names) or 'none given'})")
     return ToolRequest(tools, "function", f["name"], parallel)
-
-
-def decoding_constraint(request: ToolRequest) -> object:
-    """HOOK for structured outputs: the token-masking constraint that makes the model call a tool
-    (`required`: some tool of `request.tools`; `function`: `request.function`), with arguments that
-    validate against the function's `parameters` schema. The server calls this for every forced
-    `tool_choice` and hands the result to the engine with the request's sampling parameters.
-
-    Until the grammar library is wired, a forced tool_choice is refused: without the constraint the
-    model is free not to call, and the client would get an answer that breaks the contract."""
-    raise APIError(400, f"tool_choice: {request.choice!r} needs constrained decoding, which this server does "
-                        "not have yet; use 'auto'", param="tool_choice", code="unsupported_value")

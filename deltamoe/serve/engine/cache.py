@@ -118,6 +118,33 @@ class HybridCache:
         seq.block_table.extend(self.blocks.allocate() for _ in range(need))
         return True
 
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
+        """`child` continues from `parent`'s computed tokens: full blocks shared by reference, the
+        partial last block copied, the KDA state copied into a slot of its own; False (nothing
+        taken) if no slot or block is free (`forks.py`)."""
+        n, bs = parent.num_computed, self.block_size
+        full, partial = divmod(n, bs)
+        if partial and self.blocks.num_free < 1:
+            return False
+        child.slot = self.slots.allocate()
+        if child.slot is None:
+            return False
+        self._copy_state(parent.slot, child.slot)
+        for block in parent.block_table[:full]:
+            self.blocks.ref(block)
+        child.block_table = parent.block_table[:full]
+        if partial:
+            block = self.blocks.allocate()
+            src, dst = parent.block_table[full] * bs, block * bs
+            for pages in (self.latent, self.index_keys, self.latent_scale, self.index_key_scale):
+                if pages is not None:
+                    pages[:, dst:dst + partial] = pages[:, src:src + partial]
+            child.block_table.append(block)
+        child.block_hashes = list(parent.block_hashes[:full])
+        child.num_published_blocks = min(parent.num_published_blocks, full)
+        child.num_computed = child.num_cached_tokens = n
+        return True
+
     def free(self, seq: Sequence) -> None:
         """Return a sequence's blocks (full ones stay findable by hash) and its state slot."""
         for block in reversed(seq.block_table):  # tail first: the prefix head is evicted last
@@ -205,7 +232,7 @@ class HybridCache:
 
         At least one token is left to compute: the last prompt token's logits are needed.
         """
-        if not self.prefix_caching:
+        if not self.prefix_caching or seq.params.prompt_logprobs is not None:  # a hit would skip tokens to score
             return [], None
         blocks: list[int] = []
         best: tuple[int, int | None] = (0, None)

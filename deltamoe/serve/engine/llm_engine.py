@@ -22,6 +22,7 @@ from deltamoe.serve.engine.cache import HybridCache
 from deltamoe.serve.engine.compiled_decode import WarmUpRound, warm_up_rounds
 from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.detokenizer import IncrementalDetokenizer
+from deltamoe.serve.engine.forks import ForkBook, start_forks
 from deltamoe.serve.engine.outputs import Completion, EngineStats, RequestOutput
 from deltamoe.serve.engine.runner import ModelRunner, StepResult
 from deltamoe.serve.engine.sampling import SamplingParams
@@ -70,6 +71,7 @@ class LLMEngine:
         self._seeds = random.Random(self.config.seed)
         self._totals = {"prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "steps": 0}
         self.errors: dict[str, str] = {}  # why a request finished with 'error' (read and popped by the caller)
+        self.forks = ForkBook()  # choices waiting to share another choice's prefill (n > 1)
         self.last_batch_size = 0  # sequences in the last step (0: it only waited for transfers)
 
     @classmethod
@@ -134,11 +136,13 @@ class LLMEngine:
         if params.max_tokens is not None and params.max_tokens > room:
             raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the limit of "
                                f"{len(ids) + room} tokens", field="max_tokens")
+        if params.prompt_logprobs is not None and self.cache.state_log is not None:
+            raise RequestError("prompt logprobs with --tp/--ep workers: not yet", field="prompt_logprobs")
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos and self.tokenizer.eos_token_id is not None:
             stop_ids.add(self.tokenizer.eos_token_id)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        return Sequence(
+        seq = Sequence(
             request_id=str(request_id) if request_id is not None else f"req-{next(self._ids)}",
             token_ids=ids, num_prompt_tokens=len(ids), params=params,
             generator=torch.Generator(device=self.device).manual_seed(seed),
@@ -146,12 +150,21 @@ class LLMEngine:
                                                params.include_stop_str_in_output, stream=stream_text),
             max_tokens=params.max_tokens or room, stop_ids=frozenset(stop_ids), priority=priority,
             prompt=prompt if isinstance(prompt, str) else None)
+        if params.structured is not None:
+            from deltamoe.serve.structured.matcher import GrammarMatcher
+
+            seq.grammar = GrammarMatcher(params.structured, self.tokenizer, self.model_config.vocab_size, seq.stop_ids)
+        return seq
 
     def add_sequence(self, seq: Sequence) -> str:
         if seq.request_id in self._requests:
             raise RequestError(f"{seq.request_id!r} is already running", field="request_id")
         self._requests[seq.request_id] = seq
         self._totals["prompt_tokens"] += seq.num_prompt_tokens
+        if seq.fork_of is not None:  # waits for its parent's prefill (forks.py)
+            self.forks.hold(seq)
+            return seq.request_id
+        self.forks.attach(seq)
         self.scheduler.add(seq)
         return seq.request_id
 
@@ -165,6 +178,10 @@ class LLMEngine:
         seq = self._requests.pop(request_id, None)
         if seq is None:
             return None
+        self.forks.drop(seq, self._requests.get(seq.fork_of or ""))
+        for child in seq.forks:  # its waiting choices now prefill on their own
+            self.scheduler.add(child)
+        seq.forks = []
         self.scheduler.finish(seq, "abort")
         return self._output(seq, [], "", None)
 
@@ -186,7 +203,8 @@ class LLMEngine:
         if self.connector is not None:
             self.connector.wait_for_save()
         self._totals["steps"] += 1
-        return failed + [out for r in results if (out := self._postprocess(r)) is not None]
+        outputs = [out for r in results if (out := self._postprocess(r)) is not None]
+        return failed + outputs + [out for r in start_forks(self, results) if (out := self._postprocess(r)) is not None]
 
     def _fail(self, seq: Sequence, reason: str) -> RequestOutput:
         """A request the scheduler finished with 'error' (its cache never arrived); `errors` says why."""
@@ -198,6 +216,8 @@ class LLMEngine:
         seq = r.seq
         seq.num_computed += r.num_computed
         self.cache.commit(seq)
+        if r.prompt_logprobs:
+            seq.prompt_logprobs.extend(r.prompt_logprobs)
         if r.token is None:
             return None
         seq.token_ids.append(r.token)
@@ -212,7 +232,11 @@ class LLMEngine:
         else:
             delta = seq.detokenizer.push(r.token)
             stop_reason = seq.detokenizer.stopped_by
-            reason = "stop" if stop_reason is not None else "length" if seq.num_output_tokens >= seq.max_tokens else None
+            if seq.grammar is not None:
+                seq.grammar.accept(r.token)
+            # A complete grammar admits nothing more: the output is whole, as if a stop token came.
+            done = stop_reason is not None or (seq.grammar is not None and seq.grammar.done)
+            reason = "stop" if done else "length" if seq.num_output_tokens >= seq.max_tokens else None
         if reason is not None:
             seq.stop_reason = stop_reason
             delta += seq.detokenizer.flush()
@@ -227,7 +251,9 @@ class LLMEngine:
             delta_logprobs=([logprob] if logprob is not None else []) if seq.params.logprobs is not None else None,
             text=seq.detokenizer.text[:seq.detokenizer.emitted], num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens, num_cached_tokens=seq.num_cached_tokens,
-            finished=seq.finished, finish_reason=seq.finish_reason, stop_reason=stop_reason)
+            finished=seq.finished, finish_reason=seq.finish_reason, stop_reason=stop_reason,
+            prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None and seq.num_output_tokens <= 1
+            and new_ids else None)
 
     # ------------------------------------------------------------------ offline
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
@@ -249,7 +275,9 @@ class LLMEngine:
         return [Completion(request_id=s.request_id, prompt_token_ids=s.token_ids[:s.num_prompt_tokens],
                            text=s.detokenizer.text, token_ids=s.output_ids, finish_reason=s.finish_reason or "",
                            stop_reason=s.stop_reason, logprobs=s.logprobs if s.params.logprobs is not None else None,
-                           num_cached_tokens=s.num_cached_tokens, prompt=s.prompt) for s in seqs]
+                           num_cached_tokens=s.num_cached_tokens, prompt=s.prompt,
+                           prompt_logprobs=s.prompt_logprobs if s.params.prompt_logprobs is not None else None)
+                for s in seqs]
 
     def warm_up(self) -> None:
         """Compile every decode graph a server meets before traffic does (compiled decode only), so

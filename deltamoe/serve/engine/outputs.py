@@ -22,6 +22,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.., in the first output (when asked)
 
 
 @dataclass
@@ -37,6 +38,7 @@ class Completion:
     logprobs: list[TokenLogprob] | None = None
     num_cached_tokens: int = 0
     prompt: str | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. (when asked)
 
 
 @dataclass

@@ -22,6 +22,8 @@ from deltamoe.parallel.expert_load import empty_load, moe_modules, take_expert_l
 from deltamoe.serve.engine.cache import HybridCache
 from deltamoe.serve.engine.cache_view import PagedBatchView
 from deltamoe.serve.engine.compiled_decode import CompiledDecode
+from deltamoe.serve.engine.forks import sample_first_tokens, with_fork_picks
+from deltamoe.serve.engine.prompt_logprobs import chunk_prompt_logprobs, wants_prompt_logprobs
 from deltamoe.serve.engine.sampling import TokenLogprob, sample
 from deltamoe.serve.engine.scheduler import ScheduledBatch
 from deltamoe.serve.engine.sequence import Sequence
@@ -59,6 +61,8 @@ class StepResult:
     num_computed: int  # tokens computed this step
     token: int | None  # the sampled next token, when the chunk reached the end of the sequence
     logprob: TokenLogprob | None
+    forks: list[tuple[int, TokenLogprob | None]] | None = None  # first tokens of the choices forking it (forks.py)
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens this step scored (prompt_logprobs.py)
 
 
 class ModelRunner:
@@ -96,18 +100,35 @@ class ModelRunner:
         """Run the planned calls and sample every row that reaches the end of its tokens."""
         last_logits: list[torch.Tensor] = []
         to_sample: list[Sequence] = []
+        scored: dict[int, list[TokenLogprob]] = {}  # prompt logprobs of this step, by sequence
         for group, call in calls:
             seqs = [seq for seq, _ in group]
-            logits = self.forward(call)
+            scoring = [row for row, (seq, _) in enumerate(group) if wants_prompt_logprobs(seq)]
+            if scoring and max(call.counts) > 1:
+                logits, hidden = self.forward(call, with_hidden=True)
+            else:
+                logits, hidden = self.forward(call), None
+            for row in scoring:
+                seq, n = group[row]
+                scored[id(seq)] = chunk_prompt_logprobs(self.model, seq, n, None if hidden is None else hidden[row, :n],
+                                                        logits[row])
             rows = [row for row, (seq, n) in enumerate(group) if seq.num_computed + n == len(seq.token_ids)]
             if rows:  # one gather per call, not one select per row
                 last_logits.append(logits if len(rows) == len(seqs) else logits[rows])
                 to_sample.extend(seqs[row] for row in rows)
+        if scored:
+            return with_prompt_logprobs(self._sample(batch, last_logits, to_sample), scored)
+        return self._sample(batch, last_logits, to_sample)
+
+    def _sample(self, batch: ScheduledBatch, last_logits: list[torch.Tensor], to_sample: list[Sequence]) -> list[StepResult]:
         if not to_sample:
             return [StepResult(seq, n, None, None) for seq, n in batch.items]
         logits = last_logits[0] if len(last_logits) == 1 else torch.cat(last_logits)
+        allowed = [s.grammar.allowed() if s.grammar is not None else None for s in to_sample]
         picks = sample(logits, [s.params for s in to_sample], [s.output_ids for s in to_sample],
-                       [s.generator for s in to_sample])
+                       [s.generator for s in to_sample], allowed)
+        if any(s.forks for s in to_sample):
+            return with_fork_picks(batch, to_sample, picks, sample_first_tokens(logits, to_sample))
         if len(to_sample) == len(batch.items) and all(a is b for a, (b, _) in zip(to_sample, batch.items)):
             # Every row sampled, in schedule order (a pure decode step): no lookup by sequence.
             return [StepResult(seq, n, *pick) for (seq, n), pick in zip(batch.items, picks)]
@@ -115,9 +136,10 @@ class ModelRunner:
         return [StepResult(seq, n, *sampled.get(id(seq), (None, None))) for seq, n in batch.items]
 
     @torch.inference_mode()
-    def forward(self, call: ModelCall) -> torch.Tensor:
+    def forward(self, call: ModelCall, with_hidden: bool = False):
         """One model call appending counts[i] tokens to row i (right-padded to the longest with token
-        0, which the cache view keeps out of every state) -> each row's last-token logits [B, V] fp32."""
+        0, which the cache view keeps out of every state) -> each row's last-token logits [B, V] fp32
+        (`with_hidden`, eager calls only: and the hidden states [B, T, D], for prompt logprobs)."""
         ids = torch.tensor(call.token_ids, device=self.device).view(len(call.counts), -1)
         compiled = self._compiled_decode if call.compiled else None
         view = PagedBatchView(self.cache, call.block_tables, call.past_lengths, call.slots, call.counts,
@@ -126,10 +148,17 @@ class ModelRunner:
         if compiled is not None:
             logits = compiled(ids, view)[:, -1].float()
         else:
-            logits = self.model(ids, cache=view, logits_to_keep=1).logits[:, -1].float()
+            out = self.model(ids, cache=view, logits_to_keep=1)
+            logits = out.logits[:, -1].float()
         if self.expert_load is not None:
             take_expert_load(self._moe_rows, self.expert_load)
-        return logits
+        return (logits, out.hidden_states) if with_hidden else logits
+
+
+def with_prompt_logprobs(results: list[StepResult], scored: dict[int, list[TokenLogprob]]) -> list[StepResult]:
+    for r in results:
+        r.prompt_logprobs = scored.get(id(r.seq))
+    return results
 
 
 # Prefill chunks of different lengths share a call while padding stays within this share of the

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from deltamoe.errors import RequestError
+
+if TYPE_CHECKING:
+    from deltamoe.serve.structured.constraint import Constraint
 
 MAX_TOP_LOGPROBS = 20  # the OpenAI API limit
 MAX_LOGIT_BIAS = 300  # entries per request, as vLLM allows
@@ -40,6 +44,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI)
+    structured: Constraint | None = None  # a grammar the output must match (serve/structured/)
+    prompt_logprobs: int | None = None  # None: off; 0: each prompt token's logprob; n: plus the top n
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -76,6 +82,8 @@ class SamplingParams:
              "stop_token_ids", f"token ids in [0, {vocab_size})")
         need(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
              "logprobs", f"None or an integer in [0, {MAX_TOP_LOGPROBS}]")
+        need(self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
+             "prompt_logprobs", f"None or an integer in [0, {MAX_TOP_LOGPROBS}]")
         for name in ("presence_penalty", "frequency_penalty"):
             need(is_num(getattr(self, name)) and -2 <= getattr(self, name) <= 2, name, "a number in [-2, 2]")
         need(self.logit_bias is None or (isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_LOGIT_BIAS
@@ -137,9 +145,12 @@ def token_logprobs(logits: torch.Tensor, token_id: int, top_n: int) -> TokenLogp
 
 
 def sample_row(logits: torch.Tensor, params: SamplingParams, output_ids: list[int],
-               generator: torch.Generator) -> tuple[int, TokenLogprob | None]:
-    """One next token for one request from its last-position logits [V]."""
-    x = apply_penalties(apply_logit_bias(logits.float(), params.logit_bias), output_ids, params.presence_penalty, params.frequency_penalty)
+               generator: torch.Generator, allowed: torch.Tensor | None = None) -> tuple[int, TokenLogprob | None]:
+    """One next token for one request from its last-position logits [V]; only `allowed` ones, when given."""
+    x = apply_logit_bias(logits.float(), params.logit_bias)
+    if allowed is not None:
+        x = x.masked_fill(~allowed.to(x.device), float("-inf"))
+    x = apply_penalties(x, output_ids, params.presence_penalty, params.frequency_penalty)
     if params.greedy:
         token = int(torch.argmax(x))
     else:
@@ -151,12 +162,15 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, output_ids: list[in
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]],
-           generators: list[torch.Generator]) -> list[tuple[int, TokenLogprob | None]]:
-    """Next tokens for a batch of last-position logits [B, V]; plain greedy rows take one batched argmax."""
+           generators: list[torch.Generator],
+           allowed: list[torch.Tensor | None] | None = None) -> list[tuple[int, TokenLogprob | None]]:
+    """Next tokens for a batch of last-position logits [B, V]; plain greedy rows take one batched argmax.
+    `allowed`: per row, the bool [V] mask of a grammar-constrained request (None: unconstrained)."""
+    allowed = allowed or [None] * len(params)
     plain = [p.greedy and p.logprobs is None and p.presence_penalty == 0 and p.frequency_penalty == 0
-             and not p.logit_bias for p in params]
+             and not p.logit_bias and a is None for p, a in zip(params, allowed)]
     fast = torch.argmax(logits, dim=-1).tolist() if any(plain) else []
     if all(plain):
         return [(token, None) for token in fast]
-    return [(fast[i], None) if plain[i] else sample_row(logits[i], params[i], outputs[i], generators[i])
+    return [(fast[i], None) if plain[i] else sample_row(logits[i], params[i], outputs[i], generators[i], allowed[i])
             for i in range(len(params))]

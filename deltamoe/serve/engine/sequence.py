@@ -7,11 +7,15 @@ import itertools
 import operator
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from deltamoe.serve.engine.detokenizer import IncrementalDetokenizer
 from deltamoe.serve.engine.sampling import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from deltamoe.serve.structured.matcher import GrammarMatcher
 
 _arrivals = itertools.count()
 # `Sequence.sort_key` as one C-level getter (the scheduler sorts its running list by it every step).
@@ -51,7 +55,11 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.. (prompt_logprobs.py)
     kv_transfer: object | None = None  # a KV connector's hand-off parameters for this request (kv_transfer/)
+    grammar: GrammarMatcher | None = None  # params.structured's matcher, advanced with each token
+    fork_of: str | None = None  # another choice of the same request, whose prefill this one shares (forks.py)
+    forks: list[Sequence] = field(default_factory=list)  # choices waiting to fork this one's prefill
 
     @property
     def output_ids(self) -> list[int]:

@@ -64,8 +64,9 @@ CASES = [
     (CMPL, raw({"model": M, "prompt": "a", "stop": 5}), AUTH, 400, "stop", "value_error"),
     (CMPL, raw({"model": M, "prompt": "a", "seed": 2**70}), AUTH, 400, "seed", "less_than_equal"),
     (CMPL, raw({"model": M, "prompt": "a", "logprobs": 99}), AUTH, 400, "logprobs", "invalid_value"),
-    (CMPL, raw({"model": M, "prompt": "a", "n": 2}), AUTH, 400, "n", "unsupported_value"),
-    (CMPL, raw({"model": M, "prompt": "a", "echo": True}), AUTH, 400, "echo", "unsupported_value"),
+    (CMPL, raw({"model": M, "prompt": "a", "n": 17}), AUTH, 400, "n", "invalid_value"),
+    (CHAT, raw({"model": M, "messages": USER, "prompt_logprobs": 1}), AUTH, 400, "prompt_logprobs", "unsupported_value"),
+    (CMPL, raw({"model": M, "prompt": "a", "prompt_logprobs": 99}), AUTH, 400, "prompt_logprobs", "invalid_value"),
     (CMPL, raw({"model": M, "prompt": "a", "stream": True, "max_tokens": 0}), AUTH, 400, "max_tokens",
      "invalid_value"),  # a streaming request is refused before any event, as a plain 400
     (CMPL, raw({"model": M, "prompt": "a" * (2**20)}), AUTH, 413, None, "body_too_large"),
@@ -88,8 +89,6 @@ CASES = [
                                                                               "function": {"name": "nope"}}}),
      AUTH, 400, "tool_choice", "invalid_value"),
     (CHAT, raw({"model": M, "messages": USER, "tool_choice": "required"}), AUTH, 400, "tool_choice", "invalid_value"),
-    (CHAT, raw({"model": M, "messages": USER, "tools": TOOLS, "tool_choice": "required"}), AUTH, 400, "tool_choice",
-     "unsupported_value"),  # until constrained decoding lands (tool_request.decoding_constraint)
     (CHAT, raw({"model": M, "messages": USER, "tools": TOOLS, "parallel_tool_calls": "yes"}), AUTH, 400,
      "parallel_tool_calls", "invalid_value"),
     (CHAT, raw({"model": M, "messages": USER, "chat_template_kwargs": {"thinking": "yes"}}), AUTH, 400,

@@ -1,0 +1,223 @@
+"""`n` > 1 and `best_of`: several choices for one prompt, from one prefill (engine/forks.py).
+
+Choice i samples with seed `seed + i` when the request has a seed (so choice 0 is what the same
+request with n=1 returns), from its own random seed otherwise. The choices run as sequences of
+one engine request group: choices 1.. are sent first, naming choice 0 (`fork_of`), so they wait
+for its prefill and fork its cache. Streaming sends each choice's chunks as they come, tagged
+with the choice's `index`; `best_of` (not streamable, as on vLLM) generates `best_of` choices and
+returns the `n` with the highest total logprob. Usage counts the prompt once and every generated
+token, of kept and dropped choices alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.background import BackgroundTask
+
+from deltamoe.errors import RequestError
+from deltamoe.serve.api.errors import APIError, from_request_error
+from deltamoe.serve.api.format import usage_of
+from deltamoe.serve.api.generate import CLIENT_CLOSED, ClientGone, Formatter, Generation, _engine_failed, _unless_disconnected
+from deltamoe.serve.api.metrics import RequestTiming
+from deltamoe.serve.api.params import rename
+from deltamoe.serve.api.schemas import PromptTokensDetails, Usage
+from deltamoe.serve.engine.async_engine import EngineDeadError
+from deltamoe.serve.engine.outputs import RequestOutput
+from deltamoe.serve.engine.sampling import SamplingParams
+
+MAX_CHOICES = 16  # n and best_of: more would let one request take the whole batch
+
+
+def choice_count(n: int | None, best_of: int | None, stream: bool) -> tuple[int, int]:
+    """(n, choices to generate), checked; (1, 1) for an ordinary request."""
+    n = 1 if n is None else n
+    gen = n if best_of is None else best_of
+    if not 1 <= n <= MAX_CHOICES:
+        raise APIError(400, f"n: expected an integer in [1, {MAX_CHOICES}], got {n}", param="n", code="invalid_value")
+    if not n <= gen <= MAX_CHOICES:
+        raise APIError(400, f"best_of: expected an integer in [n={n}, {MAX_CHOICES}], got {best_of}",
+                       param="best_of", code="invalid_value")
+    if gen > n and stream:
+        raise APIError(400, "best_of: best_of > n cannot be streamed", param="best_of", code="invalid_value")
+    return n, gen
+
+
+def check_room(num_prompt_tokens: int, max_tokens: int | None, count: int, capacity: int) -> None:
+    """The prompt plus every choice's max_tokens must fit the cache at once (the prompt is shared)."""
+    if max_tokens is not None and count > 1 and num_prompt_tokens + count * max_tokens > capacity:
+        raise APIError(400, f"n: prompt ({num_prompt_tokens} tokens) + {count} choices x max_tokens ({max_tokens}) "
+                       f"exceeds the cache's {capacity} tokens", param="n", code="invalid_value")
+
+
+def choice_params(params: SamplingParams, count: int, ranked: bool) -> list[SamplingParams]:
+    """Per-choice params: seed + i; with `ranked` (best_of), the sampled tokens' logprobs are kept."""
+    out = []
+    for i in range(count):
+        p = dataclasses.replace(params, seed=None if params.seed is None else params.seed + i)
+        if ranked and p.logprobs is None:
+            p.logprobs = 0
+        out.append(p)
+    return out
+
+
+class Choices:
+    """Runs the choices of one request and answers it (streaming or one body)."""
+
+    def __init__(self, gen: Generation, fmts: list[Formatter], keep: int):
+        self.gen, self.fmts, self.keep = gen, fmts, keep
+        self.scores = [0.0] * len(fmts)
+
+    async def respond(self, request: Request, prompt: str | list[int], params: list[SamplingParams],
+                      stream: bool, include_usage: bool) -> Response:
+        engine, rid = self.gen.engine, self.fmts[0].id
+        streams = [engine.generate(prompt, p, request_id=f"{rid}-{i}", fork_of=f"{rid}-0" if i else None)
+                   for i, p in enumerate(params)]
+        # Choices 1.. first: the engine must hold them when choice 0 arrives (engine/forks.py).
+        firsts = [asyncio.ensure_future(streams[i].__anext__()) for i in [*range(1, len(streams)), 0]]
+        firsts = [firsts[-1], *firsts[:-1]]
+        timing = RequestTiming()
+        try:
+            first = await _unless_disconnected(request, asyncio.gather(*firsts))
+        except RequestError as e:
+            await self._close(streams, firsts)
+            raise from_request_error(rename(e, self.gen.field_names)) from e
+        except EngineDeadError as e:
+            await self._close(streams, firsts)
+            raise _engine_failed(e) from e
+        except ClientGone:
+            await self._close(streams, firsts)
+            self.gen.metrics.observe(timing, "abort")
+            return Response(status_code=CLIENT_CLOSED)
+        merged = self._merge(first, streams, timing)
+        if stream:
+            events = self._events(merged, timing, include_usage, lambda: self._close(streams, firsts))
+            return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(events.aclose),
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            await _unless_disconnected(request, self._drain(merged))
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED)
+        except EngineDeadError as e:
+            raise _engine_failed(e) from e
+        finally:
+            timing.end = time.perf_counter()
+            self.gen.metrics.observe(timing, self.fmts[0].last.finish_reason if self.fmts[0].last else "abort")
+            await self._close(streams, firsts)
+        return JSONResponse(self._response().model_dump())
+
+    async def _merge(self, first: list[RequestOutput], streams: list, timing: RequestTiming) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice index, output) as each arrives, until every choice has finished."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            out = first[i]
+            try:
+                await queue.put((i, out))
+                while not out.finished:
+                    out = await streams[i].__anext__()
+                    await queue.put((i, out))
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
+                await queue.put((i, e))
+
+        pumps = [asyncio.ensure_future(pump(i)) for i in range(len(streams))]
+        try:
+            left = len(streams)
+            while left:
+                i, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                timing.tokens(len(item.delta_token_ids))
+                if item.delta_logprobs:
+                    self.scores[i] += sum(lp.logprob for lp in item.delta_logprobs)
+                left -= item.finished
+                yield i, item
+        finally:
+            for p in pumps:
+                p.cancel()
+
+    async def _drain(self, merged: AsyncIterator[tuple[int, RequestOutput]]) -> None:
+        async for i, out in merged:
+            self.fmts[i].add(out)
+
+    async def _events(self, merged, timing: RequestTiming, include_usage: bool,
+                      close: Callable) -> AsyncIterator[str]:
+        reason = "abort"
+        try:
+            async for i, out in merged:
+                chunk = self.fmts[i].add(out)
+                if chunk is not None:
+                    chunk.choices[0].index = i
+                    yield f"data: {chunk.model_dump_json()}\n\n"
+            reason = self.fmts[0].last.finish_reason or "abort"
+            if include_usage:
+                chunk = self.fmts[0].usage_chunk()
+                chunk.usage = self._usage()
+                yield f"data: {chunk.model_dump_json()}\n\n"
+        except EngineDeadError as e:
+            reason = "error"
+            yield f"data: {json.dumps(_engine_failed(e).body())}\n\n"
+        finally:
+            timing.end = time.perf_counter()
+            self.gen.metrics.observe(timing, reason)
+            await close()
+        yield "data: [DONE]\n\n"
+
+    def _usage(self) -> Usage:
+        last = [f.last for f in self.fmts]
+        completion = sum(o.num_output_tokens for o in last)
+        base = usage_of(last[0])
+        return Usage(prompt_tokens=base.prompt_tokens, completion_tokens=completion,
+                     total_tokens=base.prompt_tokens + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=last[0].num_cached_tokens))
+
+    def _response(self) -> BaseModel:
+        order = sorted(range(len(self.fmts)), key=lambda i: -self.scores[i])[: self.keep] \
+            if self.keep < len(self.fmts) else list(range(len(self.fmts)))
+        body = self.fmts[0].response()
+        body.choices = []
+        for index, i in enumerate(order):
+            choice = self.fmts[i].response().choices[0]
+            choice.index = index
+            body.choices.append(choice)
+        body.usage = self._usage()
+        return body
+
+    @staticmethod
+    async def _close(streams: list, firsts: list) -> None:
+        for f in firsts:
+            if not f.done():
+                f.cancel()
+        for s in streams:
+            try:
+                await s.aclose()
+            except Exception:  # noqa: BLE001 - closing only aborts the engine request
+                pass
+
+
+def wants_choices(req) -> bool:
+    """Anything but the default single choice (bad values included: `choice_count` refuses them)."""
+    return req.n not in (None, 1) or getattr(req, "best_of", None) not in (None, 1)
+
+
+async def respond_choices(gen: Generation, request: Request, req, prompt: str | list[int], params: SamplingParams,
+                          make_formatter: Callable[[], Formatter], include_usage: bool) -> Response:
+    """The server's path for a request with n > 1 or best_of > 1 (see the module docstring)."""
+    stream = bool(req.stream)
+    n, count = choice_count(req.n, getattr(req, "best_of", None), stream)
+    if getattr(req, "echo", False) or getattr(req, "prompt_logprobs", None) is not None:
+        raise APIError(400, "n: several choices with echo or prompt_logprobs: not yet (send one request per choice)",
+                       param="n", code="unsupported_value")
+    engine = gen.engine.engine
+    num_prompt = len(prompt) if isinstance(prompt, list) else len(engine.tokenizer.encode(prompt))
+    check_room(num_prompt, params.max_tokens, count, engine.cache.max_tokens_per_sequence())
+    fmts = [make_formatter() for _ in range(count)]
+    return await Choices(gen, fmts, n).respond(request, prompt, choice_params(params, count, count > n), stream,
+                                               include_usage)

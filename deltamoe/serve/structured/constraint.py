@@ -1,0 +1,139 @@
+"""Constraint: one grammar a request's output must match, and its compilation in bounded time.
+
+Every kind of structured output (a JSON schema, any JSON object, a regex, a choice of strings, a
+Lark grammar, a tool-call section) becomes one llguidance grammar string; `compile` turns it into
+a matcher prototype for a tokenizer. Compilation runs under llguidance's resource limits and a
+wall-clock bound (COMPILE_TIMEOUT_S): a schema too big or too slow to compile is a RequestError
+naming the client's field, never a hang. Prototypes are cached per (tokenizer, grammar), so the
+same schema sent again costs a copy, not a compile.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+
+from deltamoe.errors import RequestError
+from deltamoe.serve.structured.tokenizer import ll_tokenizer
+from deltamoe.tokenizers.base import Tokenizer
+
+COMPILE_TIMEOUT_S = 10.0
+MAX_GRAMMAR_CHARS = 1_000_000  # a schema larger than this is refused before any work
+CACHE_SIZE = 64
+# Tighter than llguidance's defaults: a request's grammar must compile in well under a second.
+LIMITS = dict(initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, max_grammar_size=200_000)
+# JSON is generated compactly (no free whitespace): a model cannot wander in blank space forever.
+JSON_OPTIONS = {"whitespace_flexible": False}
+
+_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-compile")
+_cache: OrderedDict[tuple[int, str], llguidance.LLMatcher] = OrderedDict()
+_cache_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A grammar (llguidance's format) and the request field it came from (named in errors)."""
+
+    grammar: str
+    field: str
+
+    def compile(self, tokenizer: Tokenizer, timeout_s: float = COMPILE_TIMEOUT_S) -> llguidance.LLMatcher:
+        """A fresh matcher at the grammar's start (the compiled prototype is cached and copied)."""
+        ll = ll_tokenizer(tokenizer)
+        key = (id(ll), self.grammar)
+        with _cache_lock:
+            proto = _cache.get(key)
+            if proto is not None:
+                _cache.move_to_end(key)
+        if proto is None:
+            proto = compile_grammar(ll, self.grammar, self.field, timeout_s)
+            with _cache_lock:
+                _cache[key] = proto
+                while len(_cache) > CACHE_SIZE:
+                    _cache.popitem(last=False)
+        return proto.deep_copy()
+
+
+def compile_grammar(ll: llguidance.LLTokenizer, grammar: str, field: str,
+                    timeout_s: float = COMPILE_TIMEOUT_S) -> llguidance.LLMatcher:
+    """Validate and build a matcher; any failure or overrun is a RequestError naming `field`."""
+    if len(grammar) > MAX_GRAMMAR_CHARS:
+        raise RequestError(f"the grammar is {len(grammar)} characters; the limit is {MAX_GRAMMAR_CHARS}", field=field)
+    limits = llguidance.LLParserLimits(**LIMITS)
+
+    def build() -> llguidance.LLMatcher:
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll, limits=limits)
+        if is_error:
+            raise RequestError(f"cannot be compiled: {_first_line(messages[0])}", field=field)
+        return llguidance.LLMatcher(ll, grammar, log_level=0, limits=limits)
+
+    future = _pool.submit(build)
+    try:
+        matcher = future.result(timeout=timeout_s)
+    except FutureTimeout:
+        # The worker finishes on its own (llguidance's fuel limits bound it); the request does not wait.
+        raise RequestError(f"the grammar did not compile within {timeout_s:g} s; simplify it", field=field) from None
+    if matcher.is_error():
+        raise RequestError(f"cannot be compiled: {_first_line(matcher.get_error())}", field=field)
+    return matcher
+
+
+def _first_line(message: str) -> str:
+    return message.strip().splitlines()[0][:500] if message.strip() else "unknown error"
+
+
+# ---------------------------------------------------------------------------- grammar builders
+def json_schema_constraint(schema: Any, field: str, strict: bool = True) -> Constraint:
+    """Output is JSON valid against `schema`. Not strict: keywords llguidance does not implement are ignored."""
+    if isinstance(schema, bool):
+        schema = {} if schema else {"not": {}}
+    if not isinstance(schema, dict):
+        raise RequestError(f"expected a JSON schema object, got {type(schema).__name__}", field=field)
+    check_schema(schema, field)
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            schema, defaults=JSON_OPTIONS, overrides=None if strict else {"lenient": True})
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise RequestError(f"cannot be compiled: {_first_line(str(e))}", field=field) from e
+    return Constraint(grammar, field)
+
+
+def check_schema(schema: dict, field: str) -> None:
+    """A schema that is not itself valid JSON Schema (per its $schema draft, else 2020-12) is a 400."""
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "/".join(str(p) for p in e.path)
+        raise RequestError(f"not a valid JSON schema{f' at {where}' if where else ''}: {e.message}",
+                           field=field) from None
+
+
+def json_object_constraint(field: str) -> Constraint:
+    return json_schema_constraint({"type": "object"}, field)
+
+
+def regex_constraint(pattern: Any, field: str) -> Constraint:
+    if not isinstance(pattern, str) or not pattern:
+        raise RequestError("expected a non-empty regular expression string", field=field)
+    return Constraint(llguidance.LLMatcher.grammar_from_regex(pattern), field)
+
+
+def choice_constraint(choices: Any, field: str) -> Constraint:
+    """Output is exactly one of `choices`."""
+    if not (isinstance(choices, list) and choices and all(isinstance(c, str) and c for c in choices)):
+        raise RequestError("expected a non-empty list of non-empty strings", field=field)
+    return lark_constraint("start: " + " | ".join(json.dumps(c) for c in dict.fromkeys(choices)), field)
+
+
+def lark_constraint(grammar: Any, field: str) -> Constraint:
+    if not isinstance(grammar, str) or not grammar.strip():
+        raise RequestError("expected a non-empty Lark grammar string", field=field)
+    return Constraint(llguidance.LLMatcher.grammar_from_lark(grammar), field)

@@ -1,0 +1,61 @@
+"""n > 1 and best_of through the official `openai` SDK: choice i is the request with seed + i,
+streamed chunks carry their choice's index, best_of keeps the likeliest, limits are 400s."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from deltamoe.serve.engine.config import EngineConfig
+
+M = "tiny"
+PROMPT = "Once upon a time, in a land far away"
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory, helpers):
+    config = EngineConfig(cache_memory="1MiB", max_model_len=512)
+    with helpers.openai_server(tmp_path_factory.mktemp("ckpt"), config) as client:
+        yield client
+
+
+def one(client, seed, **kw):
+    return client.completions.create(model=M, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=seed, **kw).choices[0]
+
+
+def test_n_choices_are_the_seeded_requests(client):
+    r = client.completions.create(model=M, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=5, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [one(client, 5 + i).text for i in range(3)]
+    assert r.usage.prompt_tokens == len(PROMPT.encode()) and r.usage.completion_tokens == 3 * 8
+    stream = client.completions.create(model=M, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=5, n=3, stream=True,
+                                       stream_options={"include_usage": True})
+    texts, usage = ["", "", ""], None
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+        usage = chunk.usage or usage
+    assert texts == [c.text for c in r.choices] and usage.completion_tokens == 24
+    chat = client.chat.completions.create(model=M, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                          temperature=1.0, seed=9, n=2)
+    assert [c.index for c in chat.choices] == [0, 1] and all(c.message.role == "assistant" for c in chat.choices)
+
+
+def test_best_of_keeps_the_likeliest(client):
+    r = client.completions.create(model=M, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=7, best_of=3)
+    candidates = [one(client, 7 + i, logprobs=0) for i in range(3)]
+    best = max(candidates, key=lambda c: sum(c.logprobs.token_logprobs))
+    assert len(r.choices) == 1 and r.choices[0].text == best.text and r.choices[0].logprobs is None
+    assert r.usage.completion_tokens == 3 * 8
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"n": 17}, "n"), ({"n": 0}, "n"), ({"n": 3, "extra_body": {"best_of": 2}}, "best_of"),
+    ({"n": 1, "stream": True, "extra_body": {"best_of": 2}}, "best_of"),
+    ({"n": 16, "max_tokens": 400}, "n"),  # 16 x 400 tokens > the cache's 4,800
+])
+def test_limits(client, kw, param):
+    kw = {"max_tokens": 8, **kw}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=M, prompt=PROMPT, **kw)
+    assert e.value.param == param

@@ -1,0 +1,71 @@
+"""/v1/completions `echo` with `logprobs` and `prompt_logprobs`, through the `openai` SDK: the
+prompt's logprobs equal log_softmax(model(ids).logits), with chunked prefill and with the prompt
+already in the prefix cache."""
+
+from __future__ import annotations
+
+import math
+
+import openai
+import pytest
+import torch
+
+from deltamoe.model.load import build_model
+from deltamoe.model.weights import save_checkpoint
+from deltamoe.serve.api.server import build_app
+from deltamoe.serve.api.thread import ServerThread
+from deltamoe.serve.engine.async_engine import AsyncLLMEngine
+from deltamoe.serve.engine.config import EngineConfig
+
+M = "tiny"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, helpers):
+    folder = tmp_path_factory.mktemp("ckpt")
+    model = build_model(helpers.k31_tiny(), seed=2).eval()
+    save_checkpoint(model, folder)
+    # 24-token prefill chunks: a 60-token prompt is scored over three chunks.
+    engine = AsyncLLMEngine.from_pretrained(folder, EngineConfig(cache_memory="16MiB", max_model_len=256,
+                                                                 max_num_batched_tokens=24))
+    with ServerThread(build_app(engine, M)) as thread:
+        yield openai.OpenAI(base_url=f"{thread.url}/v1", api_key="none", max_retries=0, timeout=60), model
+
+
+def reference(model, ids: list[int]) -> list[float]:
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    return [logp[j - 1, ids[j]].item() for j in range(1, len(ids))]
+
+
+def test_echo_logprobs_equal_the_model(served, helpers):
+    client, model = served
+    ids = helpers.prompts(1, 60, 60, seed=8)[0]
+    want = reference(model, ids)
+    for _ in range(2):  # the second time the prompt's blocks are in the prefix cache: still scored
+        r = client.completions.create(model=M, prompt=ids, max_tokens=1, temperature=0, echo=True, logprobs=1)
+        lp = r.choices[0].logprobs
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert len(lp.token_logprobs) == len(ids) + 1  # the prompt, then the generated token
+        assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(lp.token_logprobs[1:len(ids)], want))
+        assert all(max(top.values()) >= t - 1e-6 for t, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:]))
+        assert r.choices[0].text.startswith(bytes(ids).decode("utf-8", errors="replace"))
+
+
+def test_echo_text_and_prompt_logprobs(served):
+    client, model = served
+    prompt = "The capital of France is"
+    r = client.completions.create(model=M, prompt=prompt, max_tokens=3, temperature=0, echo=True)
+    plain = client.completions.create(model=M, prompt=prompt, max_tokens=3, temperature=0)
+    assert r.choices[0].text == prompt + plain.choices[0].text and r.choices[0].logprobs is None
+    r = client.completions.create(model=M, prompt=prompt, max_tokens=2, temperature=0,
+                                  extra_body={"prompt_logprobs": 2})
+    pl = r.choices[0].model_extra["prompt_logprobs"]
+    ids = list(prompt.encode())
+    assert pl[0] is None and len(pl) == len(ids)
+    want = reference(model, ids)
+    for j, entry in enumerate(pl[1:], start=1):
+        assert math.isclose(entry[str(ids[j])]["logprob"], want[j - 1], abs_tol=1e-4) and 1 <= len(entry) <= 3
+    streamed = client.completions.create(model=M, prompt=prompt, max_tokens=2, temperature=0, echo=True, stream=True)
+    two = client.completions.create(model=M, prompt=prompt, max_tokens=2, temperature=0)
+    assert "".join(c.choices[0].text for c in streamed) == prompt + two.choices[0].text
