@@ -75,3 +75,11 @@ class AcceptanceTracker:
                    spec_decode_mean_accepted_drafts=sum(rates),
                    spec_decode_requests_switched_off=float(self.switched_off))
         return out
+
+
+def summary_line(tracker: AcceptanceTracker) -> str:
+    """One line for `deltamoe generate`: acceptance per draft position and what it bought."""
+    rates = " ".join(f"{r:.2f}" for r in tracker.acceptance_rates())
+    return (f"speculative (mtp, {tracker.k} drafts): acceptance per draft position {rates}; "
+            f"{sum(tracker.acceptance_rates()):.2f} drafts kept per verification over {tracker.verifications} "
+            f"verifications; {tracker.switched_off} requests switched speculation off")

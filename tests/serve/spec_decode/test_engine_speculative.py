@@ -12,6 +12,7 @@ import torch
 
 from deltamoe.errors import ConfigError
 from deltamoe.model.load import build_model
+from deltamoe.serve.api.metrics import ServerMetrics
 from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.llm_engine import LLMEngine
 from deltamoe.serve.engine.sampling import SamplingParams
@@ -88,6 +89,9 @@ def test_real_mtp_drafter_alone_and_stats(mtp_model, batch):
     extra = eng.stats().extra
     assert extra["spec_decode_verifications"] > 0
     assert set(extra) >= {"spec_decode_acceptance_rate_position_1", "spec_decode_acceptance_rate_position_2"}
+    text = ServerMetrics(eng.stats).render().decode()
+    assert f"deltamoe_engine_spec_decode_verifications {extra['spec_decode_verifications']}" in text
+    assert "deltamoe_engine_spec_decode_acceptance_rate_position_2 " in text
 
 
 def test_prefix_hits_and_preemption(mtp_model, helpers):
