@@ -75,8 +75,7 @@ def trained_checkpoint(steps: int, threads: int) -> tuple[Path, bool]:
     return out / "model", False
 
 
-def prompt_sets(checkpoint: Path, per_task: int) -> dict[str, list[list[int]]]:
-    tokenizer = load_tokenizer(checkpoint, None)
+def prompt_sets(checkpoint: Path, tokenizer, per_task: int) -> dict[str, list[list[int]]]:
     task = make_task(TASK, digits=2, num_pairs=8, num_queries=8)
     texts = [p.prompt for t in task.tasks for p in held_out_prompts(t, per_task, seed=1)]
     template = ChatTemplate.for_model(tokenizer, checkpoint)
@@ -184,7 +183,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = load_model(checkpoint)
     tokenizer = load_tokenizer(checkpoint, model.config.vocab_size)
-    prompts = prompt_sets(checkpoint, per_task)
+    prompts = prompt_sets(checkpoint, tokenizer, per_task)
     accept = {kind: [acceptance(model, tokenizer, ps, k, new_tokens) for k in (1, 2, 3)]
               for kind, ps in prompts.items()}
     speeds = [speed(model, tokenizer, prompts["raw"], b, new_tokens, rounds, args.compile) for b in (1, 8)]

@@ -154,3 +154,40 @@ def test_config_errors(mtp_model, helpers):
     with pytest.raises(ConfigError) as e:
         LLMEngine(no_mtp, config=EngineConfig(cache_memory="8MiB", speculative="mtp"))
     assert e.value.field == "speculative"
+
+
+@pytest.mark.slow
+def test_compiled_decode_for_switched_off_rows(mtp_model, batch, helpers):
+    """With --compile, rows that stop speculating run the compiled graph; output stays the same."""
+    from deltamoe.serve.engine.compiled_decode import compiler_available
+
+    if not compiler_available():
+        pytest.skip("no C++ compiler for torch.compile's CPU kernels")
+    ps, _ = batch
+    eng = engine(mtp_model, 2, spec_min_acceptance=1.0, compile_decode=True)
+    out = eng.generate(ps[:3], greedy(max_tokens=30), progress=False)
+    assert [c.token_ids for c in out] == [helpers.reference_greedy(mtp_model, p, 30) for p in ps[:3]]
+    assert eng.runner.tracker.switched_off == 3
+
+
+@torch.inference_mode()
+def test_drafts_are_the_trained_mtp_predictions(mtp_model, batch):
+    """Draft 1 is the argmax of the MTP head as training computes it over the whole sequence (h_i
+    and token i+1 -> token i+2); draft 2 reuses the head on its own output and draft 1."""
+    ps, refs = batch
+    p = ps[1]
+    eng = engine(mtp_model, 2)
+    seq = eng.make_sequence(p, greedy())
+    eng.add_sequence(seq)
+    while not seq.output_ids:  # prefill: samples x_m, the MTP layer catches up over the prompt and drafts
+        eng.step()
+    drafts = eng.runner.tracker.state(seq).drafts
+    ids = torch.tensor([p + [refs[tuple(p)][0]]])
+    inner, mtp = mtp_model.model, mtp_model.model.mtp_layers[0]
+    h = inner(ids)
+    out = mtp(h[:, :-1], inner.embed_tokens(ids[:, 1:]))
+    assert drafts.position == len(p)
+    assert drafts.tokens[0] == int(mtp.logits(out[0, -1]).argmax())
+    again = mtp(torch.cat([h[:, :-1], out[:, -1:]], 1), inner.embed_tokens(torch.cat(
+        [ids[:, 1:], torch.tensor([[drafts.tokens[0]]])], 1)))
+    assert drafts.tokens[1] == int(mtp.logits(again[0, -1]).argmax())
