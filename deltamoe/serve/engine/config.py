@@ -44,7 +44,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # latent-KV and indexer-key pages: "auto" (the model dtype) or "fp8" (e4m3 + scales)
     # Speculative decoding (serve/spec_decode/): None, or "mtp" (the model's MTP head drafts).
     speculative: str | None = None
-    num_draft_tokens: int = 2  # tokens the MTP head proposes per step (1..3), verified in one forward
+    num_draft_tokens: int = 1  # tokens the MTP head proposes per step (1..3), verified in one forward
     spec_min_acceptance: float = 0.2  # a request whose recent drafts are accepted less often stops speculating
 
     def __post_init__(self) -> None:
