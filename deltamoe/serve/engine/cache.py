@@ -129,6 +129,13 @@ class HybridCache:
             self.slots.free(seq.slot)
             seq.slot = None
 
+    def release_tail(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks of `seq` past its first `num_tokens` tokens (positions it wrote but
+        did not keep, as rejected draft tokens: never published, so nothing to forget)."""
+        keep = -(-num_tokens // self.block_size)
+        while len(seq.block_table) > keep:
+            self.blocks.release(seq.block_table.pop())
+
     def commit(self, seq: Sequence) -> None:
         """After a forward: publish newly full blocks, and snapshot the KDA state at a kept boundary."""
         if not self.prefix_caching:

@@ -51,7 +51,7 @@ class SpeculativeRunner(ModelRunner):
             sub = ScheduledBatch(plain)
             results.update((id(r.seq), r) for r in self.run(sub, self.plan(sub)))
         speculating = [item for item in batch.items if self.tracker.speculates(item[0])]
-        verifying = [seq for seq, n in speculating if n == 1 and self._ready(seq)]
+        verifying = [seq for seq, n in speculating if n == 1 and self._reserve_verification(seq)]
         chosen = {id(seq) for seq in verifying}
         catch_ups: list[CatchUp] = []
         for r, catch_up in self._run_eager([item for item in speculating if id(item[0]) not in chosen]):
@@ -70,8 +70,9 @@ class SpeculativeRunner(ModelRunner):
                 self.tracker.state(catch_up.seq).drafts = drafts
         return [results[id(seq)] for seq, _ in batch.items]
 
-    def _ready(self, seq: Sequence) -> bool:
-        """Drafts made for exactly this position, room for them, and blocks for K more positions."""
+    def _reserve_verification(self, seq: Sequence) -> bool:
+        """Whether `seq` verifies drafts this step: drafts made for exactly this position, room for
+        them, and blocks for its K extra positions (taken here)."""
         drafts = self.tracker.state(seq).drafts
         n = seq.num_computed
         return (drafts is not None and drafts.position == n and len(seq.token_ids) == n + 1
@@ -123,19 +124,12 @@ class SpeculativeRunner(ModelRunner):
             logprobs = ([token_logprobs(logits[b, j], t, p.logprobs) for j, t in enumerate(tokens)]
                         if p.logprobs is not None else [None] * len(tokens))
             n = seq.num_computed
-            release_tail(self.cache, seq, n + accepted + 2)  # the kept tokens and the new pending one
+            self.cache.release_tail(seq, n + accepted + 2)  # the kept tokens and the new pending one
             result = SpeculativeStepResult(seq, accepted + 1, tokens[0], logprobs[0], tokens=tokens, logprobs=logprobs,
                                            restore=lambda j, row=b: view.restore(row, j),
                                            block_size=self.cache.block_size, num_drafts=k)
             out.append((result, CatchUp(seq, n, forward.hidden_states[b, :accepted + 1], tokens, draft=True)))
         return out
-
-
-def release_tail(cache: HybridCache, seq: Sequence, num_tokens: int) -> None:
-    """Give back the blocks of `seq` past its first `num_tokens` tokens (never published: not computed)."""
-    keep = -(-num_tokens // cache.block_size)
-    while len(seq.block_table) > keep:
-        cache.blocks.release(seq.block_table.pop())
 
 
 def speculative_runner(model: DeltaMoEForCausalLM, cache: HybridCache, config: EngineConfig, max_len: int,

@@ -77,8 +77,21 @@ def test_batched_greedy_equals_plain_with_every_accepted_length(mtp_model, batch
     assert tracker.verifications > 0
     rates = tracker.acceptance_rates()
     assert all(0 < r < 1 for r in rates) and rates == sorted(rates, reverse=True)  # some kept everywhere, never all
-    assert eng.cache.blocks.num_free == eng.cache.blocks.num_blocks - sum(  # nothing held past the runs
-        1 for c in eng.cache.blocks.ref_counts if c)
+
+
+def test_blocks_past_the_kept_tokens_go_back(mtp_model, batch):
+    ps, refs = batch
+    k = 3
+    eng = engine(mtp_model, k, oracle=refs, block_size=2)
+    seqs = [eng.make_sequence(p, greedy()) for p in ps[:3]]
+    for seq in seqs:
+        eng.add_sequence(seq)
+    while eng.has_unfinished():
+        eng.step()
+        for seq in eng.scheduler.running:  # the tokens, and the provisional positions of drafts 2..K
+            assert len(seq.block_table) <= -(-(len(seq.token_ids) + k - 2) // 2)
+    assert [s.output_ids for s in seqs] == [refs[tuple(p)] for p in ps[:3]]
+    assert eng.cache.blocks.num_free == eng.cache.blocks.num_blocks
 
 
 def test_real_mtp_drafter_alone_and_stats(mtp_model, batch):
