@@ -319,6 +319,33 @@ def quant_rows(d: dict) -> list[Row]:
     return out
 
 
+def spec_decode_rows(d: dict) -> list[Row]:
+    b1, b8 = d["speed"][0], d["speed"][1]
+    t = d.get("target", {})
+    k2 = {kind: rs[1] for kind, rs in d["acceptance"].items()}  # K = 2
+    speedup, accept = b1["speedup"]["K=2"], k2["raw"]["mean_acceptance"]
+    goal, floor = t.get("speedup_batch1_k2"), t.get("min_acceptance", 0.0)
+    if goal is None:
+        target = ""
+    elif accept >= floor:
+        target = verdict([(f">= {goal:g}x at acceptance >= {floor:g}", speedup >= goal)], d.get("note"))
+    else:
+        target = f">= {goal:g}x at acceptance >= {floor:g} (acceptance {accept:.2f}: not reached)"
+    label = (f"speculative decoding (MTP drafts), `tiny` trained {d['model']['train_steps']} steps on "
+             f"{d['model']['task']}, batch 1, K = 2 {command('spec_decode')}")
+    per_k = " / ".join(f"K={k}" for k in (1, 2, 3))
+    return [
+        [label, f"{rate(b1['tokens_per_s']['K=2'])} tok/s; acceptance raw {accept:.2f}, chat "
+                f"{k2['chat']['mean_acceptance']:.2f}", f"plain decode {rate(b1['tokens_per_s']['plain'])} tok/s",
+         bold(times(speedup)), target],
+        [f"same, batch 1, {per_k}", " / ".join(rate(b1["tokens_per_s"][f"K={k}"]) for k in (1, 2, 3)) + " tok/s",
+         "", " / ".join(times(b1["speedup"][f"K={k}"]) for k in (1, 2, 3)), ""],
+        [f"same, batch 8, {per_k}", " / ".join(rate(b8["tokens_per_s"][f"K={k}"]) for k in (1, 2, 3)) + " tok/s",
+         f"plain decode {rate(b8['tokens_per_s']['plain'])} tok/s",
+         " / ".join(times(b8["speedup"][f"K={k}"]) for k in (1, 2, 3)), ""],
+    ]
+
+
 # results file stem -> formatter, in the order the README lists them
 FORMATTERS: dict[str, Callable[[dict], list[Row]]] = {
     "kda": kda_rows,
@@ -334,6 +361,7 @@ FORMATTERS: dict[str, Callable[[dict], list[Row]]] = {
     "plan_validation": plan_validation_rows,
     "moe": moe_rows,
     "quant": quant_rows,
+    "spec_decode": spec_decode_rows,
 }
 
 

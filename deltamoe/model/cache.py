@@ -58,6 +58,10 @@ class ModelCache(Protocol):
         """Called once at the end of a forward: past_lengths += num_tokens."""
         ...
 
+    # Optional (speculative verification, serve/spec_decode/): a cache whose `keeps_kda_checkpoints`
+    # is True gets, from each KDA layer, the states after every new position through
+    # `keep_kda_checkpoints(layer, conv_states [B, T, 3P, W-1], recurrent_states [B, T, H, K, V])`.
+
 
 class ContiguousCache:
     """Dense per-layer tensors for plain decoding loops, tests and simple batched decoding (the

@@ -73,8 +73,8 @@ class KimiDeltaAttention(nn.Module):
         conv_state, state = cache.kda_state(self.layer_idx) if cache is not None else (None, None)
 
         lengths = cache.new_lengths if cache is not None else None
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        qkv, new_conv_state = causal_conv1d(qkv, self.conv_weight(), conv_state, activation="silu", lengths=lengths)
+        raw = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        qkv, new_conv_state = causal_conv1d(raw, self.conv_weight(), conv_state, activation="silu", lengths=lengths)
         q, k_, v = (z.reshape(b, t, h, k) for z in qkv.chunk(3, dim=-1))
 
         a_log, dt_bias = self.gate_params()
@@ -92,6 +92,18 @@ class KimiDeltaAttention(nn.Module):
             # Decode: one step of the recurrence for the whole batch.
             o, final_state = kda_step(q[:, 0], k_[:, 0], v[:, 0], g[:, 0], beta[:, 0], state, use_qk_l2norm=True)
             o = o[:, None]
+        elif state is not None and getattr(cache, "keeps_kda_checkpoints", False):
+            # Speculative verification (serve/spec_decode/): step by step, keeping the state after
+            # every position, so that rejected draft tokens roll back to the accepted one.
+            outs, states = [], []
+            for j in range(t):
+                o_j, state = kda_step(q[:, j], k_[:, j], v[:, j], g[:, j], beta[:, j], state, use_qk_l2norm=True)
+                outs.append(o_j)
+                states.append(state)
+            o, final_state = torch.stack(outs, 1), state
+            window = torch.cat([conv_state.to(raw.dtype), raw.transpose(1, 2)], dim=-1)  # [B, 3P, W-1+T]
+            conv_states = window.unfold(-1, conv_state.shape[-1], 1)[:, :, 1:].transpose(1, 2)  # [B, T, 3P, W-1]
+            cache.keep_kda_checkpoints(self.layer_idx, conv_states, torch.stack(states, 1))
         else:
             o, final_state = chunk_kda(q, k_, v, g, beta, initial_state=state,
                                        output_final_state=cache is not None, use_qk_l2norm=True)

@@ -5,8 +5,9 @@ runner (device), sampling, outputs, the compiled decode graph, and AsyncLLMEngin
 drives an LLMEngine for concurrent callers. `api/` is the HTTP side only (FastAPI app, OpenAI
 schemas, request params, error bodies, response formatting, metrics, chat template); it imports
 `engine/`, never the other way round. `executor/` carries the runner's work to the devices: this
-process, or tp x ep worker ranks (`WorkerConfig`). Room is left for `kv_transfer/` and
-`spec_decode/` (DESIGN.md).
+process, or tp x ep worker ranks (`WorkerConfig`). `spec_decode/` drafts tokens with the model's
+MTP layer and verifies them in one forward (`EngineConfig.speculative`); `kv_transfer/` moves
+caches between prefill and decode servers.
 
 The common names are importable from here (`from deltamoe.serve import LLMEngine`); they load on
 first use, so `import deltamoe.serve.engine.config` (the CLI's startup) stays free of torch.

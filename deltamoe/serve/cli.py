@@ -18,6 +18,7 @@ import typer
 
 from deltamoe.errors import ConfigError
 from deltamoe.hf_config import load_config
+from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.threads import THREADS_HELP, choose_threads
 
 if TYPE_CHECKING:
@@ -109,20 +110,30 @@ COMPILE_HELP = ("Run decode steps as one torch.compile graph (2-7x faster steps 
 COMPILE_DECLS = ("--compile/--no-compile", "--compile-decode")
 
 
+SPECULATIVE_HELP = ("Speculative decoding: mtp (the model's MTP head drafts --num-draft-tokens tokens a step, the model "
+                    "verifies them in one forward; greedy output is unchanged, sampling keeps its distribution).")
+NUM_DRAFT_TOKENS_HELP = "Tokens drafted per step with --speculative (1..3)."
+SPEC_MIN_ACCEPTANCE_HELP = ("With --speculative: a request whose last 8 verifications kept fewer than this share of "
+                            "their drafts decodes plainly from then on (0 = never).")
+
+
 KV_CACHE_DTYPE_HELP = ("Latent-KV and indexer-key pages: auto (the model dtype) or fp8 (e4m3 with a scale per "
                        "tile of each row: about half the bytes per token of bf16).")
 
 
 def build_engine(model: str, tokenizer: Optional[str], cache_memory: str, max_num_seqs: int,
                  max_num_batched_tokens: int, dtype: str, device: str, compile_decode: bool = False,
-                 tp: int = 1, ep: int = 1, kv_cache_dtype: str = "auto", threads: Optional[int] = None):
+                 tp: int = 1, ep: int = 1, kv_cache_dtype: str = "auto", threads: Optional[int] = None,
+                 speculative: Optional[str] = None, num_draft_tokens: int = EngineConfig.num_draft_tokens,
+                 spec_min_acceptance: float = EngineConfig.spec_min_acceptance):
     from deltamoe.serve.engine.config import EngineConfig
 
     check_dtype(dtype)
     chosen = choose_threads(threads)
     config = EngineConfig(cache_memory=cache_memory, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, compile_decode=compile_decode,
-                          kv_cache_dtype=kv_cache_dtype)
+                          kv_cache_dtype=kv_cache_dtype, speculative=speculative, num_draft_tokens=num_draft_tokens,
+                          spec_min_acceptance=spec_min_acceptance)
     load_config(model)  # an unknown model fails here, from its config alone
     workers = check_workers(model, tp, ep, compile_decode)
     from deltamoe.serve.engine.llm_engine import LLMEngine  # imports torch: after every check above
@@ -156,10 +167,17 @@ def generate_command(
     tp: int = typer.Option(1, "--tp", help=TP_HELP),
     ep: int = typer.Option(1, "--ep", help=EP_HELP),
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help=KV_CACHE_DTYPE_HELP),
+    speculative: Optional[str] = typer.Option(None, "--speculative", help=SPECULATIVE_HELP),
+    num_draft_tokens: int = typer.Option(EngineConfig.num_draft_tokens, "--num-draft-tokens",
+                                         help=NUM_DRAFT_TOKENS_HELP),
+    spec_min_acceptance: float = typer.Option(EngineConfig.spec_min_acceptance, "--spec-min-acceptance",
+                                              help=SPEC_MIN_ACCEPTANCE_HELP),
 ) -> None:
     """Generate text for one or more prompts (continuous batching)."""
     engine = build_engine(model, tokenizer, cache_memory, max_num_seqs, max_num_batched_tokens, dtype, device,
-                          compile_decode, tp=tp, ep=ep, kv_cache_dtype=kv_cache_dtype, threads=threads)
+                          compile_decode, tp=tp, ep=ep, kv_cache_dtype=kv_cache_dtype, threads=threads,
+                          speculative=speculative, num_draft_tokens=num_draft_tokens,
+                          spec_min_acceptance=spec_min_acceptance)
     from deltamoe.serve.api.chat_template import ChatTemplate
     from deltamoe.serve.engine.sampling import SamplingParams
 
@@ -177,6 +195,10 @@ def generate_command(
         if len(completions) > 1:
             typer.echo(f"--- [{i}] {prompt[i]!r} ({c.finish_reason})")
         typer.echo(c.text)
+    if speculative is not None:
+        from deltamoe.serve.spec_decode.tracker import summary_line
+
+        typer.echo(summary_line(engine.runner.tracker), err=True)
 
 
 def chat_command(
@@ -192,9 +214,16 @@ def chat_command(
     device: str = typer.Option("cpu"),
     threads: Optional[int] = typer.Option(None, help=THREADS_HELP),
     compile_decode: bool = typer.Option(False, *COMPILE_DECLS, help=COMPILE_HELP),
+    speculative: Optional[str] = typer.Option(None, "--speculative", help=SPECULATIVE_HELP),
+    num_draft_tokens: int = typer.Option(EngineConfig.num_draft_tokens, "--num-draft-tokens",
+                                         help=NUM_DRAFT_TOKENS_HELP),
+    spec_min_acceptance: float = typer.Option(EngineConfig.spec_min_acceptance, "--spec-min-acceptance",
+                                              help=SPEC_MIN_ACCEPTANCE_HELP),
 ) -> None:
     """Interactive chat in the terminal (/reset clears the history, /exit or Ctrl-D quits)."""
-    engine = build_engine(model, tokenizer, cache_memory, 1, 512, dtype, device, compile_decode, threads=threads)
+    engine = build_engine(model, tokenizer, cache_memory, 1, 512, dtype, device, compile_decode, threads=threads,
+                          speculative=speculative, num_draft_tokens=num_draft_tokens,
+                          spec_min_acceptance=spec_min_acceptance)
     engine.warm_up()  # compiles before the first question (a no-op when decoding eagerly)
     from rich.console import Console
 
@@ -274,6 +303,11 @@ def serve_command(
     tp: int = typer.Option(1, "--tp", help=TP_HELP),
     ep: int = typer.Option(1, "--ep", help=EP_HELP),
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help=KV_CACHE_DTYPE_HELP),
+    speculative: Optional[str] = typer.Option(None, "--speculative", help=SPECULATIVE_HELP),
+    num_draft_tokens: int = typer.Option(EngineConfig.num_draft_tokens, "--num-draft-tokens",
+                                         help=NUM_DRAFT_TOKENS_HELP),
+    spec_min_acceptance: float = typer.Option(EngineConfig.spec_min_acceptance, "--spec-min-acceptance",
+                                              help=SPEC_MIN_ACCEPTANCE_HELP),
 ) -> None:
     """OpenAI-compatible HTTP server (deltamoe.serve.api) over an AsyncLLMEngine."""
     from deltamoe.serve.engine.config import EngineConfig
@@ -283,7 +317,9 @@ def serve_command(
     check_dtype(dtype)
     config = EngineConfig(cache_memory=cache_memory, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                          compile_decode=compile_decode, block_size=block_size, kv_cache_dtype=kv_cache_dtype)
+                          compile_decode=compile_decode, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
+                          speculative=speculative, num_draft_tokens=num_draft_tokens,
+                          spec_min_acceptance=spec_min_acceptance)
     chosen = engine_threads(threads)
     load_config(model)  # an unknown model fails here, from its config alone
     workers = check_workers(model, tp, ep, compile_decode)

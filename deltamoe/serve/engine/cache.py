@@ -43,7 +43,8 @@ class HybridCache:
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", tp_size: int = 1):
         self.config = config
         kv_fp8 = config.kv_cache_dtype == "fp8"
-        self.layout = layout = CacheLayout.from_config(model_config, config.block_size, dtype, tp_size, kv_fp8)
+        self.layout = layout = CacheLayout.from_config(model_config, config.block_size, dtype, tp_size, kv_fp8,
+                                                       mtp_layers=1 if config.speculative else 0)
         self.block_size = bs = config.block_size
         max_blocks = config.max_num_seqs * -(-max_model_len // bs)  # never more than all sequences can use
         want_slots = config.max_num_seqs + (config.max_snapshots or 0)
@@ -154,6 +155,13 @@ class HybridCache:
         if seq.slot is not None:
             self.slots.free(seq.slot)
             seq.slot = None
+
+    def release_tail(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks of `seq` past its first `num_tokens` tokens (positions it wrote but
+        did not keep, as rejected draft tokens: never published, so nothing to forget)."""
+        keep = -(-num_tokens // self.block_size)
+        while len(seq.block_table) > keep:
+            self.blocks.release(seq.block_table.pop())
 
     def commit(self, seq: Sequence) -> None:
         """After a forward: publish newly full blocks, and snapshot the KDA state at a kept boundary."""

@@ -33,13 +33,16 @@ class CacheLayout:
 
     @classmethod
     def from_config(cls, config: ModelConfig, block_size: int = 16, dtype: torch.dtype = torch.float32,
-                    tp_size: int = 1, kv_fp8: bool = False) -> "CacheLayout":
+                    tp_size: int = 1, kv_fp8: bool = False, mtp_layers: int = 0) -> "CacheLayout":
+        """`mtp_layers`: also page the latents of that many MTP layers (indices L, L+1, ...): their
+        attention runs over the context when they draft tokens (serve/spec_decode/)."""
         types = config.layer_types
         heads = config.kda_num_heads // tp_size
         return cls(
             block_size=block_size,
             kda_layers=tuple(i for i, t in enumerate(types) if t == "kda"),
-            latent_layers=tuple(i for i, t in enumerate(types) if t in ("mla", "dsa")),
+            latent_layers=tuple(i for i, t in enumerate(types) if t in ("mla", "dsa"))
+            + tuple(range(len(types), len(types) + mtp_layers)),
             index_layers=tuple(i for i, t in enumerate(types) if t == "dsa"),
             latent_dim=config.latent_cache_dim,
             index_dim=config.index_head_dim,

@@ -42,6 +42,10 @@ class EngineConfig:
     seed: int = 0  # seeds requests that give no seed of their own
     compile_decode: bool = False  # run decode steps as one torch.compile graph (serve/engine/compiled_decode.py)
     kv_cache_dtype: str = "auto"  # latent-KV and indexer-key pages: "auto" (the model dtype) or "fp8" (e4m3 + scales)
+    # Speculative decoding (serve/spec_decode/): None, or "mtp" (the model's MTP head drafts).
+    speculative: str | None = None
+    num_draft_tokens: int = 1  # tokens the MTP head proposes per step (1..3), verified in one forward
+    spec_min_acceptance: float = 0.2  # a request whose recent drafts are accepted less often stops speculating
 
     def __post_init__(self) -> None:
         self.cache_memory = parse_bytes(self.cache_memory)
@@ -55,6 +59,10 @@ class EngineConfig:
             ("max_snapshots", self.max_snapshots is None or self.max_snapshots >= 0, "None or >= 0"),
             ("max_state_fraction", 0 < self.max_state_fraction <= 1, "a number in (0, 1]"),
             ("kv_cache_dtype", self.kv_cache_dtype in ("auto", "fp8"), "auto or fp8"),
+            ("speculative", self.speculative in (None, "mtp"), "None or mtp"),
+            ("num_draft_tokens", isinstance(self.num_draft_tokens, int) and 1 <= self.num_draft_tokens <= 3,
+             "an integer in [1, 3]"),
+            ("spec_min_acceptance", 0 <= self.spec_min_acceptance <= 1, "a number in [0, 1]"),
         ]
         for field, ok, expected in checks:
             if not ok:

@@ -33,6 +33,8 @@ from deltamoe.serve.executor.group import RankGroup
 from deltamoe.serve.executor.multiproc import MultiprocExecutor
 from deltamoe.serve.executor.uniproc import UniprocExecutor
 from deltamoe.serve.engine.sequence import Sequence
+from deltamoe.serve.spec_decode.runner import speculation_stats, speculative_runner
+from deltamoe.serve.spec_decode.step_result import SpeculativeStepResult, emit_speculative
 from deltamoe.tokenizers.base import Tokenizer
 from deltamoe.tokenizers.load import load_tokenizer
 
@@ -64,6 +66,9 @@ class LLMEngine:
             connector.bind(self.cache, model.config)
         self.scheduler = Scheduler(self.config, self.cache, connector)
         self.runner = ModelRunner(model, self.cache, compiled_decode=self.config.compile_decode)
+        if self.config.speculative is not None:  # MTP drafts verified in one forward (serve/spec_decode/)
+            self.runner = speculative_runner(model, self.cache, self.config, min(
+                self.max_model_len, self.cache.max_tokens_per_sequence()), group is not None, connector)
         self.executor: Executor = UniprocExecutor(self.runner) if group is None else MultiprocExecutor(self.runner, group)
         self.device = model.device
         self._requests: dict[str, Sequence] = {}
@@ -213,6 +218,8 @@ class LLMEngine:
         return self._output(seq, [], "", None)
 
     def _postprocess(self, r: StepResult) -> RequestOutput | None:
+        if isinstance(r, SpeculativeStepResult):  # several tokens from one verification (serve/spec_decode/)
+            return emit_speculative(self._postprocess, r)
         seq = r.seq
         seq.num_computed += r.num_computed
         self.cache.commit(seq)
@@ -327,7 +334,8 @@ class LLMEngine:
             slot_usage=c.slot_usage, num_snapshots=len(c.slots.snapshots), prefix_hit_rate=c.prefix_hit_rate,
             prefix_hit_tokens=c.prefix_hits, prefix_query_tokens=c.prefix_queries,
             prompt_tokens_total=self._totals["prompt_tokens"], generation_tokens_total=self._totals["generation_tokens"],
-            requests_finished=self._totals["finished"], steps=self._totals["steps"], extra=self._transfer_stats())
+            requests_finished=self._totals["finished"], steps=self._totals["steps"],
+            extra={**self._transfer_stats(), **speculation_stats(self.runner)})
 
     def _transfer_stats(self) -> dict[str, float]:
         if self.connector is None:

@@ -1,0 +1,152 @@
+"""SpeculativeRunner: the engine's runner with MTP drafting and one-forward verification.
+
+Per step, the scheduled items split three ways:
+- requests whose speculation is off (their acceptance fell below the threshold) run exactly as
+  in `ModelRunner` (the compiled decode graph included, with `compile_decode`);
+- speculating decodes with drafts ready: one verification call for all of them, each row
+  appending its pending token and its K drafts (T = K + 1, eager), logits at every position;
+- other speculating items (prefill chunks, decodes without drafts: no room for K more tokens,
+  or too close to the length limit) run eagerly like `ModelRunner`'s calls, keeping the hidden
+  states the MTP catch-up needs.
+Then one MTP pass catches up every speculating row and drafts for the next step.
+
+Blocks: a verifying row holds blocks for its K extra positions during the call only; after it,
+blocks past its kept tokens go back to the pool, and drafting takes what its provisional MTP
+positions need (none when the pool is empty: the row then decodes plainly next step).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltamoe.errors import ConfigError
+from deltamoe.model.model import DeltaMoEForCausalLM
+from deltamoe.serve.engine.cache import HybridCache
+from deltamoe.serve.engine.cache_view import PagedBatchView
+from deltamoe.serve.engine.config import EngineConfig
+from deltamoe.serve.engine.runner import ModelCall, ModelRunner, StepResult, pack_calls
+from deltamoe.serve.engine.sampling import sample, token_logprobs
+from deltamoe.serve.engine.scheduler import ScheduledBatch
+from deltamoe.serve.engine.sequence import Sequence
+from deltamoe.serve.spec_decode.acceptance import accept_greedy, greedy_targets, rejection_sample, target_probs
+from deltamoe.serve.spec_decode.checkpoint_view import CheckpointView
+from deltamoe.serve.spec_decode.mtp_drafter import CatchUp, MTPDrafter
+from deltamoe.serve.spec_decode.step_result import SpeculativeStepResult
+from deltamoe.serve.spec_decode.tracker import AcceptanceTracker
+
+
+class SpeculativeRunner(ModelRunner):
+    def __init__(self, model: DeltaMoEForCausalLM, cache: HybridCache, config: EngineConfig, max_len: int):
+        super().__init__(model, cache, compiled_decode=config.compile_decode)
+        self.k = config.num_draft_tokens
+        self.max_len = max_len  # tokens a sequence may hold (context limit and cache size)
+        self.drafter = MTPDrafter(model, cache, self.k)
+        self.tracker = AcceptanceTracker(self.k, config.spec_min_acceptance)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> list[StepResult]:
+        results: dict[int, StepResult] = {}
+        plain = [item for item in batch.items if not self.tracker.speculates(item[0])]
+        if plain:
+            sub = ScheduledBatch(plain)
+            results.update((id(r.seq), r) for r in self.run(sub, self.plan(sub)))
+        speculating = [item for item in batch.items if self.tracker.speculates(item[0])]
+        verifying = [seq for seq, n in speculating if n == 1 and self._reserve_verification(seq)]
+        chosen = {id(seq) for seq in verifying}
+        catch_ups: list[CatchUp] = []
+        for r, catch_up in self._run_eager([item for item in speculating if id(item[0]) not in chosen]):
+            results[id(r.seq)] = r
+            catch_ups.append(catch_up)
+        for r, catch_up in self._verify(verifying):
+            results[id(r.seq)] = r
+            catch_ups.append(catch_up)
+        for catch_up in catch_ups:  # room for the provisional MTP positions of drafts 2..K
+            if catch_up.draft:
+                seq, end = catch_up.seq, catch_up.start + len(catch_up.next_tokens)
+                catch_up.draft = (self.tracker.speculates(seq) and end + self.k - 1 <= self.max_len
+                                  and self.cache.grow(seq, end + self.k - 1))
+        for catch_up, drafts in zip(catch_ups, self.drafter.run(catch_ups)):
+            if self.tracker.speculates(catch_up.seq):
+                self.tracker.state(catch_up.seq).drafts = drafts
+        return [results[id(seq)] for seq, _ in batch.items]
+
+    def _reserve_verification(self, seq: Sequence) -> bool:
+        """Whether `seq` verifies drafts this step: drafts made for exactly this position, room for
+        them, and blocks for its K extra positions (taken here)."""
+        drafts = self.tracker.state(seq).drafts
+        n = seq.num_computed
+        return (drafts is not None and drafts.position == n and len(seq.token_ids) == n + 1
+                and n + self.k + 1 <= self.max_len and seq.max_tokens - seq.num_output_tokens >= 2
+                and self.cache.grow(seq, n + self.k + 1))
+
+    def _run_eager(self, items: list[tuple[Sequence, int]]) -> list[tuple[StepResult, CatchUp]]:
+        """ModelRunner's calls, eager, keeping each row's hidden states for the MTP catch-up."""
+        out: list[tuple[StepResult, CatchUp]] = []
+        for group in pack_calls(items):
+            call = ModelCall.of(group, compiled_decode=False)
+            ids = torch.tensor(call.token_ids, device=self.device).view(len(group), -1)
+            view = PagedBatchView(self.cache, call.block_tables, call.past_lengths, call.slots, call.counts)
+            forward = self.model(ids, cache=view, logits_to_keep=1)
+            logits = forward.logits[:, -1].float()
+            ends = [b for b, (seq, n) in enumerate(group) if seq.num_computed + n == len(seq.token_ids)]
+            picks = dict(zip(ends, sample(logits[ends], [group[b][0].params for b in ends],
+                                          [group[b][0].output_ids for b in ends],
+                                          [group[b][0].generator for b in ends]))) if ends else {}
+            for b, (seq, n) in enumerate(group):
+                token, logprob = picks.get(b, (None, None))
+                start = seq.num_computed
+                following = seq.token_ids[start + 1:start + n] + [token if token is not None else seq.token_ids[start + n]]
+                out.append((StepResult(seq, n, token, logprob),
+                            CatchUp(seq, start, forward.hidden_states[b, :n], following, draft=token is not None)))
+        return out
+
+    def _verify(self, seqs: list[Sequence]) -> list[tuple[StepResult, CatchUp]]:
+        """One call over each row's pending token and drafts; keep what the target agrees with."""
+        if not seqs:
+            return []
+        k = self.k
+        drafts = [self.tracker.state(seq).drafts for seq in seqs]
+        ids = torch.tensor([[seq.token_ids[-1]] + d.tokens for seq, d in zip(seqs, drafts)], device=self.device)
+        view = CheckpointView(self.cache, [s.block_table for s in seqs], [s.num_computed for s in seqs],
+                              [s.slot for s in seqs], k + 1)
+        forward = self.model(ids, cache=view, logits_to_keep=k + 1)
+        logits = forward.logits.float()  # [B, K+1, V]
+        out: list[tuple[StepResult, CatchUp]] = []
+        for b, (seq, d) in enumerate(zip(seqs, drafts)):
+            p = seq.params
+            if p.greedy:
+                tokens = accept_greedy(greedy_targets(logits[b], p, seq.output_ids, d.tokens), d.tokens)
+            else:
+                tokens = rejection_sample(target_probs(logits[b], p, seq.output_ids, d.tokens), d.probs, d.tokens,
+                                          seq.generator)
+            accepted = len(tokens) - 1
+            self.tracker.record(seq, accepted)
+            logprobs = ([token_logprobs(logits[b, j], t, p.logprobs) for j, t in enumerate(tokens)]
+                        if p.logprobs is not None else [None] * len(tokens))
+            n = seq.num_computed
+            self.cache.release_tail(seq, n + accepted + 2)  # the kept tokens and the new pending one
+            result = SpeculativeStepResult(seq, accepted + 1, tokens[0], logprobs[0], tokens=tokens, logprobs=logprobs,
+                                           restore=lambda j, row=b: view.restore(row, j),
+                                           block_size=self.cache.block_size, num_drafts=k)
+            out.append((result, CatchUp(seq, n, forward.hidden_states[b, :accepted + 1], tokens, draft=True)))
+        return out
+
+
+def speculative_runner(model: DeltaMoEForCausalLM, cache: HybridCache, config: EngineConfig, max_len: int,
+                       distributed: bool, connector: object | None) -> SpeculativeRunner:
+    """The runner for `config.speculative`, after checking the combination is supported."""
+    if not model.model.mtp_layers:
+        raise ConfigError("the model has no MTP layers to draft with (num_nextn_predict_layers = 0)",
+                          field="speculative")
+    if distributed:
+        raise ConfigError("speculative decoding runs on one process; drop --speculative or --tp/--ep",
+                          field="speculative")
+    if connector is not None:
+        raise ConfigError("a prefill/decode hand-off carries no MTP latents; drop --speculative or the role",
+                          field="speculative")
+    return SpeculativeRunner(model, cache, config, max_len)
+
+
+def speculation_stats(runner: ModelRunner) -> dict[str, float]:
+    """Acceptance statistics for /metrics (empty without speculation)."""
+    return runner.tracker.stats() if isinstance(runner, SpeculativeRunner) else {}

@@ -1,0 +1,85 @@
+"""Per-request speculation state and the acceptance statistics /metrics and `generate` report.
+
+A request speculates until its drafts keep failing: once the last `WINDOW` verifications kept
+fewer than `min_acceptance` of their drafts, it decodes plainly from then on (the drafts cost an
+MTP pass and K extra positions per step, worth it only when enough of them land).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from deltamoe.serve.engine.sequence import Sequence
+
+WINDOW = 8  # verifications a request's acceptance is judged over
+
+
+@dataclass
+class Drafts:
+    position: int  # the sequence's computed length they were drafted at (its pending token sits there)
+    tokens: list[int]
+    probs: torch.Tensor | None  # [K, V] the distributions they were drawn from (sampling requests)
+
+
+@dataclass
+class RequestSpeculation:
+    on: bool = True
+    drafts: Drafts | None = None
+    recent: deque[int] = field(default_factory=lambda: deque(maxlen=WINDOW))  # kept drafts per verification
+
+
+class AcceptanceTracker:
+    def __init__(self, num_draft_tokens: int, min_acceptance: float):
+        self.k = num_draft_tokens
+        self.min_acceptance = min_acceptance
+        self._requests: weakref.WeakKeyDictionary[Sequence, RequestSpeculation] = weakref.WeakKeyDictionary()
+        self.verifications = 0
+        self.accepted_at = [0] * num_draft_tokens  # verifications that kept draft j (j = 0 .. K-1)
+        self.switched_off = 0
+
+    def state(self, seq: Sequence) -> RequestSpeculation:
+        state = self._requests.get(seq)
+        if state is None:
+            state = self._requests[seq] = RequestSpeculation()
+        return state
+
+    def speculates(self, seq: Sequence) -> bool:
+        state = self._requests.get(seq)
+        return state is None or state.on
+
+    def record(self, seq: Sequence, accepted: int) -> None:
+        """One verification of `seq` kept `accepted` of its K drafts."""
+        self.verifications += 1
+        for j in range(accepted):
+            self.accepted_at[j] += 1
+        state = self.state(seq)
+        state.recent.append(accepted)
+        if len(state.recent) == WINDOW and sum(state.recent) < self.min_acceptance * WINDOW * self.k:
+            state.on, state.drafts = False, None
+            self.switched_off += 1
+
+    def acceptance_rates(self) -> list[float]:
+        """Per draft position: the share of verifications that kept it."""
+        return [n / self.verifications if self.verifications else 0.0 for n in self.accepted_at]
+
+    def stats(self) -> dict[str, float]:
+        rates = self.acceptance_rates()
+        out = {f"spec_decode_acceptance_rate_position_{j + 1}": r for j, r in enumerate(rates)}
+        out.update(spec_decode_verifications=float(self.verifications),
+                   spec_decode_draft_tokens=float(self.verifications * self.k),
+                   spec_decode_accepted_tokens=float(sum(self.accepted_at)),
+                   spec_decode_mean_accepted_drafts=sum(rates),
+                   spec_decode_requests_switched_off=float(self.switched_off))
+        return out
+
+
+def summary_line(tracker: AcceptanceTracker) -> str:
+    """One line for `deltamoe generate`: acceptance per draft position and what it bought."""
+    rates = " ".join(f"{r:.2f}" for r in tracker.acceptance_rates())
+    return (f"speculative (mtp, {tracker.k} drafts): acceptance per draft position {rates}; "
+            f"{sum(tracker.acceptance_rates()):.2f} drafts kept per verification over {tracker.verifications} "
+            f"verifications; {tracker.switched_off} requests switched speculation off")

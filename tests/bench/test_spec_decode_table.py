@@ -1,0 +1,26 @@
+"""The README rows of bench/results/spec_decode.json: figures, ratios and the conditional goal."""
+
+from __future__ import annotations
+
+from deltamoe.benchmarks.table import spec_decode_rows
+
+
+def result(accept: float, speedup: float) -> dict:
+    speed = lambda plain: {"tokens_per_s": {"plain": plain, "K=1": plain * 1.3, "K=2": plain * speedup,  # noqa: E731
+                                            "K=3": plain * 1.5},
+                           "speedup": {"K=1": 1.3, "K=2": speedup, "K=3": 1.5}}
+    return {"model": {"train_steps": 600, "task": "recall+arithmetic+copy"},
+            "target": {"speedup_batch1_k2": 1.6, "min_acceptance": 0.7},
+            "acceptance": {kind: [{"k": k, "mean_acceptance": a} for k in (1, 2, 3)]
+                           for kind, a in (("raw", accept), ("chat", accept - 0.2))},
+            "speed": [{"batch": 1, **speed(100.0)}, {"batch": 8, **speed(400.0)}]}
+
+
+def test_rows_show_figures_and_goal():
+    rows = spec_decode_rows(result(0.8, 1.7))
+    assert rows[0][1] == "170 tok/s; acceptance raw 0.80, chat 0.60"
+    assert rows[0][2] == "plain decode 100 tok/s" and rows[0][3] == "**1.7x**"
+    assert rows[0][4] == ">= 1.6x at acceptance >= 0.7 (met)"
+    assert rows[2][1] == "520 / 680 / 600 tok/s" and rows[2][3] == "1.3x / 1.7x / 1.5x"
+    assert spec_decode_rows(result(0.8, 1.5))[0][4].endswith("(missed)")
+    assert "not reached" in spec_decode_rows(result(0.5, 1.2))[0][4]
