@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deltamoe.serve.engine.detokenizer import IncrementalDetokenizer
+from deltamoe.serve.engine.image_inputs import SequenceImages
 from deltamoe.serve.engine.sampling import SamplingParams, TokenLogprob
 
 _arrivals = itertools.count()
@@ -52,6 +53,7 @@ class Sequence:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[TokenLogprob] = field(default_factory=list)
     kv_transfer: object | None = None  # a KV connector's hand-off parameters for this request (kv_transfer/)
+    images: SequenceImages | None = None  # the prompt's images (image_inputs.py)
 
     @property
     def output_ids(self) -> list[int]:
