@@ -127,13 +127,14 @@ def target_size(height: int, width: int, vision: VisionConfig, max_tokens: int) 
     scale = min(1.0, math.sqrt(max_tokens * cell_h * cell_w / (height * width)))
     rows = max(1, math.floor(height * scale / cell_h + 0.5))
     cols = max(1, math.floor(width * scale / cell_w + 0.5))
-    while rows * cols > max_tokens:  # rounding up may overshoot the budget by a row or a column
-        if rows * cell_h >= cols * cell_w and rows > 1:
+    if rows * cols > max_tokens:  # rounding overshot: round down instead (fits unless one side is clamped at 1)
+        rows = max(1, math.floor(height * scale / cell_h))
+        cols = max(1, math.floor(width * scale / cell_w))
+    while rows * cols > max_tokens:  # a very thin image: shorten the long side
+        if rows > cols:
             rows -= 1
-        elif cols > 1:
-            cols -= 1
         else:
-            rows -= 1
+            cols -= 1
     return rows * cell_h, cols * cell_w
 
 
