@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from deltamoe.errors import RequestError
+from deltamoe.serve.api.images import expand_images
 from deltamoe.tokenizers.base import Tokenizer
 from deltamoe.tokenizers.hf import token_name
 from deltamoe.tokenizers.load import tokenizer_config
@@ -91,21 +92,26 @@ class ChatTemplate:
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self._names)
 
-    def encode(self, messages: Any, add_generation_prompt: bool = True) -> list[int]:
+    def encode(self, messages: Any, add_generation_prompt: bool = True,
+               image_tokens: list[list[int]] | None = None) -> list[int]:
         """Token ids of the rendered conversation: specials the template writes become their ids.
 
         Each message's content is encoded as plain text on its own (a user typing '<|end|>' gets the
-        bytes, not the special), by rendering with placeholders first.
+        bytes, not the special), by rendering with placeholders first. `image_tokens[k]` replaces
+        the k-th image mark in the contents (`serve/api/images.py`).
         """
+        images = iter(image_tokens or [])
         messages = normalize_messages(messages)
         marks = [f"\x00{i}\x00" for i in range(len(messages))]
         skeleton = self.render([{**m, "content": mark} for m, mark in zip(messages, marks)], add_generation_prompt)
         ids: list[int] = []
         for piece in re.split("(\x00\\d+\x00)", skeleton):
             if piece in marks:
-                ids += self.tokenizer.encode(messages[marks.index(piece)]["content"])
+                ids += expand_images(self.tokenizer.encode, messages[marks.index(piece)]["content"], images)
             elif piece:
                 ids += self._encode_with_specials(piece)
+        if next(images, None) is not None:
+            raise RequestError("more images than image parts in the messages", field="messages")
         return ids
 
     def _encode_with_specials(self, text: str) -> list[int]:

@@ -27,6 +27,7 @@ from starlette.requests import ClientDisconnect
 
 from deltamoe.errors import RequestError
 from deltamoe.serve.api.chat_template import ChatTemplate
+from deltamoe.serve.api.images import ImageOptions, extract_images, load_images
 from deltamoe.serve.api.connections import AcceptErrorLog, HTTPLimits, raise_open_file_limit, uvicorn_config
 from deltamoe.serve.api.errors import APIError, InternalErrorMiddleware, from_validation_error, install_error_handlers
 from deltamoe.serve.api.format import ChatFormatter, CompletionFormatter
@@ -81,10 +82,11 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
               chat_template: ChatTemplate | None = None, max_body_bytes: int = MAX_BODY_BYTES,
               body_timeout_s: float = HTTPLimits.body_timeout_s,
               hand_off: Callable[[Request], object | None] | None = None,
-              routers: Sequence[APIRouter] = ()) -> FastAPI:
+              routers: Sequence[APIRouter] = (), image_options: ImageOptions = ImageOptions()) -> FastAPI:
     """The app for one engine serving one model name. The engine thread runs for the app's lifespan.
     `hand_off`: a request's KV-connector parameters from its headers (a decode server of a P/D
-    pair, `serve/kv_transfer/roles.py`); `routers`: extra routes (a role's internal ones)."""
+    pair, `serve/kv_transfer/roles.py`); `routers`: extra routes (a role's internal ones);
+    `image_options`: which image sources chat requests may use (`serve/api/images.py`)."""
     template = chat_template or ChatTemplate.for_model(engine.tokenizer, None)
     metrics = ServerMetrics(engine.stats, engine.rank_stats)
     vocab_size = engine.model_config.vocab_size
@@ -155,10 +157,14 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
         req = await read_body(request, ChatCompletionRequest, max_body_bytes, body_timeout_s)
         check_model(req.model)
         params, names = chat_params(req, vocab_size, template.stop_token_ids)
-        prompt = _render(template, req)
+        messages, refs = extract_images([m.model_dump() for m in req.messages])
+        images = await load_images(refs, engine.model_config, image_options)
+        placeholder = engine.model_config.media_placeholder_token_id
+        prompt = _render(template, req, messages, [[placeholder] * img.num_tokens for img in images])
         fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", req.model, engine.tokenizer, bool(req.logprobs))
         return await Generation(engine, metrics, names).respond(request, prompt, params, fmt, bool(req.stream),
-                                                                _include_usage(req), _hand_off(request))
+                                                                _include_usage(req), _hand_off(request),
+                                                                images=images or None)
 
     app.include_router(v1)
     for router in routers:
@@ -167,11 +173,12 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
     return app
 
 
-def _render(template: ChatTemplate, req: ChatCompletionRequest) -> list[int]:
+def _render(template: ChatTemplate, req: ChatCompletionRequest, messages: list[dict],
+            image_tokens: list[list[int]]) -> list[int]:
     from jinja2 import TemplateError
 
     try:
-        return template.encode([m.model_dump() for m in req.messages], req.add_generation_prompt)
+        return template.encode(messages, req.add_generation_prompt, image_tokens)
     except TemplateError as e:  # a checkpoint template that cannot render these messages
         raise RequestError(f"the chat template failed on these messages ({e})", field="messages") from e
 
@@ -179,13 +186,14 @@ def _render(template: ChatTemplate, req: ChatCompletionRequest) -> list[int]:
 def run(engine: AsyncLLMEngine, model_name: str, host: str = "127.0.0.1", port: int = 8000, *,
         api_key: str | None = None, chat_template: ChatTemplate | None = None, log_level: str = "info",
         sock: socket.socket | None = None, limits: HTTPLimits = HTTPLimits(),
-        hand_off: Callable[[Request], object | None] | None = None, routers: Sequence[APIRouter] = ()) -> None:
+        hand_off: Callable[[Request], object | None] | None = None, routers: Sequence[APIRouter] = (),
+        image_options: ImageOptions = ImageOptions()) -> None:
     """Serve until Ctrl-C (blocking). `sock`: an already bound socket for host:port (the CLI binds
     it before loading the model); None binds here."""
     import uvicorn
 
     raise_open_file_limit()
     app = build_app(engine, model_name, api_key=api_key, chat_template=chat_template, hand_off=hand_off,
-                    routers=routers)
+                    routers=routers, image_options=image_options)
     config = uvicorn_config(app, host, port, log_level, limits)
     uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)
