@@ -118,7 +118,8 @@ def bench_ttft(size: int, repeats: int) -> dict:
            "text_same_length_s": median(lambda: ttft(long_text, None, cache=False)),
            "repeated_image_prefix_hit_s": median(lambda: ttft(ids, [image], cache=True, warm=True))}
     out["prefix_hit_tokens"] = hits[-1]
-    print(f"TTFT ({size}x{size} image = {n} tokens + {len(text)} text, {hits[-1]} from the prefix cache on a repeat): image+text {out['image_plus_text_s'] * 1e3:.1f} ms, "
+    print(f"TTFT ({size}x{size} image = {n} tokens + {len(text)} text, {hits[-1]} from the prefix cache on a "
+          f"repeat): image+text {out['image_plus_text_s'] * 1e3:.1f} ms, "
           f"text alone {out['text_alone_s'] * 1e3:.1f} ms, text of the same length "
           f"{out['text_same_length_s'] * 1e3:.1f} ms, repeated image (prefix hit) "
           f"{out['repeated_image_prefix_hit_s'] * 1e3:.1f} ms", flush=True)

@@ -1,11 +1,11 @@
 """A synthetic image task drawn with Pillow: shapes on a canvas, and a question about them.
 
-Each example is one image (a `size` x `size` canvas with 1-3 filled shapes: square, circle or
+Each example is one image (a `size` x `size` white canvas with filled shapes: square, circle or
 triangle, each in one of four colours, never overlapping) and one of three questions, answered
 in a word:
-- `count?`  -> how many shapes ("1", "2", "3");            chance 1/3
-- `colour?` -> the colour of the largest shape;             chance 1/4
-- `where?`  -> which half the largest shape's centre is in ("left" / "right"); chance 1/2
+- `count?`  -> how many shapes, 1-3 drawn ("1", "2", "3");  chance 1/3
+- `colour?` -> the colour of the one shape drawn;           chance 1/4
+- `where?`  -> which half the one shape's centre is in ("left" / "right"); chance 1/2
 The answer is only in the pixels, so text alone stays at chance. Deterministic in (seed, index);
 the eval split is a disjoint index range (`split_offset`) of the same generator.
 """
@@ -27,10 +27,6 @@ class Shape:
     colour: str
     box: tuple[int, int, int, int]  # x0, y0, x1, y1
 
-    @property
-    def area(self) -> int:
-        return (self.box[2] - self.box[0]) * (self.box[3] - self.box[1])
-
 
 @dataclass(frozen=True)
 class ShapesExample:
@@ -47,19 +43,17 @@ class ShapesTask:
 
     def example(self, index: int, seed: int = 0, split: str = "train") -> ShapesExample:
         rng = random.Random(f"{self.name}:{seed}:{index + (EVAL_OFFSET if split == 'eval' else 0)}")
-        shapes = self._shapes(rng)
         question = rng.choice(QUESTIONS)
-        largest = max(shapes, key=lambda s: s.area)
+        shapes = self._shapes(rng, rng.randint(1, self.max_shapes) if question == "count?" else 1)
         if question == "count?":
             answer = str(len(shapes))
         elif question == "colour?":
-            answer = largest.colour
+            answer = shapes[0].colour
         else:
-            answer = "left" if (largest.box[0] + largest.box[2]) / 2 < self.size / 2 else "right"
+            answer = "left" if (shapes[0].box[0] + shapes[0].box[2]) / 2 < self.size / 2 else "right"
         return ShapesExample(self.draw(shapes), question, answer)
 
-    def _shapes(self, rng: random.Random) -> list[Shape]:
-        n = rng.randint(1, self.max_shapes)
+    def _shapes(self, rng: random.Random, n: int) -> list[Shape]:
         shapes: list[Shape] = []
         while len(shapes) < n:
             side = rng.randint(self.size // 6, self.size // 3)
