@@ -14,7 +14,7 @@ from deltamoe.serve.engine.sampling import SamplingParams
 from deltamoe.vision.preprocess import PreparedImage
 
 IMG, N = 264, 6
-GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +88,15 @@ def test_image_requests_are_checked(model):
     text_model = build_model(load_preset("tiny"), seed=0).eval()
     with pytest.raises(RequestError, match="no vision tower"):
         LLMEngine(text_model, config=EngineConfig(cache_memory="8MiB")).make_sequence("hi", GREEDY, images=[image(1)])
+
+
+def test_one_encoder_call_per_step_across_requests(model, monkeypatch):
+    calls = []
+    encode = model.encode_images
+    monkeypatch.setattr(model, "encode_images", lambda pixels: calls.append(len(pixels)) or encode(pixels))
+    engine = LLMEngine(model, config=EngineConfig(cache_memory="8MiB", enable_prefix_caching=False))
+    reqs = [(prompt(4, 2, 1, seed=1), [image(1)]), (prompt(3, 5, 1, seed=2), [image(2)]),
+            (prompt(6, 1, 1, seed=3), [image(1)])]
+    got = engine.generate([ids for ids, _ in reqs], GREEDY, progress=False, images=[ims for _, ims in reqs])
+    assert calls == [2]  # the three prompts prefill in one step: one packed call, image 1 encoded once
+    assert [g.token_ids for g in got] == [reference(model, ids, ims) for ids, ims in reqs]
