@@ -48,7 +48,7 @@ def prompt(text_before: int, text_after: int, images: int = 1, seed: int = 0) ->
 
 def test_batched_chunked_and_cached_match_each_prompt_alone(model):
     a, b, c = image(1), image(2), image(3)
-    reqs = [(prompt(5, 4, 1, seed=1), [a]), (prompt(20, 7, 2, seed=2), [b, c]), (prompt(9, 3, 0, seed=3), []),
+    reqs = [(prompt(5, 4, 1, seed=1), [a]), (prompt(10, 3, 2, seed=2), [b, c]), (prompt(9, 3, 0, seed=3), []),
             (prompt(5, 4, 1, seed=1), [b])]  # same text as the first, another image
     want = [reference(model, ids, ims) for ids, ims in reqs]
     # small chunks split images across steps; prefix caching on
@@ -60,7 +60,7 @@ def test_batched_chunked_and_cached_match_each_prompt_alone(model):
     again = engine.generate([ids for ids, _ in reqs], GREEDY, progress=False, images=[ims for _, ims in reqs])
     assert [g.token_ids for g in again] == want
     # all but the last block (the 12-token text prompt keeps no KDA snapshot before its last block)
-    assert [g.num_cached_tokens for g in again] == [16, 44, 0, 16]
+    assert [g.num_cached_tokens for g in again] == [16, 28, 0, 16]
 
 
 def test_prefix_cache_keys_by_image_content(model, monkeypatch):
