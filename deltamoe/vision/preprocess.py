@@ -18,11 +18,13 @@ import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from deltamoe.config import VisionConfig
 from deltamoe.errors import RequestError
+
+if TYPE_CHECKING:  # torch loads with the first image: the chat template imports this module
+    import torch
 
 IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)
 IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -146,6 +148,7 @@ def image_token_count(vision: VisionConfig, height: int, width: int) -> int:
 
 def prepare_image(img, vision: VisionConfig, limits: ImageLimits = ImageLimits(), field: str = "image") -> PreparedImage:
     """An RGB PIL image -> PreparedImage (resized to the grid, normalised)."""
+    import torch
     from PIL import Image
 
     limits.check_fields()
