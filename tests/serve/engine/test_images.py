@@ -14,6 +14,7 @@ from deltamoe.serve.engine.sampling import SamplingParams
 from deltamoe.vision.preprocess import PreparedImage
 
 IMG, N = 264, 6
+CACHE_FOR_PREEMPTION = 2 * 125_952 + 8 * 2048  # two KDA state slots and eight 4-token blocks
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
@@ -99,4 +100,16 @@ def test_one_encoder_call_per_step_across_requests(model, monkeypatch):
             (prompt(6, 1, 1, seed=3), [image(1)])]
     got = engine.generate([ids for ids, _ in reqs], GREEDY, progress=False, images=[ims for _, ims in reqs])
     assert calls == [2]  # the three prompts prefill in one step: one packed call, image 1 encoded once
+    assert [g.token_ids for g in got] == [reference(model, ids, ims) for ids, ims in reqs]
+
+
+def test_preempted_image_requests_encode_again_and_keep_results(model, monkeypatch):
+    calls = []
+    encode = model.encode_images
+    monkeypatch.setattr(model, "encode_images", lambda pixels: calls.append(len(pixels)) or encode(pixels))
+    reqs = [(prompt(2, 3, 1, seed=20 + i), [image(30 + i)]) for i in range(6)]
+    engine = LLMEngine(model, config=EngineConfig(cache_memory=CACHE_FOR_PREEMPTION, block_size=4, max_num_batched_tokens=16,
+                                                  max_state_fraction=0.95, enable_prefix_caching=False))
+    got = engine.generate([ids for ids, _ in reqs], GREEDY, progress=False, images=[ims for _, ims in reqs])
+    assert engine.stats().num_preemptions > 0 and sum(calls) > len(reqs)  # recomputed prompts encode again
     assert [g.token_ids for g in got] == [reference(model, ids, ims) for ids, ims in reqs]
