@@ -37,6 +37,9 @@ class VisionConfig:
     merge_kernel_size: tuple[int, int] = (2, 2)
     in_channels: int = 3
     projector_eps: float = 1e-5
+    # How the learned position table is resized to an image's patch grid (F.interpolate mode):
+    # "bilinear" per spec §2.2; MoonViT in transformers' Kimi-K2.5 port uses "bicubic".
+    pos_emb_interpolation: str = "bilinear"
 
     @property
     def projector_in(self) -> int:
@@ -203,6 +206,8 @@ class ModelConfig:
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             tok = getattr(self, name)
             need(tok is None or 0 <= tok < self.vocab_size, name, f"None or a token id below vocab_size ({self.vocab_size})")
+        if self.vision is not None:
+            _validate_vision(self.vision)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -228,6 +233,19 @@ class ModelConfig:
             return cls(**kwargs)
         except TypeError as e:  # wrong types surface as TypeError from comparisons
             raise ConfigError(str(e), field="config") from e
+
+
+def _validate_vision(v: VisionConfig) -> None:
+    for name in ("patch_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+                 "intermediate_size", "pos_emb_height", "pos_emb_width"):
+        if not isinstance(getattr(v, name), int) or getattr(v, name) <= 0:
+            raise ConfigError(f"expected a positive integer, got {getattr(v, name)!r}", field=f"vision.{name}")
+    if v.head_dim % 4:
+        raise ConfigError(f"expected a multiple of 4 (2-D rotary pairs per axis), got {v.head_dim}",
+                          field="vision.head_dim")
+    if v.pos_emb_interpolation not in ("bilinear", "bicubic"):
+        raise ConfigError(f"expected 'bilinear' or 'bicubic', got {v.pos_emb_interpolation!r}",
+                          field="vision.pos_emb_interpolation")
 
 
 def default_layer_types(num_layers: int) -> tuple[str, ...]:

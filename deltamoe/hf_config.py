@@ -220,6 +220,7 @@ def config_from_hf(data: dict[str, Any]) -> ModelConfig:
             pos_emb_height=vc.get("pos_emb_height", 64),
             pos_emb_width=vc.get("pos_emb_width", 64),
             merge_kernel_size=tuple(vc.get("merge_kernel_size", (2, 2))),
+            pos_emb_interpolation=vc.get("pos_emb_interpolation", "bilinear"),
         )
     for name in ("hidden_size", "num_attention_heads"):
         if not isinstance(kw[name], int):
@@ -326,4 +327,6 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
             "intermediate_size": v.intermediate_size, "pos_emb_height": v.pos_emb_height,
             "pos_emb_width": v.pos_emb_width, "merge_kernel_size": list(v.merge_kernel_size),
         }
+        if v.pos_emb_interpolation != "bilinear":
+            out["vision_config"]["pos_emb_interpolation"] = v.pos_emb_interpolation
     return out

@@ -344,6 +344,22 @@ def spec_decode_rows(d: dict) -> list[Row]:
          f"plain decode {rate(b8['tokens_per_s']['plain'])} tok/s",
          " / ".join(times(b8["speedup"][f"K={k}"]) for k in (1, 2, 3)), ""],
     ]
+def vision_rows(d: dict) -> list[Row]:
+    enc, t = d["encoder"], d["ttft"]
+    out: list[Row] = []
+    for r in enc["rows"]:
+        label = (f"image encoder, {r['size']}x{r['size']} ({r['tokens_per_image']} tokens), {r['batch']} images per call, "
+                 f"width {enc['width']} x {enc['layers']} blocks {command('vision')}" if not out
+                 else f"same, {r['size']}x{r['size']} ({r['tokens_per_image']} tokens)")
+        out.append([label, f"{r['deltamoe_images_per_s']:,.1f} img/s, {rate(r['deltamoe_tokens_per_s'])} tok/s",
+                    f"transformers Kimi-K2.5 MoonViT {r['transformers_images_per_s']:,.1f} img/s",
+                    times(r["speedup"]), ""])
+    out.append([f"TTFT, `tiny-vision`, {t['image_size']}px image ({t['image_tokens']} tokens) + {t['text_tokens']} "
+                f"text tokens {command('vision')}",
+                f"{ms(t['image_plus_text_s'])} ms; repeated image (prefix hit) {ms(t['repeated_image_prefix_hit_s'])} ms",
+                f"text alone {ms(t['text_alone_s'])} ms; text of the same length {ms(t['text_same_length_s'])} ms", "",
+                ""])
+    return out
 
 
 # results file stem -> formatter, in the order the README lists them
@@ -362,6 +378,7 @@ FORMATTERS: dict[str, Callable[[dict], list[Row]]] = {
     "moe": moe_rows,
     "quant": quant_rows,
     "spec_decode": spec_decode_rows,
+    "vision": vision_rows,
 }
 
 

@@ -19,6 +19,7 @@ from deltamoe.config import ModelConfig
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.(weight|weight_packed|weight_scale|weight_shape)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")  # top level in K3 checkpoints, beside `language_model.`
 
 
 @dataclass(frozen=True)
@@ -37,10 +38,10 @@ def text_prefix(config: ModelConfig) -> str:
 
 
 def checkpoint_to_param(name: str, config: ModelConfig) -> TensorTarget | list[TensorTarget] | None:
-    """Map one checkpoint tensor name to its target(s); None for tensors this text model does not hold
-    (vision tower and projector are loaded by the vision module)."""
-    if name.startswith(("vision_tower.", "mm_projector.")):
-        return None
+    """Map one checkpoint tensor name to its target(s); None for tensors this model does not hold
+    (the vision tower and projector of a checkpoint loaded with a text-only config)."""
+    if name.startswith(VISION_PREFIXES):
+        return TensorTarget(name) if config.vision is not None else None
     if name.startswith("language_model."):
         name = name[len("language_model."):]
     m = _EXPERT.match(name)
@@ -73,6 +74,8 @@ def checkpoint_to_param(name: str, config: ModelConfig) -> TensorTarget | list[T
 
 def param_to_checkpoint(param: str, config: ModelConfig) -> str | list[str]:
     """Published name(s) for one of our parameters; stacked experts expand to one name per expert."""
+    if param.startswith(VISION_PREFIXES):
+        return param
     prefix = text_prefix(config)
     m = re.match(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(w[123])$", param)
     if m:

@@ -12,6 +12,8 @@ from torch import nn
 
 from deltamoe.model.ffn import RoutedExperts, Router
 from deltamoe.model.kda_layer import KimiDeltaAttention
+from deltamoe.model.norm import RMSNorm
+from deltamoe.model.vision import PatchEmbed
 
 # Output projections feed the residual stream; scaling them by 1/sqrt(2L) keeps its variance flat.
 _RESIDUAL_OUTPUTS = ("o_proj", "down_proj", "routed_expert_up_proj")
@@ -34,6 +36,12 @@ def init_weights(model: nn.Module, std: float = 0.02, seed: int | None = None) -
         elif isinstance(module, nn.Conv1d):
             bound = 1.0 / math.sqrt(module.kernel_size[0])
             module.weight.copy_(torch.rand(module.weight.shape, generator=gen) * 2 * bound - bound)
+        elif isinstance(module, nn.Conv2d):  # the vision patch embedding
+            normal_(module.weight, std)
+        elif isinstance(module, PatchEmbed):
+            normal_(module.pos_emb, std)
+        elif isinstance(module, RMSNorm) and name.startswith(("vision_tower.", "mm_projector.")):
+            module.weight.fill_(1.0)
         elif isinstance(module, nn.LayerNorm):
             module.weight.fill_(1.0)
             module.bias.zero_()

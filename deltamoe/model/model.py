@@ -18,6 +18,7 @@ from deltamoe.model.cache import ModelCache
 from deltamoe.model.decoder import DecoderLayer, Vector, res_query
 from deltamoe.model.mtp import MTPLayer
 from deltamoe.model.norm import RMSNorm
+from deltamoe.model.vision import MultiModalProjector, VisionTower, merge_image_embeddings
 from deltamoe.ops.norms import attn_res_mix
 
 IGNORE_INDEX = -100
@@ -78,11 +79,17 @@ class DeltaMoEForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp_weight = 0.3  # weight of the MTP loss in `loss` (DeepSeek-V3 uses 0.3 early in training)
+        if config.vision is not None:  # native vision (K3): `vision_tower.*`, `mm_projector.*` in checkpoints
+            self.vision_tower = VisionTower(config.vision)
+            self.mm_projector = MultiModalProjector(config)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 cache: ModelCache | None = None, inputs_embeds: torch.Tensor | None = None,
-                logits_to_keep: int = 0) -> CausalLMOutput:
+                logits_to_keep: int = 0, images: list[torch.Tensor] | None = None) -> CausalLMOutput:
         """input_ids [B, T]; labels [B, T] aligned with input_ids (shifted inside, -100 ignored).
+
+        images: preprocessed images [3, H, W] (`deltamoe.vision`), one per run of image placeholder
+        tokens in input_ids, in row-major order; their embeddings replace the placeholders.
 
         logits_to_keep > 0 computes logits for the last that many positions only (decode and
         prefill want just the last one; the full-vocab projection of every prompt token is waste).
@@ -91,6 +98,12 @@ class DeltaMoEForCausalLM(nn.Module):
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         if labels is not None and logits_to_keep:
             raise ValueError("logits_to_keep must be 0 when labels are given (the loss needs every position)")
+        if images is not None:
+            if inputs_embeds is not None:
+                raise ValueError("pass images or inputs_embeds, not both")
+            encoded = self.encode_images(images)
+            inputs_embeds = self.embed(input_ids, torch.cat(encoded) if encoded else
+                                       self.lm_head.weight.new_zeros(0, self.config.hidden_size))
         h = self.model(input_ids, cache, inputs_embeds)
         logits = self.lm_head(self.model.norm(_last_positions(h, logits_to_keep, cache) if logits_to_keep else h))
         if cache is not None:
@@ -110,6 +123,29 @@ class DeltaMoEForCausalLM(nn.Module):
             out.mtp_loss = torch.stack(losses).mean()
             out.loss = out.lm_loss + self.mtp_weight * out.mtp_loss
         return out
+
+    def encode_images(self, images: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Preprocessed images [3, H, W] -> their image-token embeddings [n_i, hidden_size], one packed
+        tower call for all of them."""
+        if self.config.vision is None:
+            raise ValueError("this model has no vision tower (config.vision is None)")
+        if not images:
+            return []
+        features = self.vision_tower(images)
+        return list(self.mm_projector(torch.cat(features)).split([f.shape[0] for f in features]))
+
+    def embed(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None = None,
+              image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Token embeddings [B, T, D] with image_embeds [n, D] at the n positions of image_mask (default:
+        the tokens equal to media_placeholder_token_id), in row-major order."""
+        h = self.model.embed_tokens(input_ids)
+        if image_embeds is None:
+            return h
+        if image_mask is None:
+            if self.config.media_placeholder_token_id is None:
+                raise ValueError("config.media_placeholder_token_id is None: no image placeholder token")
+            image_mask = input_ids == self.config.media_placeholder_token_id
+        return merge_image_embeddings(h, image_embeds, image_mask)
 
     @property
     def device(self) -> torch.device:

@@ -48,14 +48,13 @@ class ParamCounts:
 
 
 def count_parameters(config: ModelConfig) -> ParamCounts:
+    from deltamoe.model.checkpoint_names import VISION_PREFIXES
     from deltamoe.model.model import DeltaMoEForCausalLM
-    from deltamoe.model.vision import VisionTower
 
     with torch.device("meta"):
         model = DeltaMoEForCausalLM(config)
-        vision = VisionTower(config) if config.vision is not None else None
     # Buffers that checkpoints store as tensors (router correction bias) count as parameters.
-    tensors = dict(model.named_parameters())
+    tensors = {n: p for n, p in model.named_parameters() if not n.startswith(VISION_PREFIXES)}
     tensors.update({n: b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")})
     total = routed = mtp = mtp_routed = 0
     for name, t in tensors.items():
@@ -74,7 +73,7 @@ def count_parameters(config: ModelConfig) -> ParamCounts:
     active = total - mtp - embedding - trunk_routed + trunk_routed * k // e
     if config.tie_word_embeddings:
         active += embedding  # the tied matrix is used as the LM head
-    vis = sum(p.numel() for p in vision.parameters()) if vision is not None else 0
+    vis = sum(p.numel() for n, p in model.named_parameters() if n.startswith(VISION_PREFIXES))
     return ParamCounts(total=total, active=active, routed_experts=routed, embedding=embedding,
                        lm_head=lm_head, mtp=mtp, vision=vis)
 

@@ -172,8 +172,13 @@ def generate_command(
                                          help=NUM_DRAFT_TOKENS_HELP),
     spec_min_acceptance: float = typer.Option(EngineConfig.spec_min_acceptance, "--spec-min-acceptance",
                                               help=SPEC_MIN_ACCEPTANCE_HELP),
+    image: list[str] = typer.Option([], "--image", help="Image file shown with every prompt, before its text; "
+                                    "repeatable (models with a vision tower)."),
 ) -> None:
     """Generate text for one or more prompts (continuous batching)."""
+    from deltamoe.serve.image_cli import check_image_model, load_cli_images, placeholder_tokens
+
+    vision_config = check_image_model(model, image)
     engine = build_engine(model, tokenizer, cache_memory, max_num_seqs, max_num_batched_tokens, dtype, device,
                           compile_decode, tp=tp, ep=ep, kv_cache_dtype=kv_cache_dtype, threads=threads,
                           speculative=speculative, num_draft_tokens=num_draft_tokens,
@@ -181,15 +186,21 @@ def generate_command(
     from deltamoe.serve.api.chat_template import ChatTemplate
     from deltamoe.serve.engine.sampling import SamplingParams
 
+    from deltamoe.serve.api.images import IMAGE_MARK
+
+    images = load_cli_images(image, vision_config)
     stop_ids: list[int] = []
     inputs: list[str | list[int]] = list(prompt)
     if chat:
         template = ChatTemplate.for_model(engine.tokenizer, tokenizer or model)
-        inputs = [template.encode([{"role": "user", "content": p}]) for p in prompt]
+        inputs = [template.encode([{"role": "user", "content": IMAGE_MARK * len(images) + p}], True,
+                                  image_tokens=placeholder_tokens(vision_config, images) if images else None)
+                  for p in prompt]
         stop_ids = template.stop_token_ids
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                             seed=seed, stop=list(stop), stop_token_ids=stop_ids, ignore_eos=ignore_eos)
-    completions = engine.generate(inputs, params, progress=progress)
+    completions = engine.generate(inputs, params, progress=progress,
+                                  images=[images] * len(inputs) if images else None)
     engine.shutdown()
     for i, c in enumerate(completions):
         if len(completions) > 1:
@@ -233,7 +244,14 @@ def chat_command(
     console = Console()
     template = ChatTemplate.for_model(engine.tokenizer, tokenizer or model)
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
-    console.print(f"[dim]deltamoe chat · {Path(model).name} · /reset, /exit[/dim]")
+    from deltamoe.errors import RequestError
+    from deltamoe.serve.api.images import IMAGE_MARK
+    from deltamoe.serve.image_cli import placeholder_tokens, read_chat_image
+
+    images: list = []  # every image of the conversation, in order (its marks sit in `history`)
+    pending: list = []  # attached with /image, shown with the next message
+    console.print(f"[dim]deltamoe chat · {Path(model).name} · /reset, /exit"
+                  f"{', /image PATH' if engine.model_config.vision is not None else ''}[/dim]")
     while True:
         try:
             line = console.input("[bold cyan]you> [/bold cyan]")
@@ -244,12 +262,25 @@ def chat_command(
             return
         if line.strip() == "/reset":
             history = history[:1] if system else []
+            images, pending = [], []
             console.print("[dim](history cleared)[/dim]")
             continue
-        history.append({"role": "user", "content": line})
+        if line.strip().startswith("/image"):
+            try:
+                pending.append(read_chat_image(line, engine.model_config))
+            except RequestError as e:
+                console.print(f"[red]{e.one_line()}[/red]", markup=True, highlight=False)
+                continue
+            h, w = pending[-1].size
+            console.print(f"[dim](image {w}x{h}, {pending[-1].num_tokens} tokens; sent with your next message)[/dim]")
+            continue
+        history.append({"role": "user", "content": IMAGE_MARK * len(pending) + line})
+        images, pending = images + pending, []
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                                 stop_token_ids=template.stop_token_ids)
-        request_id = engine.add_request(template.encode(history), params)
+        ids = template.encode(history, True,
+                              image_tokens=placeholder_tokens(engine.model_config, images) if images else None)
+        request_id = engine.add_request(ids, params, images=images or None)
         console.print("[bold magenta]assistant> [/bold magenta]", end="")
         reply = ""
         try:
@@ -308,6 +339,12 @@ def serve_command(
                                          help=NUM_DRAFT_TOKENS_HELP),
     spec_min_acceptance: float = typer.Option(EngineConfig.spec_min_acceptance, "--spec-min-acceptance",
                                               help=SPEC_MIN_ACCEPTANCE_HELP),
+    allow_image_urls: bool = typer.Option(False, "--allow-image-urls", help="Fetch http(s) image_url parts "
+                                          "(default: data: URLs only; the server makes requests on clients' behalf)."),
+    image_fetch_timeout: float = typer.Option(10.0, min=0.1, help="Seconds one image download may take."),
+    image_max_bytes: int = typer.Option(20 * 1024 * 1024, min=1, help="Largest image accepted (download or data: URL)."),
+    image_max_tokens: int = typer.Option(1024, min=1, help="Placeholder tokens per image at most (larger images "
+                                         "are scaled down, keeping their aspect)."),
 ) -> None:
     """OpenAI-compatible HTTP server (deltamoe.serve.api) over an AsyncLLMEngine."""
     from deltamoe.serve.engine.config import EngineConfig
@@ -338,7 +375,9 @@ def serve_command(
     import torch
 
     from deltamoe.serve.api.chat_template import ChatTemplate
+    from deltamoe.serve.api.images import ImageOptions
     from deltamoe.serve.engine.async_engine import AsyncLLMEngine
+    from deltamoe.vision.preprocess import ImageLimits
     from deltamoe.serve.engine.llm_engine import LLMEngine
     from deltamoe.serve.kv_transfer.roles import decode_hand_off, internal_routes, make_connector
 
@@ -358,4 +397,6 @@ def serve_command(
     name = served_model_name or model
     api.run(engine, model_name=name, host=host, port=port, api_key=api_key, chat_template=template,
             log_level=log_level, sock=listener, hand_off=decode_hand_off if role == "decode" else None,
-            routers=[internal_routes(role, engine, connector, name)])
+            routers=[internal_routes(role, engine, connector, name)],
+            image_options=ImageOptions(allow_image_urls, image_fetch_timeout,
+                                       ImageLimits(max_tokens=image_max_tokens, max_bytes=image_max_bytes)))

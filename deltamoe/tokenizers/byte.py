@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-SPECIALS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|sep|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>")
+# The ninth, the image placeholder, exists only in a vocabulary with room for it (`tiny-vision`: 265).
+SPECIALS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|sep|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>",
+            "<|image|>")
+TEXT_SPECIALS = 8  # the `tiny` preset's 264-token vocabulary holds the first eight
 
 
 class ByteTokenizer:
     """UTF-8 bytes as tokens. Lossless for any text; specials are only produced by name, never by encode."""
 
-    def __init__(self, vocab_size: int = 256 + len(SPECIALS)):
+    def __init__(self, vocab_size: int = 256 + TEXT_SPECIALS):
         if vocab_size < 256 + 3:
             raise ValueError(f"vocab_size: a byte tokenizer needs at least 259 ids, got {vocab_size}")
         self.vocab_size = vocab_size

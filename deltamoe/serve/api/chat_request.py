@@ -49,11 +49,14 @@ class ChatOptions:
         kwargs["thinking"] = thinking
         return cls(tools, thinking, kwargs)
 
-    def encode(self, template: ChatTemplate, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-        """The prompt's token ids, with the request's tools and template kwargs."""
+    def encode(self, template: ChatTemplate, messages: list[ChatMessage] | list[dict[str, Any]],
+               add_generation_prompt: bool, image_tokens: list[list[int]] | None = None) -> list[int]:
+        """The prompt's token ids, with the request's tools and template kwargs; `image_tokens`: each
+        image's placeholder ids, in the order of the messages' image marks (`serve/api/images.py`)."""
         try:
-            return template.encode([m.model_dump() for m in messages], add_generation_prompt,
-                                   self.tools.tools or None, self.template_kwargs)
+            return template.encode([m if isinstance(m, dict) else m.model_dump() for m in messages],
+                                   add_generation_prompt, self.tools.tools or None, self.template_kwargs,
+                                   image_tokens=image_tokens)
         except RequestError:
             raise
         except Exception as e:  # the (sandboxed) template cannot render this request's messages or kwargs

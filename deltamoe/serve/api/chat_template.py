@@ -34,6 +34,7 @@ from typing import Any
 from jinja2 import pass_context
 
 from deltamoe.errors import RequestError
+from deltamoe.serve.api.images import expand_images
 from deltamoe.tokenizers.base import Tokenizer
 from deltamoe.tokenizers.hf import token_name
 from deltamoe.tokenizers.load import tokenizer_config
@@ -155,14 +156,16 @@ class ChatTemplate:
                                      deltamoe_plain=plain, **variables)
 
     def encode(self, messages: Any, add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
-               template_kwargs: dict[str, Any] | None = None) -> list[int]:
+               template_kwargs: dict[str, Any] | None = None, image_tokens: list[list[int]] | None = None) -> list[int]:
         """Token ids of the rendered conversation: specials the template writes become their ids.
 
         What the client wrote (content, tool-call ids and arguments, tool results' call ids,
         `tojson` output) is encoded as plain text on its own (a user typing '<|end|>' gets the
-        bytes, not the special), by rendering with placeholders first.
+        bytes, not the special), by rendering with placeholders first. `image_tokens[k]` replaces
+        the k-th image mark in the contents (`serve/api/images.py`).
         """
         plain: list[str] = []
+        images = iter(image_tokens or [])
 
         def mark(text: str) -> str:
             if not text:  # nothing to protect, and an empty field stays falsy for the template's tests
@@ -184,9 +187,11 @@ class ChatTemplate:
         ids: list[int] = []
         for piece in _MARK_RE.split(skeleton):
             if _MARK_RE.fullmatch(piece):
-                ids += self.tokenizer.encode(plain[int(piece[1:-1])])
+                ids += expand_images(self.tokenizer.encode, plain[int(piece[1:-1])], images)
             elif piece:
                 ids += self._encode_with_specials(piece)
+        if next(images, None) is not None:
+            raise RequestError("more images than image parts in the messages", field="messages")
         return ids
 
     def _encode_with_specials(self, text: str) -> list[int]:

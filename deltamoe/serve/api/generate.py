@@ -29,6 +29,7 @@ from deltamoe.serve.api.params import rename
 from deltamoe.serve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from deltamoe.serve.engine.outputs import RequestOutput
 from deltamoe.serve.engine.sampling import SamplingParams
+from deltamoe.vision.preprocess import PreparedImage
 
 T = TypeVar("T")
 DISCONNECT_POLL_S = 0.2
@@ -82,9 +83,10 @@ class Generation:
         self.continuous_usage = continuous_usage  # stream_options.continuous_usage_stats: usage on every chunk
 
     async def respond(self, request: Request, prompt: str | list[int], params: SamplingParams, fmt: Formatter,
-                      stream: bool, include_usage: bool, kv_transfer: object | None = None) -> Response:
+                      stream: bool, include_usage: bool, kv_transfer: object | None = None,
+                      images: list[PreparedImage] | None = None) -> Response:
         timing = RequestTiming()
-        outputs = self.engine.generate(prompt, params, request_id=fmt.id, kv_transfer=kv_transfer)
+        outputs = self.engine.generate(prompt, params, request_id=fmt.id, kv_transfer=kv_transfer, images=images)
         # Each failure below has already ended the engine's generator (the error or the
         # cancellation ran through it), so there is nothing left to close.
         try:

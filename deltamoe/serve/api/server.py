@@ -26,10 +26,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
+from deltamoe.errors import RequestError
 from deltamoe.serve.api.chat_request import ChatOptions
 from deltamoe.serve.api.chat_template import ChatTemplate
 from deltamoe.serve.api.choices import respond_choices, wants_choices
 from deltamoe.serve.api.echo import EchoCompletionFormatter
+from deltamoe.serve.api.images import ImageOptions, extract_images, load_images
 from deltamoe.serve.api.connections import AcceptErrorLog, HTTPLimits, raise_open_file_limit, uvicorn_config
 from deltamoe.serve.api.errors import APIError, InternalErrorMiddleware, from_validation_error, install_error_handlers
 from deltamoe.serve.api.format import ChatFormatter, CompletionFormatter
@@ -90,10 +92,11 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
               chat_template: ChatTemplate | None = None, max_body_bytes: int = MAX_BODY_BYTES,
               body_timeout_s: float = HTTPLimits.body_timeout_s,
               hand_off: Callable[[Request], object | None] | None = None,
-              routers: Sequence[APIRouter] = ()) -> FastAPI:
+              routers: Sequence[APIRouter] = (), image_options: ImageOptions = ImageOptions()) -> FastAPI:
     """The app for one engine serving one model name. The engine thread runs for the app's lifespan.
     `hand_off`: a request's KV-connector parameters from its headers (a decode server of a P/D
-    pair, `serve/kv_transfer/roles.py`); `routers`: extra routes (a role's internal ones)."""
+    pair, `serve/kv_transfer/roles.py`); `routers`: extra routes (a role's internal ones);
+    `image_options`: which image sources chat requests may use (`serve/api/images.py`)."""
     template = chat_template or ChatTemplate.for_model(engine.tokenizer, None)
     metrics = ServerMetrics(engine.stats, engine.rank_stats)
     vocab_size = engine.model_config.vocab_size
@@ -173,7 +176,11 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
         params, names = chat_params(req, vocab_size, template.stop_token_ids)
         options = ChatOptions.of(req, template)
         await constrain(params, req, engine.tokenizer)  # response_format, guided_*, a forced tool_choice
-        prompt = options.encode(template, req.messages, req.add_generation_prompt)
+        messages, refs = extract_images([m.model_dump() for m in req.messages])
+        images = await load_images(refs, engine.model_config, image_options)
+        placeholder = engine.model_config.media_placeholder_token_id
+        prompt = options.encode(template, messages, req.add_generation_prompt,
+                                [[placeholder] * img.num_tokens for img in images])
         chat_id = f"chatcmpl-{uuid.uuid4().hex}"
 
         def formatter() -> ChatFormatter:  # one per choice: each output parser keeps its own state
@@ -182,9 +189,11 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
 
         gen = Generation(engine, metrics, names, _continuous_usage(req))
         if wants_choices(req):
+            if images:
+                raise RequestError("n > 1 or best_of with images: not yet (send one request per choice)", field="n")
             return await respond_choices(gen, request, req, prompt, params, formatter, _include_usage(req))
         return await gen.respond(request, prompt, params, formatter(), bool(req.stream), _include_usage(req),
-                                 _hand_off(request))
+                                 _hand_off(request), images=images or None)
 
     app.include_router(v1)
     app.include_router(tokenize_router(engine, template, check_model,
@@ -199,13 +208,14 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
 def run(engine: AsyncLLMEngine, model_name: str, host: str = "127.0.0.1", port: int = 8000, *,
         api_key: str | None = None, chat_template: ChatTemplate | None = None, log_level: str = "info",
         sock: socket.socket | None = None, limits: HTTPLimits = HTTPLimits(),
-        hand_off: Callable[[Request], object | None] | None = None, routers: Sequence[APIRouter] = ()) -> None:
+        hand_off: Callable[[Request], object | None] | None = None, routers: Sequence[APIRouter] = (),
+        image_options: ImageOptions = ImageOptions()) -> None:
     """Serve until Ctrl-C (blocking). `sock`: an already bound socket for host:port (the CLI binds
     it before loading the model); None binds here."""
     import uvicorn
 
     raise_open_file_limit()
     app = build_app(engine, model_name, api_key=api_key, chat_template=chat_template, hand_off=hand_off,
-                    routers=routers)
+                    routers=routers, image_options=image_options)
     config = uvicorn_config(app, host, port, log_level, limits)
     uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)

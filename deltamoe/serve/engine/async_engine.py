@@ -108,14 +108,16 @@ class AsyncLLMEngine:
     # ------------------------------------------------------------------ requests
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0,
-                       kv_transfer: object | None = None, fork_of: str | None = None) -> AsyncIterator[RequestOutput]:
+                       kv_transfer: object | None = None, fork_of: str | None = None,
+                       images: list | None = None) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs (text deltas) until the one with `finished=True`.
         `kv_transfer`: the engine's KV connector's hand-off parameters for this request.
-        `fork_of`: another choice of the same request, sent after this one, whose prefill it shares."""
+        `fork_of`: another choice of the same request, sent after this one, whose prefill it shares.
+        `images`: the prompt's images (`LLMEngine.make_sequence`)."""
         self.start()
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
-            seq = self.engine.make_sequence(prompt, params, request_id, priority)
+            seq = self.engine.make_sequence(prompt, params, request_id, priority, images=images)
             seq.kv_transfer = kv_transfer
             seq.fork_of = fork_of
             if seq.request_id in self._streams:

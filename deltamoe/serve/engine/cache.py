@@ -227,7 +227,9 @@ class HybridCache:
         return k % self.config.snapshot_interval_blocks == 0 or boundary == last_prompt_boundary
 
     def _block_tokens(self, seq: Sequence, i: int) -> list[int]:
-        return seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
+        tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
+        # An image's placeholders count as its content hash: a different image is a different prefix.
+        return tokens if seq.images is None else seq.images.cache_keys(tokens, i * self.block_size)
 
     def _block_hash(self, seq: Sequence, i: int) -> int:
         while len(seq.block_hashes) <= i:

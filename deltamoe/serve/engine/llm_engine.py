@@ -23,6 +23,7 @@ from deltamoe.serve.engine.compiled_decode import WarmUpRound, warm_up_rounds
 from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.detokenizer import IncrementalDetokenizer
 from deltamoe.serve.engine.forks import ForkBook, start_forks
+from deltamoe.serve.engine.image_inputs import place_images
 from deltamoe.serve.engine.outputs import Completion, EngineStats, RequestOutput
 from deltamoe.serve.engine.runner import ModelRunner, StepResult
 from deltamoe.serve.engine.sampling import SamplingParams
@@ -37,6 +38,7 @@ from deltamoe.serve.spec_decode.runner import speculation_stats, speculative_run
 from deltamoe.serve.spec_decode.step_result import SpeculativeStepResult, emit_speculative
 from deltamoe.tokenizers.base import Tokenizer
 from deltamoe.tokenizers.load import load_tokenizer
+from deltamoe.vision.preprocess import PreparedImage
 
 if TYPE_CHECKING:
     from deltamoe.serve.kv_transfer.connector import KVConnector
@@ -113,8 +115,12 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
-                      request_id: str | None = None, priority: int = 0, stream_text: bool = True) -> Sequence:
+                      request_id: str | None = None, priority: int = 0, stream_text: bool = True,
+                      images: list[PreparedImage] | None = None) -> Sequence:
         """Validate and tokenize a request without touching engine state (safe from any thread).
+
+        `images` (`deltamoe.vision.preprocess`): their placeholders are in a token-id prompt already
+        (the chat template writes them), or go in front of a text prompt (`image_inputs.place_images`).
 
         `stream_text=False`: text is only read once finished (offline `generate`), so without stop
         strings it is decoded once at the end instead of token by token."""
@@ -132,6 +138,11 @@ class LLMEngine:
             raise RequestError("expected a string or a list of token ids", field="prompt")
         if not ids:
             raise RequestError("must not be empty", field="prompt")
+        seq_images = None
+        if images:
+            self._check_images_supported()
+            ids, seq_images = place_images(ids, images, self.model_config.media_placeholder_token_id,
+                                           isinstance(prompt, str))
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise RequestError(f"expected an integer, got {priority!r}", field="priority")
         room = min(self.max_model_len, self.cache.max_tokens_per_sequence()) - len(ids)
@@ -154,12 +165,19 @@ class LLMEngine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
                                                params.include_stop_str_in_output, stream=stream_text),
             max_tokens=params.max_tokens or room, stop_ids=frozenset(stop_ids), priority=priority,
-            prompt=prompt if isinstance(prompt, str) else None)
+            prompt=prompt if isinstance(prompt, str) else None, images=seq_images)
         if params.structured is not None:
             from deltamoe.serve.structured.matcher import GrammarMatcher
 
             seq.grammar = GrammarMatcher(params.structured, self.tokenizer, self.model_config.vocab_size, seq.stop_ids)
         return seq
+
+    def _check_images_supported(self) -> None:
+        if self.model_config.vision is None:
+            raise RequestError("this model has no vision tower", field="images")
+        if not isinstance(self.executor, UniprocExecutor) or self.connector is not None:
+            raise RequestError("images are not yet supported with tp/ep workers or a prefill/decode role",
+                               field="images")
 
     def add_sequence(self, seq: Sequence) -> str:
         if seq.request_id in self._requests:
@@ -174,9 +192,10 @@ class LLMEngine:
         return seq.request_id
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0) -> str:
+                    request_id: str | None = None, priority: int = 0,
+                    images: list[PreparedImage] | None = None) -> str:
         """Queue a request; returns its id. Lower `priority` values are served (and kept) first."""
-        return self.add_sequence(self.make_sequence(prompt, params, request_id, priority))
+        return self.add_sequence(self.make_sequence(prompt, params, request_id, priority, images=images))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its memory; its final output (finish_reason 'abort'), or None if unknown."""
@@ -264,12 +283,16 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ offline
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 progress: bool = True) -> list[Completion]:
-        """Run a batch of prompts to completion; results in prompt order."""
+                 progress: bool = True, images: list[list[PreparedImage] | None] | None = None) -> list[Completion]:
+        """Run a batch of prompts to completion; results in prompt order. `images[i]`: prompt i's images."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise RequestError(f"{len(params_list)} sampling params for {len(prompts)} prompts", field="params")
-        seqs = [self.make_sequence(p, sp, stream_text=False) for p, sp in zip(prompts, params_list)]
+        images_list = images if images is not None else [None] * len(prompts)
+        if len(images_list) != len(prompts):
+            raise RequestError(f"{len(images_list)} image lists for {len(prompts)} prompts", field="images")
+        seqs = [self.make_sequence(p, sp, stream_text=False, images=im)
+                for p, sp, im in zip(prompts, params_list, images_list)]
         for seq in seqs:
             self.add_sequence(seq)
         pending = {s.request_id for s in seqs}

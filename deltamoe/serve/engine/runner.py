@@ -24,6 +24,7 @@ from deltamoe.serve.engine.cache_view import PagedBatchView
 from deltamoe.serve.engine.compiled_decode import CompiledDecode
 from deltamoe.serve.engine.forks import sample_first_tokens, with_fork_picks
 from deltamoe.serve.engine.prompt_logprobs import chunk_prompt_logprobs, wants_prompt_logprobs
+from deltamoe.serve.engine.image_inputs import CallImages, call_images, encode_pending
 from deltamoe.serve.engine.sampling import TokenLogprob, sample
 from deltamoe.serve.engine.scheduler import ScheduledBatch
 from deltamoe.serve.engine.sequence import Sequence
@@ -39,6 +40,7 @@ class ModelCall:
     slots: list[int]
     counts: list[int]  # real new tokens per row
     compiled: bool  # through the compiled decode graph
+    images: CallImages | None = None  # image embeddings for the placeholders this call covers
 
     @classmethod
     def of(cls, group: list[tuple[Sequence, int]], compiled_decode: bool) -> "ModelCall":
@@ -50,9 +52,10 @@ class ModelCall:
             ids = [tok for s, n in zip(seqs, counts) for tok in s.token_ids[s.num_computed:s.num_computed + n] + [0] * (t - n)]
         # A T = 1 call where every row starts empty is the prefill of one-token prompts: eager, like
         # every prefill (compiled, its context of one token would be a graph of its own).
-        compiled = compiled_decode and t == 1 and any(s.num_computed for s in seqs)
+        images = call_images(group) if any(s.images is not None for s in seqs) else None
+        compiled = compiled_decode and t == 1 and any(s.num_computed for s in seqs) and images is None
         return cls(ids, [s.block_table for s in seqs], [s.num_computed for s in seqs], [s.slot for s in seqs],
-                   counts, compiled)
+                   counts, compiled, images)
 
 
 @dataclass(slots=True)
@@ -93,6 +96,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[StepResult]:
+        encode_pending(self.model, batch.items)  # before planning: the calls carry the image embeddings
         return self.run(batch, self.plan(batch))
 
     @torch.inference_mode()
@@ -116,6 +120,9 @@ class ModelRunner:
             if rows:  # one gather per call, not one select per row
                 last_logits.append(logits if len(rows) == len(seqs) else logits[rows])
                 to_sample.extend(seqs[row] for row in rows)
+        for seq, n in batch.items:
+            if seq.images is not None:
+                seq.images.release_before(seq.num_computed + n)
         if scored:
             return with_prompt_logprobs(self._sample(batch, last_logits, to_sample), scored)
         return self._sample(batch, last_logits, to_sample)
@@ -148,7 +155,9 @@ class ModelRunner:
         if compiled is not None:
             logits = compiled(ids, view)[:, -1].float()
         else:
-            out = self.model(ids, cache=view, logits_to_keep=1)
+            embeds = None if call.images is None else self.model.embed(
+                ids, call.images.embeds, call.images.mask(*ids.shape, ids.device))
+            out = self.model(ids, cache=view, logits_to_keep=1, inputs_embeds=embeds)
             logits = out.logits[:, -1].float()
         if self.expert_load is not None:
             take_expert_load(self._moe_rows, self.expert_load)

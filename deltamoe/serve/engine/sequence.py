@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from deltamoe.serve.engine.detokenizer import IncrementalDetokenizer
+from deltamoe.serve.engine.image_inputs import SequenceImages
 from deltamoe.serve.engine.sampling import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
@@ -60,6 +61,7 @@ class Sequence:
     grammar: GrammarMatcher | None = None  # params.structured's matcher, advanced with each token
     fork_of: str | None = None  # another choice of the same request, whose prefill this one shares (forks.py)
     forks: list[Sequence] = field(default_factory=list)  # choices waiting to fork this one's prefill
+    images: SequenceImages | None = None  # the prompt's images (image_inputs.py)
 
     @property
     def output_ids(self) -> list[int]:

@@ -1,0 +1,131 @@
+"""Chat requests with OpenAI `image_url` parts: data URLs through the real server equal the offline
+engine on the same checkpoint; http(s) URLs only with the server's flag, within its limits; every
+bad image is a 400 naming the part."""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import io
+import threading
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from PIL import Image
+
+from deltamoe.config import load_preset
+from deltamoe.model.load import build_model
+from deltamoe.model.weights import save_checkpoint
+from deltamoe.serve.api.chat_template import ChatTemplate
+from deltamoe.serve.api.images import ImageOptions, extract_images
+from deltamoe.serve.api.server import build_app
+from deltamoe.serve.api.thread import ServerThread
+from deltamoe.serve.engine.async_engine import AsyncLLMEngine
+from deltamoe.serve.engine.config import EngineConfig
+from deltamoe.serve.engine.llm_engine import LLMEngine
+from deltamoe.serve.engine.sampling import SamplingParams
+from deltamoe.vision.preprocess import ImageLimits, load_image
+
+
+def png(color, size=(40, 24)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def chat(text: str, *urls: str) -> list[dict]:
+    return [{"role": "user", "content": [*({"type": "image_url", "image_url": {"url": u}} for u in urls),
+                                         {"type": "text", "text": text}]}]
+
+
+@pytest.fixture(scope="module")
+def image_host():
+    """A local http server with one small and one large image."""
+    files = {"/red.png": png("red"), "/big.png": png("blue", (400, 400)) + bytes(5000)}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = files.get(self.path)
+            self.send_response(200 if body else 404)
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("vision-ckpt")
+    save_checkpoint(build_model(load_preset("tiny-vision"), seed=4), folder)
+    config = EngineConfig(cache_memory="16MiB", max_model_len=256)
+    engine = AsyncLLMEngine.from_pretrained(folder, config)
+    template = ChatTemplate.for_model(engine.tokenizer, folder)
+    options = ImageOptions(allow_urls=True, fetch_timeout_s=5.0, limits=ImageLimits(max_bytes=4000))
+    app = build_app(engine, "v", chat_template=template, image_options=options)
+    strict = build_app(engine, "v", chat_template=template)  # the default: data URLs only
+    offline = LLMEngine.from_pretrained(folder, EngineConfig(cache_memory="16MiB", max_model_len=256))
+    with ServerThread(app) as thread, ServerThread(strict) as strict_thread:
+        yield SimpleNamespace(url=thread.url, strict_url=strict_thread.url, template=template, offline=offline,
+                              vision=engine.model_config.vision)
+
+
+def post(url: str, messages: list[dict]) -> httpx.Response:
+    return httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                      json={"model": "v", "messages": messages, "max_tokens": 5, "temperature": 0})
+
+
+def offline_text(server, messages: list[dict], images: list[bytes]) -> str:
+    prepared = [load_image(d, server.vision) for d in images]
+    marked, _ = extract_images(messages)
+    ids = server.template.encode(marked, True, image_tokens=[[264] * p.num_tokens for p in prepared])
+    params = SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=server.template.stop_token_ids)
+    return server.offline.generate([ids], params, progress=False, images=[prepared])[0].text
+
+
+def test_data_url_images_match_offline(server):
+    red, green = png("red"), png("green", (64, 32))
+    messages = chat("what colour?", data_url(red), data_url(green))
+    resp = post(server.url, messages)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["content"] == offline_text(server, messages, [red, green])
+    # <|user|>, 6 + 8 image tokens (40x24 -> 2x3 cells of 16 px, 64x32 -> 2x4), the text, <|end|>, <|assistant|>
+    assert resp.json()["usage"]["prompt_tokens"] == 1 + 6 + 8 + len("what colour?") + 1 + 1
+
+
+def test_image_urls_need_the_flag_and_respect_limits(server, image_host):
+    messages = chat("hi", f"{image_host}/red.png")
+    refused = post(server.strict_url, messages)
+    assert refused.status_code == 400 and "--allow-image-urls" in refused.json()["error"]["message"]
+    assert refused.json()["error"]["param"] == "messages[0].content[0].image_url"
+    fetched = post(server.url, messages)
+    assert fetched.status_code == 200
+    assert fetched.json()["choices"][0]["message"]["content"] == offline_text(server, messages, [png("red")])
+    too_big = post(server.url, chat("hi", f"{image_host}/big.png"))
+    assert too_big.status_code == 400 and "over the limit of 4000 bytes" in too_big.json()["error"]["message"]
+    missing = post(server.url, chat("hi", f"{image_host}/nope.png"))
+    assert missing.status_code == 400 and "HTTP 404" in missing.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("url, words", [
+    ("data:image/png;base64,%%%", "not valid base64"),
+    (data_url(b"GIF89a-nonsense"), "corrupt or truncated|not an image"),
+    (data_url(png("red")[:50]), "corrupt or truncated"),
+    ("ftp://example.com/x.png", "expected a data: URL"),
+])
+def test_bad_images_are_400_naming_the_part(server, url, words):
+    resp = post(server.url, [{"role": "system", "content": "s"}, *chat("x", url)])
+    assert resp.status_code == 400
+    err = resp.json()["error"]
+    assert err["param"] == "messages[1].content[0].image_url"
+    assert __import__("re").search(words, err["message"]), err["message"]
