@@ -3,15 +3,18 @@
 `dims` are resolved and checked (`ParallelDims.resolve`) before the process group exists; here they are
 only applied.
 
-Order: pipeline split -> tensor parallel -> expert parallel -> activation checkpointing -> FSDP2.
-Each step works on this rank's `ModelStage`s only; the full model passed in can be dropped afterwards.
+Order: pipeline split -> tensor parallel -> expert parallel -> model converters (fp8 linears,
+activation offload) -> activation checkpointing -> FSDP2. Each step works on this rank's
+`ModelStage`s only; the full model passed in can be dropped afterwards. On one process the
+converters run on the whole model.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
+from torch import nn
 
 from deltamoe.model.model import DeltaMoEForCausalLM
 from deltamoe.parallel.api import LocalModel, ParallelModel
@@ -29,9 +32,14 @@ from deltamoe.parallel.stage_split import split_stages
 from deltamoe.parallel.tensor_parallel import apply_tensor_parallel
 
 
-def parallelize(model: DeltaMoEForCausalLM, dims: ParallelDims, mesh: ParallelMesh | None) -> ParallelModel:
+def parallelize(model: DeltaMoEForCausalLM, dims: ParallelDims, mesh: ParallelMesh | None,
+                converters: Sequence[Callable[[nn.Module], None]] = ()) -> ParallelModel:
+    """`converters` change modules in place (e.g. `train.fp8.Fp8Training`); they run on each stage
+    once its layers are final and before checkpoint wrappers and FSDP2 see them."""
     config = model.config
     if mesh is None:
+        for convert in converters:
+            convert(model)
         return LocalModel(model)
 
     ranges = split_stages(config, dims.num_stages)
@@ -44,6 +52,9 @@ def parallelize(model: DeltaMoEForCausalLM, dims: ParallelDims, mesh: ParallelMe
     if dims.ep > 1:
         for stage in stages:
             apply_expert_parallel(stage, mesh["ep"])
+    for convert in converters:
+        for stage in stages:
+            convert(stage)
     if dims.activation_checkpointing:
         for stage in stages:
             apply_activation_checkpointing(stage)

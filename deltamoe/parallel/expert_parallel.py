@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from deltamoe.model.ffn import MoE, RoutedExperts
-from deltamoe.ops.moe import experts_forward
+from deltamoe.ops.moe import Linear, experts_forward
 
 
 class AllToAll(torch.autograd.Function):
@@ -64,13 +64,15 @@ class ExpertShard(nn.Module):
             local = getattr(experts, name).detach().chunk(size, dim=0)[rank].clone()
             self.register_parameter(name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)],
                                                                           run_check=False)))
+        self.linear: Linear | None = None  # the expert matmul; None: plain x @ w.T (fp8 training sets its own)
 
     def forward(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """x [M, D'] routed here, local_ids [M]: unweighted expert outputs, fp32 [M, D']."""
         c = self.config
         w1, w3, w2 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w3, self.w2))
         y = experts_forward(x, torch.ones(len(x), 1, dtype=torch.float32, device=x.device), local_ids[:, None],
-                            w1, w3, w2, act=c.hidden_act, situ_beta=c.situ_beta, situ_linear_beta=c.situ_linear_beta)
+                            w1, w3, w2, act=c.hidden_act, situ_beta=c.situ_beta, situ_linear_beta=c.situ_linear_beta,
+                            linear=self.linear)
         if x.requires_grad and not y.requires_grad:
             # No pair landed here: keep the return trip (and zero expert gradients) in the graph, so this
             # rank joins the backward all-to-all and its expert shards get gradients like the other ranks'.

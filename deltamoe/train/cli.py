@@ -45,6 +45,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--warmup",), "optim.warmup_steps", "linear warmup steps"),
     Flag(("--clip-grad",), "optim.clip_grad", "max gradient norm (<= 0: off)"),
     Flag(("--precision",), "run.precision", "fp32|bf16 (autocast)"),
+    Flag(("--fp8",), "run.fp8", "blockwise: linears and experts in DeepSeek-V3 blockwise FP8 (forward and backward)"),
     Flag(("--num-pairs",), "data.num_pairs", "recall: key/value pairs"),
     Flag(("--context-len",), "data.context_len", "recall: context tokens incl. filler"),
     Flag(("--bias-gamma",), "balance.gamma", "router bias update speed (0: off)"),

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 JOB = Path(__file__).with_name("dist_job.py")
-FAST = ["dp2", "ep2", "ep2_ac_mb2", "tp2", "tp2_kimi_linear", "pp2", "pp2_interleaved", "pp2_kimi_linear"]
+FAST = ["dp2", "ep2", "ep2_ac_mb2", "tp2", "tp2_kimi_linear", "pp2", "pp2_interleaved", "pp2_kimi_linear",
+        "fp8_dp2_ep2"]
 COMPOSED = ["dp2_ep2_tp2", "dp4_ep2", "pp2_dp2", "pp2_tp2_ac"]
 
 # What rank 0 holds in each layout: proof that the parallelism was applied, not only that numbers agree.
@@ -27,6 +28,8 @@ LAYOUT = {
     "dp4_ep2": {"expert_rows": [2, 16, 20], "kda_heads": [8, 32]},  # 4 experts per EP rank, FSDP halves them
     "pp2_dp2": {"layers": [0, 1, 2, 3], "expert_rows": [4, 16, 20], "kda_heads": [16, 32]},  # FSDP rows
     "pp2_tp2_ac": {"layers": [0, 1, 4, 5], "kda_heads": [16, 32], "mlp_cols": [24, 32]},
+    # blockwise fp8 with FSDP2 and EP: the 100 bias-free linears of the 8 decoder layers converted; 4 of 8 experts
+    "fp8_dp2_ep2": {"expert_rows": [4, 16, 20], "fp8_linears": 100},
 }
 
 
@@ -47,6 +50,7 @@ def check(result: dict, case: str) -> None:
     # The step's measurements come back as values, equal to the one-process ones in every layout.
     assert result["lm_loss"] == pytest.approx(result["ref_lm_loss"], rel=1e-6)
     assert result["mtp_loss"] == pytest.approx(result["ref_mtp_loss"], rel=1e-6)
+    assert (result["mtp_loss"] is None) == case.startswith("fp8")  # the fp8 case's model has no MTP
     assert result["expert_load"] == result["ref_expert_load"]
     assert result["grad_rel_err"] < 1e-5, result["worst_param"]
     assert result["norm"] == pytest.approx(result["ref_norm"], rel=1e-5)  # clip_grad_norm_ sees every shard
