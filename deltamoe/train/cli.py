@@ -66,6 +66,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--schedule",), "parallel.schedule", "pipeline schedule: 1f1b|interleaved1f1b"),
     Flag(("--microbatches",), "parallel.microbatches", "pipeline microbatches (accumulation without pp)"),
     Flag(("--ac/--no-ac",), "parallel.activation_checkpointing", "activation checkpointing"),
+    Flag(("--offload-activations",), "parallel.offload_activations",
+         "saved activations to host memory: 'layer' (with --ac: the checkpoint inputs), or 'attn', 'mlp', 'attn,mlp'"),
     Flag(("--threads",), "run.threads", THREADS_HELP + ", shared among torchrun's local ranks"),
     Flag(("--progress/--no-progress",), "run.progress"),
 )

@@ -114,6 +114,8 @@ class Trainer:
                 record = self.step_fn(step, self._micro_batches())
                 if self.fp8 is not None:  # this rank's per-module quantisation error, for metrics.jsonl
                     record["fp8_error"] = self.fp8.take()
+                if self.pm.offload_stats is not None:  # saved activations this rank sent to host memory
+                    record["offload_moved_bytes"] = self.pm.offload_stats.take()
                 self._check_finite(step, record, last_saved)
                 self._advance()
                 dt = time.perf_counter() - t0

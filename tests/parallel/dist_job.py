@@ -66,6 +66,10 @@ CASES = {
     "pp2_dp2": (k31_toy, ParallelDims(pp=2, dp=2, microbatches=2)),
     "pp2_tp2_ac": (k31_toy, ParallelDims(pp=2, tp=2, schedule="interleaved1f1b", stages_per_rank=2, microbatches=2,
                                         activation_checkpointing=True)),
+    # activation offload of the checkpoint inputs under the interleaved (virtual stage) schedule
+    "pp2_interleaved_ac_offload": (k31_toy, ParallelDims(pp=2, schedule="interleaved1f1b", stages_per_rank=2,
+                                                         microbatches=2, activation_checkpointing=True,
+                                                         offload_activations="layer")),
 }
 
 # Blockwise FP8 (train/fp8.py) on both sides. wgrad quantises along tokens in tiles of 128, so a data
@@ -118,7 +122,7 @@ def run_case(name: str) -> dict:
     converters = (lambda: [Fp8Training()]) if fp8 else list
 
     reference = build_model(config, seed=0).train()
-    expected = parallelize(reference, dims, None, converters()).forward_backward(ids, labels)
+    expected = parallelize(reference, ParallelDims(), None, converters()).forward_backward(ids, labels)
     ref_grads = {n: p.grad for n, p in reference.named_parameters()}
     ref_norm = torch.nn.utils.get_total_norm([g for g in ref_grads.values() if g is not None])
 
@@ -128,6 +132,8 @@ def run_case(name: str) -> dict:
     rows = BATCH // pm.dp_size
     local = slice(pm.dp_rank * rows, (pm.dp_rank + 1) * rows)
     result = pm.forward_backward(ids[local], labels[local])
+    offloaded = torch.tensor(pm.offload_stats.take() if pm.offload_stats is not None else 0)
+    dist.all_reduce(offloaded)
 
     worst, worst_name, checked = 0.0, "", []
     for part in pm.model_parts:
@@ -157,7 +163,7 @@ def run_case(name: str) -> dict:
             "lm_loss": float(result.lm_loss), "ref_lm_loss": float(expected.lm_loss),
             "mtp_loss": _float(result.mtp_loss), "ref_mtp_loss": _float(expected.mtp_loss),
             "expert_load": result.expert_load.tolist(), "ref_expert_load": expected.expert_load.tolist(),
-            "moe_rows": sorted(pm.moe_layers),
+            "moe_rows": sorted(pm.moe_layers), "offloaded_bytes": int(offloaded),
             "norm": float(norm), "ref_norm": float(ref_norm), "clipped_norm": float(clipped),
             "unchecked": sorted(set(ref_grads) - {n for names, _ in everyone for n in names}),
             "state_dict_mismatch": sorted(set(reference.state_dict()) ^ {k for _, ks in everyone for k in ks})}
