@@ -66,6 +66,10 @@ CASES = {
     "pp2_dp2": (k31_toy, ParallelDims(pp=2, dp=2, microbatches=2)),
     "pp2_tp2_ac": (k31_toy, ParallelDims(pp=2, tp=2, schedule="interleaved1f1b", stages_per_rank=2, microbatches=2,
                                         activation_checkpointing=True)),
+    # pipeline x experts: dp inferred (2), the EP group inside it on each stage; MTP and AttnRes on the stages
+    "pp2_ep2": (k31_toy, ParallelDims(pp=2, ep=2, microbatches=2)),
+    "pp2_ep2_interleaved_ac": (k31_toy, ParallelDims(pp=2, ep=2, schedule="interleaved1f1b", stages_per_rank=2,
+                                                     microbatches=2, activation_checkpointing=True)),
     # activation offload of the checkpoint inputs under the interleaved (virtual stage) schedule
     "pp2_interleaved_ac_offload": (k31_toy, ParallelDims(pp=2, schedule="interleaved1f1b", stages_per_rank=2,
                                                          microbatches=2, activation_checkpointing=True,
