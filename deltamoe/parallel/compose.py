@@ -11,6 +11,7 @@ checkpointing and offload apply to the whole model.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 import torch
@@ -23,7 +24,8 @@ from deltamoe.parallel.data_parallel import apply_fsdp
 from deltamoe.parallel.dims import ParallelDims
 from deltamoe.parallel.distributed_model import DistributedModel
 from deltamoe.parallel.expert_load import moe_modules
-from deltamoe.parallel.expert_parallel import apply_expert_parallel
+from deltamoe.parallel.expert_overlap import OverlappedExpertDispatcher
+from deltamoe.parallel.expert_parallel import ExpertParallelDispatcher, apply_expert_parallel
 from deltamoe.parallel.loss import GlobalTokenLoss
 from deltamoe.parallel.mesh import ParallelMesh
 from deltamoe.parallel.offload import OffloadStats, apply_activation_offload
@@ -59,8 +61,10 @@ def parallelize(model: DeltaMoEForCausalLM, dims: ParallelDims, mesh: ParallelMe
     if dims.tp > 1:
         after_backward += [apply_tensor_parallel(stage, mesh["tp"]) for stage in stages]
     if dims.ep > 1:
+        make_dispatcher = (functools.partial(OverlappedExpertDispatcher, chunks=dims.ep_chunks) if dims.ep_chunks > 1
+                           else ExpertParallelDispatcher)
         for stage in stages:
-            apply_expert_parallel(stage, mesh["ep"])
+            apply_expert_parallel(stage, mesh["ep"], make_dispatcher)
     for convert in converters:
         for stage in stages:
             convert(stage)

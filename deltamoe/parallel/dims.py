@@ -25,7 +25,7 @@ SCHEDULES = ("1f1b", "interleaved1f1b")
 # checkpointed layer, so they exclude activation checkpointing.
 OFFLOAD_TARGETS = ("layer", "attn", "mlp")
 OFFLOAD_INSIDE_LAYER = ("attn", "mlp")
-_COUNTS = ("dp", "tp", "ep", "pp", "microbatches", "stages_per_rank")
+_COUNTS = ("dp", "tp", "ep", "pp", "microbatches", "stages_per_rank", "ep_chunks")
 
 
 def launch_world_size() -> int:
@@ -46,6 +46,9 @@ class ParallelDims:
     stages_per_rank: int = 1  # virtual pipeline stages per rank ("interleaved1f1b")
     activation_checkpointing: bool = False  # recompute each decoder layer in backward
     offload_activations: str | None = None  # "layer" or "attn,mlp": saved activations to host memory
+    # Token chunks in flight through the EP all-to-all: > 1 overlaps one chunk's dispatch/combine with
+    # another chunk's expert compute (asynchronous collectives, parallel/expert_overlap.py).
+    ep_chunks: int = 1
 
     def world_size(self) -> int:
         return self.data_size * self.tp * self.pp

@@ -63,6 +63,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--tp",), "parallel.tp", "tensor-parallel ranks"),
     Flag(("--ep",), "parallel.ep", "expert-parallel ranks, carved out of dp"),
     Flag(("--pp",), "parallel.pp", "pipeline ranks"),
+    Flag(("--ep-chunks",), "parallel.ep_chunks", "token chunks in flight through the EP all-to-all (> 1: overlap "
+                                                  "it with expert compute)"),
     Flag(("--schedule",), "parallel.schedule", "pipeline schedule: 1f1b|interleaved1f1b"),
     Flag(("--microbatches",), "parallel.microbatches", "pipeline microbatches (accumulation without pp)"),
     Flag(("--ac/--no-ac",), "parallel.activation_checkpointing", "activation checkpointing"),

@@ -70,6 +70,8 @@ CASES = {
     "pp2_ep2": (k31_toy, ParallelDims(pp=2, ep=2, microbatches=2)),
     "pp2_ep2_interleaved_ac": (k31_toy, ParallelDims(pp=2, ep=2, schedule="interleaved1f1b", stages_per_rank=2,
                                                      microbatches=2, activation_checkpointing=True)),
+    # the EP all-to-all in 3 asynchronous chunks, overlapped with expert compute
+    "ep2_overlap": (k31_toy, ParallelDims(ep=2, ep_chunks=3)),
     # activation offload of the checkpoint inputs under the interleaved (virtual stage) schedule
     "pp2_interleaved_ac_offload": (k31_toy, ParallelDims(pp=2, schedule="interleaved1f1b", stages_per_rank=2,
                                                          microbatches=2, activation_checkpointing=True,
@@ -103,10 +105,13 @@ def full_grad(p: torch.nn.Parameter) -> torch.Tensor | None:
 
 def layout(pm) -> dict:
     """What this rank actually holds: proves the parallelism was applied, not just that numbers match."""
-    out: dict = {"layers": [], "expert_rows": None, "kda_heads": None, "mlp_cols": None, "fp8_linears": 0}
+    out: dict = {"layers": [], "expert_rows": None, "kda_heads": None, "mlp_cols": None, "fp8_linears": 0,
+                 "dispatcher": None}
     for part in pm.model_parts:
         out["layers"] += [int(k) for k in part.model.layers]
         out["fp8_linears"] += sum(isinstance(m, Fp8Linear) for m in part.modules())
+        out["dispatcher"] = out["dispatcher"] or next((type(m.dispatcher).__name__ for m in part.modules()
+                                                       if hasattr(m, "dispatcher")), None)
         for n, p in part.named_parameters():
             local = p.to_local() if isinstance(p, DTensor) else p
             if n.endswith("experts.w1") and out["expert_rows"] is None:

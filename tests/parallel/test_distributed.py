@@ -11,7 +11,7 @@ import pytest
 
 JOB = Path(__file__).with_name("dist_job.py")
 FAST = ["dp2", "ep2", "ep2_ac_mb2", "tp2", "tp2_kimi_linear", "pp2", "pp2_interleaved", "pp2_kimi_linear",
-        "fp8_dp2_ep2", "pp2_interleaved_ac_offload"]
+        "fp8_dp2_ep2", "pp2_interleaved_ac_offload", "ep2_overlap"]
 COMPOSED = ["dp2_ep2_tp2", "dp4_ep2", "pp2_dp2", "pp2_tp2_ac", "pp2_ep2", "pp2_ep2_interleaved_ac"]
 
 # What rank 0 holds in each layout: proof that the parallelism was applied, not only that numbers agree.
@@ -31,6 +31,7 @@ LAYOUT = {
     # blockwise fp8 with FSDP2 and EP: the 100 bias-free linears of the 8 decoder layers converted; 4 of 8 experts
     "fp8_dp2_ep2": {"expert_rows": [4, 16, 20], "fp8_linears": 100},
     "pp2_interleaved_ac_offload": {"layers": [0, 1, 4, 5]},
+    "ep2_overlap": {"expert_rows": [4, 16, 20], "dispatcher": "OverlappedExpertDispatcher"},
     "pp2_ep2": {"layers": [0, 1, 2, 3], "expert_rows": [4, 16, 20], "kda_heads": [16, 32]},  # dp 2 inferred
     "pp2_ep2_interleaved_ac": {"layers": [0, 1, 4, 5], "expert_rows": [4, 16, 20]},
 }
