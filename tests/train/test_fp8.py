@@ -31,8 +31,8 @@ def _micro_model_config():
 
 
 def test_fp8_run_logs_per_module_error_and_trains(tmp_path):
-    base = train(micro_config(tmp_path / "fp32", **{"run.steps": 3}))
-    result = train(micro_config(tmp_path / "fp8", **{"run.steps": 3, "run.fp8": "blockwise"}))
+    base = train(micro_config(tmp_path / "fp32", **{"run.steps": 2}))
+    result = train(micro_config(tmp_path / "fp8", **{"run.steps": 2, "run.fp8": "blockwise"}))
     records = read_jsonl(result.out / "metrics.jsonl")
     errors = records[-1]["fp8_error"]
     assert "model.layers.0.self_attn.q_proj" in errors and "model.layers.1.block_sparse_moe.experts" in errors
