@@ -2,9 +2,9 @@
 (`chunk_kimi_delta_attention`, the fallback KimiLinear uses without FLA kernels) and the plain
 token-by-token recurrence `recurrent_kda`, in one run.
 
-    .venv/bin/python bench/bench_kda.py [--quick] [--gate softplus|lower_bound] [--repeats 3]
+    .venv/bin/python bench/bench_kda.py [--quick] [--gate softplus|lower_bound] [--repeats 3] [--head-dim 128]
 
-fp32, B=1, H=8, K=V=32, qk l2norm in kernel (as the model calls it); g comes from `kda_gate`
+fp32, B=1, H=8, K=V=32 (`--head-dim 128`: K=V=128, K3's head size, written to kda_k128.json), qk l2norm in kernel (as the model calls it); g comes from `kda_gate`
 with transformers' KimiLinear init of A_log and dt_bias and f ~ N(0, 1). Every path is timed at
 every T (no extrapolation). Prints a markdown table and writes bench/results/kda.json atomically.
 Times are medians of interleaved rounds on this machine's CPU with 2 threads (ms columns); the
@@ -42,14 +42,14 @@ def transformers_chunk_kda() -> Callable[..., tuple[torch.Tensor, torch.Tensor |
     return getattr(fn, "__wrapped__", fn)  # the raw torch function, not the kernel-hub wrapper
 
 
-def make_inputs(seq_len: int, gate: str, seed: int = 0) -> dict[str, torch.Tensor]:
+def make_inputs(seq_len: int, gate: str, seed: int = 0, head_dim: int = HEAD_DIM) -> dict[str, torch.Tensor]:
     """Random q, k, v, beta; g from the real gate formula with KimiLinear's parameter init."""
     gen = torch.Generator().manual_seed(seed)
-    shape = (1, seq_len, HEADS, HEAD_DIM)
+    shape = (1, seq_len, HEADS, head_dim)
     a_log = torch.empty(HEADS).uniform_(1.0, 16.0, generator=gen).log()
-    dt = torch.empty(HEADS * HEAD_DIM).uniform_(math.log(1e-3), math.log(1e-1), generator=gen).exp()
+    dt = torch.empty(HEADS * head_dim).uniform_(math.log(1e-3), math.log(1e-1), generator=gen).exp()
     dt_bias = dt + torch.log(-torch.expm1(-dt))  # inverse softplus, as transformers' _init_weights
-    f = torch.randn(1, seq_len, HEADS * HEAD_DIM, generator=gen)
+    f = torch.randn(1, seq_len, HEADS * head_dim, generator=gen)
     return {
         "q": torch.randn(shape, generator=gen),
         "k": torch.randn(shape, generator=gen),
@@ -71,8 +71,8 @@ def interleaved_times(paths: dict[str, KdaFn], repeats: int) -> dict[str, list[f
     return times
 
 
-def bench_one(seq_len: int, gate: str, repeats: int) -> dict:
-    x = make_inputs(seq_len, gate)
+def bench_one(seq_len: int, gate: str, repeats: int, head_dim: int = HEAD_DIM) -> dict:
+    x = make_inputs(seq_len, gate, head_dim=head_dim)
     hf_chunk = transformers_chunk_kda()
     paths: dict[str, KdaFn] = {
         "chunk_kda": lambda: chunk_kda(**x, output_final_state=True, use_qk_l2norm=True),
@@ -118,6 +118,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="T in {512, 2048}, 3 repeats, writes kda_quick.json")
     parser.add_argument("--gate", choices=("softplus", "lower_bound"), default="softplus")
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds (median); default 5, quick 3")
+    parser.add_argument("--head-dim", type=int, default=HEAD_DIM, help="K = V per head (K3: 128)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     seq_lens = [512, 2048] if args.quick else [512, 2048, 8192]
@@ -125,12 +126,13 @@ def main() -> None:
 
     rows = []
     for seq_len in seq_lens:
-        rows.append(bench_one(seq_len, args.gate, repeats))
+        rows.append(bench_one(seq_len, args.gate, repeats, args.head_dim))
         print(f"T={seq_len}: done", flush=True)
     print(table(rows))
-    config = {"B": 1, "H": HEADS, "K": HEAD_DIM, "V": HEAD_DIM, "dtype": "float32", "gate": args.gate,
+    config = {"B": 1, "H": HEADS, "K": args.head_dim, "V": args.head_dim, "dtype": "float32", "gate": args.gate,
               "qk_l2norm": True, "repeats": repeats, "statistic": "median of interleaved rounds"}
-    path = write_result(result_name("kda", args.quick), {"config": config, "rows": rows, "target": TARGET})
+    name = "kda" if args.head_dim == HEAD_DIM else f"kda_k{args.head_dim}"
+    path = write_result(result_name(name, args.quick), {"config": config, "rows": rows, "target": TARGET})
     print(f"wrote {path}")
 
 

@@ -15,6 +15,8 @@ the gate projection of expert e. A latent MoE (K3) calls them on the down-projec
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -25,6 +27,9 @@ def _combine_dtype(x: torch.Tensor) -> torch.dtype:
     """fp32 for bf16/fp16/fp32 inputs; fp64 stays fp64 so gradcheck-style tests are exact."""
     return torch.promote_types(x.dtype, torch.float32)
 
+
+# `linear(x, w)` computes x @ w.T: the expert matmul, replaceable (blockwise-fp8 training passes its own).
+Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 # Added to the sum of the selected scores before renormalising, as transformers and NeMo do,
 # so a row of all-zero scores gives zero weights instead of NaN.
@@ -138,6 +143,7 @@ def experts_forward(
     act: str = "silu",
     situ_beta: float = 4.0,
     situ_linear_beta: float = 25.0,
+    linear: Linear | None = None,
 ) -> torch.Tensor:
     """Weighted sum of the selected experts' outputs, grouped by expert.
 
@@ -163,7 +169,7 @@ def experts_forward(
     order = torch.argsort(flat_experts, stable=True)
     token_of_slot = order // top_k  # token id of each expert-sorted (token, slot) pair
     counts = torch.bincount(flat_experts, minlength=w1.shape[0])
-    y_sorted = _sorted_expert_outputs(x[token_of_slot], counts, w1, w3, w2, act, situ_beta, situ_linear_beta)
+    y_sorted = _sorted_expert_outputs(x[token_of_slot], counts, w1, w3, w2, act, situ_beta, situ_linear_beta, linear)
     y_sorted = y_sorted.to(acc) * weights.reshape(-1)[order].to(acc).unsqueeze(-1)
     return out.index_add(0, token_of_slot, y_sorted)
 
@@ -227,10 +233,11 @@ def experts_forward_static(
 
 def _sorted_expert_outputs(
     x_sorted: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-    act: str, situ_beta: float, situ_linear_beta: float,
+    act: str, situ_beta: float, situ_linear_beta: float, linear: Linear | None = None,
 ) -> torch.Tensor:
-    """Each expert on its contiguous slice of the expert-sorted rows -> [N*k, D] in x.dtype."""
-    if _grouped_mm_applies(x_sorted, w1, w2) and not _few_rows_on_cpu(x_sorted, w1):
+    """Each expert on its contiguous slice of the expert-sorted rows -> [N*k, D] in x.dtype
+    (`linear`, when given, computes each expert matmul in the loop)."""
+    if linear is None and _grouped_mm_applies(x_sorted, w1, w2) and not _few_rows_on_cpu(x_sorted, w1):
         # Inference: torch's grouped matmul runs every expert's slice in one call (the same
         # products as the loop below, which it equals exactly) and needs no host sync.
         ends = counts.cumsum(0).to(torch.int32)
@@ -244,8 +251,12 @@ def _sorted_expert_outputs(
         if count == 0:
             continue
         xe = x_sorted[start:start + count]
-        hidden = glu(xe @ w1[expert].T, xe @ w3[expert].T, act, situ_beta, situ_linear_beta)
-        outputs.append(hidden @ w2[expert].T)
+        if linear is None:
+            hidden = glu(xe @ w1[expert].T, xe @ w3[expert].T, act, situ_beta, situ_linear_beta)
+            outputs.append(hidden @ w2[expert].T)
+        else:
+            hidden = glu(linear(xe, w1[expert]), linear(xe, w3[expert]), act, situ_beta, situ_linear_beta)
+            outputs.append(linear(hidden, w2[expert]))
         start += count
     return torch.cat(outputs)
 

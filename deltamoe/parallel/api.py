@@ -17,6 +17,7 @@ from torch import nn
 
 from deltamoe.model.ffn import MoE
 from deltamoe.parallel.expert_load import empty_load, moe_modules, take_expert_load
+from deltamoe.parallel.offload import OffloadStats
 
 
 @dataclass
@@ -59,6 +60,8 @@ class ParallelModel(Protocol):
 
 class LocalModel:
     """The world-size-1 ParallelModel: the model as it is."""
+
+    offload_stats: OffloadStats | None = None  # set by parallelize when activations are offloaded
 
     def __init__(self, model: nn.Module):
         self.model = model

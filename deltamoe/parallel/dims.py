@@ -21,7 +21,11 @@ from deltamoe.errors import ConfigError
 from deltamoe.parallel.stage_split import split_stages
 
 SCHEDULES = ("1f1b", "interleaved1f1b")
-_COUNTS = ("dp", "tp", "ep", "pp", "microbatches", "stages_per_rank")
+# Activation offload targets per decoder layer (parallel/offload.py); the last two sit inside a
+# checkpointed layer, so they exclude activation checkpointing.
+OFFLOAD_TARGETS = ("layer", "attn", "mlp")
+OFFLOAD_INSIDE_LAYER = ("attn", "mlp")
+_COUNTS = ("dp", "tp", "ep", "pp", "microbatches", "stages_per_rank", "ep_chunks")
 
 
 def launch_world_size() -> int:
@@ -41,6 +45,10 @@ class ParallelDims:
     microbatches: int = 1
     stages_per_rank: int = 1  # virtual pipeline stages per rank ("interleaved1f1b")
     activation_checkpointing: bool = False  # recompute each decoder layer in backward
+    offload_activations: str | None = None  # "layer" or "attn,mlp": saved activations to host memory
+    # Token chunks in flight through the EP all-to-all: > 1 overlaps one chunk's dispatch/combine with
+    # another chunk's expert compute (asynchronous collectives, parallel/expert_overlap.py).
+    ep_chunks: int = 1
 
     def world_size(self) -> int:
         return self.data_size * self.tp * self.pp
@@ -77,6 +85,24 @@ class ParallelDims:
         if not isinstance(self.activation_checkpointing, bool):
             raise ConfigError(f"expected true or false, got {self.activation_checkpointing!r}",
                               field="activation_checkpointing")
+        self._check_offload()
+
+    @property
+    def offload_targets(self) -> tuple[str, ...]:
+        """`offload_activations` split at commas: () when off."""
+        return tuple(t.strip() for t in (self.offload_activations or "").split(",") if t.strip())
+
+    def _check_offload(self) -> None:
+        if self.offload_activations is None:
+            return
+        if not isinstance(self.offload_activations, str) or not self.offload_targets \
+                or not set(self.offload_targets) <= set(OFFLOAD_TARGETS):
+            raise ConfigError(f"expected a comma-separated subset of {OFFLOAD_TARGETS}, got "
+                              f"{self.offload_activations!r}", field="offload_activations")
+        inside = [t for t in self.offload_targets if t in OFFLOAD_INSIDE_LAYER]
+        if inside and self.activation_checkpointing:
+            raise ConfigError(f"{inside} sit inside a checkpointed layer: with activation checkpointing the layer "
+                              "keeps only its inputs", field="offload_activations", hint="offload 'layer' instead")
 
     def with_world(self, world_size: int) -> ParallelDims:
         """These dims with `dp` inferred from the world size when not given (torchtitan's dp_shard = -1)."""

@@ -17,10 +17,13 @@ from deltamoe.parallel.expert_load import empty_load
 from deltamoe.parallel.grad_norm import clip_grads_, global_grad_norm
 from deltamoe.parallel.loss import GlobalTokenLoss, target_counts
 from deltamoe.parallel.mesh import ParallelMesh
+from deltamoe.parallel.offload import OffloadStats
 from deltamoe.parallel.stage_module import ModelStage
 
 
 class DistributedModel:
+    offload_stats: OffloadStats | None = None  # set by parallelize when activations are offloaded
+
     def __init__(self, stages: list[ModelStage], mesh: ParallelMesh, dims: ParallelDims, loss_fn: GlobalTokenLoss,
                  schedule: _PipelineSchedule | None, after_backward: list[Callable[[], None]], moe_rows: int):
         self.model_parts: list[ModelStage] = stages

@@ -14,6 +14,9 @@ never averaged with ranks that do not own the expert).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -21,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from deltamoe.model.ffn import MoE, RoutedExperts
-from deltamoe.ops.moe import experts_forward
+from deltamoe.ops.moe import Linear, experts_forward
 
 
 class AllToAll(torch.autograd.Function):
@@ -64,18 +67,31 @@ class ExpertShard(nn.Module):
             local = getattr(experts, name).detach().chunk(size, dim=0)[rank].clone()
             self.register_parameter(name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)],
                                                                           run_check=False)))
+        self.linear: Linear | None = None  # the expert matmul; None: plain x @ w.T (fp8 training sets its own)
 
     def forward(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """x [M, D'] routed here, local_ids [M]: unweighted expert outputs, fp32 [M, D']."""
         c = self.config
         w1, w3, w2 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w3, self.w2))
         y = experts_forward(x, torch.ones(len(x), 1, dtype=torch.float32, device=x.device), local_ids[:, None],
-                            w1, w3, w2, act=c.hidden_act, situ_beta=c.situ_beta, situ_linear_beta=c.situ_linear_beta)
+                            w1, w3, w2, act=c.hidden_act, situ_beta=c.situ_beta, situ_linear_beta=c.situ_linear_beta,
+                            linear=self.linear)
         if x.requires_grad and not y.requires_grad:
             # No pair landed here: keep the return trip (and zero expert gradients) in the graph, so this
             # rank joins the backward all-to-all and its expert shards get gradients like the other ranks'.
             y = y + (x.sum() + w1.sum() + w3.sum() + w2.sum()) * 0
         return y
+
+
+@dataclass
+class Route:
+    """Where one batch's (token, slot) pairs go: expert-sorted, hence grouped by owner rank."""
+
+    order: torch.Tensor  # [N*k] pair index in expert-sorted order
+    token_of_slot: torch.Tensor  # [N*k] token of each sorted pair
+    local_ids: torch.Tensor  # [N*k] expert id on its owner rank, sorted
+    send: list[int]  # pairs sent to each rank
+    recv: list[int]  # pairs received from each rank
 
 
 class ExpertParallelDispatcher:
@@ -86,34 +102,41 @@ class ExpertParallelDispatcher:
         self.size = dist.get_world_size(group)
         self.experts_per_rank = num_experts // self.size
 
-    def __call__(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
-                 experts: ExpertShard) -> torch.Tensor:
-        num_tokens, top_k = indices.shape
+    def route(self, indices: torch.Tensor) -> Route:
+        top_k = indices.shape[1]
         flat = indices.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # expert-sorted pairs, hence also grouped by owner rank
-        token_of_slot = order // top_k
+        order = torch.argsort(flat, stable=True)
         owner = flat[order] // self.experts_per_rank
         send = torch.bincount(owner, minlength=self.size)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)  # how many pairs each rank sends us
-        send_sizes, recv_sizes = send.tolist(), recv.tolist()
+        return Route(order, order // top_k, flat[order] - owner * self.experts_per_rank, send.tolist(), recv.tolist())
 
-        local_ids = all_to_all(flat[order] - owner * self.experts_per_rank, send_sizes, recv_sizes, self.group)
-        received = all_to_all(z[token_of_slot], send_sizes, recv_sizes, self.group)
+    @staticmethod
+    def combine(y_sorted: torch.Tensor, weights: torch.Tensor, route: Route, num_tokens: int) -> torch.Tensor:
         # Unit weights in the expert compute: the routing weights are applied after the return trip,
         # in the sender's expert-sorted order, exactly as the one-process combine does.
+        y_sorted = y_sorted * weights.reshape(-1)[route.order].to(y_sorted.dtype).unsqueeze(-1)
+        return y_sorted.new_zeros(num_tokens, y_sorted.shape[1]).index_add(0, route.token_of_slot, y_sorted)
+
+    def __call__(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+                 experts: ExpertShard) -> torch.Tensor:
+        r = self.route(indices)
+        local_ids = all_to_all(r.local_ids, r.send, r.recv, self.group)
+        received = all_to_all(z[r.token_of_slot], r.send, r.recv, self.group)
         y = experts(received, local_ids)
-        y_sorted = all_to_all(y, recv_sizes, send_sizes, self.group)
-        y_sorted = y_sorted * weights.reshape(-1)[order].to(y_sorted.dtype).unsqueeze(-1)
-        return y_sorted.new_zeros(num_tokens, z.shape[1]).index_add(0, token_of_slot, y_sorted)
+        return self.combine(all_to_all(y, r.recv, r.send, self.group), weights, r, indices.shape[0])
 
 
-def apply_expert_parallel(module: nn.Module, ep_mesh: DeviceMesh) -> None:
-    """Replace every MoE's routed experts by this rank's `ExpertShard` and install the all-to-all dispatcher.
+def apply_expert_parallel(module: nn.Module, ep_mesh: DeviceMesh,
+                          make_dispatcher: Callable[[dist.ProcessGroup, int], ExpertParallelDispatcher]
+                          = ExpertParallelDispatcher) -> None:
+    """Replace every MoE's routed experts by this rank's `ExpertShard` and install the all-to-all dispatcher
+    `make_dispatcher(group, num_experts)` (the overlapped one: parallel/expert_overlap.py).
 
     The weights become DTensors (Shard(0)) so optimizers and torch.distributed.checkpoint see the full
     expert tensors; each rank keeps only its slice.
     """
     for moe in [m for m in module.modules() if isinstance(m, MoE)]:
         moe.experts = ExpertShard(moe.experts, ep_mesh)
-        moe.dispatcher = ExpertParallelDispatcher(ep_mesh.get_group(), moe.config.num_experts)
+        moe.dispatcher = make_dispatcher(ep_mesh.get_group(), moe.config.num_experts)

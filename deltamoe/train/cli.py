@@ -45,6 +45,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--warmup",), "optim.warmup_steps", "linear warmup steps"),
     Flag(("--clip-grad",), "optim.clip_grad", "max gradient norm (<= 0: off)"),
     Flag(("--precision",), "run.precision", "fp32|bf16 (autocast)"),
+    Flag(("--fp8",), "run.fp8", "blockwise: linears and experts in DeepSeek-V3 blockwise FP8 (forward and backward)"),
     Flag(("--num-pairs",), "data.num_pairs", "recall: key/value pairs"),
     Flag(("--context-len",), "data.context_len", "recall: context tokens incl. filler"),
     Flag(("--bias-gamma",), "balance.gamma", "router bias update speed (0: off)"),
@@ -62,9 +63,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--tp",), "parallel.tp", "tensor-parallel ranks"),
     Flag(("--ep",), "parallel.ep", "expert-parallel ranks, carved out of dp"),
     Flag(("--pp",), "parallel.pp", "pipeline ranks"),
+    Flag(("--ep-chunks",), "parallel.ep_chunks", "token chunks in flight through the EP all-to-all (> 1: overlap "
+                                                  "it with expert compute)"),
     Flag(("--schedule",), "parallel.schedule", "pipeline schedule: 1f1b|interleaved1f1b"),
     Flag(("--microbatches",), "parallel.microbatches", "pipeline microbatches (accumulation without pp)"),
     Flag(("--ac/--no-ac",), "parallel.activation_checkpointing", "activation checkpointing"),
+    Flag(("--offload-activations",), "parallel.offload_activations",
+         "saved activations to host memory: 'layer' (with --ac: the checkpoint inputs), or 'attn', 'mlp', 'attn,mlp'"),
     Flag(("--threads",), "run.threads", THREADS_HELP + ", shared among torchrun's local ranks"),
     Flag(("--progress/--no-progress",), "run.progress"),
 )

@@ -20,6 +20,7 @@ from deltamoe.parallel.dims import ParallelDims, launch_world_size
 
 TASKS = ("recall", "arithmetic", "copy", "reverse")
 PRECISIONS = ("fp32", "bf16")
+FP8_RECIPES = (None, "blockwise")
 
 
 @dataclass
@@ -84,6 +85,7 @@ class RunSection:
     max_minutes: float | None = None  # stop (checkpoint, evaluate, export) once the run has taken this long
     progress: bool = True
     threads: int | None = None  # torch intra-op threads per process
+    fp8: str | None = None  # "blockwise": linears and experts in DeepSeek-V3 blockwise FP8 (train/fp8.py)
 
 
 @dataclass
@@ -177,6 +179,9 @@ class TrainConfig:
         except ConfigError as e:
             raise ConfigError(str(e), field=f"parallel.{e.field}", hint=e.hint) from None
         need(r.precision in PRECISIONS, "run.precision", f"one of {PRECISIONS}")
+        need(r.fp8 in FP8_RECIPES, "run.fp8", f"one of {FP8_RECIPES}")
+        need(r.fp8 is None or p.tp == 1, "run.fp8", "None with parallel.tp > 1 (fp8 linears do not take "
+             "tensor-parallel DTensor weights yet)")
         for name in ("run.eval_every", "run.save_every"):
             section, attr = name.split(".")
             v = getattr(r, attr)

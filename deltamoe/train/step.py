@@ -1,5 +1,6 @@
-"""One optimizer step, kept apart from the loop so other steps can replace it (FP8 linears,
-activation offload, RL updates) without touching data, logging or checkpoints.
+"""One optimizer step, kept apart from the loop so other steps can replace it (RL updates) without
+touching data, logging or checkpoints. (FP8 linears and activation offload change the modules
+instead: train/fp8.py, parallel/offload.py.)
 
 micro-batches -> forward_backward each (gradients add up; each returns its StepResult) -> mean
 gradient -> clip by the global norm -> AdamW -> router-bias update from the step's expert load.

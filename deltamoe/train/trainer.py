@@ -31,6 +31,7 @@ from deltamoe.train.balance import SequenceBalanceLoss
 from deltamoe.train.config import TrainConfig, parse_profile_steps
 from deltamoe.train.data import DataSource, build_data
 from deltamoe.train.evaluate import evaluate, summarize
+from deltamoe.train.fp8 import Fp8Training
 from deltamoe.train.model_setup import build_train_model, resolve_model_config
 from deltamoe.train.optim import Optimizers
 from deltamoe.train.profiling import StepProfiler
@@ -81,7 +82,8 @@ class Trainer:
         self.rank = dist.get_rank() if self.world > 1 else 0
         torch.manual_seed(cfg.run.seed)
         model = build_train_model(cfg.model, model_config, cfg.run.seed, self.device)
-        self.pm = parallelize(model, self.dims, mesh)
+        self.fp8 = Fp8Training(cfg.run.fp8) if cfg.run.fp8 else None
+        self.pm = parallelize(model, self.dims, mesh, [self.fp8] if self.fp8 else [])
         self.parts = self.pm.model_parts
         self.optimizers = Optimizers(self.parts, cfg.optim, cfg.run.steps)
         # Gradients of each forward_backward are summed over data ranks and pipeline microbatches.
@@ -110,6 +112,10 @@ class Trainer:
             for step in range(self.state.step + 1, cfg.run.steps + 1):
                 t0 = time.perf_counter()
                 record = self.step_fn(step, self._micro_batches())
+                if self.fp8 is not None:  # this rank's per-module quantisation error, for metrics.jsonl
+                    record["fp8_error"] = self.fp8.take()
+                if self.pm.offload_stats is not None:  # saved activations this rank sent to host memory
+                    record["offload_moved_bytes"] = self.pm.offload_stats.take()
                 self._check_finite(step, record, last_saved)
                 self._advance()
                 dt = time.perf_counter() - t0

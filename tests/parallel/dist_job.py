@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from deltamoe.config import load_preset  # noqa: E402
 from deltamoe.model.load import build_model  # noqa: E402
-from deltamoe.parallel import LocalModel, ParallelDims, init_distributed, parallelize  # noqa: E402
+from deltamoe.parallel import ParallelDims, init_distributed, parallelize  # noqa: E402
+from deltamoe.train.fp8 import Fp8Linear, Fp8Training  # noqa: E402
 
 
 def k31_toy(**overrides):
@@ -65,16 +66,35 @@ CASES = {
     "pp2_dp2": (k31_toy, ParallelDims(pp=2, dp=2, microbatches=2)),
     "pp2_tp2_ac": (k31_toy, ParallelDims(pp=2, tp=2, schedule="interleaved1f1b", stages_per_rank=2, microbatches=2,
                                         activation_checkpointing=True)),
+    # pipeline x experts: dp inferred (2), the EP group inside it on each stage; MTP and AttnRes on the stages
+    "pp2_ep2": (k31_toy, ParallelDims(pp=2, ep=2, microbatches=2)),
+    "pp2_ep2_interleaved_ac": (k31_toy, ParallelDims(pp=2, ep=2, schedule="interleaved1f1b", stages_per_rank=2,
+                                                     microbatches=2, activation_checkpointing=True)),
+    # the EP all-to-all in 3 asynchronous chunks, overlapped with expert compute
+    "ep2_overlap": (k31_toy, ParallelDims(ep=2, ep_chunks=3)),
+    # activation offload of the checkpoint inputs under the interleaved (virtual stage) schedule
+    "pp2_interleaved_ac_offload": (k31_toy, ParallelDims(pp=2, schedule="interleaved1f1b", stages_per_rank=2,
+                                                         microbatches=2, activation_checkpointing=True,
+                                                         offload_activations="layer")),
 }
+
+# Blockwise FP8 (train/fp8.py) on both sides. wgrad quantises along tokens in tiles of 128, so a data
+# rank's tiles coincide with the one-process step's only when each rank holds a multiple of 128 tokens:
+# 2 rows x 64 per rank, and no MTP (its layer sees T - 1 positions a row). Routed experts see the same
+# rows in the same order under EP, so their tiles coincide anyway.
+FP8_CASES = {
+    "fp8_dp2_ep2": (lambda: k31_toy(num_nextn_predict_layers=0), ParallelDims(dp=2, ep=2)),
+}
+FP8_SEQ = 64
 
 BATCH, SEQ = 4, 12  # global batch: up to 4 data ranks
 
 
-def global_batch(config) -> tuple[torch.Tensor, torch.Tensor]:
+def global_batch(config, seq: int = SEQ) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, config.vocab_size, (BATCH, SEQ), generator=gen)
+    ids = torch.randint(3, config.vocab_size, (BATCH, seq), generator=gen)
     labels = ids.clone()
-    labels[torch.rand(BATCH, SEQ, generator=gen) < 0.25] = -100  # unequal token counts per rank and microbatch
+    labels[torch.rand(BATCH, seq, generator=gen) < 0.25] = -100  # unequal token counts per rank and microbatch
     return ids, labels
 
 
@@ -85,9 +105,13 @@ def full_grad(p: torch.nn.Parameter) -> torch.Tensor | None:
 
 def layout(pm) -> dict:
     """What this rank actually holds: proves the parallelism was applied, not just that numbers match."""
-    out: dict = {"layers": [], "expert_rows": None, "kda_heads": None, "mlp_cols": None}
+    out: dict = {"layers": [], "expert_rows": None, "kda_heads": None, "mlp_cols": None, "fp8_linears": 0,
+                 "dispatcher": None}
     for part in pm.model_parts:
         out["layers"] += [int(k) for k in part.model.layers]
+        out["fp8_linears"] += sum(isinstance(m, Fp8Linear) for m in part.modules())
+        out["dispatcher"] = out["dispatcher"] or next((type(m.dispatcher).__name__ for m in part.modules()
+                                                       if hasattr(m, "dispatcher")), None)
         for n, p in part.named_parameters():
             local = p.to_local() if isinstance(p, DTensor) else p
             if n.endswith("experts.w1") and out["expert_rows"] is None:
@@ -100,21 +124,25 @@ def layout(pm) -> dict:
 
 
 def run_case(name: str) -> dict:
-    make_config, dims = CASES[name]
+    fp8 = name in FP8_CASES
+    make_config, dims = FP8_CASES[name] if fp8 else CASES[name]
     config = make_config()
-    ids, labels = global_batch(config)
+    ids, labels = global_batch(config, FP8_SEQ if fp8 else SEQ)
+    converters = (lambda: [Fp8Training()]) if fp8 else list
 
     reference = build_model(config, seed=0).train()
-    expected = LocalModel(reference).forward_backward(ids, labels)
+    expected = parallelize(reference, ParallelDims(), None, converters()).forward_backward(ids, labels)
     ref_grads = {n: p.grad for n, p in reference.named_parameters()}
     ref_norm = torch.nn.utils.get_total_norm([g for g in ref_grads.values() if g is not None])
 
     dims = dims.resolve(config, dist.get_world_size())
     mesh = init_distributed(dims)  # the trainer's entry: the group exists, so it only builds the mesh
-    pm = parallelize(build_model(config, seed=0).train(), dims, mesh)
+    pm = parallelize(build_model(config, seed=0).train(), dims, mesh, converters())
     rows = BATCH // pm.dp_size
     local = slice(pm.dp_rank * rows, (pm.dp_rank + 1) * rows)
     result = pm.forward_backward(ids[local], labels[local])
+    offloaded = torch.tensor(pm.offload_stats.take() if pm.offload_stats is not None else 0)
+    dist.all_reduce(offloaded)
 
     worst, worst_name, checked = 0.0, "", []
     for part in pm.model_parts:
@@ -142,12 +170,16 @@ def run_case(name: str) -> dict:
     return {"worst_param": worst_name if float(worst_t) == worst else None, "layout": layout(pm),
             "loss": float(result.loss), "ref_loss": float(expected.loss), "grad_rel_err": float(worst_t),
             "lm_loss": float(result.lm_loss), "ref_lm_loss": float(expected.lm_loss),
-            "mtp_loss": float(result.mtp_loss), "ref_mtp_loss": float(expected.mtp_loss),
+            "mtp_loss": _float(result.mtp_loss), "ref_mtp_loss": _float(expected.mtp_loss),
             "expert_load": result.expert_load.tolist(), "ref_expert_load": expected.expert_load.tolist(),
-            "moe_rows": sorted(pm.moe_layers),
+            "moe_rows": sorted(pm.moe_layers), "offloaded_bytes": int(offloaded),
             "norm": float(norm), "ref_norm": float(ref_norm), "clipped_norm": float(clipped),
             "unchecked": sorted(set(ref_grads) - {n for names, _ in everyone for n in names}),
             "state_dict_mismatch": sorted(set(reference.state_dict()) ^ {k for _, ks in everyone for k in ks})}
+
+
+def _float(t: torch.Tensor | None) -> float | None:
+    return None if t is None else float(t)
 
 
 def _worker(rank: int, world: int, port: int, out: str, cases: list[str]) -> None:

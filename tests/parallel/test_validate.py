@@ -70,3 +70,12 @@ def test_the_cli_module_and_the_layout_import_no_torch():
     code = ("import sys, deltamoe.train.cli, deltamoe.parallel.dims; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_ep_alone_under_two_processes():
+    """`torchrun --nproc-per-node 2 -m deltamoe train --ep 2`: dp is inferred (2) and the EP group fits inside it."""
+    from deltamoe.train.config import TrainConfig
+
+    cfg = TrainConfig.from_dict({"parallel": {"ep": 2}}).validate(world_size=2)
+    assert (cfg.parallel.dp, cfg.parallel.ep) == (2, 2)
+    cfg.parallel.check_layout(TINY, 2)
