@@ -11,12 +11,14 @@ prompt: it waits on the hand-off (Mooncake, TCP) and keeps decoding. The chats' 
 below `--min-hand-off-tokens` (default 256): the decode server computes them itself.
 
 Reported: the short chats' TPOT p50/p99 and TTFT, the long prompts' TTFT; hand-off bytes and
-write throughput (from the prefill server's /metrics: under the load, and for `--idle-handoffs`
-long prompts sent one at a time afterwards) next to the Mooncake transfer engine's raw TCP write
-throughput measured in the same run on the same machine, from this process into a receiver
-process, for single writes of the idle hand-offs' size; and the bytes a hand-off moves for Kimi
-K3 (the planner's cost formulas) at a few prompt lengths beside this run's tiny model (measured
-and predicted).
+throughput (under the load, and for `--idle-handoffs` prompts of each `--idle-lens` length sent
+one at a time afterwards, on pools the load left scattered) next to the Mooncake transfer
+engine's raw TCP write throughput measured in the same run on the same machine, from this
+process into a receiver process, for one write of each idle size. A hand-off's time is the
+prefill server's gather + write (`kv_transfer_seconds_sent`) plus the decode server's scatter
+(`kv_transfer_seconds_unpacking`), from their /metrics; goal: >= 50 % of raw at every size.
+Also the bytes a hand-off moves for Kimi K3 (the planner's cost formulas) at a few prompt
+lengths beside this run's tiny model (measured and predicted).
 
 Resources: the colocated server gets `--colocated-threads` torch threads (default 2), each
 P/D server 1, so both setups use the same number of cores. Absolute times are this shared
@@ -120,20 +122,30 @@ async def mixed_load(url: str, args) -> dict:
             "errors": sorted({r["error"] for r in chats + longs if not r["ok"]})[:5]}
 
 
-async def idle_handoffs(url: str, args) -> None:
-    """Long prompts one at a time on idle servers: the hand-off's write speed without CPU contention."""
-    rng = random.Random(args.seed + 1)
+async def idle_handoffs(url: str, args, length: int) -> None:
+    """Prompts of `length` tokens one at a time on idle servers: the hand-off without CPU contention."""
+    rng = random.Random(args.seed + length)
     async with httpx.AsyncClient(base_url=url, timeout=600) as http:
         for _ in range(args.idle_handoffs):
-            result = await stream_one(http, [rng.randrange(32, 127) for _ in range(args.long_len)], 1)
+            result = await stream_one(http, [rng.randrange(32, 127) for _ in range(length)], 1)
             if not result["ok"]:
-                raise RuntimeError(f"an idle hand-off failed: {result['error']}")
+                raise RuntimeError(f"an idle hand-off of {length} tokens failed: {result['error']}")
+
+
+def handoff_totals(p_url: str, d_url: str) -> dict[str, float]:
+    """The hand-off counters: bytes, and seconds = the prefill side's gather + write plus the
+    decode side's scatter."""
+    return {"count": metric(p_url, "deltamoe_engine_kv_transfer_sent"),
+            "bytes": metric(p_url, "deltamoe_engine_kv_transfer_bytes_sent"),
+            "unpacked": metric(p_url, "deltamoe_engine_kv_transfer_unpacked"),
+            "seconds": metric(p_url, "deltamoe_engine_kv_transfer_seconds_sent")
+            + metric(d_url, "deltamoe_engine_kv_transfer_seconds_unpacking")}
 
 
 def serve_args(args, threads: int) -> list[str]:
     return ["serve", args.model, "--served-model-name", MODEL_NAME, "--threads", str(threads), "--cache-memory",
             args.cache_memory, "--max-num-batched-tokens", str(args.chunk), "--max-model-len",
-            str(args.long_len + args.long_output + 8)]
+            str(max(args.long_len, *args.idle_lens) + args.long_output + 8)]
 
 
 def run_colocated(args) -> dict:
@@ -147,7 +159,7 @@ def run_colocated(args) -> dict:
 
 
 def run_disaggregated(args) -> tuple[dict, dict]:
-    role = ["--kv-transfer", "mooncake"]
+    role = ["--kv-transfer", "mooncake", "--kv-transfer-timeout", "600"]  # a long prompt queues behind others
     prefill, p_url = start(serve_args(args, 1) + ["--role", "prefill", *role], free_port())
     decode, d_url = start(serve_args(args, 1) + ["--role", "decode", *role, "--min-hand-off-tokens",
                                                   str(args.min_hand_off_tokens)], free_port())
@@ -159,9 +171,13 @@ def run_disaggregated(args) -> tuple[dict, dict]:
         procs.append(router)
         wait_healthy(router, r_url, 60)
         row = asyncio.run(mixed_load(r_url, args))
-        loaded = {k: metric(p_url, f"deltamoe_engine_kv_transfer_{k}") for k in ("bytes_sent", "seconds_sent")}
-        asyncio.run(idle_handoffs(r_url, args))
-        idle = {k: metric(p_url, f"deltamoe_engine_kv_transfer_{k}") - v for k, v in loaded.items()}
+        loaded = before = handoff_totals(p_url, d_url)
+        idle = []
+        for length in args.idle_lens:
+            asyncio.run(idle_handoffs(r_url, args, length))
+            after = handoff_totals(p_url, d_url)
+            idle.append({"prompt_tokens": length, **{k: after[k] - before[k] for k in after}})
+            before = after
         sent = metric(p_url, "deltamoe_engine_kv_transfer_sent")
         hand_off = {"handoffs": sent, "failures": metric(p_url, "deltamoe_engine_kv_transfer_failures")
                     + metric(d_url, "deltamoe_engine_kv_transfer_failures"),
@@ -169,9 +185,11 @@ def run_disaggregated(args) -> tuple[dict, dict]:
                     "write_seconds_total": metric(p_url, "deltamoe_engine_kv_transfer_seconds_sent"),
                     "handoff_seconds_total": metric(d_url, "deltamoe_engine_kv_transfer_seconds_received"),
                     "retries": metric(r_url, "deltamoe_router_retries_total"),
-                    "loaded_write_gb_s": loaded["bytes_sent"] / max(1e-9, loaded["seconds_sent"]) / 1e9,
-                    "idle_write_gb_s": idle["bytes_sent"] / max(1e-9, idle["seconds_sent"]) / 1e9,
-                    "idle_bytes_per_handoff": idle["bytes_sent"] / max(1, args.idle_handoffs)}
+                    "loaded_gb_s": loaded["bytes"] / max(1e-9, loaded["seconds"]) / 1e9,
+                    "unpacked": metric(p_url, "deltamoe_engine_kv_transfer_unpacked"),
+                    "idle": [{"prompt_tokens": r["prompt_tokens"], "bytes_per_handoff": r["bytes"] / r["count"],
+                              "seconds_per_handoff": r["seconds"] / r["count"], "unpacked": r["unpacked"],
+                              "gb_s": r["bytes"] / max(1e-9, r["seconds"]) / 1e9} for r in idle]}
         return row, hand_off
     finally:
         for proc in reversed(procs):
@@ -192,7 +210,9 @@ sys.stdin.read()
 def raw_tcp_throughput(sizes: list[tuple[int, int]], repeats: int = 9) -> list[float]:
     """Bytes per second of Mooncake TCP writes from this process into another's registered memory (a
     receiver process, as between two servers): for each (total bytes, segments), the total split
-    into that many equal segments in one `MooncakeTransport.write`, median of `repeats`."""
+    into that many equal segments in one `MooncakeTransport.write` (the engine's own synchronous
+    write, `transfer_sync_write` or `batch_transfer_sync_write`, plus a clock check), median of
+    `repeats`."""
     import torch
 
     from deltamoe.serve.kv_transfer.mooncake_transport import MooncakeTransport
@@ -241,13 +261,18 @@ def bytes_per_handoff(args, disagg: dict, measured_total: float) -> list[dict]:
                      "bytes": (n - 1) * k3.kv_bytes_per_token + k3.kda_state_bytes_per_seq, "measured": None})
     layout = CacheLayout.from_config(load_config(args.model), 16)
     one = {n: (n - 1) * layout.bytes_per_token + layout.bytes_per_state_slot for n in (args.chat_len, args.long_len)}
+    one |= {n: (n - 1) * layout.bytes_per_token + layout.bytes_per_state_slot for n in args.idle_lens}
     chats = disagg["chats_ok"] if disagg["chats_ok"] and args.chat_len >= args.min_hand_off_tokens else 0
-    longs = disagg["longs_ok"] + args.idle_handoffs
+    longs = disagg["longs_ok"]
     rows.append({"model": f"{args.model} (fp32; engine layout)", "prompt_tokens": args.long_len,
                  "bytes": one[args.long_len], "measured": None})
-    rows.append({"model": f"{args.model}, this run: {chats} x {args.chat_len} + {longs} x {args.long_len} tokens",
-                 "prompt_tokens": chats * args.chat_len + longs * args.long_len,
-                 "bytes": chats * one[args.chat_len] + longs * one[args.long_len], "measured": measured_total})
+    idle = " + ".join(f"{args.idle_handoffs} x {n}" for n in args.idle_lens)
+    rows.append({"model": f"{args.model}, this run: {chats} x {args.chat_len} + {longs} x {args.long_len} + {idle} "
+                          "tokens",
+                 "prompt_tokens": chats * args.chat_len + longs * args.long_len
+                 + args.idle_handoffs * sum(args.idle_lens),
+                 "bytes": chats * one[args.chat_len] + longs * one[args.long_len]
+                 + args.idle_handoffs * sum(one[n] for n in args.idle_lens), "measured": measured_total})
     return rows
 
 
@@ -266,7 +291,10 @@ def main() -> None:
     ap.add_argument("--colocated-threads", type=int, default=2)
     ap.add_argument("--min-hand-off-tokens", type=int, default=256,
                     help="the decode server computes shorter prompts itself (the chats); 2 hands off every prompt")
-    ap.add_argument("--idle-handoffs", type=int, default=5, help="long prompts handed off one at a time after the load")
+    ap.add_argument("--idle-handoffs", type=int, default=5, help="prompts of each --idle-lens length handed off one "
+                    "at a time after the load")
+    ap.add_argument("--idle-lens", type=lambda s: [int(x) for x in s.split(",")], default=[256, 1536, 6144],
+                    help="prompt lengths of the idle hand-offs (tiny: 0.5 KiB a token)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="15 s per setup; writes serve_disagg_quick.json")
     args = ap.parse_args()
@@ -278,25 +306,28 @@ def main() -> None:
     disagg, hand_off = run_disaggregated(args)
     print("disaggregated:", disagg, hand_off, flush=True)
     per_request = hand_off["bytes_total"] / max(1, hand_off["handoffs"])
-    handoff_rate = hand_off["idle_write_gb_s"] * 1e9
-    idle_size = int(hand_off["idle_bytes_per_handoff"])
-    # One write of the idle hand-offs' size, then hand-off-shaped (16 segments) vs single writes at
-    # sizes where bandwidth, not the per-write cost, decides (a K3 hand-off is hundreds of MiB).
-    sweep = [(idle_size, 1)] + [(mib << 20, count) for mib in (8, 64) for count in (1, 16)]
+    # One raw write of each idle hand-off's size, then 8 and 64 MiB in 1 and 16 writes (a K3
+    # hand-off is hundreds of MiB: bandwidth, not the per-write cost, decides there).
+    sweep = [(int(r["bytes_per_handoff"]), 1) for r in hand_off["idle"]]
+    sweep += [(mib << 20, count) for mib in (8, 64) for count in (1, 16)]
     rates = raw_tcp_throughput(sweep)
-    raw_rate = rates[0]
     transport = [{"bytes": total, "segments": count, "gb_s": round(rate / 1e9, 3)}
                  for (total, count), rate in zip(sweep, rates)]
+    for r, raw in zip(hand_off["idle"], rates):
+        r["raw_tcp_gb_s"], r["over_raw_tcp"] = raw / 1e9, r["gb_s"] * 1e9 / raw
     ratio_tpot = colocated["chat_tpot_p99_ms"] / disagg["chat_tpot_p99_ms"]
     summary = {"p99_chat_tpot_colocated_over_disagg": round(ratio_tpot, 2),
-               "handoff_write_gb_s": round(handoff_rate / 1e9, 3), "raw_tcp_write_gb_s": round(raw_rate / 1e9, 3),
-               "handoff_write_under_load_gb_s": round(hand_off["loaded_write_gb_s"], 3),
-               "handoff_over_raw_tcp": round(handoff_rate / raw_rate, 2),
+               "handoff_under_load_gb_s": round(hand_off["loaded_gb_s"], 3),
+               "handoff_over_raw_tcp": round(min(r["over_raw_tcp"] for r in hand_off["idle"]), 2),
                "handoff_bytes_per_request": round(per_request),
                "handoff_seconds_per_request": round(hand_off["handoff_seconds_total"] / max(1, hand_off["handoffs"]), 4)}
     sizes = bytes_per_handoff(args, disagg, hand_off["bytes_total"])
     print(markdown_table(["write (this process -> receiver process)", "GB/s"],
                          [[f"{t['bytes'] / 2**20:.2f} MiB in {t['segments']} segment(s)", t["gb_s"]] for t in transport]))
+    print(markdown_table(["idle hand-off", "MiB", "ms", "GB/s", "raw TCP GB/s (one write)", "hand-off / raw"],
+                         [[f"{r['prompt_tokens']} tokens", f"{r['bytes_per_handoff'] / 2**20:.2f}",
+                           f"{r['seconds_per_handoff'] * 1e3:.2f}", f"{r['gb_s']:.3f}", f"{r['raw_tcp_gb_s']:.3f}",
+                           f"{r['over_raw_tcp']:.2f}"] for r in hand_off["idle"]]))
     print(markdown_table(["setup", "chat TPOT p50 ms", "chat TPOT p99 ms", "chat TTFT p50 ms", "long TTFT p50 ms",
                           "done (chats/longs)", "failed"],
                          [[name, r["chat_tpot_p50_ms"], r["chat_tpot_p99_ms"], r["chat_ttft_p50_ms"],

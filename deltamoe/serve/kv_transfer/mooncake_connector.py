@@ -90,11 +90,12 @@ class MooncakeConnector(KVConnector):
         self._finished = FinishedTransfers()
         self._in_flight: set[str] = set()
         self._totals = {"sent": 0, "received": 0, "failures": 0, "bytes_sent": 0, "bytes_received": 0,
-                        "seconds_sent": 0.0, "seconds_received": 0.0, "unpacked": 0}
+                        "seconds_sent": 0.0, "seconds_received": 0.0, "unpacked": 0,
+                        "seconds_unpacking": 0.0}
 
     def bind(self, cache: HybridCache, model_config: ModelConfig) -> None:
         super().bind(cache, model_config)
-        self.transport = MooncakeTransport(self.config.host)
+        self.transport = MooncakeTransport(self.config.host, timeout_s=self.config.timeout_s)
         self.staging = StagingArea(self.config.staging_bytes)
         for tensor in [*pool_tensors(cache).values(), self.staging.buffer]:  # once: never per request
             self.transport.register(tensor.data_ptr(), tensor.numel() * tensor.element_size())
@@ -172,7 +173,10 @@ class MooncakeConnector(KVConnector):
             payload["timeout_s"] = left * self.config.push_share
             report = self.prefill_client(url, payload, left)
             if report.get("packed"):
+                unpacking = time.monotonic()
                 unpack(self.cache, rows, slot, self.staging.buffer[offset:offset + size])
+                with self._lock:
+                    self._totals["seconds_unpacking"] += time.monotonic() - unpacking
         except Exception as e:  # any failure fails this request only, with the reason
             self._end(request_id, "received", error=f"prefill hand-off from {url} failed: {e}")
             return
