@@ -4,13 +4,19 @@
 
 Load (the same for both setups): `--chats` clients each stream short completions back to back
 (`--chat-len` prompt tokens, `--chat-output` tokens), while a long prompt (`--long-len` tokens,
-`--long-output` tokens) arrives every `--long-every` seconds. In one server the long prompts'
-prefill chunks share steps with the chats' decodes, so a chat stalls for a whole chunk; with
+`--long-output` tokens) arrives every `--long-every` seconds (default: 3x the colocated server's
+time to prefill one alone, measured first, so that neither setup's prefill queue grows without
+bound over the run: an overloaded server measures its queue, not its steps). Every server runs
+the engine's default chunked-prefill budget (`--max-num-batched-tokens`) unless `--chunk` is
+given. In one server the long prompts' prefill chunks share steps with the chats' decodes, so a
+chat stalls for a whole chunk; with
 `deltamoe router` + `--role prefill` + `--role decode` the decode server never computes a long
 prompt: it waits on the hand-off (Mooncake, TCP) and keeps decoding. The chats' prompts are
 below `--min-hand-off-tokens` (default 256): the decode server computes them itself.
 
-Reported: the short chats' TPOT p50/p99 and TTFT, the long prompts' TTFT; hand-off bytes and
+Reported: the short chats' TPOT p50/p99 (per request: (end - first token) / (tokens - 1)) and
+inter-token gaps p50/p99 (every gap between streamed tokens, where one stall shows whole), their
+TTFT, the long prompts' TTFT; each setup gets one long prompt and one chat as warm-up first. Hand-off bytes and
 throughput (under the load, and for `--idle-handoffs` prompts of each `--idle-lens` length sent
 one at a time afterwards, on pools the load left scattered) next to the Mooncake transfer
 engine's raw TCP write throughput measured in the same run on the same machine, from this
@@ -68,7 +74,7 @@ async def stream_one(http: httpx.AsyncClient, prompt: list[int], max_tokens: int
     body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    first, tokens = None, 0
+    first, last, tokens, gaps = None, None, 0, []
     async with http.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             return {"ok": False, "error": f"HTTP {r.status_code}"}
@@ -80,12 +86,17 @@ async def stream_one(http: httpx.AsyncClient, prompt: list[int], max_tokens: int
                 return {"ok": False, "error": chunk["error"]["message"][:200]}
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-            elif first is None and chunk["choices"]:
-                first = time.perf_counter()
+            elif chunk["choices"]:
+                now = time.perf_counter()
+                if first is None:
+                    first = now
+                else:
+                    gaps.append(now - last)
+                last = now
     end = time.perf_counter()
     if tokens != max_tokens or first is None:
         return {"ok": False, "error": f"{tokens} tokens, expected {max_tokens}"}
-    return {"ok": True, "ttft": first - start, "tpot": (end - first) / max(1, tokens - 1)}
+    return {"ok": True, "ttft": first - start, "tpot": (end - first) / max(1, tokens - 1), "gaps": gaps}
 
 
 async def mixed_load(url: str, args) -> dict:
@@ -114,7 +125,10 @@ async def mixed_load(url: str, args) -> dict:
         values = [r[key] for r in rows if r["ok"]]
         return round(float(np.percentile(values, q)) * 1e3, 2) if values else float("nan")
 
-    return {"chats_ok": sum(r["ok"] for r in chats), "chats_failed": sum(not r["ok"] for r in chats),
+    gaps = [g for r in chats if r["ok"] for g in r["gaps"]]
+    gap = {f"chat_itl_p{q}_ms": round(float(np.percentile(gaps, q)) * 1e3, 2) if gaps else float("nan")
+           for q in (50, 99)}
+    return {"chats_ok": sum(r["ok"] for r in chats), "chats_failed": sum(not r["ok"] for r in chats), **gap,
             "longs_ok": sum(r["ok"] for r in longs), "longs_failed": sum(not r["ok"] for r in longs),
             "chat_tpot_p50_ms": pct(chats, "tpot", 50), "chat_tpot_p99_ms": pct(chats, "tpot", 99),
             "chat_ttft_p50_ms": pct(chats, "ttft", 50), "chat_ttft_p99_ms": pct(chats, "ttft", 99),
@@ -143,16 +157,30 @@ def handoff_totals(p_url: str, d_url: str) -> dict[str, float]:
 
 
 def serve_args(args, threads: int) -> list[str]:
+    chunk = [] if args.chunk is None else ["--max-num-batched-tokens", str(args.chunk)]
     return ["serve", args.model, "--served-model-name", MODEL_NAME, "--threads", str(threads), "--cache-memory",
-            args.cache_memory, "--max-num-batched-tokens", str(args.chunk), "--max-model-len",
-            str(max(args.long_len, *args.idle_lens) + args.long_output + 8)]
+            args.cache_memory, *chunk, "--max-model-len", str(max(args.long_len, *args.idle_lens) + args.long_output + 8)]
+
+
+async def warm_up(url: str, args) -> float:
+    """One long prompt alone, then one chat; the long prompt's time to first token (seconds)."""
+    rng = random.Random(args.seed - 1)
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        long = await stream_one(http, [rng.randrange(32, 127) for _ in range(args.long_len)], 1)
+        chat = await stream_one(http, [rng.randrange(32, 127) for _ in range(args.chat_len)], args.chat_output)
+    if not (long["ok"] and chat["ok"]):
+        raise RuntimeError(f"warm-up failed: {long.get('error') or chat.get('error')}")
+    return long["ttft"]
 
 
 def run_colocated(args) -> dict:
     proc, url = start(serve_args(args, args.colocated_threads), free_port())
     try:
         wait_healthy(proc, url)
-        return asyncio.run(mixed_load(url, args))
+        alone = asyncio.run(warm_up(url, args))
+        if args.long_every is None:
+            args.long_every = round(3 * alone, 2)
+        return asyncio.run(mixed_load(url, args)) | {"long_prefill_alone_ms": round(alone * 1e3, 1)}
     finally:
         proc.terminate()
         proc.wait(30)
@@ -170,7 +198,8 @@ def run_disaggregated(args) -> tuple[dict, dict]:
         router, r_url = start(["router", "--prefill", p_url, "--decode", d_url, "--read-timeout", "600"], free_port())
         procs.append(router)
         wait_healthy(router, r_url, 60)
-        row = asyncio.run(mixed_load(r_url, args))
+        alone = asyncio.run(warm_up(r_url, args))
+        row = asyncio.run(mixed_load(r_url, args)) | {"long_prefill_alone_ms": round(alone * 1e3, 1)}
         loaded = before = handoff_totals(p_url, d_url)
         idle = []
         for length in args.idle_lens:
@@ -263,7 +292,7 @@ def bytes_per_handoff(args, disagg: dict, measured_total: float) -> list[dict]:
     one = {n: (n - 1) * layout.bytes_per_token + layout.bytes_per_state_slot for n in (args.chat_len, args.long_len)}
     one |= {n: (n - 1) * layout.bytes_per_token + layout.bytes_per_state_slot for n in args.idle_lens}
     chats = disagg["chats_ok"] if disagg["chats_ok"] and args.chat_len >= args.min_hand_off_tokens else 0
-    longs = disagg["longs_ok"]
+    longs = disagg["longs_ok"] + 1  # and the warm-up's long prompt (its chat stays on the decode server)
     rows.append({"model": f"{args.model} (fp32; engine layout)", "prompt_tokens": args.long_len,
                  "bytes": one[args.long_len], "measured": None})
     idle = " + ".join(f"{args.idle_handoffs} x {n}" for n in args.idle_lens)
@@ -285,8 +314,10 @@ def main() -> None:
     ap.add_argument("--chat-output", type=int, default=32)
     ap.add_argument("--long-len", type=int, default=1536)
     ap.add_argument("--long-output", type=int, default=2)
-    ap.add_argument("--long-every", type=float, default=3.0)
-    ap.add_argument("--chunk", type=int, default=512, help="--max-num-batched-tokens of every server")
+    ap.add_argument("--long-every", type=float, default=None,
+                    help="seconds between long prompts (default: 3x the colocated server's prefill of one alone)")
+    ap.add_argument("--chunk", type=int, default=None,
+                    help="--max-num-batched-tokens of every server (default: the engine's default)")
     ap.add_argument("--cache-memory", default="256MiB")
     ap.add_argument("--colocated-threads", type=int, default=2)
     ap.add_argument("--min-hand-off-tokens", type=int, default=256,
@@ -317,6 +348,7 @@ def main() -> None:
         r["raw_tcp_gb_s"], r["over_raw_tcp"] = raw / 1e9, r["gb_s"] * 1e9 / raw
     ratio_tpot = colocated["chat_tpot_p99_ms"] / disagg["chat_tpot_p99_ms"]
     summary = {"p99_chat_tpot_colocated_over_disagg": round(ratio_tpot, 2),
+               "p99_chat_itl_colocated_over_disagg": round(colocated["chat_itl_p99_ms"] / disagg["chat_itl_p99_ms"], 2),
                "handoff_under_load_gb_s": round(hand_off["loaded_gb_s"], 3),
                "handoff_over_raw_tcp": round(min(r["over_raw_tcp"] for r in hand_off["idle"]), 2),
                "handoff_bytes_per_request": round(per_request),
@@ -328,9 +360,11 @@ def main() -> None:
                          [[f"{r['prompt_tokens']} tokens", f"{r['bytes_per_handoff'] / 2**20:.2f}",
                            f"{r['seconds_per_handoff'] * 1e3:.2f}", f"{r['gb_s']:.3f}", f"{r['raw_tcp_gb_s']:.3f}",
                            f"{r['over_raw_tcp']:.2f}"] for r in hand_off["idle"]]))
-    print(markdown_table(["setup", "chat TPOT p50 ms", "chat TPOT p99 ms", "chat TTFT p50 ms", "long TTFT p50 ms",
-                          "done (chats/longs)", "failed"],
-                         [[name, r["chat_tpot_p50_ms"], r["chat_tpot_p99_ms"], r["chat_ttft_p50_ms"],
+    print(f"a long prompt every {args.long_every} s")
+    print(markdown_table(["setup", "chat TPOT p50 ms", "chat TPOT p99 ms", "chat gap p50 ms", "chat gap p99 ms",
+                          "chat TTFT p50 ms", "long TTFT p50 ms", "done (chats/longs)", "failed"],
+                         [[name, r["chat_tpot_p50_ms"], r["chat_tpot_p99_ms"], r["chat_itl_p50_ms"],
+                           r["chat_itl_p99_ms"], r["chat_ttft_p50_ms"],
                            r["long_ttft_p50_ms"], f"{r['chats_ok']}/{r['longs_ok']}",
                            r["chats_failed"] + r["longs_failed"]]
                           for name, r in (("colocated", colocated), ("1P+1D", disagg))]))
