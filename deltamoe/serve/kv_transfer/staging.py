@@ -20,7 +20,7 @@ ALIGN = 64  # every borrowed range starts on a cache line (and on any pool dtype
 
 class StagingArea:
     def __init__(self, nbytes: int):
-        self.buffer = torch.zeros(nbytes, dtype=torch.uint8)
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8)  # pages are touched only where ranges are used
         self.nbytes = nbytes
         self._free: list[tuple[int, int]] = [(0, nbytes)] if nbytes else []  # (offset, length), by offset
         self._changed = threading.Condition()
