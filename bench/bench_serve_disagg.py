@@ -4,19 +4,27 @@
 
 Load (the same for both setups): `--chats` clients each stream short completions back to back
 (`--chat-len` prompt tokens, `--chat-output` tokens), while a long prompt (`--long-len` tokens,
-`--long-output` tokens) arrives every `--long-every` seconds. In one server the long prompts'
-prefill chunks share steps with the chats' decodes, so a chat stalls for a whole chunk; with
+`--long-output` tokens) arrives every `--long-every` seconds (default: 3x the colocated server's
+time to prefill one alone, measured first, so that neither setup's prefill queue grows without
+bound over the run: an overloaded server measures its queue, not its steps). Every server runs
+the engine's default chunked-prefill budget (`--max-num-batched-tokens`) unless `--chunk` is
+given. In one server the long prompts' prefill chunks share steps with the chats' decodes, so a
+chat stalls for a whole chunk; with
 `deltamoe router` + `--role prefill` + `--role decode` the decode server never computes a long
 prompt: it waits on the hand-off (Mooncake, TCP) and keeps decoding. The chats' prompts are
 below `--min-hand-off-tokens` (default 256): the decode server computes them itself.
 
-Reported: the short chats' TPOT p50/p99 and TTFT, the long prompts' TTFT; hand-off bytes and
-write throughput (from the prefill server's /metrics: under the load, and for `--idle-handoffs`
-long prompts sent one at a time afterwards) next to the Mooncake transfer engine's raw TCP write
-throughput measured in the same run on the same machine, from this process into a receiver
-process, for single writes of the idle hand-offs' size; and the bytes a hand-off moves for Kimi
-K3 (the planner's cost formulas) at a few prompt lengths beside this run's tiny model (measured
-and predicted).
+Reported: the short chats' TPOT p50/p99 (per request: (end - first token) / (tokens - 1)) and
+inter-token gaps p50/p99 (every gap between streamed tokens, where one stall shows whole), their
+TTFT, the long prompts' TTFT; each setup gets one long prompt and one chat as warm-up first. Hand-off bytes and
+throughput (under the load, and for `--idle-handoffs` prompts of each `--idle-lens` length sent
+one at a time afterwards, on pools the load left scattered) next to the Mooncake transfer
+engine's raw TCP write throughput measured in the same run on the same machine, from this
+process into a receiver process, for one write of each idle size. A hand-off's time is the
+prefill server's gather + write (`kv_transfer_seconds_sent`) plus the decode server's scatter
+(`kv_transfer_seconds_unpacking`), from their /metrics; goal: >= 50 % of raw at every size.
+Also the bytes a hand-off moves for Kimi K3 (the planner's cost formulas) at a few prompt
+lengths beside this run's tiny model (measured and predicted).
 
 Resources: the colocated server gets `--colocated-threads` torch threads (default 2), each
 P/D server 1, so both setups use the same number of cores. Absolute times are this shared
@@ -66,7 +74,7 @@ async def stream_one(http: httpx.AsyncClient, prompt: list[int], max_tokens: int
     body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    first, tokens = None, 0
+    first, last, tokens, gaps = None, None, 0, []
     async with http.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             return {"ok": False, "error": f"HTTP {r.status_code}"}
@@ -78,12 +86,17 @@ async def stream_one(http: httpx.AsyncClient, prompt: list[int], max_tokens: int
                 return {"ok": False, "error": chunk["error"]["message"][:200]}
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-            elif first is None and chunk["choices"]:
-                first = time.perf_counter()
+            elif chunk["choices"]:
+                now = time.perf_counter()
+                if first is None:
+                    first = now
+                else:
+                    gaps.append(now - last)
+                last = now
     end = time.perf_counter()
     if tokens != max_tokens or first is None:
         return {"ok": False, "error": f"{tokens} tokens, expected {max_tokens}"}
-    return {"ok": True, "ttft": first - start, "tpot": (end - first) / max(1, tokens - 1)}
+    return {"ok": True, "ttft": first - start, "tpot": (end - first) / max(1, tokens - 1), "gaps": gaps}
 
 
 async def mixed_load(url: str, args) -> dict:
@@ -112,7 +125,10 @@ async def mixed_load(url: str, args) -> dict:
         values = [r[key] for r in rows if r["ok"]]
         return round(float(np.percentile(values, q)) * 1e3, 2) if values else float("nan")
 
-    return {"chats_ok": sum(r["ok"] for r in chats), "chats_failed": sum(not r["ok"] for r in chats),
+    gaps = [g for r in chats if r["ok"] for g in r["gaps"]]
+    gap = {f"chat_itl_p{q}_ms": round(float(np.percentile(gaps, q)) * 1e3, 2) if gaps else float("nan")
+           for q in (50, 99)}
+    return {"chats_ok": sum(r["ok"] for r in chats), "chats_failed": sum(not r["ok"] for r in chats), **gap,
             "longs_ok": sum(r["ok"] for r in longs), "longs_failed": sum(not r["ok"] for r in longs),
             "chat_tpot_p50_ms": pct(chats, "tpot", 50), "chat_tpot_p99_ms": pct(chats, "tpot", 99),
             "chat_ttft_p50_ms": pct(chats, "ttft", 50), "chat_ttft_p99_ms": pct(chats, "ttft", 99),
@@ -120,34 +136,58 @@ async def mixed_load(url: str, args) -> dict:
             "errors": sorted({r["error"] for r in chats + longs if not r["ok"]})[:5]}
 
 
-async def idle_handoffs(url: str, args) -> None:
-    """Long prompts one at a time on idle servers: the hand-off's write speed without CPU contention."""
-    rng = random.Random(args.seed + 1)
+async def idle_handoffs(url: str, args, length: int) -> None:
+    """Prompts of `length` tokens one at a time on idle servers: the hand-off without CPU contention."""
+    rng = random.Random(args.seed + length)
     async with httpx.AsyncClient(base_url=url, timeout=600) as http:
         for _ in range(args.idle_handoffs):
-            result = await stream_one(http, [rng.randrange(32, 127) for _ in range(args.long_len)], 1)
+            result = await stream_one(http, [rng.randrange(32, 127) for _ in range(length)], 1)
             if not result["ok"]:
-                raise RuntimeError(f"an idle hand-off failed: {result['error']}")
+                raise RuntimeError(f"an idle hand-off of {length} tokens failed: {result['error']}")
+
+
+def handoff_totals(p_url: str, d_url: str) -> dict[str, float]:
+    """The hand-off counters: bytes, and seconds = the prefill side's gather + write plus the
+    decode side's scatter."""
+    return {"count": metric(p_url, "deltamoe_engine_kv_transfer_sent"),
+            "bytes": metric(p_url, "deltamoe_engine_kv_transfer_bytes_sent"),
+            "unpacked": metric(p_url, "deltamoe_engine_kv_transfer_unpacked"),
+            "seconds": metric(p_url, "deltamoe_engine_kv_transfer_seconds_sent")
+            + metric(d_url, "deltamoe_engine_kv_transfer_seconds_unpacking")}
 
 
 def serve_args(args, threads: int) -> list[str]:
+    chunk = [] if args.chunk is None else ["--max-num-batched-tokens", str(args.chunk)]
     return ["serve", args.model, "--served-model-name", MODEL_NAME, "--threads", str(threads), "--cache-memory",
-            args.cache_memory, "--max-num-batched-tokens", str(args.chunk), "--max-model-len",
-            str(args.long_len + args.long_output + 8)]
+            args.cache_memory, *chunk, "--max-model-len", str(max(args.long_len, *args.idle_lens) + args.long_output + 8)]
+
+
+async def warm_up(url: str, args) -> float:
+    """One long prompt alone, then one chat; the long prompt's time to first token (seconds)."""
+    rng = random.Random(args.seed - 1)
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        long = await stream_one(http, [rng.randrange(32, 127) for _ in range(args.long_len)], 1)
+        chat = await stream_one(http, [rng.randrange(32, 127) for _ in range(args.chat_len)], args.chat_output)
+    if not (long["ok"] and chat["ok"]):
+        raise RuntimeError(f"warm-up failed: {long.get('error') or chat.get('error')}")
+    return long["ttft"]
 
 
 def run_colocated(args) -> dict:
     proc, url = start(serve_args(args, args.colocated_threads), free_port())
     try:
         wait_healthy(proc, url)
-        return asyncio.run(mixed_load(url, args))
+        alone = asyncio.run(warm_up(url, args))
+        if args.long_every is None:
+            args.long_every = round(3 * alone, 2)
+        return asyncio.run(mixed_load(url, args)) | {"long_prefill_alone_ms": round(alone * 1e3, 1)}
     finally:
         proc.terminate()
         proc.wait(30)
 
 
 def run_disaggregated(args) -> tuple[dict, dict]:
-    role = ["--kv-transfer", "mooncake"]
+    role = ["--kv-transfer", "mooncake", "--kv-transfer-timeout", "600"]  # a long prompt queues behind others
     prefill, p_url = start(serve_args(args, 1) + ["--role", "prefill", *role], free_port())
     decode, d_url = start(serve_args(args, 1) + ["--role", "decode", *role, "--min-hand-off-tokens",
                                                   str(args.min_hand_off_tokens)], free_port())
@@ -158,10 +198,15 @@ def run_disaggregated(args) -> tuple[dict, dict]:
         router, r_url = start(["router", "--prefill", p_url, "--decode", d_url, "--read-timeout", "600"], free_port())
         procs.append(router)
         wait_healthy(router, r_url, 60)
-        row = asyncio.run(mixed_load(r_url, args))
-        loaded = {k: metric(p_url, f"deltamoe_engine_kv_transfer_{k}") for k in ("bytes_sent", "seconds_sent")}
-        asyncio.run(idle_handoffs(r_url, args))
-        idle = {k: metric(p_url, f"deltamoe_engine_kv_transfer_{k}") - v for k, v in loaded.items()}
+        alone = asyncio.run(warm_up(r_url, args))
+        row = asyncio.run(mixed_load(r_url, args)) | {"long_prefill_alone_ms": round(alone * 1e3, 1)}
+        loaded = before = handoff_totals(p_url, d_url)
+        idle = []
+        for length in args.idle_lens:
+            asyncio.run(idle_handoffs(r_url, args, length))
+            after = handoff_totals(p_url, d_url)
+            idle.append({"prompt_tokens": length, **{k: after[k] - before[k] for k in after}})
+            before = after
         sent = metric(p_url, "deltamoe_engine_kv_transfer_sent")
         hand_off = {"handoffs": sent, "failures": metric(p_url, "deltamoe_engine_kv_transfer_failures")
                     + metric(d_url, "deltamoe_engine_kv_transfer_failures"),
@@ -169,9 +214,11 @@ def run_disaggregated(args) -> tuple[dict, dict]:
                     "write_seconds_total": metric(p_url, "deltamoe_engine_kv_transfer_seconds_sent"),
                     "handoff_seconds_total": metric(d_url, "deltamoe_engine_kv_transfer_seconds_received"),
                     "retries": metric(r_url, "deltamoe_router_retries_total"),
-                    "loaded_write_gb_s": loaded["bytes_sent"] / max(1e-9, loaded["seconds_sent"]) / 1e9,
-                    "idle_write_gb_s": idle["bytes_sent"] / max(1e-9, idle["seconds_sent"]) / 1e9,
-                    "idle_bytes_per_handoff": idle["bytes_sent"] / max(1, args.idle_handoffs)}
+                    "loaded_gb_s": loaded["bytes"] / max(1e-9, loaded["seconds"]) / 1e9,
+                    "unpacked": metric(p_url, "deltamoe_engine_kv_transfer_unpacked"),
+                    "idle": [{"prompt_tokens": r["prompt_tokens"], "bytes_per_handoff": r["bytes"] / r["count"],
+                              "seconds_per_handoff": r["seconds"] / r["count"], "unpacked": r["unpacked"],
+                              "gb_s": r["bytes"] / max(1e-9, r["seconds"]) / 1e9} for r in idle]}
         return row, hand_off
     finally:
         for proc in reversed(procs):
@@ -192,7 +239,9 @@ sys.stdin.read()
 def raw_tcp_throughput(sizes: list[tuple[int, int]], repeats: int = 9) -> list[float]:
     """Bytes per second of Mooncake TCP writes from this process into another's registered memory (a
     receiver process, as between two servers): for each (total bytes, segments), the total split
-    into that many equal segments in one `MooncakeTransport.write`, median of `repeats`."""
+    into that many equal segments in one `MooncakeTransport.write` (the engine's own synchronous
+    write, `transfer_sync_write` or `batch_transfer_sync_write`, plus a clock check), median of
+    `repeats`."""
     import torch
 
     from deltamoe.serve.kv_transfer.mooncake_transport import MooncakeTransport
@@ -241,13 +290,18 @@ def bytes_per_handoff(args, disagg: dict, measured_total: float) -> list[dict]:
                      "bytes": (n - 1) * k3.kv_bytes_per_token + k3.kda_state_bytes_per_seq, "measured": None})
     layout = CacheLayout.from_config(load_config(args.model), 16)
     one = {n: (n - 1) * layout.bytes_per_token + layout.bytes_per_state_slot for n in (args.chat_len, args.long_len)}
+    one |= {n: (n - 1) * layout.bytes_per_token + layout.bytes_per_state_slot for n in args.idle_lens}
     chats = disagg["chats_ok"] if disagg["chats_ok"] and args.chat_len >= args.min_hand_off_tokens else 0
-    longs = disagg["longs_ok"] + args.idle_handoffs
+    longs = disagg["longs_ok"] + 1  # and the warm-up's long prompt (its chat stays on the decode server)
     rows.append({"model": f"{args.model} (fp32; engine layout)", "prompt_tokens": args.long_len,
                  "bytes": one[args.long_len], "measured": None})
-    rows.append({"model": f"{args.model}, this run: {chats} x {args.chat_len} + {longs} x {args.long_len} tokens",
-                 "prompt_tokens": chats * args.chat_len + longs * args.long_len,
-                 "bytes": chats * one[args.chat_len] + longs * one[args.long_len], "measured": measured_total})
+    idle = " + ".join(f"{args.idle_handoffs} x {n}" for n in args.idle_lens)
+    rows.append({"model": f"{args.model}, this run: {chats} x {args.chat_len} + {longs} x {args.long_len} + {idle} "
+                          "tokens",
+                 "prompt_tokens": chats * args.chat_len + longs * args.long_len
+                 + args.idle_handoffs * sum(args.idle_lens),
+                 "bytes": chats * one[args.chat_len] + longs * one[args.long_len]
+                 + args.idle_handoffs * sum(one[n] for n in args.idle_lens), "measured": measured_total})
     return rows
 
 
@@ -260,13 +314,18 @@ def main() -> None:
     ap.add_argument("--chat-output", type=int, default=32)
     ap.add_argument("--long-len", type=int, default=1536)
     ap.add_argument("--long-output", type=int, default=2)
-    ap.add_argument("--long-every", type=float, default=3.0)
-    ap.add_argument("--chunk", type=int, default=512, help="--max-num-batched-tokens of every server")
+    ap.add_argument("--long-every", type=float, default=None,
+                    help="seconds between long prompts (default: 3x the colocated server's prefill of one alone)")
+    ap.add_argument("--chunk", type=int, default=None,
+                    help="--max-num-batched-tokens of every server (default: the engine's default)")
     ap.add_argument("--cache-memory", default="256MiB")
     ap.add_argument("--colocated-threads", type=int, default=2)
     ap.add_argument("--min-hand-off-tokens", type=int, default=256,
                     help="the decode server computes shorter prompts itself (the chats); 2 hands off every prompt")
-    ap.add_argument("--idle-handoffs", type=int, default=5, help="long prompts handed off one at a time after the load")
+    ap.add_argument("--idle-handoffs", type=int, default=5, help="prompts of each --idle-lens length handed off one "
+                    "at a time after the load")
+    ap.add_argument("--idle-lens", type=lambda s: [int(x) for x in s.split(",")], default=[256, 1536, 6144],
+                    help="prompt lengths of the idle hand-offs (tiny: 0.5 KiB a token)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="15 s per setup; writes serve_disagg_quick.json")
     args = ap.parse_args()
@@ -278,28 +337,34 @@ def main() -> None:
     disagg, hand_off = run_disaggregated(args)
     print("disaggregated:", disagg, hand_off, flush=True)
     per_request = hand_off["bytes_total"] / max(1, hand_off["handoffs"])
-    handoff_rate = hand_off["idle_write_gb_s"] * 1e9
-    idle_size = int(hand_off["idle_bytes_per_handoff"])
-    # One write of the idle hand-offs' size, then hand-off-shaped (16 segments) vs single writes at
-    # sizes where bandwidth, not the per-write cost, decides (a K3 hand-off is hundreds of MiB).
-    sweep = [(idle_size, 1)] + [(mib << 20, count) for mib in (8, 64) for count in (1, 16)]
+    # One raw write of each idle hand-off's size, then 8 and 64 MiB in 1 and 16 writes (a K3
+    # hand-off is hundreds of MiB: bandwidth, not the per-write cost, decides there).
+    sweep = [(int(r["bytes_per_handoff"]), 1) for r in hand_off["idle"]]
+    sweep += [(mib << 20, count) for mib in (8, 64) for count in (1, 16)]
     rates = raw_tcp_throughput(sweep)
-    raw_rate = rates[0]
     transport = [{"bytes": total, "segments": count, "gb_s": round(rate / 1e9, 3)}
                  for (total, count), rate in zip(sweep, rates)]
+    for r, raw in zip(hand_off["idle"], rates):
+        r["raw_tcp_gb_s"], r["over_raw_tcp"] = raw / 1e9, r["gb_s"] * 1e9 / raw
     ratio_tpot = colocated["chat_tpot_p99_ms"] / disagg["chat_tpot_p99_ms"]
     summary = {"p99_chat_tpot_colocated_over_disagg": round(ratio_tpot, 2),
-               "handoff_write_gb_s": round(handoff_rate / 1e9, 3), "raw_tcp_write_gb_s": round(raw_rate / 1e9, 3),
-               "handoff_write_under_load_gb_s": round(hand_off["loaded_write_gb_s"], 3),
-               "handoff_over_raw_tcp": round(handoff_rate / raw_rate, 2),
+               "p99_chat_itl_colocated_over_disagg": round(colocated["chat_itl_p99_ms"] / disagg["chat_itl_p99_ms"], 2),
+               "handoff_under_load_gb_s": round(hand_off["loaded_gb_s"], 3),
+               "handoff_over_raw_tcp": round(min(r["over_raw_tcp"] for r in hand_off["idle"]), 2),
                "handoff_bytes_per_request": round(per_request),
                "handoff_seconds_per_request": round(hand_off["handoff_seconds_total"] / max(1, hand_off["handoffs"]), 4)}
     sizes = bytes_per_handoff(args, disagg, hand_off["bytes_total"])
     print(markdown_table(["write (this process -> receiver process)", "GB/s"],
                          [[f"{t['bytes'] / 2**20:.2f} MiB in {t['segments']} segment(s)", t["gb_s"]] for t in transport]))
-    print(markdown_table(["setup", "chat TPOT p50 ms", "chat TPOT p99 ms", "chat TTFT p50 ms", "long TTFT p50 ms",
-                          "done (chats/longs)", "failed"],
-                         [[name, r["chat_tpot_p50_ms"], r["chat_tpot_p99_ms"], r["chat_ttft_p50_ms"],
+    print(markdown_table(["idle hand-off", "MiB", "ms", "GB/s", "raw TCP GB/s (one write)", "hand-off / raw"],
+                         [[f"{r['prompt_tokens']} tokens", f"{r['bytes_per_handoff'] / 2**20:.2f}",
+                           f"{r['seconds_per_handoff'] * 1e3:.2f}", f"{r['gb_s']:.3f}", f"{r['raw_tcp_gb_s']:.3f}",
+                           f"{r['over_raw_tcp']:.2f}"] for r in hand_off["idle"]]))
+    print(f"a long prompt every {args.long_every} s")
+    print(markdown_table(["setup", "chat TPOT p50 ms", "chat TPOT p99 ms", "chat gap p50 ms", "chat gap p99 ms",
+                          "chat TTFT p50 ms", "long TTFT p50 ms", "done (chats/longs)", "failed"],
+                         [[name, r["chat_tpot_p50_ms"], r["chat_tpot_p99_ms"], r["chat_itl_p50_ms"],
+                           r["chat_itl_p99_ms"], r["chat_ttft_p50_ms"],
                            r["long_ttft_p50_ms"], f"{r['chats_ok']}/{r['longs_ok']}",
                            r["chats_failed"] + r["longs_failed"]]
                           for name, r in (("colocated", colocated), ("1P+1D", disagg))]))

@@ -222,6 +222,38 @@ def serve_online_rows(d: dict) -> list[Row]:
              "", d.get("note", "")]]
 
 
+def serve_disagg_rows(d: dict) -> list[Row]:
+    c, t, summary = d["config"], d.get("targets", {}), d["summary"]
+    co, pd = d["colocated"], d["disaggregated"]
+    tpot = summary["p99_chat_tpot_colocated_over_disagg"]
+    goal = f">= {t['p99_chat_tpot_colocated_over_disagg']:g}x p99 TPOT" if "p99_chat_tpot_colocated_over_disagg" in t else ""
+    out = [[f"P/D disaggregation (1 prefill + 1 decode, Mooncake TCP) vs one colocated server, {c['model']}: "
+            f"{c['chats']} chats of {c['chat_len']} + {c['chat_output']} tokens beside a {c['long_len']}-token prompt "
+            f"every {c['long_every']:g} s {command('serve_disagg')}",
+            f"chat TPOT p99 {pd['chat_tpot_p99_ms']:,.0f} ms, gap p99 {pd['chat_itl_p99_ms']:,.0f} ms",
+            f"colocated TPOT p99 {co['chat_tpot_p99_ms']:,.0f} ms, gap p99 {co['chat_itl_p99_ms']:,.0f} ms",
+            f"{bold(times(tpot))} / {times(summary['p99_chat_itl_colocated_over_disagg'])}",
+            verdict([(goal, tpot >= t["p99_chat_tpot_colocated_over_disagg"])], d.get("note")) if goal else ""]]
+    idle = d["hand_off"]["idle"]
+    worst = min(r["over_raw_tcp"] for r in idle)
+    share = t.get("handoff_over_raw_tcp")
+    out.append([f"same, one hand-off at a time (gather + write + scatter) at "
+                + " / ".join(f"{r['bytes_per_handoff'] / 2**20:.2f}" for r in idle) + " MiB",
+                " / ".join(f"{r['gb_s']:.2f}" for r in idle) + " GB/s",
+                "Mooncake raw TCP write " + " / ".join(f"{r['raw_tcp_gb_s']:.2f}" for r in idle) + " GB/s",
+                " / ".join(bold(f"{r['over_raw_tcp']:.2f}") if r["over_raw_tcp"] == worst else f"{r['over_raw_tcp']:.2f}"
+                           for r in idle),
+                verdict([(f">= {share:.0%} of raw at every size".replace("%", " %"), worst >= share)]) if share else ""])
+    k3 = [r for r in d["bytes_per_handoff"] if r["model"].startswith("kimi-k3")]
+    run = next((r for r in d["bytes_per_handoff"] if r["measured"] is not None), None)
+    out.append(["same, bytes per hand-off: Kimi K3 (planner formulas) at "
+                + " / ".join(f"{r['prompt_tokens'] // 1024}k" for r in k3) + " prompt tokens",
+                " / ".join(f"{r['bytes'] / 2**20:,.0f} MiB" for r in k3),
+                f"{c['model']}, this run: {run['measured'] / 2**20:.2f} MiB measured, {run['bytes'] / 2**20:.2f} MiB "
+                "predicted" if run else "", "", ""])
+    return out
+
+
 def trace_rows(d: dict) -> list[Row]:
     t, out = d.get("target", {}), []
     peer = [p for p in d.get("peer", []) if p.get("hta", {}).get("wall_s")]
@@ -373,6 +405,7 @@ FORMATTERS: dict[str, Callable[[dict], list[Row]]] = {
     "serve_cache_bytes": serve_cache_bytes_rows,
     "serve_online": serve_online_rows,
     "serve_online_compiled": serve_online_rows,
+    "serve_disagg": serve_disagg_rows,
     "trace": trace_rows,
     "plan_validation": plan_validation_rows,
     "moe": moe_rows,

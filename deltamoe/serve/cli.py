@@ -330,6 +330,9 @@ def serve_command(
                                               "and write) may take before the request fails."),
     min_hand_off_tokens: int = typer.Option(2, min=2, help="Decode role: prompts shorter than this are computed "
                                             "by the decode server itself (short chats skip the prefill queue)."),
+    kv_transfer_staging: str = typer.Option("64MiB", help="Registered area for packed hand-offs (one write per "
+                                            "request); a request larger than either side's area is written block "
+                                            "run by block run."),
     block_size: int = typer.Option(16, min=1, help="Tokens per cache block (equal on both sides of a P/D pair)."),
     tp: int = typer.Option(1, "--tp", help=TP_HELP),
     ep: int = typer.Option(1, "--ep", help=EP_HELP),
@@ -347,10 +350,11 @@ def serve_command(
                                          "are scaled down, keeping their aspect)."),
 ) -> None:
     """OpenAI-compatible HTTP server (deltamoe.serve.api) over an AsyncLLMEngine."""
-    from deltamoe.serve.engine.config import EngineConfig
+    from deltamoe.serve.engine.config import EngineConfig, parse_bytes
     from deltamoe.serve.kv_transfer.role_config import check_role
 
     check_role(role, kv_transfer)
+    parse_bytes(kv_transfer_staging, "kv_transfer_staging")  # a bad size fails before the model loads
     check_dtype(dtype)
     config = EngineConfig(cache_memory=cache_memory, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
@@ -383,7 +387,8 @@ def serve_command(
 
     torch.set_num_threads(chosen)
     try:
-        connector = make_connector(role, kv_transfer_host, kv_transfer_timeout, api_key, min_hand_off_tokens)
+        connector = make_connector(role, kv_transfer_host, kv_transfer_timeout, api_key, min_hand_off_tokens,
+                                   parse_bytes(kv_transfer_staging, "kv_transfer_staging"))
     except ConfigError:
         listener.close()
         raise

@@ -91,7 +91,9 @@ def cpu_collectives(t: EventTables, main: int, windows: np.ndarray, rank: int = 
     (p2p.cpu_peer). Collectives: gloo runs a group's work in the order it was issued, so each
     exchange annotation (on a gloo worker thread) belongs to the earliest unpaired c10d call
     issued before it. The kind comes from the call: gloo records a reduce-scatter as
-    `gloo:all_reduce`."""
+    `gloo:all_reduce`. Each collective row keeps the annotation's thread (`lane`): a process
+    group runs its work on its own gloo worker threads, which tells groups apart where timing
+    cannot (join._resolve_unnamed_groups)."""
     calls: dict[str, list] = {}   # P2P kind -> [(ts, dur, concrete inputs)]
     coll_calls: list = []         # [(ts, dur, kind)]
     for name, ts, dur, tid, ci in sorted(t.cpu_coll_ops, key=lambda o: o[1]):
@@ -103,12 +105,12 @@ def cpu_collectives(t: EventTables, main: int, windows: np.ndarray, rank: int = 
                 coll_calls.append((ts, dur, kind))
     exch: dict[str, list] = {}
     coll_exch: list = []
-    for name, ts, dur, _tid in sorted(t.annotations, key=lambda a: a[1]):
+    for name, ts, dur, tid in sorted(t.annotations, key=lambda a: a[1]):
         kind = collective_kind(name)
         if kind in P2P_KINDS:
             exch.setdefault(kind, []).append((ts, dur, name))
         else:
-            coll_exch.append((ts, dur, kind))
+            coll_exch.append((ts, dur, kind, _int(tid, -1)))
     rows = []
     for kind in set(calls) | set(exch):
         c, x = calls.get(kind, []), exch.get(kind, [])
@@ -121,30 +123,31 @@ def cpu_collectives(t: EventTables, main: int, windows: np.ndarray, rank: int = 
             local = _int(ci[2], -1) if isinstance(ci, list) and len(ci) > 2 else -1
             if local < 0 and ann:
                 local = peer_from_name(ann[2])
-            rows.append((kind, float(arrive), float(end), cpu_peer(rank, local, p2p_group)))
+            rows.append((kind, float(arrive), float(end), cpu_peer(rank, local, p2p_group), -1))
     pending = 0  # the earliest unpaired call
-    for ts, dur, kind in coll_exch:
+    for ts, dur, kind, tid in coll_exch:
         if pending < len(coll_calls) and coll_calls[pending][0] <= ts:
             c_ts, c_dur, c_kind = coll_calls[pending]
             pending += 1
-            rows.append((c_kind, float(c_ts), float(max(ts + dur, c_ts + c_dur)), -1))
+            rows.append((c_kind, float(c_ts), float(max(ts + dur, c_ts + c_dur)), -1, tid))
         else:
-            rows.append((kind, float(ts), float(ts + dur), -1))
-    rows += [(k, float(ts), float(ts + dur), -1) for ts, dur, k in coll_calls[pending:]]
+            rows.append((kind, float(ts), float(ts + dur), -1, tid))
+    rows += [(k, float(ts), float(ts + dur), -1, -1) for ts, dur, k in coll_calls[pending:]]
     rows.sort(key=lambda r: r[1])
-    kind, arrive, end, peer = (list(c) for c in zip(*rows)) if rows else ([], [], [], [])
+    kind, arrive, end, peer, lane = (list(c) for c in zip(*rows)) if rows else ([], [], [], [], [])
     return finish(pg=np.full(len(rows), "", dtype=str), seq=np.full(len(rows), -1, dtype=np.int64),
                   kind=np.array(kind, dtype=str), nbytes=np.zeros(len(rows), dtype=np.int64),
                   arrive=np.array(arrive, dtype=float), end=np.array(end, dtype=float),
-                  peer=np.array(peer, dtype=np.int64), windows=windows)
+                  peer=np.array(peer, dtype=np.int64), windows=windows, lane=np.array(lane, dtype=np.int64))
 
 
 def finish(pg: np.ndarray, seq: np.ndarray, kind: np.ndarray, nbytes: np.ndarray, arrive: np.ndarray,
-           end: np.ndarray, peer: np.ndarray, windows: np.ndarray) -> Collectives:
+           end: np.ndarray, peer: np.ndarray, windows: np.ndarray, lane: np.ndarray | None = None) -> Collectives:
     """Sort by arrival, number collectives per group when the trace has no `Seq`, map to steps."""
     order = np.argsort(arrive, kind="stable")
     pg, seq, kind, nbytes = pg[order], seq[order].copy(), kind[order], nbytes[order]
     arrive, end, peer = arrive[order], end[order], peer[order]
+    lane = lane[order] if lane is not None else None
     step = np.full(len(arrive), -1, dtype=np.int64)
     if len(windows) and len(arrive):
         k = np.searchsorted(windows[:, 0], arrive, side="right") - 1
@@ -163,7 +166,8 @@ def finish(pg: np.ndarray, seq: np.ndarray, kind: np.ndarray, nbytes: np.ndarray
             count[key] = n + 1
             ordinal.append(n)
         seq[unnumbered] = ordinal
-    return Collectives(pg=pg, seq=seq, kind=kind, nbytes=nbytes, arrive=arrive, end=end, peer=peer, step=step)
+    return Collectives(pg=pg, seq=seq, kind=kind, nbytes=nbytes, arrive=arrive, end=end, peer=peer, step=step,
+                       lane=lane)
 
 
 def _ints(values: list, default: int) -> np.ndarray:

@@ -176,7 +176,7 @@ def _concat(summaries: list[RankSummary]) -> dict[str, np.ndarray]:
     if not colls:
         return {k: np.zeros(0, dtype=np.int64) for k in ("rank", "step")} | {
             k: np.zeros(0) for k in ("seq", "nbytes", "arrive", "end", "peer")} | {
-            k: np.zeros(0, dtype=object) for k in ("kind", "pg")}
+            k: np.zeros(0, dtype=object) for k in ("kind", "pg")} | {"lane": np.zeros(0, dtype=np.int64)}
     local = np.concatenate([c.step for c in colls])
     keep = local >= 0
     rows = [len(c) for c in colls]
@@ -187,13 +187,16 @@ def _concat(summaries: list[RankSummary]) -> dict[str, np.ndarray]:
            "step": np.concatenate(ids)[(np.repeat(first_id, rows) + local)[keep]]}
     for k in ("kind", "pg", "seq", "nbytes", "arrive", "end", "peer"):
         out[k] = np.concatenate([getattr(c, k) for c in colls])[keep]
+    out["lane"] = np.concatenate([c.lane if c.lane is not None else np.full(len(c), -1, dtype=np.int64)
+                                  for c in colls])[keep]
     out["pg"] = out["pg"].astype(object)
     out["kind"] = out["kind"].astype(object)
     return out
 
 
 def _resolve_unnamed_groups(cols: dict[str, np.ndarray], summaries: list[RankSummary]) -> None:
-    """gloo traces do not name the group of a collective; find it from the ops' overlap in time.
+    """gloo traces do not name the group of a collective; find it from the ops' overlap in time
+    and from the threads they ran on.
 
     A collective cannot finish on one member before every member has entered it, so the ops of
     one instance overlap: the latest arrival precedes the earliest end (up to `_CLOCK_TOL`; a
@@ -208,6 +211,12 @@ def _resolve_unnamed_groups(cols: dict[str, np.ndarray], summaries: list[RankSum
     are not a world all-reduce). Ops are numbered per group in instance order, as a named
     group's are. When no group fits, the head that ends first has no partner among the other
     ranks' ops (they lack it, e.g. it lies outside their kept steps): it stays unnamed.
+
+    Timing alone cannot tell both pairs' all-reduces ending together from one over the world.
+    The threads can: a process group runs its work on its own gloo worker threads, so a rank's
+    ops on one thread (`lane`) all belong to one group. A first placement by timing gives each
+    lane the group most of its ops went to; the placement is then redone with every op held to
+    its lane's group.
     """
     unnamed = (cols["pg"] == "") & ~np.isin(cols["kind"], list(P2P_KINDS))
     if not unnamed.any():
@@ -224,17 +233,43 @@ def _resolve_unnamed_groups(cols: dict[str, np.ndarray], summaries: list[RankSum
                 groups.setdefault(tuple(sorted(ranks)), name)
     if not groups:
         return
-    kind, arrive, end = cols["kind"].tolist(), cols["arrive"].tolist(), cols["end"].tolist()
+    placed = _place(cols, queue, groups, {})
+    lane = cols["lane"].tolist()
+    votes: dict[tuple[int, int], dict[str, int]] = {}
+    for i, (name, _) in placed.items():
+        if lane[i] >= 0:
+            tally = votes.setdefault((int(cols["rank"][i]), lane[i]), {})
+            tally[name] = tally.get(name, 0) + 1
+    lane_group = {}
+    for key, tally in votes.items():
+        best = max(tally.values())
+        winners = [name for name, n in tally.items() if n == best]
+        if len(winners) == 1:  # a tie says nothing
+            lane_group[key] = winners[0]
+    if lane_group:
+        placed = _place(cols, queue, groups, lane_group)
+    for i, (name, k) in placed.items():
+        cols["pg"][i], cols["seq"][i] = name, k
+
+
+def _place(cols: dict[str, np.ndarray], queue: dict[int, list[int]], groups: dict[tuple[int, ...], str],
+           lane_group: dict[tuple[int, int], str]) -> dict[int, tuple[str, int]]:
+    """One placement pass (see `_resolve_unnamed_groups`): row -> (group name, sequence number).
+    `lane_group`: (rank, lane) -> the only group that lane's ops may join."""
+    kind, arrive, end, lane = cols["kind"].tolist(), cols["arrive"].tolist(), cols["end"].tolist(), cols["lane"].tolist()
     head = dict.fromkeys(queue, 0)
     count: dict[str, int] = {}
+    placed: dict[int, tuple[str, int]] = {}
     while True:
         heads = {r: q[head[r]] for r, q in queue.items() if head[r] < len(q)}
         if not heads:
-            return
+            return placed
         fits = []  # (preference, members)
-        for ranks in groups:
+        for ranks, name in groups.items():
             ops = [heads.get(r) for r in ranks]
             if None in ops or len({kind[i] for i in ops}) > 1:
+                continue
+            if any(lane_group.get((r, lane[i]), name) != name for r, i in zip(ranks, ops)):
                 continue
             if max(arrive[i] for i in ops) > min(end[i] for i in ops) + _CLOCK_TOL:
                 continue
@@ -252,7 +287,7 @@ def _resolve_unnamed_groups(cols: dict[str, np.ndarray], summaries: list[RankSum
                 k = count.get(name, 0)
                 count[name] = k + 1
                 for r in ranks:
-                    cols["pg"][heads[r]], cols["seq"][heads[r]] = name, k
+                    placed[heads[r]] = (name, k)
                     head[r] += 1
 
 

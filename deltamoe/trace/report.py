@@ -18,8 +18,8 @@ SCORE_TEXT = ("Score: the time the other members of a rank's collectives and pip
               "per step, as a fraction of the median step time (0.1 = others lost a tenth of a step, on "
               "average, to this rank). Only lateness the rank produced itself counts: a rank held up by "
               "someone else passes the wait on. A rank is named when its score is at least {min:.2f}, far "
-              "above the job's typical score (robust z > 5; median score {median:.4f}) and it was late in at "
-              "least half of the steps.")
+              "above the job's typical score (robust z > 5; median score {median:.4f}; in a job of fewer than 8 "
+              "ranks also: at least 3x every other rank's score) and it was late in at least half of the steps.")
 
 
 def atomic_write(path: str | Path, data: bytes) -> None:
@@ -72,11 +72,11 @@ def _stragglers(r: dict) -> str:
     for s in r["stragglers"]:
         ev = "<br>".join(html.escape(f"{c['op']}: late {c['count']} times, others waited {_s(c['others_waited_s'])} s")
                          for c in s["collectives"])
-        rows.append([s["rank"], s["host"], f"{s['score']:.3f}", f"{s['robust_z']:.1f}", s["steps_late"],
+        rows.append([s["rank"], s["host"], f"{s['score']:.3f}", s["test"], s["steps_late"],
                      _s(s["others_waited_s"]), f"{s['compute_vs_peers']:.2f}x", s["cause"], _Html(ev)])
     verdict = ", ".join(str(s["rank"]) for s in r["stragglers"])
     return (f"<p><b>Straggler{'s' if len(r['stragglers']) > 1 else ''}: rank {verdict}.</b></p>" + "".join(out)
-            + _table(rows, ["rank", "host", "score", "robust z", "steps late", "others waited (s)",
+            + _table(rows, ["rank", "host", "score", "far above the others by", "steps late", "others waited (s)",
                             "own compute vs stage peers", "likely cause", "evidence (where others waited)"]))
 
 

@@ -25,6 +25,9 @@ class Collectives:
     end: np.ndarray     # when the op finished on this rank
     peer: np.ndarray    # P2P peer (global rank) or -1
     step: np.ndarray    # index into RankSummary.step_ids, -1 outside the kept steps
+    # gloo: the thread the exchange ran on (a process group's work runs on its own worker
+    # threads, so ops of one rank on one thread share a group), -1 when unknown; None: GPU trace.
+    lane: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.arrive)

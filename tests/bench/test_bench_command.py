@@ -152,3 +152,22 @@ def test_ratios_never_round_onto_a_whole_number_goal():
     """4.97x beside a missed '>= 5x' must not read 5.0x; far from a whole number one decimal stays."""
     assert times(4.97) == "4.97x" and times(5.02) == "5.02x" and times(5.0) == "5.0x"
     assert times(4.4) == "4.4x" and times(0.94) == "0.94x" and times(22.2) == "22.2x"
+
+
+def test_serve_disagg_rows_judge_both_goals_and_show_k3_bytes():
+    from deltamoe.benchmarks.table import serve_disagg_rows
+
+    run = {"chat_tpot_p99_ms": 40.0, "chat_itl_p99_ms": 90.0}
+    d = {"config": {"model": "tiny", "chats": 4, "chat_len": 32, "chat_output": 32, "long_len": 1536, "long_every": 6.0},
+         "targets": {"p99_chat_tpot_colocated_over_disagg": 2.0, "handoff_over_raw_tcp": 0.5},
+         "colocated": {"chat_tpot_p99_ms": 100.0, "chat_itl_p99_ms": 900.0}, "disaggregated": run,
+         "summary": {"p99_chat_tpot_colocated_over_disagg": 2.5, "p99_chat_itl_colocated_over_disagg": 10.0},
+         "hand_off": {"idle": [{"bytes_per_handoff": 2**20, "gb_s": 0.9, "raw_tcp_gb_s": 1.5, "over_raw_tcp": 0.6},
+                               {"bytes_per_handoff": 2**22, "gb_s": 0.6, "raw_tcp_gb_s": 1.5, "over_raw_tcp": 0.4}]},
+         "bytes_per_handoff": [{"model": "kimi-k3 (planner)", "prompt_tokens": 4096, "bytes": 537 * 2**20, "measured": None},
+                               {"model": "tiny, this run", "prompt_tokens": 10, "bytes": 2**20, "measured": 2**20}]}
+    tpot, handoff, sizes = serve_disagg_rows(d)
+    assert tpot[2:] == ["colocated TPOT p99 100 ms, gap p99 900 ms", "**2.5x** / 10.0x", ">= 2x p99 TPOT (met)"]
+    assert handoff[1:] == ["0.90 / 0.60 GB/s", "Mooncake raw TCP write 1.50 / 1.50 GB/s", "0.60 / **0.40**",
+                           ">= 50 % of raw at every size (missed)"]
+    assert sizes[1] == "537 MiB" and "1.00 MiB measured, 1.00 MiB predicted" in sizes[2]

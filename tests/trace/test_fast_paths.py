@@ -389,6 +389,8 @@ def ref_concat(summaries) -> dict:
                                   or [np.zeros(0, dtype=np.int64)])[keep]}
     for k in ("kind", "pg", "seq", "nbytes", "arrive", "end", "peer"):
         out[k] = np.concatenate([getattr(c, k) for c in colls])[keep] if colls else np.zeros(0)
+    lanes = [c.lane if c.lane is not None else np.full(len(c), -1, dtype=np.int64) for c in colls]
+    out["lane"] = np.concatenate(lanes)[keep] if colls else np.zeros(0, dtype=np.int64)
     out["pg"] = out["pg"].astype(object)
     out["kind"] = out["kind"].astype(object)
     return out

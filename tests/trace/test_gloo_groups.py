@@ -28,16 +28,18 @@ def _summaries(*groups: tuple[int, ...]) -> list:
     return [SimpleNamespace(groups={NAMES[g]: g for g in groups if r in g}) for r in range(4)]
 
 
-def _cols(ops: list[tuple[int, str, float, float]]) -> dict[str, np.ndarray]:
-    """Columns of unnamed collectives, one (rank, kind, arrive, end) per op, as `_concat` gives."""
-    rank, kind, arrive, end = zip(*ops)
+def _cols(ops: list[tuple]) -> dict[str, np.ndarray]:
+    """Columns of unnamed collectives, one (rank, kind, arrive, end[, lane]) per op, as `_concat`
+    gives (lane: the gloo worker thread, -1 when not given)."""
+    rank, kind, arrive, end, lane = zip(*(op if len(op) == 5 else (*op, -1) for op in ops))
     n = len(ops)
     return {"rank": np.array(rank, dtype=np.int64), "kind": np.array(kind, dtype=object),
             "pg": np.full(n, "", dtype=object), "seq": np.full(n, -1, dtype=np.int64),
-            "arrive": np.array(arrive, dtype=float), "end": np.array(end, dtype=float)}
+            "arrive": np.array(arrive, dtype=float), "end": np.array(end, dtype=float),
+            "lane": np.array(lane, dtype=np.int64)}
 
 
-def _placed(ops: list[tuple[int, str, float, float]], *groups: tuple[int, ...]) -> list[tuple[str, int]]:
+def _placed(ops: list[tuple], *groups: tuple[int, ...]) -> list[tuple[str, int]]:
     cols = _cols(ops)
     _resolve_unnamed_groups(cols, _summaries(*groups))
     return list(zip(cols["pg"].tolist(), cols["seq"].tolist()))
@@ -54,6 +56,22 @@ def test_descheduled_member_ending_late_stays_in_its_pair():
 def test_world_all_reduce_ending_together_is_one_world_instance():
     ops = [(r, "all_reduce", 1000.0 * r, 5000.0 + 40 * r) for r in range(4)]
     assert _placed(ops, WORLD, PAIR02, PAIR13) == [("0", 0)] * 4
+
+
+def test_pairs_ending_together_are_told_from_the_world_by_their_gloo_threads():
+    # Step 1: both pairs all-reduce at once and all four end within 100 us: by timing alone one
+    # world all-reduce. Steps 2 and 3 are unambiguous pair all-reduces, on the same thread of
+    # each rank as step 1's (the pair group's worker thread; thread ids differ per process).
+    lanes = {0: 11, 1: 21, 2: 31, 3: 41}
+    ops = []
+    for t0, spread in ((0, 25), (10_000, 2_000), (20_000, 2_000)):
+        ops += [(r, "all_reduce", t0 + 100 * r, t0 + 5_000 + spread * (r % 2) + 10 * r, lanes[r]) for r in range(4)]
+    ops.sort(key=lambda op: (op[0], op[2]))
+    expected = [(("1", "2")[r % 2], step) for r in range(4) for step in range(3)]
+    assert _placed(ops, WORLD, PAIR02, PAIR13) == expected
+    # Without the threads, step 1 is taken for one world all-reduce.
+    no_lanes = [op[:4] for op in ops]
+    assert _placed(no_lanes, WORLD, PAIR02, PAIR13)[0] == ("0", 0)
 
 
 def test_pair_that_finished_before_the_other_pair_arrived_is_not_the_world():

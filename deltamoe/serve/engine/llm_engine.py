@@ -60,9 +60,6 @@ class LLMEngine:
         if connector is not None and group is not None:
             raise ConfigError("a prefill/decode role runs on one process: drop --tp/--ep or the role",
                               field="kv_transfer")
-        if connector is not None and self.cache.latent_scale is not None:
-            raise ConfigError("the hand-off moves bf16/fp32 pages only, not fp8 pages with their scales: "
-                              "drop --kv-cache-dtype fp8 or the role", field="kv_cache_dtype")
         self.connector = connector
         if connector is not None:
             connector.bind(self.cache, model.config)

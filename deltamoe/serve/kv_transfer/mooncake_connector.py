@@ -16,6 +16,13 @@ Prefill side (`PushTo` on a sequence): when the request finishes its N-1 tokens,
 `request_finished` starts the write on a hand-off thread and keeps the blocks and slot pinned
 until the write ends. Prefix caching works as in any engine: cached blocks are not recomputed,
 and are sent like the rest (the decode side lacks them).
+
+The write is packed when the request fits both servers' staging areas (`staging.py`): the
+decode side lends a range of its area, the prefill side gathers the request into a range of
+its own and writes it in one transfer, and the decode side scatters it into its blocks and
+slot once the prefill call returns. Otherwise (a request larger than an area) the prefill side
+writes straight into the decode side's pools, one write per run of blocks per layer and one
+per state layer: correct, but each write pays the transport's fixed cost.
 """
 
 from __future__ import annotations
@@ -32,7 +39,9 @@ from deltamoe.serve.engine.cache import HybridCache
 from deltamoe.serve.engine.sequence import Sequence
 from deltamoe.serve.kv_transfer.connector import FinishedTransfers, KVConnector
 from deltamoe.serve.kv_transfer.mooncake_transport import MooncakeTransport, TransferFailed
-from deltamoe.serve.kv_transfer.pools import PoolDescriptor, describe, pool_tensors, request_segments
+from deltamoe.serve.kv_transfer.packing import message_bytes, pack, payload_bytes, token_rows, unpack
+from deltamoe.serve.kv_transfer.pools import PoolDescriptor, Segment, describe, pool_tensors, request_segments
+from deltamoe.serve.kv_transfer.staging import StagingArea
 
 # Asks a prefill server (its URL) to compute a prompt and write it into this engine; returns its
 # report ({"bytes", "seconds", ...}) or raises. The third argument bounds the call in seconds.
@@ -56,6 +65,7 @@ class PushTo:
     dst_blocks: list[int]
     dst_slot: int
     timeout_s: float
+    staging: tuple[int, int] | None = None  # (address, bytes) of the decode side's range for a packed write
     deadline: float = 0.0  # time.monotonic() by which the write ends, one way or the other
     done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
@@ -67,6 +77,7 @@ class HandOffConfig:
     push_share: float = 0.8  # the prefill side finishes (or gives up) within this share of it
     min_prompt_tokens: int = 2  # decode side: shorter prompts are computed here, with no hand-off
     max_threads: int = 16  # hand-offs in flight at once (a decode side waits on HTTP in each)
+    staging_bytes: int = 64 << 20  # registered area for packed hand-offs (larger requests go unpacked)
 
 
 class MooncakeConnector(KVConnector):
@@ -79,12 +90,14 @@ class MooncakeConnector(KVConnector):
         self._finished = FinishedTransfers()
         self._in_flight: set[str] = set()
         self._totals = {"sent": 0, "received": 0, "failures": 0, "bytes_sent": 0, "bytes_received": 0,
-                        "seconds_sent": 0.0, "seconds_received": 0.0}
+                        "seconds_sent": 0.0, "seconds_received": 0.0, "unpacked": 0,
+                        "seconds_unpacking": 0.0}
 
     def bind(self, cache: HybridCache, model_config: ModelConfig) -> None:
         super().bind(cache, model_config)
-        self.transport = MooncakeTransport(self.config.host)
-        for tensor in pool_tensors(cache).values():  # once: the whole pools, never per request
+        self.transport = MooncakeTransport(self.config.host, timeout_s=self.config.timeout_s)
+        self.staging = StagingArea(self.config.staging_bytes)
+        for tensor in [*pool_tensors(cache).values(), self.staging.buffer]:  # once: never per request
             self.transport.register(tensor.data_ptr(), tensor.numel() * tensor.element_size())
         self.descriptor = describe(cache, self.transport.session, model_config)
 
@@ -101,13 +114,15 @@ class MooncakeConnector(KVConnector):
         hand_off.loaded = True
         bs = self.cache.block_size
         first_block = seq.num_computed // bs
-        last = -(-(seq.num_computed + num_external_tokens) // bs)
+        num_tokens = seq.num_computed + num_external_tokens
+        last = -(-num_tokens // bs)
+        rows = token_rows(seq.block_table[first_block:last], first_block, num_tokens, bs)
         payload = {"transfer_id": seq.request_id, "token_ids": seq.token_ids[:seq.num_prompt_tokens],
                    "first_block": first_block, "dst_blocks": seq.block_table[first_block:last], "dst_slot": seq.slot,
-                   "dest": self.descriptor.to_json(), "timeout_s": self.config.timeout_s * self.config.push_share}
+                   "dest": self.descriptor.to_json()}  # _load adds "timeout_s" and "staging"
         with self._lock:
             self._in_flight.add(seq.request_id)
-        self._threads.submit(self._load, seq.request_id, hand_off.url, payload)
+        self._threads.submit(self._load, seq.request_id, hand_off.url, payload, rows, seq.slot)
 
     def request_finished(self, seq: Sequence, reason: str) -> bool:
         with self._lock:
@@ -122,9 +137,7 @@ class MooncakeConnector(KVConnector):
         with self._lock:
             self._in_flight.add(seq.request_id)
         src_blocks = seq.block_table[push.first_block:push.first_block + len(push.dst_blocks)]
-        segments = request_segments(self.cache, push.dest, src_blocks, push.dst_blocks, seq.num_computed,
-                                    push.first_block, seq.slot, push.dst_slot)
-        self._threads.submit(self._push, seq.request_id, push, segments)
+        self._threads.submit(self._push, seq.request_id, push, src_blocks, seq.num_computed, seq.slot)
         return True
 
     # ------------------------------------------------------------------ worker side
@@ -144,32 +157,74 @@ class MooncakeConnector(KVConnector):
             self.transport.close()
 
     # ------------------------------------------------------------------ hand-off threads
-    def _load(self, request_id: str, url: str, payload: dict) -> None:
+    def _load(self, request_id: str, url: str, payload: dict, rows, slot: int) -> None:
         start = time.monotonic()
+        deadline = start + self.config.timeout_s
+        size, offset = message_bytes(self.cache, len(rows)), None
         try:
             if self.prefill_client is None:
                 raise TransferFailed("this server has no prefill client (it is not a decode server)")
-            report = self.prefill_client(url, payload, self.config.timeout_s)
+            if self.staging.fits(size):  # waits while other hand-offs hold the area (bounded)
+                offset = self.staging.borrow(size, deadline)
+                if offset is None:
+                    raise TransferFailed(f"the staging area stayed full for {self.config.timeout_s:.1f} s")
+                payload["staging"] = [self.staging.address + offset, size]
+            left = deadline - time.monotonic()
+            payload["timeout_s"] = left * self.config.push_share
+            report = self.prefill_client(url, payload, left)
+            if report.get("packed"):
+                unpacking = time.monotonic()
+                unpack(self.cache, rows, slot, self.staging.buffer[offset:offset + size])
+                with self._lock:
+                    self._totals["seconds_unpacking"] += time.monotonic() - unpacking
         except Exception as e:  # any failure fails this request only, with the reason
             self._end(request_id, "received", error=f"prefill hand-off from {url} failed: {e}")
             return
+        finally:
+            if offset is not None:
+                self.staging.give_back(offset, size)
         self._end(request_id, "received", nbytes=int(report.get("bytes", 0)), seconds=time.monotonic() - start)
 
-    def _push(self, request_id: str, push: PushTo, segments) -> None:
+    def _push(self, request_id: str, push: PushTo, src_blocks: list[int], num_tokens: int, slot: int) -> None:
         start = time.monotonic()
-        nbytes = sum(s.nbytes for s in segments)
         try:
-            self.transport.write(push.dest.session, segments, max(0.0, push.deadline - time.monotonic()))
+            packed = push.staging is not None and self.staging.fits(push.staging[1])
+            if packed:
+                nbytes, writes = self._write_packed(push, src_blocks, num_tokens, slot)
+            else:
+                segments = request_segments(self.cache, push.dest, src_blocks, push.dst_blocks, num_tokens,
+                                            push.first_block, slot, push.dst_slot)
+                self.transport.write(push.dest.session, segments, max(0.0, push.deadline - time.monotonic()))
+                nbytes, writes = sum(s.nbytes for s in segments), len(segments)
         except Exception as e:
             self._end(request_id, "sent", error=str(e))
             push.done.set_exception(e if isinstance(e, TransferFailed) else TransferFailed(str(e)))
             return
         seconds = time.monotonic() - start
-        self._end(request_id, "sent", nbytes=nbytes, seconds=seconds)
-        push.done.set_result({"bytes": nbytes, "seconds": seconds, "segments": len(segments)})
+        self._end(request_id, "sent", nbytes=nbytes, seconds=seconds, unpacked=not packed)
+        push.done.set_result({"bytes": nbytes, "seconds": seconds, "segments": writes, "packed": packed})
+
+    def _write_packed(self, push: PushTo, src_blocks: list[int], num_tokens: int, slot: int) -> tuple[int, int]:
+        """Gather the request into a range of this side's staging area and write it in one transfer
+        into the decode side's range; (the request's bytes, 1)."""
+        rows = token_rows(src_blocks, push.first_block, num_tokens, self.cache.block_size)
+        address, size = push.staging
+        if size != message_bytes(self.cache, len(rows)):
+            raise TransferFailed(f"the decode side lent {size} bytes for a {message_bytes(self.cache, len(rows))}-byte "
+                                 "packed hand-off")
+        offset = self.staging.borrow(size, push.deadline)
+        if offset is None:
+            raise TransferFailed("the staging area stayed full until the hand-off's deadline")
+        try:
+            pack(self.cache, rows, slot, self.staging.buffer[offset:offset + size])
+            self.transport.write(push.dest.session, [Segment(self.staging.address + offset, address, size)],
+                                 max(0.0, push.deadline - time.monotonic()))
+        finally:
+            self.staging.give_back(offset, size)
+        return payload_bytes(self.cache, len(rows)), 1
 
     def _end(self, request_id: str, direction: str, nbytes: int = 0, seconds: float = 0.0,
-             error: str | None = None) -> None:
+             error: str | None = None, unpacked: bool = False) -> None:
         with self._lock:
             self._in_flight.discard(request_id)
             if error is not None:
@@ -180,6 +235,7 @@ class MooncakeConnector(KVConnector):
             self._totals[direction] += 1
             self._totals[f"bytes_{direction}"] += nbytes
             self._totals[f"seconds_{direction}"] += seconds
+            self._totals["unpacked"] += unpacked
 
 
 def push_target(connector: MooncakeConnector, payload: dict) -> tuple[list[int], PushTo]:
@@ -191,6 +247,7 @@ def push_target(connector: MooncakeConnector, payload: dict) -> tuple[list[int],
         token_ids = [int(t) for t in payload["token_ids"]]
         first_block, dst_blocks = int(payload["first_block"]), [int(b) for b in payload["dst_blocks"]]
         dst_slot, timeout_s = int(payload["dst_slot"]), float(payload["timeout_s"])
+        staging = (int(payload["staging"][0]), int(payload["staging"][1])) if payload.get("staging") else None
     except (KeyError, TypeError, ValueError) as e:
         raise RequestError(f"malformed hand-off request ({e!r})", field="kv_transfer") from e
     if dest.signature != connector.descriptor.signature:
@@ -202,4 +259,4 @@ def push_target(connector: MooncakeConnector, payload: dict) -> tuple[list[int],
         raise RequestError(f"{len(dst_blocks)} destination blocks for {len(token_ids) - 1} tokens from block "
                            f"{first_block} (expected {need})", field="kv_transfer")
     return token_ids, PushTo(dest=dest, first_block=first_block, dst_blocks=dst_blocks, dst_slot=dst_slot,
-                             timeout_s=timeout_s, deadline=time.monotonic() + timeout_s)
+                             timeout_s=timeout_s, staging=staging, deadline=time.monotonic() + timeout_s)

@@ -3,22 +3,27 @@
 `TransferEngine.initialize(host, "P2PHANDSHAKE", "tcp", "")` needs no metadata server: peers
 exchange segment descriptors on first contact, and each engine picks a free RPC port of its
 own (two servers on one host never collide). Memory is registered on both sides (the TCP
-transport requires it), once, at start-up: the whole cache pools, never per request. Writes are
-submitted together and polled against a deadline, so a dead or slow peer ends in a bounded
-time with an error instead of a hang.
+transport requires it), once, at start-up: the whole cache pools, never per request.
+
+Writes go through the engine's synchronous calls (`transfer_sync_write`, or
+`batch_transfer_sync_write` for several segments), which wait in C++ with the GIL released:
+a Python loop polling `transfer_check_status` needs the GIL between polls, and next to an
+engine thread running Python it made a 1 MiB write 7-20x slower than the engine itself. The
+engine bounds each call (`MC_TRANSFER_TIMEOUT` seconds, 5 at least, plus one second per GiB)
+and answers an error for an unreachable peer; a write that returns after the caller's deadline
+counts as failed too.
 """
 
 from __future__ import annotations
 
+import math
 import os
-import threading
 import time
 
 from deltamoe.errors import ConfigError
 from deltamoe.serve.kv_transfer.pools import Segment
 
-POLL_S = 0.0001
-SPIN_S = 0.002  # first poll without a timer sleep: a small hand-off is done in well under a millisecond
+MIN_ENGINE_TIMEOUT_S = 5  # the engine's floor for MC_TRANSFER_TIMEOUT
 
 
 class TransferFailed(RuntimeError):
@@ -26,8 +31,10 @@ class TransferFailed(RuntimeError):
 
 
 class MooncakeTransport:
-    def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp"):
+    def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", timeout_s: float = 30.0):
         os.environ.setdefault("GLOG_minloglevel", "2")  # the engine logs every handshake at INFO level
+        # Read by the engine's constructor: how long one synchronous write may wait.
+        os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(MIN_ENGINE_TIMEOUT_S, math.ceil(timeout_s))))
         try:
             from mooncake.engine import TransferEngine
         except ImportError as e:  # also a missing libibverbs.so.1 (apt-get install libibverbs1)
@@ -39,7 +46,6 @@ class MooncakeTransport:
                               field="kv_transfer_host")
         self.session = f"{host}:{self._engine.get_rpc_port()}"
         self._registered: list[int] = []
-        self._lock = threading.Lock()  # submissions from several hand-off threads
 
     def register(self, address: int, nbytes: int) -> None:
         if nbytes == 0:
@@ -49,31 +55,22 @@ class MooncakeTransport:
         self._registered.append(address)
 
     def write(self, peer: str, segments: list[Segment], timeout_s: float) -> None:
-        """Copy every segment into `peer`'s registered memory; raises TransferFailed (bounded by timeout_s)."""
-        deadline = time.monotonic() + timeout_s
-        handles = []
-        with self._lock:
-            for seg in segments:
-                handle = self._engine.transfer_submit_write(peer, seg.src, seg.dst, seg.nbytes)
-                if handle <= 0:
-                    raise TransferFailed(f"the transfer engine refused a write to {peer} (peer unreachable?)")
-                handles.append(handle)
-        pending = list(handles)
-        spin_until = time.monotonic() + SPIN_S
-        while pending:
-            still = []
-            for handle in pending:
-                status = self._engine.transfer_check_status(handle)
-                if status < 0:
-                    raise TransferFailed(f"a write of the hand-off to {peer} failed (status {status})")
-                if status == 0:
-                    still.append(handle)
-            pending = still
-            if pending:
-                if time.monotonic() > deadline:
-                    raise TransferFailed(f"the hand-off to {peer} took longer than {timeout_s:.1f} s "
-                                         f"({len(pending)} of {len(handles)} writes unfinished)")
-                time.sleep(0 if time.monotonic() < spin_until else POLL_S)
+        """Copy every segment into `peer`'s registered memory; raises TransferFailed (an engine
+        error, or the write ended after `timeout_s`)."""
+        if timeout_s <= 0:
+            raise TransferFailed(f"no time left for the hand-off to {peer}")
+        start = time.monotonic()
+        if len(segments) == 1:
+            seg = segments[0]
+            status = self._engine.transfer_sync_write(peer, seg.src, seg.dst, seg.nbytes)
+        else:
+            status = self._engine.batch_transfer_sync_write(peer, [s.src for s in segments],
+                                                            [s.dst for s in segments], [s.nbytes for s in segments])
+        if status != 0:
+            raise TransferFailed(f"the hand-off write to {peer} failed (status {status}: peer unreachable, or the "
+                                 "engine's own timeout)")
+        if time.monotonic() - start > timeout_s:
+            raise TransferFailed(f"the hand-off to {peer} took longer than {timeout_s:.1f} s")
 
     def close(self) -> None:
         for address in self._registered:

@@ -1,11 +1,13 @@
 """Where a request's cache lives in memory: the byte ranges of its blocks and its state slot.
 
-A HybridCache holds four pools, each one tensor allocated once: latent pages and indexer-key
-pages [layers, blocks * block_size, dim] (a block of a layer is one contiguous run of
-block_size rows), recurrent [layers, slots, H, K, V] and conv [layers, slots, 3P, W-1] (a slot
-of a layer is one contiguous run). A transport registers the four tensors once and moves a
-request as a list of (source address, destination address, bytes) segments; the destination's
-base addresses travel in the hand-off request (`PoolDescriptor`).
+A HybridCache holds its pools as tensors allocated once: paged ones, latent pages and
+indexer-key pages [layers, blocks * block_size, dim] (a block of a layer is one contiguous run
+of block_size rows) and, with an fp8 KV cache, their fp32 scales [layers, blocks * block_size,
+tiles]; and state ones, recurrent [layers, slots, H, K, V] and conv [layers, slots, 3P, W-1] (a
+slot of a layer is one contiguous run). A transport registers the tensors once and moves a
+request either packed (`packing.py`) or as a list of (source address, destination address,
+bytes) segments straight between the pools; the destination's base addresses travel in the
+hand-off request (`PoolDescriptor`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import torch
 from deltamoe.config import ModelConfig
 from deltamoe.serve.engine.cache import HybridCache
 
-POOLS = ("latent", "index_keys", "recurrent", "conv")
+PAGED_POOLS = ("latent", "index_keys", "latent_scale", "index_key_scale")  # the scales: fp8 pages only
+STATE_POOLS = ("recurrent", "conv")
+POOLS = PAGED_POOLS + STATE_POOLS
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,8 @@ class PoolDescriptor:
 
 
 def pool_tensors(cache: HybridCache) -> dict[str, torch.Tensor]:
-    return {name: getattr(cache, name) for name in POOLS}
+    """The cache's pools that exist (no scales without fp8 pages), in `POOLS` order."""
+    return {name: getattr(cache, name) for name in POOLS if getattr(cache, name) is not None}
 
 
 def cache_signature(model_config: ModelConfig, cache: HybridCache) -> str:
@@ -66,8 +71,8 @@ def describe(cache: HybridCache, session: str, model_config: ModelConfig) -> Poo
 
 def request_segments(cache: HybridCache, remote: PoolDescriptor, src_blocks: list[int], dst_blocks: list[int],
                      num_tokens: int, first_block: int, src_slot: int, dst_slot: int) -> list[Segment]:
-    """Segments that copy tokens [first_block * block_size, num_tokens) of every latent / indexer
-    layer, and the whole state slot of every KDA layer, from this cache into the remote one.
+    """Segments that copy tokens [first_block * block_size, num_tokens) of every paged pool's
+    layers (latent, indexer keys, their fp8 scales), and the whole state slot of every KDA layer, from this cache into the remote one.
 
     `src_blocks` / `dst_blocks`: the blocks holding those tokens, in order, on each side. The last
     block is copied only up to `num_tokens`; runs of consecutive blocks on both sides are merged
@@ -79,9 +84,10 @@ def request_segments(cache: HybridCache, remote: PoolDescriptor, src_blocks: lis
     rows = [min(bs, num_tokens - (first_block + i) * bs) for i in range(len(src_blocks))]
     runs = _runs(src_blocks, dst_blocks, rows, bs)
     segments: list[Segment] = []
-    for name in ("latent", "index_keys"):
-        pool = getattr(cache, name)
-        if pool.numel() == 0:
+    pools = pool_tensors(cache)
+    for name in PAGED_POOLS:
+        pool = pools.get(name)
+        if pool is None or pool.numel() == 0:
             continue
         layer_bytes, row_bytes = pool.stride(0) * pool.element_size(), pool.stride(1) * pool.element_size()
         for layer in range(pool.shape[0]):
@@ -89,8 +95,8 @@ def request_segments(cache: HybridCache, remote: PoolDescriptor, src_blocks: lis
             dst_base = remote.addresses[name] + layer * layer_bytes
             segments += [Segment(src_base + s * bs * row_bytes, dst_base + d * bs * row_bytes, n * row_bytes)
                          for s, d, n in runs]
-    for name in ("recurrent", "conv"):
-        pool = getattr(cache, name)
+    for name in STATE_POOLS:
+        pool = pools[name]
         if pool.numel() == 0:
             continue
         layer_bytes, slot_bytes = pool.stride(0) * pool.element_size(), pool.stride(1) * pool.element_size()

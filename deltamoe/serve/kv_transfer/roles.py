@@ -47,11 +47,12 @@ def http_prefill_client(api_key: str | None = None) -> Callable[[str, dict, floa
 
 
 def make_connector(role: str, host: str, timeout_s: float, api_key: str | None = None,
-                   min_prompt_tokens: int = 2) -> MooncakeConnector | None:
+                   min_prompt_tokens: int = 2, staging_bytes: int = HandOffConfig.staging_bytes) -> MooncakeConnector | None:
     if role == "colocated":
         return None
     client = http_prefill_client(api_key) if role == "decode" else None
-    config = HandOffConfig(host=host, timeout_s=timeout_s, min_prompt_tokens=min_prompt_tokens)
+    config = HandOffConfig(host=host, timeout_s=timeout_s, min_prompt_tokens=min_prompt_tokens,
+                           staging_bytes=staging_bytes)
     return MooncakeConnector(config, prefill_client=client)
 
 

@@ -11,7 +11,10 @@ same rule.
 
 score = the others' mean wait caused by the rank, per step, as a fraction of the median
 step time. A rank is a straggler when its score is above `min_score`, far above the job's
-typical score (robust z > 5) and it was late in at least half of the steps; the evidence
+typical score and it was late in at least half of the steps. "Far above": robust z > 5 (the
+median and MAD of all scores); in a job of fewer than `SMALL_JOB` ranks, where a median and
+MAD of a handful of scores are no baseline (one noisy peer doubles the MAD), the top rank
+also qualifies when its score is at least `DOMINANCE` times every other rank's. The evidence
 says which collectives, how long others waited, and how the rank's own compute per step
 compares with its peers (same pipeline stage).
 """
@@ -27,6 +30,9 @@ from deltamoe.trace.join import Joined
 from deltamoe.trace.summary import RankSummary
 
 MIN_SCORE = 0.03
+Z_MIN = 5.0
+SMALL_JOB = 8     # ranks: below this the robust z has too few scores to stand on
+DOMINANCE = 3.0   # small jobs: the top score over the next one that names the top rank
 
 
 def stragglers(j: Joined, summaries: list[RankSummary], stage_of: dict[int, int] | None = None,
@@ -76,13 +82,22 @@ def stragglers(j: Joined, summaries: list[RankSummary], stage_of: dict[int, int]
     mad = max(float(np.median(np.abs(vals - med))) * 1.4826, 1e-3)
     compute = _compute_vs_peers(summaries, stage_of)
     out, excluded = [], []
-    for r, sc in sorted(scores.items(), key=lambda kv: -kv[1]):
+    ranked = sorted(scores.items(), key=lambda kv: -kv[1])
+    for place, (r, sc) in enumerate(ranked):
         z = (sc - med) / mad
+        over_next = sc / max(ranked[1][1], 1e-9) if place == 0 and len(ranked) > 1 else 0.0
+        if z >= Z_MIN:
+            test = f"robust z {z:.1f} > {Z_MIN:g}"
+        elif len(ranked) < SMALL_JOB and over_next >= DOMINANCE:
+            test = (f"{over_next:.1f}x the next rank's score ({len(ranked)} ranks: too few for a robust z, "
+                    f">= {DOMINANCE:g}x asked)")
+        else:
+            continue
         # A straggler is late again and again: in at least half of the steps.
-        if sc < min_score or z < 5 or len(late_steps[r]) < max(1, steps // 2):
+        if sc < min_score or len(late_steps[r]) < max(1, steps // 2):
             continue
         item = {
-            "rank": r, "host": by_rank[r].host, "score": round(sc, 4), "robust_z": round(float(z), 1),
+            "rank": r, "host": by_rank[r].host, "score": round(sc, 4), "robust_z": round(float(z), 1), "test": test,
             "others_waited_s": round(total[r] / 1e6, 6), "steps_late": len(late_steps[r]),
             "collectives": [{"op": k, "count": c, "others_waited_s": round(t / 1e6, 6)}
                             for k, (c, t) in sorted(evidence[r].items(), key=lambda kv: -kv[1][1])[:5]],
@@ -95,9 +110,8 @@ def stragglers(j: Joined, summaries: list[RankSummary], stage_of: dict[int, int]
             continue
         item["cause"] = "slow compute" if item["own_compute_slower"] else "late (host, launch or input)"
         out.append(item)
-    ranking = sorted(scores.items(), key=lambda kv: -kv[1])
     return {"stragglers": out, "explained_by_imbalance": excluded,
-            "ranking": [{"rank": r, "score": round(s, 4)} for r, s in ranking[:64]],
+            "ranking": [{"rank": r, "score": round(s, 4)} for r, s in ranked[:64]],
             "median_score": round(med, 5), "min_score": min_score}
 
 

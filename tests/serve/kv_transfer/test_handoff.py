@@ -32,8 +32,8 @@ class PrefillPool:
         self.thread = concurrent.futures.ThreadPoolExecutor(1)
         self.thread.submit(self.loop.run_forever)
 
-    def add(self, name: str, model, **config) -> LLMEngine:
-        connector = MooncakeConnector()
+    def add(self, name: str, model, hand_off: HandOffConfig | None = None, **config) -> LLMEngine:
+        connector = MooncakeConnector(hand_off)
         engine = LLMEngine(model, config=EngineConfig(**(CONFIG | config)), connector=connector)
         self.engines[name] = (AsyncLLMEngine(engine), connector)
         return engine
@@ -60,8 +60,8 @@ def pool():
 
 
 def decode_engine(model, pool: PrefillPool, timeout_s: float = 30.0, min_prompt_tokens: int = 2,
-                  **config) -> tuple[AsyncLLMEngine, MooncakeConnector]:
-    hand_off = HandOffConfig(timeout_s=timeout_s, min_prompt_tokens=min_prompt_tokens)
+                  staging_bytes: int = 64 << 20, **config) -> tuple[AsyncLLMEngine, MooncakeConnector]:
+    hand_off = HandOffConfig(timeout_s=timeout_s, min_prompt_tokens=min_prompt_tokens, staging_bytes=staging_bytes)
     connector = MooncakeConnector(hand_off, prefill_client=pool.client)
     return AsyncLLMEngine(LLMEngine(model, config=EngineConfig(**(CONFIG | config)), connector=connector)), connector
 
@@ -123,6 +123,7 @@ def test_handoff_equals_colocated(k31_model, helpers, pool, num_prefill):
     moved = connector.stats()
     handed_off = sum(len(p) > 1 for p in prompts)
     assert moved["kv_transfer_received"] == handed_off and moved["kv_transfer_failures"] == 0
+    assert sum(p.stats().extra["kv_transfer_unpacked"] for p in prefills) == 0  # each one write, packed
     sent = sum(p.stats().extra["kv_transfer_sent"] for p in prefills)
     assert sent == handed_off
     # Exactly (N-1) tokens of latent + indexer rows and one KDA state per hand-off, nothing more.
@@ -204,3 +205,27 @@ def test_short_prompts_stay_on_the_decode_server(k31_model, helpers, pool):
     assert got == [c.token_ids for c in LLMEngine(k31_model, config=EngineConfig(**CONFIG)).generate(
         prompts, GREEDY, progress=False)]
     assert connector.stats()["kv_transfer_received"] == 1  # only the 10-token prompt was handed off
+
+
+@pytest.mark.parametrize("kv_cache_dtype,staging_bytes", [("fp8", 64 << 20), ("auto", 1024)])
+def test_fp8_pages_and_unpacked_handoffs_equal_colocated(k31_model, helpers, pool, kv_cache_dtype, staging_bytes):
+    """fp8 pages travel with their scales; a request larger than the decode side's staging area
+    (1 KiB here) is written straight into its pools, block run by block run, with the same result."""
+    prompts = helpers.prompts(3, 12, 30, seed=11)
+    expected = [c.token_ids for c in LLMEngine(k31_model, config=EngineConfig(**CONFIG, kv_cache_dtype=kv_cache_dtype))
+                .generate(prompts, GREEDY, progress=False)]
+    prefill = pool.add("p0", k31_model, kv_cache_dtype=kv_cache_dtype)
+    decode, connector = decode_engine(k31_model, pool, staging_bytes=staging_bytes, kv_cache_dtype=kv_cache_dtype)
+
+    async def main():
+        got = await asyncio.gather(*(collect(decode, p, "p0") for p in prompts))
+        await settle(decode.engine, prefill)
+        return got
+
+    assert run_then_close(decode, connector, main) == expected
+    assert_all_free(decode.engine)
+    assert_all_free(prefill)
+    layout = decode.engine.cache.layout
+    assert connector.stats()["kv_transfer_bytes_received"] == sum(
+        (len(p) - 1) * layout.bytes_per_token + layout.bytes_per_state_slot for p in prompts)
+    assert prefill.stats().extra["kv_transfer_unpacked"] == (len(prompts) if staging_bytes < 4096 else 0)

@@ -1,11 +1,17 @@
 """Hand-off segments: tokens up to num_tokens of every latent / indexer layer (runs of blocks
-consecutive on both sides merged), one state slot per KDA layer, nothing else."""
+consecutive on both sides merged), one state slot per KDA layer, nothing else; the packed
+message carries the same bytes and lands in exactly the receiver's rows and slot."""
 
 from __future__ import annotations
 
+import pytest
+import torch
+
 from deltamoe.serve.engine.cache import HybridCache
 from deltamoe.serve.engine.config import EngineConfig
-from deltamoe.serve.kv_transfer.pools import POOLS, PoolDescriptor, _runs, request_segments
+from deltamoe.serve.kv_transfer.packing import message_bytes, pack, payload_bytes, token_rows, unpack
+from deltamoe.serve.kv_transfer.pools import PAGED_POOLS, POOLS, PoolDescriptor, _runs, pool_tensors, request_segments
+from deltamoe.serve.kv_transfer.staging import StagingArea
 
 
 def test_runs_merge_blocks_consecutive_on_both_sides_only():
@@ -31,3 +37,38 @@ def test_segments_cover_exactly_the_tokens_and_the_state(helpers):
     kda = segments[2 * n_paged]  # recurrent state of KDA layer 0, slot 1 -> 2
     assert (kda.src, kda.dst, kda.nbytes) == (cache.recurrent.data_ptr() + slot, remote.addresses["recurrent"] + 2 * slot,
                                               slot)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_packed_message_moves_exactly_the_request_rows_and_slot(helpers, kv_cache_dtype):
+    config = EngineConfig(cache_memory="2MiB", block_size=4, kv_cache_dtype=kv_cache_dtype)
+    src, dst = HybridCache(helpers.k31_tiny(), config, 256), HybridCache(helpers.k31_tiny(), config, 256)
+    for pool in pool_tensors(src).values():
+        pool.view(torch.uint8).random_(0, 120, generator=torch.Generator().manual_seed(0))
+    before = {name: pool.clone() for name, pool in pool_tensors(dst).items()}
+    # Tokens 4..9 (block 0 not sent: the receiver holds it) of blocks [0, 7] here, [1, 5] there.
+    src_rows, dst_rows = token_rows([0, 7], 1, 10, 4), token_rows([1, 5], 1, 10, 4)
+    assert dst_rows.tolist() == [4, 5, 6, 7, 20, 21]
+    message = torch.zeros(message_bytes(src, len(src_rows)), dtype=torch.uint8)
+    pack(src, src_rows, 1, message)
+    unpack(dst, dst_rows, 2, message)
+    assert payload_bytes(src, 6) == 6 * src.layout.bytes_per_token + src.layout.bytes_per_state_slot
+    for name, pool in pool_tensors(dst).items():
+        moved, old, new = pool_tensors(src)[name].view(torch.uint8), before[name].view(torch.uint8), pool.view(torch.uint8)
+        if name in PAGED_POOLS:
+            assert torch.equal(new[:, dst_rows], moved[:, src_rows]), name
+            untouched = torch.ones(new.shape[1], dtype=torch.bool)
+            untouched[dst_rows] = False
+            assert torch.equal(new[:, untouched], old[:, untouched]), name
+        else:
+            assert torch.equal(new[:, 2], moved[:, 1]) and torch.equal(new[:, [0, 1, 3]], old[:, [0, 1, 3]]), name
+
+
+def test_staging_area_lends_aligned_ranges_and_joins_them_back():
+    area = StagingArea(1024)
+    a, b = area.borrow(100, 0.0), area.borrow(500, 0.0)
+    assert (a, b) == (0, 128)  # 64-byte aligned
+    assert area.borrow(600, 0.0) is None and not area.fits(1025)  # busy now / never fits
+    area.give_back(a, 100)
+    area.give_back(b, 500)
+    assert area.free_bytes() == 1024 and area.borrow(1024, 0.0) == 0

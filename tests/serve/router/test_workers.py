@@ -63,6 +63,7 @@ def test_pick_prefers_the_least_loaded_available_worker(monkeypatch):
     (["--kv-transfer", "mooncake"], "kv_transfer: a colocated server hands nothing off"),
     (["--role", "both", "--kv-transfer", "mooncake"], "role: expected one of"),
     (["--role", "prefill", "--kv-transfer", "nixl"], "kv_transfer: expected one of ['mooncake']"),
+    (["--role", "decode", "--kv-transfer", "mooncake", "--kv-transfer-staging", "lots"], "kv_transfer_staging: expected"),
 ])
 def test_serve_role_options_are_checked_first(capsys, args, message):
     assert main(["serve", "tiny", *args]) == 2
