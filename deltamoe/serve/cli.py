@@ -80,9 +80,9 @@ TP_HELP = ("Tensor-parallel ranks: attention heads, MLP widths and the vocabular
 EP_HELP = "Expert-parallel ranks: routed experts split over this many processes (tp * ep processes in all)."
 
 
-def check_workers(model: str, tp: int, ep: int, compile_decode: bool):
+def check_workers(model: str, tp: int, ep: int, compile_decode: bool, async_scheduling: bool = False):
     """The worker layout checked against the model's config before anything loads; None for one process."""
-    from deltamoe.serve.executor.config import WorkerConfig
+    from deltamoe.serve.executor.config import WorkerConfig, check_async_scheduling
     from deltamoe.serve.executor.config import launched_by_torchrun
 
     import os
@@ -99,6 +99,8 @@ def check_workers(model: str, tp: int, ep: int, compile_decode: bool):
     if compile_decode:
         raise ConfigError("compiled decode runs on one process; drop --compile or --tp/--ep",
                           field="compile_decode")
+    if async_scheduling:
+        check_async_scheduling(multiproc=True, hand_off=False)
     return workers
 
 
@@ -109,22 +111,28 @@ COMPILE_HELP = ("Run decode steps as one torch.compile graph (2-7x faster steps 
 COMPILE_DECLS = ("--compile/--no-compile", "--compile-decode")
 
 
+ASYNC_SCHEDULING_HELP = ("Schedule step N+1 while step N runs, with placeholders for the tokens it has yet to "
+                         "sample (vLLM's async scheduling): the same tokens, outputs one step later. One process.")
+ASYNC_SCHEDULING_DECLS = ("--async-scheduling/--no-async-scheduling",)
+
+
 KV_CACHE_DTYPE_HELP = ("Latent-KV and indexer-key pages: auto (the model dtype) or fp8 (e4m3 with a scale per "
                        "tile of each row: about half the bytes per token of bf16).")
 
 
 def build_engine(model: str, tokenizer: Optional[str], cache_memory: str, max_num_seqs: int,
                  max_num_batched_tokens: int, dtype: str, device: str, compile_decode: bool = False,
-                 tp: int = 1, ep: int = 1, kv_cache_dtype: str = "auto", threads: Optional[int] = None):
+                 tp: int = 1, ep: int = 1, kv_cache_dtype: str = "auto", threads: Optional[int] = None,
+                 async_scheduling: bool = False):
     from deltamoe.serve.engine.config import EngineConfig
 
     check_dtype(dtype)
     chosen = choose_threads(threads)
     config = EngineConfig(cache_memory=cache_memory, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, compile_decode=compile_decode,
-                          kv_cache_dtype=kv_cache_dtype)
+                          kv_cache_dtype=kv_cache_dtype, async_scheduling=async_scheduling)
     load_config(model)  # an unknown model fails here, from its config alone
-    workers = check_workers(model, tp, ep, compile_decode)
+    workers = check_workers(model, tp, ep, compile_decode, async_scheduling)
     from deltamoe.serve.engine.llm_engine import LLMEngine  # imports torch: after every check above
     from deltamoe.threads import apply_threads
 
@@ -156,10 +164,12 @@ def generate_command(
     tp: int = typer.Option(1, "--tp", help=TP_HELP),
     ep: int = typer.Option(1, "--ep", help=EP_HELP),
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help=KV_CACHE_DTYPE_HELP),
+    async_scheduling: bool = typer.Option(False, *ASYNC_SCHEDULING_DECLS, help=ASYNC_SCHEDULING_HELP),
 ) -> None:
     """Generate text for one or more prompts (continuous batching)."""
     engine = build_engine(model, tokenizer, cache_memory, max_num_seqs, max_num_batched_tokens, dtype, device,
-                          compile_decode, tp=tp, ep=ep, kv_cache_dtype=kv_cache_dtype, threads=threads)
+                          compile_decode, tp=tp, ep=ep, kv_cache_dtype=kv_cache_dtype, threads=threads,
+                          async_scheduling=async_scheduling)
     from deltamoe.serve.api.chat_template import ChatTemplate
     from deltamoe.serve.engine.sampling import SamplingParams
 
@@ -274,6 +284,7 @@ def serve_command(
     tp: int = typer.Option(1, "--tp", help=TP_HELP),
     ep: int = typer.Option(1, "--ep", help=EP_HELP),
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help=KV_CACHE_DTYPE_HELP),
+    async_scheduling: bool = typer.Option(False, *ASYNC_SCHEDULING_DECLS, help=ASYNC_SCHEDULING_HELP),
 ) -> None:
     """OpenAI-compatible HTTP server (deltamoe.serve.api) over an AsyncLLMEngine."""
     from deltamoe.serve.engine.config import EngineConfig
@@ -283,10 +294,15 @@ def serve_command(
     check_dtype(dtype)
     config = EngineConfig(cache_memory=cache_memory, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                          compile_decode=compile_decode, block_size=block_size, kv_cache_dtype=kv_cache_dtype)
+                          compile_decode=compile_decode, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
+                          async_scheduling=async_scheduling)
+    if async_scheduling:
+        from deltamoe.serve.executor.config import check_async_scheduling
+
+        check_async_scheduling(multiproc=False, hand_off=role != "colocated")
     chosen = engine_threads(threads)
     load_config(model)  # an unknown model fails here, from its config alone
-    workers = check_workers(model, tp, ep, compile_decode)
+    workers = check_workers(model, tp, ep, compile_decode, async_scheduling)
     if workers is not None and _torchrun_rank() > 0:
         # A torchrun rank > 0 runs its shard of the model until rank 0 stops (from_pretrained exits).
         from deltamoe.serve.engine.llm_engine import LLMEngine

@@ -42,6 +42,8 @@ class EngineConfig:
     seed: int = 0  # seeds requests that give no seed of their own
     compile_decode: bool = False  # run decode steps as one torch.compile graph (serve/engine/compiled_decode.py)
     kv_cache_dtype: str = "auto"  # latent-KV and indexer-key pages: "auto" (the model dtype) or "fp8" (e4m3 + scales)
+    # Schedule step N+1 while step N runs, its not-yet-sampled tokens as placeholders (serve/executor/overlap.py).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         self.cache_memory = parse_bytes(self.cache_memory)

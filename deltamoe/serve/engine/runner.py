@@ -94,18 +94,9 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, calls: list[tuple[list[tuple[Sequence, int]], ModelCall]]) -> list[StepResult]:
         """Run the planned calls and sample every row that reaches the end of its tokens."""
-        last_logits: list[torch.Tensor] = []
-        to_sample: list[Sequence] = []
-        for group, call in calls:
-            seqs = [seq for seq, _ in group]
-            logits = self.forward(call)
-            rows = [row for row, (seq, n) in enumerate(group) if seq.num_computed + n == len(seq.token_ids)]
-            if rows:  # one gather per call, not one select per row
-                last_logits.append(logits if len(rows) == len(seqs) else logits[rows])
-                to_sample.extend(seqs[row] for row in rows)
-        if not to_sample:
+        logits, to_sample = self.last_logits(calls, [sampled_rows(group) for group, _ in calls])
+        if logits is None:
             return [StepResult(seq, n, None, None) for seq, n in batch.items]
-        logits = last_logits[0] if len(last_logits) == 1 else torch.cat(last_logits)
         picks = sample(logits, [s.params for s in to_sample], [s.output_ids for s in to_sample],
                        [s.generator for s in to_sample])
         if len(to_sample) == len(batch.items) and all(a is b for a, (b, _) in zip(to_sample, batch.items)):
@@ -115,10 +106,29 @@ class ModelRunner:
         return [StepResult(seq, n, *sampled.get(id(seq), (None, None))) for seq, n in batch.items]
 
     @torch.inference_mode()
-    def forward(self, call: ModelCall) -> torch.Tensor:
+    def last_logits(self, calls: list[tuple[list[tuple[Sequence, int]], ModelCall]], rows: list[list[int]],
+                    inputs: list[torch.Tensor | None] | None = None) -> tuple[torch.Tensor | None, list[Sequence]]:
+        """Run the calls -> the last-token logits of rows `rows[i]` of call i, stacked [N, V], and their
+        sequences (None, [] when no row is sampled). `inputs[i]`: call i's token ids as a tensor, when
+        they are not all on the host (`executor/overlap.py`)."""
+        parts: list[torch.Tensor] = []
+        to_sample: list[Sequence] = []
+        for i, ((group, call), picked) in enumerate(zip(calls, rows)):
+            logits = self.forward(call, inputs[i] if inputs is not None else None)
+            if picked:  # one gather per call, not one select per row
+                parts.append(logits if len(picked) == len(group) else logits[picked])
+                to_sample.extend(group[row][0] for row in picked)
+        if not parts:
+            return None, []
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)), to_sample
+
+    @torch.inference_mode()
+    def forward(self, call: ModelCall, ids: torch.Tensor | None = None) -> torch.Tensor:
         """One model call appending counts[i] tokens to row i (right-padded to the longest with token
-        0, which the cache view keeps out of every state) -> each row's last-token logits [B, V] fp32."""
-        ids = torch.tensor(call.token_ids, device=self.device).view(len(call.counts), -1)
+        0, which the cache view keeps out of every state) -> each row's last-token logits [B, V] fp32.
+        `ids`: the call's token ids [B, T] already on the device (default: from `call.token_ids`)."""
+        if ids is None:
+            ids = torch.tensor(call.token_ids, device=self.device).view(len(call.counts), -1)
         compiled = self._compiled_decode if call.compiled else None
         view = PagedBatchView(self.cache, call.block_tables, call.past_lengths, call.slots, call.counts,
                               min_table_width=compiled.min_table_width if compiled is not None else 1)
@@ -130,6 +140,11 @@ class ModelRunner:
         if self.expert_load is not None:
             take_expert_load(self._moe_rows, self.expert_load)
         return logits
+
+
+def sampled_rows(group: list[tuple[Sequence, int]]) -> list[int]:
+    """The rows of a call whose chunk reaches the end of the sequence's tokens: they are sampled."""
+    return [row for row, (seq, n) in enumerate(group) if seq.num_computed + n == len(seq.token_ids)]
 
 
 # Prefill chunks of different lengths share a call while padding stays within this share of the

@@ -122,26 +122,48 @@ def token_logprobs(logits: torch.Tensor, token_id: int, top_n: int) -> TokenLogp
     return TokenLogprob(token_id, float(logp[token_id]), top)
 
 
+def draw_token(logits: torch.Tensor, params: SamplingParams, output_ids: list[int],
+               generator: torch.Generator) -> torch.Tensor:
+    """One next token for one request from its last-position logits [V], as a 0-d tensor on their device."""
+    x = apply_penalties(logits.float(), output_ids, params.presence_penalty, params.frequency_penalty)
+    if params.greedy:
+        return torch.argmax(x)
+    x = filter_logits(x / params.temperature, params.top_k, params.top_p, params.min_p)
+    probs = torch.softmax(x, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)[0]
+
+
 def sample_row(logits: torch.Tensor, params: SamplingParams, output_ids: list[int],
                generator: torch.Generator) -> tuple[int, TokenLogprob | None]:
     """One next token for one request from its last-position logits [V]."""
-    x = apply_penalties(logits.float(), output_ids, params.presence_penalty, params.frequency_penalty)
-    if params.greedy:
-        token = int(torch.argmax(x))
-    else:
-        x = filter_logits(x / params.temperature, params.top_k, params.top_p, params.min_p)
-        probs = torch.softmax(x, dim=-1)
-        token = int(torch.multinomial(probs, 1, generator=generator))
+    token = int(draw_token(logits, params, output_ids, generator))
     lp = token_logprobs(logits, token, params.logprobs) if params.logprobs is not None else None
     return token, lp
+
+
+def _plain(params: list[SamplingParams]) -> list[bool]:
+    """Rows whose token is the argmax of the raw logits (one batched argmax serves them all)."""
+    return [p.greedy and p.logprobs is None and p.presence_penalty == 0 and p.frequency_penalty == 0 for p in params]
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]],
            generators: list[torch.Generator]) -> list[tuple[int, TokenLogprob | None]]:
     """Next tokens for a batch of last-position logits [B, V]; plain greedy rows take one batched argmax."""
-    plain = [p.greedy and p.logprobs is None and p.presence_penalty == 0 and p.frequency_penalty == 0 for p in params]
+    plain = _plain(params)
     fast = torch.argmax(logits, dim=-1).tolist() if any(plain) else []
     if all(plain):
         return [(token, None) for token in fast]
     return [(fast[i], None) if plain[i] else sample_row(logits[i], params[i], outputs[i], generators[i])
             for i in range(len(params))]
+
+
+def draw_tokens(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]],
+                generators: list[torch.Generator]) -> torch.Tensor:
+    """`sample`'s tokens as a tensor [B] on the logits' device, read by no host: the one-step-ahead
+    driver feeds them to the next step's inputs before any host has seen them (logprobs aside)."""
+    plain = _plain(params)
+    if all(plain):
+        return torch.argmax(logits, dim=-1)
+    fast = torch.argmax(logits, dim=-1) if any(plain) else None
+    return torch.stack([fast[i] if plain[i] else draw_token(logits[i], params[i], outputs[i], generators[i])
+                        for i in range(len(params))])

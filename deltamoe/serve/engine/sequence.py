@@ -52,14 +52,17 @@ class Sequence:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[TokenLogprob] = field(default_factory=list)
     kv_transfer: object | None = None  # a KV connector's hand-off parameters for this request (kv_transfer/)
+    # Trailing entries of token_ids that are placeholders (-1) for tokens a step in flight has yet to
+    # sample (one-step-ahead scheduling, `executor/overlap.py`); 0 otherwise.
+    num_pending: int = 0
 
     @property
     def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens:len(self.token_ids) - self.num_pending]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return len(self.token_ids) - self.num_prompt_tokens - self.num_pending
 
     @property
     def num_uncomputed(self) -> int:
