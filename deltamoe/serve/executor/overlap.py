@@ -242,5 +242,6 @@ def _copy_to_host(tokens: torch.Tensor) -> tuple[torch.Tensor, object | None]:
 
 
 def _bind_device(device: torch.device) -> None:
-    if device.type == "cuda":
+    """The device thread's current CUDA device is the model's (events and streams are per device)."""
+    if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
