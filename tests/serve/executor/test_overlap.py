@@ -3,13 +3,18 @@ and in batches, with stop tokens, stop strings, max_tokens, penalties, aborts, p
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
 from deltamoe.cli import main
 from deltamoe.errors import ConfigError
+from deltamoe.serve.engine.async_engine import AsyncLLMEngine
 from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.llm_engine import LLMEngine
 from deltamoe.serve.engine.sampling import SamplingParams
+from deltamoe.serve.executor.config import WorkerConfig
 from deltamoe.serve.executor.overlap import OverlappedSteps
 from deltamoe.serve.executor.uniproc import UniprocExecutor
 
@@ -102,6 +107,50 @@ def test_abort_while_a_step_is_in_flight(k31_model, helpers):
     assert run(True) == run(False)
 
 
+def test_server_front_streams_and_cancels(k31_model, helpers):
+    """AsyncLLMEngine (the server's engine thread) over async scheduling: the same streams, text included;
+    a cancelled stream (a client gone) frees its memory."""
+    ps = helpers.prompts(4, 3, 30, seed=8)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    expected, _ = generate(k31_model, ps, params, cache_memory="8MiB")
+    engine = AsyncLLMEngine(LLMEngine(k31_model, config=EngineConfig(cache_memory="8MiB", async_scheduling=True)))
+
+    async def stream(prompt):
+        return [o async for o in engine.generate(prompt, params)]
+
+    async def cancelled():
+        seen = []
+
+        async def consume():
+            async for out in engine.generate([1, 2, 3], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)):
+                seen.append(out)
+
+        task = asyncio.create_task(consume())
+        while len(seen) < 3:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return len(seen)
+
+    async def main():
+        return await asyncio.gather(cancelled(), *(stream(p) for p in ps))
+
+    try:
+        seen, *streams = asyncio.run(main())
+        for _ in range(200):
+            if engine.stats().num_running == 0:
+                break
+            time.sleep(0.01)
+    finally:
+        engine.shutdown()
+    for outs, (tokens, reason, _, text) in zip(streams, expected):
+        assert [t for o in outs for t in o.delta_token_ids] == tokens and outs[-1].finish_reason == reason
+        assert "".join(o.delta_text for o in outs) == text
+    stats = engine.stats()
+    assert 3 <= seen < 400 and (stats.num_running, stats.block_usage, stats.slot_usage) == (0, 0.0, 0.0)
+
+
 def test_refused_where_it_cannot_run_yet(k31_model, capsys):
     """Worker ranks and prefill/decode roles: a ConfigError naming the field, before anything starts."""
     engine = LLMEngine(k31_model, config=EngineConfig(cache_memory="8MiB"))
@@ -113,6 +162,9 @@ def test_refused_where_it_cannot_run_yet(k31_model, capsys):
     assert "async_scheduling" in capsys.readouterr().err
     assert main(["serve", "tiny", "--role", "prefill", "--kv-transfer", "mooncake", "--async-scheduling"]) == 2
     assert "async_scheduling" in capsys.readouterr().err
+    with pytest.raises(ConfigError) as e:  # before any worker process starts
+        LLMEngine.from_pretrained("tiny", EngineConfig(async_scheduling=True), workers=WorkerConfig(ep=2))
+    assert e.value.field == "async_scheduling"
 
 
 class _NotOneProcess:
