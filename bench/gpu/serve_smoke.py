@@ -17,6 +17,7 @@ Any difference or error exits non-zero with a message saying which check failed;
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -93,7 +94,7 @@ def main() -> int:
     print(f"[2/3] multi-process executor, tp 1, backend {backend}: same greedy tokens", flush=True)
 
     # 3. async scheduling on this device
-    overlapped = LLMEngine(model, config=EngineConfig(**{**config.__dict__, "async_scheduling": True}))
+    overlapped = LLMEngine(model, config=dataclasses.replace(config, async_scheduling=True))
     mixed = [SamplingParams(max_tokens=4 + i % 12, temperature=0.8 if i % 2 else 0.0, seed=i, stop_token_ids=[7])
              for i in range(len(ps))]
     for name, params in (("greedy", greedy), ("seeded sampling with stops", mixed)):

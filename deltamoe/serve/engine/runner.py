@@ -114,7 +114,7 @@ class ModelRunner:
         parts: list[torch.Tensor] = []
         to_sample: list[Sequence] = []
         for i, ((group, call), picked) in enumerate(zip(calls, rows)):
-            logits = self.forward(call, inputs[i] if inputs is not None else None)
+            logits = self.forward(call) if inputs is None or inputs[i] is None else self.forward(call, inputs[i])
             if picked:  # one gather per call, not one select per row
                 parts.append(logits if len(picked) == len(group) else logits[picked])
                 to_sample.extend(group[row][0] for row in picked)
