@@ -249,7 +249,8 @@ def main() -> None:
                     help="serve with compiled decode steps; writes serve_online_compiled.json")
     ap.add_argument("--async-scheduling", action="store_true", help="serve with one-step-ahead scheduling")
     ap.add_argument("--peer", choices=["none", "transformers"], default="none",
-                    help="also run `transformers serve` on the same checkpoint; writes serve_online_vs_transformers.json")
+                    help="also run `transformers serve` on the same checkpoint; writes "
+                         "serve_online_vs_transformers.json")
     ap.add_argument("--peer-args", default="", help="extra options for `transformers serve`")
     ap.add_argument("--quick", action="store_true", help="2 requests per client, 32 in / 16 out tokens, writes serve_online_quick.json")
     args = ap.parse_args()
@@ -292,7 +293,7 @@ def main() -> None:
                                          r["p99_ttft_ms"], r["p50_tpot_ms"], r["p99_tpot_ms"], r["p50_itl_ms"],
                                          r["p99_itl_ms"], r["p50_e2el_ms"]] for r in runs])
 
-    flags = (" --compile-decode" if args.compile_decode else "") + (" --async-scheduling" if args.async_scheduling else "")
+    flags = "".join(f" --{k.replace('_', '-')}" for k in ("compile_decode", "async_scheduling") if getattr(args, k))
     print(f"\n`deltamoe serve {config['model']}{flags}`, {args.input_len} in / {args.output_len} out tokens, "
           f"{args.prompts_per_client} requests per client\n")
     print(table(rows))

@@ -231,7 +231,8 @@ def serve_online_vs_peer_rows(d: dict) -> list[Row]:
 
     goal_at, goal = str(d["target"]["output_throughput_ratio_at"]), d["target"]["ratio"]
     headline = ratios.get(goal_at, {}).get("output_throughput")
-    flags = "".join(f", `--{k.replace('_', '-')}`" for k in ("compile_decode", "async_scheduling") if d["config"].get(k))
+    flags = "".join(f", `--{k.replace('_', '-')}`" for k in ("compile_decode", "async_scheduling")
+                    if d["config"].get(k))
     label = (f"online serving vs `transformers serve`, {d['config']['model']}{flags}, {' / '.join(clients)} clients, "
              f"output tok/s and TPOT p50 (`python bench/bench_serve_online.py --peer transformers`)")
     ours = f"{join(runs, 'output_throughput')} tok/s; TPOT {join(runs, 'p50_tpot_ms')} ms"

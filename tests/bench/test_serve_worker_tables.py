@@ -12,7 +12,8 @@ def layout(tps: float, tpot_ms: float, tp: int = 1, ep: int = 1, async_schedulin
 
 def test_serve_workers_rows():
     d = {"workload": {"model": "small", "prompts": 64, "new_tokens": 128}, "threads": 2,
-         "layouts": {"1 process": layout(200, 300), "1 process, async scheduling": layout(230, 260, async_scheduling=True),
+         "layouts": {"1 process": layout(200, 300),
+                     "1 process, async scheduling": layout(230, 260, async_scheduling=True),
                      "tp 2": layout(150, 400, tp=2), "ep 2": layout(180, 350, ep=2)}}
     rows = FORMATTERS["serve_workers"](d)
     assert len(rows) == 4 and all(len(r) == len(HEADERS) for r in rows)
@@ -25,7 +26,8 @@ def test_serve_online_vs_transformers_rows():
     def run(c: int, tps: float, tpot: float) -> dict:
         return {"concurrency": c, "output_throughput": tps, "p50_tpot_ms": tpot, "completed": 4 * c}
 
-    ours, peer = [run(1, 100, 9), run(8, 480, 13), run(32, 800, 31)], [run(1, 20, 45), run(8, 40, 190), run(32, 50, 600)]
+    ours = [run(1, 100, 9), run(8, 480, 13), run(32, 800, 31)]
+    peer = [run(1, 20, 45), run(8, 40, 190), run(32, 50, 600)]
     ratios = {str(a["concurrency"]): {"output_throughput": a["output_throughput"] / b["output_throughput"],
                                       "p50_tpot": b["p50_tpot_ms"] / a["p50_tpot_ms"]} for a, b in zip(ours, peer)}
     d = {"config": {"model": "Kimi Linear tiny (transformers-saved)", "async_scheduling": True}, "runs": ours,
