@@ -15,7 +15,17 @@ the next token, so one SSE event can carry two tokens: ITL is per event, TPOT pe
 
 `--compile-decode` starts the server with its decode steps compiled (`deltamoe serve
 --compile-decode`; the compile runs at startup, before the health check passes, and is not timed)
-and writes serve_online_compiled.json instead.
+and writes serve_online_compiled.json instead. `--async-scheduling` serves with one-step-ahead
+scheduling (`deltamoe serve --async-scheduling`).
+
+`--peer transformers` runs the same clients, prompts and concurrencies against `transformers serve`
+too, one server after the other, both on one transformers-saved Kimi Linear checkpoint (the tiny
+random-weight model of bench_serve_offline.py, with a byte-level tokenizer.json that both servers
+read: one character, one token) and writes serve_online_vs_transformers.json with each side's
+output tokens/s and TPOT and their ratio. transformers has no `ignore_eos`: the checkpoint's
+generation config sets `min_new_tokens` to the output length instead, so both produce exactly
+`--output-len` tokens. Both servers get the same torch threads (`--threads`, default all cores but
+one). `--peer-args` passes options to `transformers serve` (e.g. "--continuous-batching").
 
 Prints a markdown table and writes bench/results/serve_online.json atomically. Absolute times
 are this machine's CPU, shared with other work; read them as a profile of the server, not a
@@ -32,6 +42,7 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,7 +77,7 @@ def free_port() -> int:
 
 
 def start_server(model: str, port: int, max_model_len: int, max_num_seqs: int, threads: int | None,
-                 compile_decode: bool = False) -> subprocess.Popen:
+                 compile_decode: bool = False, async_scheduling: bool = False) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "deltamoe.cli", "serve", model, "--port", str(port), "--served-model-name",
            MODEL_NAME, "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
            "--log-level", "warning"]
@@ -74,6 +85,8 @@ def start_server(model: str, port: int, max_model_len: int, max_num_seqs: int, t
         cmd += ["--threads", str(threads)]
     if compile_decode:
         cmd.append("--compile-decode")
+    if async_scheduling:
+        cmd.append("--async-scheduling")
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # the server's own default
     return subprocess.Popen(cmd, cwd=ROOT, env=env)
 
@@ -92,9 +105,40 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 300.0) -> No
     raise RuntimeError(f"`deltamoe serve` was not healthy within {timeout:.0f} s")
 
 
-async def one_request(http: httpx.AsyncClient, prompt: str, output_len: int) -> RequestResult:
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+def start_peer(folder: Path, port: int, threads: int, extra: list[str]) -> subprocess.Popen:
+    """`transformers serve` on the same checkpoint, its torch threads set like deltamoe's."""
+    cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(folder), "--port", str(port),
+           "--device", "cpu", *extra]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    return subprocess.Popen(cmd, cwd=ROOT, env=env)
+
+
+def save_shared_checkpoint(folder: Path, output_len: int) -> None:
+    """The tiny Kimi Linear of bench_serve_offline.py, saved by transformers, with a tokenizer.json whose
+    ids are the raw bytes (0..255; specials 256..258 as in the config) for deltamoe and transformers alike."""
+    from bench_serve_offline import hf_model
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from deltamoe.tokenizers.hf import byte_decoder
+
+    model = hf_model()
+    model.generation_config.min_new_tokens = output_len  # transformers has no ignore_eos
+    model.save_pretrained(folder)
+    tok = Tokenizer(models.BPE(vocab=dict(byte_decoder()), merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|bos|>", "<|eos|>", "<|pad|>"])  # 256, 257, 258: the config's bos/eos/pad
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|bos|>", "eos_token": "<|eos|>",
+        "pad_token": "<|pad|>"}))
+
+
+async def one_request(http: httpx.AsyncClient, prompt: str, output_len: int, model: str = MODEL_NAME) -> RequestResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if model == MODEL_NAME:  # transformers rejects the field (its checkpoint's min_new_tokens does the same)
+        body["ignore_eos"] = True
     start = time.perf_counter()
     last, ttft, itl, tokens = start, 0.0, [], 0
     try:
@@ -122,7 +166,8 @@ async def one_request(http: httpx.AsyncClient, prompt: str, output_len: int) -> 
     return RequestResult(True, ttft=ttft, e2e=e2e, output_tokens=tokens, itl=itl)
 
 
-async def run_concurrency(url: str, concurrency: int, prompts: list[str], output_len: int) -> tuple[list[RequestResult], float]:
+async def run_concurrency(url: str, concurrency: int, prompts: list[str], output_len: int,
+                          model: str = MODEL_NAME) -> tuple[list[RequestResult], float]:
     queue: asyncio.Queue[str] = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)
@@ -132,7 +177,7 @@ async def run_concurrency(url: str, concurrency: int, prompts: list[str], output
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
         async def client() -> None:
             while not queue.empty():
-                results.append(await one_request(http, queue.get_nowait(), output_len))
+                results.append(await one_request(http, queue.get_nowait(), output_len, model))
 
         start = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(concurrency)))
@@ -167,9 +212,32 @@ def random_prompt(rng: random.Random, length: int) -> str:
     return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(length))
 
 
+def measure(proc: subprocess.Popen, url: str, model: str, prompt_sets: list[list[str]], concurrency: list[int],
+            args: argparse.Namespace, health_timeout: float) -> list[dict]:
+    """Every concurrency against one started server (stopped at the end, whatever happens)."""
+    rows = []
+    try:
+        wait_healthy(proc, url, timeout=health_timeout)
+        asyncio.run(run_concurrency(url, 1, prompt_sets[0][:1], args.output_len, model))  # warm-up
+        for c, prompts in zip(concurrency, prompt_sets):
+            results, duration = asyncio.run(run_concurrency(url, c, prompts, args.output_len, model))
+            rows.append(summarize(c, results, duration, args.input_len))
+            print(f"{model} at concurrency {c}: {rows[-1]['completed']} done, {rows[-1]['failed']} failed in "
+                  f"{duration:.1f} s", file=sys.stderr)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="tiny", help="Checkpoint folder or preset (presets get random weights).")
+    ap.add_argument("--model", default="tiny", help="Checkpoint folder or preset (presets get random weights); "
+                    "ignored with --peer (both servers share a transformers-saved Kimi Linear).")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--prompts-per-client", type=int, default=4)
     ap.add_argument("--input-len", type=int, default=64)
@@ -179,47 +247,73 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--compile-decode", action="store_true",
                     help="serve with compiled decode steps; writes serve_online_compiled.json")
+    ap.add_argument("--async-scheduling", action="store_true", help="serve with one-step-ahead scheduling")
+    ap.add_argument("--peer", choices=["none", "transformers"], default="none",
+                    help="also run `transformers serve` on the same checkpoint; writes "
+                         "serve_online_vs_transformers.json")
+    ap.add_argument("--peer-args", default="", help="extra options for `transformers serve`")
     ap.add_argument("--quick", action="store_true", help="2 requests per client, 32 in / 16 out tokens, writes serve_online_quick.json")
     args = ap.parse_args()
     if args.quick:
         args.prompts_per_client, args.input_len, args.output_len = 2, 32, 16
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = start_server(args.model, port, args.input_len + args.output_len + 8, max(args.concurrency), args.threads,
-                        args.compile_decode)
-    rows = []
-    try:
-        wait_healthy(proc, url, timeout=1200.0 if args.compile_decode else 300.0)  # compiling takes minutes
-        rng = random.Random(args.seed)
-        asyncio.run(run_concurrency(url, 1, [random_prompt(rng, args.input_len)], args.output_len))  # warm-up
-        for c in args.concurrency:
-            prompts = [random_prompt(rng, args.input_len) for _ in range(c * args.prompts_per_client)]
-            results, duration = asyncio.run(run_concurrency(url, c, prompts, args.output_len))
-            rows.append(summarize(c, results, duration, args.input_len))
-            print(f"concurrency {c}: {rows[-1]['completed']} done, {rows[-1]['failed']} failed in {duration:.1f} s",
-                  file=sys.stderr)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    rng = random.Random(args.seed)
+    prompt_sets = [[random_prompt(rng, args.input_len) for _ in range(c * args.prompts_per_client)]
+                   for c in args.concurrency]
+    max_len = args.input_len + args.output_len + 8
+    health_timeout = 1200.0 if args.compile_decode else 300.0  # compiling takes minutes
+    threads = args.threads or SERVER_DEFAULT_THREADS
+    peer_rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model
+        if args.peer == "transformers":
+            model = str(Path(tmp) / "kimi-linear-tiny")
+            save_shared_checkpoint(Path(model), args.output_len)
+        port = free_port()
+        proc = start_server(model, port, max_len, max(args.concurrency), args.threads, args.compile_decode,
+                            args.async_scheduling)
+        rows = measure(proc, f"http://127.0.0.1:{port}", MODEL_NAME, prompt_sets, args.concurrency, args,
+                       health_timeout)
+        if args.peer == "transformers":
+            port = free_port()
+            peer = start_peer(Path(model), port, threads, args.peer_args.split())
+            peer_rows = measure(peer, f"http://127.0.0.1:{port}", model, prompt_sets, args.concurrency, args, 300.0)
 
-    config = {"model": args.model, "input_len": args.input_len, "output_len": args.output_len,
-              "prompts_per_client": args.prompts_per_client, "server_threads": args.threads or SERVER_DEFAULT_THREADS, "quick": args.quick,
-              "compile_decode": args.compile_decode, "command": " ".join(["bench/bench_serve_online.py", *sys.argv[1:]])}
-    name = "serve_online_compiled" if args.compile_decode else "serve_online"
-    path = write_result(result_name(name, args.quick), {"config": config, "runs": rows})
+    config = {"model": "Kimi Linear tiny (transformers-saved)" if args.peer == "transformers" else args.model,
+              "input_len": args.input_len, "output_len": args.output_len,
+              "prompts_per_client": args.prompts_per_client, "server_threads": threads, "quick": args.quick,
+              "compile_decode": args.compile_decode, "async_scheduling": args.async_scheduling,
+              "command": " ".join(["bench/bench_serve_online.py", *sys.argv[1:]])}
     headers = ["clients", "done", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms",
                "ITL p50 ms", "ITL p99 ms", "E2EL p50 ms"]
-    table = [[r["concurrency"], f"{r['completed']}/{r['completed'] + r['failed']}", r["request_throughput"],
-              r["output_throughput"], r["p50_ttft_ms"], r["p99_ttft_ms"], r["p50_tpot_ms"], r["p99_tpot_ms"],
-              r["p50_itl_ms"], r["p99_itl_ms"], r["p50_e2el_ms"]] for r in rows]
-    print(f"\n`deltamoe serve {args.model}{' --compile-decode' if args.compile_decode else ''}`, "
-          f"{args.input_len} in / {args.output_len} out tokens, "
+
+    def table(runs: list[dict]) -> str:
+        return markdown_table(headers, [[r["concurrency"], f"{r['completed']}/{r['completed'] + r['failed']}",
+                                         r["request_throughput"], r["output_throughput"], r["p50_ttft_ms"],
+                                         r["p99_ttft_ms"], r["p50_tpot_ms"], r["p99_tpot_ms"], r["p50_itl_ms"],
+                                         r["p99_itl_ms"], r["p50_e2el_ms"]] for r in runs])
+
+    flags = "".join(f" --{k.replace('_', '-')}" for k in ("compile_decode", "async_scheduling") if getattr(args, k))
+    print(f"\n`deltamoe serve {config['model']}{flags}`, {args.input_len} in / {args.output_len} out tokens, "
           f"{args.prompts_per_client} requests per client\n")
-    print(markdown_table(headers, table))
+    print(table(rows))
+    if args.peer == "transformers":
+        ratios = {str(a["concurrency"]): {"output_throughput": a["output_throughput"] / b["output_throughput"],
+                                          "p50_tpot": b["p50_tpot_ms"] / a["p50_tpot_ms"]}
+                  for a, b in zip(rows, peer_rows) if a["completed"] and b["completed"]}
+        config["peer"] = {"name": "transformers serve", "args": args.peer_args,
+                          "note": "KDA through transformers' reference PyTorch path (no flash-linear-attention on CPU)"}
+        path = write_result(result_name("serve_online_vs_transformers", args.quick), {
+            "config": config, "runs": rows, "peer_runs": peer_rows, "ratio_vs_peer": ratios,
+            "target": {"output_throughput_ratio_at": 8, "ratio": 10.0}})
+        print(f"\n`transformers serve` on the same checkpoint {args.peer_args}\n")
+        print(table(peer_rows))
+        print("\n" + markdown_table(["clients", "output tok/s vs transformers", "TPOT p50: transformers / deltamoe"],
+                                    [[c, f"{r['output_throughput']:.2f}x", f"{r['p50_tpot']:.2f}x"]
+                                     for c, r in ratios.items()]))
+    else:
+        name = "serve_online_compiled" if args.compile_decode else "serve_online"
+        path = write_result(result_name(name, args.quick), {"config": config, "runs": rows})
     print(f"\nwrote {path}")
 
 

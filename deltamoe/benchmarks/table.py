@@ -252,6 +252,38 @@ def serve_disagg_rows(d: dict) -> list[Row]:
                 f"{c['model']}, this run: {run['measured'] / 2**20:.2f} MiB measured, {run['bytes'] / 2**20:.2f} MiB "
                 "predicted" if run else "", "", ""])
     return out
+def serve_online_vs_peer_rows(d: dict) -> list[Row]:
+    runs, peer, ratios = d["runs"], d["peer_runs"], d["ratio_vs_peer"]
+    clients = [str(r["concurrency"]) for r in runs]
+
+    def join(rows: list[dict], key: str) -> str:
+        return " / ".join(f"{r[key]:,.0f}" for r in rows)
+
+    goal_at, goal = str(d["target"]["output_throughput_ratio_at"]), d["target"]["ratio"]
+    headline = ratios.get(goal_at, {}).get("output_throughput")
+    flags = "".join(f", `--{k.replace('_', '-')}`" for k in ("compile_decode", "async_scheduling")
+                    if d["config"].get(k))
+    label = (f"online serving vs `transformers serve`, {d['config']['model']}{flags}, {' / '.join(clients)} clients, "
+             f"output tok/s and TPOT p50 (`python bench/bench_serve_online.py --peer transformers`)")
+    ours = f"{join(runs, 'output_throughput')} tok/s; TPOT {join(runs, 'p50_tpot_ms')} ms"
+    theirs = f"transformers serve {join(peer, 'output_throughput')} tok/s; TPOT {join(peer, 'p50_tpot_ms')} ms"
+    ratio = " / ".join(times(ratios[c]["output_throughput"]) if c in ratios else "-" for c in clients)
+    met = headline is not None and headline >= goal
+    return [[label, ours, theirs, ratio, verdict([(f">= {goal:g}x at {goal_at} clients", met)], d.get("note"))]]
+
+
+def serve_workers_rows(d: dict) -> list[Row]:
+    w, layouts = d["workload"], d["layouts"]
+    base = layouts["1 process"]["tokens_per_s"]
+    label = (f"offline serving over worker processes, `{w['model']}`, {w['prompts']} prompts x {w['new_tokens']} "
+             f"tokens, {d['threads']} threads per layout " + command("serve_workers"))
+    rows: list[Row] = []
+    for name, r in layouts.items():
+        rows.append([f"{label}: {name}" if not rows else f"same, {name}",
+                     f"{rate(r['tokens_per_s'])} tok/s; TPOT {r['mean_tpot_ms']:.0f} ms",
+                     "1 process" if name != "1 process" else "", times(r["tokens_per_s"] / base),
+                     d.get("note", "") if not rows else ""])
+    return rows
 
 
 def trace_rows(d: dict) -> list[Row]:
@@ -406,6 +438,8 @@ FORMATTERS: dict[str, Callable[[dict], list[Row]]] = {
     "serve_online": serve_online_rows,
     "serve_online_compiled": serve_online_rows,
     "serve_disagg": serve_disagg_rows,
+    "serve_online_vs_transformers": serve_online_vs_peer_rows,
+    "serve_workers": serve_workers_rows,
     "trace": trace_rows,
     "plan_validation": plan_validation_rows,
     "moe": moe_rows,

@@ -81,9 +81,9 @@ TP_HELP = ("Tensor-parallel ranks: attention heads, MLP widths and the vocabular
 EP_HELP = "Expert-parallel ranks: routed experts split over this many processes (tp * ep processes in all)."
 
 
-def check_workers(model: str, tp: int, ep: int, compile_decode: bool):
+def check_workers(model: str, tp: int, ep: int, compile_decode: bool, async_scheduling: bool = False):
     """The worker layout checked against the model's config before anything loads; None for one process."""
-    from deltamoe.serve.executor.config import WorkerConfig
+    from deltamoe.serve.executor.config import WorkerConfig, check_async_scheduling
     from deltamoe.serve.executor.config import launched_by_torchrun
 
     import os
@@ -100,6 +100,8 @@ def check_workers(model: str, tp: int, ep: int, compile_decode: bool):
     if compile_decode:
         raise ConfigError("compiled decode runs on one process; drop --compile or --tp/--ep",
                           field="compile_decode")
+    if async_scheduling:
+        check_async_scheduling(multiproc=True, hand_off=False)
     return workers
 
 
@@ -115,6 +117,9 @@ SPECULATIVE_HELP = ("Speculative decoding: mtp (the model's MTP head drafts --nu
 NUM_DRAFT_TOKENS_HELP = "Tokens drafted per step with --speculative (1..3)."
 SPEC_MIN_ACCEPTANCE_HELP = ("With --speculative: a request whose last 8 verifications kept fewer than this share of "
                             "their drafts decodes plainly from then on (0 = never).")
+ASYNC_SCHEDULING_HELP = ("Schedule step N+1 while step N runs, with placeholders for the tokens it has yet to "
+                         "sample (vLLM's async scheduling): the same tokens, outputs one step later. One process.")
+ASYNC_SCHEDULING_DECLS = ("--async-scheduling/--no-async-scheduling",)
 
 
 KV_CACHE_DTYPE_HELP = ("Latent-KV and indexer-key pages: auto (the model dtype) or fp8 (e4m3 with a scale per "
@@ -125,7 +130,7 @@ def build_engine(model: str, tokenizer: Optional[str], cache_memory: str, max_nu
                  max_num_batched_tokens: int, dtype: str, device: str, compile_decode: bool = False,
                  tp: int = 1, ep: int = 1, kv_cache_dtype: str = "auto", threads: Optional[int] = None,
                  speculative: Optional[str] = None, num_draft_tokens: int = EngineConfig.num_draft_tokens,
-                 spec_min_acceptance: float = EngineConfig.spec_min_acceptance):
+                 spec_min_acceptance: float = EngineConfig.spec_min_acceptance, async_scheduling: bool = False):
     from deltamoe.serve.engine.config import EngineConfig
 
     check_dtype(dtype)
@@ -133,9 +138,9 @@ def build_engine(model: str, tokenizer: Optional[str], cache_memory: str, max_nu
     config = EngineConfig(cache_memory=cache_memory, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, compile_decode=compile_decode,
                           kv_cache_dtype=kv_cache_dtype, speculative=speculative, num_draft_tokens=num_draft_tokens,
-                          spec_min_acceptance=spec_min_acceptance)
+                          spec_min_acceptance=spec_min_acceptance, async_scheduling=async_scheduling)
     load_config(model)  # an unknown model fails here, from its config alone
-    workers = check_workers(model, tp, ep, compile_decode)
+    workers = check_workers(model, tp, ep, compile_decode, async_scheduling)
     from deltamoe.serve.engine.llm_engine import LLMEngine  # imports torch: after every check above
     from deltamoe.threads import apply_threads
 
@@ -174,6 +179,7 @@ def generate_command(
                                               help=SPEC_MIN_ACCEPTANCE_HELP),
     image: list[str] = typer.Option([], "--image", help="Image file shown with every prompt, before its text; "
                                     "repeatable (models with a vision tower)."),
+    async_scheduling: bool = typer.Option(False, *ASYNC_SCHEDULING_DECLS, help=ASYNC_SCHEDULING_HELP),
 ) -> None:
     """Generate text for one or more prompts (continuous batching)."""
     from deltamoe.serve.image_cli import check_image_model, load_cli_images, placeholder_tokens
@@ -182,7 +188,7 @@ def generate_command(
     engine = build_engine(model, tokenizer, cache_memory, max_num_seqs, max_num_batched_tokens, dtype, device,
                           compile_decode, tp=tp, ep=ep, kv_cache_dtype=kv_cache_dtype, threads=threads,
                           speculative=speculative, num_draft_tokens=num_draft_tokens,
-                          spec_min_acceptance=spec_min_acceptance)
+                          spec_min_acceptance=spec_min_acceptance, async_scheduling=async_scheduling)
     from deltamoe.serve.api.chat_template import ChatTemplate
     from deltamoe.serve.engine.sampling import SamplingParams
 
@@ -348,6 +354,7 @@ def serve_command(
     image_max_bytes: int = typer.Option(20 * 1024 * 1024, min=1, help="Largest image accepted (download or data: URL)."),
     image_max_tokens: int = typer.Option(1024, min=1, help="Placeholder tokens per image at most (larger images "
                                          "are scaled down, keeping their aspect)."),
+    async_scheduling: bool = typer.Option(False, *ASYNC_SCHEDULING_DECLS, help=ASYNC_SCHEDULING_HELP),
 ) -> None:
     """OpenAI-compatible HTTP server (deltamoe.serve.api) over an AsyncLLMEngine."""
     from deltamoe.serve.engine.config import EngineConfig, parse_bytes
@@ -360,10 +367,14 @@ def serve_command(
                           max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                           compile_decode=compile_decode, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
                           speculative=speculative, num_draft_tokens=num_draft_tokens,
-                          spec_min_acceptance=spec_min_acceptance)
+                          spec_min_acceptance=spec_min_acceptance, async_scheduling=async_scheduling)
+    if async_scheduling:
+        from deltamoe.serve.executor.config import check_async_scheduling
+
+        check_async_scheduling(multiproc=False, hand_off=role != "colocated")
     chosen = engine_threads(threads)
     load_config(model)  # an unknown model fails here, from its config alone
-    workers = check_workers(model, tp, ep, compile_decode)
+    workers = check_workers(model, tp, ep, compile_decode, async_scheduling)
     if workers is not None and _torchrun_rank() > 0:
         # A torchrun rank > 0 runs its shard of the model until rank 0 stops (from_pretrained exits).
         from deltamoe.serve.engine.llm_engine import LLMEngine

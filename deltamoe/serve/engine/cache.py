@@ -76,6 +76,9 @@ class HybridCache:
         # (src, dst) state-slot writes since the last `take_state_ops` (src None: zero dst), when
         # other ranks mirror this cache; None: not logged.
         self.state_log: list[tuple[int | None, int]] | None = None
+        # True: those writes are only logged, and the thread that runs the forwards replays them in
+        # order before the next one (`executor/overlap.py`: a forward may still be running).
+        self.defer_state_writes = False
 
     # ------------------------------------------------------------------ capacity questions
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
@@ -163,21 +166,27 @@ class HybridCache:
         while len(seq.block_table) > keep:
             self.blocks.release(seq.block_table.pop())
 
-    def commit(self, seq: Sequence) -> None:
-        """After a forward: publish newly full blocks, and snapshot the KDA state at a kept boundary."""
+    def commit(self, seq: Sequence, num_computed: int | None = None) -> None:
+        """After a forward: publish newly full blocks, and snapshot the KDA state at a kept boundary.
+        `num_computed`: the tokens that forward left computed, when `seq.num_computed` already counts
+        a later step's (one-step-ahead scheduling)."""
         if not self.prefix_caching:
             return
-        full = min(seq.num_computed, len(seq.token_ids)) // self.block_size
+        n = seq.num_computed if num_computed is None else num_computed
+        full = min(n, len(seq.token_ids)) // self.block_size
         for i in range(seq.num_published_blocks, full):  # only blocks that filled up since the last commit
             block = seq.block_table[i]
             if self.blocks.hashes[block] is None:
                 self.blocks.register(block, self._block_hash(seq, i), self._block_tokens(seq, i))
         seq.num_published_blocks = max(seq.num_published_blocks, full)
-        n = seq.num_computed
-        if n and n % self.block_size == 0 and self._keeps_snapshot(seq, n) and seq.slot is not None:
+        if self.takes_snapshot(seq, n) and seq.slot is not None:
             target = self.slots.slot_for_snapshot(self._block_hash(seq, n // self.block_size - 1))
             if target is not None:
                 self._copy_state(seq.slot, target)
+
+    def takes_snapshot(self, seq: Sequence, num_computed: int) -> bool:
+        """Whether `commit` after a forward that leaves `num_computed` tokens computed snapshots the KDA state."""
+        return bool(num_computed and num_computed % self.block_size == 0 and self._keeps_snapshot(seq, num_computed))
 
     def next_snapshot_boundary(self, seq: Sequence, start: int, end: int) -> int:
         """The first kept snapshot boundary in (start, end), else end: where a prefill chunk should stop."""
@@ -263,21 +272,27 @@ class HybridCache:
         return ops
 
     def apply_state_ops(self, ops: list[tuple[int | None, int]]) -> None:
-        """Replay rank 0's state-slot writes on this rank's shard, in order."""
+        """Replay logged state-slot writes (rank 0's on another rank, or deferred ones), in order."""
         for src, dst in ops:
-            if src is None:
-                self._zero_state(dst)
-            else:
-                self._copy_state(src, dst)
+            self._write_state(src, dst)
 
     def _zero_state(self, slot: int) -> None:
-        self.recurrent[:, slot].zero_()
-        self.conv[:, slot].zero_()
-        if self.state_log is not None:
-            self.state_log.append((None, slot))
+        self._state_op(None, slot)
 
     def _copy_state(self, src: int, dst: int) -> None:
-        self.recurrent[:, dst] = self.recurrent[:, src]
-        self.conv[:, dst] = self.conv[:, src]
+        self._state_op(src, dst)
+
+    def _state_op(self, src: int | None, dst: int) -> None:
+        if not self.defer_state_writes:
+            self._write_state(src, dst)
         if self.state_log is not None:
             self.state_log.append((src, dst))
+
+    def _write_state(self, src: int | None, dst: int) -> None:
+        """Zero slot `dst` (src None) or copy slot `src` into it."""
+        if src is None:
+            self.recurrent[:, dst].zero_()
+            self.conv[:, dst].zero_()
+        else:
+            self.recurrent[:, dst] = self.recurrent[:, src]
+            self.conv[:, dst] = self.conv[:, src]

@@ -46,6 +46,8 @@ class EngineConfig:
     speculative: str | None = None
     num_draft_tokens: int = 1  # tokens the MTP head proposes per step (1..3), verified in one forward
     spec_min_acceptance: float = 0.2  # a request whose recent drafts are accepted less often stops speculating
+    # Schedule step N+1 while step N runs, its not-yet-sampled tokens as placeholders (serve/executor/overlap.py).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         self.cache_memory = parse_bytes(self.cache_memory)
@@ -70,5 +72,9 @@ class EngineConfig:
         if self.kv_cache_dtype == "fp8" and self.compile_decode:
             raise ConfigError("an fp8 KV cache runs eagerly only (compiled decode is not yet fp8-aware)",
                               field="kv_cache_dtype")
+        if self.async_scheduling and self.speculative is not None:
+            raise ConfigError("async scheduling and speculative decoding do not combine yet (a verification step "
+                              "needs its drafts on the host)", field="async_scheduling",
+                              hint="drop --async-scheduling or --speculative")
         if self.max_snapshots is None:
             self.max_snapshots = self.max_num_seqs if self.enable_prefix_caching else 0

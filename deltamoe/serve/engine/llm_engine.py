@@ -29,9 +29,10 @@ from deltamoe.serve.engine.runner import ModelRunner, StepResult
 from deltamoe.serve.engine.sampling import SamplingParams
 from deltamoe.serve.engine.scheduler import Scheduler
 from deltamoe.serve.executor.base import Executor
-from deltamoe.serve.executor.config import WorkerConfig, launched_by_torchrun
+from deltamoe.serve.executor.config import WorkerConfig, check_async_request, check_async_scheduling, launched_by_torchrun
 from deltamoe.serve.executor.group import RankGroup
 from deltamoe.serve.executor.multiproc import MultiprocExecutor
+from deltamoe.serve.executor.overlap import OverlappedSteps
 from deltamoe.serve.executor.uniproc import UniprocExecutor
 from deltamoe.serve.engine.sequence import Sequence
 from deltamoe.serve.spec_decode.runner import speculation_stats, speculative_runner
@@ -69,6 +70,9 @@ class LLMEngine:
             self.runner = speculative_runner(model, self.cache, self.config, min(
                 self.max_model_len, self.cache.max_tokens_per_sequence()), group is not None, connector)
         self.executor: Executor = UniprocExecutor(self.runner) if group is None else MultiprocExecutor(self.runner, group)
+        # One-step-ahead scheduling: step N+1 is scheduled while step N runs (None: one step at a time).
+        self.overlap = OverlappedSteps(self.executor, self.scheduler, self._take_token, connector) \
+            if self.config.async_scheduling else None
         self.device = model.device
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -93,6 +97,8 @@ class LLMEngine:
         group = None
         if workers is not None:
             workers.check_fields()
+            if config is not None and config.async_scheduling and (workers.world_size > 1 or launched_by_torchrun()):
+                check_async_scheduling(multiproc=True, hand_off=False)  # before any rank starts
         if workers is not None and (workers.world_size > 1 or launched_by_torchrun()):
             from deltamoe.serve.executor.launch import start_replica
 
@@ -108,6 +114,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the worker ranks, if any (idempotent; also runs at interpreter exit)."""
+        if self.overlap is not None:
+            self.overlap.shutdown()
         self.executor.shutdown()
 
     # ------------------------------------------------------------------ requests
@@ -149,7 +157,7 @@ class LLMEngine:
         if params.max_tokens is not None and params.max_tokens > room:
             raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the limit of "
                                f"{len(ids) + room} tokens", field="max_tokens")
-        if params.prompt_logprobs is not None and self.cache.state_log is not None:
+        if params.prompt_logprobs is not None and not isinstance(self.executor, UniprocExecutor):
             raise RequestError("prompt logprobs with --tp/--ep workers: not yet", field="prompt_logprobs")
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos and self.tokenizer.eos_token_id is not None:
@@ -179,6 +187,8 @@ class LLMEngine:
     def add_sequence(self, seq: Sequence) -> str:
         if seq.request_id in self._requests:
             raise RequestError(f"{seq.request_id!r} is already running", field="request_id")
+        if self.overlap is not None:
+            check_async_request(seq.params, seq.images is not None, seq.fork_of)
         self._requests[seq.request_id] = seq
         self._totals["prompt_tokens"] += seq.num_prompt_tokens
         if seq.fork_of is not None:  # waits for its parent's prefill (forks.py)
@@ -218,6 +228,9 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         failed = [self._fail(seq, reason) for seq, reason in self.scheduler.take_failed()]
         self.last_batch_size = len(batch.items)
+        if self.overlap is not None:
+            self._totals["steps"] += 1
+            return failed + self.overlap.step(batch)
         if self.connector is not None:
             self.connector.start_load_kv()
         results = self.executor.execute(batch) if batch else []
@@ -244,19 +257,23 @@ class LLMEngine:
         if r.token is None:
             return None
         seq.token_ids.append(r.token)
+        return self._take_token(seq, r.token, r.logprob)
+
+    def _take_token(self, seq: Sequence, token: int, logprob) -> RequestOutput:
+        """A sampled token, already in `seq.token_ids`: stop checks, detokenizing, the request's output."""
         self._totals["generation_tokens"] += 1
-        if r.logprob is not None:
-            seq.logprobs.append(r.logprob)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
         stop_reason: str | int | None = None
-        if r.token in seq.stop_ids:  # a stop token ends the text without adding its own
-            reason, stop_reason, delta = "stop", r.token, ""
+        if token in seq.stop_ids:  # a stop token ends the text without adding its own
+            reason, stop_reason, delta = "stop", token, ""
         else:
-            delta = seq.detokenizer.push(r.token)
+            delta = seq.detokenizer.push(token)
             stop_reason = seq.detokenizer.stopped_by
             if seq.grammar is not None:
-                seq.grammar.accept(r.token)
+                seq.grammar.accept(token)
             # A complete grammar admits nothing more: the output is whole, as if a stop token came.
             done = stop_reason is not None or (seq.grammar is not None and seq.grammar.done)
             reason = "stop" if done else "length" if seq.num_output_tokens >= seq.max_tokens else None
@@ -266,7 +283,7 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
             self._requests.pop(seq.request_id, None)
             self._totals["finished"] += 1
-        return self._output(seq, [r.token], delta, r.logprob, stop_reason)
+        return self._output(seq, [token], delta, logprob, stop_reason)
 
     def _output(self, seq: Sequence, new_ids: list[int], delta: str, logprob, stop_reason=None) -> RequestOutput:
         return RequestOutput(

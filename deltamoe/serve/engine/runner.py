@@ -143,11 +143,30 @@ class ModelRunner:
         return [StepResult(seq, n, *sampled.get(id(seq), (None, None))) for seq, n in batch.items]
 
     @torch.inference_mode()
-    def forward(self, call: ModelCall, with_hidden: bool = False):
+    def last_logits(self, calls: list[tuple[list[tuple[Sequence, int]], ModelCall]], rows: list[list[int]],
+                    inputs: list[torch.Tensor | None] | None = None) -> tuple[torch.Tensor | None, list[Sequence]]:
+        """Run the calls -> the last-token logits of rows `rows[i]` of call i, stacked [N, V], and their
+        sequences (None, [] when no row is sampled). `inputs[i]`: call i's token ids as a tensor, when
+        they are not all on the host (`executor/overlap.py`)."""
+        parts: list[torch.Tensor] = []
+        to_sample: list[Sequence] = []
+        for i, ((group, call), picked) in enumerate(zip(calls, rows)):
+            logits = self.forward(call) if inputs is None or inputs[i] is None else self.forward(call, inputs[i])
+            if picked:  # one gather per call, not one select per row
+                parts.append(logits if len(picked) == len(group) else logits[picked])
+                to_sample.extend(group[row][0] for row in picked)
+        if not parts:
+            return None, []
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)), to_sample
+
+    @torch.inference_mode()
+    def forward(self, call: ModelCall, ids: torch.Tensor | None = None, with_hidden: bool = False):
         """One model call appending counts[i] tokens to row i (right-padded to the longest with token
         0, which the cache view keeps out of every state) -> each row's last-token logits [B, V] fp32
-        (`with_hidden`, eager calls only: and the hidden states [B, T, D], for prompt logprobs)."""
-        ids = torch.tensor(call.token_ids, device=self.device).view(len(call.counts), -1)
+        (`with_hidden`, eager calls only: and the hidden states [B, T, D], for prompt logprobs).
+        `ids`: the call's token ids [B, T] already on the device (default: from `call.token_ids`)."""
+        if ids is None:
+            ids = torch.tensor(call.token_ids, device=self.device).view(len(call.counts), -1)
         compiled = self._compiled_decode if call.compiled else None
         view = PagedBatchView(self.cache, call.block_tables, call.past_lengths, call.slots, call.counts,
                               min_table_width=compiled.min_table_width if compiled is not None else 1)
@@ -168,6 +187,11 @@ def with_prompt_logprobs(results: list[StepResult], scored: dict[int, list[Token
     for r in results:
         r.prompt_logprobs = scored.get(id(r.seq))
     return results
+
+
+def sampled_rows(group: list[tuple[Sequence, int]]) -> list[int]:
+    """The rows of a call whose chunk reaches the end of the sequence's tokens: they are sampled."""
+    return [row for row, (seq, n) in enumerate(group) if seq.num_computed + n == len(seq.token_ids)]
 
 
 # Prefill chunks of different lengths share a call while padding stays within this share of the

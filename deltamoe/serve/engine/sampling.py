@@ -144,21 +144,33 @@ def token_logprobs(logits: torch.Tensor, token_id: int, top_n: int) -> TokenLogp
     return TokenLogprob(token_id, float(logp[token_id]), top)
 
 
-def sample_row(logits: torch.Tensor, params: SamplingParams, output_ids: list[int],
-               generator: torch.Generator, allowed: torch.Tensor | None = None) -> tuple[int, TokenLogprob | None]:
-    """One next token for one request from its last-position logits [V]; only `allowed` ones, when given."""
+def draw_token(logits: torch.Tensor, params: SamplingParams, output_ids: list[int],
+               generator: torch.Generator, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """One next token for one request from its last-position logits [V], as a 0-d tensor on their
+    device; only `allowed` ones (a grammar's bool [V] mask), when given."""
     x = apply_logit_bias(logits.float(), params.logit_bias)
     if allowed is not None:
         x = x.masked_fill(~allowed.to(x.device), float("-inf"))
     x = apply_penalties(x, output_ids, params.presence_penalty, params.frequency_penalty)
     if params.greedy:
-        token = int(torch.argmax(x))
-    else:
-        x = filter_logits(x / params.temperature, params.top_k, params.top_p, params.min_p)
-        probs = torch.softmax(x, dim=-1)
-        token = int(torch.multinomial(probs, 1, generator=generator))
+        return torch.argmax(x)
+    x = filter_logits(x / params.temperature, params.top_k, params.top_p, params.min_p)
+    probs = torch.softmax(x, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)[0]
+
+
+def sample_row(logits: torch.Tensor, params: SamplingParams, output_ids: list[int],
+               generator: torch.Generator, allowed: torch.Tensor | None = None) -> tuple[int, TokenLogprob | None]:
+    """One next token for one request from its last-position logits [V]; only `allowed` ones, when given."""
+    token = int(draw_token(logits, params, output_ids, generator, allowed))
     lp = token_logprobs(logits, token, params.logprobs) if params.logprobs is not None else None
     return token, lp
+
+
+def _plain(params: list[SamplingParams], allowed: list[torch.Tensor | None]) -> list[bool]:
+    """Rows whose token is the argmax of the raw logits (one batched argmax serves them all)."""
+    return [p.greedy and p.logprobs is None and p.presence_penalty == 0 and p.frequency_penalty == 0
+            and not p.logit_bias and a is None for p, a in zip(params, allowed)]
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]],
@@ -167,10 +179,21 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], outputs: list[lis
     """Next tokens for a batch of last-position logits [B, V]; plain greedy rows take one batched argmax.
     `allowed`: per row, the bool [V] mask of a grammar-constrained request (None: unconstrained)."""
     allowed = allowed or [None] * len(params)
-    plain = [p.greedy and p.logprobs is None and p.presence_penalty == 0 and p.frequency_penalty == 0
-             and not p.logit_bias and a is None for p, a in zip(params, allowed)]
+    plain = _plain(params, allowed)
     fast = torch.argmax(logits, dim=-1).tolist() if any(plain) else []
     if all(plain):
         return [(token, None) for token in fast]
     return [(fast[i], None) if plain[i] else sample_row(logits[i], params[i], outputs[i], generators[i], allowed[i])
             for i in range(len(params))]
+
+
+def draw_tokens(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]],
+                generators: list[torch.Generator]) -> torch.Tensor:
+    """`sample`'s tokens as a tensor [B] on the logits' device, read by no host: the one-step-ahead
+    driver feeds them to the next step's inputs before any host has seen them (logprobs aside)."""
+    plain = _plain(params, [None] * len(params))
+    if all(plain):
+        return torch.argmax(logits, dim=-1)
+    fast = torch.argmax(logits, dim=-1) if any(plain) else None
+    return torch.stack([fast[i] if plain[i] else draw_token(logits[i], params[i], outputs[i], generators[i])
+                        for i in range(len(params))])

@@ -78,6 +78,8 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
+            if seq.num_pending and seq.num_output_tokens + seq.num_pending >= seq.max_tokens:
+                continue  # its last token is being sampled by a step in flight (executor/overlap.py)
             # A decode takes its one token (no snapshot boundary lies inside one token); with room
             # left in its last block it needs no allocation either: the common step, kept cheap.
             take = 1 if len(seq.token_ids) - seq.num_computed == 1 else self._chunk(seq, budget)

@@ -62,14 +62,17 @@ class Sequence:
     fork_of: str | None = None  # another choice of the same request, whose prefill this one shares (forks.py)
     forks: list[Sequence] = field(default_factory=list)  # choices waiting to fork this one's prefill
     images: SequenceImages | None = None  # the prompt's images (image_inputs.py)
+    # Trailing entries of token_ids that are placeholders (-1) for tokens a step in flight has yet to
+    # sample (one-step-ahead scheduling, `executor/overlap.py`); 0 otherwise.
+    num_pending: int = 0
 
     @property
     def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens:len(self.token_ids) - self.num_pending]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return len(self.token_ids) - self.num_prompt_tokens - self.num_pending
 
     @property
     def num_uncomputed(self) -> int:

@@ -1,0 +1,120 @@
+"""Offline serving over worker processes: one process vs `--tp 2` vs `--ep 2`, async scheduling off and on.
+
+    .venv/bin/python bench/bench_serve_workers.py [--quick] [--model small] [--threads 2] [--rounds 2]
+
+64 prompts (16..64 tokens) x 128 new tokens, greedy, EOS ignored, on the `small` preset (K3.1-shaped
+MoE, seeded random weights, the same on every rank). Each layout is `LLMEngine.from_pretrained(MODEL,
+workers=WorkerConfig(tp, ep))`: `--tp 2` / `--ep 2` spawn one worker process beside this one, and
+the ranks share `--threads` torch threads (each rank gets threads / ranks), so every layout uses the
+same cores. Async scheduling (`EngineConfig.async_scheduling`, `--async-scheduling`) runs on one
+process only. The requests go in at once and `step()` runs until all are done; per layout:
+- output tokens/s over the whole run (best of `--rounds`);
+- TPOT per request: (time of its last token - time of its first) / (tokens - 1), as the outputs
+  reach the caller (with async scheduling, one step later than they are computed), mean and p50.
+Every layout's greedy tokens are checked against the one-process engine's (they must be equal).
+A warm-up run of 8 tokens per layout comes first. Writes bench/results/serve_workers.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import markdown_table, result_name, write_result  # noqa: E402
+
+from deltamoe.serve.engine.config import EngineConfig  # noqa: E402
+from deltamoe.serve.engine.llm_engine import LLMEngine  # noqa: E402
+from deltamoe.serve.engine.sampling import SamplingParams  # noqa: E402
+from deltamoe.serve.executor.config import WorkerConfig  # noqa: E402
+
+# (label, tp, ep, async scheduling)
+LAYOUTS = [("1 process", 1, 1, False), ("1 process, async scheduling", 1, 1, True),
+           ("tp 2", 2, 1, False), ("ep 2", 1, 2, False)]
+
+
+def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(16, 65, (n,), generator=g).tolist()
+    return [torch.randint(0, 256, (k,), generator=g).tolist() for k in lengths]
+
+
+def timed_run(engine: LLMEngine, prompts: list[list[int]], new: int) -> tuple[float, list[float], list[list[int]]]:
+    """(seconds, TPOT per request, tokens per request): every request in at once, stepped to the end."""
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    ids = [engine.add_request(p, params) for p in prompts]
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    while engine.has_unfinished():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            if out.delta_token_ids:
+                first.setdefault(out.request_id, now)
+                last[out.request_id] = now
+                tokens[out.request_id] += out.delta_token_ids
+    seconds = time.perf_counter() - start
+    tpot = [(last[i] - first[i]) / (len(tokens[i]) - 1) for i in ids if len(tokens[i]) > 1]
+    return seconds, tpot, [tokens[i] for i in ids]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="`tiny`, 8 prompts x 16 tokens, 1 round; "
+                        "writes serve_workers_quick.json")
+    parser.add_argument("--model", default=None, help="preset or checkpoint (default: small; tiny with --quick)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads in all, shared by a layout's ranks")
+    parser.add_argument("--rounds", type=int, default=2, help="timed runs per layout; the best one counts")
+    args = parser.parse_args()
+    model = args.model or ("tiny" if args.quick else "small")
+    n, new = (8, 16) if args.quick else (64, 128)
+    rounds = 1 if args.quick else args.rounds
+    prompts = make_prompts(n)
+    config = dict(cache_memory="2GiB", max_num_seqs=64, max_num_batched_tokens=2048)
+
+    results: dict[str, dict] = {}
+    reference: list[list[int]] | None = None
+    for label, tp, ep, async_scheduling in LAYOUTS:
+        torch.set_num_threads(args.threads)  # a replica divides them among its ranks
+        print(f"{label}: starting", file=sys.stderr)
+        engine = LLMEngine.from_pretrained(model, EngineConfig(**config, async_scheduling=async_scheduling),
+                                           workers=WorkerConfig(tp=tp, ep=ep))
+        try:
+            timed_run(engine, prompts[:4], 8)  # warm-up
+            best, best_tpot, outputs = float("inf"), [], []
+            for _ in range(rounds):
+                seconds, tpot, outputs = timed_run(engine, prompts, new)
+                if seconds < best:
+                    best, best_tpot = seconds, tpot
+        finally:
+            engine.shutdown()
+        assert all(len(t) == new for t in outputs), f"{label}: a request ended early"
+        reference = reference if reference is not None else outputs
+        results[label] = {"tp": tp, "ep": ep, "async_scheduling": async_scheduling, "seconds": best,
+                          "tokens_per_s": n * new / best, "mean_tpot_ms": statistics.mean(best_tpot) * 1e3,
+                          "p50_tpot_ms": statistics.median(best_tpot) * 1e3,
+                          "greedy_equal_to_one_process": sum(a == b for a, b in zip(outputs, reference)) / n}
+        print(f"{label}: {results[label]['tokens_per_s']:,.0f} tok/s", file=sys.stderr)
+
+    base = results["1 process"]["tokens_per_s"]
+    path = write_result(result_name("serve_workers", args.quick), {
+        "workload": {"model": model, "prompts": n, "new_tokens": new, "prompt_lengths": "16..64", "greedy": True},
+        "threads": args.threads, "rounds": rounds, "layouts": results, "quick": args.quick,
+        "async_scheduling_speedup": results["1 process, async scheduling"]["tokens_per_s"] / base})
+    rows = [[label, f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s'] / base:.2f}x", f"{r['mean_tpot_ms']:.1f}",
+             f"{r['p50_tpot_ms']:.1f}", f"{r['greedy_equal_to_one_process']:.0%}"] for label, r in results.items()]
+    print(f"\n`{model}`, {n} prompts x {new} new tokens, greedy; {args.threads} torch threads per layout\n")
+    print(markdown_table(["layout", "output tokens/s", "vs 1 process", "TPOT mean ms", "TPOT p50 ms",
+                          "greedy = 1 process"], rows))
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""One-step-ahead (async) scheduling: the host schedules step N+1 while step N runs on the device.
+
+`LLMEngine.step()` with `EngineConfig.async_scheduling` hands each scheduled batch to
+`OverlappedSteps.step`, which
+1. launches the batch on a device thread (one thread: steps run in launch order) and at once
+   counts its tokens as computed and appends a placeholder (-1) to every sequence it samples
+   (`Sequence.num_pending`), so the next `schedule()` sees each such sequence as one decode token
+   ahead, exactly as after a finished step;
+2. then waits for the step before it and processes its tokens (stop checks, detokenizing, outputs):
+   one step late, while the step just launched runs.
+A placeholder that a step takes as input is filled on the device from the previous step's sampled
+ids (`draw_tokens`: no host reads them first); the host learns the ids when it collects that step.
+
+What makes the late view safe:
+- state-slot writes the scheduler makes (zeroing a new slot, copying a prefix snapshot) are only
+  logged (`HybridCache.defer_state_writes`) and replayed on the device thread before the step's
+  forward, after every forward launched before: a slot or block freed while a step still writes it
+  is reused only by later forwards;
+- a sequence that stops at step N (EOS, a stop string, an abort) was already scheduled in step N+1:
+  that step's token is discarded when collected, and the placeholder dropped; `max_tokens` is seen
+  ahead, so the scheduler skips a sequence whose last token is in flight;
+- a sequence preempted while its step runs keeps that step's token (as the one-step engine would:
+  it preempts after that token), but the step publishes no prefix blocks for it;
+- steps the host must see finished before the next is scheduled run one at a time: a step after
+  which a KDA prefix snapshot is taken (the copy must read the state that step leaves), and a step
+  sampling with presence/frequency penalties (they read every earlier token on the host).
+Tokens, seeded draws and preemption order are therefore the one-step engine's (tests/serve/executor/
+test_overlap.py). One process only: worker ranks would need each step's sampled ids as well.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from deltamoe.serve.engine.outputs import RequestOutput
+from deltamoe.serve.engine.runner import ModelCall, sampled_rows
+from deltamoe.serve.engine.sampling import SamplingParams, TokenLogprob, draw_tokens, token_logprobs
+from deltamoe.serve.engine.scheduler import ScheduledBatch, Scheduler
+from deltamoe.serve.engine.sequence import Sequence
+from deltamoe.serve.executor.base import Executor
+from deltamoe.serve.executor.config import check_async_scheduling
+from deltamoe.serve.executor.uniproc import UniprocExecutor
+
+PLACEHOLDER = -1  # a token a step in flight has yet to sample
+
+
+@dataclass
+class _Fill:
+    """Placeholders of one call's inputs: flat input positions <- rows of the previous step's sampled ids."""
+
+    positions: list[int]
+    rows: list[int]
+
+
+@dataclass
+class _Work:
+    """One step as the device thread runs it: host data only, taken at launch."""
+
+    state_ops: list[tuple[int | None, int]]
+    calls: list[tuple[list[tuple[Sequence, int]], ModelCall]]
+    rows: list[list[int]]  # per call, the rows it samples
+    fills: list[_Fill | None]  # per call
+    params: list[SamplingParams]  # per sampled row
+    outputs: list[list[int]]  # per sampled row: the output ids so far (read by penalties only)
+    generators: list[torch.Generator]
+
+
+@dataclass
+class _Sampled:
+    tokens: torch.Tensor | None  # [sampled rows] on the device
+    host: torch.Tensor | None  # the same, copied to the host (maybe still in flight: `ready`)
+    ready: object | None  # a CUDA event recorded after the copy; None on a CPU
+    logprobs: list[TokenLogprob | None]
+
+    def host_ids(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()  # only this step's work, not the one launched after it
+        return self.host.tolist() if self.host is not None else []
+
+
+@dataclass
+class _InFlight:
+    items: list[tuple[Sequence, int]]
+    computed_after: list[int]  # each item's num_computed once this step is done
+    preemptions: list[int]  # each item's num_preemptions at launch (changed: preempted since)
+    sampled: list[Sequence]  # the sequences of the sampled rows, in row order
+    result: Future[_Sampled]
+    alone: bool  # collected before the next step is scheduled
+
+
+class OverlappedSteps:
+    def __init__(self, executor: Executor, scheduler: Scheduler,
+                 take_token: Callable[[Sequence, int, TokenLogprob | None], RequestOutput],
+                 connector: object | None = None):
+        """`take_token`: the engine's processing of a sampled token already placed in the sequence."""
+        check_async_scheduling(multiproc=not isinstance(executor, UniprocExecutor), hand_off=connector is not None)
+        self.runner = executor.runner
+        self.scheduler = scheduler
+        self.cache = executor.runner.cache
+        self.take_token = take_token
+        self.cache.state_log = []
+        self.cache.defer_state_writes = True
+        device = self.runner.device
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="deltamoe-device",
+                                        initializer=_bind_device, initargs=(device,))
+        self._in_flight: _InFlight | None = None
+
+    # ------------------------------------------------------------------ the step
+    def step(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """Launch `batch` (just scheduled), then process the step launched before it: its outputs."""
+        outputs: list[RequestOutput] = []
+        alone = bool(batch) and self._runs_alone(batch)
+        if alone and self._in_flight is not None:  # it needs every earlier token on the host
+            outputs += self._collect(self._in_flight)
+            self._in_flight = None
+            batch.items = [item for item in batch.items if not item[0].finished]
+        launched = self._launch(batch, alone) if batch else None
+        if self._in_flight is not None:
+            outputs += self._collect(self._in_flight)
+        self._in_flight = launched
+        if launched is not None and (launched.alone or not self.scheduler.has_unfinished()):
+            outputs += self._collect(launched)  # nothing may be scheduled past it / nothing left to schedule
+            self._in_flight = None
+        return outputs
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def _runs_alone(self, batch: ScheduledBatch) -> bool:
+        cache = self.cache
+        snapshots = cache.prefix_caching and bool(cache.layout.kda_layers)
+        for seq, n in batch.items:
+            if seq.params.presence_penalty or seq.params.frequency_penalty:
+                return True
+            if snapshots and cache.takes_snapshot(seq, seq.num_computed + n):
+                return True
+        return False
+
+    # ------------------------------------------------------------------ launch (host)
+    def _launch(self, batch: ScheduledBatch, alone: bool) -> _InFlight:
+        calls = self.runner.plan(batch)
+        for _, call in calls:  # the scheduler grows these lists in place while the step runs
+            call.block_tables = [list(table) for table in call.block_tables]
+        rows = [sampled_rows(group) for group, _ in calls]
+        sampled = [group[row][0] for (group, _), picked in zip(calls, rows) for row in picked]
+        work = _Work(self.cache.take_state_ops(), calls, rows, [self._fill(call, group) for group, call in calls],
+                     [s.params for s in sampled], [list(s.output_ids) for s in sampled], [s.generator for s in sampled])
+        computed_after = []
+        for seq, n in batch.items:
+            seq.num_computed += n
+            computed_after.append(seq.num_computed)
+        for seq in sampled:
+            seq.token_ids.append(PLACEHOLDER)
+            seq.num_pending += 1
+        previous = self._in_flight.result if self._in_flight is not None else None
+        result = self._pool.submit(self._run, work, previous)
+        return _InFlight(list(batch.items), computed_after, [seq.num_preemptions for seq, _ in batch.items],
+                         sampled, result, alone)
+
+    def _fill(self, call: ModelCall, group: list[tuple[Sequence, int]]) -> _Fill | None:
+        """Where `call` takes a placeholder as input: only decode rows do (a sequence with a token in
+        flight has nothing else left to compute), each from the step in flight."""
+        if max(call.counts) != 1 or PLACEHOLDER not in call.token_ids:
+            return None
+        if self._in_flight is None:
+            raise RuntimeError("a placeholder input with no step in flight")
+        row_of = {id(seq): row for row, seq in enumerate(self._in_flight.sampled)}
+        positions = [i for i, token in enumerate(call.token_ids) if token == PLACEHOLDER]
+        return _Fill(positions, [row_of[id(group[i][0])] for i in positions])
+
+    # ------------------------------------------------------------------ run (device thread)
+    @torch.inference_mode()
+    def _run(self, work: _Work, previous: Future[_Sampled] | None) -> _Sampled:
+        runner = self.runner
+        self.cache.apply_state_ops(work.state_ops)
+        inputs: list[torch.Tensor | None] | None = None
+        if any(fill is not None for fill in work.fills):
+            earlier = previous.result().tokens  # done: this thread ran it just before
+            inputs = []
+            for (_, call), fill in zip(work.calls, work.fills):
+                if fill is None:
+                    inputs.append(None)
+                    continue
+                ids = torch.tensor(call.token_ids, device=runner.device)
+                positions = torch.tensor(fill.positions, device=runner.device)
+                ids[positions] = earlier[torch.tensor(fill.rows, device=runner.device)]
+                inputs.append(ids.view(len(call.counts), -1))
+        logits, _ = runner.last_logits(work.calls, work.rows, inputs)
+        if logits is None:
+            return _Sampled(None, None, None, [])
+        tokens = draw_tokens(logits, work.params, work.outputs, work.generators)
+        logprobs = [token_logprobs(logits[i], int(tokens[i]), p.logprobs) if p.logprobs is not None else None
+                    for i, p in enumerate(work.params)]
+        host, ready = _copy_to_host(tokens)
+        return _Sampled(tokens, host, ready, logprobs)
+
+    # ------------------------------------------------------------------ collect (host, one step late)
+    def _collect(self, step: _InFlight) -> list[RequestOutput]:
+        sampled = step.result.result()  # the device thread's error, if any, surfaces here
+        picks = dict(zip(map(id, step.sampled), zip(sampled.host_ids(), sampled.logprobs)))
+        outputs = []
+        for (seq, _), computed, preemptions in zip(step.items, step.computed_after, step.preemptions):
+            if seq.finished:  # it stopped at an earlier step or was aborted: this step's work is void
+                _drop_pending(seq)
+                continue
+            if seq.num_preemptions == preemptions:
+                self.cache.commit(seq, computed)
+            pick = picks.get(id(seq))
+            if pick is None:
+                continue
+            token, logprob = pick
+            seq.token_ids[len(seq.token_ids) - seq.num_pending] = token
+            seq.num_pending -= 1
+            outputs.append(self.take_token(seq, token, logprob))
+            if seq.finished:
+                _drop_pending(seq)
+        return outputs
+
+
+def _drop_pending(seq: Sequence) -> None:
+    """A finished sequence forgets the placeholders of steps whose tokens are discarded."""
+    if seq.num_pending:
+        del seq.token_ids[len(seq.token_ids) - seq.num_pending:]
+        seq.num_pending = 0
+    seq.num_computed = min(seq.num_computed, len(seq.token_ids))
+
+
+def _copy_to_host(tokens: torch.Tensor) -> tuple[torch.Tensor, object | None]:
+    """Start copying the sampled ids to the host without waiting for the device (CUDA: pinned memory
+    and an event the host waits on at collect time)."""
+    if tokens.device.type != "cuda":
+        return tokens, None
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
+
+
+def _bind_device(device: torch.device) -> None:
+    """The device thread's current CUDA device is the model's (events and streams are per device)."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
