@@ -71,21 +71,34 @@ def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[list[int]]:
     return buckets
 
 
+_ALIGN = 8  # every tensor starts at a multiple of 8 bytes, so its bytes can be viewed as any dtype
+
+
+def layout(specs: list[TensorSpec]) -> tuple[list[int], int]:
+    """Byte offsets of the tensors in one bucket's buffer, and the buffer's size."""
+    offsets, end = [], 0
+    for spec in specs:
+        offsets.append(end)
+        end += -(-spec.nbytes // _ALIGN) * _ALIGN
+    return offsets, end
+
+
 def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One flat uint8 buffer holding the tensors' bytes back to back."""
-    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+    """One flat uint8 buffer holding the tensors' bytes at `layout`'s offsets."""
+    specs = [TensorSpec(str(i), dtype_name(t.dtype), tuple(t.shape)) for i, t in enumerate(tensors)]
+    offsets, size = layout(specs)
+    buffer = torch.zeros(size, dtype=torch.uint8)
+    for t, spec, offset in zip(tensors, specs, offsets):
+        buffer[offset:offset + spec.nbytes] = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    return buffer
 
 
 def unpack(buffer: torch.Tensor, specs: list[TensorSpec]) -> list[torch.Tensor]:
-    """The tensors `pack` laid out, as views into `buffer` (clone them to keep them past the buffer)."""
-    out, offset = [], 0
-    for spec in specs:
-        view = buffer[offset:offset + spec.nbytes].view(spec.torch_dtype).view(spec.shape)
-        out.append(view)
-        offset += spec.nbytes
-    if offset != buffer.numel():
-        raise ValueError(f"a bucket of {buffer.numel()} bytes for tensors of {offset} bytes")
-    return out
+    """The tensors `pack` laid out, as views into `buffer` (copy them to keep them past the buffer)."""
+    offsets, size = layout(specs)
+    if size != buffer.numel():
+        raise ValueError(f"a bucket of {buffer.numel()} bytes for tensors that take {size}")
+    return [buffer[o:o + s.nbytes].view(s.torch_dtype).view(s.shape) for s, o in zip(specs, offsets)]
 
 
 class TransferGroup:

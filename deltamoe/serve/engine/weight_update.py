@@ -32,7 +32,7 @@ from deltamoe.errors import RequestError
 from deltamoe.model.model import DeltaMoEForCausalLM
 from deltamoe.serve.engine.llm_engine import LLMEngine
 from deltamoe.serve.engine.weight_transfer import (DEFAULT_BUCKET_BYTES, TensorSpec, TransferGroup, known_dtype,
-                                                   plan_buckets, unpack)
+                                                   layout, plan_buckets, unpack)
 
 
 @dataclass
@@ -117,7 +117,7 @@ class WeightUpdater:
         try:
             for bucket in plan_buckets(specs, bucket_bytes):
                 part = [specs[i] for i in bucket]
-                buffer = torch.empty(sum(s.nbytes for s in part), dtype=torch.uint8)
+                buffer = torch.empty(layout(part)[1], dtype=torch.uint8)
                 self.group.broadcast(buffer, src=0)
                 for spec, tensor in zip(part, unpack(buffer, part)):
                     staged[spec.name] = self._stage(spec.name, tensor)
