@@ -43,6 +43,7 @@ class RLConfig:
     seed: int = 0
     threads: int | None = None
     progress: bool = True
+    plot: bool = True  # curves.png at the end (and when stopped)
 
     def validate(self) -> "RLConfig":
         """ConfigError naming the first bad field; returns self."""

@@ -59,4 +59,4 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
         if kl_coef > 0:
             loss = loss + kl_coef * kl.sum() / n
     clip_fraction = float(((clipped < unclipped).float() * mask).sum() / n)
-    return LossParts(loss, float(policy), kl_value, clip_fraction)
+    return LossParts(loss, float(policy.detach()), kl_value, clip_fraction)

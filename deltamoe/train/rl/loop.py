@@ -130,7 +130,7 @@ class RLRun:
             if saved != self.state.step:
                 self._save()
             records = read_jsonl(self.out / "metrics.jsonl")
-            if records:
+            if records and cfg.plot:
                 plot_rl_curves(records, self.out / "curves.png", f"GRPO · {cfg.task} · {cfg.init or cfg.preset}")
         save_checkpoint(self.policy, self.out / "model")
         return RLResult(self.out, self.state.step, self.records, interrupted)
@@ -203,7 +203,7 @@ class RLRun:
             self.optimizers.step()
             self.optimizers.zero_grad()
             parts.append((result, grad_norm))
-        return {"loss": sum(float(r.loss) for r, _ in parts) / len(parts),
+        return {"loss": sum(float(r.loss.detach()) for r, _ in parts) / len(parts),
                 "policy_loss": sum(r.policy_loss for r, _ in parts) / len(parts),
                 "kl": parts[-1][0].kl, "clip_fraction": sum(r.clip_fraction for r, _ in parts) / len(parts),
                 "grad_norm": parts[-1][1], "lr": lr, "completion_tokens": int(on.sum()),
