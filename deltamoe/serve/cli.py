@@ -240,6 +240,15 @@ def _torchrun_rank() -> int:
     return int(os.environ.get("RANK", "0"))  # 0 outside torchrun
 
 
+def weight_routes(engine, enabled: bool) -> list:
+    """The weight-update routes (`serve/api/weight_routes.py`) when `--weight-updates` asks for them."""
+    if not enabled:
+        return []
+    from deltamoe.serve.api.weight_routes import weight_update_routes
+
+    return [weight_update_routes(engine)]
+
+
 def serve_command(
     model: str = typer.Argument(..., help="Checkpoint folder or preset name."),
     host: str = typer.Option("127.0.0.1", help="Interface to bind; the default keeps the server local."),
@@ -274,6 +283,9 @@ def serve_command(
     tp: int = typer.Option(1, "--tp", help=TP_HELP),
     ep: int = typer.Option(1, "--ep", help=EP_HELP),
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help=KV_CACHE_DTYPE_HELP),
+    weight_updates: bool = typer.Option(False, "--weight-updates/--no-weight-updates",
+                                        help="Serve the weight-update routes (/init_weight_transfer_engine ...) "
+                                             "that an RL trainer pushes new weights through (behind --api-key)."),
 ) -> None:
     """OpenAI-compatible HTTP server (deltamoe.serve.api) over an AsyncLLMEngine."""
     from deltamoe.serve.engine.config import EngineConfig
@@ -322,4 +334,4 @@ def serve_command(
     name = served_model_name or model
     api.run(engine, model_name=name, host=host, port=port, api_key=api_key, chat_template=template,
             log_level=log_level, sock=listener, hand_off=decode_hand_off if role == "decode" else None,
-            routers=[internal_routes(role, engine, connector, name)])
+            routers=[internal_routes(role, engine, connector, name)] + weight_routes(engine, weight_updates))

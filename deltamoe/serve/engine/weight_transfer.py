@@ -105,27 +105,36 @@ class TransferGroup:
     """A gloo group of `world_size` processes: the trainer (rank 0) broadcasts, engines receive.
 
     Built directly on `ProcessGroupGloo` over its own store, so it never touches (or needs) the
-    default group. Every collective gives up after `timeout_s`: a peer that dies is an error, not a hang."""
+    default group. Two phases, so the trainer can learn its port before it waits: the constructor
+    opens (rank 0) or reaches the store, `connect` meets the others. Every collective gives up after `timeout_s`: a peer that dies is an error, not a hang."""
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0):
         if world_size < 2 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} in a transfer group of {world_size} (the trainer is rank 0, "
                              f"engines 1..{world_size - 1})")
-        timeout = datetime.timedelta(seconds=timeout_s)
+        self.timeout = datetime.timedelta(seconds=timeout_s)
         self.rank, self.world_size = rank, world_size
-        self.store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout,
+        # The trainer opens the store (port 0: the OS picks a free one, read back from `port`).
+        self.store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=self.timeout,
                                    wait_for_workers=False)
-        self.pg = dist.ProcessGroupGloo(dist.PrefixStore("deltamoe-weights", self.store), rank, world_size, timeout)
+        self.pg: dist.ProcessGroupGloo | None = None
 
     @property
     def port(self) -> int:
         return self.store.port
 
+    def connect(self) -> "TransferGroup":
+        """Meet the other ranks (blocks until all of them call it, at most `timeout_s`)."""
+        if self.pg is None:
+            self.pg = dist.ProcessGroupGloo(dist.PrefixStore("deltamoe-weights", self.store), self.rank,
+                                            self.world_size, self.timeout)
+        return self
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """In place from rank `src` (CPU tensors: gloo)."""
         opts = dist.BroadcastOptions()
         opts.rootRank = src
-        self.pg.broadcast([tensor], opts).wait()
+        self.connect().pg.broadcast([tensor], opts).wait()
         return tensor
 
     def agree(self, ok: bool) -> bool:
@@ -134,7 +143,7 @@ class TransferGroup:
         flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MIN
-        self.pg.allreduce([flag], opts).wait()
+        self.connect().pg.allreduce([flag], opts).wait()
         return bool(flag.item())
 
     def close(self) -> None:

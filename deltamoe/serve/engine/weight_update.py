@@ -76,7 +76,7 @@ class WeightUpdater:
         if rank < 1:
             raise RequestError(f"an engine is rank 1.. of the transfer group (the trainer is 0), got {rank}",
                                field="rank")
-        self.group = TransferGroup(host, port, rank, world_size, timeout_s)
+        self.group = TransferGroup(host, port, rank, world_size, timeout_s).connect()
 
     def start_weight_update(self) -> None:
         if self._staged is not None:
