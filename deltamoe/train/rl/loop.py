@@ -13,8 +13,12 @@ two forwards differ). Ctrl-C (or any error) leaves the last completed step's che
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +65,22 @@ class _Batch:
     mask: torch.Tensor  # [B, T-1], 1 where position t predicts a completion token
     engine_logp: torch.Tensor  # [B, T-1], the engine's logprobs on the masked positions
     advantages: torch.Tensor  # [B]
+
+
+@contextlib.contextmanager
+def _interrupt_after() -> Iterator[None]:
+    """Ctrl-C inside takes effect when the block is done (main thread only; elsewhere a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
 
 
 def build_policy(cfg: RLConfig) -> DeltaMoEForCausalLM:
@@ -112,13 +132,11 @@ class RLRun:
             if not resumed:
                 self._log(log, progress, {"step": 0, "eval_accuracy": self._evaluate(), "sync_s": sync.swap_s})
             for step in range(self.state.step + 1, cfg.steps + 1):
-                record = self._step(step)
-                self.state.step = step
-                self.state.data_position += cfg.prompts_per_step
-                self.state.tokens += record["rollout_tokens"]
-                if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
-                    record["eval_accuracy"] = self._evaluate()
-                self._log(log, progress, record)
+                with _interrupt_after():  # a step is done whole or not at all: a checkpoint never holds half of one
+                    record = self._step(step)
+                    if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
+                        record["eval_accuracy"] = self._evaluate()
+                    self._log(log, progress, record)
                 if cfg.save_every and step % cfg.save_every == 0:
                     self._save()
                     saved = step
@@ -164,6 +182,9 @@ class RLRun:
         if samples:
             advantages = torch.cat([group_advantages(torch.tensor([g])).flatten() for g in rewards])
             record.update(self._train(self._batch(samples, advantages), step))
+        self.state.step = step
+        self.state.data_position += cfg.prompts_per_step
+        self.state.tokens += rollout.tokens
         record["train_s"] = time.perf_counter() - start
         sync = push_in_process(self.updater, self.policy)
         record["sync_s"] = sync.receive_s + sync.swap_s

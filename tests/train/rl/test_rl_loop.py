@@ -5,6 +5,8 @@ counted, and Ctrl-C leaves a checkpoint that a resumed run continues from."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 import torch
@@ -61,22 +63,22 @@ def test_policy_moves_and_the_engine_serves_its_weights(init, tmp_path):
 def test_ctrl_c_leaves_a_checkpoint_that_resume_continues(init, tmp_path):
     run = RLRun(_config(init, tmp_path / "run"))
     _parity_reward(run)
-    step = run._step
+    train = run._train
 
-    def interrupt_at_2(n):
-        if n == 2:
-            raise KeyboardInterrupt
-        return step(n)
+    def ctrl_c_mid_update(batch, step):  # SIGINT while step 1 trains: step 1 still completes
+        os.kill(os.getpid(), signal.SIGINT)
+        return train(batch, step)
 
-    run._step = interrupt_at_2
+    run._train = ctrl_c_mid_update
     result = run.run()
     assert result.interrupted and result.step == 1
     assert (tmp_path / "run" / "checkpoints" / "step-00000001").is_dir()
     resumed = RLRun(_config(init, tmp_path / "run", resume=True))
     _parity_reward(resumed)
+    assert resumed._maybe_resume() and resumed.state.step == 1  # (run() loads it again)
+    assert all(torch.equal(v, run.policy.state_dict()[k]) for k, v in resumed.policy.state_dict().items())
     result = resumed.run()
     assert result.step == 2 and not result.interrupted
-    # it started from the interrupted run's step-1 policy (and optimizer), not from the initial one
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == [0, 1, 2] and logged[2]["kl"] > 0
 
