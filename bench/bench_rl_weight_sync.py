@@ -152,8 +152,8 @@ def rollout_throughput(steps: int, prompts: int, group: int) -> dict:
         in_loop = [r["tokens_per_s"] for r in result.records if r["step"] > 0]
         # The same requests (the last step's prompts, G seeded samples each) on the engine alone.
         batch = run.prompts.batch("train", (steps - 1) * prompts, prompts)
-        params = [SamplingParams(max_tokens=run.max_tokens, temperature=1.0, logprobs=0, seed=i * group + j)
-                  for i in range(prompts) for j in range(group)]
+        params = [SamplingParams(**{**vars(run.params(p, 1.0, logprobs=0)), "seed": i * group + j})
+                  for i, p in enumerate(batch) for j in range(group)]
         ids = [p.token_ids for p in batch for _ in range(group)]
         times, tokens = [], 0
         for _ in range(3):

@@ -32,7 +32,9 @@ HELP = {
     "clip_eps": "PPO ratio clip epsilon",
     "kl_coef": "weight of the KL to the initial policy (0: logged only)",
     "temperature": "rollout sampling temperature",
-    "format_reward": "reward added for a well-formed answer (task alphabet, then EOS)",
+    "completion": "answer: cut at the answer's length (a supervised checkpoint never learned EOS); "
+                  "eos: the model must stop by itself",
+    "format_reward": "reward added for a well-formed answer (task alphabet, properly ended)",
     "max_grad_norm": "gradient clipping norm",
     "rollout_retries": "retries of a failed rollout request before it is dropped",
     "rollout_timeout_s": "a rollout batch still running after this many seconds is aborted",

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, fields
 from deltamoe.errors import ConfigError
 
 TASKS = ("arithmetic", "recall")
+COMPLETIONS = ("answer", "eos")
 
 
 @dataclass
@@ -27,7 +28,12 @@ class RLConfig:
     clip_eps: float = 0.2  # ratio clip [1 - eps, 1 + eps]
     kl_coef: float = 0.0  # > 0: k3 KL to the initial policy (a frozen copy) in the loss
     temperature: float = 1.0
-    format_reward: float = 0.0  # added when a completion is well-formed (task alphabet, then EOS)
+    # Where a completion ends. "answer": after as many tokens as the expected answer has (the verifier
+    # knows it), like the answer accuracy `deltamoe train` scores: a supervised checkpoint never
+    # learned to emit EOS (its EOS labels are not scored). "eos": the model must stop by itself
+    # (EOS) within the longest answer + 1 tokens, and an exact answer means the text before EOS.
+    completion: str = "answer"
+    format_reward: float = 0.0  # added when a completion is well-formed (task alphabet, properly ended)
     max_grad_norm: float = 1.0
     # rollouts
     rollout_retries: int = 1  # a failed rollout request is retried this often, then dropped (counted)
@@ -51,6 +57,8 @@ class RLConfig:
             raise ConfigError("pass exactly one of --preset or --init", field="init")
         if self.task not in TASKS:
             raise ConfigError(f"expected one of {', '.join(TASKS)}, got {self.task!r}", field="task")
+        if self.completion not in COMPLETIONS:
+            raise ConfigError(f"expected one of {', '.join(COMPLETIONS)}, got {self.completion!r}", field="completion")
         positive = ("digits", "num_pairs", "steps", "prompts_per_step", "group_size", "updates_per_batch",
                     "eval_prompts", "keep_checkpoints")
         for name in positive:

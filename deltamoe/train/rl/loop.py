@@ -100,7 +100,6 @@ class RLRun:
         config = self.policy.config
         self.tokenizer = load_tokenizer(cfg.init, config.vocab_size)
         self.prompts = TaskPrompts(cfg, self.tokenizer.bos_token_id)
-        self.max_tokens = self.prompts.max_answer_len + 1  # the answer, then EOS
         rows = cfg.prompts_per_step * cfg.group_size
         engine_model = copy.deepcopy(self.policy).eval().requires_grad_(False)
         self.engine = LLMEngine(engine_model, self.tokenizer,
@@ -165,7 +164,7 @@ class RLRun:
     def _step(self, step: int) -> dict[str, Any]:
         cfg = self.cfg
         prompts = self.prompts.batch("train", self.state.data_position, cfg.prompts_per_step)
-        params = SamplingParams(max_tokens=self.max_tokens, temperature=cfg.temperature, logprobs=0)
+        params = [self.params(p, cfg.temperature, logprobs=0) for p in prompts]
         rollout = self.rollouts.sample(prompts, cfg.group_size, params, seed=cfg.seed * 1_000_003 + step)
         groups = [g for g in rollout.groups if len(g) >= 2]  # a group needs two completions to compare
         samples = [s for g in groups for s in g]
@@ -191,8 +190,18 @@ class RLRun:
         record["weight_version"] = sync.version
         return record
 
+    def params(self, prompt: Prompt, temperature: float, logprobs: int | None = None) -> SamplingParams:
+        """Where a completion ends (`RLConfig.completion`): at the answer's length, or at EOS within
+        the longest answer + 1 tokens."""
+        if self.cfg.completion == "answer":
+            return SamplingParams(max_tokens=len(prompt.answer.encode()), temperature=temperature, logprobs=logprobs,
+                                  ignore_eos=True)
+        return SamplingParams(max_tokens=self.prompts.max_answer_len + 1, temperature=temperature, logprobs=logprobs)
+
     def _reward(self, s: Sample) -> float:
-        return reward(s.text, s.finish_reason, s.prompt.answer, self.prompts.alphabet, self.cfg.format_reward)
+        expected_finish = "length" if self.cfg.completion == "answer" else "stop"
+        return reward(s.text, s.finish_reason, s.prompt.answer, expected_finish, self.prompts.alphabet,
+                      self.cfg.format_reward)
 
     def _batch(self, samples: list[Sample], advantages: torch.Tensor) -> _Batch:
         width = max(len(s.prompt.token_ids) + len(s.token_ids) for s in samples)
@@ -236,8 +245,8 @@ class RLRun:
     def _evaluate(self) -> float:
         """Held-out exact-match accuracy of the engine's greedy answers (the engine holds the trainer's weights)."""
         prompts: list[Prompt] = self.prompts.batch("eval", 0, self.cfg.eval_prompts)
-        params = SamplingParams(max_tokens=self.max_tokens, temperature=0.0)
-        done = self.engine.generate([p.token_ids for p in prompts], params, progress=False)
+        done = self.engine.generate([p.token_ids for p in prompts], [self.params(p, 0.0) for p in prompts],
+                                    progress=False)
         return sum(exact_match(c.text, p.answer) for c, p in zip(done, prompts)) / len(prompts)
 
     def _save(self) -> None:

@@ -50,8 +50,8 @@ class EngineRollouts:
     def __init__(self, engine: LLMEngine, retries: int, timeout_s: float):
         self.engine, self.retries, self.timeout_s = engine, retries, timeout_s
 
-    def sample(self, prompts: list[Prompt], group_size: int, params: SamplingParams, seed: int) -> RolloutBatch:
-        """`params` (with logprobs=0) for every request; each gets its own seed."""
+    def sample(self, prompts: list[Prompt], group_size: int, params: list[SamplingParams], seed: int) -> RolloutBatch:
+        """`params[i]` (with logprobs=0) for prompt i's requests; each request gets its own seed."""
         start = time.perf_counter()
         deadline = start + self.timeout_s
         groups: list[list[Sample]] = [[] for _ in prompts]
@@ -60,8 +60,8 @@ class EngineRollouts:
 
         def submit(p: _Pending) -> None:
             s = p.sample
-            request_params = SamplingParams(**{**vars(params), "seed": hash((seed, s.prompt_index, p.slot, p.attempt))
-                                               & (2**63 - 1)})
+            request_params = SamplingParams(**{**vars(params[s.prompt_index]),
+                                               "seed": hash((seed, s.prompt_index, p.slot, p.attempt)) & (2**63 - 1)})
             rid = f"rl-{seed}-{s.prompt_index}-{p.slot}-{p.attempt}"
             p.sample = Sample(s.prompt_index, s.prompt)
             pending[self.engine.add_request(s.prompt.token_ids, request_params, request_id=rid)] = p

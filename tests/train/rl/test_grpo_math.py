@@ -42,11 +42,13 @@ def test_clipped_loss_kl_and_clip_fraction():
 
 def test_rewards_and_config_checks():
     digits = frozenset("0123456789")
-    assert reward("12", "stop", "12", digits, 0.1) == pytest.approx(1.1)
-    assert reward("13", "stop", "12", digits, 0.1) == pytest.approx(0.1)
-    assert reward("1x", "length", "12", digits, 0.1) == 0.0
+    assert reward("12", "stop", "12", "stop", digits, 0.1) == pytest.approx(1.1)
+    assert reward("13", "stop", "12", "stop", digits, 0.1) == pytest.approx(0.1)
+    assert reward("12", "length", "12", "stop", digits, 0.1) == pytest.approx(1.0)  # right, but never stopped
+    assert reward("1x", "length", "12", "length", digits, 0.1) == 0.0
     for bad, field in [({"task": "copy"}, "task"), ({"group_size": 1}, "group_size"), ({"clip_eps": 1.5}, "clip_eps"),
-                       ({"init": "x"}, "init")]:
+                       ({"init": "x"}, "init"),
+                       ({"completion": "free"}, "completion")]:
         with pytest.raises(ConfigError) as e:
             RLConfig(**bad).validate()
         assert e.value.field == field

@@ -86,7 +86,7 @@ def test_ctrl_c_leaves_a_checkpoint_that_resume_continues(init, tmp_path):
 def test_failed_rollouts_are_retried_then_dropped_never_hang(init, tmp_path):
     run = RLRun(_config(init, tmp_path / "run"))
     prompts = run.prompts.batch("train", 0, 2)
-    params = SamplingParams(max_tokens=2, logprobs=0)
+    params = [SamplingParams(max_tokens=2, logprobs=0)] * 2
     real_step, failures = run.engine.step, {"left": 1}
 
     def flaky_step():
