@@ -90,3 +90,44 @@ def test_buckets_round_trip_every_dtype():
     assert plan_buckets(specs, 1 << 20) == [[0, 1, 2]]
     for got, want in zip(unpack(pack(tensors), specs), tensors):
         assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_the_server_swaps_between_the_running_requests_and_the_held_ones(setup):
+    import asyncio
+
+    from deltamoe.serve.engine.async_engine import AsyncLLMEngine
+
+    config, trainer_model, prompts, fresh = setup
+    engine = AsyncLLMEngine(_engine(build_model(config, seed=3).eval()))
+    updater = WeightUpdater(engine.engine)
+    updater.start_weight_update()
+    updater.update_weights_from_tensors(trainer_model.state_dict().items())
+    events: list[str] = []
+
+    def swap():
+        events.append(f"swap with {len(engine.engine.scheduler.running)} running")
+        return updater.finish_weight_update()
+
+    async def collect(prompt, name):
+        out = []
+        async for o in engine.generate(prompt, GREEDY):
+            if not out:
+                events.append(name)
+            out += o.delta_token_ids
+        return out
+
+    async def main():
+        first = asyncio.create_task(collect(prompts[0], "old starts"))
+        while not events:
+            await asyncio.sleep(0.001)
+        done = asyncio.wrap_future(engine.run_when_idle(swap))
+        await asyncio.sleep(0.01)
+        second = asyncio.create_task(collect(prompts[1], "new starts"))
+        return await first, await done, await second
+
+    try:
+        _, stats, second = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert events == ["old starts", "swap with 0 running", "new starts"] and stats.version == 1
+    assert second == fresh[1]  # the held request ran on the new weights
