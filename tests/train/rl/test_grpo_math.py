@@ -52,3 +52,12 @@ def test_rewards_and_config_checks():
         with pytest.raises(ConfigError) as e:
             RLConfig(**bad).validate()
         assert e.value.field == field
+
+
+def test_cli_bad_input_is_one_line_and_exit_2(capsys):
+    from deltamoe.cli import main
+
+    assert main(["rl", "--task", "copy"]) == 2
+    assert capsys.readouterr().err.strip() == "error: task: expected one of arithmetic, recall, got 'copy'"
+    assert main(["rl", "--preset", "tiny", "--init", "runs/x/model"]) == 2
+    assert "init" in capsys.readouterr().err
