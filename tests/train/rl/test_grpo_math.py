@@ -61,3 +61,16 @@ def test_cli_bad_input_is_one_line_and_exit_2(capsys):
     assert capsys.readouterr().err.strip() == "error: task: expected one of arithmetic, recall, got 'copy'"
     assert main(["rl", "--preset", "tiny", "--init", "runs/x/model"]) == 2
     assert "init" in capsys.readouterr().err
+
+
+def test_help_and_bad_input_never_import_torch():
+    import json
+    import subprocess
+    import sys
+
+    probe = ("import contextlib, io, json, sys\nfrom deltamoe.cli import main\n"
+             "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+             "    rcs = [main(['rl', '--help']), main(['rl', '--group-size', '1'])]\n"
+             "print(json.dumps([rcs, 'torch' in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert json.loads(out.stdout) == [[0, 2], False], out.stderr
