@@ -41,8 +41,8 @@ save_every = 0
 progress = false
 threads = {threads}
 """
-RL = {"task": "arithmetic", "digits": 2, "prompts-per-step": 16, "group-size": 8, "updates-per-batch": 2,
-      "lr": 3e-5, "eval-every": 5, "eval-prompts": 128, "save-every": 0, "temperature": 1.0}
+RL = {"task": "arithmetic", "digits": 2, "prompts-per-step": 32, "group-size": 8, "updates-per-batch": 2,
+      "lr": 5e-5, "eval-every": 5, "eval-prompts": 256, "save-every": 0, "temperature": 1.0}
 
 
 def deltamoe(*args: str) -> None:
@@ -54,7 +54,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="a smoke run: 30 supervised steps, 4 RL steps")
     ap.add_argument("--sft-steps", type=int, default=300)
-    ap.add_argument("--rl-steps", type=int, default=40)
+    ap.add_argument("--rl-steps", type=int, default=60)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None, help="keep both run folders here (default: a temp folder)")
     args = ap.parse_args()
