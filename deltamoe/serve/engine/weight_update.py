@@ -158,8 +158,9 @@ class WeightUpdater:
         if tuple(spec.shape) != self.shapes[spec.name]:
             raise RequestError(f"expected shape {list(self.shapes[spec.name])}, got {list(spec.shape)}",
                                field=spec.name)
-        if not known_dtype(spec.dtype) and spec.dtype != str(self.dtypes[spec.name]).removeprefix("torch."):
-            raise RequestError(f"expected a floating dtype, got {spec.dtype}", field=spec.name)
+        if not known_dtype(spec.dtype):
+            raise RequestError(f"expected a floating dtype (float32, bfloat16, float16, float64), got {spec.dtype}",
+                               field=spec.name)
 
     def _open(self) -> dict[str, torch.Tensor]:
         if self._staged is None:
