@@ -30,12 +30,14 @@ def _register() -> None:
     from deltamoe.serve.cli import chat_command, generate_command, serve_command
     from deltamoe.serve.router.cli import router_command
     from deltamoe.train.cli import train_command
+    from deltamoe.train.rl.cli import rl_command
     from deltamoe.trace.cli import app as trace_app
 
     app.command("demo")(demo_command)
     app.command("info")(info)
     app.command("plan")(plan_command)
     app.command("train")(train_command)
+    app.command("rl")(rl_command)
     app.command("serve")(serve_command)
     app.command("router")(router_command)
     app.command("generate")(generate_command)

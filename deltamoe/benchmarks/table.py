@@ -427,6 +427,29 @@ def vision_rows(d: dict) -> list[Row]:
 
 
 # results file stem -> formatter, in the order the README lists them
+def rl_weight_sync_rows(d: dict) -> list[Row]:
+    rows = []
+    for name, r in d["sizes"].items():
+        rows.append([f"RL weight sync, `{name}` ({r['bytes'] / 2**20:.0f} MiB) trainer -> engine {command('rl_weight_sync')}",
+                     f"gloo bucketed {secs(r['gloo_bucketed_s'])} s, in-process {secs(r['in_process_s'])} s",
+                     f"gloo per-tensor {secs(r['gloo_per_tensor_s'])} s",
+                     times(r["gloo_per_tensor_s"] / r["gloo_bucketed_s"]), ""])
+    k3, ro = d["k3_shaped"], d["rollouts"]
+    rows.append([f"same, K3-shaped tensors ({k3['bytes'] / 2**30:.1f} GiB) over gloo; whole K3 extrapolated",
+                 f"{k3['gloo_bucketed_gb_per_s']:.2f} GB/s, ~{k3['k3_whole_model_bucketed_s_extrapolated']:,.0f} s",
+                 f"per-tensor {k3['gloo_per_tensor_gb_per_s']:.2f} GB/s", "", ""])
+    rows.append(["same, rollout tokens/s inside the GRPO loop vs the engine alone (`tiny`)",
+                 rate(ro["in_loop_tokens_per_s"]), f"alone {rate(ro['engine_alone_tokens_per_s'])}",
+                 times(ro["in_loop_vs_alone"]), ""])
+    return rows
+
+
+def rl_grpo_rows(d: dict) -> list[Row]:
+    return [[f"GRPO from a {d['sft_steps']}-step supervised `tiny`, 2-digit addition {command('rl_grpo')}",
+             f"held-out {d['final_accuracy'] * 100:.1f} % after {d['rl_steps']} steps, {d['rl_s'] / 60:.1f} min",
+             f"start {d['start_accuracy'] * 100:.1f} %", "", ""]]
+
+
 FORMATTERS: dict[str, Callable[[dict], list[Row]]] = {
     "kda": kda_rows,
     "model_forward": model_forward_rows,
@@ -446,6 +469,8 @@ FORMATTERS: dict[str, Callable[[dict], list[Row]]] = {
     "quant": quant_rows,
     "spec_decode": spec_decode_rows,
     "vision": vision_rows,
+    "rl_weight_sync": rl_weight_sync_rows,
+    "rl_grpo": rl_grpo_rows,
 }
 
 

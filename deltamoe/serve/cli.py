@@ -306,6 +306,15 @@ def _torchrun_rank() -> int:
     return int(os.environ.get("RANK", "0"))  # 0 outside torchrun
 
 
+def weight_routes(engine, enabled: bool) -> list:
+    """The weight-update routes (`serve/api/weight_routes.py`) when `--weight-updates` asks for them."""
+    if not enabled:
+        return []
+    from deltamoe.serve.api.weight_routes import weight_update_routes
+
+    return [weight_update_routes(engine)]
+
+
 def serve_command(
     model: str = typer.Argument(..., help="Checkpoint folder or preset name."),
     host: str = typer.Option("127.0.0.1", help="Interface to bind; the default keeps the server local."),
@@ -355,6 +364,9 @@ def serve_command(
     image_max_tokens: int = typer.Option(1024, min=1, help="Placeholder tokens per image at most (larger images "
                                          "are scaled down, keeping their aspect)."),
     async_scheduling: bool = typer.Option(False, *ASYNC_SCHEDULING_DECLS, help=ASYNC_SCHEDULING_HELP),
+    weight_updates: bool = typer.Option(False, "--weight-updates/--no-weight-updates",
+                                        help="Serve the weight-update routes (/init_weight_transfer_engine ...) "
+                                             "that an RL trainer pushes new weights through (behind --api-key)."),
 ) -> None:
     """OpenAI-compatible HTTP server (deltamoe.serve.api) over an AsyncLLMEngine."""
     from deltamoe.serve.engine.config import EngineConfig, parse_bytes
@@ -413,6 +425,6 @@ def serve_command(
     name = served_model_name or model
     api.run(engine, model_name=name, host=host, port=port, api_key=api_key, chat_template=template,
             log_level=log_level, sock=listener, hand_off=decode_hand_off if role == "decode" else None,
-            routers=[internal_routes(role, engine, connector, name)],
+            routers=[internal_routes(role, engine, connector, name)] + weight_routes(engine, weight_updates),
             image_options=ImageOptions(allow_image_urls, image_fetch_timeout,
                                        ImageLimits(max_tokens=image_max_tokens, max_bytes=image_max_bytes)))

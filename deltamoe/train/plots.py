@@ -34,6 +34,13 @@ def plot_curves(metrics: list[dict[str, Any]], evals: list[dict[str, Any]], path
         ax.grid(alpha=0.3)
     if title:
         fig.suptitle(title)
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Write a matplotlib figure atomically (a reader never sees half a PNG) and close it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path = Path(path)
     tmp = path.with_name(f".{path.stem}.tmp.png")

@@ -28,3 +28,11 @@ def micro_config(out, **sections) -> TrainConfig:
 @pytest.fixture
 def micro(tmp_path):
     return lambda **kw: micro_config(tmp_path / "run", **kw)
+
+
+@pytest.fixture(scope="session")
+def micro_model_config():
+    """The micro model as a ModelConfig (tests that build models directly, e.g. RL)."""
+    from deltamoe.config import load_preset
+
+    return load_preset("tiny").replace(**MICRO_MODEL)

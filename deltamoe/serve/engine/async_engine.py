@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import torch
@@ -55,6 +56,9 @@ class AsyncLLMEngine:
         self._stats = engine.stats()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        # Work that needs an idle engine (a weight swap): while any waits, new requests are held back.
+        self._idle_calls: collections.deque[tuple[Callable[[], object], concurrent.futures.Future]] = collections.deque()
+        self._held: list[object] = []
 
     @classmethod
     def from_pretrained(cls, source: str | Path, config: EngineConfig | None = None,
@@ -103,6 +107,8 @@ class AsyncLLMEngine:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        while self._idle_calls:
+            self._idle_calls.popleft()[1].set_exception(RuntimeError("the engine stopped before it was idle"))
         self.engine.shutdown()
 
     # ------------------------------------------------------------------ requests
@@ -144,6 +150,14 @@ class AsyncLLMEngine:
         """Abort from outside the stream (the stream then ends with finish_reason 'abort')."""
         self._send("abort", request_id)
 
+    def run_when_idle(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        """Run `fn` on the engine thread once the requests running now have finished; requests that
+        arrive meanwhile wait and start after it. The future holds fn's result or exception."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self.start()
+        self._send("idle", (fn, future))
+        return future
+
     def _send(self, kind: str, payload: object) -> None:
         self._commands.append((kind, payload))
         self._wake.set()
@@ -152,6 +166,8 @@ class AsyncLLMEngine:
     def _loop(self) -> None:
         while not self._stopping:
             self._drain_commands()
+            if self._idle_calls and not self.engine.has_unfinished():
+                self._run_idle_calls()
             if not self.engine.has_unfinished():
                 self._wake.wait(self._idle_wait_s)
                 self._wake.clear()
@@ -175,16 +191,31 @@ class AsyncLLMEngine:
     def _drain_commands(self) -> None:
         while self._commands:
             kind, payload = self._commands.popleft()
-            if kind == "add":
+            if kind == "idle":
+                self._idle_calls.append(payload)
+            elif kind == "add" and self._idle_calls:
+                self._held.append(payload)
+            elif kind == "add":
                 try:
                     self.engine.add_sequence(payload)
                 except RequestError as e:
                     self._deliver(payload.request_id, e)
             else:
+                self._held = [seq for seq in self._held if seq.request_id != payload]
                 final = self.engine.abort(payload)
                 if final is not None:
                     self._deliver(final.request_id, final)
         self._stats = self.engine.stats()
+
+    def _run_idle_calls(self) -> None:
+        while self._idle_calls:
+            fn, future = self._idle_calls.popleft()
+            try:
+                future.set_result(fn())
+            except BaseException as e:
+                future.set_exception(e)
+        held, self._held = self._held, []
+        self._commands.extendleft(("add", seq) for seq in reversed(held))  # before newer commands, in order
 
     def _deliver(self, request_id: str, item: object) -> None:
         with self._lock:

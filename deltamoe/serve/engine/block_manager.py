@@ -66,6 +66,17 @@ class BlockManager:
             raise RuntimeError("restore_free_order: the free blocks differ from the ones in the saved order")
         self._free = OrderedDict((block, None) for block in order)
 
+    def forget_hashes(self) -> None:
+        """No block is findable any more (their contents are stale, e.g. after new weights); every
+        forgotten hash is reported to `on_evict`. Reference counts and the free order stay."""
+        for block, old in enumerate(self.hashes):
+            if old is not None:
+                self.hashes[block] = self.tokens[block] = None
+                if self.hash_to_block.get(old) == block:
+                    del self.hash_to_block[old]
+                    self._on_evict(old)
+        self.hash_to_block.clear()
+
     def ref(self, block: int) -> None:
         """Take one more reference (a prefix hit); a cached free block comes back into use."""
         if self.ref_counts[block] == 0:

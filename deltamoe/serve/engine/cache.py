@@ -198,6 +198,13 @@ class HybridCache:
                 return b
         return end
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (its KV and KDA snapshots were computed by the old weights).
+        Call it with no sequence running: a running sequence would publish its older blocks again."""
+        self.blocks.forget_hashes()
+        for block_hash in list(self.slots.snapshots):
+            self.slots.drop(block_hash)
+
     @contextlib.contextmanager
     def leaving_no_trace(self) -> Iterator[None]:
         """Memory use that the cache forgets: inside, prefix caching is off (no lookups, no blocks

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import torch
+
 from deltamoe.serve.engine.runner import ModelRunner, StepResult
 from deltamoe.serve.engine.scheduler import ScheduledBatch
 
@@ -49,4 +51,8 @@ class Executor(Protocol):
 
     def rank_stats(self) -> list[RankReport]:
         """Per-rank numbers for /metrics (empty on one process)."""
+        ...
+
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy full tensors (model names, checked by the caller) into every rank's shard, between steps."""
         ...

@@ -23,6 +23,7 @@ from deltamoe.serve.engine.runner import ModelRunner, StepResult
 from deltamoe.serve.engine.scheduler import ScheduledBatch
 from deltamoe.serve.executor.base import RankReport, WorkerDiedError
 from deltamoe.serve.executor.group import RankGroup, RankStats, StepMessage, StopMessage
+from deltamoe.serve.executor.weight_sync import WeightsMessage, load_full_weights, tp_coordinate
 
 REPORT_INTERVAL_S = 1.0  # how often the ranks' step times are gathered (a step with report=True)
 _WATCH_INTERVAL_S = 0.2
@@ -66,6 +67,18 @@ class MultiprocExecutor:
             self._fail(f"a step failed across the workers ({e})")
             raise WorkerDiedError(self._dead) from e
         return results
+
+    def load_weights(self, tensors: dict) -> None:
+        """Every rank copies its part of the new full tensors (`weight_sync`); a failure is a dead replica,
+        since the ranks may now hold different weights."""
+        self.check_health()
+        try:
+            self.group.broadcast(WeightsMessage(tensors))
+            tp = self.group.dims.tp
+            load_full_weights(self.runner.model, tensors, tp_coordinate(self.group.mesh, tp), tp)
+        except Exception as e:
+            self._fail(f"a weight update failed across the workers ({e})")
+            raise WorkerDiedError(self._dead) from e
 
     # ------------------------------------------------------------------ health
     def check_health(self) -> None:

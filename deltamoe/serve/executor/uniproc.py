@@ -5,6 +5,7 @@ from __future__ import annotations
 from deltamoe.serve.engine.runner import ModelRunner, StepResult
 from deltamoe.serve.engine.scheduler import ScheduledBatch
 from deltamoe.serve.executor.base import RankReport
+from deltamoe.serve.executor.weight_sync import load_full_weights
 
 
 class UniprocExecutor:
@@ -21,6 +22,9 @@ class UniprocExecutor:
 
     def shutdown(self) -> None:
         return None
+
+    def load_weights(self, tensors: dict) -> None:
+        load_full_weights(self.runner.model, tensors)
 
     def rank_stats(self) -> list[RankReport]:
         return []

@@ -27,6 +27,7 @@ from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.runner import ModelRunner
 from deltamoe.serve.executor.group import (RankGroup, RankStats, StepMessage, StopMessage, WorkerSpec, build_shard,
                                            join_spawned)
+from deltamoe.serve.executor.weight_sync import WeightsMessage, load_full_weights, tp_coordinate
 
 
 def max_model_len(spec: WorkerSpec, engine: EngineConfig) -> int:
@@ -47,6 +48,10 @@ def serve_steps(spec: WorkerSpec, group: RankGroup) -> None:
             message = group.receive()
             if isinstance(message, StopMessage):
                 return
+            if isinstance(message, WeightsMessage):
+                tp = group.dims.tp
+                load_full_weights(model, message.tensors, tp_coordinate(group.mesh, tp), tp)
+                continue
             assert isinstance(message, StepMessage)
             start = time.perf_counter()
             cache.apply_state_ops(message.state_ops)

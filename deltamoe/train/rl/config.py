@@ -1,0 +1,88 @@
+"""RLConfig: one dataclass for `deltamoe rl`'s settings, checked before torch loads (plain Python)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from deltamoe.errors import ConfigError
+
+TASKS = ("arithmetic", "recall")
+COMPLETIONS = ("answer", "eos")
+
+
+@dataclass
+class RLConfig:
+    # the policy: a preset's seeded weights, or a checkpoint folder (a `deltamoe train` run's model/)
+    preset: str | None = "tiny"
+    init: str | None = None
+    # the verifiable task (deltamoe/train/data/tasks.py)
+    task: str = "arithmetic"
+    digits: int = 2  # arithmetic operands of 1..digits digits
+    num_pairs: int = 4  # recall key/value pairs
+    # GRPO
+    steps: int = 40
+    prompts_per_step: int = 8
+    group_size: int = 8  # completions per prompt; advantages are normalised within each group
+    updates_per_batch: int = 2  # optimizer steps on each rollout batch (> 1: the clip matters)
+    lr: float = 2e-5
+    clip_eps: float = 0.2  # ratio clip [1 - eps, 1 + eps]
+    kl_coef: float = 0.0  # > 0: k3 KL to the initial policy (a frozen copy) in the loss
+    temperature: float = 1.0
+    # Where a completion ends. "answer": after as many tokens as the expected answer has (the verifier
+    # knows it), like the answer accuracy `deltamoe train` scores: a supervised checkpoint never
+    # learned to emit EOS (its EOS labels are not scored). "eos": the model must stop by itself
+    # (EOS) within the longest answer + 1 tokens, and an exact answer means the text before EOS.
+    completion: str = "answer"
+    format_reward: float = 0.0  # added when a completion is well-formed (task alphabet, properly ended)
+    max_grad_norm: float = 1.0
+    # rollouts
+    rollout_retries: int = 1  # a failed rollout request is retried this often, then dropped (counted)
+    rollout_timeout_s: float = 300.0  # a rollout batch still running after this is aborted (dropped)
+    bucket_bytes: int = 512 * 2**20  # weight-sync bucket size (<= 0: one tensor at a time)
+    # evaluation, logging, checkpoints
+    eval_every: int = 5  # steps between held-out greedy evaluations (0: start and end only)
+    eval_prompts: int = 64
+    save_every: int = 10  # steps between checkpoints (0: end only)
+    keep_checkpoints: int = 2
+    out: str = "runs/rl"
+    resume: bool = False  # continue from the newest checkpoint in `out`
+    seed: int = 0
+    threads: int | None = None
+    progress: bool = True
+    plot: bool = True  # curves.png at the end (and when stopped)
+
+    def validate(self) -> "RLConfig":
+        """ConfigError naming the first bad field; returns self."""
+        if (self.preset is None) == (self.init is None):
+            raise ConfigError("pass exactly one of --preset or --init", field="init")
+        if self.task not in TASKS:
+            raise ConfigError(f"expected one of {', '.join(TASKS)}, got {self.task!r}", field="task")
+        if self.completion not in COMPLETIONS:
+            raise ConfigError(f"expected one of {', '.join(COMPLETIONS)}, got {self.completion!r}", field="completion")
+        positive = ("digits", "num_pairs", "steps", "prompts_per_step", "group_size", "updates_per_batch",
+                    "eval_prompts", "keep_checkpoints")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"expected a positive integer, got {value!r}", field=name)
+        if self.group_size < 2:
+            raise ConfigError("a group needs at least 2 completions to compare", field="group_size")
+        for name in ("eval_every", "save_every", "rollout_retries"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"expected >= 0, got {getattr(self, name)!r}", field=name)
+        for name, ok, expected in [("lr", self.lr > 0, "> 0"), ("clip_eps", 0 < self.clip_eps < 1, "in (0, 1)"),
+                                   ("kl_coef", self.kl_coef >= 0, ">= 0"),
+                                   ("temperature", 0 < self.temperature <= 10, "in (0, 10]"),
+                                   ("format_reward", self.format_reward >= 0, ">= 0"),
+                                   ("max_grad_norm", self.max_grad_norm > 0, "> 0"),
+                                   ("rollout_timeout_s", self.rollout_timeout_s > 0, "> 0")]:
+            if not ok:
+                raise ConfigError(f"expected {expected}, got {getattr(self, name)!r}", field=name)
+        return self
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

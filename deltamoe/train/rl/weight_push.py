@@ -1,0 +1,40 @@
+"""The trainer's sending end of a weight sync: the policy's tensors, by name, to an engine.
+
+`push_in_process`: a colocated engine (same process) stages the tensors directly.
+`send_over_group`: the engine has been told the specs (its `update_weights`, in a thread or behind
+the server's /update_weights route); the trainer learns whether every engine accepted them, then
+broadcasts the buckets. Both sides cut the same buckets from the same specs (`plan_buckets`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deltamoe.errors import RequestError
+from deltamoe.serve.engine.weight_transfer import TensorSpec, TransferGroup, pack, plan_buckets
+from deltamoe.serve.engine.weight_update import UpdateStats, WeightUpdater
+
+
+def policy_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What a sync sends: every tensor of the state dict (router-bias buffers included)."""
+    return {name: t.detach() for name, t in model.state_dict().items()}
+
+
+def specs_of(tensors: dict[str, torch.Tensor]) -> list[TensorSpec]:
+    return [TensorSpec.of(name, t) for name, t in tensors.items()]
+
+
+def push_in_process(updater: WeightUpdater, model: nn.Module) -> UpdateStats:
+    updater.start_weight_update()
+    updater.update_weights_from_tensors(policy_tensors(model).items())
+    return updater.finish_weight_update()
+
+
+def send_over_group(group: TransferGroup, tensors: dict[str, torch.Tensor], bucket_bytes: int) -> None:
+    """Rank 0's half of `WeightUpdater.update_weights`: agree, then one broadcast per bucket."""
+    if not group.agree(True):
+        raise RequestError("an engine rejected the update's tensors (its answer names the tensor)", field="weights")
+    values = list(tensors.values())
+    for bucket in plan_buckets(specs_of(tensors), bucket_bytes):
+        group.broadcast(pack([values[i].cpu() for i in bucket]), src=0)

@@ -1,0 +1,76 @@
+"""GRPO's pieces against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from deltamoe.errors import ConfigError
+from deltamoe.train.rl.config import RLConfig
+from deltamoe.train.rl.grpo import group_advantages, grpo_loss, token_logprobs
+from deltamoe.train.rl.rewards import reward
+
+
+def test_group_advantages_normalise_within_each_group():
+    adv = group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]]))
+    assert torch.allclose(adv[0], torch.tensor([1.0, -1.0, -1.0, 1.0]), atol=1e-5)
+    assert torch.equal(adv[1], torch.zeros(4))  # no signal in a group of equal rewards
+
+
+def test_token_logprobs_pick_the_next_tokens():
+    logits = torch.randn(2, 5, 7)
+    tokens = torch.randint(0, 7, (2, 5))
+    got = token_logprobs(logits, tokens, temperature=2.0)
+    want = torch.log_softmax(logits[0, 1] / 2.0, -1)[tokens[0, 2]]
+    assert got.shape == (2, 4) and torch.allclose(got[0, 1], want)
+
+
+def test_clipped_loss_kl_and_clip_fraction():
+    old = torch.zeros(1, 4)
+    logp = torch.tensor([[0.0, math.log(1.5), math.log(0.5), 0.0]])  # ratios 1, 1.5, 0.5, 1
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    out = grpo_loss(logp, old, torch.tensor([1.0]), mask, clip_eps=0.2, ref_logp=torch.zeros(1, 4), kl_coef=0.5)
+    # A = 1: min(r, clip(r)) = 1, 1.2, 0.5 -> policy loss -(2.7) / 3; only the 1.5 ratio is clipped.
+    assert out.policy_loss == pytest.approx(-2.7 / 3)
+    assert out.clip_fraction == pytest.approx(1 / 3)
+    kl = [math.exp(-v) + v - 1 for v in (0.0, math.log(1.5), math.log(0.5))]
+    assert out.kl == pytest.approx(sum(kl) / 3, rel=1e-5)
+    assert float(out.loss) == pytest.approx(-2.7 / 3 + 0.5 * sum(kl) / 3, rel=1e-5)
+
+
+def test_rewards_and_config_checks():
+    digits = frozenset("0123456789")
+    assert reward("12", "stop", "12", "stop", digits, 0.1) == pytest.approx(1.1)
+    assert reward("13", "stop", "12", "stop", digits, 0.1) == pytest.approx(0.1)
+    assert reward("12", "length", "12", "stop", digits, 0.1) == pytest.approx(1.0)  # right, but never stopped
+    assert reward("1x", "length", "12", "length", digits, 0.1) == 0.0
+    for bad, field in [({"task": "copy"}, "task"), ({"group_size": 1}, "group_size"), ({"clip_eps": 1.5}, "clip_eps"),
+                       ({"init": "x"}, "init"),
+                       ({"completion": "free"}, "completion")]:
+        with pytest.raises(ConfigError) as e:
+            RLConfig(**bad).validate()
+        assert e.value.field == field
+
+
+def test_cli_bad_input_is_one_line_and_exit_2(capsys):
+    from deltamoe.cli import main
+
+    assert main(["rl", "--task", "copy"]) == 2
+    assert capsys.readouterr().err.strip() == "error: task: expected one of arithmetic, recall, got 'copy'"
+    assert main(["rl", "--preset", "tiny", "--init", "runs/x/model"]) == 2
+    assert "init" in capsys.readouterr().err
+
+
+def test_help_and_bad_input_never_import_torch():
+    import json
+    import subprocess
+    import sys
+
+    probe = ("import contextlib, io, json, sys\nfrom deltamoe.cli import main\n"
+             "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+             "    rcs = [main(['rl', '--help']), main(['rl', '--group-size', '1'])]\n"
+             "print(json.dumps([rcs, 'torch' in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert json.loads(out.stdout) == [[0, 2], False], out.stderr

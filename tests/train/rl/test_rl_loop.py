@@ -1,0 +1,104 @@
+"""The GRPO loop's mechanism on a micro model: the policy moves, the engine serves exactly the
+trainer's weights after each sync (logprob mismatch ~0), failed rollouts are retried or dropped and
+counted, and Ctrl-C leaves a checkpoint that a resumed run continues from."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+
+from deltamoe.model.load import build_model
+from deltamoe.model.weights import save_checkpoint
+from deltamoe.serve.engine.sampling import SamplingParams
+from deltamoe.train.rl.config import RLConfig
+from deltamoe.train.rl.loop import RLRun
+from deltamoe.train.rl.rollout import EngineRollouts
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def init(tmp_path_factory, micro_model_config):
+    folder = tmp_path_factory.mktemp("rl") / "init"
+    save_checkpoint(build_model(micro_model_config.replace(max_position_embeddings=128), seed=2), folder)
+    return str(folder)
+
+
+def _config(init, out, **kw) -> RLConfig:
+    base = dict(preset=None, init=init, task="arithmetic", digits=1, steps=2, prompts_per_step=2, group_size=4,
+                updates_per_batch=2, lr=3e-3, eval_every=0, eval_prompts=4, save_every=0, out=str(out),
+                progress=False, plot=False, threads=1)  # the PNG costs seconds of matplotlib: the slow test draws it
+    return RLConfig(**{**base, **kw})
+
+
+def _parity_reward(run: RLRun):
+    # A random micro model never answers a sum: reward an even first byte instead, so groups differ.
+    run._reward = lambda s: float(s.token_ids[0] % 2 == 0)
+
+
+def test_policy_moves_and_the_engine_serves_its_weights(init, tmp_path):
+    run = RLRun(_config(init, tmp_path / "run"))
+    _parity_reward(run)
+    before = {k: v.clone() for k, v in run.policy.state_dict().items()}
+    result = run.run()
+    after = run.policy.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    engine = run.engine.runner.model.state_dict()
+    assert all(torch.equal(engine[k], after[k]) for k in after)  # the engine holds exactly the trainer's weights
+    steps = [r for r in result.records if r["step"] > 0]
+    assert [r["weight_version"] for r in steps] == [2, 3]  # one sync at the start, one per step
+    for r in steps:
+        assert r["logprob_mismatch_max"] < 1e-4 and r["dropped"] == 0
+        assert r["clip_fraction"] >= 0 and r["kl"] >= 0 and r["rollout_tokens"] > 0
+    assert steps[-1]["kl"] > 0  # the second step's policy differs from the initial one
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [0, 1, 2] and logged[-1]["eval_accuracy"] is not None
+    assert (tmp_path / "run" / "model" / "config.json").is_file()
+
+
+def test_ctrl_c_leaves_a_checkpoint_that_resume_continues(init, tmp_path):
+    run = RLRun(_config(init, tmp_path / "run"))
+    _parity_reward(run)
+    train = run._train
+
+    def ctrl_c_mid_update(batch, step):  # SIGINT while step 1 trains: step 1 still completes
+        os.kill(os.getpid(), signal.SIGINT)
+        return train(batch, step)
+
+    run._train = ctrl_c_mid_update
+    result = run.run()
+    assert result.interrupted and result.step == 1
+    assert (tmp_path / "run" / "checkpoints" / "step-00000001").is_dir()
+    resumed = RLRun(_config(init, tmp_path / "run", resume=True))
+    _parity_reward(resumed)
+    assert resumed._maybe_resume() and resumed.state.step == 1  # (run() loads it again)
+    assert all(torch.equal(v, run.policy.state_dict()[k]) for k, v in resumed.policy.state_dict().items())
+    result = resumed.run()
+    assert result.step == 2 and not result.interrupted
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [0, 1, 2] and logged[2]["kl"] > 0
+
+
+def test_failed_rollouts_are_retried_then_dropped_never_hang(init, tmp_path):
+    run = RLRun(_config(init, tmp_path / "run"))
+    prompts = run.prompts.batch("train", 0, 2)
+    params = [SamplingParams(max_tokens=2, logprobs=0)] * 2
+    real_step, failures = run.engine.step, {"left": 1}
+
+    def flaky_step():
+        if failures["left"]:
+            failures["left"] -= 1
+            raise RuntimeError("a worker died")
+        return real_step()
+
+    run.engine.step = flaky_step
+    batch = EngineRollouts(run.engine, retries=1, timeout_s=60).sample(prompts, 3, params, seed=0)
+    assert batch.retried == 6 and batch.dropped == 0 and [len(g) for g in batch.groups] == [3, 3]
+    failures["left"] = 10**9  # every step fails: each request is retried once, then dropped
+    batch = EngineRollouts(run.engine, retries=1, timeout_s=60).sample(prompts, 3, params, seed=1)
+    assert batch.dropped == 6 and batch.groups == [[], []]
+    assert not run.engine.has_unfinished()
