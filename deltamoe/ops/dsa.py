@@ -79,8 +79,8 @@ def causal_topk(
 
 def selects_every_key(num_keys: int, top_k: int) -> bool:
     """Whether `causal_topk` over `num_keys` keys keeps them all (fewer than top_k): its output is
-    then num_keys wide, else top_k wide. A compiler holds the two as different graphs, so code that
-    compiles ahead of time (serve's compiled decode) asks this where the width rule changes."""
+    then num_keys wide, else top_k wide. A compiler holds the two as different graphs; code that
+    compiles ahead of time asks `causal_topk(pad_to_top_k=True)` for one width at every context."""
     return num_keys < top_k
 
 

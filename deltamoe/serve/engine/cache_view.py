@@ -49,7 +49,8 @@ class PagedBatchView:
         self._real = (torch.arange(t, device=device) < self.new_lengths[:, None]).reshape(-1) if ragged else None
         self._write_rows: torch.Tensor | None = None
         blocks = block_tables[0][: -(-total // bs)]
-        consecutive = slice_consecutive and len(block_tables) == 1 and blocks == list(range(blocks[0], blocks[0] + len(blocks)))
+        consecutive = (slice_consecutive and len(block_tables) == 1
+                       and blocks == list(range(blocks[0], blocks[0] + len(blocks))))
         self._first_row = blocks[0] * bs if consecutive else None
         self._read_rows: torch.Tensor | None = None
 

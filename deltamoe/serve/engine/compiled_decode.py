@@ -54,7 +54,6 @@ from deltamoe.config import ModelConfig
 from deltamoe.errors import ConfigError
 from deltamoe.model.ffn import MoE, local_experts, local_experts_static
 from deltamoe.model.mla_layer import LatentAttention
-from deltamoe.ops.dsa import selects_every_key
 from deltamoe.ops.moe import gathers_expert_weights
 from deltamoe.serve.engine.decode_matvec_pass import DecodeMatvecPass
 
