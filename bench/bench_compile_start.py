@@ -7,6 +7,7 @@ unless `--keep-cache DIR` names one (run twice with the same DIR to time a start
 cache). Then the decode step's CPU time per step at batch 1 and `--batch`, compiled, after the warm-up.
 
     TORCHINDUCTOR_COMPILE_THREADS=1 .venv/bin/python bench/bench_compile_start.py [--preset tiny] [--threads 2]
+        [--no-cpp-wrapper]
 
 To compare two checkouts, run the same script with PYTHONPATH set to each, one after the other.
 """
@@ -32,6 +33,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="the batched step's rows")
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed per batch size")
     parser.add_argument("--keep-cache", default=None, help="inductor cache directory (default: a fresh one)")
+    parser.add_argument("--no-cpp-wrapper", action="store_true",
+                        help="compile with inductor's Python launcher instead of the C++ wrapper, to compare")
     args = parser.parse_args()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.keep_cache or tempfile.mkdtemp(prefix="inductor-")
 
@@ -43,6 +46,13 @@ def main() -> None:
     from deltamoe.serve.engine.sampling import SamplingParams
 
     torch.set_num_threads(args.threads)
+    if args.no_cpp_wrapper:  # the option compiled_decode passes, overridden for this run only
+        compile_ = torch.compile
+
+        def without_cpp_wrapper(fn, **kwargs):
+            return compile_(fn, **{**kwargs, "options": {**kwargs.get("options", {}), "cpp_wrapper": False}})
+
+        torch.compile = without_cpp_wrapper
     model = load_model(args.preset).eval()
     engine = LLMEngine(model, config=EngineConfig(compile_decode=True, max_num_seqs=args.max_num_seqs))
     run_round = engine._run_warm_up_round
