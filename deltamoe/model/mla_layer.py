@@ -42,6 +42,10 @@ class LightningIndexer(nn.Module):
 
 
 class LatentAttention(nn.Module):
+    # DSA's selection is top_k wide at every context (`causal_topk(pad_to_top_k=True)`): the form
+    # serve's compiled decode traces (`compiled_decode.decode_form`), one graph for every context.
+    pads_topk = False
+
     def __init__(self, config: ModelConfig, layer_idx: int, use_dsa: bool):
         super().__init__()
         self.config = config
@@ -104,7 +108,7 @@ class LatentAttention(nn.Module):
                 k_idx = cache.append_index_keys(self.layer_idx, k_idx)
             scores = indexer_scores(q_idx, k_idx, w_idx)
             indices, valid = causal_topk(scores, q_positions=q_positions, kv_lengths=kv_lengths,
-                                         top_k=self.config.index_topk)
+                                         top_k=self.config.index_topk, pad_to_top_k=self.pads_topk)
 
         if absorbed:
             w = self.kv_b_proj.weight

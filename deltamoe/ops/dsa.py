@@ -45,7 +45,8 @@ def indexer_scores_reference(q_index: torch.Tensor, k_index: torch.Tensor, weigh
 
 
 def causal_topk(
-    scores: torch.Tensor, *, q_positions: torch.Tensor, kv_lengths: torch.Tensor, top_k: int
+    scores: torch.Tensor, *, q_positions: torch.Tensor, kv_lengths: torch.Tensor, top_k: int,
+    pad_to_top_k: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k visible keys per query -> (indices long [B,T,K], valid bool [B,T,K]), K = min(top_k, S).
 
@@ -53,17 +54,24 @@ def causal_topk(
     min(n, top_k) valid entries, so with n <= top_k every visible key is selected and DSA equals
     dense attention. Entries are ordered by descending score, ties broken by the lower slot, so
     the result is deterministic; invalid entries (beyond n) hold slot 0.
+
+    `pad_to_top_k`: K = top_k at every S, the entries past S invalid like any other. The result
+    then has one shape rule for every context, so a compiled graph holds one form instead of one
+    per side of `selects_every_key` (serve's compiled decode asks for it).
     """
     _check_topk_args(scores, q_positions, top_k)
     num_keys = scores.shape[-1]
-    top = num_keys if selects_every_key(num_keys, top_k) else top_k
-    if top == 0 or scores.numel() == 0:
+    if scores.numel() == 0:
         return causal_topk_reference(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=top_k)
+    top = top_k if pad_to_top_k or not selects_every_key(num_keys, top_k) else num_keys
     counts = visible_counts(q_positions, kv_lengths, num_keys)
+    keys = _selection_keys(scores, counts)
+    if pad_to_top_k:  # top_k more keys below every real one: never valid, whatever S is
+        keys = torch.cat([keys, keys.new_full((*keys.shape[:-1], top_k), _KEY_OF_PADDING)], dim=-1)
     # One torch.topk over keys that are all distinct, so its (otherwise unspecified) choice among
     # ties cannot matter: each key orders by score first, then by lower slot. Sorted output is
     # already the reference's order; no threshold check, no host read, no second pass, one graph.
-    best = torch.topk(_selection_keys(scores, counts), top, dim=-1, sorted=True).values
+    best = torch.topk(keys, top, dim=-1, sorted=True).values
     slots = _SLOT_MASK - (best & _SLOT_MASK)
     valid = torch.arange(top, device=scores.device) < counts[..., None]
     return slots.masked_fill(~valid, 0), valid
@@ -71,8 +79,8 @@ def causal_topk(
 
 def selects_every_key(num_keys: int, top_k: int) -> bool:
     """Whether `causal_topk` over `num_keys` keys keeps them all (fewer than top_k): its output is
-    then num_keys wide, else top_k wide. A compiler holds the two as different graphs, so code that
-    compiles ahead of time (serve's compiled decode) asks this where the width rule changes."""
+    then num_keys wide, else top_k wide. A compiler holds the two as different graphs; code that
+    compiles ahead of time asks `causal_topk(pad_to_top_k=True)` for one width at every context."""
     return num_keys < top_k
 
 
@@ -81,6 +89,7 @@ _SLOT_MASK = (1 << 32) - 1
 _SIGN_MASK = (1 << 31) - 1
 _ORDER_OF_LOWEST = -0x7F7FFFFF  # order of the lowest finite float32; -inf's is one below it
 _ORDER_HIDDEN = -(1 << 31)  # below every score's order
+_KEY_OF_PADDING = _ORDER_HIDDEN * (1 << 32)  # a hidden key of a slot past every real one
 
 
 def _selection_keys(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -418,8 +418,8 @@ def serve_command(
     engine = AsyncLLMEngine(LLMEngine.from_pretrained(model, config, tokenizer, parse_dtype(dtype), device,
                                                       workers, connector=connector))
     if config.compile_decode:
-        typer.echo("compiling the decode graphs (once per process; for the 8-layer tiny preset on two cores about "
-                   "6 min on a first start, 1 min from inductor's disk cache)...", err=True)
+        typer.echo("compiling the decode graphs (once per process; three for the 8-layer tiny preset: a few "
+                   "minutes on a first start on two cores, well under one from inductor's disk cache)...", err=True)
         engine.engine.warm_up()
     template = ChatTemplate.for_model(engine.tokenizer, tokenizer or model)
     name = served_model_name or model

@@ -171,6 +171,24 @@ def test_selects_every_key_gives_causal_topks_width(num_keys: int) -> None:
     assert indices.shape[-1] == valid.shape[-1] == (num_keys if selects_every_key(num_keys, 6) else 6)
 
 
+@pytest.mark.parametrize("num_keys", [3, 6, 9, 40])
+def test_causal_topk_padded_to_top_k_is_the_same_selection_top_k_wide(num_keys: int) -> None:
+    """The padded form (compiled decode's) keeps the unpadded entries and adds only invalid slot-0
+    ones, under and over top_k keys, with tied and -inf scores and a row that sees no key."""
+    g = torch.Generator().manual_seed(num_keys)
+    scores = torch.randint(-2, 3, (3, 2, num_keys), generator=g).float()
+    scores[1, 0, :2] = float("-inf")
+    q_positions = torch.tensor([[num_keys - 2, num_keys - 1], [0, 1], [-1, -1]]).clamp(min=0)
+    kv_lengths = torch.tensor([num_keys, 2, 0])
+    want = causal_topk(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=6)
+    indices, valid = causal_topk(scores, q_positions=q_positions, kv_lengths=kv_lengths, top_k=6, pad_to_top_k=True)
+    assert indices.shape == valid.shape == (3, 2, 6)
+    top = want[0].shape[-1]
+    assert torch.equal(indices[..., :top], want[0]) and torch.equal(valid[..., :top], want[1])
+    assert not valid[..., top:].any() and not indices[..., top:].any()
+    assert not valid[2].any()
+
+
 def test_causal_topk_shapes_do_not_depend_on_data() -> None:
     """Pipeline stages infer output shapes with meta tensors; the selection must not use
     data-dependent shapes (nonzero), or the stage sees [B,T,0] and the whole job fails."""

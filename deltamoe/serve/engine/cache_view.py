@@ -22,10 +22,13 @@ from deltamoe.serve.engine.cache_layout import fp8_tile
 
 class PagedBatchView:
     def __init__(self, cache: HybridCache, block_tables: list[list[int]], past_lengths: list[int],
-                 slots: list[int], num_new_tokens: int | list[int], min_table_width: int = 1):
+                 slots: list[int], num_new_tokens: int | list[int], min_table_width: int = 1,
+                 slice_consecutive: bool = True):
         """`num_new_tokens`: T for every row, or one count per row (rows right-padded to the longest).
         `min_table_width`: block tables are padded to at least this many columns (never read), as a
-        compiled call asks (`compiled_decode.CompiledDecode.min_table_width`)."""
+        compiled call asks (`compiled_decode.CompiledDecode.min_table_width`).
+        `slice_consecutive`: a single row on consecutive blocks reads its pages as one slice; off,
+        every row gathers its pages, so a compiled call has one graph for both layouts."""
         device = cache.latent.device
         bs = cache.block_size
         self._cache = cache
@@ -46,7 +49,8 @@ class PagedBatchView:
         self._real = (torch.arange(t, device=device) < self.new_lengths[:, None]).reshape(-1) if ragged else None
         self._write_rows: torch.Tensor | None = None
         blocks = block_tables[0][: -(-total // bs)]
-        consecutive = len(block_tables) == 1 and blocks == list(range(blocks[0], blocks[0] + len(blocks)))
+        consecutive = (slice_consecutive and len(block_tables) == 1
+                       and blocks == list(range(blocks[0], blocks[0] + len(blocks))))
         self._first_row = blocks[0] * bs if consecutive else None
         self._read_rows: torch.Tensor | None = None
 

@@ -19,11 +19,14 @@ What makes the decode forward one graph (each branch tested against the eager fo
 - absorbed MLA reads the cache's own [latent | k_pe] rows (`mla_attention_absorbed_joined`).
 
 Graph classes. Batch and context length are dynamic, traced without duck shaping (`_compiled_call`);
-a few shape rules still split the graphs, each asked of its owner rather than copied here:
-- batch 1 is a graph of its own (torch specialises size 1), and reads its pages as one slice
-  (blocks consecutive) or gathers them (scattered): `cache_view.PagedBatchView`;
-- batches of 2 and more: one graph per form of `ops.moe.gathers_expert_weights`;
-- with DSA layers, one per form of `ops.dsa.selects_every_key` (contexts under and over top-k).
+the forms the graph traces give every context and page layout one shape rule:
+- DSA's selection is top_k wide at every context (`causal_topk(pad_to_top_k=True)`, slots past
+  the context invalid), so contexts under and over top-k share a graph;
+- every batch, batch 1 on consecutive blocks too, gathers its pages (`PagedBatchView`'s
+  slice_consecutive off), so a sequence's page layout does not split the graph.
+A few shape rules still split the graphs, each asked of its owner rather than copied here:
+- batch 1 is a graph of its own (torch specialises size 1);
+- batches of 2 and more: one graph per form of `ops.moe.gathers_expert_weights`.
 Each compiles once per process (~10-30 s for a 4-layer model on two cores; inductor caches it on
 disk). `LLMEngine.warm_up` sends the requests of `warm_up_rounds` through the scheduler so every
 class compiles before traffic. Prefill chunks stay eager: their lengths vary and they are a small
@@ -50,7 +53,7 @@ import torch
 from deltamoe.config import ModelConfig
 from deltamoe.errors import ConfigError
 from deltamoe.model.ffn import MoE, local_experts, local_experts_static
-from deltamoe.ops.dsa import selects_every_key
+from deltamoe.model.mla_layer import LatentAttention
 from deltamoe.ops.moe import gathers_expert_weights
 from deltamoe.serve.engine.decode_matvec_pass import DecodeMatvecPass
 
@@ -78,6 +81,9 @@ class CompiledDecode:
     # Block tables a compiled call reads are at least this wide (the extra column is never read):
     # a table one block wide would specialise to size 1 and compile again for longer contexts.
     min_table_width = 2
+    # Batch 1 gathers its pages like any batch, even on consecutive blocks (`PagedBatchView`'s
+    # slice_consecutive): one graph for both layouts, for a gather of the context's rows per step.
+    slices_consecutive_pages = False
 
     def __init__(self, model: torch.nn.Module):
         if model.training:
@@ -107,6 +113,8 @@ def decode_form(module: torch.nn.Module) -> torch.nn.Module:
             raise ConfigError("runs experts on this process only (expert-parallel dispatch is not compiled)",
                               field="compile_decode")
         twin.dispatcher = local_experts_static
+    if isinstance(twin, LatentAttention):
+        twin.pads_topk = True
     return twin
 
 
@@ -150,43 +158,24 @@ class WarmUpRound:
     followers: tuple[tuple[int, int], ...] = ()
 
 
-def warm_up_rounds(config: ModelConfig, block_size: int, max_num_seqs: int, max_context: int) -> list[WarmUpRound]:
+def warm_up_rounds(config: ModelConfig, max_num_seqs: int, max_context: int) -> list[WarmUpRound]:
     """One round per decode graph class that a server with these limits can meet.
 
-    Contexts and batches are split where an op's shape rule changes form; a round decodes at the
-    first context of its context class:
-    - batch 1 on consecutive blocks: the lead alone decodes once;
-    - batch 1 on scattered blocks: the lead's prompt ends one token short of a block boundary; a
-      follower admitted next to its first decode takes the next block, so the lead's next block
-      is not adjacent to its others (blocks are handed out in order) and its second decode reads
-      scattered pages;
+    Contexts are one class (DSA's selection is top_k wide at every context in the compiled form)
+    and so are page layouts (every batch gathers its pages); batches split where an op's shape
+    rule changes form:
+    - batch 1: the lead alone decodes once;
     - batch B >= 2: B - 1 followers join the lead, and all decode together once (the followers
       are admitted in one step while the token budget holds 2 per follower).
     `max_context`: the longest sequence the engine admits (prompt + output)."""
     moe = config.num_experts > 0
-    dsa = "dsa" in config.layer_types
     batches = _first_of_each_form(
         lambda b: gathers_expert_weights(b, config.num_experts_per_token, config.num_experts) if moe else None,
         range(2, max_num_seqs + 1))
-    starts = _first_of_each_form(lambda s: selects_every_key(s, config.index_topk) if dsa else None,
-                                 range(2, max_context + 1))
-    rounds: list[WarmUpRound] = []
-    for first, end in zip(starts, [*starts[1:], max_context + 1]):
-        contexts = f"contexts {first}-{end - 1}"
-
-        def fits(context: int, lead_prompt: int, lead_tokens: int) -> bool:
-            return first <= context < end and lead_prompt >= 1 and lead_prompt + lead_tokens <= max_context
-
-        # The lead's first decode sees context prompt + 1, its second prompt + 2.
-        if fits(first, first - 1, 2):
-            rounds.append(WarmUpRound(f"batch 1, consecutive blocks, {contexts}", (first - 1, 2)))
-        boundary = max(1, -(-(first - 1) // block_size)) * block_size  # the first block boundary >= context - 1
-        if max_num_seqs >= 2 and fits(boundary + 1, boundary - 1, 3):
-            rounds.append(WarmUpRound(f"batch 1, scattered blocks, {contexts}", (boundary - 1, 3), ((2, 1),)))
-        lead_prompt = max(1, first - 2)
-        for batch in batches:
-            if fits(lead_prompt + 2, lead_prompt, 3):
-                rounds.append(WarmUpRound(f"batch {batch}, {contexts}", (lead_prompt, 3), ((2, 2),) * (batch - 1)))
+    # The lead's first decode sees context prompt + 1 (2: a one-token context is a prefill).
+    rounds = [WarmUpRound("batch 1", (1, 2))] if max_context >= 3 else []
+    if max_context >= 4:  # the lead decodes twice: once alone, once beside its followers
+        rounds += [WarmUpRound(f"batch {batch}", (1, 3), ((2, 2),) * (batch - 1)) for batch in batches]
     return rounds
 
 

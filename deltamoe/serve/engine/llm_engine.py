@@ -334,7 +334,7 @@ class LLMEngine:
         if self.has_unfinished():
             raise RuntimeError("warm_up: expected an idle engine (call it at startup, before requests arrive)")
         limit = min(self.max_model_len, self.cache.max_tokens_per_sequence())
-        rounds = warm_up_rounds(self.model_config, self.cache.block_size, self.config.max_num_seqs, limit)
+        rounds = warm_up_rounds(self.model_config, self.config.max_num_seqs, limit)
         totals, preemptions = dict(self._totals), self.scheduler.num_preemptions
         try:
             for round_ in rounds:

@@ -169,7 +169,8 @@ class ModelRunner:
             ids = torch.tensor(call.token_ids, device=self.device).view(len(call.counts), -1)
         compiled = self._compiled_decode if call.compiled else None
         view = PagedBatchView(self.cache, call.block_tables, call.past_lengths, call.slots, call.counts,
-                              min_table_width=compiled.min_table_width if compiled is not None else 1)
+                              min_table_width=compiled.min_table_width if compiled is not None else 1,
+                              slice_consecutive=compiled is None or compiled.slices_consecutive_pages)
         # Norm + LM head on the last real position only: prefill chunks need no other logits.
         if compiled is not None:
             logits = compiled(ids, view)[:, -1].float()

@@ -156,7 +156,8 @@ def test_warm_up_compiles_every_graph_traffic_meets(helpers):
     """After `warm_up`, traffic never compiles (torch would raise under `fail_on_recompile`): one
     sequence on consecutive and on scattered pages, batches on both sides of the experts'
     gather / all-experts switch (8 experts, top-2: from 4 rows), contexts below and above the
-    DSA indexer's top-k (8), and one-token prompts."""
+    DSA indexer's top-k (8), and one-token prompts. The warm-up compiles three graphs (batch 1 and
+    one per experts' form); contexts and page layouts share them."""
     model = build_model(helpers.k31_tiny(num_hidden_layers=2, layer_types=("kda", "dsa"), num_experts=8), seed=4).eval()
     engine = LLMEngine(model, config=EngineConfig(cache_memory="16MiB", compile_decode=True, max_snapshots=0))
     engine.warm_up()

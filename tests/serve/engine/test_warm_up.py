@@ -1,7 +1,7 @@
 """`LLMEngine.warm_up` reaches every decode graph class through the scheduler and leaves no trace.
 
 The compiled graph is swapped for the eager model here, so no compile runs: what is checked is
-which decode calls the warm-up's made-up requests make (batch, scattered pages, context) and
+which decode calls the warm-up's made-up requests make (batch, experts' form) and
 that the engine afterwards is the engine before. `test_compiled_decode.py` checks, with real
 compiles, that traffic after a warm-up never compiles again.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 
 from deltamoe.model.load import build_model
-from deltamoe.ops.dsa import selects_every_key
 from deltamoe.ops.moe import gathers_expert_weights
 from deltamoe.serve.engine import compiled_decode
 from deltamoe.serve.engine.config import EngineConfig
@@ -30,28 +29,24 @@ def model(helpers):
 
 
 def engine_recording_decodes(model, **config) -> tuple[LLMEngine, list[tuple]]:
-    """An engine whose compiled decode calls run eagerly and are recorded as graph classes:
-    (batch 1 ? scattered pages : experts' form, DSA's top-k form)."""
+    """An engine whose compiled decode calls run eagerly and are recorded as graph classes: batch 1,
+    or the experts' form of a batch (contexts and page layouts share a graph)."""
     engine = LLMEngine(model, config=EngineConfig(cache_memory="16MiB", compile_decode=True, **config))
-    runner, cfg, bs = engine.runner, model.config, engine.cache.block_size
+    runner, cfg = engine.runner, model.config
     seen: list[tuple] = []
     forward = runner.forward
 
     def recording(call):
         if call.compiled:
-            context = max(p + 1 for p in call.past_lengths)
-            blocks = call.block_tables[0][:-(-context // bs)]
-            if len(call.counts) == 1:
-                shape = ("batch 1", "consecutive" if blocks == list(range(blocks[0], blocks[0] + len(blocks)))
-                         else "scattered")
-            else:
-                shape = ("batch", gathers_expert_weights(len(call.counts), cfg.num_experts_per_token, cfg.num_experts))
-            seen.append((*shape, selects_every_key(context, cfg.index_topk)))
+            batch = len(call.counts)
+            seen.append(("batch 1",) if batch == 1 else
+                        ("batch", gathers_expert_weights(batch, cfg.num_experts_per_token, cfg.num_experts)))
         return forward(call)
 
     runner.forward = recording
     runner._compiled_decode = lambda ids, view: model(ids, cache=view, logits_to_keep=1).logits
     runner._compiled_decode.min_table_width = compiled_decode.CompiledDecode.min_table_width
+    runner._compiled_decode.slices_consecutive_pages = compiled_decode.CompiledDecode.slices_consecutive_pages
     return engine, seen
 
 
@@ -68,12 +63,8 @@ def test_warm_up_reaches_every_class_and_leaves_no_trace(model):
     engine, seen = engine_recording_decodes(model)
     fresh, _ = engine_recording_decodes(model)
     engine.warm_up()
-    # Every class: batch 1 on consecutive and scattered pages, batches on both sides of the experts'
-    # switch, each with contexts under and over DSA's top-k (scattered pages need two blocks, 17+
-    # tokens, which is over the top-k of 8).
-    assert set(seen) == {("batch 1", "consecutive", True), ("batch 1", "consecutive", False),
-                         ("batch 1", "scattered", False), ("batch", True, True), ("batch", True, False),
-                         ("batch", False, True), ("batch", False, False)}
+    # Every class: batch 1, and batches on both sides of the experts' switch.
+    assert set(seen) == {("batch 1",), ("batch", True), ("batch", False)}
     assert engine_state(engine) == engine_state(fresh)
     assert not engine.has_unfinished()
     # And the engine serves as a fresh one does.
@@ -84,10 +75,10 @@ def test_warm_up_reaches_every_class_and_leaves_no_trace(model):
 
 
 def test_warm_up_plans_only_classes_the_limits_allow(model):
-    """One sequence at a time: no batches and no scattered pages (nothing runs beside the lead)."""
+    """One sequence at a time: no batches."""
     engine, seen = engine_recording_decodes(model, max_num_seqs=1)
     engine.warm_up()
-    assert set(seen) == {("batch 1", "consecutive", True), ("batch 1", "consecutive", False)}
+    assert set(seen) == {("batch 1",)}
 
 
 def test_warm_up_refuses_a_busy_engine(model):
