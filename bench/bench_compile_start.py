@@ -35,7 +35,10 @@ def main() -> None:
     parser.add_argument("--keep-cache", default=None, help="inductor cache directory (default: a fresh one)")
     parser.add_argument("--no-cpp-wrapper", action="store_true",
                         help="compile with inductor's Python launcher instead of the C++ wrapper, to compare")
+    parser.add_argument("--quick", action="store_true", help="4 sequences at most, 4 timed steps (a smoke test)")
     args = parser.parse_args()
+    if args.quick:
+        args.max_num_seqs, args.batch, args.steps = 4, 4, 4
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.keep_cache or tempfile.mkdtemp(prefix="inductor-")
 
     import torch  # after the cache directory is set: inductor reads it on import
