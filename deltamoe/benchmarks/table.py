@@ -91,6 +91,31 @@ def kda_rows(d: dict) -> list[Row]:
     return out
 
 
+def kda_k128_rows(d: dict) -> list[Row]:
+    """`bench_kda.py --head-dim 128` (K3's head size): the same rows, with the command that made them."""
+    rows = kda_rows(d)
+    rows[0][0] = rows[0][0].replace(command("kda"), "(`python bench/bench_kda.py --head-dim 128`)")
+    return rows
+
+
+def serve_structured_rows(d: dict) -> list[Row]:
+    tpot = {(r["concurrency"], r["schema"]): r for r in d["tpot"]}
+    streams = sorted({c for c, _ in tpot})
+    with_, without = ([tpot[(c, flag)]["tpot_ms_median"] for c in streams] for flag in (True, False))
+    label = (f"structured outputs (llguidance JSON schema) vs free text, `{d['model']}`, {d['input_len']} in / "
+             f"{d['output_len']} out tokens, {' / '.join(map(str, streams))} streams, TPOT p50 {command('serve_structured')}")
+    rows: list[Row] = [[label, " / ".join(f"{v:.1f}" for v in with_) + " ms",
+                        "no schema " + " / ".join(f"{v:.1f}" for v in without) + " ms",
+                        " / ".join(times(a / b) for a, b in zip(with_, without)) + " the time", ""]]
+    choices = {r["mode"]: r for r in d.get("choices", [])}
+    if len(choices) == 2:
+        sep, fork = choices["4 separate requests"], choices["n=4 in one request"]
+        rows.append(["same, n = 4 in one request (one prefill, forked) vs 4 separate requests",
+                     f"{rate(fork['output_tok_per_s'])} tok/s", f"4 requests {rate(sep['output_tok_per_s'])} tok/s",
+                     times(fork["output_tok_per_s"] / sep["output_tok_per_s"]), ""])
+    return rows
+
+
 def speedup_goal(d: dict) -> str:
     goal = d.get("target", {}).get("speedup")
     return verdict([(f">= {goal:g}x", d["speedup"] >= goal)], d.get("note")) if goal else d.get("note", "")
@@ -452,6 +477,7 @@ def rl_grpo_rows(d: dict) -> list[Row]:
 
 FORMATTERS: dict[str, Callable[[dict], list[Row]]] = {
     "kda": kda_rows,
+    "kda_k128": kda_k128_rows,
     "model_forward": model_forward_rows,
     "train_throughput": train_throughput_rows,
     "train_quality": train_quality_rows,
@@ -463,6 +489,7 @@ FORMATTERS: dict[str, Callable[[dict], list[Row]]] = {
     "serve_disagg": serve_disagg_rows,
     "serve_online_vs_transformers": serve_online_vs_peer_rows,
     "serve_workers": serve_workers_rows,
+    "serve_structured": serve_structured_rows,
     "trace": trace_rows,
     "plan_validation": plan_validation_rows,
     "moe": moe_rows,
