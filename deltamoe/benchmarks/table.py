@@ -116,6 +116,22 @@ def serve_structured_rows(d: dict) -> list[Row]:
     return rows
 
 
+def train_offload_rows(d: dict) -> list[Row]:
+    r = d["results"]
+    modes = ["checkpointing", "offload", "both"]
+    cut, slow = d["goal_memory_cut"], d["goal_slowdown"]
+    what = "saved activations kept resident" if d["memory"] == "resident_saved_bytes" else "peak memory"
+    label = (f"activation checkpointing / offload to host / both vs none, `{d['preset']}` {d['batch']} x {d['seq']} "
+             f"on {d['device']}, {what} and step time {command('train_offload')}")
+    mib = lambda b: f"{b / 2**20:,.0f} MiB"  # noqa: E731
+    met = all(r[m]["memory_cut"] >= cut and r[m]["slowdown"] <= slow for m in modes)
+    return [[label, " / ".join(f"{mib(r[m]['resident_saved_bytes'])}, {r[m]['step_s']:.1f} s" for m in modes),
+             f"none {mib(r['none']['resident_saved_bytes'])}, {r['none']['step_s']:.1f} s",
+             " / ".join(f"-{r[m]['memory_cut']:.0%}".replace("%", " %") for m in modes),
+             verdict([(f">= {cut:.0%} less for <= {slow:.0%} more time".replace("%", " %"), met)],
+                     "on a CPU the host is the same memory: bytes counted by the hooks")]]
+
+
 def speedup_goal(d: dict) -> str:
     goal = d.get("target", {}).get("speedup")
     return verdict([(f">= {goal:g}x", d["speedup"] >= goal)], d.get("note")) if goal else d.get("note", "")
@@ -498,6 +514,7 @@ FORMATTERS: dict[str, Callable[[dict], list[Row]]] = {
     "vision": vision_rows,
     "rl_weight_sync": rl_weight_sync_rows,
     "rl_grpo": rl_grpo_rows,
+    "train_offload": train_offload_rows,
 }
 
 
