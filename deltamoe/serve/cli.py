@@ -120,6 +120,12 @@ SPEC_MIN_ACCEPTANCE_HELP = ("With --speculative: a request whose last 8 verifica
 ASYNC_SCHEDULING_HELP = ("Schedule step N+1 while step N runs, with placeholders for the tokens it has yet to "
                          "sample (vLLM's async scheduling): the same tokens, outputs one step later. One process.")
 ASYNC_SCHEDULING_DECLS = ("--async-scheduling/--no-async-scheduling",)
+# Declared once, shared by the commands that take them (typer builds each command's parameter from it).
+SPECULATIVE_OPTION = typer.Option(None, "--speculative", help=SPECULATIVE_HELP)
+NUM_DRAFT_TOKENS_OPTION = typer.Option(EngineConfig.num_draft_tokens, "--num-draft-tokens", help=NUM_DRAFT_TOKENS_HELP)
+SPEC_MIN_ACCEPTANCE_OPTION = typer.Option(EngineConfig.spec_min_acceptance, "--spec-min-acceptance",
+                                          help=SPEC_MIN_ACCEPTANCE_HELP)
+ASYNC_SCHEDULING_OPTION = typer.Option(False, *ASYNC_SCHEDULING_DECLS, help=ASYNC_SCHEDULING_HELP)
 
 
 KV_CACHE_DTYPE_HELP = ("Latent-KV and indexer-key pages: auto (the model dtype) or fp8 (e4m3 with a scale per "
@@ -172,14 +178,12 @@ def generate_command(
     tp: int = typer.Option(1, "--tp", help=TP_HELP),
     ep: int = typer.Option(1, "--ep", help=EP_HELP),
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help=KV_CACHE_DTYPE_HELP),
-    speculative: Optional[str] = typer.Option(None, "--speculative", help=SPECULATIVE_HELP),
-    num_draft_tokens: int = typer.Option(EngineConfig.num_draft_tokens, "--num-draft-tokens",
-                                         help=NUM_DRAFT_TOKENS_HELP),
-    spec_min_acceptance: float = typer.Option(EngineConfig.spec_min_acceptance, "--spec-min-acceptance",
-                                              help=SPEC_MIN_ACCEPTANCE_HELP),
+    speculative: Optional[str] = SPECULATIVE_OPTION,
+    num_draft_tokens: int = NUM_DRAFT_TOKENS_OPTION,
+    spec_min_acceptance: float = SPEC_MIN_ACCEPTANCE_OPTION,
     image: list[str] = typer.Option([], "--image", help="Image file shown with every prompt, before its text; "
                                     "repeatable (models with a vision tower)."),
-    async_scheduling: bool = typer.Option(False, *ASYNC_SCHEDULING_DECLS, help=ASYNC_SCHEDULING_HELP),
+    async_scheduling: bool = ASYNC_SCHEDULING_OPTION,
 ) -> None:
     """Generate text for one or more prompts (continuous batching)."""
     from deltamoe.serve.image_cli import check_image_model, load_cli_images, placeholder_tokens
@@ -231,11 +235,9 @@ def chat_command(
     device: str = typer.Option("cpu"),
     threads: Optional[int] = typer.Option(None, help=THREADS_HELP),
     compile_decode: bool = typer.Option(False, *COMPILE_DECLS, help=COMPILE_HELP),
-    speculative: Optional[str] = typer.Option(None, "--speculative", help=SPECULATIVE_HELP),
-    num_draft_tokens: int = typer.Option(EngineConfig.num_draft_tokens, "--num-draft-tokens",
-                                         help=NUM_DRAFT_TOKENS_HELP),
-    spec_min_acceptance: float = typer.Option(EngineConfig.spec_min_acceptance, "--spec-min-acceptance",
-                                              help=SPEC_MIN_ACCEPTANCE_HELP),
+    speculative: Optional[str] = SPECULATIVE_OPTION,
+    num_draft_tokens: int = NUM_DRAFT_TOKENS_OPTION,
+    spec_min_acceptance: float = SPEC_MIN_ACCEPTANCE_OPTION,
 ) -> None:
     """Interactive chat in the terminal (/reset clears the history, /exit or Ctrl-D quits)."""
     engine = build_engine(model, tokenizer, cache_memory, 1, 512, dtype, device, compile_decode, threads=threads,
@@ -352,18 +354,16 @@ def serve_command(
     tp: int = typer.Option(1, "--tp", help=TP_HELP),
     ep: int = typer.Option(1, "--ep", help=EP_HELP),
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help=KV_CACHE_DTYPE_HELP),
-    speculative: Optional[str] = typer.Option(None, "--speculative", help=SPECULATIVE_HELP),
-    num_draft_tokens: int = typer.Option(EngineConfig.num_draft_tokens, "--num-draft-tokens",
-                                         help=NUM_DRAFT_TOKENS_HELP),
-    spec_min_acceptance: float = typer.Option(EngineConfig.spec_min_acceptance, "--spec-min-acceptance",
-                                              help=SPEC_MIN_ACCEPTANCE_HELP),
+    speculative: Optional[str] = SPECULATIVE_OPTION,
+    num_draft_tokens: int = NUM_DRAFT_TOKENS_OPTION,
+    spec_min_acceptance: float = SPEC_MIN_ACCEPTANCE_OPTION,
     allow_image_urls: bool = typer.Option(False, "--allow-image-urls", help="Fetch http(s) image_url parts "
                                           "(default: data: URLs only; the server makes requests on clients' behalf)."),
     image_fetch_timeout: float = typer.Option(10.0, min=0.1, help="Seconds one image download may take."),
     image_max_bytes: int = typer.Option(20 * 1024 * 1024, min=1, help="Largest image accepted (download or data: URL)."),
     image_max_tokens: int = typer.Option(1024, min=1, help="Placeholder tokens per image at most (larger images "
                                          "are scaled down, keeping their aspect)."),
-    async_scheduling: bool = typer.Option(False, *ASYNC_SCHEDULING_DECLS, help=ASYNC_SCHEDULING_HELP),
+    async_scheduling: bool = ASYNC_SCHEDULING_OPTION,
     weight_updates: bool = typer.Option(False, "--weight-updates/--no-weight-updates",
                                         help="Serve the weight-update routes (/init_weight_transfer_engine ...) "
                                              "that an RL trainer pushes new weights through (behind --api-key)."),

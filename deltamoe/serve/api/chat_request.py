@@ -15,7 +15,7 @@ from deltamoe.serve.api.chat_output import ChatChoiceParser
 from deltamoe.serve.api.chat_template import ChatTemplate
 from deltamoe.serve.api.errors import APIError
 from deltamoe.serve.api.reasoning_parser import THINK_BEGIN, THINK_END, ReasoningParser
-from deltamoe.serve.api.schemas import ChatCompletionRequest, ChatMessage, TokenizeRequest
+from deltamoe.serve.api.schemas import ChatCompletionRequest, TokenizeRequest
 from deltamoe.serve.api.tool_parser import ARGUMENT_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END, \
     ToolCallParser
 from deltamoe.serve.api.tool_request import ToolRequest, tool_request
@@ -49,13 +49,13 @@ class ChatOptions:
         kwargs["thinking"] = thinking
         return cls(tools, thinking, kwargs)
 
-    def encode(self, template: ChatTemplate, messages: list[ChatMessage] | list[dict[str, Any]],
-               add_generation_prompt: bool, image_tokens: list[list[int]] | None = None) -> list[int]:
-        """The prompt's token ids, with the request's tools and template kwargs; `image_tokens`: each
-        image's placeholder ids, in the order of the messages' image marks (`serve/api/images.py`)."""
+    def encode(self, template: ChatTemplate, messages: list[dict[str, Any]], add_generation_prompt: bool,
+               image_tokens: list[list[int]] | None = None) -> list[int]:
+        """The prompt's token ids, with the request's tools and template kwargs; `messages` as dicts
+        (`model_dump()`); `image_tokens`: each image's placeholder ids, in the order of the messages'
+        image marks (`serve/api/images.py`)."""
         try:
-            return template.encode([m if isinstance(m, dict) else m.model_dump() for m in messages],
-                                   add_generation_prompt, self.tools.tools or None, self.template_kwargs,
+            return template.encode(messages, add_generation_prompt, self.tools.tools or None, self.template_kwargs,
                                    image_tokens=image_tokens)
         except RequestError:
             raise

@@ -35,7 +35,8 @@ def tokenize_router(engine: AsyncLLMEngine, template: ChatTemplate, check_model:
         if req.prompt is not None:
             ids = engine.tokenizer.encode(req.prompt)
         else:
-            ids = ChatOptions.of(req, template).encode(template, req.messages, req.add_generation_prompt)
+            ids = ChatOptions.of(req, template).encode(template, [m.model_dump() for m in req.messages],
+                                                       req.add_generation_prompt)
         strs = [token_text(engine.tokenizer, t)[0] for t in ids] if req.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids, token_strs=strs)
 

@@ -29,7 +29,7 @@ from deltamoe.serve.engine.runner import ModelRunner, StepResult
 from deltamoe.serve.engine.sampling import SamplingParams
 from deltamoe.serve.engine.scheduler import Scheduler
 from deltamoe.serve.executor.base import Executor
-from deltamoe.serve.executor.config import WorkerConfig, check_async_request, check_async_scheduling, launched_by_torchrun
+from deltamoe.serve.executor.config import WorkerConfig, check_async_scheduling, launched_by_torchrun
 from deltamoe.serve.executor.group import RankGroup
 from deltamoe.serve.executor.multiproc import MultiprocExecutor
 from deltamoe.serve.executor.overlap import OverlappedSteps
@@ -97,11 +97,11 @@ class LLMEngine:
         group = None
         if workers is not None:
             workers.check_fields()
-            if config is not None and config.async_scheduling and (workers.world_size > 1 or launched_by_torchrun()):
-                check_async_scheduling(multiproc=True, hand_off=False)  # before any rank starts
         if workers is not None and (workers.world_size > 1 or launched_by_torchrun()):
             from deltamoe.serve.executor.launch import start_replica
 
+            if config is not None and config.async_scheduling:
+                check_async_scheduling(multiproc=True, hand_off=False)  # before any rank starts
             config = config or EngineConfig()
             started = start_replica(source, config, workers, dtype, str(device))
             if started is None:
@@ -145,7 +145,8 @@ class LLMEngine:
             raise RequestError("must not be empty", field="prompt")
         seq_images = None
         if images:
-            self._check_images_supported()
+            if self.model_config.vision is None:
+                raise RequestError("this model has no vision tower", field="images")
             ids, seq_images = place_images(ids, images, self.model_config.media_placeholder_token_id,
                                            isinstance(prompt, str))
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -157,8 +158,6 @@ class LLMEngine:
         if params.max_tokens is not None and params.max_tokens > room:
             raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the limit of "
                                f"{len(ids) + room} tokens", field="max_tokens")
-        if params.prompt_logprobs is not None and not isinstance(self.executor, UniprocExecutor):
-            raise RequestError("prompt logprobs with --tp/--ep workers: not yet", field="prompt_logprobs")
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos and self.tokenizer.eos_token_id is not None:
             stop_ids.add(self.tokenizer.eos_token_id)
@@ -177,18 +176,30 @@ class LLMEngine:
             seq.grammar = GrammarMatcher(params.structured, self.tokenizer, self.model_config.vocab_size, seq.stop_ids)
         return seq
 
-    def _check_images_supported(self) -> None:
-        if self.model_config.vision is None:
-            raise RequestError("this model has no vision tower", field="images")
-        if not isinstance(self.executor, UniprocExecutor) or self.connector is not None:
-            raise RequestError("images are not yet supported with tp/ep workers or a prefill/decode role",
-                               field="images")
+    def _check_layout_serves(self, seq: Sequence) -> None:
+        """Request features this engine's layout cannot serve yet: a RequestError naming the field, never a
+        request served without them. Workers ranks and a P/D hand-off carry no image embeddings or prompt
+        logprobs; one-step-ahead steps sample on the device thread without the host's per-token work
+        (a grammar matcher advanced with each token, prompt logprobs, image embeddings, forked choices)."""
+        layouts = {"--tp/--ep workers": not isinstance(self.executor, UniprocExecutor),
+                   "a prefill/decode role": self.connector is not None,
+                   "--async-scheduling": self.overlap is not None}
+        features = [  # (asked for, field, what, the layouts that lack it)
+            (seq.images is not None, "images", "images", layouts),
+            (seq.params.prompt_logprobs is not None, "prompt_logprobs", "prompt logprobs",
+             ("--tp/--ep workers", "--async-scheduling")),
+            (seq.params.structured is not None, "response_format", "structured outputs", ("--async-scheduling",)),
+            (seq.fork_of is not None, "n", "n > 1 or best_of", ("--async-scheduling",)),
+        ]
+        for asked, field, what, lacking in features:
+            for layout in lacking if asked else ():
+                if layouts[layout]:
+                    raise RequestError(f"{what} with {layout}: not yet", field=field)
 
     def add_sequence(self, seq: Sequence) -> str:
         if seq.request_id in self._requests:
             raise RequestError(f"{seq.request_id!r} is already running", field="request_id")
-        if self.overlap is not None:
-            check_async_request(seq.params, seq.images is not None, seq.fork_of)
+        self._check_layout_serves(seq)
         self._requests[seq.request_id] = seq
         self._totals["prompt_tokens"] += seq.num_prompt_tokens
         if seq.fork_of is not None:  # waits for its parent's prefill (forks.py)

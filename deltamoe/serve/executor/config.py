@@ -59,19 +59,3 @@ def check_async_scheduling(multiproc: bool, hand_off: bool) -> None:
         raise ConfigError("async scheduling runs on a colocated engine only (a prefill/decode hand-off moves cache "
                           "pages between steps)", field="async_scheduling", hint="drop --async-scheduling or the role")
 
-
-def check_async_request(params: object, has_images: bool, fork_of: str | None) -> None:
-    """Requests one-step-ahead scheduling cannot serve yet: RequestError naming the field. Its steps
-    sample on the device thread without the host's per-token work that these need (a grammar matcher
-    advanced with each token, prompt logprobs from prefill, image embeddings, forked choices)."""
-    from deltamoe.errors import RequestError
-
-    refused = [("structured", "structured outputs"), ("prompt_logprobs", "prompt logprobs / echo")]
-    for name, what in refused:
-        if getattr(params, name, None) is not None:
-            field = "response_format" if name == "structured" else name
-            raise RequestError(f"{what} on a server with --async-scheduling: not yet", field=field)
-    if has_images:
-        raise RequestError("images on a server with --async-scheduling: not yet", field="messages")
-    if fork_of is not None:
-        raise RequestError("n > 1 or best_of on a server with --async-scheduling: not yet", field="n")
