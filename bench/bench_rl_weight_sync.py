@@ -67,7 +67,7 @@ def sync_seconds(config: ModelConfig, repeats: int) -> dict:
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        push_in_process(updater, trainer)
+        push_in_process(updater, policy_tensors(trainer))
         times.append(time.perf_counter() - t0)
     out["in_process_s"] = statistics.median(times)
     sender, receiver = _pair()

@@ -8,6 +8,7 @@ from deltamoe.errors import ConfigError
 
 TASKS = ("arithmetic", "recall")
 COMPLETIONS = ("answer", "eos")
+OPTIMIZERS = ("adamw", "sgd")
 
 
 @dataclass
@@ -24,7 +25,11 @@ class RLConfig:
     prompts_per_step: int = 8
     group_size: int = 8  # completions per prompt; advantages are normalised within each group
     updates_per_batch: int = 2  # optimizer steps on each rollout batch (> 1: the clip matters)
+    optimizer: str = "adamw"  # "sgd": plain SGD; with the clipped gradient, each step moves <= lr * max_grad_norm
     lr: float = 2e-5
+    # Linear warmup over the first optimizer steps: a fresh AdamW's first steps are sign-like
+    # (every parameter moves by ~lr), which at an RL-sized lr throws a supervised policy far off.
+    warmup_steps: int = 0
     clip_eps: float = 0.2  # ratio clip [1 - eps, 1 + eps]
     kl_coef: float = 0.0  # > 0: k3 KL to the initial policy (a frozen copy) in the loss
     temperature: float = 1.0
@@ -35,6 +40,8 @@ class RLConfig:
     completion: str = "answer"
     format_reward: float = 0.0  # added when a completion is well-formed (task alphabet, properly ended)
     max_grad_norm: float = 1.0
+    # the trainer: data-parallel ranks (FSDP2) under torchrun; None: WORLD_SIZE (1 for a plain process)
+    dp: int | None = None
     # rollouts
     rollout_retries: int = 1  # a failed rollout request is retried this often, then dropped (counted)
     rollout_timeout_s: float = 300.0  # a rollout batch still running after this is aborted (dropped)
@@ -57,6 +64,8 @@ class RLConfig:
             raise ConfigError("pass exactly one of --preset or --init", field="init")
         if self.task not in TASKS:
             raise ConfigError(f"expected one of {', '.join(TASKS)}, got {self.task!r}", field="task")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"expected one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}", field="optimizer")
         if self.completion not in COMPLETIONS:
             raise ConfigError(f"expected one of {', '.join(COMPLETIONS)}, got {self.completion!r}", field="completion")
         positive = ("digits", "num_pairs", "steps", "prompts_per_step", "group_size", "updates_per_batch",
@@ -65,9 +74,11 @@ class RLConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"expected a positive integer, got {value!r}", field=name)
+        if self.dp is not None and (not isinstance(self.dp, int) or isinstance(self.dp, bool) or self.dp < 1):
+            raise ConfigError(f"expected a positive integer, got {self.dp!r}", field="dp")
         if self.group_size < 2:
             raise ConfigError("a group needs at least 2 completions to compare", field="group_size")
-        for name in ("eval_every", "save_every", "rollout_retries"):
+        for name in ("eval_every", "save_every", "rollout_retries", "warmup_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"expected >= 0, got {getattr(self, name)!r}", field=name)
         for name, ok, expected in [("lr", self.lr > 0, "> 0"), ("clip_eps", 0 < self.clip_eps < 1, "in (0, 1)"),

@@ -9,6 +9,10 @@ The trainer recomputes the sampled tokens' logprobs before its first update; aga
 own logprobs that is the trainer-vs-engine mismatch (the same weights on both sides: ~0 unless the
 two forwards differ). Ctrl-C (or any error) leaves the last completed step's checkpoint behind
 (`train/checkpoint.py`: atomic DCP folders); `resume` continues from it.
+
+Under torchrun (`--dp N`) the policy is FSDP2-sharded over the ranks (`policy.py`); rank 0 alone
+owns the engine, samples, evaluates and logs, and hands every rank the step's batch. Before each
+sync every rank gathers its shards (full tensors) and rank 0 pushes them into its engine.
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from deltamoe.config import load_preset
+from deltamoe.config import ModelConfig, load_preset
+from deltamoe.hf_config import load_config
 from deltamoe.model.load import build_model, load_model
 from deltamoe.model.model import DeltaMoEForCausalLM
 from deltamoe.model.weights import save_checkpoint, write_json_atomic
@@ -33,20 +39,21 @@ from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.llm_engine import LLMEngine
 from deltamoe.serve.engine.sampling import SamplingParams
 from deltamoe.serve.engine.weight_update import WeightUpdater
+from deltamoe.parallel.dims import ParallelDims, launch_world_size
+from deltamoe.parallel.mesh import ParallelMesh, build_mesh
 from deltamoe.threads import choose_threads
 from deltamoe.tokenizers.load import load_tokenizer
 from deltamoe.train import checkpoint
-from deltamoe.train.config import OptimSection
 from deltamoe.train.metrics import JsonlLog, read_jsonl, truncate_jsonl
-from deltamoe.train.optim import Optimizers
 from deltamoe.train.progress import RunProgress
 from deltamoe.train.rl.config import RLConfig
-from deltamoe.train.rl.grpo import group_advantages, grpo_loss, token_logprobs
+from deltamoe.train.rl.grpo import group_advantages
 from deltamoe.train.rl.plots import plot_rl_curves
+from deltamoe.train.rl.policy import PolicyTrainer, RolloutTensors
 from deltamoe.train.rl.prompts import Prompt, TaskPrompts
 from deltamoe.train.rl.rewards import exact_match, reward
 from deltamoe.train.rl.rollout import EngineRollouts, Sample
-from deltamoe.train.rl.weight_push import push_in_process
+from deltamoe.train.rl.weight_push import policy_tensors, push_in_process
 
 
 @dataclass
@@ -57,30 +64,19 @@ class RLResult:
     interrupted: bool = False
 
 
-@dataclass
-class _Batch:
-    """The rollouts as training tensors: prompt + completion rows, right-padded."""
-
-    ids: torch.Tensor  # [B, T]
-    mask: torch.Tensor  # [B, T-1], 1 where position t predicts a completion token
-    engine_logp: torch.Tensor  # [B, T-1], the engine's logprobs on the masked positions
-    advantages: torch.Tensor  # [B]
-
-
 @contextlib.contextmanager
-def _interrupt_after() -> Iterator[None]:
-    """Ctrl-C inside takes effect when the block is done (main thread only; elsewhere a no-op)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+def _interrupt_deferred() -> Iterator[list[int]]:
+    """Ctrl-C inside is caught into the yielded list instead of interrupting the block (main thread
+    only; elsewhere the list stays empty and Ctrl-C acts at once)."""
     caught: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield caught
+        return
     previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
     try:
-        yield
+        yield caught
     finally:
         signal.signal(signal.SIGINT, previous)
-    if caught:
-        raise KeyboardInterrupt
 
 
 def build_policy(cfg: RLConfig) -> DeltaMoEForCausalLM:
@@ -89,67 +85,78 @@ def build_policy(cfg: RLConfig) -> DeltaMoEForCausalLM:
     return build_model(load_preset(cfg.preset), seed=cfg.seed)
 
 
+def policy_config(cfg: RLConfig) -> ModelConfig:
+    return load_config(cfg.init) if cfg.init is not None else load_preset(cfg.preset)
+
+
 class RLRun:
-    def __init__(self, cfg: RLConfig):
+    def __init__(self, cfg: RLConfig, mesh: ParallelMesh | None = None):
+        """`mesh`: the data ranks' mesh under torchrun (`run_rl` builds it); None for one process."""
         self.cfg = cfg.validate()
         self.out = Path(cfg.out)
+        self.rank = dist.get_rank() if mesh is not None else 0
         torch.set_num_threads(choose_threads(cfg.threads))
         torch.manual_seed(cfg.seed)
-        self.policy = build_policy(cfg).train()
-        self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)  # the initial policy, for the KL
-        config = self.policy.config
+        policy = build_policy(cfg).train()
+        self.model_config = config = policy.config
         self.tokenizer = load_tokenizer(cfg.init, config.vocab_size)
         self.prompts = TaskPrompts(cfg, self.tokenizer.bos_token_id)
-        rows = cfg.prompts_per_step * cfg.group_size
-        engine_model = copy.deepcopy(self.policy).eval().requires_grad_(False)
-        self.engine = LLMEngine(engine_model, self.tokenizer,
-                                EngineConfig(max_num_seqs=max(rows, cfg.eval_prompts), max_num_batched_tokens=4096,
-                                             cache_memory="256MiB", block_size=16, seed=cfg.seed))
-        self.updater = WeightUpdater(self.engine)
-        self.rollouts = EngineRollouts(self.engine, cfg.rollout_retries, cfg.rollout_timeout_s)
-        total = cfg.steps * cfg.updates_per_batch
-        self.optimizers = Optimizers([self.policy], OptimSection(lr=cfg.lr, warmup_steps=0, weight_decay=0.0,
-                                                                 min_lr_ratio=1.0, clip_grad=cfg.max_grad_norm),
-                                     total)
+        self.engine: LLMEngine | None = None
+        if self.rank == 0:
+            rows = cfg.prompts_per_step * cfg.group_size
+            engine_model = copy.deepcopy(policy).eval().requires_grad_(False)
+            self.engine = LLMEngine(engine_model, self.tokenizer,
+                                    EngineConfig(max_num_seqs=max(rows, cfg.eval_prompts), max_num_batched_tokens=4096,
+                                                 cache_memory="256MiB", block_size=16, seed=cfg.seed))
+            self.updater = WeightUpdater(self.engine)
+            self.rollouts = EngineRollouts(self.engine, cfg.rollout_retries, cfg.rollout_timeout_s)
+        self.trainer = PolicyTrainer(policy, cfg, mesh)
+        self.policy = self.trainer.module  # the model itself, or this rank's FSDP2 shard of it
+        self.optimizers = self.trainer.optimizers
         self.state = checkpoint.TrainState()
         self.records: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ the run
     def run(self) -> RLResult:
         cfg = self.cfg
+        lead = self.rank == 0  # the engine's rank: rollouts, evaluation, logs
         self.out.mkdir(parents=True, exist_ok=True)
         resumed = self._maybe_resume()
-        if not resumed:
+        if not resumed and lead:
             (self.out / "metrics.jsonl").unlink(missing_ok=True)
             write_json_atomic(self.out / "rl_config.json", cfg.to_dict())
-        log = JsonlLog(self.out / "metrics.jsonl")
-        progress = RunProgress(cfg.steps, self.state.step, cfg.progress)
-        sync = push_in_process(self.updater, self.policy)  # the engine starts from the trainer's weights
+        log = JsonlLog(self.out / "metrics.jsonl") if lead else None
+        progress = RunProgress(cfg.steps, self.state.step, cfg.progress and lead)
+        sync_s = self._sync()[0]  # the engine starts from the trainer's weights
         interrupted = False
         saved = self.state.step if resumed else None
         try:
-            if not resumed:
-                self._log(log, progress, {"step": 0, "eval_accuracy": self._evaluate(), "sync_s": sync.swap_s})
+            if not resumed and lead:
+                self._log(log, progress, {"step": 0, "eval_accuracy": self._evaluate(), "sync_s": sync_s})
             for step in range(self.state.step + 1, cfg.steps + 1):
-                with _interrupt_after():  # a step is done whole or not at all: a checkpoint never holds half of one
+                with _interrupt_deferred() as caught:  # a step is done whole or not at all
                     record = self._step(step)
-                    if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
+                    if lead and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
                         record["eval_accuracy"] = self._evaluate()
-                    self._log(log, progress, record)
+                    if lead:
+                        self._log(log, progress, record)
+                if self._any_rank(bool(caught)):  # every rank stops after the same step
+                    raise KeyboardInterrupt
                 if cfg.save_every and step % cfg.save_every == 0:
                     self._save()
                     saved = step
         except KeyboardInterrupt:
             interrupted = True
         finally:
-            log.close()
+            if log is not None:
+                log.close()
             progress.close()
             if saved != self.state.step:
                 self._save()
-            records = read_jsonl(self.out / "metrics.jsonl")
+            records = read_jsonl(self.out / "metrics.jsonl") if lead else []
             if records and cfg.plot:
                 plot_rl_curves(records, self.out / "curves.png", f"GRPO · {cfg.task} · {cfg.init or cfg.preset}")
-        save_checkpoint(self.policy, self.out / "model")
+        self._export()
         return RLResult(self.out, self.state.step, self.records, interrupted)
 
     def _log(self, log: JsonlLog, progress: RunProgress, record: dict[str, Any]) -> None:
@@ -162,6 +169,20 @@ class RLRun:
 
     # ------------------------------------------------------------------ one step
     def _step(self, step: int) -> dict[str, Any]:
+        cfg = self.cfg
+        record, batch = self._share(self._rollout(step) if self.rank == 0 else None)
+        start = time.perf_counter()
+        if batch is not None:
+            record.update(self.trainer.update(batch, step))
+        self.state.step = step
+        self.state.data_position += cfg.prompts_per_step
+        self.state.tokens += record["rollout_tokens"]
+        record["train_s"] = time.perf_counter() - start
+        record["sync_s"], record["weight_version"] = self._sync()
+        return record
+
+    def _rollout(self, step: int) -> tuple[dict[str, Any], RolloutTensors | None]:
+        """Rank 0: the step's samples, rewards and advantages; the record so far and the training batch."""
         cfg = self.cfg
         prompts = self.prompts.batch("train", self.state.data_position, cfg.prompts_per_step)
         params = [self.params(p, cfg.temperature, logprobs=0) for p in prompts]
@@ -177,18 +198,36 @@ class RLRun:
             "reward_mean": sum(flat) / len(flat) if flat else None,
             "reward_std": float(torch.tensor(flat).std(unbiased=False)) if flat else None,
             "accuracy": (sum(exact_match(s.text, s.prompt.answer) for s in samples) / len(samples)) if samples else None}
+        if not samples:
+            return record, None
+        advantages = torch.cat([group_advantages(torch.tensor([g])).flatten() for g in rewards])
+        return record, self._batch(samples, advantages)
+
+    def _share(self, payload: tuple[dict[str, Any], RolloutTensors | None] | None
+               ) -> tuple[dict[str, Any], RolloutTensors | None]:
+        """Rank 0's record and batch, on every rank."""
+        if self.trainer.world == 1:
+            return payload
+        box = [payload]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _any_rank(self, flag: bool) -> bool:
+        if self.trainer.world == 1:
+            return flag
+        t = torch.tensor([float(flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def _sync(self) -> tuple[float, int | None]:
+        """Push the policy into the engine: (seconds, the engine's weight version). Every rank gathers
+        its shards (a collective); rank 0 pushes."""
         start = time.perf_counter()
-        if samples:
-            advantages = torch.cat([group_advantages(torch.tensor([g])).flatten() for g in rewards])
-            record.update(self._train(self._batch(samples, advantages), step))
-        self.state.step = step
-        self.state.data_position += cfg.prompts_per_step
-        self.state.tokens += rollout.tokens
-        record["train_s"] = time.perf_counter() - start
-        sync = push_in_process(self.updater, self.policy)
-        record["sync_s"] = sync.receive_s + sync.swap_s
-        record["weight_version"] = sync.version
-        return record
+        tensors = policy_tensors(self.policy)
+        if self.engine is None:
+            return time.perf_counter() - start, None
+        stats = push_in_process(self.updater, tensors)
+        return time.perf_counter() - start, stats.version
 
     def params(self, prompt: Prompt, temperature: float, logprobs: int | None = None) -> SamplingParams:
         """Where a completion ends (`RLConfig.completion`): at the answer's length, or at EOS within
@@ -203,9 +242,9 @@ class RLRun:
         return reward(s.text, s.finish_reason, s.prompt.answer, expected_finish, self.prompts.alphabet,
                       self.cfg.format_reward)
 
-    def _batch(self, samples: list[Sample], advantages: torch.Tensor) -> _Batch:
+    def _batch(self, samples: list[Sample], advantages: torch.Tensor) -> RolloutTensors:
         width = max(len(s.prompt.token_ids) + len(s.token_ids) for s in samples)
-        pad = self.policy.config.pad_token_id or 0
+        pad = self.model_config.pad_token_id or 0
         ids = torch.full((len(samples), width), pad, dtype=torch.long)
         mask = torch.zeros(len(samples), width - 1)
         engine_logp = torch.zeros(len(samples), width - 1)
@@ -214,32 +253,7 @@ class RLRun:
             ids[row, :p + c] = torch.tensor(s.prompt.token_ids + s.token_ids)
             mask[row, p - 1:p - 1 + c] = 1.0  # position t predicts token t + 1
             engine_logp[row, p - 1:p - 1 + c] = torch.tensor(s.logprobs)
-        return _Batch(ids, mask, engine_logp, advantages.float())
-
-    def _train(self, b: _Batch, step: int) -> dict[str, Any]:
-        cfg, on = self.cfg, b.mask.bool()
-        with torch.no_grad():
-            logits = self.policy(b.ids).logits
-            old = token_logprobs(logits, b.ids, cfg.temperature)
-            gap = (token_logprobs(logits, b.ids) - b.engine_logp)[on].abs()  # raw logprobs, as the engine reports
-            ref = token_logprobs(self.reference(b.ids).logits, b.ids, cfg.temperature)
-        parts = []
-        for u in range(cfg.updates_per_batch):
-            lr = self.optimizers.set_lr((step - 1) * cfg.updates_per_batch + u + 1)
-            logp = token_logprobs(self.policy(b.ids).logits, b.ids, cfg.temperature)
-            result = grpo_loss(logp, old, b.advantages, b.mask, cfg.clip_eps, ref, cfg.kl_coef)
-            result.loss.backward()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm))
-            self.optimizers.step()
-            self.optimizers.zero_grad()
-            parts.append((result, grad_norm))
-        return {"loss": sum(float(r.loss.detach()) for r, _ in parts) / len(parts),
-                "policy_loss": sum(r.policy_loss for r, _ in parts) / len(parts),
-                "kl": parts[-1][0].kl, "clip_fraction": sum(r.clip_fraction for r, _ in parts) / len(parts),
-                "grad_norm": parts[-1][1], "lr": lr, "completion_tokens": int(on.sum()),
-                "logprob_mismatch": float(gap.mean()) if gap.numel() else 0.0,
-                "logprob_mismatch_max": float(gap.max()) if gap.numel() else 0.0,
-                "advantage_nonzero": float((b.advantages.abs() > 0).float().mean())}
+        return RolloutTensors(ids, mask, engine_logp, advantages.float())
 
     # ------------------------------------------------------------------ evaluation, checkpoints
     def _evaluate(self) -> float:
@@ -250,18 +264,44 @@ class RLRun:
         return sum(exact_match(c.text, p.answer) for c, p in zip(done, prompts)) / len(prompts)
 
     def _save(self) -> None:
-        checkpoint.save(self.out, [self.policy], self.optimizers, self.state, self.cfg.keep_checkpoints,
+        checkpoint.save(self.out, self.trainer.parts, self.optimizers, self.state, self.cfg.keep_checkpoints,
                         self.cfg.to_dict())
+
+    def _export(self) -> None:
+        """The final policy as a safetensors folder (`model/`) that `deltamoe serve` loads: rank 0
+        writes the gathered full tensors."""
+        if self.trainer.world == 1:
+            save_checkpoint(self.policy, self.out / "model")
+            return
+        tensors = policy_tensors(self.policy)
+        if self.rank == 0:
+            full = build_model(self.model_config)
+            full.load_state_dict(tensors)
+            save_checkpoint(full, self.out / "model")
+        dist.barrier()
 
     def _maybe_resume(self) -> bool:
         path = checkpoint.latest_checkpoint(self.out) if self.cfg.resume else None
         if path is None:
             return False
-        self.state = checkpoint.load(path, [self.policy], self.optimizers)
-        truncate_jsonl(self.out / "metrics.jsonl", self.state.step)
+        self.state = checkpoint.load(path, self.trainer.parts, self.optimizers)
+        if self.rank == 0:
+            truncate_jsonl(self.out / "metrics.jsonl", self.state.step)
         return True
 
 
 def run_rl(cfg: RLConfig) -> RLResult:
-    return RLRun(cfg).run()
-
+    """One process, or one rank of `torchrun --nproc-per-node N ... --dp N` (the trainer FSDP2-sharded)."""
+    cfg.validate()
+    world = launch_world_size()
+    dims = ParallelDims(dp=cfg.dp).resolve(policy_config(cfg), world)  # ConfigError before any process group
+    if world == 1:
+        return RLRun(cfg).run()
+    owns_group = not dist.is_initialized()
+    if owns_group:  # the loop's policy and engine live on the CPU: gloo, whatever accelerator is present
+        dist.init_process_group("gloo")
+    try:
+        return RLRun(cfg, build_mesh(dims, "cpu")).run()
+    finally:
+        if owns_group:
+            dist.destroy_process_group()

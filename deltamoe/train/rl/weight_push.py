@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from deltamoe.errors import RequestError
 from deltamoe.serve.engine.weight_transfer import TensorSpec, TransferGroup, pack, plan_buckets
@@ -17,17 +18,20 @@ from deltamoe.serve.engine.weight_update import UpdateStats, WeightUpdater
 
 
 def policy_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """What a sync sends: every tensor of the state dict (router-bias buffers included)."""
-    return {name: t.detach() for name, t in model.state_dict().items()}
+    """What a sync sends: every tensor of the state dict (router-bias buffers included). An
+    FSDP2-sharded model's shards are gathered whole (`full_tensor`): a collective, so every data
+    rank calls this, and every rank gets the full tensors."""
+    return {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach() for name, t in model.state_dict().items()}
 
 
 def specs_of(tensors: dict[str, torch.Tensor]) -> list[TensorSpec]:
     return [TensorSpec.of(name, t) for name, t in tensors.items()]
 
 
-def push_in_process(updater: WeightUpdater, model: nn.Module) -> UpdateStats:
+def push_in_process(updater: WeightUpdater, tensors: dict[str, torch.Tensor]) -> UpdateStats:
+    """`tensors` from `policy_tensors`."""
     updater.start_weight_update()
-    updater.update_weights_from_tensors(policy_tensors(model).items())
+    updater.update_weights_from_tensors(tensors.items())
     return updater.finish_weight_update()
 
 

@@ -63,13 +63,13 @@ def test_policy_moves_and_the_engine_serves_its_weights(init, tmp_path):
 def test_ctrl_c_leaves_a_checkpoint_that_resume_continues(init, tmp_path):
     run = RLRun(_config(init, tmp_path / "run"))
     _parity_reward(run)
-    train = run._train
+    update = run.trainer.update
 
     def ctrl_c_mid_update(batch, step):  # SIGINT while step 1 trains: step 1 still completes
         os.kill(os.getpid(), signal.SIGINT)
-        return train(batch, step)
+        return update(batch, step)
 
-    run._train = ctrl_c_mid_update
+    run.trainer.update = ctrl_c_mid_update
     result = run.run()
     assert result.interrupted and result.step == 1
     assert (tmp_path / "run" / "checkpoints" / "step-00000001").is_dir()

@@ -1,0 +1,115 @@
+"""The trainer's side of GRPO: the policy on one process or sharded with FSDP2 over torchrun's data
+ranks (the train stack's `parallelize`), its AdamW, and the clipped policy-gradient update.
+
+Under `--dp N` every rank holds a shard of the policy and a whole frozen reference copy (for the
+KL); every rank gets the whole rollout batch and trains on its contiguous block of rows. The loss
+is normalised by the global batch's completion tokens and FSDP2 sums the gradients (divide factor
+1), so an update equals one process's on the same batch up to the order of the float sums.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from deltamoe.model.model import DeltaMoEForCausalLM
+from deltamoe.parallel.compose import parallelize
+from deltamoe.parallel.dims import ParallelDims
+from deltamoe.parallel.mesh import ParallelMesh
+from deltamoe.train.config import OptimSection
+from deltamoe.train.evaluate import next_token_logits
+from deltamoe.train.optim import LRSchedule, Optimizers
+from deltamoe.train.rl.config import RLConfig
+from deltamoe.train.rl.grpo import grpo_loss, token_logprobs
+
+
+@dataclass
+class RolloutTensors:
+    """The rollouts as training tensors: prompt + completion rows, right-padded."""
+
+    ids: torch.Tensor  # [B, T]
+    mask: torch.Tensor  # [B, T-1], 1 where position t predicts a completion token
+    engine_logp: torch.Tensor  # [B, T-1], the engine's logprobs on the masked positions
+    advantages: torch.Tensor  # [B]
+
+    def block(self, rank: int, ranks: int) -> RolloutTensors:
+        """Data rank `rank`'s rows. Every rank gets the same number: rows past the batch are copies
+        of row 0 with an empty mask (no loss, no gradient), because FSDP2's gathers need every rank
+        in every forward."""
+        per_rank = -(-self.ids.shape[0] // ranks)
+        rows = torch.arange(rank * per_rank, (rank + 1) * per_rank)
+        real = rows < self.ids.shape[0]
+        rows = torch.where(real, rows, 0)
+        return RolloutTensors(self.ids[rows], self.mask[rows] * real[:, None], self.engine_logp[rows],
+                              self.advantages[rows] * real)
+
+
+class SGDOptimizers(Optimizers):
+    """Plain SGD (no momentum) behind the `Optimizers` interface (schedule, checkpoints). With the
+    gradient clipped to `max_grad_norm` each step moves the policy by at most lr * max_grad_norm in
+    L2: a trust region in the weights' own scale, where AdamW's per-coordinate normalisation moves
+    every parameter by ~lr whatever its (noisy) policy-gradient signal."""
+
+    def __init__(self, parts: list[torch.nn.Module], lr: float, warmup_steps: int, total_steps: int):
+        self.parts = parts
+        self.schedule = LRSchedule(lr, warmup_steps, total_steps, min_lr_ratio=1.0)
+        self.optimizers = [torch.optim.SGD([p for p in part.parameters() if p.requires_grad], lr=lr)
+                           for part in parts]
+
+
+class PolicyTrainer:
+    def __init__(self, policy: DeltaMoEForCausalLM, cfg: RLConfig, mesh: ParallelMesh | None):
+        """`policy` whole, in training mode; `mesh` None for one process, else the data ranks' mesh."""
+        self.cfg = cfg
+        self.reference = copy.deepcopy(policy).eval().requires_grad_(False)  # the initial policy, for the KL
+        self.world = 1 if mesh is None else mesh.size()
+        self.pm = parallelize(policy, ParallelDims(dp=self.world), mesh)
+        self.parts = self.pm.model_parts
+        self.module = self.parts[0]  # the model itself, or this rank's FSDP2-sharded whole-model stage
+        total = cfg.steps * cfg.updates_per_batch
+        if cfg.optimizer == "sgd":
+            self.optimizers: Optimizers = SGDOptimizers(self.parts, cfg.lr, cfg.warmup_steps, total)
+        else:
+            optim = OptimSection(lr=cfg.lr, warmup_steps=cfg.warmup_steps, weight_decay=0.0, min_lr_ratio=1.0,
+                                 clip_grad=cfg.max_grad_norm)
+            self.optimizers = Optimizers(self.parts, optim, total)
+
+    def update(self, batch: RolloutTensors, step: int) -> dict[str, Any]:
+        """`updates_per_batch` optimizer steps on GRPO step `step`'s batch; the metrics of the global batch."""
+        cfg = self.cfg
+        tokens = batch.mask.sum().clamp(min=1.0)  # the global normaliser: every rank divides by it
+        b = batch.block(self.pm.dp_rank, self.pm.dp_size)
+        on = b.mask.bool()
+        with torch.no_grad():
+            logits = next_token_logits(self.module, b.ids)
+            old = token_logprobs(logits, b.ids, cfg.temperature)
+            gap = (token_logprobs(logits, b.ids) - b.engine_logp)[on].abs()  # raw logprobs, as the engine reports
+            ref = token_logprobs(self.reference(b.ids).logits, b.ids, cfg.temperature)
+        sums = torch.zeros(4)  # loss, policy loss, KL, clipped tokens: summed over the updates, this rank's share
+        for u in range(cfg.updates_per_batch):
+            lr = self.optimizers.set_lr((step - 1) * cfg.updates_per_batch + u + 1)
+            logp = token_logprobs(next_token_logits(self.module, b.ids), b.ids, cfg.temperature)
+            result = grpo_loss(logp, old, b.advantages, b.mask, cfg.clip_eps, ref, cfg.kl_coef, tokens=tokens)
+            result.loss.backward()
+            grad_norm = self.pm.clip_grad_norm_(cfg.max_grad_norm)
+            self.optimizers.step()
+            self.optimizers.zero_grad()
+            kl = result.kl if u == cfg.updates_per_batch - 1 else 0.0  # the KL after the last update's forward
+            sums += torch.tensor([float(result.loss.detach()), result.policy_loss, kl, result.clip_fraction])
+        sums = self.pm.all_reduce_sum(sums)
+        gap_sum = self.pm.all_reduce_sum(torch.tensor([float(gap.sum()), float(gap.numel())]))
+        gap_max = torch.tensor([float(gap.max()) if gap.numel() else 0.0])
+        if self.world > 1:
+            dist.all_reduce(gap_max, op=dist.ReduceOp.MAX)
+        n = cfg.updates_per_batch
+        return {"loss": float(sums[0]) / n, "policy_loss": float(sums[1]) / n, "kl": float(sums[2]),
+                "clip_fraction": float(sums[3]) / n,
+                "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
+                "lr": lr, "completion_tokens": int(tokens),
+                "logprob_mismatch": float(gap_sum[0] / gap_sum[1]) if gap_sum[1] else 0.0,
+                "logprob_mismatch_max": float(gap_max[0]),
+                "advantage_nonzero": float((batch.advantages.abs() > 0).float().mean())}
