@@ -3,7 +3,9 @@
 the RL wall time and the curve (bench/results/rl_grpo.png).
 
 Both phases run through the CLI, as a user would. Held-out accuracy is exact match of the engine's
-greedy answers on prompts from the task's eval split (never trained on by either phase).
+greedy answers on prompts from the task's eval split (never trained on by either phase), each with
+its 95 % Wilson interval; the rise counts as outside noise when the final interval's low end is
+above the start's high end. Accuracy figures do not depend on the machine's load; times do.
 Run: python bench/bench_rl_grpo.py [--quick]
 """
 
@@ -72,19 +74,23 @@ def main() -> None:
                  "--threads", str(args.threads), "--no-progress", *flags)
         rl_s = time.perf_counter() - t0
         records = [json.loads(line) for line in (root / "rl" / "metrics.jsonl").read_text().splitlines()]
-        evals = [(r["step"], r["eval_accuracy"]) for r in records if r.get("eval_accuracy") is not None]
+        evals = [(r["step"], r["eval_accuracy"], *r["eval_ci95"]) for r in records if r.get("eval_accuracy") is not None]
         RESULTS.mkdir(parents=True, exist_ok=True)
         curve = RESULTS / f"{result_name('rl_grpo', args.quick)}.png"
         shutil.copyfile(root / "rl" / "curves.png", curve)
-    start, end = evals[0][1], evals[-1][1]
-    print(f"held-out greedy accuracy: {start:.1%} after {sft_steps} supervised steps -> {end:.1%} after "
-          f"{rl_steps} GRPO steps ({rl_s / 60:.1f} min); curve -> {curve}")
+    start, end = evals[0], evals[-1]
+    print(f"held-out greedy accuracy ({RL['eval-prompts']} prompts): {start[1]:.1%} [{start[2]:.1%}, {start[3]:.1%}] "
+          f"after {sft_steps} supervised steps -> {end[1]:.1%} [{end[2]:.1%}, {end[3]:.1%}] after {rl_steps} GRPO "
+          f"steps ({rl_s / 60:.1f} min); curve -> {curve}")
     steps = [r for r in records if r["step"] > 0]
     path = write_result(result_name("rl_grpo", args.quick), {
         "quick": args.quick, "sft_steps": sft_steps, "rl_steps": rl_steps, "rl_settings": RL,
-        "threads": args.threads, "sft_s": sft_s, "rl_s": rl_s, "eval_accuracy": evals,
-        "start_accuracy": start, "final_accuracy": end,
+        "threads": args.threads, "sft_s": sft_s, "rl_s": rl_s, "eval_prompts": RL["eval-prompts"],
+        "eval_accuracy": [{"step": e[0], "accuracy": e[1], "ci95": [e[2], e[3]]} for e in evals],
+        "start_accuracy": start[1], "start_ci95": [start[2], start[3]],
+        "final_accuracy": end[1], "final_ci95": [end[2], end[3]], "rise_outside_noise": end[2] > start[3],
         "reward_mean": [r.get("reward_mean") for r in steps],
+        "advantage_nonzero": [r.get("advantage_nonzero") for r in steps],
         "logprob_mismatch_max": max((r.get("logprob_mismatch_max") or 0.0) for r in steps),
         "seconds_per_step": {k: sum(r[k] for r in steps) / len(steps) for k in ("rollout_s", "train_s", "sync_s")},
         "curve": curve.name})

@@ -486,9 +486,14 @@ def rl_weight_sync_rows(d: dict) -> list[Row]:
 
 
 def rl_grpo_rows(d: dict) -> list[Row]:
+    def acc(key: str) -> str:  # with the 95 % interval where the results file has it
+        ci = d.get(key.replace("accuracy", "ci95"))
+        return f"{d[key] * 100:.1f} %" + (f" [{ci[0] * 100:.1f}, {ci[1] * 100:.1f}]" if ci else "")
+
+    prompts = f" on {d['eval_prompts']} prompts" if d.get("eval_prompts") else ""
     return [[f"GRPO from a {d['sft_steps']}-step supervised `tiny`, 2-digit addition {command('rl_grpo')}",
-             f"held-out {d['final_accuracy'] * 100:.1f} % after {d['rl_steps']} steps, {d['rl_s'] / 60:.1f} min",
-             f"start {d['start_accuracy'] * 100:.1f} %", "", ""]]
+             f"held-out {acc('final_accuracy')} after {d['rl_steps']} steps, {d['rl_s'] / 60:.1f} min",
+             f"start {acc('start_accuracy')}{prompts}", "", ""]]
 
 
 FORMATTERS: dict[str, Callable[[dict], list[Row]]] = {

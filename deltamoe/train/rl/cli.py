@@ -7,6 +7,7 @@ line, exit 2) before torch loads. Ctrl-C stops after saving a checkpoint; `--res
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 import types
 import typing
@@ -64,6 +65,8 @@ def rl_command(**options: Any) -> None:
     from deltamoe.train.rl.loop import run_rl
 
     result = run_rl(cfg)
+    if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 speaks for the run
+        raise typer.Exit(130 if result.interrupted else 0)
     last = next((r for r in reversed(result.records) if r.get("eval_accuracy") is not None), None)
     summary = f"step {result.step}" + (f": held-out accuracy {last['eval_accuracy']:.1%}" if last else "")
     if result.interrupted:

@@ -46,6 +46,7 @@ from deltamoe.tokenizers.load import load_tokenizer
 from deltamoe.train import checkpoint
 from deltamoe.train.metrics import JsonlLog, read_jsonl, truncate_jsonl
 from deltamoe.train.progress import RunProgress
+from deltamoe.train.rl.accuracy import wilson_interval
 from deltamoe.train.rl.config import RLConfig
 from deltamoe.train.rl.grpo import group_advantages
 from deltamoe.train.rl.plots import plot_rl_curves
@@ -132,12 +133,12 @@ class RLRun:
         saved = self.state.step if resumed else None
         try:
             if not resumed and lead:
-                self._log(log, progress, {"step": 0, "eval_accuracy": self._evaluate(), "sync_s": sync_s})
+                self._log(log, progress, {"step": 0, **self._evaluate(), "sync_s": sync_s})
             for step in range(self.state.step + 1, cfg.steps + 1):
                 with _interrupt_deferred() as caught:  # a step is done whole or not at all
                     record = self._step(step)
                     if lead and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
-                        record["eval_accuracy"] = self._evaluate()
+                        record.update(self._evaluate())
                     if lead:
                         self._log(log, progress, record)
                 if self._any_rank(bool(caught)):  # every rank stops after the same step
@@ -256,12 +257,14 @@ class RLRun:
         return RolloutTensors(ids, mask, engine_logp, advantages.float())
 
     # ------------------------------------------------------------------ evaluation, checkpoints
-    def _evaluate(self) -> float:
-        """Held-out exact-match accuracy of the engine's greedy answers (the engine holds the trainer's weights)."""
+    def _evaluate(self) -> dict[str, Any]:
+        """Held-out exact-match accuracy of the engine's greedy answers (the engine holds the trainer's
+        weights), with its 95 % Wilson interval."""
         prompts: list[Prompt] = self.prompts.batch("eval", 0, self.cfg.eval_prompts)
         done = self.engine.generate([p.token_ids for p in prompts], [self.params(p, 0.0) for p in prompts],
                                     progress=False)
-        return sum(exact_match(c.text, p.answer) for c, p in zip(done, prompts)) / len(prompts)
+        correct = int(sum(exact_match(c.text, p.answer) for c, p in zip(done, prompts)))
+        return {"eval_accuracy": correct / len(prompts), "eval_ci95": list(wilson_interval(correct, len(prompts)))}
 
     def _save(self) -> None:
         checkpoint.save(self.out, self.trainer.parts, self.optimizers, self.state, self.cfg.keep_checkpoints,

@@ -33,8 +33,13 @@ def plot_rl_curves(records: list[dict[str, Any]], path: Path, title: str = "") -
     for ax, keys, ylabel, ylim in panels:
         for key, label in keys:
             x, y = series(key)
-            if x:
-                ax.plot(x, y, "o-" if key == "eval_accuracy" else "-", label=label, lw=1, ms=3)
+            if x and key == "eval_accuracy":  # with its 95 % interval where logged
+                rows = [r for r in records if r.get(key) is not None]
+                lo = [r[key] - r["eval_ci95"][0] if r.get("eval_ci95") else 0.0 for r in rows]
+                hi = [r["eval_ci95"][1] - r[key] if r.get("eval_ci95") else 0.0 for r in rows]
+                ax.errorbar(x, y, yerr=[lo, hi], fmt="o-", label=label + " (95 % CI)", lw=1, ms=3, capsize=3)
+            elif x:
+                ax.plot(x, y, "-", label=label, lw=1)
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
         if ylim:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from deltamoe.model.model import DeltaMoEForCausalLM
 from deltamoe.parallel.compose import parallelize
+from deltamoe.parallel.data_parallel import fsdp_view_warning_ignored
 from deltamoe.parallel.dims import ParallelDims
 from deltamoe.parallel.mesh import ParallelMesh
 from deltamoe.train.config import OptimSection
@@ -80,6 +81,10 @@ class PolicyTrainer:
 
     def update(self, batch: RolloutTensors, step: int) -> dict[str, Any]:
         """`updates_per_batch` optimizer steps on GRPO step `step`'s batch; the metrics of the global batch."""
+        with fsdp_view_warning_ignored():
+            return self._update(batch, step)
+
+    def _update(self, batch: RolloutTensors, step: int) -> dict[str, Any]:
         cfg = self.cfg
         tokens = batch.mask.sum().clamp(min=1.0)  # the global normaliser: every rank divides by it
         b = batch.block(self.pm.dp_rank, self.pm.dp_size)

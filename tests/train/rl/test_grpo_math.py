@@ -74,3 +74,34 @@ def test_help_and_bad_input_never_import_torch():
              "print(json.dumps([rcs, 'torch' in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert json.loads(out.stdout) == [[0, 2], False], out.stderr
+
+
+def test_wilson_interval():
+    from deltamoe.train.rl.accuracy import wilson_interval
+
+    z = 1.96
+    assert wilson_interval(0, 10) == pytest.approx((0.0, z * z / (10 + z * z)))  # closed form at p = 0
+    lo, hi = wilson_interval(224, 512)
+    assert lo < 224 / 512 < hi and hi - lo == pytest.approx(0.0856, abs=1e-3)
+    assert wilson_interval(288, 512) == pytest.approx(tuple(1 - v for v in reversed((lo, hi))))  # p <-> 1 - p
+    assert wilson_interval(448, 1024)[1] - wilson_interval(448, 1024)[0] < hi - lo  # more prompts, narrower
+
+
+def test_data_rank_blocks_sum_to_the_whole_batch_loss():
+    from deltamoe.train.rl.policy import RolloutTensors
+
+    torch.manual_seed(0)
+    b = RolloutTensors(torch.randint(0, 9, (5, 4)), (torch.rand(5, 3) > 0.3).float(), torch.zeros(5, 3),
+                       torch.randn(5))
+    logp, old = torch.randn(5, 3), torch.randn(5, 3)
+    whole = grpo_loss(logp, old, b.advantages, b.mask, 0.2).loss
+    tokens = b.mask.sum()
+    parts = []
+    for rank in range(2):
+        blk = b.block(rank, 2)
+        rows = torch.arange(rank * 3, rank * 3 + 3)
+        rows = torch.where(rows < 5, rows, 0)  # the pad row repeats row 0
+        assert blk.ids.shape[0] == 3  # every rank the same number of rows
+        parts.append(grpo_loss(logp[rows], old[rows], blk.advantages, blk.mask, 0.2, tokens=tokens).loss)
+    assert torch.equal(b.block(1, 2).mask[2], torch.zeros(3)) and b.block(1, 2).advantages[2] == 0  # the pad row
+    assert float(parts[0] + parts[1]) == pytest.approx(float(whole), rel=1e-6)
