@@ -44,7 +44,7 @@ progress = false
 threads = {threads}
 """
 RL = {"task": "arithmetic", "digits": 2, "prompts-per-step": 32, "group-size": 8, "updates-per-batch": 2,
-      "lr": 5e-5, "eval-every": 5, "eval-prompts": 256, "save-every": 0, "temperature": 1.0}
+      "lr": 5e-5, "warmup-steps": 5, "eval-every": 5, "eval-prompts": 512, "save-every": 0, "temperature": 1.0}
 
 
 def deltamoe(*args: str) -> None:
