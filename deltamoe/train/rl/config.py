@@ -9,6 +9,7 @@ from deltamoe.errors import ConfigError
 TASKS = ("arithmetic", "recall")
 COMPLETIONS = ("answer", "eos")
 OPTIMIZERS = ("adamw", "sgd")
+ADVANTAGE_NORMS = ("std", "mean")
 
 
 @dataclass
@@ -30,6 +31,7 @@ class RLConfig:
     # Linear warmup over the first optimizer steps: a fresh AdamW's first steps are sign-like
     # (every parameter moves by ~lr), which at an RL-sized lr throws a supervised policy far off.
     warmup_steps: int = 0
+    advantage_norm: str = "std"  # "std": GRPO's (r - mean) / std; "mean": (r - mean) / mean (log expected reward)
     clip_eps: float = 0.2  # ratio clip [1 - eps, 1 + eps]
     kl_coef: float = 0.0  # > 0: k3 KL to the initial policy (a frozen copy) in the loss
     temperature: float = 1.0
@@ -64,6 +66,9 @@ class RLConfig:
             raise ConfigError("pass exactly one of --preset or --init", field="init")
         if self.task not in TASKS:
             raise ConfigError(f"expected one of {', '.join(TASKS)}, got {self.task!r}", field="task")
+        if self.advantage_norm not in ADVANTAGE_NORMS:
+            raise ConfigError(f"expected one of {', '.join(ADVANTAGE_NORMS)}, got {self.advantage_norm!r}",
+                              field="advantage_norm")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"expected one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}", field="optimizer")
         if self.completion not in COMPLETIONS:

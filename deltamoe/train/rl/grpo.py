@@ -19,11 +19,15 @@ import torch
 ADV_EPS = 1e-6
 
 
-def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
-    """rewards [groups, G] -> advantages [groups, G]; a group with equal rewards gets zeros (no signal)."""
+def group_advantages(rewards: torch.Tensor, norm: str = "std") -> torch.Tensor:
+    """rewards [groups, G] -> advantages [groups, G]; a group with equal rewards gets zeros (no signal).
+
+    norm "std" (GRPO): (r - mean) / std. norm "mean": (r - mean) / mean, the policy gradient of the
+    log of each prompt's expected reward (for 0/1 rewards: of log pass rate), which weighs every
+    prompt alike instead of favouring the half-solved ones; rewards must be >= 0."""
     mean = rewards.mean(dim=1, keepdim=True)
-    std = rewards.std(dim=1, keepdim=True, unbiased=False)
-    return (rewards - mean) / (std + ADV_EPS)
+    scale = rewards.std(dim=1, keepdim=True, unbiased=False) if norm == "std" else mean
+    return (rewards - mean) / (scale + ADV_EPS)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

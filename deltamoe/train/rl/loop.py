@@ -201,7 +201,7 @@ class RLRun:
             "accuracy": (sum(exact_match(s.text, s.prompt.answer) for s in samples) / len(samples)) if samples else None}
         if not samples:
             return record, None
-        advantages = torch.cat([group_advantages(torch.tensor([g])).flatten() for g in rewards])
+        advantages = torch.cat([group_advantages(torch.tensor([g]), cfg.advantage_norm).flatten() for g in rewards])
         return record, self._batch(samples, advantages)
 
     def _share(self, payload: tuple[dict[str, Any], RolloutTensors | None] | None

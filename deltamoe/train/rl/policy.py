@@ -52,8 +52,8 @@ class RolloutTensors:
 class SGDOptimizers(Optimizers):
     """Plain SGD (no momentum) behind the `Optimizers` interface (schedule, checkpoints). With the
     gradient clipped to `max_grad_norm` each step moves the policy by at most lr * max_grad_norm in
-    L2: a trust region in the weights' own scale, where AdamW's per-coordinate normalisation moves
-    every parameter by ~lr whatever its (noisy) policy-gradient signal."""
+    L2, where AdamW's per-coordinate normalisation moves every parameter by up to ~lr whatever
+    the size of its share of the policy gradient."""
 
     def __init__(self, parts: list[torch.nn.Module], lr: float, warmup_steps: int, total_steps: int):
         self.parts = parts

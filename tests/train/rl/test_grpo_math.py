@@ -17,6 +17,10 @@ def test_group_advantages_normalise_within_each_group():
     adv = group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]]))
     assert torch.allclose(adv[0], torch.tensor([1.0, -1.0, -1.0, 1.0]), atol=1e-5)
     assert torch.equal(adv[1], torch.zeros(4))  # no signal in a group of equal rewards
+    # "mean": (r - mean) / mean, the gradient of log pass rate; an all-wrong group stays at zero
+    adv = group_advantages(torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]), "mean")
+    assert torch.allclose(adv[0], torch.tensor([3.0, -1.0, -1.0, -1.0]), atol=1e-4)
+    assert torch.equal(adv[1], torch.zeros(4))
 
 
 def test_token_logprobs_pick_the_next_tokens():
@@ -105,3 +109,21 @@ def test_data_rank_blocks_sum_to_the_whole_batch_loss():
         parts.append(grpo_loss(logp[rows], old[rows], blk.advantages, blk.mask, 0.2, tokens=tokens).loss)
     assert torch.equal(b.block(1, 2).mask[2], torch.zeros(3)) and b.block(1, 2).advantages[2] == 0  # the pad row
     assert float(parts[0] + parts[1]) == pytest.approx(float(whole), rel=1e-6)
+
+
+def test_sgd_option_moves_the_weights_along_the_clipped_gradient():
+    from deltamoe.train.rl.policy import SGDOptimizers
+
+    with pytest.raises(ConfigError) as e:
+        RLConfig(optimizer="adam").validate()
+    assert e.value.field == "optimizer"
+    layer = torch.nn.Linear(4, 3)
+    before = [p.detach().clone() for p in layer.parameters()]
+    opt = SGDOptimizers([layer], lr=0.1, warmup_steps=2, total_steps=10)
+    (layer(torch.ones(2, 4)) ** 2).sum().backward()
+    torch.nn.utils.clip_grad_norm_(layer.parameters(), 1.0)
+    grads = [p.grad.clone() for p in layer.parameters()]
+    assert opt.set_lr(1) == pytest.approx(0.05)  # the linear warmup
+    opt.step()
+    for p, b, g in zip(layer.parameters(), before, grads):
+        assert torch.allclose(p.detach(), b - 0.05 * g)
