@@ -20,9 +20,11 @@ TTFT, the long prompts' TTFT; each setup gets one long prompt and one chat as wa
 throughput (under the load, and for `--idle-handoffs` prompts of each `--idle-lens` length sent
 one at a time afterwards, on pools the load left scattered) next to the Mooncake transfer
 engine's raw TCP write throughput measured in the same run on the same machine, from this
-process into a receiver process, for one write of each idle size. A hand-off's time is the
-prefill server's gather + write (`kv_transfer_seconds_sent`) plus the decode server's scatter
-(`kv_transfer_seconds_unpacking`), from their /metrics; goal: >= 50 % of raw at every size.
+process into a receiver process, for one write of each idle size: back to back (the goal's
+reference) and isolated (after `ISOLATED_IDLE_S` of idle transport, as a hand-off's write follows a
+prefill). A hand-off's time is the prefill server's gather + write (`kv_transfer_seconds_sent`)
+plus the decode server's scatter (`kv_transfer_seconds_unpacking`), from their /metrics, and
+printed split into gather / write / scatter; goal: >= 50 % of raw at every size.
 Also the bytes a hand-off moves for Kimi K3 (the planner's cost formulas) at a few prompt
 lengths beside this run's tiny model (measured and predicted).
 
