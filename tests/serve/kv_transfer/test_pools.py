@@ -71,6 +71,13 @@ def test_packed_message_moves_exactly_the_request_rows_and_slot(helpers, kv_cach
             assert torch.equal(new[:, 2], moved[:, 1]) and torch.equal(new[:, [0, 1, 3]], old[:, [0, 1, 3]]), name
 
 
+def test_token_rows_need_exactly_the_blocks_that_hold_them():
+    assert token_rows([3, 1], 2, 13, 4).flat().tolist() == [12, 13, 14, 15, 4]
+    for blocks, first_block, num_tokens in (([0, 1], 0, 4), ([0], 0, 5), ([0], 1, 4)):
+        with pytest.raises(ValueError, match="blocks of 4"):
+            token_rows(blocks, first_block, num_tokens, 4)
+
+
 def test_staging_area_lends_aligned_ranges_and_joins_them_back():
     area = StagingArea(1024)
     a, b = area.borrow(100, 0.0), area.borrow(500, 0.0)
