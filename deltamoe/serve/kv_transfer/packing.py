@@ -107,12 +107,13 @@ def unpack(cache: HybridCache, rows: TokenRows, slot: int, message: torch.Tensor
 
 def _by_block(pool: torch.Tensor, view: torch.Tensor, rows: TokenRows) -> tuple[torch.Tensor, ...]:
     """Views of a paged pool [layers, rows, *row] and of its part of a message [layers, rows.count, *row]:
-    both as [layers, blocks, block bytes] for the whole blocks, and the rows of the last, partial
-    block (empty when there is none)."""
+    both as [layers, blocks, a block's elements] for the whole blocks (views, never copies: `view`
+    raises where a copy would be needed), and the rows of the last, partial block (empty when there
+    is none)."""
     bs, whole = rows.block_size, rows.whole_blocks
     n = whole * bs
     pool_blocks = pool.view(pool.shape[0], pool.shape[1] // bs, -1)
-    message_blocks = view[:, :n].flatten(1).view(pool.shape[0], whole, pool_blocks.shape[2])
+    message_blocks = view[:, :n].view(pool.shape[0], whole, pool_blocks.shape[2])
     first = int(rows.blocks[whole]) * bs if n < rows.count else 0
     return pool_blocks, message_blocks, pool[:, first:first + rows.count - n], view[:, n:]
 
