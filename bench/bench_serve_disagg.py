@@ -20,9 +20,11 @@ TTFT, the long prompts' TTFT; each setup gets one long prompt and one chat as wa
 throughput (under the load, and for `--idle-handoffs` prompts of each `--idle-lens` length sent
 one at a time afterwards, on pools the load left scattered) next to the Mooncake transfer
 engine's raw TCP write throughput measured in the same run on the same machine, from this
-process into a receiver process, for one write of each idle size. A hand-off's time is the
-prefill server's gather + write (`kv_transfer_seconds_sent`) plus the decode server's scatter
-(`kv_transfer_seconds_unpacking`), from their /metrics; goal: >= 50 % of raw at every size.
+process into a receiver process, for one write of each idle size: back to back (the goal's
+reference) and isolated (after `ISOLATED_IDLE_S` of idle transport, as a hand-off's write follows a
+prefill). A hand-off's time is the prefill server's gather + write (`kv_transfer_seconds_sent`)
+plus the decode server's scatter (`kv_transfer_seconds_unpacking`), from their /metrics, and
+printed split into gather / write / scatter; goal: >= 50 % of raw at every size.
 Also the bytes a hand-off moves for Kimi K3 (the planner's cost formulas) at a few prompt
 lengths beside this run's tiny model (measured and predicted).
 
@@ -54,6 +56,7 @@ from common import markdown_table, result_name, write_result  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_NAME = "bench"
 TARGETS = {"p99_chat_tpot_colocated_over_disagg": 2.0, "handoff_over_raw_tcp": 0.5}
+ISOLATED_IDLE_S = 0.05  # the transport's idle time before each "isolated" raw write
 
 
 def start(args: list[str], port: int) -> tuple[subprocess.Popen, str]:
@@ -148,12 +151,15 @@ async def idle_handoffs(url: str, args, length: int) -> None:
 
 def handoff_totals(p_url: str, d_url: str) -> dict[str, float]:
     """The hand-off counters: bytes, and seconds = the prefill side's gather + write plus the
-    decode side's scatter."""
+    decode side's scatter; and those three parts on their own."""
     return {"count": metric(p_url, "deltamoe_engine_kv_transfer_sent"),
             "bytes": metric(p_url, "deltamoe_engine_kv_transfer_bytes_sent"),
             "unpacked": metric(p_url, "deltamoe_engine_kv_transfer_unpacked"),
             "seconds": metric(p_url, "deltamoe_engine_kv_transfer_seconds_sent")
-            + metric(d_url, "deltamoe_engine_kv_transfer_seconds_unpacking")}
+            + metric(d_url, "deltamoe_engine_kv_transfer_seconds_unpacking"),
+            "gather": metric(p_url, "deltamoe_engine_kv_transfer_seconds_packing"),
+            "write": metric(p_url, "deltamoe_engine_kv_transfer_seconds_writing"),
+            "scatter": metric(d_url, "deltamoe_engine_kv_transfer_seconds_unpacking")}
 
 
 def serve_args(args, threads: int) -> list[str]:
@@ -218,6 +224,7 @@ def run_disaggregated(args) -> tuple[dict, dict]:
                     "unpacked": metric(p_url, "deltamoe_engine_kv_transfer_unpacked"),
                     "idle": [{"prompt_tokens": r["prompt_tokens"], "bytes_per_handoff": r["bytes"] / r["count"],
                               "seconds_per_handoff": r["seconds"] / r["count"], "unpacked": r["unpacked"],
+                              **{f"{part}_seconds": r[part] / r["count"] for part in ("gather", "write", "scatter")},
                               "gb_s": r["bytes"] / max(1e-9, r["seconds"]) / 1e9} for r in idle]}
         return row, hand_off
     finally:
@@ -236,12 +243,13 @@ sys.stdin.read()
 """
 
 
-def raw_tcp_throughput(sizes: list[tuple[int, int]], repeats: int = 9) -> list[float]:
+def raw_tcp_throughput(sizes: list[tuple[int, int]], repeats: int = 9, idle_s: float = 0.0) -> list[float]:
     """Bytes per second of Mooncake TCP writes from this process into another's registered memory (a
     receiver process, as between two servers): for each (total bytes, segments), the total split
     into that many equal segments in one `MooncakeTransport.write` (the engine's own synchronous
     write, `transfer_sync_write` or `batch_transfer_sync_write`, plus a clock check), median of
-    `repeats`."""
+    `repeats`. `idle_s` > 0: each write after that long with the transport idle, as a hand-off's
+    write is (it follows a prefill), instead of back to back with warm threads and caches."""
     import torch
 
     from deltamoe.serve.kv_transfer.mooncake_transport import MooncakeTransport
@@ -263,6 +271,7 @@ def raw_tcp_throughput(sizes: list[tuple[int, int]], repeats: int = 9) -> list[f
             segments = [Segment(src.data_ptr() + i * size, address + i * size, size) for i in range(count)]
             times = []
             for _ in range(repeats):
+                time.sleep(idle_s)
                 t0 = time.perf_counter()
                 sender.write(session, segments, 30.0)
                 times.append(time.perf_counter() - t0)
@@ -342,24 +351,32 @@ def main() -> None:
     sweep = [(int(r["bytes_per_handoff"]), 1) for r in hand_off["idle"]]
     sweep += [(mib << 20, count) for mib in (8, 64) for count in (1, 16)]
     rates = raw_tcp_throughput(sweep)
+    isolated = raw_tcp_throughput(sweep[:len(hand_off["idle"])], idle_s=ISOLATED_IDLE_S)
     transport = [{"bytes": total, "segments": count, "gb_s": round(rate / 1e9, 3)}
                  for (total, count), rate in zip(sweep, rates)]
-    for r, raw in zip(hand_off["idle"], rates):
+    for r, raw, alone in zip(hand_off["idle"], rates, isolated):
         r["raw_tcp_gb_s"], r["over_raw_tcp"] = raw / 1e9, r["gb_s"] * 1e9 / raw
+        r["raw_tcp_isolated_gb_s"], r["over_raw_tcp_isolated"] = alone / 1e9, r["gb_s"] * 1e9 / alone
     ratio_tpot = colocated["chat_tpot_p99_ms"] / disagg["chat_tpot_p99_ms"]
     summary = {"p99_chat_tpot_colocated_over_disagg": round(ratio_tpot, 2),
                "p99_chat_itl_colocated_over_disagg": round(colocated["chat_itl_p99_ms"] / disagg["chat_itl_p99_ms"], 2),
                "handoff_under_load_gb_s": round(hand_off["loaded_gb_s"], 3),
                "handoff_over_raw_tcp": round(min(r["over_raw_tcp"] for r in hand_off["idle"]), 2),
+               "handoff_over_raw_tcp_isolated": round(min(r["over_raw_tcp_isolated"] for r in hand_off["idle"]), 2),
                "handoff_bytes_per_request": round(per_request),
                "handoff_seconds_per_request": round(hand_off["handoff_seconds_total"] / max(1, hand_off["handoffs"]), 4)}
     sizes = bytes_per_handoff(args, disagg, hand_off["bytes_total"])
     print(markdown_table(["write (this process -> receiver process)", "GB/s"],
                          [[f"{t['bytes'] / 2**20:.2f} MiB in {t['segments']} segment(s)", t["gb_s"]] for t in transport]))
-    print(markdown_table(["idle hand-off", "MiB", "ms", "GB/s", "raw TCP GB/s (one write)", "hand-off / raw"],
+    print(markdown_table(["idle hand-off", "MiB", "ms", "gather / write / scatter ms", "GB/s",
+                          "raw TCP GB/s (back to back)", "hand-off / raw", "raw TCP GB/s (isolated)",
+                          "hand-off / isolated raw"],
                          [[f"{r['prompt_tokens']} tokens", f"{r['bytes_per_handoff'] / 2**20:.2f}",
-                           f"{r['seconds_per_handoff'] * 1e3:.2f}", f"{r['gb_s']:.3f}", f"{r['raw_tcp_gb_s']:.3f}",
-                           f"{r['over_raw_tcp']:.2f}"] for r in hand_off["idle"]]))
+                           f"{r['seconds_per_handoff'] * 1e3:.2f}",
+                           " / ".join(f"{r[f'{part}_seconds'] * 1e3:.2f}" for part in ("gather", "write", "scatter")),
+                           f"{r['gb_s']:.3f}", f"{r['raw_tcp_gb_s']:.3f}", f"{r['over_raw_tcp']:.2f}",
+                           f"{r['raw_tcp_isolated_gb_s']:.3f}", f"{r['over_raw_tcp_isolated']:.2f}"]
+                          for r in hand_off["idle"]]))
     print(f"a long prompt every {args.long_every} s")
     print(markdown_table(["setup", "chat TPOT p50 ms", "chat TPOT p99 ms", "chat gap p50 ms", "chat gap p99 ms",
                           "chat TTFT p50 ms", "long TTFT p50 ms", "done (chats/longs)", "failed"],

@@ -91,7 +91,7 @@ class MooncakeConnector(KVConnector):
         self._in_flight: set[str] = set()
         self._totals = {"sent": 0, "received": 0, "failures": 0, "bytes_sent": 0, "bytes_received": 0,
                         "seconds_sent": 0.0, "seconds_received": 0.0, "unpacked": 0,
-                        "seconds_unpacking": 0.0}
+                        "seconds_packing": 0.0, "seconds_writing": 0.0, "seconds_unpacking": 0.0}
 
     def bind(self, cache: HybridCache, model_config: ModelConfig) -> None:
         super().bind(cache, model_config)
@@ -153,6 +153,8 @@ class MooncakeConnector(KVConnector):
 
     def close(self) -> None:
         self._threads.shutdown(wait=True, cancel_futures=True)
+        if hasattr(self.prefill_client, "close"):  # an HTTP client's connections
+            self.prefill_client.close()
         if self.transport is not None:
             self.transport.close()
 
@@ -175,8 +177,7 @@ class MooncakeConnector(KVConnector):
             if report.get("packed"):
                 unpacking = time.monotonic()
                 unpack(self.cache, rows, slot, self.staging.buffer[offset:offset + size])
-                with self._lock:
-                    self._totals["seconds_unpacking"] += time.monotonic() - unpacking
+                self._add("seconds_unpacking", time.monotonic() - unpacking)
         except Exception as e:  # any failure fails this request only, with the reason
             self._end(request_id, "received", error=f"prefill hand-off from {url} failed: {e}")
             return
@@ -194,7 +195,9 @@ class MooncakeConnector(KVConnector):
             else:
                 segments = request_segments(self.cache, push.dest, src_blocks, push.dst_blocks, num_tokens,
                                             push.first_block, slot, push.dst_slot)
+                writing = time.monotonic()
                 self.transport.write(push.dest.session, segments, max(0.0, push.deadline - time.monotonic()))
+                self._add("seconds_writing", time.monotonic() - writing)
                 nbytes, writes = sum(s.nbytes for s in segments), len(segments)
         except Exception as e:
             self._end(request_id, "sent", error=str(e))
@@ -216,12 +219,20 @@ class MooncakeConnector(KVConnector):
         if offset is None:
             raise TransferFailed("the staging area stayed full until the hand-off's deadline")
         try:
+            packing = time.monotonic()
             pack(self.cache, rows, slot, self.staging.buffer[offset:offset + size])
+            writing = time.monotonic()
             self.transport.write(push.dest.session, [Segment(self.staging.address + offset, address, size)],
                                  max(0.0, push.deadline - time.monotonic()))
+            self._add("seconds_packing", writing - packing)
+            self._add("seconds_writing", time.monotonic() - writing)
         finally:
             self.staging.give_back(offset, size)
         return payload_bytes(self.cache, len(rows)), 1
+
+    def _add(self, total: str, seconds: float) -> None:
+        with self._lock:
+            self._totals[total] += seconds
 
     def _end(self, request_id: str, direction: str, nbytes: int = 0, seconds: float = 0.0,
              error: str | None = None, unpacked: bool = False) -> None:

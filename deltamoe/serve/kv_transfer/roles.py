@@ -11,8 +11,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
@@ -24,15 +22,25 @@ from deltamoe.serve.kv_transfer.prefill_service import prefill_and_push
 
 PREFILL_HEADER = "X-DeltaMoE-Prefill-Url"  # set by the router on a decode server's /v1 requests
 
-def http_prefill_client(api_key: str | None = None) -> Callable[[str, dict, float], dict]:
-    """The decode side's call to a prefill server: POST {url}/internal/prefill, bounded by timeout_s."""
-    import httpx
+class HttpPrefillClient:
+    """The decode side's call to a prefill server: POST {url}/internal/prefill, bounded by timeout_s.
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    One `httpx.Client` for the server's life, shared by the hand-off threads (it is thread-safe):
+    a client per call built an SSL context each time (tens to hundreds of milliseconds, much of it
+    holding the GIL, so the engine thread's decode steps stalled with it) and opened a new
+    connection to the prefill server."""
 
-    def call(url: str, payload: dict, timeout_s: float) -> dict:
+    def __init__(self, api_key: str | None = None):
+        import httpx
+
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.Client(headers=headers, limits=httpx.Limits(max_keepalive_connections=None))
+
+    def __call__(self, url: str, payload: dict, timeout_s: float) -> dict:
+        import httpx
+
         try:
-            r = httpx.post(f"{url.rstrip('/')}/internal/prefill", json=payload, headers=headers, timeout=timeout_s)
+            r = self._client.post(f"{url.rstrip('/')}/internal/prefill", json=payload, timeout=timeout_s)
         except httpx.HTTPError as e:
             raise TransferFailed(f"{type(e).__name__}: {e}") from e
         if r.status_code != 200:
@@ -43,14 +51,15 @@ def http_prefill_client(api_key: str | None = None) -> Callable[[str, dict, floa
             raise TransferFailed(f"HTTP {r.status_code}: {message}")
         return r.json()
 
-    return call
+    def close(self) -> None:
+        self._client.close()
 
 
 def make_connector(role: str, host: str, timeout_s: float, api_key: str | None = None,
                    min_prompt_tokens: int = 2, staging_bytes: int = HandOffConfig.staging_bytes) -> MooncakeConnector | None:
     if role == "colocated":
         return None
-    client = http_prefill_client(api_key) if role == "decode" else None
+    client = HttpPrefillClient(api_key) if role == "decode" else None
     config = HandOffConfig(host=host, timeout_s=timeout_s, min_prompt_tokens=min_prompt_tokens,
                            staging_bytes=staging_bytes)
     return MooncakeConnector(config, prefill_client=client)

@@ -40,28 +40,42 @@ def test_segments_cover_exactly_the_tokens_and_the_state(helpers):
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_packed_message_moves_exactly_the_request_rows_and_slot(helpers, kv_cache_dtype):
+@pytest.mark.parametrize("src_blocks, dst_blocks, first_block, num_tokens", [
+    ([0, 7], [1, 5], 1, 10),  # a whole block, then part of one
+    ([0, 7], [1, 5], 1, 12),  # whole blocks only
+    ([7], [5], 2, 9),  # part of one block only
+])
+def test_packed_message_moves_exactly_the_request_rows_and_slot(helpers, kv_cache_dtype, src_blocks, dst_blocks,
+                                                                first_block, num_tokens):
     config = EngineConfig(cache_memory="2MiB", block_size=4, kv_cache_dtype=kv_cache_dtype)
     src, dst = HybridCache(helpers.k31_tiny(), config, 256), HybridCache(helpers.k31_tiny(), config, 256)
     for pool in pool_tensors(src).values():
         pool.view(torch.uint8).random_(0, 120, generator=torch.Generator().manual_seed(0))
     before = {name: pool.clone() for name, pool in pool_tensors(dst).items()}
-    # Tokens 4..9 (block 0 not sent: the receiver holds it) of blocks [0, 7] here, [1, 5] there.
-    src_rows, dst_rows = token_rows([0, 7], 1, 10, 4), token_rows([1, 5], 1, 10, 4)
-    assert dst_rows.tolist() == [4, 5, 6, 7, 20, 21]
+    # Tokens from first_block * 4 up to num_tokens (earlier blocks not sent: the receiver holds them).
+    src_rows, dst_rows = (token_rows(b, first_block, num_tokens, 4) for b in (src_blocks, dst_blocks))
+    count = num_tokens - 4 * first_block
+    assert dst_rows.flat().tolist() == [4 * b + i for b in dst_blocks for i in range(4)][:count]
     message = torch.zeros(message_bytes(src, len(src_rows)), dtype=torch.uint8)
     pack(src, src_rows, 1, message)
     unpack(dst, dst_rows, 2, message)
-    assert payload_bytes(src, 6) == 6 * src.layout.bytes_per_token + src.layout.bytes_per_state_slot
+    assert payload_bytes(src, count) == count * src.layout.bytes_per_token + src.layout.bytes_per_state_slot
     for name, pool in pool_tensors(dst).items():
         moved, old, new = pool_tensors(src)[name].view(torch.uint8), before[name].view(torch.uint8), pool.view(torch.uint8)
         if name in PAGED_POOLS:
-            assert torch.equal(new[:, dst_rows], moved[:, src_rows]), name
+            assert torch.equal(new[:, dst_rows.flat()], moved[:, src_rows.flat()]), name
             untouched = torch.ones(new.shape[1], dtype=torch.bool)
-            untouched[dst_rows] = False
+            untouched[dst_rows.flat()] = False
             assert torch.equal(new[:, untouched], old[:, untouched]), name
         else:
             assert torch.equal(new[:, 2], moved[:, 1]) and torch.equal(new[:, [0, 1, 3]], old[:, [0, 1, 3]]), name
+
+
+def test_token_rows_need_exactly_the_blocks_that_hold_them():
+    assert token_rows([3, 1], 2, 13, 4).flat().tolist() == [12, 13, 14, 15, 4]
+    for blocks, first_block, num_tokens in (([0, 1], 0, 4), ([0], 0, 5), ([0], 1, 4)):
+        with pytest.raises(ValueError, match="blocks of 4"):
+            token_rows(blocks, first_block, num_tokens, 4)
 
 
 def test_staging_area_lends_aligned_ranges_and_joins_them_back():
