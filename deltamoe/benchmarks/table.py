@@ -186,10 +186,11 @@ def compile_start_rows(d: dict) -> list[Row]:
     c, first, steps = d["config"], d["first_start"], d["step_ms"]
     target = d["target"]["first_start_s"]
     mode = "regions" if c["mode"] == "regions" else "whole call"
+    start = "first start (empty inductor cache)" if c.get("fresh_cache", True) else "start from inductor's disk cache"
     b = str(c["batch"])
     compiled, eager = steps["compiled"], steps["eager"]
     return [
-        [f"compiled decode, first start (empty inductor cache), `{c['preset']}`, {c['threads']} threads, {mode} "
+        [f"compiled decode, {start}, `{c['preset']}`, {c['threads']} threads, {mode} "
          f"{command('compile_start')}", f"{secs(first['wall_s'])} s ({secs(first['cpu_s'])} s CPU), "
          f"{first['graphs']} graphs", "", "", verdict([(f"<= {target:.0f} s", first["wall_s"] <= target)])],
         [f"same, decode step at batch 1 / {b}, compiled vs eager",
