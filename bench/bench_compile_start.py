@@ -10,7 +10,7 @@ compiled graphs and eagerly (the same model, a second engine without compile).
     .venv/bin/python bench/bench_compile_start.py [--preset tiny] [--threads 2] [--whole]
 
 `--whole` compiles the whole decode call as one graph per class instead of regions (to compare).
-Writes bench/results/compile_start.json (`--quick`: compile_start_quick.json).
+Writes bench/results/compile_start.json (`--whole`: compile_start_whole.json; `--quick`: *_quick.json).
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def main() -> None:
 
     steps = {"compiled": step_ms(engine, True),
              "eager": step_ms(LLMEngine(model, config=EngineConfig(max_num_seqs=args.max_num_seqs)), False)}
-    path = write_result(result_name("compile_start", args.quick), {
+    path = write_result(result_name("compile_start_whole" if args.whole else "compile_start", args.quick), {
         "config": {"preset": args.preset, "threads": args.threads, "max_num_seqs": args.max_num_seqs,
                    "batch": args.batch, "steps": args.steps, "mode": "whole" if args.whole else "regions",
                    "fresh_cache": args.keep_cache is None, "quick": args.quick},

@@ -518,6 +518,7 @@ FORMATTERS: dict[str, Callable[[dict], list[Row]]] = {
     "serve_offline": serve_offline_rows,
     "serve_dsa_decode": serve_dsa_decode_rows,
     "compile_start": compile_start_rows,
+    "compile_start_whole": compile_start_rows,
     "serve_cache_bytes": serve_cache_bytes_rows,
     "serve_online": serve_online_rows,
     "serve_online_compiled": serve_online_rows,
