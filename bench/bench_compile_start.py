@@ -1,23 +1,30 @@
-"""Compiled decode's first start: wall and CPU time of `LLMEngine.warm_up`, per graph class.
+"""Compiled decode's first start: wall and CPU time of `LLMEngine.warm_up` on an empty inductor cache, its graphs, and the decode step compiled vs eager.
 
 CPU time is the process's and its children's (inductor's C++ compiler runs) user + system time
 (`os.times()`), so the figure means something on a shared machine too; wall time is only
 meaningful on a quiet one. Each run uses a fresh, empty inductor cache directory (a first start)
 unless `--keep-cache DIR` names one (run twice with the same DIR to time a start from the disk
-cache). Then the decode step's CPU time per step at batch 1 and `--batch`, compiled, after the warm-up.
+cache). Then the decode step, wall and CPU ms per step, at batch 1 and `--batch`, through the
+compiled graphs and eagerly (the same model, a second engine without compile).
 
-    TORCHINDUCTOR_COMPILE_THREADS=1 .venv/bin/python bench/bench_compile_start.py [--preset tiny] [--threads 2]
-        [--no-cpp-wrapper]
+    .venv/bin/python bench/bench_compile_start.py [--preset tiny] [--threads 2] [--whole]
 
-To compare two checkouts, run the same script with PYTHONPATH set to each, one after the other.
+`--whole` compiles the whole decode call as one graph per class instead of regions (to compare).
+Writes bench/results/compile_start.json (`--whole`: compile_start_whole.json; `--quick`: *_quick.json).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+FIRST_START_TARGET_S = 60.0  # issue 14: compiled decode starts within a minute on two cores
 
 
 def cpu_seconds() -> float:
@@ -28,13 +35,12 @@ def cpu_seconds() -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (and inductor's compile threads)")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16, help="the batched step's rows")
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed per batch size")
     parser.add_argument("--keep-cache", default=None, help="inductor cache directory (default: a fresh one)")
-    parser.add_argument("--no-cpp-wrapper", action="store_true",
-                        help="compile with inductor's Python launcher instead of the C++ wrapper, to compare")
+    parser.add_argument("--whole", action="store_true", help="the whole decode call as one graph per class")
     parser.add_argument("--quick", action="store_true", help="4 sequences at most, 4 timed steps (a smoke test)")
     args = parser.parse_args()
     if args.quick:
@@ -43,47 +49,67 @@ def main() -> None:
 
     import torch  # after the cache directory is set: inductor reads it on import
 
+    from common import result_name, write_result
     from deltamoe import load_model
     from deltamoe.serve.engine.config import EngineConfig
     from deltamoe.serve.engine.llm_engine import LLMEngine
     from deltamoe.serve.engine.sampling import SamplingParams
 
     torch.set_num_threads(args.threads)
-    if args.no_cpp_wrapper:  # the option compiled_decode passes, overridden for this run only
-        compile_ = torch.compile
-
-        def without_cpp_wrapper(fn, **kwargs):
-            return compile_(fn, **{**kwargs, "options": {**kwargs.get("options", {}), "cpp_wrapper": False}})
-
-        torch.compile = without_cpp_wrapper
     model = load_model(args.preset).eval()
-    engine = LLMEngine(model, config=EngineConfig(compile_decode=True, max_num_seqs=args.max_num_seqs))
+    config = EngineConfig(compile_decode=True, max_num_seqs=args.max_num_seqs)
+    engine = LLMEngine(model, config=config)
+    if args.whole:
+        from deltamoe.serve.engine.compiled_decode import CompiledDecode
+
+        engine.runner._compiled_decode = CompiledDecode(model, regional=False)
     run_round = engine._run_warm_up_round
+    rounds: list[dict] = []
 
     def timed(round_) -> None:
         wall, cpu = time.perf_counter(), cpu_seconds()
         run_round(round_)
-        print(f"  {round_.graph}: wall {time.perf_counter() - wall:.1f} s, cpu {cpu_seconds() - cpu:.1f} s", flush=True)
+        rounds.append({"graph": round_.graph, "wall_s": time.perf_counter() - wall, "cpu_s": cpu_seconds() - cpu})
+        print(f"  {round_.graph}: wall {rounds[-1]['wall_s']:.1f} s, cpu {rounds[-1]['cpu_s']:.1f} s", flush=True)
 
     engine._run_warm_up_round = timed
-    print(f"warm-up of {args.preset} (torch threads {args.threads}, compile threads "
-          f"{os.environ.get('TORCHINDUCTOR_COMPILE_THREADS', 'default')}):")
+    compile_threads = torch._inductor.config.compile_threads
+    print(f"warm-up of {args.preset} ({'whole call' if args.whole else 'regions'}; torch threads {args.threads}):")
     wall, cpu = time.perf_counter(), cpu_seconds()
     engine.warm_up()
-    print(f"total: wall {time.perf_counter() - wall:.1f} s, cpu {cpu_seconds() - cpu:.1f} s", flush=True)
+    first = {"wall_s": time.perf_counter() - wall, "cpu_s": cpu_seconds() - cpu,
+             "graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]), "rounds": rounds,
+             "compile_threads": torch._inductor.config.compile_threads}
+    print(f"total: wall {first['wall_s']:.1f} s, cpu {first['cpu_s']:.1f} s, {first['graphs']} graphs "
+          f"(compile threads {first['compile_threads']}, before warm-up {compile_threads})", flush=True)
 
-    for batch in (1, args.batch):
-        params = SamplingParams(max_tokens=args.steps + 1, temperature=0.0, ignore_eos=True)
-        for i in range(batch):
-            engine.add_request([1 + i, 2, 3, 4], params)
-        while any(s.num_computed < len(s.token_ids) - 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
-            engine.step()  # prefills and the first decode untimed
-        cpu, steps = cpu_seconds(), 0
-        with torch.compiler.set_stance("fail_on_recompile"):  # the warm-up compiled every class
-            while engine.has_unfinished():
-                engine.step()
-                steps += 1
-        print(f"decode step, batch {batch}: cpu {1000 * (cpu_seconds() - cpu) / steps:.2f} ms over {steps} steps")
+    def step_ms(eng: LLMEngine, compiled: bool) -> dict[str, dict[str, float]]:
+        out = {}
+        for batch in (1, args.batch):
+            params = SamplingParams(max_tokens=args.steps + 1, temperature=0.0, ignore_eos=True)
+            for i in range(batch):
+                eng.add_request([1 + i, 2, 3, 4], params)
+            while any(s.num_computed < len(s.token_ids) - 1 for s in eng.scheduler.running) or eng.scheduler.waiting:
+                eng.step()  # prefills and the first decode untimed
+            wall, cpu, steps = time.perf_counter(), cpu_seconds(), 0
+            with torch.compiler.set_stance("fail_on_recompile" if compiled else "default"):
+                while eng.has_unfinished():  # the warm-up compiled every class
+                    eng.step()
+                    steps += 1
+            out[str(batch)] = {"wall_ms": 1000 * (time.perf_counter() - wall) / steps,
+                               "cpu_ms": 1000 * (cpu_seconds() - cpu) / steps}
+            print(f"decode step, batch {batch}, {'compiled' if compiled else 'eager'}: wall "
+                  f"{out[str(batch)]['wall_ms']:.2f} ms, cpu {out[str(batch)]['cpu_ms']:.2f} ms over {steps} steps")
+        return out
+
+    steps = {"compiled": step_ms(engine, True),
+             "eager": step_ms(LLMEngine(model, config=EngineConfig(max_num_seqs=args.max_num_seqs)), False)}
+    path = write_result(result_name("compile_start_whole" if args.whole else "compile_start", args.quick), {
+        "config": {"preset": args.preset, "threads": args.threads, "max_num_seqs": args.max_num_seqs,
+                   "batch": args.batch, "steps": args.steps, "mode": "whole" if args.whole else "regions",
+                   "fresh_cache": args.keep_cache is None, "quick": args.quick},
+        "first_start": first, "step_ms": steps, "target": {"first_start_s": FIRST_START_TARGET_S}})
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -182,6 +182,24 @@ def serve_offline_rows(d: dict) -> list[Row]:
     return rows
 
 
+def compile_start_rows(d: dict) -> list[Row]:
+    c, first, steps = d["config"], d["first_start"], d["step_ms"]
+    target = d["target"]["first_start_s"]
+    mode = "regions" if c["mode"] == "regions" else "whole call"
+    start = "first start (empty inductor cache)" if c.get("fresh_cache", True) else "start from inductor's disk cache"
+    b = str(c["batch"])
+    compiled, eager = steps["compiled"], steps["eager"]
+    return [
+        [f"compiled decode, {start}, `{c['preset']}`, {c['threads']} threads, {mode} "
+         f"{command('compile_start')}", f"{secs(first['wall_s'])} s ({secs(first['cpu_s'])} s CPU), "
+         f"{first['graphs']} graphs", "", "", verdict([(f"<= {target:.0f} s", first["wall_s"] <= target)])],
+        [f"same, decode step at batch 1 / {b}, compiled vs eager",
+         f"{compiled['1']['wall_ms']:.1f} / {compiled[b]['wall_ms']:.1f} ms",
+         f"eager {eager['1']['wall_ms']:.1f} / {eager[b]['wall_ms']:.1f} ms",
+         " / ".join(times(eager[k]["wall_ms"] / compiled[k]["wall_ms"]) for k in ("1", b)), ""],
+    ]
+
+
 def serve_dsa_decode_rows(d: dict) -> list[Row]:
     eager = d
     compiled = d.get("compiled")
@@ -504,6 +522,8 @@ FORMATTERS: dict[str, Callable[[dict], list[Row]]] = {
     "train_quality": train_quality_rows,
     "serve_offline": serve_offline_rows,
     "serve_dsa_decode": serve_dsa_decode_rows,
+    "compile_start": compile_start_rows,
+    "compile_start_whole": compile_start_rows,
     "serve_cache_bytes": serve_cache_bytes_rows,
     "serve_online": serve_online_rows,
     "serve_online_compiled": serve_online_rows,

@@ -105,10 +105,10 @@ def check_workers(model: str, tp: int, ep: int, compile_decode: bool, async_sche
     return workers
 
 
-COMPILE_HELP = ("Run decode steps as one torch.compile graph (2-7x faster steps for small models on a CPU, one "
-                "sequence gains most; compiling takes seconds to minutes with the model's size, once, and needs a C++ "
-                "compiler). Greedy tokens are the same as --no-compile's (eager, the default). --compile-decode: the "
-                "same as --compile.")
+COMPILE_HELP = ("Run decode steps through torch.compile: each layer kind's attention and FFN compile once and every "
+                "layer reuses them (faster steps for small models on a CPU; compiling takes a minute or more on a "
+                "first start, once, and needs a C++ compiler). Greedy tokens are the same as --no-compile's (eager, "
+                "the default). --compile-decode: the same as --compile.")
 COMPILE_DECLS = ("--compile/--no-compile", "--compile-decode")
 
 
@@ -418,8 +418,8 @@ def serve_command(
     engine = AsyncLLMEngine(LLMEngine.from_pretrained(model, config, tokenizer, parse_dtype(dtype), device,
                                                       workers, connector=connector))
     if config.compile_decode:
-        typer.echo("compiling the decode graphs (once per process; three for the 8-layer tiny preset: a few "
-                   "minutes on a first start on two cores, well under one from inductor's disk cache)...", err=True)
+        typer.echo("compiling the decode step (once per process; nine small graphs for the tiny preset, a minute "
+                   "or two on a first start on two cores, seconds from inductor's disk cache)...", err=True)
         engine.engine.warm_up()
     template = ChatTemplate.for_model(engine.tokenizer, tokenizer or model)
     name = served_model_name or model

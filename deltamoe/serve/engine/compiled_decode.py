@@ -1,4 +1,12 @@
-"""The decode call as one compiled graph (`EngineConfig.compile_decode`, `--compile`).
+"""The compiled decode call (`EngineConfig.compile_decode`, `--compile`): per-layer regions, or one graph.
+
+Two forms, the same results:
+- regions (the default): each decoder layer's attention and FFN run through a compiled region
+  that every layer of the same kind shares (`compiled_regions.py`); the glue between them is
+  eager. The compile covers one layer of each kind, not every layer: it is what makes a first
+  start (an empty inductor cache) short enough to compile by default;
+- the whole call as one graph (`CompiledDecode(model, regional=False)`): the same kernels without
+  the eager glue, a faster step at the cost of compiling every layer's code.
 
 Everything torch.compile needs to know lives here: the compiled callable and its options, the
 shape settings, the model form it traces, the rule the cache view's block tables follow, and the
@@ -10,9 +18,10 @@ Why: a small model's decode step on a CPU is bound by per-op overhead, not arith
 few dozen kernels (bench/bench_serve_offline.py and bench/bench_serve_dsa_decode.py report both
 modes). It is what vLLM's CUDA graphs and torch.compile are for on a GPU.
 
-What makes the decode forward one graph (each branch tested against the eager form):
+What makes the decode forward compile (each branch tested against the eager form):
 - the cache view writes through whole cache tensors (`cache_view._put`), never through a view
-  of one layer, so the graph updates pages in place instead of rebuilding the cache;
+  of one layer made in the graph, so the graph updates pages in place instead of rebuilding the
+  cache (a region gets its layer's slices as inputs, `LayerCacheView`, and writes into them);
 - the graph runs `decode_form(model)`: the same parameters, with every MoE dispatching to
   `ops.moe.experts_forward_static` (no per-expert slices sized on the host);
 - DSA's top-k is one `torch.topk` over distinct keys (no flag read back to the host);
@@ -27,15 +36,16 @@ the forms the graph traces give every context and page layout one shape rule:
 A few shape rules still split the graphs, each asked of its owner rather than copied here:
 - batch 1 is a graph of its own (torch specialises size 1);
 - batches of 2 and more: one graph per form of `ops.moe.gathers_expert_weights`.
-Each compiles once per process (~10-30 s for a 4-layer model on two cores; inductor caches it on
-disk). `LLMEngine.warm_up` sends the requests of `warm_up_rounds` through the scheduler so every
+Each class compiles once per process (its regions: seconds each on two cores; inductor caches
+them on disk). `LLMEngine.warm_up` sends the requests of `warm_up_rounds` through the scheduler so every
 class compiles before traffic. Prefill chunks stay eager: their lengths vary and they are a small
 share of the steps.
 
 Guards on the model's modules are skipped (`skip_guard_on_all_nn_modules_unsafe`): checking
 hundreds of parameters costs ~0.2-0.4 ms per step. Torch keeps compiled graphs per code object,
-not per model, so each model gets a key of its own that the graph is guarded on: two models in
-one process never share a graph. What stays the caller's promise: a served model does not change
+not per model, so each model gets a key of its own that the graph is guarded on (a region's key
+adds what its graph bakes in about the layer, `compiled_regions.region_key`): two models in one
+process never share a graph. What stays the caller's promise: a served model does not change
 its parameter shapes, dtypes or module attributes (weights updated in place, as an RL weight
 sync does, are read afresh every call).
 """
@@ -44,6 +54,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import uuid
 from dataclasses import dataclass
 from typing import Callable
@@ -52,9 +63,11 @@ import torch
 
 from deltamoe.config import ModelConfig
 from deltamoe.errors import ConfigError
+from deltamoe.model.decoder import DecoderLayer
 from deltamoe.model.ffn import MoE, local_experts, local_experts_static
 from deltamoe.model.mla_layer import LatentAttention
 from deltamoe.ops.moe import gathers_expert_weights
+from deltamoe.serve.engine.compiled_regions import AttentionRegion, FFNRegion
 from deltamoe.serve.engine.decode_matvec_pass import DecodeMatvecPass
 
 # Graphs one process may hold for the decode call: the classes above, for a few models.
@@ -73,7 +86,8 @@ def compiler_available() -> bool:
 
 
 class CompiledDecode:
-    """(input_ids [B, 1], cache view) -> last-position logits [B, 1, V], through the compiled graph.
+    """(input_ids [B, 1], cache view) -> last-position logits [B, 1, V], through the compiled regions
+    (or graph).
 
     Compiles lazily on first use of each graph class; raises ConfigError where it cannot run
     (training mode, no C++ compiler for CPU kernels)."""
@@ -85,29 +99,51 @@ class CompiledDecode:
     # slice_consecutive): one graph for both layouts, for a gather of the context's rows per step.
     slices_consecutive_pages = False
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, regional: bool = True):
+        """`regional`: compile each layer's attention and FFN as regions shared by every layer of
+        their kind (`compiled_regions.py`), the glue between them eager; else the whole call."""
         if model.training:
             raise ConfigError("expected a model in eval mode for the compiled decode graph", field="compile_decode")
         if next(model.parameters()).device.type == "cpu" and not compiler_available():
             raise ConfigError("needs a C++ compiler for torch.compile's CPU kernels (g++ or $CXX); "
                               "install one or run with --no-compile", field="compile_decode")
+        limit_compile_threads()
         key = model.__dict__.get("_compiled_decode_key")
         if key is None:
             key = model._compiled_decode_key = uuid.uuid4().hex
-        self._model, self._key, self._call = decode_form(model), key, _compiled_call()
+        self.regional = regional
+        self._model, self._key = decode_form(model, key if regional else None), key
+        self._call = _decode_call if regional else _compiled_call()
 
     def __call__(self, input_ids: torch.Tensor, view: object) -> torch.Tensor:
         return self._call(self._model, self._key, input_ids, view)
 
 
-def decode_form(module: torch.nn.Module) -> torch.nn.Module:
+def limit_compile_threads() -> None:
+    """Inductor compiles on one worker process per core of the machine by default, whatever else
+    runs there; the engine's compiles use as many as its torch threads (deltamoe/threads.py's
+    policy: never more than the cores). TORCHINDUCTOR_COMPILE_THREADS, when set, wins."""
+    if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:
+        return
+    from torch._inductor import config
+
+    config.compile_threads = max(1, min(config.compile_threads, torch.get_num_threads()))
+
+
+def decode_form(module: torch.nn.Module, regions_key: str | None = None) -> torch.nn.Module:
     """The module tree the graph traces: new module objects over the same parameters and buffers
     (shared, never copied: in-place weight updates reach both), with every MoE that runs its
     experts locally dispatching to the static form. The served model itself is left as it is:
-    its eager calls (prefill chunks) keep the sorted expert form."""
+    its eager calls (prefill chunks) keep the sorted expert form.
+    `regions_key`: the model's key when each decoder layer's attention and FFN run as compiled
+    regions (`compiled_regions.py`); None when the whole call is one graph."""
     twin = copy.copy(module)  # shares _parameters and _buffers; _modules is replaced below
-    twin._modules = {name: decode_form(child) if child is not None else None
+    twin._modules = {name: decode_form(child, regions_key) if child is not None else None
                      for name, child in module._modules.items()}
+    if regions_key is not None and isinstance(twin, DecoderLayer):
+        twin.self_attn.forward = AttentionRegion(twin.self_attn, regions_key, _compile)
+        ffn = twin.block_sparse_moe if twin.is_moe else twin.mlp
+        ffn.forward = FFNRegion(ffn, regions_key, _compile)
     if isinstance(twin, MoE):
         if twin.dispatcher is not local_experts:
             raise ConfigError("runs experts on this process only (expert-parallel dispatch is not compiled)",
@@ -126,7 +162,13 @@ def _decode_call(model: torch.nn.Module, model_key: str, input_ids: torch.Tensor
 
 @functools.cache
 def _compiled_call() -> Callable[..., torch.Tensor]:
-    """The compiled `_decode_call`, traced with every dynamic size its own symbol.
+    """The compiled `_decode_call` (see `_compile`)."""
+    return _compile(_decode_call)
+
+
+@functools.cache
+def _compile(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`fn` compiled for decode, traced with every dynamic size its own symbol.
 
     Torch's default "duck shaping" gives sizes that happen to be equal at trace time one symbol: a
     block table two blocks wide next to two KDA heads came out as "width == 2", and every longer
@@ -139,7 +181,7 @@ def _compiled_call() -> Callable[..., torch.Tensor]:
     # cpp_wrapper: the graph's launcher is C++ too, not Python calling ~150 kernels and matmuls one
     # by one. The matvec pass turns one-sequence decode's [1, K] @ [K, N] calls into fused
     # reductions (decode_matvec_pass.py).
-    compiled = torch.compile(_decode_call, dynamic=True, recompile_limit=RECOMPILE_LIMIT,
+    compiled = torch.compile(fn, dynamic=True, recompile_limit=RECOMPILE_LIMIT,
                              options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
                                       "cpp_wrapper": True, "post_grad_custom_post_pass": DecodeMatvecPass()})
     return shape_config.patch(use_duck_shape=False)(compiled)

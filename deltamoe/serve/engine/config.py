@@ -40,7 +40,7 @@ class EngineConfig:
     max_snapshots: int | None = None  # cap on state slots held by snapshots (default: max_num_seqs)
     max_state_fraction: float = 0.5  # at most this share of cache_memory goes to KDA state slots
     seed: int = 0  # seeds requests that give no seed of their own
-    compile_decode: bool = False  # run decode steps as one torch.compile graph (serve/engine/compiled_decode.py)
+    compile_decode: bool = False  # run decode steps through torch.compile, per-layer regions (serve/engine/compiled_decode.py)
     kv_cache_dtype: str = "auto"  # latent-KV and indexer-key pages: "auto" (the model dtype) or "fp8" (e4m3 + scales)
     # Speculative decoding (serve/spec_decode/): None, or "mtp" (the model's MTP head drafts).
     speculative: str | None = None

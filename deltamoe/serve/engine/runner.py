@@ -73,7 +73,7 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.device = model.device
-        # Decode calls (T = 1) through one compiled graph; prefill chunks always run eagerly.
+        # Decode calls (T = 1) through the compiled regions; prefill chunks always run eagerly.
         self._compiled_decode = CompiledDecode(model) if compiled_decode else None
         # Tokens routed to each expert [MoE layers, experts], summed over calls: kept when asked
         # (`track_expert_load`), for the per-rank expert load a multi-worker server reports.

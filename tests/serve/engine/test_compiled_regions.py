@@ -1,0 +1,64 @@
+"""The regional form of compiled decode, checked without compiling: `LayerCacheView` against the
+batch view it slices, and the keys that decide which layers share a region's graph.
+
+With `_compile` swapped for the identity, `decode_form(model, key)` runs every region eagerly over
+its layer's `LayerCacheView`: the logits and every cache tensor afterwards must equal the plain
+eager call over the `PagedBatchView` (test_compiled_decode.py checks the compiled regions).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltamoe.model.load import build_model
+from deltamoe.serve.engine import compiled_decode
+from deltamoe.serve.engine.cache_view import PagedBatchView
+from deltamoe.serve.engine.compiled_regions import region_key
+from deltamoe.serve.engine.config import EngineConfig
+from deltamoe.serve.engine.llm_engine import LLMEngine
+from deltamoe.serve.engine.sampling import SamplingParams
+
+
+def test_layer_views_give_the_batch_views_logits_and_cache(helpers, monkeypatch):
+    config = helpers.k31_tiny(num_hidden_layers=4, layer_types=("kda", "dsa", "kda", "dsa"))
+    model = build_model(config, seed=7).eval()
+    engine = LLMEngine(model, config=EngineConfig(cache_memory="16MiB"))
+    for p in helpers.prompts(3, 5, 30, seed=8):  # contexts below and above DSA's top-k
+        engine.add_request(p, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    seqs = engine.scheduler.running
+    while not (len(seqs) == 3 and all(s.num_computed == len(s.token_ids) - 1 for s in seqs)):
+        engine.step()
+    seqs = list(seqs)
+    cache = engine.cache
+    tensors = (cache.conv, cache.recurrent, cache.latent, cache.index_keys)
+    saved = [t.clone() for t in tensors]
+    monkeypatch.setattr(compiled_decode, "_compile", lambda fn: fn)
+    regions = compiled_decode.decode_form(model, "key")
+
+    @torch.inference_mode()
+    def step(fn):
+        for t, s in zip(tensors, saved):
+            t.copy_(s)
+        view = PagedBatchView(cache, [s.block_table for s in seqs], [s.num_computed for s in seqs],
+                              [s.slot for s in seqs], 1, min_table_width=2, slice_consecutive=False)
+        logits = fn(torch.tensor([[s.token_ids[-1]] for s in seqs]), view)
+        return logits, [t.clone() for t in tensors]
+
+    eager_form = compiled_decode.decode_form(model)  # the same static expert form, no regions
+    want, want_cache = step(lambda i, v: eager_form(i, cache=v, logits_to_keep=1).logits)
+    got, got_cache = step(lambda i, v: regions(i, cache=v, logits_to_keep=1).logits)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for g, w in zip(got_cache, want_cache):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert any(not torch.equal(g, s) for g, s in zip(got_cache, saved))  # the step did write
+
+
+def test_layers_of_one_kind_share_a_region_key(helpers):
+    config = helpers.k31_tiny(num_hidden_layers=4, layer_types=("kda", "dsa", "kda", "dsa"))
+    model = build_model(config, seed=7).eval()
+    layers = model.model.layers
+    attn = [region_key("m", layer.self_attn) for layer in layers[:4]]
+    assert attn[0] == attn[2] and attn[1] == attn[3] and attn[0] != attn[1]  # KDA, DSA
+    assert region_key("other model", layers[0].self_attn) != attn[0]
+    ffn = [region_key("m", layer.block_sparse_moe if layer.is_moe else layer.mlp) for layer in layers[:4]]
+    assert ffn[1] == ffn[2] == ffn[3] and ffn[0] != ffn[1]  # dense first layer, then MoE
