@@ -29,7 +29,7 @@ from deltamoe.serve.engine.runner import ModelRunner, StepResult
 from deltamoe.serve.engine.sampling import SamplingParams
 from deltamoe.serve.engine.scheduler import Scheduler
 from deltamoe.serve.executor.base import Executor
-from deltamoe.serve.executor.config import WorkerConfig, check_async_scheduling, launched_by_torchrun
+from deltamoe.serve.executor.config import WorkerConfig, launched_by_torchrun
 from deltamoe.serve.executor.group import RankGroup
 from deltamoe.serve.executor.multiproc import MultiprocExecutor
 from deltamoe.serve.executor.overlap import OverlappedSteps
@@ -100,8 +100,6 @@ class LLMEngine:
         if workers is not None and (workers.world_size > 1 or launched_by_torchrun()):
             from deltamoe.serve.executor.launch import start_replica
 
-            if config is not None and config.async_scheduling:
-                check_async_scheduling(multiproc=True, hand_off=False)  # before any rank starts
             config = config or EngineConfig()
             started = start_replica(source, config, workers, dtype, str(device))
             if started is None:

@@ -32,6 +32,7 @@ from deltamoe.parallel.dims import ParallelDims
 from deltamoe.parallel.mesh import ParallelMesh, build_mesh
 from deltamoe.serve.engine.runner import ModelCall
 from deltamoe.serve.executor.config import WorkerConfig, launched_by_torchrun
+from deltamoe.serve.executor.placeholders import Fill
 from deltamoe.serve.executor.sharding import shard_for_serving
 
 # The control group waits for rank 0's next step as long as the server idles.
@@ -45,6 +46,10 @@ class StepMessage:
     state_ops: list[tuple[int | None, int]]  # state-slot writes to replay first (`HybridCache.apply_state_ops`)
     calls: list[ModelCall]
     report: bool = False  # after the calls, gather every rank's `RankStats` to rank 0
+    # One-step-ahead steps (`overlap.py`): where the calls' placeholders come from, and how many sampled
+    # ids rank 0 broadcasts right after this message (0: none, the calls' ids are whole).
+    fills: list[Fill | None] | None = None
+    earlier_rows: int = 0
 
 
 @dataclass

@@ -16,17 +16,22 @@ from __future__ import annotations
 import atexit
 import threading
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
+import torch
 import torch.distributed as dist
 
-from deltamoe.serve.engine.runner import ModelRunner, StepResult
+from deltamoe.serve.engine.runner import ModelCall, ModelRunner, StepResult
 from deltamoe.serve.engine.scheduler import ScheduledBatch
 from deltamoe.serve.executor.base import RankReport, WorkerDiedError
 from deltamoe.serve.executor.group import RankGroup, RankStats, StepMessage, StopMessage
+from deltamoe.serve.executor.placeholders import Fill
 from deltamoe.serve.executor.weight_sync import WeightsMessage, load_full_weights, tp_coordinate
 
 REPORT_INTERVAL_S = 1.0  # how often the ranks' step times are gathered (a step with report=True)
 _WATCH_INTERVAL_S = 0.2
+T = TypeVar("T")
 
 
 class MultiprocExecutor:
@@ -49,12 +54,29 @@ class MultiprocExecutor:
     def execute(self, batch: ScheduledBatch) -> list[StepResult]:
         self.check_health()
         calls = self.runner.plan(batch)
+        message = StepMessage(self.runner.cache.take_state_ops(), [c for _, c in calls])
+        return self._step(message, None, lambda: self.runner.run(batch, calls))
+
+    def execute_ahead(self, state_ops: list[tuple[int | None, int]], calls: list[ModelCall],
+                      fills: list[Fill | None], earlier: torch.Tensor | None, run: Callable[[], T]) -> T:
+        """A step planned one step ahead (`overlap.py`'s device thread): the ranks fill the calls'
+        placeholders from `earlier`, which follows the step's message as a tensor broadcast."""
+        self.check_health()
+        if earlier is None or all(fill is None for fill in fills):
+            return self._step(StepMessage(state_ops, calls), None, run)
+        earlier = earlier.to(torch.long).contiguous()
+        return self._step(StepMessage(state_ops, calls, fills=fills, earlier_rows=len(earlier)), earlier, run)
+
+    def _step(self, message: StepMessage, earlier: torch.Tensor | None, run: Callable[[], T]) -> T:
+        """Tell every rank the step, run rank 0's part (`run`), gather the ranks' times now and then."""
         now = time.monotonic()
-        report = now - self._last_report >= REPORT_INTERVAL_S
+        message.report = report = now - self._last_report >= REPORT_INTERVAL_S
         try:
-            self.group.broadcast(StepMessage(self.runner.cache.take_state_ops(), [c for _, c in calls], report))
+            self.group.broadcast(message)
+            if earlier is not None:
+                dist.broadcast(earlier, src=0)
             start = time.perf_counter()
-            results = self.runner.run(batch, calls)
+            results = run()
             own = self._stats[0]
             own.last_step_seconds = time.perf_counter() - start
             own.forward_seconds_total += own.last_step_seconds
