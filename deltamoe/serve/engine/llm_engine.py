@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from deltamoe.errors import ConfigError, RequestError
+from deltamoe.errors import RequestError
 from deltamoe.model.model import DeltaMoEForCausalLM
 from deltamoe.serve.engine.cache import HybridCache
 from deltamoe.serve.engine.compiled_decode import WarmUpRound, warm_up_rounds
@@ -34,6 +34,7 @@ from deltamoe.serve.executor.group import RankGroup
 from deltamoe.serve.executor.multiproc import MultiprocExecutor
 from deltamoe.serve.executor.overlap import OverlappedSteps
 from deltamoe.serve.executor.uniproc import UniprocExecutor
+from deltamoe.serve.kv_transfer.role_config import check_hand_off_workers
 from deltamoe.serve.engine.sequence import Sequence
 from deltamoe.serve.spec_decode.runner import speculation_stats, speculative_runner
 from deltamoe.serve.spec_decode.step_result import SpeculativeStepResult, emit_speculative
@@ -59,8 +60,7 @@ class LLMEngine:
         self.cache = HybridCache(model.config, self.config, self.max_model_len, dtype=model.dtype, device=model.device,
                                  tp_size=group.dims.tp if group is not None else 1)
         if connector is not None and group is not None:
-            raise ConfigError("a prefill/decode role runs on one process: drop --tp/--ep or the role",
-                              field="kv_transfer")
+            check_hand_off_workers("prefill/decode", group.dims.tp)
         self.connector = connector
         if connector is not None:
             connector.bind(self.cache, model.config)
@@ -70,6 +70,10 @@ class LLMEngine:
             self.runner = speculative_runner(model, self.cache, self.config, min(
                 self.max_model_len, self.cache.max_tokens_per_sequence()), group is not None, connector)
         self.executor: Executor = UniprocExecutor(self.runner) if group is None else MultiprocExecutor(self.runner, group)
+        if connector is not None and group is not None:  # the ranks get handed-off caches from rank 0
+            from deltamoe.serve.kv_transfer.worker_state import share_loaded_caches
+
+            share_loaded_caches(self.executor, self.cache)
         # One-step-ahead scheduling: step N+1 is scheduled while step N runs (None: one step at a time).
         self.overlap = OverlappedSteps(self.executor, self.scheduler, self._take_token, connector) \
             if self.config.async_scheduling else None
@@ -100,6 +104,8 @@ class LLMEngine:
         if workers is not None and (workers.world_size > 1 or launched_by_torchrun()):
             from deltamoe.serve.executor.launch import start_replica
 
+            if connector is not None:  # before any rank starts
+                check_hand_off_workers("prefill/decode", workers.tp)
             config = config or EngineConfig()
             started = start_replica(source, config, workers, dtype, str(device))
             if started is None:

@@ -50,6 +50,9 @@ class StepMessage:
     # ids rank 0 broadcasts right after this message (0: none, the calls' ids are whole).
     fills: list[Fill | None] | None = None
     earlier_rows: int = 0
+    # A P/D role: handed-off caches rank 0 broadcasts right after this message, before any sampled ids
+    # (`kv_transfer/worker_state.LoadedCache`); every rank scatters them into its cache.
+    loaded: list | None = None
 
 
 @dataclass

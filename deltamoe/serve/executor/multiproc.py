@@ -46,6 +46,9 @@ class MultiprocExecutor:
         self._stats = [RankStats(rank) for rank in range(group.world_size)]
         self._last_report = 0.0
         self._lock = threading.Lock()
+        # A P/D role (`kv_transfer/worker_state.py`): the caches that reached rank 0 alone and the step's
+        # ranks need, with their bytes (sent right after the step's message).
+        self.loaded_caches: Callable[[ScheduledBatch], tuple[list, list[torch.Tensor]]] | None = None
         self._watchdog = threading.Thread(target=self._watch, name="deltamoe-worker-watch", daemon=True)
         self._watchdog.start()
         atexit.register(self.shutdown)
@@ -55,7 +58,10 @@ class MultiprocExecutor:
         self.check_health()
         calls = self.runner.plan(batch)
         message = StepMessage(self.runner.cache.take_state_ops(), [c for _, c in calls])
-        return self._step(message, None, lambda: self.runner.run(batch, calls))
+        tensors: list[torch.Tensor] = []
+        if self.loaded_caches is not None:
+            message.loaded, tensors = self.loaded_caches(batch)
+        return self._step(message, tensors, lambda: self.runner.run(batch, calls))
 
     def execute_ahead(self, state_ops: list[tuple[int | None, int]], calls: list[ModelCall],
                       fills: list[Fill | None], earlier: torch.Tensor | None, run: Callable[[], T]) -> T:
@@ -63,18 +69,19 @@ class MultiprocExecutor:
         placeholders from `earlier`, which follows the step's message as a tensor broadcast."""
         self.check_health()
         if earlier is None or all(fill is None for fill in fills):
-            return self._step(StepMessage(state_ops, calls), None, run)
+            return self._step(StepMessage(state_ops, calls), [], run)
         earlier = earlier.to(torch.long).contiguous()
-        return self._step(StepMessage(state_ops, calls, fills=fills, earlier_rows=len(earlier)), earlier, run)
+        return self._step(StepMessage(state_ops, calls, fills=fills, earlier_rows=len(earlier)), [earlier], run)
 
-    def _step(self, message: StepMessage, earlier: torch.Tensor | None, run: Callable[[], T]) -> T:
-        """Tell every rank the step, run rank 0's part (`run`), gather the ranks' times now and then."""
+    def _step(self, message: StepMessage, tensors: list[torch.Tensor], run: Callable[[], T]) -> T:
+        """Tell every rank the step (its message, then `tensors` in the order the workers take them), run
+        rank 0's part (`run`), gather the ranks' times now and then."""
         now = time.monotonic()
         message.report = report = now - self._last_report >= REPORT_INTERVAL_S
         try:
             self.group.broadcast(message)
-            if earlier is not None:
-                dist.broadcast(earlier, src=0)
+            for tensor in tensors:
+                dist.broadcast(tensor, src=0)
             start = time.perf_counter()
             results = run()
             own = self._stats[0]

@@ -56,6 +56,10 @@ def serve_steps(spec: WorkerSpec, group: RankGroup) -> None:
             assert isinstance(message, StepMessage)
             start = time.perf_counter()
             cache.apply_state_ops(message.state_ops)
+            if message.loaded:  # caches handed off to rank 0 that this step first runs (a decode role)
+                from deltamoe.serve.kv_transfer.worker_state import receive_loaded_caches
+
+                receive_loaded_caches(cache, message.loaded, group.device)
             inputs: list[torch.Tensor | None] = [None] * len(message.calls)
             if message.earlier_rows:  # a one-step-ahead step: rank 0's previous sampled ids follow
                 earlier = torch.empty(message.earlier_rows, dtype=torch.long, device=group.device)

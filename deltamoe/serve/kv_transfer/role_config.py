@@ -19,3 +19,11 @@ def check_role(role: str, kv_transfer: str | None) -> None:
     if role == "colocated" and kv_transfer is not None:
         raise ConfigError("a colocated server hands nothing off", field="kv_transfer",
                           hint="add --role prefill or --role decode")
+
+
+def check_hand_off_workers(role: str, tp: int) -> None:
+    """A role with worker ranks: `--ep` hands off rank 0's replicated cache (`worker_state.py`); with
+    `--tp` each rank holds only its heads' KDA state, which no hand-off splits or gathers yet."""
+    if role != "colocated" and tp > 1:
+        raise ConfigError(f"the {role} role with --tp {tp}: not yet (each rank holds only its heads' KDA state)",
+                          field="tp", hint="use --ep for worker ranks in a prefill/decode role")
