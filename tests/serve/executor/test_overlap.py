@@ -82,25 +82,33 @@ def test_prefix_hits_and_snapshots(k31_model, helpers):
     assert overlapped.stats().num_snapshots > 0
 
 
+def abort_in_flight(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy requests; the first is aborted after four steps (a step is in flight with async
+    scheduling); the others' streamed tokens. Every block and slot is back at the end."""
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    streamed: dict[str, list[int]] = {i: [] for i in ids}
+    for _ in range(4):
+        for out in engine.step():
+            streamed[out.request_id] += out.delta_token_ids
+    final = engine.abort(ids[0])
+    assert final.finish_reason == "abort" and final.num_output_tokens == len(streamed[ids[0]])
+    while engine.has_unfinished():
+        for out in engine.step():
+            streamed[out.request_id] += out.delta_token_ids
+    stats = engine.stats()
+    assert (stats.block_usage, stats.slot_usage) == (0, 0)
+    return [streamed[i] for i in ids[1:]]
+
+
 def test_abort_while_a_step_is_in_flight(k31_model, helpers):
     ps = helpers.prompts(4, 10, 20, seed=5)
 
     def run(async_scheduling: bool):
         engine = LLMEngine(k31_model, config=EngineConfig(cache_memory="8MiB", async_scheduling=async_scheduling))
-        ids = [engine.add_request(p, GREEDY) for p in ps]
-        streamed: dict[str, list[int]] = {i: [] for i in ids}
-        for _ in range(4):
-            for out in engine.step():
-                streamed[out.request_id] += out.delta_token_ids
-        final = engine.abort(ids[0])
-        assert final.finish_reason == "abort" and final.num_output_tokens == len(streamed[ids[0]])
-        while engine.has_unfinished():
-            for out in engine.step():
-                streamed[out.request_id] += out.delta_token_ids
-        stats = engine.stats()
-        assert (stats.block_usage, stats.slot_usage) == (0, 0)
-        engine.shutdown()
-        return [streamed[i] for i in ids[1:]]
+        try:
+            return abort_in_flight(engine, ps)
+        finally:
+            engine.shutdown()
 
     assert run(True) == run(False)
 

@@ -14,8 +14,7 @@ from deltamoe.serve.engine.llm_engine import LLMEngine
 from deltamoe.serve.engine.sampling import SamplingParams
 from deltamoe.serve.executor.config import WorkerConfig
 from tests.serve.executor.test_multiproc import checkpoint, engine_config, run, workload  # noqa: F401
-
-GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+from tests.serve.executor.test_overlap import GREEDY, abort_in_flight
 
 
 def stops(engine: LLMEngine, helpers) -> list[tuple]:
@@ -29,24 +28,8 @@ def stops(engine: LLMEngine, helpers) -> list[tuple]:
     return first + [(c.token_ids, c.finish_reason, c.text) for c in engine.generate(ps[:4], stopped, progress=False)]
 
 
-def abort_in_flight(engine: LLMEngine, helpers) -> list[list[int]]:
-    """Four requests; the first is aborted after four steps; the others' streamed tokens."""
-    ps = helpers.prompts(4, 10, 20, seed=5)
-    ids = [engine.add_request(p, GREEDY) for p in ps]
-    streamed: dict[str, list[int]] = {i: [] for i in ids}
-    for _ in range(4):
-        for out in engine.step():
-            streamed[out.request_id] += out.delta_token_ids
-    final = engine.abort(ids[0])
-    assert final.finish_reason == "abort" and final.num_output_tokens == len(streamed[ids[0]])
-    while engine.has_unfinished():
-        for out in engine.step():
-            streamed[out.request_id] += out.delta_token_ids
-    return [streamed[i] for i in ids[1:]]
-
-
 def scenarios(engine: LLMEngine, workload, helpers) -> tuple:
-    out = (run(engine, workload), stops(engine, helpers), abort_in_flight(engine, helpers))
+    out = (run(engine, workload), stops(engine, helpers), abort_in_flight(engine, helpers.prompts(4, 10, 20, seed=5)))
     stats = engine.stats()
     assert (stats.block_usage, stats.slot_usage, stats.num_running, stats.num_waiting) == (0, 0, 0, 0)
     return out, stats
