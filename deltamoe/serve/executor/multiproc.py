@@ -46,6 +46,9 @@ class MultiprocExecutor:
         self._stats = [RankStats(rank) for rank in range(group.world_size)]
         self._last_report = 0.0
         self._lock = threading.Lock()
+        # One message at a time on the ranks' channels: with async scheduling the steps go out from
+        # the device thread while weight updates and shutdown come from the engine's thread.
+        self._control = threading.Lock()
         # A P/D role (`kv_transfer/worker_state.py`): the caches that reached rank 0 alone and the step's
         # ranks need, with their bytes (sent right after the step's message).
         self.loaded_caches: Callable[[ScheduledBatch], tuple[list, list[torch.Tensor]]] | None = None
@@ -79,19 +82,20 @@ class MultiprocExecutor:
         now = time.monotonic()
         message.report = report = now - self._last_report >= REPORT_INTERVAL_S
         try:
-            self.group.broadcast(message)
-            for tensor in tensors:
-                dist.broadcast(tensor, src=0)
-            start = time.perf_counter()
-            results = run()
-            own = self._stats[0]
-            own.last_step_seconds = time.perf_counter() - start
-            own.forward_seconds_total += own.last_step_seconds
-            own.steps += 1
-            if report:
-                gathered = self.group.gather_stats(own)
-                self._stats = list(gathered) if gathered is not None else self._stats
-                self._last_report = now
+            with self._control:
+                self.group.broadcast(message)
+                for tensor in tensors:
+                    dist.broadcast(tensor, src=0)
+                start = time.perf_counter()
+                results = run()
+                own = self._stats[0]
+                own.last_step_seconds = time.perf_counter() - start
+                own.forward_seconds_total += own.last_step_seconds
+                own.steps += 1
+                if report:
+                    gathered = self.group.gather_stats(own)
+                    self._stats = list(gathered) if gathered is not None else self._stats
+                    self._last_report = now
         except Exception as e:
             self._fail(f"a step failed across the workers ({e})")
             raise WorkerDiedError(self._dead) from e
@@ -102,9 +106,10 @@ class MultiprocExecutor:
         since the ranks may now hold different weights."""
         self.check_health()
         try:
-            self.group.broadcast(WeightsMessage(tensors))
-            tp = self.group.dims.tp
-            load_full_weights(self.runner.model, tensors, tp_coordinate(self.group.mesh, tp), tp)
+            with self._control:
+                self.group.broadcast(WeightsMessage(tensors))
+                tp = self.group.dims.tp
+                load_full_weights(self.runner.model, tensors, tp_coordinate(self.group.mesh, tp), tp)
         except Exception as e:
             self._fail(f"a weight update failed across the workers ({e})")
             raise WorkerDiedError(self._dead) from e
@@ -157,12 +162,14 @@ class MultiprocExecutor:
         alive = self._dead is None
         with self._lock:
             self._dead = self._dead or "the model workers were shut down"
-        if alive:
+        deadline = time.monotonic() + timeout_s
+        if alive and self._control.acquire(timeout=timeout_s):  # after a step still in flight, if any
             try:
                 self.group.broadcast(StopMessage())
             except Exception:
                 pass
-        deadline = time.monotonic() + timeout_s
+            finally:
+                self._control.release()
         for process in self.group.processes:
             try:
                 process.wait(max(0.0, deadline - time.monotonic()))

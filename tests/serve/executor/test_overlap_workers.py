@@ -1,17 +1,22 @@
 """One-step-ahead scheduling over tp * ep worker ranks (gloo, spawned workers) gives the one-process,
 one-step engine's tokens: greedy and seeded sampling through prefix hits and preemption, stop
 tokens and stop strings found one step late, and a request aborted while a step is in flight.
-tp2 runs in the default suite, ep2 behind `-m slow`."""
+A rank that dies while steps are in flight is an error, never a hang. tp2 runs in the default suite;
+ep2 and the dead rank behind `-m slow`."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
+import time
 
 import pytest
 
 from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.llm_engine import LLMEngine
 from deltamoe.serve.engine.sampling import SamplingParams
+from deltamoe.serve.executor.base import WorkerDiedError
 from deltamoe.serve.executor.config import WorkerConfig
 from tests.serve.executor.test_multiproc import checkpoint, engine_config, run, workload  # noqa: F401
 from tests.serve.executor.test_overlap import GREEDY, abort_in_flight
@@ -70,3 +75,22 @@ def test_tp2_async_equals_one_process(checkpoint, workload, one_process, helpers
 @pytest.mark.slow
 def test_ep2_async_equals_one_process(checkpoint, workload, one_process, helpers):  # noqa: F811
     check_async_layout(checkpoint, workload, one_process, helpers, tp=1, ep=2)
+
+
+@pytest.mark.slow
+def test_dead_worker_with_async_scheduling_is_an_error_not_a_hang(checkpoint):  # noqa: F811
+    """The device thread's step fails when a rank dies; the error reaches `step()` (a 503 in a server)."""
+    config = dataclasses.replace(engine_config(), async_scheduling=True)
+    engine = LLMEngine.from_pretrained(checkpoint, config, workers=WorkerConfig(ep=2))
+    try:
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=64, ignore_eos=True))
+        engine.step()
+        os.kill(engine.executor.group.processes[0].pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError, match="worker|workers"):
+            while engine.has_unfinished():
+                engine.step()
+        assert time.monotonic() - start < 30 and not engine.executor.healthy
+    finally:
+        engine.shutdown()
+    assert all(p.poll() is not None for p in engine.executor.group.processes)
