@@ -59,11 +59,15 @@ class LLMEngine:
         self.max_model_len = self.config.max_model_len or model.config.max_position_embeddings
         self.cache = HybridCache(model.config, self.config, self.max_model_len, dtype=model.dtype, device=model.device,
                                  tp_size=group.dims.tp if group is not None else 1)
-        if connector is not None and group is not None:
-            check_hand_off_workers("prefill/decode", group.dims.tp)
+        pools = self.cache  # what the connector registers and hands off
+        if connector is not None and group is not None:  # rank 0's copy travels (kv_transfer/worker_state.py)
+            from deltamoe.serve.kv_transfer.worker_state import connector_role, hand_off_pools
+
+            check_hand_off_workers(connector_role(connector), group.dims.tp)
+            pools = hand_off_pools(self.cache, group.dims.tp)
         self.connector = connector
         if connector is not None:
-            connector.bind(self.cache, model.config)
+            connector.bind(pools, model.config)
         self.scheduler = Scheduler(self.config, self.cache, connector)
         self.runner = ModelRunner(model, self.cache, compiled_decode=self.config.compile_decode)
         if self.config.speculative is not None:  # MTP drafts verified in one forward (serve/spec_decode/)
@@ -73,7 +77,7 @@ class LLMEngine:
         if connector is not None and group is not None:  # the ranks get handed-off caches from rank 0
             from deltamoe.serve.kv_transfer.worker_state import share_loaded_caches
 
-            share_loaded_caches(self.executor, self.cache)
+            share_loaded_caches(self.executor, self.cache, pools)
         # One-step-ahead scheduling: step N+1 is scheduled while step N runs (None: one step at a time).
         self.overlap = OverlappedSteps(self.executor, self.scheduler, self._take_token, connector) \
             if self.config.async_scheduling else None
@@ -105,7 +109,9 @@ class LLMEngine:
             from deltamoe.serve.executor.launch import start_replica
 
             if connector is not None:  # before any rank starts
-                check_hand_off_workers("prefill/decode", workers.tp)
+                from deltamoe.serve.kv_transfer.worker_state import connector_role
+
+                check_hand_off_workers(connector_role(connector), workers.tp)
             config = config or EngineConfig()
             started = start_replica(source, config, workers, dtype, str(device))
             if started is None:

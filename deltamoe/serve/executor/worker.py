@@ -59,7 +59,8 @@ def serve_steps(spec: WorkerSpec, group: RankGroup) -> None:
             if message.loaded:  # caches handed off to rank 0 that this step first runs (a decode role)
                 from deltamoe.serve.kv_transfer.worker_state import receive_loaded_caches
 
-                receive_loaded_caches(cache, message.loaded, group.device)
+                receive_loaded_caches(cache, message.loaded, group.device, tp_coordinate(group.mesh, group.dims.tp),
+                                      group.dims.tp)
             inputs: list[torch.Tensor | None] = [None] * len(message.calls)
             if message.earlier_rows:  # a one-step-ahead step: rank 0's previous sampled ids follow
                 earlier = torch.empty(message.earlier_rows, dtype=torch.long, device=group.device)

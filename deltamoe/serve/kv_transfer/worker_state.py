@@ -1,22 +1,22 @@
-"""A P/D role over `--ep` worker ranks: rank 0's cache is the one handed off, and it feeds the others.
+"""A P/D role over worker ranks: rank 0's transfer engine moves one copy, rank 0 feeds the other ranks.
 
-With expert parallelism alone (tp = 1) every rank holds the whole attention state: the latent and
-indexer pages and the KDA recurrent + conv slots are replicated, written by the same forward on
-every rank. So one copy is enough on the wire:
-- prefill side: the connector registers rank 0's pools and pushes from them, as on one process
-  (rank 0's cache holds what every rank holds);
-- decode side: the connector receives into rank 0's pools only, and the other ranks get the
-  request's cache from rank 0 with the step that first runs it: rank 0 packs the request's rows
-  and state slot (`packing.pack`) and broadcasts them over the replica's group right after that
-  step's message; each rank scatters them into its own blocks and slot (`packing.unpack`) after
-  replaying the step's state-slot writes and before the forward.
+Every rank holds the latent and indexer pages whole (replicated); the KDA recurrent + conv slots are
+whole with `--ep` alone and split by heads with `--tp`. One copy of a request travels on the wire,
+in the one-process layout (whole heads), so either side pairs with any other:
+- prefill side (`--ep` only): the connector registers rank 0's pools and pushes from them, as on
+  one process (rank 0's cache holds what every rank holds);
+- decode side (`--ep` or `--tp`): the connector receives into rank 0's `hand_off_pools`: with
+  `--ep` rank 0's cache itself; with `--tp` rank 0's pages plus a landing area of whole-head state
+  slots (`HandOffPools`, one per state slot of the cache). With the step that first runs a
+  handed-off request, rank 0 packs the request's rows and whole state slot (`packing.pack`) and
+  broadcasts them over the replica's group right after that step's message; each rank (rank 0
+  too, under `--tp`) scatters the rows into its pages and keeps its own heads of the state
+  (`take_heads`), after replaying the step's state-slot writes and before the forward.
 Receiving one copy per rank over the transfer engine would need a transport, a registration and a
-descriptor per rank and a prefill side that writes each of them; the broadcast is one collective
-over links the replica already has, and keeps the router, the descriptor and the prefill side
-unchanged.
-
-With tensor parallelism (tp > 1) each rank holds the KDA state of its own heads, so a hand-off
-would have to split or gather the state by heads on one side: not yet (`check_hand_off_workers`).
+descriptor per rank and a prefill side that splits the state by heads for each; the broadcast is
+one collective over links the replica already has and leaves the router, the descriptor and the
+prefill side unchanged. A prefill side over `--tp` ranks would have to gather each request's state
+from its ranks before the push: not yet (`role_config.check_hand_off_workers`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,45 @@ from deltamoe.serve.engine.scheduler import ScheduledBatch
 from deltamoe.serve.engine.sequence import Sequence
 from deltamoe.serve.kv_transfer.mooncake_connector import RemotePrefill
 from deltamoe.serve.kv_transfer.packing import message_bytes, pack, token_rows, unpack
+
+
+@dataclass
+class HandOffPools:
+    """The pools a connector sees in place of a `--tp` rank's cache: the rank's pages (replicated, shared
+    with the cache) and whole-head state slots [layers, slots, ...] in the one-process layout."""
+
+    block_size: int
+    latent: torch.Tensor
+    index_keys: torch.Tensor
+    latent_scale: torch.Tensor | None
+    index_key_scale: torch.Tensor | None
+    recurrent: torch.Tensor
+    conv: torch.Tensor
+
+
+def whole_head_pools(cache: HybridCache, tp: int, slots: int) -> HandOffPools:
+    """`cache`'s pages with `slots` whole-head state slots (zeroed) beside them."""
+    layers, _, heads, k, v = cache.recurrent.shape
+    channels, width = cache.conv.shape[2:]
+    return HandOffPools(cache.block_size, cache.latent, cache.index_keys, cache.latent_scale, cache.index_key_scale,
+                        cache.recurrent.new_zeros(layers, slots, heads * tp, k, v),
+                        cache.conv.new_zeros(layers, slots, channels * tp, width))
+
+
+def hand_off_pools(cache: HybridCache, tp: int) -> HybridCache | HandOffPools:
+    """What rank 0's connector registers: the cache itself, or with `--tp` its pages and a whole-head
+    landing slot for every state slot of the cache (tp x the cache's state memory, on rank 0)."""
+    return cache if tp == 1 else whole_head_pools(cache, tp, cache.recurrent.shape[1])
+
+
+def take_heads(cache: HybridCache, slot: int, recurrent: torch.Tensor, conv: torch.Tensor, tp_rank: int,
+               tp: int) -> None:
+    """Keep this rank's heads of whole-head states (recurrent [layers, H, K, V], conv [layers, 3P, W-1],
+    whose channels are q, k, v of every head) in `slot`: contiguous heads per rank, as the TP plan splits them."""
+    heads = cache.recurrent.shape[2]
+    cache.recurrent[:, slot] = recurrent[:, tp_rank * heads:(tp_rank + 1) * heads]
+    per = cache.conv.shape[2] // 3  # this rank's channels of each of q, k, v
+    cache.conv[:, slot] = conv.unflatten(1, (3, tp * per))[:, :, tp_rank * per:(tp_rank + 1) * per].flatten(1, 2)
 
 
 @dataclass
@@ -51,29 +90,47 @@ def first_step_after_load(seq: Sequence) -> bool:
             and seq.num_computed == seq.num_prompt_tokens - 1)
 
 
-def loaded_caches(cache: HybridCache, batch: ScheduledBatch) -> tuple[list[LoadedCache], list[torch.Tensor]]:
-    """Rank 0, before a step: the requests of `batch` that the other ranks lack, and their packed bytes."""
+def loaded_caches(cache: HybridCache, pools: HybridCache | HandOffPools, tp: int,
+                  batch: ScheduledBatch) -> tuple[list[LoadedCache], list[torch.Tensor]]:
+    """Rank 0, before a step: the requests of `batch` that the other ranks lack, and their packed bytes
+    (from `pools`, where the connector put them); under `--tp` rank 0 keeps its own heads first."""
     described, messages = [], []
+    device = cache.latent.device
     for seq, _ in batch.items:
         if not first_step_after_load(seq):
             continue
-        rows = token_rows(seq.block_table, 0, seq.num_computed, cache.block_size).to(cache.latent.device)
-        message = torch.empty(message_bytes(cache, len(rows)), dtype=torch.uint8, device=cache.latent.device)
-        pack(cache, rows, seq.slot, message)
+        rows = token_rows(seq.block_table, 0, seq.num_computed, cache.block_size).to(device)
+        message = torch.empty(message_bytes(pools, len(rows)), dtype=torch.uint8, device=device)
+        pack(pools, rows, seq.slot, message)
+        if pools is not cache:
+            take_heads(cache, seq.slot, pools.recurrent[:, seq.slot], pools.conv[:, seq.slot], 0, tp)
         described.append(LoadedCache(rows.tolist(), seq.slot, message.numel()))
         messages.append(message)
     return described, messages
 
 
-def receive_loaded_caches(cache: HybridCache, loaded: list[LoadedCache], device: torch.device | str) -> None:
+def receive_loaded_caches(cache: HybridCache, loaded: list[LoadedCache], device: torch.device | str,
+                          tp_rank: int, tp: int) -> None:
     """A rank > 0: take each loaded request's bytes from rank 0 and scatter them into this cache."""
+    landing = cache if tp == 1 else whole_head_pools(cache, tp, 1)
     for item in loaded:
         message = torch.empty(item.nbytes, dtype=torch.uint8, device=device)
         dist.broadcast(message, src=0)
-        unpack(cache, torch.tensor(item.rows, dtype=torch.long, device=device), item.slot, message)
+        rows = torch.tensor(item.rows, dtype=torch.long, device=device)
+        if landing is cache:
+            unpack(cache, rows, item.slot, message)
+        else:  # pages straight into this rank's pools, the whole-head state into slot 0 of the landing area
+            unpack(landing, rows, 0, message)
+            take_heads(cache, item.slot, landing.recurrent[:, 0], landing.conv[:, 0], tp_rank, tp)
 
 
-def share_loaded_caches(executor, cache: HybridCache) -> None:
+def share_loaded_caches(executor, cache: HybridCache, pools: HybridCache | HandOffPools) -> None:
     """Have `executor` (a `MultiprocExecutor`) send every handed-off request's cache to its ranks with
     the step that first runs it."""
-    executor.loaded_caches = lambda batch: loaded_caches(cache, batch)
+    tp = executor.group.dims.tp
+    executor.loaded_caches = lambda batch: loaded_caches(cache, pools, tp, batch)
+
+
+def connector_role(connector) -> str:
+    """The role a connector serves: a decode side asks prefill servers for prompts, a prefill side does not."""
+    return "decode" if getattr(connector, "prefill_client", None) is not None else "prefill"

@@ -1,7 +1,7 @@
-"""P/D hand-offs with `--ep 2` worker ranks on either side (gloo, spawned workers, the real Mooncake
-transfer engine): prefill(ep2) -> decode(1 process) and prefill(1 process) -> decode(ep2) give the
-colocated one-process engine's greedy tokens, token for token, for concurrent prompts longer than
-a block, packed and unpacked, with every block and slot back afterwards. `--tp` with a role is
+"""P/D hand-offs with worker ranks (gloo, spawned workers, the real Mooncake transfer engine):
+prefill(ep2) -> decode(1 process) and prefill(1 process) -> decode(ep2 or tp2) give the colocated
+one-process engine's greedy tokens, token for token, for concurrent prompts longer than a block,
+packed and unpacked, with every block and slot back afterwards. A prefill role with `--tp` is
 refused before any worker starts."""
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def workload(model, helpers):
     return prompts, expected
 
 
-def engine_with_role(checkpoint: str, ep: int, connector: MooncakeConnector) -> LLMEngine:
-    return LLMEngine.from_pretrained(checkpoint, EngineConfig(**CONFIG), workers=WorkerConfig(ep=ep),
+def engine_with_role(checkpoint: str, connector: MooncakeConnector, tp: int = 1, ep: int = 1) -> LLMEngine:
+    return LLMEngine.from_pretrained(checkpoint, EngineConfig(**CONFIG), workers=WorkerConfig(tp=tp, ep=ep),
                                      connector=connector)
 
 
@@ -84,7 +84,7 @@ def check_moved(decode: LLMEngine, prefill: LLMEngine, prompts) -> None:
 def test_prefill_ep2_to_decode_one_process(checkpoint, workload, model, pool, staging_bytes):
     prompts, expected = workload
     prefill_connector = MooncakeConnector(HandOffConfig(staging_bytes=staging_bytes))
-    prefill = engine_with_role(checkpoint, 2, prefill_connector)
+    prefill = engine_with_role(checkpoint, prefill_connector, ep=2)
     pool.engines["p0"] = (AsyncLLMEngine(prefill), prefill_connector)
     connector = MooncakeConnector(HandOffConfig(staging_bytes=staging_bytes), prefill_client=pool.client)
     decode = AsyncLLMEngine(LLMEngine(model, config=EngineConfig(**CONFIG), connector=connector))
@@ -116,11 +116,13 @@ def decode_in_one_batch(decode: LLMEngine, connector: MooncakeConnector, prompts
 
 
 @pytest.mark.slow
-def test_prefill_one_process_to_decode_ep2(checkpoint, workload, model, pool):
+@pytest.mark.parametrize("tp,ep,staging_bytes", [(1, 2, 64 << 20), (2, 1, 64 << 20), (2, 1, 0)],
+                         ids=["ep2", "tp2", "tp2-unpacked"])
+def test_prefill_one_process_to_decode_with_workers(checkpoint, workload, model, pool, tp, ep, staging_bytes):
     prompts, expected = workload
-    prefill = pool.add("p0", model)
-    connector = MooncakeConnector(HandOffConfig(), prefill_client=pool.client)
-    decode = engine_with_role(checkpoint, 2, connector)
+    prefill = pool.add("p0", model, HandOffConfig(staging_bytes=staging_bytes))
+    connector = MooncakeConnector(HandOffConfig(staging_bytes=staging_bytes), prefill_client=pool.client)
+    decode = engine_with_role(checkpoint, connector, tp=tp, ep=ep)
     processes = decode.executor.group.processes
     try:
         assert decode_in_one_batch(decode, connector, prompts) == expected
@@ -131,9 +133,9 @@ def test_prefill_one_process_to_decode_ep2(checkpoint, workload, model, pool):
     assert all(p.poll() is not None for p in processes)  # the decode engine's workers stopped with it
 
 
-def test_role_with_tp_workers_is_refused_before_any_worker_starts(checkpoint):
+def test_prefill_role_with_tp_workers_is_refused_before_any_worker_starts(checkpoint):
     connector = MooncakeConnector()
     with pytest.raises(ConfigError) as e:
-        LLMEngine.from_pretrained(checkpoint, EngineConfig(**CONFIG), workers=WorkerConfig(tp=2), connector=connector)
-    assert e.value.field == "tp" and "not yet" in str(e.value)
+        engine_with_role(checkpoint, connector, tp=2)
+    assert e.value.field == "tp" and "prefill role with --tp 2: not yet" in str(e.value)
     connector.close()
