@@ -369,10 +369,9 @@ def serve_command(
 ) -> None:
     """OpenAI-compatible HTTP server (deltamoe.serve.api) over an AsyncLLMEngine."""
     from deltamoe.serve.engine.config import EngineConfig, parse_bytes
-    from deltamoe.serve.kv_transfer.role_config import check_hand_off_workers, check_role
+    from deltamoe.serve.kv_transfer.role_config import check_role
 
     check_role(role, kv_transfer)
-    check_hand_off_workers(role, tp)
     parse_bytes(kv_transfer_staging, "kv_transfer_staging")  # a bad size fails before the model loads
     check_dtype(dtype)
     config = EngineConfig(cache_memory=cache_memory, max_num_seqs=max_num_seqs,

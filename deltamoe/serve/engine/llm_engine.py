@@ -34,7 +34,6 @@ from deltamoe.serve.executor.group import RankGroup
 from deltamoe.serve.executor.multiproc import MultiprocExecutor
 from deltamoe.serve.executor.overlap import OverlappedSteps
 from deltamoe.serve.executor.uniproc import UniprocExecutor
-from deltamoe.serve.kv_transfer.role_config import check_hand_off_workers
 from deltamoe.serve.engine.sequence import Sequence
 from deltamoe.serve.spec_decode.runner import speculation_stats, speculative_runner
 from deltamoe.serve.spec_decode.step_result import SpeculativeStepResult, emit_speculative
@@ -61,9 +60,8 @@ class LLMEngine:
                                  tp_size=group.dims.tp if group is not None else 1)
         pools = self.cache  # what the connector registers and hands off
         if connector is not None and group is not None:  # rank 0's copy travels (kv_transfer/worker_state.py)
-            from deltamoe.serve.kv_transfer.worker_state import connector_role, hand_off_pools
+            from deltamoe.serve.kv_transfer.worker_state import hand_off_pools
 
-            check_hand_off_workers(connector_role(connector), group.dims.tp)
             pools = hand_off_pools(self.cache, group.dims.tp)
         self.connector = connector
         if connector is not None:
@@ -75,9 +73,9 @@ class LLMEngine:
                 self.max_model_len, self.cache.max_tokens_per_sequence()), group is not None, connector)
         self.executor: Executor = UniprocExecutor(self.runner) if group is None else MultiprocExecutor(self.runner, group)
         if connector is not None and group is not None:  # the ranks get handed-off caches from rank 0
-            from deltamoe.serve.kv_transfer.worker_state import share_loaded_caches
+            from deltamoe.serve.kv_transfer.worker_state import RankZeroHandOffs
 
-            share_loaded_caches(self.executor, self.cache, pools)
+            self.executor.hand_off = RankZeroHandOffs(self.cache, pools, group.dims.tp)
         # One-step-ahead scheduling: step N+1 is scheduled while step N runs (None: one step at a time).
         self.overlap = OverlappedSteps(self.executor, self.scheduler, self._take_token, connector) \
             if self.config.async_scheduling else None
@@ -107,11 +105,6 @@ class LLMEngine:
             workers.check_fields()
         if workers is not None and (workers.world_size > 1 or launched_by_torchrun()):
             from deltamoe.serve.executor.launch import start_replica
-
-            if connector is not None:  # before any rank starts
-                from deltamoe.serve.kv_transfer.worker_state import connector_role
-
-                check_hand_off_workers(connector_role(connector), workers.tp)
             config = config or EngineConfig()
             started = start_replica(source, config, workers, dtype, str(device))
             if started is None:

@@ -53,6 +53,9 @@ class StepMessage:
     # A P/D role: handed-off caches rank 0 broadcasts right after this message, before any sampled ids
     # (`kv_transfer/worker_state.LoadedCache`); every rank scatters them into its cache.
     loaded: list | None = None
+    # A P/D prefill role over --tp ranks: after the calls, every rank sends its heads of these state
+    # slots to rank 0 (`worker_state.send_heads`), whose push reads them whole.
+    gather_slots: list[int] | None = None
 
 
 @dataclass

@@ -49,9 +49,9 @@ class MultiprocExecutor:
         # One message at a time on the ranks' channels: with async scheduling the steps go out from
         # the device thread while weight updates and shutdown come from the engine's thread.
         self._control = threading.Lock()
-        # A P/D role (`kv_transfer/worker_state.py`): the caches that reached rank 0 alone and the step's
-        # ranks need, with their bytes (sent right after the step's message).
-        self.loaded_caches: Callable[[ScheduledBatch], tuple[list, list[torch.Tensor]]] | None = None
+        # A P/D role (`kv_transfer/worker_state.RankZeroHandOffs`): before a step, the caches that reached
+        # rank 0 alone (their bytes follow the step's message) and the state slots to gather after it.
+        self.hand_off = None
         self._watchdog = threading.Thread(target=self._watch, name="deltamoe-worker-watch", daemon=True)
         self._watchdog.start()
         atexit.register(self.shutdown)
@@ -62,9 +62,16 @@ class MultiprocExecutor:
         calls = self.runner.plan(batch)
         message = StepMessage(self.runner.cache.take_state_ops(), [c for _, c in calls])
         tensors: list[torch.Tensor] = []
-        if self.loaded_caches is not None:
-            message.loaded, tensors = self.loaded_caches(batch)
-        return self._step(message, tensors, lambda: self.runner.run(batch, calls))
+        if self.hand_off is not None:
+            message.loaded, tensors, message.gather_slots = self.hand_off.before_step(batch)
+
+        def run() -> list[StepResult]:
+            results = self.runner.run(batch, calls)
+            if message.gather_slots:
+                self.hand_off.after_forward(message.gather_slots)
+            return results
+
+        return self._step(message, tensors, run)
 
     def execute_ahead(self, state_ops: list[tuple[int | None, int]], calls: list[ModelCall],
                       fills: list[Fill | None], earlier: torch.Tensor | None, run: Callable[[], T]) -> T:

@@ -68,6 +68,10 @@ def serve_steps(spec: WorkerSpec, group: RankGroup) -> None:
                 inputs = filled_inputs(message.calls, message.fills, earlier, group.device)
             for call, ids in zip(message.calls, inputs):
                 runner.forward(call, ids)
+            if message.gather_slots:  # a prefill role over --tp ranks: rank 0 pushes these states whole
+                from deltamoe.serve.kv_transfer.worker_state import send_heads
+
+                send_heads(cache, message.gather_slots)
             stats.last_step_seconds = time.perf_counter() - start
             stats.forward_seconds_total += stats.last_step_seconds
             stats.steps += 1

@@ -19,12 +19,3 @@ def check_role(role: str, kv_transfer: str | None) -> None:
     if role == "colocated" and kv_transfer is not None:
         raise ConfigError("a colocated server hands nothing off", field="kv_transfer",
                           hint="add --role prefill or --role decode")
-
-
-def check_hand_off_workers(role: str, tp: int) -> None:
-    """A role with worker ranks (`worker_state.py`): `--ep` on either side; `--tp` on a decode side only
-    (rank 0 receives whole heads and hands each rank its own), not yet on a prefill side, whose push
-    would first gather each request's KDA state from the ranks that hold its heads."""
-    if role == "prefill" and tp > 1:
-        raise ConfigError(f"the prefill role with --tp {tp}: not yet (each rank holds only its heads' KDA state)",
-                          field="tp", hint="use --ep for a prefill server's worker ranks (--tp works on a decode server)")

@@ -1,22 +1,22 @@
-"""A P/D role over worker ranks: rank 0's transfer engine moves one copy, rank 0 feeds the other ranks.
+"""A P/D role over worker ranks: rank 0's transfer engine moves one copy, rank 0 and the ranks share it.
 
 Every rank holds the latent and indexer pages whole (replicated); the KDA recurrent + conv slots are
 whole with `--ep` alone and split by heads with `--tp`. One copy of a request travels on the wire,
-in the one-process layout (whole heads), so either side pairs with any other:
-- prefill side (`--ep` only): the connector registers rank 0's pools and pushes from them, as on
-  one process (rank 0's cache holds what every rank holds);
-- decode side (`--ep` or `--tp`): the connector receives into rank 0's `hand_off_pools`: with
-  `--ep` rank 0's cache itself; with `--tp` rank 0's pages plus a landing area of whole-head state
-  slots (`HandOffPools`, one per state slot of the cache). With the step that first runs a
-  handed-off request, rank 0 packs the request's rows and whole state slot (`packing.pack`) and
-  broadcasts them over the replica's group right after that step's message; each rank (rank 0
-  too, under `--tp`) scatters the rows into its pages and keeps its own heads of the state
-  (`take_heads`), after replaying the step's state-slot writes and before the forward.
-Receiving one copy per rank over the transfer engine would need a transport, a registration and a
-descriptor per rank and a prefill side that splits the state by heads for each; the broadcast is
-one collective over links the replica already has and leaves the router, the descriptor and the
-prefill side unchanged. A prefill side over `--tp` ranks would have to gather each request's state
-from its ranks before the push: not yet (`role_config.check_hand_off_workers`).
+in the one-process layout (whole heads), so any prefill side pairs with any decode side. The
+connector registers rank 0's `hand_off_pools`: with `--ep` rank 0's cache itself; with `--tp` rank
+0's pages plus a landing area of whole-head state slots (`HandOffPools`, one per state slot).
+- prefill side: the connector pushes from those pools as on one process. With `--tp`, the step that
+  finishes a request's prompt also gathers every rank's heads of its state slot into the landing
+  slot (`gather_heads`), before the request finishes and its push starts.
+- decode side: the connector receives into those pools. With the step that first runs a handed-off
+  request, rank 0 packs the request's rows and whole state slot (`packing.pack`) and broadcasts
+  them over the replica's group right after that step's message; each rank (rank 0 too, under
+  `--tp`) scatters the rows into its pages and keeps its own heads of the state (`take_heads`),
+  after replaying the step's state-slot writes and before the forward.
+Receiving or sending one copy per rank over the transfer engine would need a transport, a
+registration and a descriptor per rank, and the other side would have to split or join the state
+by heads for each; the collectives run over links the replica already has and leave the router,
+the descriptor and the peer unchanged.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from deltamoe.serve.engine.cache import HybridCache
 from deltamoe.serve.engine.scheduler import ScheduledBatch
 from deltamoe.serve.engine.sequence import Sequence
-from deltamoe.serve.kv_transfer.mooncake_connector import RemotePrefill
+from deltamoe.serve.kv_transfer.mooncake_connector import PushTo, RemotePrefill
 from deltamoe.serve.kv_transfer.packing import message_bytes, pack, token_rows, unpack
 
 
@@ -124,13 +124,50 @@ def receive_loaded_caches(cache: HybridCache, loaded: list[LoadedCache], device:
             take_heads(cache, item.slot, landing.recurrent[:, 0], landing.conv[:, 0], tp_rank, tp)
 
 
-def share_loaded_caches(executor, cache: HybridCache, pools: HybridCache | HandOffPools) -> None:
-    """Have `executor` (a `MultiprocExecutor`) send every handed-off request's cache to its ranks with
-    the step that first runs it."""
-    tp = executor.group.dims.tp
-    executor.loaded_caches = lambda batch: loaded_caches(cache, pools, tp, batch)
+def pushed_slots(batch: ScheduledBatch) -> list[int]:
+    """Prefill side: the state slots of the requests whose prompt this step finishes (their push starts
+    once the step is done), so that their whole-head state is gathered to rank 0 after the forward."""
+    return [seq.slot for seq, n in batch.items
+            if isinstance(seq.kv_transfer, PushTo) and seq.num_computed + n == len(seq.token_ids)]
 
 
-def connector_role(connector) -> str:
-    """The role a connector serves: a decode side asks prefill servers for prompts, a prefill side does not."""
-    return "decode" if getattr(connector, "prefill_client", None) is not None else "prefill"
+def heads_of(cache: HybridCache, slots: list[int]) -> torch.Tensor:
+    """This rank's recurrent and conv state of `slots`, flattened into one tensor (the gather's unit)."""
+    return torch.cat([cache.recurrent[:, slots].flatten(), cache.conv[:, slots].to(cache.recurrent.dtype).flatten()])
+
+
+def send_heads(cache: HybridCache, slots: list[int]) -> None:
+    """A rank > 0 on a prefill side: its heads of `slots`, to rank 0's `gather_heads`."""
+    dist.gather(heads_of(cache, slots), None, dst=0)
+
+
+def gather_heads(cache: HybridCache, pools: HandOffPools, slots: list[int], tp: int) -> None:
+    """Rank 0 on a prefill side: every rank's heads of `slots` into the whole-head landing slots that
+    the connector pushes from. Ranks 0..tp-1 are the TP group of expert group 0 (the mesh orders ranks
+    expert-major), which holds every head once."""
+    mine = heads_of(cache, slots)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.gather(mine, parts, dst=0)
+    split = cache.recurrent[:, slots].numel()
+    recurrent = [part[:split].view(cache.recurrent[:, slots].shape) for part in parts[:tp]]
+    conv = [part[split:].view(cache.conv[:, slots].shape).to(cache.conv.dtype) for part in parts[:tp]]
+    pools.recurrent[:, slots] = torch.cat(recurrent, dim=2)  # [layers, slots, heads, K, V]: heads in rank order
+    per = cache.conv.shape[2] // 3  # [layers, slots, 3P, W-1]: q, k, v channels, each in rank order
+    pools.conv[:, slots] = torch.cat([c.unflatten(2, (3, per)) for c in conv], dim=3).flatten(2, 3)
+
+
+class RankZeroHandOffs:
+    """Rank 0's part of a role's hand-offs over worker ranks (`MultiprocExecutor.hand_off`)."""
+
+    def __init__(self, cache: HybridCache, pools: HybridCache | HandOffPools, tp: int):
+        self.cache, self.pools, self.tp = cache, pools, tp
+
+    def before_step(self, batch: ScheduledBatch) -> tuple[list[LoadedCache], list[torch.Tensor], list[int]]:
+        """(handed-off caches the ranks lack, their bytes, the slots to gather after the forward)."""
+        loaded, messages = loaded_caches(self.cache, self.pools, self.tp, batch)
+        return loaded, messages, pushed_slots(batch) if self.pools is not self.cache else []
+
+    def after_forward(self, slots: list[int]) -> None:
+        if slots:
+            gather_heads(self.cache, self.pools, slots, self.tp)
+

@@ -1,8 +1,8 @@
 """P/D hand-offs with worker ranks (gloo, spawned workers, the real Mooncake transfer engine):
-prefill(ep2) -> decode(1 process) and prefill(1 process) -> decode(ep2 or tp2) give the colocated
-one-process engine's greedy tokens, token for token, for concurrent prompts longer than a block,
-packed and unpacked, with every block and slot back afterwards. A prefill role with `--tp` is
-refused before any worker starts."""
+prefill(ep2 or tp2) -> decode(1 process) and prefill(1 process) -> decode(ep2 or tp2) give the
+colocated one-process engine's greedy tokens, token for token, for concurrent prompts longer than
+a block (and a prefill-side prefix hit), packed and unpacked, with every block and slot back
+afterwards."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import torch
 
 pytest.importorskip("mooncake.engine")
 
-from deltamoe.errors import ConfigError  # noqa: E402
 from deltamoe.model.load import build_model  # noqa: E402
 from deltamoe.model.weights import save_checkpoint  # noqa: E402
 from deltamoe.serve.engine.async_engine import AsyncLLMEngine  # noqa: E402
@@ -80,11 +79,12 @@ def check_moved(decode: LLMEngine, prefill: LLMEngine, prompts) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("staging_bytes", [64 << 20, 0], ids=["packed", "unpacked"])
-def test_prefill_ep2_to_decode_one_process(checkpoint, workload, model, pool, staging_bytes):
+@pytest.mark.parametrize("tp,ep,staging_bytes", [(1, 2, 64 << 20), (1, 2, 0), (2, 1, 64 << 20), (2, 1, 0)],
+                         ids=["ep2", "ep2-unpacked", "tp2", "tp2-unpacked"])
+def test_prefill_with_workers_to_decode_one_process(checkpoint, workload, model, pool, tp, ep, staging_bytes):
     prompts, expected = workload
     prefill_connector = MooncakeConnector(HandOffConfig(staging_bytes=staging_bytes))
-    prefill = engine_with_role(checkpoint, prefill_connector, ep=2)
+    prefill = engine_with_role(checkpoint, prefill_connector, tp=tp, ep=ep)
     pool.engines["p0"] = (AsyncLLMEngine(prefill), prefill_connector)
     connector = MooncakeConnector(HandOffConfig(staging_bytes=staging_bytes), prefill_client=pool.client)
     decode = AsyncLLMEngine(LLMEngine(model, config=EngineConfig(**CONFIG), connector=connector))
@@ -131,11 +131,3 @@ def test_prefill_one_process_to_decode_with_workers(checkpoint, workload, model,
         connector.close()
     check_moved(decode, prefill, prompts)
     assert all(p.poll() is not None for p in processes)  # the decode engine's workers stopped with it
-
-
-def test_prefill_role_with_tp_workers_is_refused_before_any_worker_starts(checkpoint):
-    connector = MooncakeConnector()
-    with pytest.raises(ConfigError) as e:
-        engine_with_role(checkpoint, connector, tp=2)
-    assert e.value.field == "tp" and "prefill role with --tp 2: not yet" in str(e.value)
-    connector.close()

@@ -1,8 +1,8 @@
 """P/D disaggregation with worker ranks, end to end: real `deltamoe serve --role ... --ep 2 | --tp 2`
-processes behind real routers. router -> prefill(--ep 2) -> decode(1 process) and router ->
-prefill(1 process) -> decode(--ep 2 or --tp 2) answer concurrent greedy requests (prompts longer
-than a block, streaming and not) with the colocated one-process engine's text, and every server's
-blocks and state slots are back in their pools afterwards."""
+processes behind real routers. router -> prefill(--ep 2) -> decode(1 process), router -> prefill(1
+process) -> decode(--ep 2) and router -> prefill(--tp 2) -> decode(--tp 2) answer concurrent greedy
+requests (prompts longer than a block, streaming and not) with the colocated one-process engine's
+text, and every server's blocks and state slots are back in their pools afterwards."""
 
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ class Pairs:
 
     LAYOUT = {"prefill_ep": ("prefill", ["--ep", "2"]), "decode_1": ("decode", []),
               "prefill_1": ("prefill", []), "decode_ep": ("decode", ["--ep", "2"]),
-              "decode_tp": ("decode", ["--tp", "2"])}
+              "prefill_tp": ("prefill", ["--tp", "2"]), "decode_tp": ("decode", ["--tp", "2"])}
     ROUTED = {"ep_prefill": ("prefill_ep", "decode_1"), "ep_decode": ("prefill_1", "decode_ep"),
-              "tp_decode": ("prefill_1", "decode_tp")}
+              "tp_both": ("prefill_tp", "decode_tp")}
 
     def __init__(self, ckpt: str):
         self.procs, self.urls = {}, {}
@@ -66,7 +66,7 @@ def pairs(tmp_path_factory, model):  # noqa: F811
     p.close()
 
 
-@pytest.mark.parametrize("router", ["ep_prefill", "ep_decode", "tp_decode"])
+@pytest.mark.parametrize("router", ["ep_prefill", "ep_decode", "tp_both"])
 def test_greedy_through_router_with_workers_equals_colocated(pairs, model, helpers, router):  # noqa: F811
     prompts = helpers.prompts(8, 6, 30, seed=21)
     expected = colocated(model, prompts, 12)
@@ -76,6 +76,6 @@ def test_greedy_through_router_with_workers_equals_colocated(pairs, model, helpe
     assert got == expected
     prefill, decode = Pairs.ROUTED[router]
     assert metric(pairs.urls[decode], "deltamoe_engine_kv_transfer_received") >= 8
-    assert metric(pairs.urls[prefill], "deltamoe_engine_kv_transfer_sent") >= 8  # prefill_1: both routers
+    assert metric(pairs.urls[prefill], "deltamoe_engine_kv_transfer_sent") >= 8
     for name in (prefill, decode):
         assert_nothing_held(pairs.urls[name])
