@@ -6,8 +6,8 @@
 MoE, seeded random weights, the same on every rank). Each layout is `LLMEngine.from_pretrained(MODEL,
 workers=WorkerConfig(tp, ep))`: `--tp 2` / `--ep 2` spawn one worker process beside this one, and
 the ranks share `--threads` torch threads (each rank gets threads / ranks), so every layout uses the
-same cores. Async scheduling (`EngineConfig.async_scheduling`, `--async-scheduling`) runs on one
-process only. The requests go in at once and `step()` runs until all are done; per layout:
+same cores. Async scheduling (`EngineConfig.async_scheduling`, `--async-scheduling`) runs on each
+layout too (rank 0 schedules step N+1 while the ranks run step N). The requests go in at once and `step()` runs until all are done; per layout:
 - output tokens/s over the whole run (best of `--rounds`);
 - TPOT per request: (time of its last token - time of its first) / (tokens - 1), as the outputs
   reach the caller (with async scheduling, one step later than they are computed), mean and p50.
@@ -35,7 +35,8 @@ from deltamoe.serve.executor.config import WorkerConfig  # noqa: E402
 
 # (label, tp, ep, async scheduling)
 LAYOUTS = [("1 process", 1, 1, False), ("1 process, async scheduling", 1, 1, True),
-           ("tp 2", 2, 1, False), ("ep 2", 1, 2, False)]
+           ("tp 2", 2, 1, False), ("ep 2", 1, 2, False),
+           ("tp 2, async scheduling", 2, 1, True), ("ep 2, async scheduling", 1, 2, True)]
 
 
 def make_prompts(n: int, seed: int = 0) -> list[list[int]]:

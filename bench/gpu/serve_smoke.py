@@ -6,7 +6,9 @@ On one CUDA GPU, with the `tiny` preset (seeded random weights) in float32:
 1. the one-process engine (`UniprocExecutor`) generates greedy tokens for 8 prompts: the reference;
 2. the multi-process executor at tp 1 (`start_replica`: a one-rank replica whose process group is
    gloo for control and NCCL for CUDA tensors, as `deltamoe serve --tp N` builds it) must give the
-   same tokens; an NCCL all-reduce on the group proves the NCCL communicator works;
+   same tokens; an NCCL all-reduce on the group proves the NCCL communicator works; the same replica
+   with async scheduling (rank 0's device thread broadcasting each step and its sampled ids over
+   NCCL, `MultiprocExecutor.execute_ahead`) must give them too;
 3. async scheduling (`EngineConfig(async_scheduling=True)`) on CUDA must give the one-step engine's
    tokens, greedy and seeded sampling with stop tokens, and the script prints both engines' output
    tokens/s on 32 prompts x 64 tokens (informational: no pass mark).
@@ -81,17 +83,22 @@ def main() -> int:
     if probe.item() != 1.0:
         fail(f"all-reduce over one rank gave {probe.item()}, expected 1.0")
     replica = LLMEngine(shard, config=config, group=group)
+    replica_ahead = LLMEngine(shard, config=dataclasses.replace(config, async_scheduling=True), group=group)
     try:
         if not isinstance(replica.executor, MultiprocExecutor):
             fail(f"expected the multi-process executor, got {type(replica.executor).__name__}")
         backend = dist.get_backend()
         got = tokens(replica, ps, greedy)
+        got_ahead = tokens(replica_ahead, ps, greedy)
     finally:
+        replica_ahead.shutdown()
         replica.shutdown()
-    if got != reference:
-        fail(f"multi-process executor (tp 1, backend {backend}) differs from one process: "
-             f"{sum(a != b for a, b in zip(got, reference))} of {len(ps)} prompts")
-    print(f"[2/3] multi-process executor, tp 1, backend {backend}: same greedy tokens", flush=True)
+    for name, out in (("", got), (" with async scheduling", got_ahead)):
+        if out != reference:
+            fail(f"multi-process executor{name} (tp 1, backend {backend}) differs from one process: "
+                 f"{sum(a != b for a, b in zip(out, reference))} of {len(ps)} prompts")
+    print(f"[2/3] multi-process executor, tp 1, backend {backend}: same greedy tokens, async scheduling too",
+          flush=True)
 
     # 3. async scheduling on this device
     overlapped = LLMEngine(model, config=dataclasses.replace(config, async_scheduling=True))

@@ -81,9 +81,9 @@ TP_HELP = ("Tensor-parallel ranks: attention heads, MLP widths and the vocabular
 EP_HELP = "Expert-parallel ranks: routed experts split over this many processes (tp * ep processes in all)."
 
 
-def check_workers(model: str, tp: int, ep: int, compile_decode: bool, async_scheduling: bool = False):
+def check_workers(model: str, tp: int, ep: int, compile_decode: bool):
     """The worker layout checked against the model's config before anything loads; None for one process."""
-    from deltamoe.serve.executor.config import WorkerConfig, check_async_scheduling
+    from deltamoe.serve.executor.config import WorkerConfig
     from deltamoe.serve.executor.config import launched_by_torchrun
 
     import os
@@ -100,8 +100,6 @@ def check_workers(model: str, tp: int, ep: int, compile_decode: bool, async_sche
     if compile_decode:
         raise ConfigError("compiled decode runs on one process; drop --compile or --tp/--ep",
                           field="compile_decode")
-    if async_scheduling:
-        check_async_scheduling(multiproc=True, hand_off=False)
     return workers
 
 
@@ -118,7 +116,8 @@ NUM_DRAFT_TOKENS_HELP = "Tokens drafted per step with --speculative (1..3)."
 SPEC_MIN_ACCEPTANCE_HELP = ("With --speculative: a request whose last 8 verifications kept fewer than this share of "
                             "their drafts decodes plainly from then on (0 = never).")
 ASYNC_SCHEDULING_HELP = ("Schedule step N+1 while step N runs, with placeholders for the tokens it has yet to "
-                         "sample (vLLM's async scheduling): the same tokens, outputs one step later. One process.")
+                         "sample (vLLM's async scheduling): the same tokens, outputs one step later. Also with "
+                         "--tp/--ep.")
 ASYNC_SCHEDULING_DECLS = ("--async-scheduling/--no-async-scheduling",)
 # Declared once, shared by the commands that take them (typer builds each command's parameter from it).
 SPECULATIVE_OPTION = typer.Option(None, "--speculative", help=SPECULATIVE_HELP)
@@ -146,7 +145,7 @@ def build_engine(model: str, tokenizer: Optional[str], cache_memory: str, max_nu
                           kv_cache_dtype=kv_cache_dtype, speculative=speculative, num_draft_tokens=num_draft_tokens,
                           spec_min_acceptance=spec_min_acceptance, async_scheduling=async_scheduling)
     load_config(model)  # an unknown model fails here, from its config alone
-    workers = check_workers(model, tp, ep, compile_decode, async_scheduling)
+    workers = check_workers(model, tp, ep, compile_decode)
     from deltamoe.serve.engine.llm_engine import LLMEngine  # imports torch: after every check above
     from deltamoe.threads import apply_threads
 
@@ -383,10 +382,10 @@ def serve_command(
     if async_scheduling:
         from deltamoe.serve.executor.config import check_async_scheduling
 
-        check_async_scheduling(multiproc=False, hand_off=role != "colocated")
+        check_async_scheduling(hand_off=role != "colocated")
     chosen = engine_threads(threads)
     load_config(model)  # an unknown model fails here, from its config alone
-    workers = check_workers(model, tp, ep, compile_decode, async_scheduling)
+    workers = check_workers(model, tp, ep, compile_decode)
     if workers is not None and _torchrun_rank() > 0:
         # A torchrun rank > 0 runs its shard of the model until rank 0 stops (from_pretrained exits).
         from deltamoe.serve.engine.llm_engine import LLMEngine

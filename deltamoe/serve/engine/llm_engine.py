@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from deltamoe.errors import ConfigError, RequestError
+from deltamoe.errors import RequestError
 from deltamoe.model.model import DeltaMoEForCausalLM
 from deltamoe.serve.engine.cache import HybridCache
 from deltamoe.serve.engine.compiled_decode import WarmUpRound, warm_up_rounds
@@ -29,7 +29,7 @@ from deltamoe.serve.engine.runner import ModelRunner, StepResult
 from deltamoe.serve.engine.sampling import SamplingParams
 from deltamoe.serve.engine.scheduler import Scheduler
 from deltamoe.serve.executor.base import Executor
-from deltamoe.serve.executor.config import WorkerConfig, check_async_scheduling, launched_by_torchrun
+from deltamoe.serve.executor.config import WorkerConfig, launched_by_torchrun
 from deltamoe.serve.executor.group import RankGroup
 from deltamoe.serve.executor.multiproc import MultiprocExecutor
 from deltamoe.serve.executor.overlap import OverlappedSteps
@@ -58,18 +58,24 @@ class LLMEngine:
         self.max_model_len = self.config.max_model_len or model.config.max_position_embeddings
         self.cache = HybridCache(model.config, self.config, self.max_model_len, dtype=model.dtype, device=model.device,
                                  tp_size=group.dims.tp if group is not None else 1)
-        if connector is not None and group is not None:
-            raise ConfigError("a prefill/decode role runs on one process: drop --tp/--ep or the role",
-                              field="kv_transfer")
+        pools = self.cache  # what the connector registers and hands off
+        if connector is not None and group is not None:  # rank 0's copy travels (kv_transfer/worker_state.py)
+            from deltamoe.serve.kv_transfer.worker_state import hand_off_pools
+
+            pools = hand_off_pools(self.cache, group.dims.tp)
         self.connector = connector
         if connector is not None:
-            connector.bind(self.cache, model.config)
+            connector.bind(pools, model.config)
         self.scheduler = Scheduler(self.config, self.cache, connector)
         self.runner = ModelRunner(model, self.cache, compiled_decode=self.config.compile_decode)
         if self.config.speculative is not None:  # MTP drafts verified in one forward (serve/spec_decode/)
             self.runner = speculative_runner(model, self.cache, self.config, min(
                 self.max_model_len, self.cache.max_tokens_per_sequence()), group is not None, connector)
         self.executor: Executor = UniprocExecutor(self.runner) if group is None else MultiprocExecutor(self.runner, group)
+        if connector is not None and group is not None:  # the ranks get handed-off caches from rank 0
+            from deltamoe.serve.kv_transfer.worker_state import RankZeroHandOffs
+
+            self.executor.hand_off = RankZeroHandOffs(self.cache, pools, group.dims.tp)
         # One-step-ahead scheduling: step N+1 is scheduled while step N runs (None: one step at a time).
         self.overlap = OverlappedSteps(self.executor, self.scheduler, self._take_token, connector) \
             if self.config.async_scheduling else None
@@ -100,8 +106,6 @@ class LLMEngine:
         if workers is not None and (workers.world_size > 1 or launched_by_torchrun()):
             from deltamoe.serve.executor.launch import start_replica
 
-            if config is not None and config.async_scheduling:
-                check_async_scheduling(multiproc=True, hand_off=False)  # before any rank starts
             config = config or EngineConfig()
             started = start_replica(source, config, workers, dtype, str(device))
             if started is None:

@@ -7,13 +7,17 @@ tp * ep ranks (rank 0 is this process). Both return the same `StepResult`s for t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 import torch
 
-from deltamoe.serve.engine.runner import ModelRunner, StepResult
+from deltamoe.serve.engine.runner import ModelCall, ModelRunner, StepResult
 from deltamoe.serve.engine.scheduler import ScheduledBatch
+from deltamoe.serve.executor.placeholders import Fill
+
+T = TypeVar("T")
 
 
 class WorkerDiedError(RuntimeError):
@@ -39,6 +43,13 @@ class Executor(Protocol):
     healthy: bool  # False once no step can run any more
 
     def execute(self, batch: ScheduledBatch) -> list[StepResult]:
+        ...
+
+    def execute_ahead(self, state_ops: list[tuple[int | None, int]], calls: list[ModelCall],
+                      fills: list[Fill | None], earlier: torch.Tensor | None, run: Callable[[], T]) -> T:
+        """A step rank 0 planned one step ahead (`overlap.py`, on its device thread): tell the other ranks
+        (its state-slot writes, its calls, and `earlier`, the previous step's sampled ids that `fills`
+        put in place of its placeholders), then `run` this process's part and return its result."""
         ...
 
     def check_health(self) -> None:

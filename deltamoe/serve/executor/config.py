@@ -50,12 +50,8 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def check_async_scheduling(multiproc: bool, hand_off: bool) -> None:
+def check_async_scheduling(hand_off: bool) -> None:
     """Where one-step-ahead scheduling (`overlap.py`) cannot run yet: ConfigError naming the field."""
-    if multiproc:
-        raise ConfigError("async scheduling runs on one process for now (the worker ranks would also need each "
-                          "step's sampled ids)", field="async_scheduling", hint="drop --async-scheduling or --tp/--ep")
     if hand_off:
         raise ConfigError("async scheduling runs on a colocated engine only (a prefill/decode hand-off moves cache "
                           "pages between steps)", field="async_scheduling", hint="drop --async-scheduling or the role")
-

@@ -32,6 +32,7 @@ from deltamoe.parallel.dims import ParallelDims
 from deltamoe.parallel.mesh import ParallelMesh, build_mesh
 from deltamoe.serve.engine.runner import ModelCall
 from deltamoe.serve.executor.config import WorkerConfig, launched_by_torchrun
+from deltamoe.serve.executor.placeholders import Fill
 from deltamoe.serve.executor.sharding import shard_for_serving
 
 # The control group waits for rank 0's next step as long as the server idles.
@@ -45,6 +46,16 @@ class StepMessage:
     state_ops: list[tuple[int | None, int]]  # state-slot writes to replay first (`HybridCache.apply_state_ops`)
     calls: list[ModelCall]
     report: bool = False  # after the calls, gather every rank's `RankStats` to rank 0
+    # One-step-ahead steps (`overlap.py`): where the calls' placeholders come from, and how many sampled
+    # ids rank 0 broadcasts right after this message (0: none, the calls' ids are whole).
+    fills: list[Fill | None] | None = None
+    earlier_rows: int = 0
+    # A P/D role: handed-off caches rank 0 broadcasts right after this message, before any sampled ids
+    # (`kv_transfer/worker_state.LoadedCache`); every rank scatters them into its cache.
+    loaded: list | None = None
+    # A P/D prefill role over --tp ranks: after the calls, every rank sends its heads of these state
+    # slots to rank 0 (`worker_state.send_heads`), whose push reads them whole.
+    gather_slots: list[int] | None = None
 
 
 @dataclass

@@ -16,17 +16,22 @@ from __future__ import annotations
 import atexit
 import threading
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
+import torch
 import torch.distributed as dist
 
-from deltamoe.serve.engine.runner import ModelRunner, StepResult
+from deltamoe.serve.engine.runner import ModelCall, ModelRunner, StepResult
 from deltamoe.serve.engine.scheduler import ScheduledBatch
 from deltamoe.serve.executor.base import RankReport, WorkerDiedError
 from deltamoe.serve.executor.group import RankGroup, RankStats, StepMessage, StopMessage
+from deltamoe.serve.executor.placeholders import Fill
 from deltamoe.serve.executor.weight_sync import WeightsMessage, load_full_weights, tp_coordinate
 
 REPORT_INTERVAL_S = 1.0  # how often the ranks' step times are gathered (a step with report=True)
 _WATCH_INTERVAL_S = 0.2
+T = TypeVar("T")
 
 
 class MultiprocExecutor:
@@ -41,6 +46,12 @@ class MultiprocExecutor:
         self._stats = [RankStats(rank) for rank in range(group.world_size)]
         self._last_report = 0.0
         self._lock = threading.Lock()
+        # One message at a time on the ranks' channels: with async scheduling the steps go out from
+        # the device thread while weight updates and shutdown come from the engine's thread.
+        self._control = threading.Lock()
+        # A P/D role (`kv_transfer/worker_state.RankZeroHandOffs`): before a step, the caches that reached
+        # rank 0 alone (their bytes follow the step's message) and the state slots to gather after it.
+        self.hand_off = None
         self._watchdog = threading.Thread(target=self._watch, name="deltamoe-worker-watch", daemon=True)
         self._watchdog.start()
         atexit.register(self.shutdown)
@@ -49,20 +60,49 @@ class MultiprocExecutor:
     def execute(self, batch: ScheduledBatch) -> list[StepResult]:
         self.check_health()
         calls = self.runner.plan(batch)
-        now = time.monotonic()
-        report = now - self._last_report >= REPORT_INTERVAL_S
-        try:
-            self.group.broadcast(StepMessage(self.runner.cache.take_state_ops(), [c for _, c in calls], report))
-            start = time.perf_counter()
+        message = StepMessage(self.runner.cache.take_state_ops(), [c for _, c in calls])
+        tensors: list[torch.Tensor] = []
+        if self.hand_off is not None:
+            message.loaded, tensors, message.gather_slots = self.hand_off.before_step(batch)
+
+        def run() -> list[StepResult]:
             results = self.runner.run(batch, calls)
-            own = self._stats[0]
-            own.last_step_seconds = time.perf_counter() - start
-            own.forward_seconds_total += own.last_step_seconds
-            own.steps += 1
-            if report:
-                gathered = self.group.gather_stats(own)
-                self._stats = list(gathered) if gathered is not None else self._stats
-                self._last_report = now
+            if message.gather_slots:
+                self.hand_off.after_forward(message.gather_slots)
+            return results
+
+        return self._step(message, tensors, run)
+
+    def execute_ahead(self, state_ops: list[tuple[int | None, int]], calls: list[ModelCall],
+                      fills: list[Fill | None], earlier: torch.Tensor | None, run: Callable[[], T]) -> T:
+        """A step planned one step ahead (`overlap.py`'s device thread): the ranks fill the calls'
+        placeholders from `earlier`, which follows the step's message as a tensor broadcast."""
+        self.check_health()
+        if earlier is None or all(fill is None for fill in fills):
+            return self._step(StepMessage(state_ops, calls), [], run)
+        earlier = earlier.to(torch.long).contiguous()
+        return self._step(StepMessage(state_ops, calls, fills=fills, earlier_rows=len(earlier)), [earlier], run)
+
+    def _step(self, message: StepMessage, tensors: list[torch.Tensor], run: Callable[[], T]) -> T:
+        """Tell every rank the step (its message, then `tensors` in the order the workers take them), run
+        rank 0's part (`run`), gather the ranks' times now and then."""
+        now = time.monotonic()
+        message.report = report = now - self._last_report >= REPORT_INTERVAL_S
+        try:
+            with self._control:
+                self.group.broadcast(message)
+                for tensor in tensors:
+                    dist.broadcast(tensor, src=0)
+                start = time.perf_counter()
+                results = run()
+                own = self._stats[0]
+                own.last_step_seconds = time.perf_counter() - start
+                own.forward_seconds_total += own.last_step_seconds
+                own.steps += 1
+                if report:
+                    gathered = self.group.gather_stats(own)
+                    self._stats = list(gathered) if gathered is not None else self._stats
+                    self._last_report = now
         except Exception as e:
             self._fail(f"a step failed across the workers ({e})")
             raise WorkerDiedError(self._dead) from e
@@ -73,9 +113,10 @@ class MultiprocExecutor:
         since the ranks may now hold different weights."""
         self.check_health()
         try:
-            self.group.broadcast(WeightsMessage(tensors))
-            tp = self.group.dims.tp
-            load_full_weights(self.runner.model, tensors, tp_coordinate(self.group.mesh, tp), tp)
+            with self._control:
+                self.group.broadcast(WeightsMessage(tensors))
+                tp = self.group.dims.tp
+                load_full_weights(self.runner.model, tensors, tp_coordinate(self.group.mesh, tp), tp)
         except Exception as e:
             self._fail(f"a weight update failed across the workers ({e})")
             raise WorkerDiedError(self._dead) from e
@@ -128,12 +169,14 @@ class MultiprocExecutor:
         alive = self._dead is None
         with self._lock:
             self._dead = self._dead or "the model workers were shut down"
-        if alive:
+        deadline = time.monotonic() + timeout_s
+        if alive and self._control.acquire(timeout=timeout_s):  # after a step still in flight, if any
             try:
                 self.group.broadcast(StopMessage())
             except Exception:
                 pass
-        deadline = time.monotonic() + timeout_s
+            finally:
+                self._control.release()
         for process in self.group.processes:
             try:
                 process.wait(max(0.0, deadline - time.monotonic()))

@@ -25,7 +25,13 @@ What makes the late view safe:
   which a KDA prefix snapshot is taken (the copy must read the state that step leaves), and a step
   sampling with presence/frequency penalties (they read every earlier token on the host).
 Tokens, seeded draws and preemption order are therefore the one-step engine's (tests/serve/executor/
-test_overlap.py). One process only: worker ranks would need each step's sampled ids as well.
+test_overlap.py).
+
+With tp * ep worker ranks (`MultiprocExecutor`) the device thread is where rank 0 tells the ranks each
+step (`execute_ahead`): the step's state-slot writes and calls, placeholders included, then the
+previous step's sampled ids as a tensor, from which every rank fills the placeholders alike
+(`placeholders.py`). The host keeps scheduling step N+1 while the ranks run step N; only the device
+thread talks to the ranks while steps are in flight.
 """
 
 from __future__ import annotations
@@ -43,17 +49,7 @@ from deltamoe.serve.engine.scheduler import ScheduledBatch, Scheduler
 from deltamoe.serve.engine.sequence import Sequence
 from deltamoe.serve.executor.base import Executor
 from deltamoe.serve.executor.config import check_async_scheduling
-from deltamoe.serve.executor.uniproc import UniprocExecutor
-
-PLACEHOLDER = -1  # a token a step in flight has yet to sample
-
-
-@dataclass
-class _Fill:
-    """Placeholders of one call's inputs: flat input positions <- rows of the previous step's sampled ids."""
-
-    positions: list[int]
-    rows: list[int]
+from deltamoe.serve.executor.placeholders import PLACEHOLDER, Fill, filled_inputs
 
 
 @dataclass
@@ -63,7 +59,7 @@ class _Work:
     state_ops: list[tuple[int | None, int]]
     calls: list[tuple[list[tuple[Sequence, int]], ModelCall]]
     rows: list[list[int]]  # per call, the rows it samples
-    fills: list[_Fill | None]  # per call
+    fills: list[Fill | None]  # per call
     params: list[SamplingParams]  # per sampled row
     outputs: list[list[int]]  # per sampled row: the output ids so far (read by penalties only)
     generators: list[torch.Generator]
@@ -97,7 +93,8 @@ class OverlappedSteps:
                  take_token: Callable[[Sequence, int, TokenLogprob | None], RequestOutput],
                  connector: object | None = None):
         """`take_token`: the engine's processing of a sampled token already placed in the sequence."""
-        check_async_scheduling(multiproc=not isinstance(executor, UniprocExecutor), hand_off=connector is not None)
+        check_async_scheduling(hand_off=connector is not None)
+        self.executor = executor
         self.runner = executor.runner
         self.scheduler = scheduler
         self.cache = executor.runner.cache
@@ -161,7 +158,7 @@ class OverlappedSteps:
         return _InFlight(list(batch.items), computed_after, [seq.num_preemptions for seq, _ in batch.items],
                          sampled, result, alone)
 
-    def _fill(self, call: ModelCall, group: list[tuple[Sequence, int]]) -> _Fill | None:
+    def _fill(self, call: ModelCall, group: list[tuple[Sequence, int]]) -> Fill | None:
         """Where `call` takes a placeholder as input: only decode rows do (a sequence with a token in
         flight has nothing else left to compute), each from the step in flight."""
         if max(call.counts) != 1 or PLACEHOLDER not in call.token_ids:
@@ -170,25 +167,24 @@ class OverlappedSteps:
             raise RuntimeError("a placeholder input with no step in flight")
         row_of = {id(seq): row for row, seq in enumerate(self._in_flight.sampled)}
         positions = [i for i, token in enumerate(call.token_ids) if token == PLACEHOLDER]
-        return _Fill(positions, [row_of[id(group[i][0])] for i in positions])
+        return Fill(positions, [row_of[id(group[i][0])] for i in positions])
 
     # ------------------------------------------------------------------ run (device thread)
     @torch.inference_mode()
     def _run(self, work: _Work, previous: Future[_Sampled] | None) -> _Sampled:
-        runner = self.runner
-        self.cache.apply_state_ops(work.state_ops)
-        inputs: list[torch.Tensor | None] | None = None
+        earlier = None
         if any(fill is not None for fill in work.fills):
             earlier = previous.result().tokens  # done: this thread ran it just before
-            inputs = []
-            for (_, call), fill in zip(work.calls, work.fills):
-                if fill is None:
-                    inputs.append(None)
-                    continue
-                ids = torch.tensor(call.token_ids, device=runner.device)
-                positions = torch.tensor(fill.positions, device=runner.device)
-                ids[positions] = earlier[torch.tensor(fill.rows, device=runner.device)]
-                inputs.append(ids.view(len(call.counts), -1))
+        return self.executor.execute_ahead(work.state_ops, [call for _, call in work.calls], work.fills, earlier,
+                                           lambda: self._run_here(work, earlier))
+
+    def _run_here(self, work: _Work, earlier: torch.Tensor | None) -> _Sampled:
+        """This process's part of the step: replay the state writes, fill the placeholders, run, sample."""
+        runner = self.runner
+        self.cache.apply_state_ops(work.state_ops)
+        inputs = None
+        if earlier is not None:
+            inputs = filled_inputs([call for _, call in work.calls], work.fills, earlier, runner.device)
         logits, _ = runner.last_logits(work.calls, work.rows, inputs)
         if logits is None:
             return _Sampled(None, None, None, [])

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 from deltamoe.serve.engine.runner import ModelRunner, StepResult
 from deltamoe.serve.engine.scheduler import ScheduledBatch
 from deltamoe.serve.executor.base import RankReport
 from deltamoe.serve.executor.weight_sync import load_full_weights
+
+T = TypeVar("T")
 
 
 class UniprocExecutor:
@@ -14,6 +19,9 @@ class UniprocExecutor:
 
     def execute(self, batch: ScheduledBatch) -> list[StepResult]:
         return self.runner.execute(batch)
+
+    def execute_ahead(self, state_ops, calls, fills, earlier, run: Callable[[], T]) -> T:
+        return run()  # no other rank to tell
 
     healthy = True
 

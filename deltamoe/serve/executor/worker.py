@@ -27,6 +27,7 @@ from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.runner import ModelRunner
 from deltamoe.serve.executor.group import (RankGroup, RankStats, StepMessage, StopMessage, WorkerSpec, build_shard,
                                            join_spawned)
+from deltamoe.serve.executor.placeholders import filled_inputs
 from deltamoe.serve.executor.weight_sync import WeightsMessage, load_full_weights, tp_coordinate
 
 
@@ -55,8 +56,22 @@ def serve_steps(spec: WorkerSpec, group: RankGroup) -> None:
             assert isinstance(message, StepMessage)
             start = time.perf_counter()
             cache.apply_state_ops(message.state_ops)
-            for call in message.calls:
-                runner.forward(call)
+            if message.loaded:  # caches handed off to rank 0 that this step first runs (a decode role)
+                from deltamoe.serve.kv_transfer.worker_state import receive_loaded_caches
+
+                receive_loaded_caches(cache, message.loaded, group.device, tp_coordinate(group.mesh, group.dims.tp),
+                                      group.dims.tp)
+            inputs: list[torch.Tensor | None] = [None] * len(message.calls)
+            if message.earlier_rows:  # a one-step-ahead step: rank 0's previous sampled ids follow
+                earlier = torch.empty(message.earlier_rows, dtype=torch.long, device=group.device)
+                dist.broadcast(earlier, src=0)
+                inputs = filled_inputs(message.calls, message.fills, earlier, group.device)
+            for call, ids in zip(message.calls, inputs):
+                runner.forward(call, ids)
+            if message.gather_slots:  # a prefill role over --tp ranks: rank 0 pushes these states whole
+                from deltamoe.serve.kv_transfer.worker_state import send_heads
+
+                send_heads(cache, message.gather_slots)
             stats.last_step_seconds = time.perf_counter() - start
             stats.forward_seconds_total += stats.last_step_seconds
             stats.steps += 1
