@@ -3,7 +3,9 @@
 - MXFP4 (native K3): the E2M1 codes and E8M0 scales of every expert stay as loaded (0.53
   byte per weight, about a quarter of bf16) and an expert is dequantised to the activation
   dtype only when tokens are routed to it (no mature CPU MXFP4 matmul exists).
-- INT4 (int4 / w4a8): each expert projection is an `Int4Linear` running the CPU int4 kernel.
+- INT4 W4A16 with the CPU int4 kernel: an `Int4ExpertStack` (every expert's operands in one
+  tensor, so a one-token step runs its k experts in two kernel calls).
+- INT4 otherwise (w4a8, or the dequantising reference): each expert projection is an `Int4Linear`.
 
 It replaces `RoutedExperts` (same place in the module tree, `block_sparse_moe.experts`) and
 `packed_local_experts` replaces the MoE's dispatcher.
@@ -16,13 +18,13 @@ from torch import nn
 
 from deltamoe.config import ModelConfig
 from deltamoe.errors import CheckpointError
+from deltamoe.model.int4_expert_stack import PROJECTIONS, Int4ExpertStack
 from deltamoe.model.quant_scheme import PARTS, QuantScheme
 from deltamoe.model.quantized_linear import Int4Linear
 from deltamoe.ops.activations import glu
+from deltamoe.ops.int4_matmul import has_int4_cpu_kernel
 from deltamoe.ops.packed_experts import experts_forward_by_expert
 from deltamoe.ops.quant import MXFP4_GROUP, dequantize_mxfp4, dequantize_mxfp4_bf16
-
-PROJECTIONS = ("w1", "w3", "w2")  # gate, up [I, D']; down [D', I]
 
 
 class PackedExperts(nn.Module):
@@ -33,7 +35,11 @@ class PackedExperts(nn.Module):
         e, i, d = config.num_experts, config.moe_intermediate_size, config.expert_dim
         self.shapes = {"w1": (i, d), "w3": (i, d), "w2": (d, i)}  # [out, in] per expert
         self.num_experts = e
-        if scheme.weight_format == "int4":
+        self.stack: Int4ExpertStack | None = None
+        if scheme.weight_format == "int4" and scheme.activations is None \
+                and (has_int4_cpu_kernel() if use_kernel is None else use_kernel):
+            self.stack = Int4ExpertStack(config, scheme)
+        elif scheme.weight_format == "int4":
             self.linears = nn.ModuleDict({w: nn.ModuleList(Int4Linear(s[1], s[0], scheme, use_kernel)
                                                         for _ in range(e))
                                           for w, s in self.shapes.items()})
@@ -49,7 +55,9 @@ class PackedExperts(nn.Module):
             raise CheckpointError(f"expert index {expert} out of range (num_experts={self.num_experts})", field=name)
         if part not in PARTS[self.scheme.weight_format]:
             raise CheckpointError(f"unexpected tensor {name} for {self.scheme.weight_format} experts", field=name)
-        if self.scheme.weight_format == "int4":
+        if self.stack is not None:
+            self.stack.load_part(name, proj, expert, part, tensor)
+        elif self.scheme.weight_format == "int4":
             self.linears[proj][expert].load_part(name, part, tensor)
         else:
             rows, cols = self.shapes[proj]
@@ -81,6 +89,8 @@ class PackedExperts(nn.Module):
 
     def expert_mlp(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         c = self.config
+        if self.stack is not None:
+            return self.stack.expert_mlp(expert, x)
         if self.scheme.weight_format == "int4":
             lin = {w: self.linears[w][expert] for w in PROJECTIONS}
             hidden = glu(lin["w1"](x), lin["w3"](x), c.hidden_act, c.situ_beta, c.situ_linear_beta)
@@ -89,9 +99,13 @@ class PackedExperts(nn.Module):
         return glu(x @ w1.T, x @ w3.T, c.hidden_act, c.situ_beta, c.situ_linear_beta) @ w2.T
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        if self.stack is not None:
+            return self.stack(x, weights, indices)
         return experts_forward_by_expert(x, weights, indices, self.num_experts, self.expert_mlp)
 
     def resident_bytes(self) -> int:
+        if self.stack is not None:
+            return self.stack.resident_bytes()
         if self.scheme.weight_format == "int4":
             return sum(m.resident_bytes() for m in self.linears.modules() if isinstance(m, Int4Linear))
         return sum(t.numel() * t.element_size() for t in [*self.packed.values(), *self.scale.values()])

@@ -9,6 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from deltamoe.model.ffn import MoE, RoutedExperts
+from deltamoe.model.int4_expert_stack import Int4ExpertStack
 from deltamoe.model.model import DeltaMoEForCausalLM
 from deltamoe.model.packed_experts import PackedExperts, packed_local_experts
 from deltamoe.model.quant_scheme import QuantScheme
@@ -54,6 +55,7 @@ def resident_weight_bytes(model: nn.Module) -> int:
             seen.add(id(t))
             total += t.numel() * t.element_size()
     for m in model.modules():  # int4 experts are Int4Linear modules themselves: counted once, here
-        if isinstance(m, Int4Linear) or (isinstance(m, PackedExperts) and m.scheme.weight_format == "mxfp4"):
+        if isinstance(m, (Int4Linear, Int4ExpertStack)) or \
+                (isinstance(m, PackedExperts) and m.scheme.weight_format == "mxfp4"):
             total += m.resident_bytes()
     return total

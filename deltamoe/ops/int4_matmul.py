@@ -57,18 +57,20 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------ int4 weight-only
 
 
-def int4_kernel_weight(packed: torch.Tensor, scale: torch.Tensor, group_size: int = INT4_GROUP
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def int4_kernel_weight(packed: torch.Tensor, scale: torch.Tensor, group_size: int = INT4_GROUP,
+                       row_multiple: int = _KERNEL_N_MULTIPLE) -> tuple[torch.Tensor, torch.Tensor]:
     """(u8 [N, K/2], bf16 [N, K/g]) -> (the CPU kernel's u8 weight, bf16 scales_and_zeros [K/g, N, 2]).
 
     The kernel's byte layout is private to torch's CPU build (blocked by output rows), so it
     is produced by torch's own converter from the unsigned codes; zero is 0 (symmetric). The
-    converter wants N a multiple of 16: extra rows get zero scales (their outputs are 0) and
-    `int4_matmul` drops them.
+    converter wants N a multiple of 16 (`row_multiple`, a multiple of 16, rounds further): extra
+    rows get zero scales (their outputs are 0) and `int4_matmul` drops them.
     """
     if group_size not in INT4_KERNEL_GROUPS:
         raise ValueError(f"group_size: the CPU int4 kernel takes {INT4_KERNEL_GROUPS}, got {group_size}")
-    pad = -packed.shape[0] % _KERNEL_N_MULTIPLE
+    if row_multiple % _KERNEL_N_MULTIPLE:
+        raise ValueError(f"row_multiple: expected a multiple of {_KERNEL_N_MULTIPLE}, got {row_multiple}")
+    pad = -packed.shape[0] % row_multiple
     codes = F.pad(_signed_codes(packed), (0, 0, 0, pad)) + _INT4_OFFSET
     weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
     scales = F.pad(scale.to(torch.bfloat16), (0, 0, 0, pad)).t()

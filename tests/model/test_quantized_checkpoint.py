@@ -15,6 +15,8 @@ from deltamoe.model.packed_experts import PackedExperts
 from deltamoe.model.quant_scheme import make_scheme, scheme_from_config, scheme_to_config
 from deltamoe.model.quantize_modules import resident_weight_bytes
 from deltamoe.model.quantized_linear import Int4Linear
+from deltamoe.ops import int4_experts
+from deltamoe.ops.int4_experts import kernel_block_rows
 from deltamoe.quantize.checkpoint import quantize_checkpoint
 from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.llm_engine import LLMEngine
@@ -107,6 +109,27 @@ def test_engine_greedy_output_equals_the_reference_model(checkpoints, key):
         runs.append([c.token_ids for c in engine.generate(prompts, params, progress=False)])
     assert runs[0] == runs[1]
     assert all(len(t) == 10 for t in runs[0])
+
+
+@pytest.mark.skipif(kernel_block_rows() is None, reason="no CPU int4 kernel with a known layout")
+def test_batch_one_decode_runs_the_gathered_experts_and_equals_the_reference(checkpoints, monkeypatch):
+    """One sequence decodes one token a step: each MoE layer runs its top-k int4 experts in two
+    kernel calls on gathered operands; greedy tokens equal the dequantising reference model's."""
+    model = load_model(checkpoints["int4"])
+    assert all(m.stack is not None for m in model.modules() if isinstance(m, PackedExperts))
+    w4a8 = load_model(checkpoints["w4a8-fp8"])
+    assert all(m.stack is None for m in w4a8.modules() if isinstance(m, PackedExperts))
+    calls = []
+    one_token = int4_experts.int4_experts_one_token
+    monkeypatch.setattr(int4_experts, "int4_experts_one_token", lambda *a, **k: calls.append(1) or one_token(*a, **k))
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompt = [256, 72, 101, 108, 108, 111]
+    runs = []
+    for m in (model, load_model(checkpoints["int4"], quant_kernels=False)):
+        engine = LLMEngine(m, config=EngineConfig(cache_memory="8MiB", max_num_seqs=1))
+        runs.append(engine.generate([prompt], params, progress=False)[0].token_ids)
+    assert runs[0] == runs[1] and len(runs[0]) == 12
+    assert len(calls) == 11 * 7  # 11 decode steps x the trunk's 7 MoE layers (the MTP layer does not run)
 
 
 def test_missing_quantized_tensor_names_it(checkpoints, tmp_path):

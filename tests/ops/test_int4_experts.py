@@ -1,0 +1,99 @@
+"""Stacked int4 experts (two kernel calls per expert, two per one-token step) against the dense
+reference on the dequantised weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltamoe.ops import int4_experts as ie
+from deltamoe.ops.int4_matmul import has_int4_cpu_kernel
+from deltamoe.ops.moe import experts_forward_reference, route_tokens
+from deltamoe.ops.packed_experts import experts_forward_by_expert
+from deltamoe.ops.quant import dequantize_int4, quantize_int4
+
+pytestmark = pytest.mark.skipif(not has_int4_cpu_kernel(), reason="torch build lacks the CPU int4 kernel")
+
+
+def _experts(e: int, d: int, i: int, group: int, seed: int):
+    """Random quantized experts -> (stacked kernel operands, dequantised fp32 w1, w3, w2)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = {w: [quantize_int4(torch.randn(*shape, generator=gen) * 0.3, group) for _ in range(e)]
+         for w, shape in (("w1", (i, d)), ("w3", (i, d)), ("w2", (d, i)))}
+    gate_up = [ie.gate_up_operand(q["w1"][j], q["w3"][j], group) for j in range(e)]
+    down = [ie.down_operand(q["w2"][j], group) for j in range(e)]
+    ops = (torch.stack([w for w, _ in gate_up]), torch.stack([s for _, s in gate_up]),
+           torch.stack([w for w, _ in down]), torch.stack([s for _, s in down]))
+    dense = [torch.stack([dequantize_int4(p, s, group, dtype=torch.float32) for p, s in q[w]])
+             for w in ("w1", "w3", "w2")]
+    return ops, dense
+
+
+def _reference(x, weights, indices, dense, act):
+    """The int4 contract written out: bf16 activations into each matmul, fp32 weighted sum."""
+    w1, w3, w2 = dense
+    return experts_forward_reference(x.bfloat16().float(), weights, indices, w1, w3, w2, act=act)
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def test_the_probe_finds_the_block_layout_this_build_uses():
+    assert ie.kernel_block_rows() in (64, 32, 16)
+
+
+# (e, k, d, i, group, act): small and odd shapes; d = 96 pads the down operand's rows to 128.
+SHAPES = [(8, 2, 64, 96, 32, "situ"), (16, 4, 128, 256, 128, "silu"), (5, 3, 96, 64, 32, "situ"),
+          (32, 8, 256, 256, 128, "situ")]
+
+
+@pytest.mark.parametrize("e,k,d,i,group,act", SHAPES)
+def test_one_token_step_matches_the_reference(e, k, d, i, group, act):
+    (w13, sz13, w2, sz2), dense = _experts(e, d, i, group, seed=e + d)
+    for trial in range(3):  # fresh inputs and routings
+        gen = torch.Generator().manual_seed(100 * trial + e)
+        x = torch.randn(1, d, generator=gen)
+        weights, indices = route_tokens(torch.randn(1, e, generator=gen), None, k)
+        got = ie.int4_experts_one_token(x, weights, indices, w13, sz13, w2, sz2, i, d, group,
+                                        ie.kernel_block_rows(), act)
+        ref = _reference(x, weights, indices, dense, act)
+        assert got.shape == (1, d) and got.dtype == torch.float32
+        # bf16 rounding of the hidden rows and of the summed output: a few 2^-9 steps.
+        assert _rel_err(got, ref) < 2**-7
+        by_expert = experts_forward_by_expert(
+            x.bfloat16(), weights, indices, e,
+            lambda j, rows: ie.int4_expert_mlp(rows, w13[j], sz13[j], w2[j], sz2[j], i, d, group, act))
+        assert _rel_err(got, by_expert) < 2**-7
+
+
+@pytest.mark.parametrize("e,k,d,i,group,act", SHAPES[:3])
+def test_expert_by_expert_matches_the_reference(e, k, d, i, group, act):
+    (w13, sz13, w2, sz2), dense = _experts(e, d, i, group, seed=e)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(11, d, generator=gen)
+    weights, indices = route_tokens(torch.randn(11, e, generator=gen), None, k)
+    used = set()
+
+    def mlp(j, rows):
+        used.add(j)
+        return ie.int4_expert_mlp(rows, w13[j], sz13[j], w2[j], sz2[j], i, d, group, act)
+
+    got = experts_forward_by_expert(x, weights, indices, e, mlp)
+    assert _rel_err(got, _reference(x, weights, indices, dense, act)) < 2**-7
+    assert used == set(indices.flatten().tolist())
+
+
+def test_one_token_step_reads_only_the_selected_experts():
+    """Experts outside the top-k hold garbage (NaN scales): the step must not see them."""
+    e, k, d, i, group = 8, 2, 64, 96, 32
+    (w13, sz13, w2, sz2), dense = _experts(e, d, i, group, seed=3)
+    x = torch.randn(1, d, generator=torch.Generator().manual_seed(1))
+    weights, indices = torch.tensor([[0.7, 0.3]]), torch.tensor([[5, 2]])
+    unused = [j for j in range(e) if j not in (5, 2)]
+    sz13, sz2 = sz13.clone(), sz2.clone()
+    sz13[unused], sz2[unused] = float("nan"), float("nan")
+    got = ie.int4_experts_one_token(x, weights, indices, w13, sz13, w2, sz2, i, d, group,
+                                    ie.kernel_block_rows(), "situ")
+    assert torch.isfinite(got).all()
+    assert _rel_err(got, _reference(x, weights, indices, dense, "situ")) < 2**-7
