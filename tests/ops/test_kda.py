@@ -9,6 +9,7 @@ from types import ModuleType
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -113,6 +114,38 @@ def test_groups_of_chunks_carry_the_state(monkeypatch: pytest.MonkeyPatch, group
     state = torch.randn(2, 2, 6, 5)
     o_ref, s_ref = recurrent_kda(**x, initial_state=state, output_final_state=True, use_qk_l2norm=True)
     o, s = chunk_kda(**x, initial_state=state, output_final_state=True, use_qk_l2norm=True, chunk_size=16)
+    assert_rel_close(o, o_ref, 1e-5)
+    assert_rel_close(s, s_ref, 1e-5)
+
+
+def test_centering_matrix_gives_the_decay_from_the_chunk_middle() -> None:
+    """(A g)_i = H_i - H_last / 2 with H_i = g_1 + ... + g_i: the exponents of the factorized scores."""
+    g = -torch.rand(3, 8, 2, generator=torch.Generator().manual_seed(31), dtype=torch.float64)
+    decay = F.pad(g[:, 1:].cumsum(1), (0, 0, 1, 0))  # H, g_0 left out
+    expected = decay - decay[:, -1:] / 2
+    assert (kda_module._centering_matrix(8, torch.float64) @ g - expected).abs().max() <= 1e-15
+
+
+@pytest.mark.parametrize("gate", GATES)
+def test_chunk_matches_recurrent_at_the_real_head_size(gate: str) -> None:
+    """K = V = 128 (K3), chunks of 64 (softplus) and 32 (lower_bound: its decays halve them), a
+    partial last chunk."""
+    x = make_inputs(1, 150, 2, 128, 128, gate=gate, seed=37, a_log_range=(-4.0, -2.0))
+    state = torch.randn(1, 2, 128, 128, generator=torch.Generator().manual_seed(38))
+    o_ref, s_ref = recurrent_kda(**x, initial_state=state, output_final_state=True, use_qk_l2norm=True)
+    o, s = chunk_kda(**x, initial_state=state, output_final_state=True, use_qk_l2norm=True)
+    assert_rel_close(o, o_ref, 1e-5)
+    assert_rel_close(s, s_ref, 1e-5)
+
+
+def test_padded_chunks_in_the_middle_of_the_sequence(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Groups of 5-token chunks whose decays halve them to 2: every group but the last ends in a
+    padded chunk, whose padding must not reach the output or the state."""
+    monkeypatch.setattr(kda_module, "GROUP_ELEMENTS", 1)  # one chunk_size run per group
+    x = make_inputs(2, 23, 2, 6, 4, seed=41)
+    x["g"][:, :, 0, 0] = -50.0  # a chunk of 5 spans 200 > MAX_CHUNK_SPAN, one of 2 spans 50
+    o_ref, s_ref = recurrent_kda(**x, output_final_state=True, use_qk_l2norm=True)
+    o, s = chunk_kda(**x, output_final_state=True, use_qk_l2norm=True, chunk_size=5)
     assert_rel_close(o, o_ref, 1e-5)
     assert_rel_close(s, s_ref, 1e-5)
 
