@@ -299,12 +299,12 @@ def _chunk_kda_group(
     q_to_half, k_to_half = q * to_half, k * to_half
     k_from_half = k * torch.exp(-centered)  # k_j e^{r - H_j}
 
-    # M (scale is folded into q) and L (beta scales its rows). Above the diagonal both hold garbage
-    # that may overflow (e^{H_i - H_j} >= 1 there), so M is cut with tril, not with a 0/1 product;
-    # L is not cut at all: the unit lower-triangular solve never reads its diagonal or upper
-    # triangle, and gives them no gradient.
+    # M (scale is folded into q) and L (beta scales its rows). Above the diagonal both products
+    # hold garbage that may overflow (e^{H_i - H_j} >= 1 there), so both are cut with tril, not
+    # with a 0/1 product, and before beta multiplies L: beta's gradient sums over whole rows, and
+    # 0 * inf would be NaN. (The unit lower-triangular solve never reads L's diagonal.)
     m_scores = (q_to_half @ k_from_half.mT).tril()
-    lower = (k_to_half @ k_from_half.mT) * beta
+    lower = (k_to_half @ k_from_half.mT).tril(-1) * beta
     eye = torch.eye(chunk, dtype=dtype)
     inverse = torch.linalg.solve_triangular(lower, eye, upper=False, unitriangular=True)  # (I + L)^-1
     solve_beta = inverse * beta.mT  # (I + L)^-1 Diag(beta)

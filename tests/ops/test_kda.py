@@ -183,6 +183,23 @@ def test_gradients_match_recurrent() -> None:
         assert_rel_close(got, want, 1e-4)
 
 
+def test_gradients_stay_finite_near_the_largest_chunk_span() -> None:
+    """Chunks whose decay spans nearly MAX_CHUNK_SPAN: the garbage above the diagonal of the
+    factorized scores overflows to inf, and must reach no gradient (beta's included)."""
+    x = make_inputs(1, 64, 2, 8, 8, gate="softplus", seed=5, a_log_range=(1.0, 2.0))
+    x["g"] = x["g"].clamp(min=-3.5)
+    assert kda_module._pick_chunk_size(x["g"], 64) == 32
+
+    def grads(fn) -> list[torch.Tensor]:
+        leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+        o, s = fn(**leaves, output_final_state=True, use_qk_l2norm=True)
+        (o.square().sum() + s.square().sum()).backward()
+        return [leaves[n].grad for n in ("q", "k", "v", "g", "beta")]
+
+    for got, want in zip(grads(chunk_kda), grads(recurrent_kda)):
+        assert_rel_close(got, want, 1e-4)
+
+
 def test_gradcheck_in_double() -> None:
     x = make_inputs(1, 9, 1, 3, 2, seed=13, dtype=torch.float64)
     inputs = tuple(x[n].requires_grad_() for n in ("q", "k", "v", "g", "beta"))
