@@ -292,12 +292,14 @@ def _chunk_kda_group(
     q, k = normalized_chunks(q, scale), normalized_chunks(k, 1.0)  # scale folds into q
     v, g, beta = to_chunks(v), to_chunks(g), to_chunks(beta).unsqueeze(-1)
 
-    centered = _centering_matrix(chunk, dtype) @ g  # H_i - r: [N, BH, C, K]
-    half = -centered[..., :1, :]  # r = H_last / 2 (H_0 = 0)
+    # H_i - r and r - H_j stacked: one matmul and one exp for both factors.
+    centering = _centering_matrix(chunk, dtype)
+    exponents = torch.cat([centering, -centering]) @ g  # [N, BH, 2C, K]
+    half = exponents[..., chunk : chunk + 1, :]  # r - H_0 = r = H_last / 2
+    to_half, from_half = torch.exp(exponents).split(chunk, dim=-2)  # e^{H_i - r}, e^{r - H_j}
     first = g[..., :1, :]  # g_0 of each chunk
-    to_half = torch.exp(centered)  # e^{H_i - r}
     q_to_half, k_to_half = q * to_half, k * to_half
-    k_from_half = k * torch.exp(-centered)  # k_j e^{r - H_j}
+    k_from_half = k * from_half
 
     # M (scale is folded into q) and L (beta scales its rows). Above the diagonal both products
     # hold garbage that may overflow (e^{H_i - H_j} >= 1 there), so both are cut with tril, not
