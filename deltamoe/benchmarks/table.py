@@ -75,7 +75,7 @@ def kda_rows(d: dict) -> list[Row]:
         goals.append((f">= {t['speedup_vs_transformers']:g}x", top["speedup_vs_transformers"] >= t["speedup_vs_transformers"]))
     if "speedup_vs_recurrent" in t:
         goals.append((f">= {t['speedup_vs_recurrent']:g}x", top["speedup_vs_recurrent"] >= t["speedup_vs_recurrent"]))
-    threads = f", {c['threads']} threads" if "threads" in c else ""
+    threads = f", {c['threads']} thread{'s' if c['threads'] != 1 else ''}" if "threads" in c else ""
     out = [[f"KDA prefill, {c['dtype'].replace('float', 'fp')}, B={c['B']} H={c['H']} K=V={c['K']}, T={top['T']}{threads} "
             + command("kda"),
             f"{ms(top['chunk_kda_s'])} ms",
