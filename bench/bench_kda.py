@@ -2,14 +2,15 @@
 (`chunk_kimi_delta_attention`, the fallback KimiLinear uses without FLA kernels) and the plain
 token-by-token recurrence `recurrent_kda`, in one run.
 
-    .venv/bin/python bench/bench_kda.py [--quick] [--gate softplus|lower_bound] [--repeats 3] [--head-dim 128]
+    .venv/bin/python bench/bench_kda.py [--quick] [--gate softplus|lower_bound] [--repeats 3] [--head-dim 128] [--threads 1]
 
 fp32, B=1, H=8, K=V=32 (`--head-dim 128`: K=V=128, K3's head size, written to kda_k128.json), qk l2norm in kernel (as the model calls it); g comes from `kda_gate`
 with transformers' KimiLinear init of A_log and dt_bias and f ~ N(0, 1). Every path is timed at
 every T (no extrapolation). Prints a markdown table and writes bench/results/kda.json atomically.
-Times are medians of interleaved rounds on this machine's CPU with 2 threads (ms columns); the
-ratios are given for the medians and for the best round of each path, since load from other
-processes on a shared machine only ever adds time. Read the ratios (DESIGN.md, "Performance").
+Times are medians of interleaved rounds on this machine's CPU (ms columns), with 2 threads unless
+`--threads N` (then written to kda*_tN.json); the ratios are given for the medians and for the best
+round of each path, since load from other processes on a shared machine only ever adds time. Read
+the ratios (DESIGN.md, "Performance").
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from deltamoe.ops.kda import chunk_kda, recurrent_kda  # noqa: E402
 from deltamoe.ops.kda_gate import kda_gate  # noqa: E402
 
 HEADS, HEAD_DIM = 8, 32
+THREADS = 2  # the default: a 2-core machine's CPU
 TARGET = {"speedup_vs_transformers": 1.5, "speedup_vs_recurrent": 20.0}  # at the longest T
 KdaFn = Callable[[], tuple[torch.Tensor, torch.Tensor | None]]
 
@@ -119,8 +121,11 @@ def main() -> None:
     parser.add_argument("--gate", choices=("softplus", "lower_bound"), default="softplus")
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds (median); default 5, quick 3")
     parser.add_argument("--head-dim", type=int, default=HEAD_DIM, help="K = V per head (K3: 128)")
+    parser.add_argument("--threads", type=int, default=THREADS, help=f"torch CPU threads (default {THREADS})")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    if args.threads < 1:
+        parser.error(f"--threads: expected a positive integer, got {args.threads}")
+    torch.set_num_threads(args.threads)
     seq_lens = [512, 2048] if args.quick else [512, 2048, 8192]
     repeats = args.repeats or (3 if args.quick else 5)
 
@@ -130,8 +135,10 @@ def main() -> None:
         print(f"T={seq_len}: done", flush=True)
     print(table(rows))
     config = {"B": 1, "H": HEADS, "K": args.head_dim, "V": args.head_dim, "dtype": "float32", "gate": args.gate,
-              "qk_l2norm": True, "repeats": repeats, "statistic": "median of interleaved rounds"}
+              "qk_l2norm": True, "repeats": repeats, "statistic": "median of interleaved rounds",
+              "threads": args.threads}
     name = "kda" if args.head_dim == HEAD_DIM else f"kda_k{args.head_dim}"
+    name += "" if args.threads == THREADS else f"_t{args.threads}"
     path = write_result(result_name(name, args.quick), {"config": config, "rows": rows, "target": TARGET})
     print(f"wrote {path}")
 

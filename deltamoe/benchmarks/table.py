@@ -75,7 +75,8 @@ def kda_rows(d: dict) -> list[Row]:
         goals.append((f">= {t['speedup_vs_transformers']:g}x", top["speedup_vs_transformers"] >= t["speedup_vs_transformers"]))
     if "speedup_vs_recurrent" in t:
         goals.append((f">= {t['speedup_vs_recurrent']:g}x", top["speedup_vs_recurrent"] >= t["speedup_vs_recurrent"]))
-    out = [[f"KDA prefill, {c['dtype'].replace('float', 'fp')}, B={c['B']} H={c['H']} K=V={c['K']}, T={top['T']} "
+    threads = f", {c['threads']} thread{'s' if c['threads'] != 1 else ''}" if "threads" in c else ""
+    out = [[f"KDA prefill, {c['dtype'].replace('float', 'fp')}, B={c['B']} H={c['H']} K=V={c['K']}, T={top['T']}{threads} "
             + command("kda"),
             f"{ms(top['chunk_kda_s'])} ms",
             f"transformers torch chunk KDA {ms(top['transformers_s'])} ms; plain recurrence {ms(top['recurrent_kda_s'])} ms",
@@ -92,9 +93,12 @@ def kda_rows(d: dict) -> list[Row]:
 
 
 def kda_k128_rows(d: dict) -> list[Row]:
-    """`bench_kda.py --head-dim 128` (K3's head size): the same rows, with the command that made them."""
+    """`bench_kda.py --head-dim 128` (K3's head size; `--threads N` when not the default 2): the same
+    rows, with the command that made them."""
     rows = kda_rows(d)
-    rows[0][0] = rows[0][0].replace(command("kda"), "(`python bench/bench_kda.py --head-dim 128`)")
+    threads = d["config"].get("threads", 2)
+    flags = "--head-dim 128" + ("" if threads == 2 else f" --threads {threads}")
+    rows[0][0] = rows[0][0].replace(command("kda"), f"(`python bench/bench_kda.py {flags}`)")
     return rows
 
 
@@ -526,6 +530,7 @@ def rl_grpo_rows(d: dict) -> list[Row]:
 FORMATTERS: dict[str, Callable[[dict], list[Row]]] = {
     "kda": kda_rows,
     "kda_k128": kda_k128_rows,
+    "kda_k128_t1": kda_k128_rows,
     "model_forward": model_forward_rows,
     "train_throughput": train_throughput_rows,
     "train_quality": train_quality_rows,

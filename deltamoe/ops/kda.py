@@ -161,18 +161,21 @@ def kda_step(
 #
 # and with M_ij = scale sum_c q_ic k_jc e^{G_ic - G_jc} (j <= i) and Kd_j = k_j * e^{G_last - G_j}:
 #
-#     o         = (scale q * e^G - M W) S_0 + M U
-#     S_{next}  = (Diag(e^{G_last}) - Kd^T W) S_0 + Kd^T U  =:  Phi S_0 + R.
+#     o         = (scale q * e^G) S_0 + M u
+#     S_{next}  = Diag(e^{G_last}) S_0 + Kd^T u.
 #
-# Everything but S_0 is computed for all chunks at once (batched matmuls, one batched triangular
-# solve); only S <- Phi S + R runs as a loop over chunks.
+# Everything that does not involve S_0 (M, L, the inverse of I + L, U, W) is computed for all
+# chunks at once, in batched matmuls; the loop over chunks only runs the three C x K x V products
+# above (W S_0, q S_0, Kd^T u) and the small M u. The inverse is one batched triangular solve
+# against the identity, then a matmul: much faster than solving against the K + V columns.
 #
 # Numerics. e^{G_i - G_j} = e^{G_i - r} e^{r - G_j} makes L and M plain matmuls; with r halfway
 # through the chunk's decay both factors stay within e^{+-span/2}, where span = G_0 - G_last =
 # -(g_1 + ... + g_{C-1}). `_pick_chunk_size` halves C until every chunk has span <=
-# MAX_CHUNK_SPAN, so no exp() ever sees a large positive number (C = 1 has span 0). Differences
-# are taken on H_i = G_i - g_0, a cumsum that leaves g_0 out: |H| <= span, so the rounding of
-# H_i - H_j is bounded by the span, not by how much decayed before (e.g. a huge g_0).
+# MAX_CHUNK_SPAN, so no exp() ever sees a large positive number (C = 1 has span 0). The exponents
+# H_i - r (H_i = G_i - g_0, r = H_last / 2) are one matmul of g with a constant matrix of 0 and
+# +-1/2 that leaves g_0 out: their rounding is bounded by the span, not by how much decayed before
+# (e.g. a huge g_0).
 # ---------------------------------------------------------------------------------------------
 
 
@@ -226,15 +229,22 @@ def chunk_kda(
     # intermediates stay in cache and reuse freed memory (instead of fresh pages from the OS), and
     # inference memory is bounded by one group instead of growing with T.
     group = chunk_size * max(1, GROUP_ELEMENTS // (b * h * chunk_size * max(dk, dv)))
-    outputs = []
+    outputs: list[torch.Tensor] = []  # per chunk, [B, C, H, V]: one cat at the end lays out o
     for start in range(0, t, group):
         part = slice(start, start + group)
-        o, state = _chunk_kda_group(
+        chunk_outputs, state = _chunk_kda_group(
             q[:, part], k[:, part], v[:, part], g[:, part], beta[:, part], state, scale, use_qk_l2norm, chunk_size
         )
-        outputs.append(o)
+        outputs.extend(chunk_outputs)
     o = torch.cat(outputs, dim=1) if outputs else v.new_zeros(b, 0, h, dv, dtype=dtype)
     return o.to(v.dtype), (state.view(b, h, dk, dv) if output_final_state else None)
+
+
+def _centering_matrix(chunk: int, dtype: torch.dtype) -> torch.Tensor:
+    """A [C, C] with (A g)_i = H_i - H_last / 2, where H_i = g_1 + ... + g_i (g_0 left out)."""
+    a = torch.ones(chunk, chunk, dtype=dtype).tril() - 0.5
+    a[:, 0] = 0.0
+    return a
 
 
 def _chunk_kda_group(
@@ -247,11 +257,13 @@ def _chunk_kda_group(
     scale: float,
     use_qk_l2norm: bool,
     chunk_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunked form over one run of tokens: (o [B, T, H, V] in the compute dtype, state [B*H, K, V])."""
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The chunked form over one run of tokens: (o of each chunk [B, C, H, V] in the compute dtype,
+    padding cut off, concatenating to [B, T, H, V]; state [B*H, K, V])."""
     b, t, h, dk = q.shape
     dv = v.shape[-1]
-    q, k, v, g, beta = _upcast_inputs(q, k, v, g, beta, use_qk_l2norm)
+    dtype = _compute_dtype(q, k, v, g, beta)
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
 
     # Pad the tail with g = 0, k = v = beta = 0 tokens: they leave the state unchanged (decay 1,
     # no write) and their outputs are dropped.
@@ -259,46 +271,60 @@ def _chunk_kda_group(
     n_chunks = -(-t // chunk)
     pad = n_chunks * chunk - t
 
-    def to_chunks(x: torch.Tensor) -> torch.Tensor:
-        """[B, T, H, *] -> [N, B*H, C, *], contiguous: chunk-major so each loop step reads one block."""
+    def chunk_view(x: torch.Tensor) -> torch.Tensor:
+        """[B, T, H, *] -> [N, B, H, C, *]: chunk-major, so that each loop step reads one block."""
         x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad)) if pad else x
-        x = x.reshape(b, n_chunks, chunk, h, *x.shape[3:]).movedim(3, 1)  # [B, H, N, C, *]
-        return x.movedim(2, 0).reshape(n_chunks, b * h, chunk, *x.shape[4:]).contiguous()
+        return x.reshape(b, n_chunks, chunk, h, *x.shape[3:]).permute(1, 0, 3, 2, *range(4, x.dim() + 1))
 
-    q, k, v, g, beta = map(to_chunks, (q * scale, k, v, g, beta))
-    beta = beta.unsqueeze(-1)
-    k_beta = k * beta
+    def to_chunks(x: torch.Tensor) -> torch.Tensor:
+        """[B, T, H, *] -> [N, B*H, C, *], contiguous (reshape alone may return a strided view)."""
+        return chunk_view(x).reshape(n_chunks, b * h, chunk, *x.shape[3:]).contiguous()
+
+    def normalized_chunks(x: torch.Tensor, factor: float) -> torch.Tensor:
+        """factor * x (l2-normalized if asked) in chunk layout, in one pass over x: the per-token
+        factor is laid out in chunks first, and an elementwise product takes its memory order from
+        its first operand."""
+        row = x.new_full((*x.shape[:-1], 1), factor)
+        if use_qk_l2norm:  # as `l2_normalize`: x / sqrt(sum x^2 + eps)
+            row = row / torch.sqrt(torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() + L2NORM_EPS)
+        return (to_chunks(row).view(n_chunks, b, h, chunk, 1) * chunk_view(x)).flatten(1, 2)
+
+    q, k = normalized_chunks(q, scale), normalized_chunks(k, 1.0)  # scale folds into q
+    v, g, beta = to_chunks(v), to_chunks(g), to_chunks(beta).unsqueeze(-1)
+
+    # H_i - r and r - H_j stacked: one matmul and one exp for both factors.
+    centering = _centering_matrix(chunk, dtype)
+    exponents = torch.cat([centering, -centering]) @ g  # [N, BH, 2C, K]
+    half = exponents[..., chunk : chunk + 1, :]  # r - H_0 = r = H_last / 2
+    to_half, from_half = torch.exp(exponents).split(chunk, dim=-2)  # e^{H_i - r}, e^{r - H_j}
     first = g[..., :1, :]  # g_0 of each chunk
-    decay = F.pad(g[..., 1:, :].cumsum(-2), (0, 0, 1, 0))  # H_i = G_i - g_0: [N, BH, C, K]
-    half = decay[..., -1:, :] * 0.5  # the reference r (as H): halfway through the chunk's decay
+    q_to_half, k_to_half = q * to_half, k * to_half
+    k_from_half = k * from_half
 
-    # M (scale is folded into q) and L (beta folded into the k rows). Above the diagonal both hold
-    # garbage that may overflow (e^{H_i - H_j} >= 1 there), so M is cut with tril, not with a 0/1
-    # product; L is not cut at all: the unit lower-triangular solve never reads its diagonal or
-    # upper triangle, and gives them no gradient.
-    k_from_half = k * torch.exp(half - decay)  # k_j e^{r - H_j}
-    cols = k_from_half.transpose(-1, -2)
-    to_half = torch.exp(decay - half)  # e^{H_i - r}
-    m_scores = ((q * to_half) @ cols).tril()
-    lower = (k_beta * to_half) @ cols
+    # M (scale is folded into q) and L (beta scales its rows). Above the diagonal both products
+    # hold garbage that may overflow (e^{H_i - H_j} >= 1 there), so both are cut with tril, not
+    # with a 0/1 product, and before beta multiplies L: beta's gradient sums over whole rows, and
+    # 0 * inf would be NaN. (The unit lower-triangular solve never reads L's diagonal.)
+    m_scores = (q_to_half @ k_from_half.mT).tril()
+    lower = (k_to_half @ k_from_half.mT).tril(-1) * beta
+    eye = torch.eye(chunk, dtype=dtype)
+    inverse = torch.linalg.solve_triangular(lower, eye, upper=False, unitriangular=True)  # (I + L)^-1
+    solve_beta = inverse * beta.mT  # (I + L)^-1 Diag(beta)
 
-    decay_from_start = torch.exp(first + decay)  # e^{G_i}
-    rhs = torch.cat([v * beta, k_beta * decay_from_start], dim=-1)
-    uw = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)  # [U | W] = (I + L)^-1 rhs
+    # e^{G_i} = e^{g_0 + r} e^{H_i - r}: the per-channel e^{g_0 + r} commutes with (I + L)^-1.
+    start = torch.exp(first + half)
+    u = solve_beta @ v
+    w = (solve_beta @ k_to_half) * start
+    q_decayed = q_to_half * start  # scale q e^G
+    k_to_end = (k_from_half * torch.exp(half)).mT  # Kd^T: e^{G_last - G_j} = e^{r - H_j} e^{r}
+    chunk_decay = torch.exp(first + 2 * half).mT  # e^{G_last} [N, BH, K, 1]
 
-    # Chunk transition S -> Phi S + R, with [R | Kd^T W] = Kd^T [U | W] and Kd_j = k_j e^{H_last - H_j}.
-    k_to_end = k_from_half * torch.exp(half)
-    write, kd_w = (k_to_end.transpose(-1, -2) @ uw).split([dv, dk], dim=-1)
-    transition = torch.diag_embed(torch.exp(first + 2 * half).squeeze(-2)) - kd_w
-
-    # o = (q e^G - M W) S_0 + M U: everything but S_0 is known before the loop.
-    o_intra, m_w = (m_scores @ uw).split([dv, dk], dim=-1)
-    q_state = q * decay_from_start - m_w
-
-    chunk_states = []
-    for phi, r in zip(transition.unbind(0), write.unbind(0)):
-        chunk_states.append(state)
-        state = torch.baddbmm(r, phi, state)
-    o = torch.baddbmm(o_intra.flatten(0, 1), q_state.flatten(0, 1), torch.stack(chunk_states).flatten(0, 1))
-    o = o.view(n_chunks, b, h, chunk, dv).permute(1, 0, 3, 2, 4).reshape(b, n_chunks * chunk, h, dv)[:, :t]
-    return o, state
+    outputs = []
+    for n in range(n_chunks):
+        delta = torch.baddbmm(u[n], w[n], state, alpha=-1)  # u = U - W S_0
+        o = torch.baddbmm(m_scores[n] @ delta, q_decayed[n], state)
+        outputs.append(o.view(b, h, chunk, dv).transpose(1, 2))
+        state = torch.addcmul(k_to_end[n] @ delta, state, chunk_decay[n])
+    if pad:
+        outputs[-1] = outputs[-1][:, : chunk - pad]
+    return outputs, state

@@ -9,6 +9,7 @@ from types import ModuleType
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -117,6 +118,38 @@ def test_groups_of_chunks_carry_the_state(monkeypatch: pytest.MonkeyPatch, group
     assert_rel_close(s, s_ref, 1e-5)
 
 
+def test_centering_matrix_gives_the_decay_from_the_chunk_middle() -> None:
+    """(A g)_i = H_i - H_last / 2 with H_i = g_1 + ... + g_i: the exponents of the factorized scores."""
+    g = -torch.rand(3, 8, 2, generator=torch.Generator().manual_seed(31), dtype=torch.float64)
+    decay = F.pad(g[:, 1:].cumsum(1), (0, 0, 1, 0))  # H, g_0 left out
+    expected = decay - decay[:, -1:] / 2
+    assert (kda_module._centering_matrix(8, torch.float64) @ g - expected).abs().max() <= 1e-15
+
+
+@pytest.mark.parametrize("gate", GATES)
+def test_chunk_matches_recurrent_at_the_real_head_size(gate: str) -> None:
+    """K = V = 128 (K3), chunks of 64 (softplus) and 32 (lower_bound: its decays halve them), a
+    partial last chunk."""
+    x = make_inputs(1, 150, 2, 128, 128, gate=gate, seed=37, a_log_range=(-4.0, -2.0))
+    state = torch.randn(1, 2, 128, 128, generator=torch.Generator().manual_seed(38))
+    o_ref, s_ref = recurrent_kda(**x, initial_state=state, output_final_state=True, use_qk_l2norm=True)
+    o, s = chunk_kda(**x, initial_state=state, output_final_state=True, use_qk_l2norm=True)
+    assert_rel_close(o, o_ref, 1e-5)
+    assert_rel_close(s, s_ref, 1e-5)
+
+
+def test_padded_chunks_in_the_middle_of_the_sequence(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Groups of 5-token chunks whose decays halve them to 2: every group but the last ends in a
+    padded chunk, whose padding must not reach the output or the state."""
+    monkeypatch.setattr(kda_module, "GROUP_ELEMENTS", 1)  # one chunk_size run per group
+    x = make_inputs(2, 23, 2, 6, 4, seed=41)
+    x["g"][:, :, 0, 0] = -50.0  # a chunk of 5 spans 200 > MAX_CHUNK_SPAN, one of 2 spans 50
+    o_ref, s_ref = recurrent_kda(**x, output_final_state=True, use_qk_l2norm=True)
+    o, s = chunk_kda(**x, output_final_state=True, use_qk_l2norm=True, chunk_size=5)
+    assert_rel_close(o, o_ref, 1e-5)
+    assert_rel_close(s, s_ref, 1e-5)
+
+
 def test_no_decay_and_unit_beta_is_exact_delta_rule() -> None:
     """g = 0, beta = 1, one key repeated: the state must recall exactly the last value written."""
     k = l2_normalize(torch.randn(1, 1, 1, 4)).expand(1, 5, 1, 4)
@@ -147,6 +180,23 @@ def test_gradients_match_recurrent() -> None:
         return [leaves[n].grad for n in ("q", "k", "v", "g", "beta", "initial_state")]
 
     for got, want in zip(grads(lambda **kw: chunk_kda(**kw, chunk_size=16)), grads(recurrent_kda)):
+        assert_rel_close(got, want, 1e-4)
+
+
+def test_gradients_stay_finite_near_the_largest_chunk_span() -> None:
+    """Chunks whose decay spans nearly MAX_CHUNK_SPAN: the garbage above the diagonal of the
+    factorized scores overflows to inf, and must reach no gradient (beta's included)."""
+    x = make_inputs(1, 64, 2, 8, 8, gate="softplus", seed=5, a_log_range=(1.0, 2.0))
+    x["g"] = x["g"].clamp(min=-3.5)
+    assert kda_module._pick_chunk_size(x["g"], 64) == 32
+
+    def grads(fn) -> list[torch.Tensor]:
+        leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+        o, s = fn(**leaves, output_final_state=True, use_qk_l2norm=True)
+        (o.square().sum() + s.square().sum()).backward()
+        return [leaves[n].grad for n in ("q", "k", "v", "g", "beta")]
+
+    for got, want in zip(grads(chunk_kda), grads(recurrent_kda)):
         assert_rel_close(got, want, 1e-4)
 
 
