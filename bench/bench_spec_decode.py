@@ -52,20 +52,21 @@ TASK = "recall+arithmetic+copy"
 TARGET = {"speedup_batch1_k2": 1.6, "min_acceptance": 0.7}
 
 
-def recipe(steps: int, threads: int) -> dict:
-    return {"model": {"preset": "tiny"},
+def recipe(steps: int, threads: int, mtp_depth: int) -> dict:
+    model = {"preset": "tiny", "overrides": {"mtp_train_depth": mtp_depth}} if mtp_depth > 1 else {"preset": "tiny"}
+    return {"model": model,
             "data": {"task": TASK, "num_pairs": 8, "num_queries": 8, "digits": 2, "seq_len": 64, "batch_size": 32,
                      "eval_rows": 64},
             "optim": {"lr": 1e-3, "warmup_steps": min(20, steps // 5), "min_lr_ratio": 0.1},
             "run": {"steps": steps, "eval_every": steps, "threads": threads}}
 
 
-def trained_checkpoint(steps: int, threads: int) -> tuple[Path, bool]:
+def trained_checkpoint(steps: int, threads: int, mtp_depth: int) -> tuple[Path, bool]:
     """The tiny MTP model trained with `recipe(steps)`: from runs/ when an earlier run made it."""
     from deltamoe.train.config import TrainConfig
     from deltamoe.train.trainer import train
 
-    settings = recipe(steps, threads)
+    settings = recipe(steps, threads, mtp_depth)
     key = hashlib.sha256(json.dumps({**settings, "run": {"steps": steps}}, sort_keys=True).encode()).hexdigest()[:10]
     out = ROOT / "runs" / "bench_spec_decode" / f"tiny-{steps}-{key}"
     if (out / "model" / "config.json").exists():
@@ -172,6 +173,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads while decoding")
     ap.add_argument("--train-threads", type=int, default=2)
+    ap.add_argument("--mtp-train-depth", type=int, default=3,
+                    help="MTP depths trained (the one MTP layer applied recursively, as it drafts); 1: depth 1 only")
     ap.add_argument("--compile", action="store_true", help="plain decodes through the compiled graph")
     args = ap.parse_args()
     steps = 10 if args.quick else args.train_steps
@@ -179,7 +182,7 @@ def main() -> None:
     per_task = 2 if args.quick else args.prompts_per_task
     rounds = 1 if args.quick else args.rounds
 
-    checkpoint, reused = trained_checkpoint(steps, args.train_threads)
+    checkpoint, reused = trained_checkpoint(steps, args.train_threads, args.mtp_train_depth)
     torch.set_num_threads(args.threads)
     model = load_model(checkpoint)
     tokenizer = load_tokenizer(checkpoint, model.config.vocab_size)
@@ -194,7 +197,8 @@ def main() -> None:
     k2_accept = accept["raw"][1]["mean_acceptance"]
     data = {
         "quick": args.quick, "target": TARGET,
-        "model": {"preset": "tiny", "task": TASK, "train_steps": steps, "checkpoint": str(checkpoint),
+        "model": {"preset": "tiny", "task": TASK, "train_steps": steps, "mtp_train_depth": args.mtp_train_depth,
+                  "checkpoint": str(checkpoint),
                   "reused": reused},
         "workload": {"prompts_per_kind": len(prompts["raw"]), "new_tokens": new_tokens, "rounds": rounds,
                      "threads": args.threads, "compile_decode": args.compile},
