@@ -438,6 +438,8 @@ def spec_decode_rows(d: dict) -> list[Row]:
         target = f">= {goal:g}x at acceptance >= {floor:g} (acceptance {accept:.2f}: not reached)"
     depth = d["model"].get("mtp_train_depth", 1)
     trained = f", MTP layer trained at depths 1..{depth}" if depth > 1 else ""
+    distilled = d["model"].get("mtp_distill_steps", 0)
+    trained += f", self-distilled {distilled} steps" if distilled else ""
     label = (f"speculative decoding (MTP drafts), `tiny` trained {d['model']['train_steps']} steps on "
              f"{d['model']['task']}{trained}, batch 1, K = 2 {command('spec_decode')}")
     per_k = " / ".join(f"K={k}" for k in (1, 2, 3))

@@ -31,3 +31,5 @@ def test_label_names_the_mtp_training_depth():
     assert "depths" not in spec_decode_rows(d)[0][0]  # results written before the field: depth 1
     d["model"]["mtp_train_depth"] = 3
     assert "MTP layer trained at depths 1..3" in spec_decode_rows(d)[0][0]
+    d["model"]["mtp_distill_steps"] = 300
+    assert "MTP layer trained at depths 1..3, self-distilled 300 steps" in spec_decode_rows(d)[0][0]
