@@ -3,8 +3,11 @@ tokens/s at batch 1 and 8 with K = 1, 2, 3 drafts, and acceptance per draft posi
 chat-templated prompts.
 
 The model is the `tiny` preset (8 layers + 1 MTP layer, MTP loss weight 0.3) trained here on a
-recall + arithmetic + copy mixture for `--train-steps` steps, cached under
-runs/bench_spec_decode/ and reused by later runs with the same recipe. Prompts are held-out
+recall + arithmetic + copy mixture for `--train-steps` steps, its one MTP layer trained at depths
+1..`--mtp-train-depth` (applied recursively, as it drafts), then the MTP layer alone
+self-distilled on the trunk's greedy tokens for `--mtp-distill-steps` steps
+(deltamoe/train/mtp_distill.py); both cached under runs/bench_spec_decode/ and reused by later
+runs with the same recipe. Prompts are held-out
 examples of each task cut before an answer (as the demo's serve stage draws them); the
 chat-templated kind wraps the same text as one user message with the model's chat template.
 Every run is greedy with EOS ignored (acceptance over `--new-tokens` tokens per prompt, the
@@ -52,20 +55,21 @@ TASK = "recall+arithmetic+copy"
 TARGET = {"speedup_batch1_k2": 1.6, "min_acceptance": 0.7}
 
 
-def recipe(steps: int, threads: int) -> dict:
-    return {"model": {"preset": "tiny"},
+def recipe(steps: int, threads: int, mtp_depth: int) -> dict:
+    model = {"preset": "tiny", "overrides": {"mtp_train_depth": mtp_depth}} if mtp_depth > 1 else {"preset": "tiny"}
+    return {"model": model,
             "data": {"task": TASK, "num_pairs": 8, "num_queries": 8, "digits": 2, "seq_len": 64, "batch_size": 32,
                      "eval_rows": 64},
             "optim": {"lr": 1e-3, "warmup_steps": min(20, steps // 5), "min_lr_ratio": 0.1},
             "run": {"steps": steps, "eval_every": steps, "threads": threads}}
 
 
-def trained_checkpoint(steps: int, threads: int) -> tuple[Path, bool]:
+def trained_checkpoint(steps: int, threads: int, mtp_depth: int) -> tuple[Path, bool]:
     """The tiny MTP model trained with `recipe(steps)`: from runs/ when an earlier run made it."""
     from deltamoe.train.config import TrainConfig
     from deltamoe.train.trainer import train
 
-    settings = recipe(steps, threads)
+    settings = recipe(steps, threads, mtp_depth)
     key = hashlib.sha256(json.dumps({**settings, "run": {"steps": steps}}, sort_keys=True).encode()).hexdigest()[:10]
     out = ROOT / "runs" / "bench_spec_decode" / f"tiny-{steps}-{key}"
     if (out / "model" / "config.json").exists():
@@ -73,6 +77,28 @@ def trained_checkpoint(steps: int, threads: int) -> tuple[Path, bool]:
     settings["run"]["out"] = str(out)
     train(TrainConfig.from_dict(settings).validate())
     return out / "model", False
+
+
+def distilled_checkpoint(checkpoint: Path, steps: int, threads: int, mtp_depth: int) -> tuple[Path, bool]:
+    """`checkpoint` with its MTP layer self-distilled for `steps` steps (train/mtp_distill.py) at depths
+    1..mtp_depth on the recipe's training rows (16 a step, after the ones training used); cached beside it."""
+    from deltamoe.model.weights import save_checkpoint
+    from deltamoe.train.config import TrainConfig
+    from deltamoe.train.data import build_data
+    from deltamoe.train.mtp_distill import distill_mtp
+
+    out = checkpoint.parent / f"model-mtp-distilled-{steps}"
+    if (out / "config.json").exists():
+        return out, True
+    settings = recipe(steps, threads, mtp_depth)
+    model = load_model(checkpoint)
+    data = build_data(TrainConfig.from_dict(settings).validate(), model.config)
+    torch.set_num_threads(threads)
+    rows = (data.rows("train", 10**6 + 16 * i, 16).input_ids for i in range(steps))
+    losses = distill_mtp(model, rows, mtp_depth)
+    print(f"MTP self-distillation: loss {losses[0]:.3f} -> {losses[-1]:.3f} over {steps} steps", flush=True)
+    save_checkpoint(model, out)
+    return out, False
 
 
 def prompt_sets(checkpoint: Path, tokenizer, per_task: int) -> dict[str, list[list[int]]]:
@@ -172,6 +198,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads while decoding")
     ap.add_argument("--train-threads", type=int, default=2)
+    ap.add_argument("--mtp-train-depth", type=int, default=3,
+                    help="MTP depths trained (the one MTP layer applied recursively, as it drafts); 1: depth 1 only")
+    ap.add_argument("--mtp-distill-steps", type=int, default=300,
+                    help="then fine-tune the MTP layer alone on the trunk's greedy tokens (0: off)")
     ap.add_argument("--compile", action="store_true", help="plain decodes through the compiled graph")
     args = ap.parse_args()
     steps = 10 if args.quick else args.train_steps
@@ -179,7 +209,10 @@ def main() -> None:
     per_task = 2 if args.quick else args.prompts_per_task
     rounds = 1 if args.quick else args.rounds
 
-    checkpoint, reused = trained_checkpoint(steps, args.train_threads)
+    checkpoint, reused = trained_checkpoint(steps, args.train_threads, args.mtp_train_depth)
+    distill = 5 if args.quick and args.mtp_distill_steps else args.mtp_distill_steps
+    if distill:
+        checkpoint, _ = distilled_checkpoint(checkpoint, distill, args.train_threads, args.mtp_train_depth)
     torch.set_num_threads(args.threads)
     model = load_model(checkpoint)
     tokenizer = load_tokenizer(checkpoint, model.config.vocab_size)
@@ -194,7 +227,9 @@ def main() -> None:
     k2_accept = accept["raw"][1]["mean_acceptance"]
     data = {
         "quick": args.quick, "target": TARGET,
-        "model": {"preset": "tiny", "task": TASK, "train_steps": steps, "checkpoint": str(checkpoint),
+        "model": {"preset": "tiny", "task": TASK, "train_steps": steps, "mtp_train_depth": args.mtp_train_depth,
+                  "mtp_distill_steps": distill,
+                  "checkpoint": str(checkpoint),
                   "reused": reused},
         "workload": {"prompts_per_kind": len(prompts["raw"]), "new_tokens": new_tokens, "rounds": rounds,
                      "threads": args.threads, "compile_decode": args.compile},

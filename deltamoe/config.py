@@ -110,6 +110,9 @@ class ModelConfig:
     # --- residual stream, MTP, vision
     attn_res_block_size: int | None = 12  # Block AttnRes; None = plain pre-norm residual
     num_nextn_predict_layers: int = 0
+    # MTP depths trained per position: 1 = one per MTP layer (DeepSeek-V3); D > 1 applies the one MTP
+    # layer D times, as the speculative drafter reuses it for drafts 2..D (model/mtp_chain.py).
+    mtp_train_depth: int = 1
     vision: VisionConfig | None = None
     media_placeholder_token_id: int | None = None
 
@@ -123,6 +126,11 @@ class ModelConfig:
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def mtp_depths(self) -> int:
+        """MTP losses per position in training: one per MTP layer, or `mtp_train_depth` of the one layer."""
+        return self.num_nextn_predict_layers if self.mtp_train_depth == 1 else self.mtp_train_depth
 
     @property
     def kda_dim(self) -> int:
@@ -202,6 +210,10 @@ class ModelConfig:
         need(self.attn_res_block_size is None or self.attn_res_block_size > 0, "attn_res_block_size",
              "None or a positive integer")
         need(self.num_nextn_predict_layers >= 0, "num_nextn_predict_layers", ">= 0")
+        need(isinstance(self.mtp_train_depth, int) and self.mtp_train_depth >= 1, "mtp_train_depth",
+             "a positive integer")
+        need(self.mtp_train_depth == 1 or self.num_nextn_predict_layers == 1, "mtp_train_depth",
+             "1 unless the model has exactly one MTP layer (num_nextn_predict_layers = 1) to apply recursively")
         need(self.rms_norm_eps > 0, "rms_norm_eps", "a positive number")
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             tok = getattr(self, name)

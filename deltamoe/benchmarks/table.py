@@ -467,8 +467,12 @@ def spec_decode_rows(d: dict) -> list[Row]:
         target = verdict([(f">= {goal:g}x at acceptance >= {floor:g}", speedup >= goal)], d.get("note"))
     else:
         target = f">= {goal:g}x at acceptance >= {floor:g} (acceptance {accept:.2f}: not reached)"
+    depth = d["model"].get("mtp_train_depth", 1)
+    trained = f", MTP layer trained at depths 1..{depth}" if depth > 1 else ""
+    distilled = d["model"].get("mtp_distill_steps", 0)
+    trained += f", self-distilled {distilled} steps" if distilled else ""
     label = (f"speculative decoding (MTP drafts), `tiny` trained {d['model']['train_steps']} steps on "
-             f"{d['model']['task']}, batch 1, K = 2 {command('spec_decode')}")
+             f"{d['model']['task']}{trained}, batch 1, K = 2 {command('spec_decode')}")
     per_k = " / ".join(f"K={k}" for k in (1, 2, 3))
     return [
         [label, f"{rate(b1['tokens_per_s']['K=2'])} tok/s; acceptance raw {accept:.2f}, chat "

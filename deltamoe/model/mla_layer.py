@@ -78,20 +78,8 @@ class LatentAttention(nn.Module):
         new_lengths = cache.new_lengths if cache is not None else None
         kv_lengths = past + (t if new_lengths is None else new_lengths)  # padding is never a key
 
-        if self.config.q_lora_rank is None:
-            q_latent, q = None, self.q_proj(x)
-        else:
-            q_latent = self.q_a_layernorm(self.q_a_proj(x))
-            q = self.q_b_proj(q_latent)
-        q = q.reshape(b, t, h, self.nope + self.rope)
-        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
-
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope], dim=-1)
-        if not self.config.mla_use_nope and self.rope > 0:
-            cos, sin = rope_cos_sin(q_positions, self.rope, self.config.rope_theta)
-            q_pe = apply_rope(q_pe, cos[:, :, None], sin[:, :, None])
-            k_pe = apply_rope(k_pe, cos, sin)
-        latent = torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)
+        q_latent, q_nope, q_pe = self.queries(x, q_positions)
+        latent = self.latents(x, q_positions)
         absorbed = cache is not None and t <= ABSORB_MAX_TOKENS
         # DSA decode reads back only its top-k latent rows, after the indexer has chosen them.
         sparse_decode = absorbed and self.indexer is not None
@@ -128,8 +116,40 @@ class LatentAttention(nn.Module):
             o = mla_attention(q_nope, q_pe, k_nope, k_pe_all, v, scale=self.scale, q_positions=q_positions,
                               kv_lengths=kv_lengths, selected=selected)
 
-        o = o.reshape(b, t, h * self.vdim)
+        return self.output(o, x)
+
+    # The pieces of `forward`, also used by the chained MTP training loss (model/mtp_chain.py).
+    def queries(self, x: torch.Tensor, positions: torch.Tensor
+                ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """x [B, T, D] at positions [B, T] -> (q latent or None, q_nope [B, T, H, Dn], q_pe [B, T, H, Dr] roped)."""
+        b, t, _ = x.shape
+        if self.config.q_lora_rank is None:
+            q_latent, q = None, self.q_proj(x)
+        else:
+            q_latent = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_latent)
+        q_nope, q_pe = q.reshape(b, t, self.num_heads, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
+        if self._uses_rope():
+            cos, sin = rope_cos_sin(positions, self.rope, self.config.rope_theta)
+            q_pe = apply_rope(q_pe, cos[:, :, None], sin[:, :, None])
+        return q_latent, q_nope, q_pe
+
+    def latents(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [B, T, D] at positions [B, T] -> the cached latent [B, T, R + Dr]: normed c_kv, roped k_pe."""
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope], dim=-1)
+        if self._uses_rope():
+            cos, sin = rope_cos_sin(positions, self.rope, self.config.rope_theta)
+            k_pe = apply_rope(k_pe, cos, sin)
+        return torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)
+
+    def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Attention output o [B, T, H, Dv] -> [B, T, D] (output gate from x, then o_proj)."""
+        b, t = o.shape[:2]
+        o = o.reshape(b, t, self.num_heads * self.vdim)
         if self.config.mla_output_gate:
             o = o * torch.sigmoid(self.g_proj(x).float()).to(o.dtype)
         return self.o_proj(o)
+
+    def _uses_rope(self) -> bool:
+        return not self.config.mla_use_nope and self.rope > 0
 

@@ -17,6 +17,7 @@ from deltamoe.config import ModelConfig
 from deltamoe.model.cache import ModelCache
 from deltamoe.model.decoder import DecoderLayer, Vector, res_query
 from deltamoe.model.mtp import MTPLayer
+from deltamoe.model.mtp_chain import mtp_states
 from deltamoe.model.norm import RMSNorm
 from deltamoe.model.vision import MultiModalProjector, VisionTower, merge_image_embeddings
 from deltamoe.ops.norms import attn_res_mix
@@ -113,13 +114,13 @@ class DeltaMoEForCausalLM(nn.Module):
             return out
         out.lm_loss = shifted_cross_entropy(logits, labels, shift=1)
         out.loss = out.lm_loss
-        if self.model.mtp_layers and input_ids.shape[1] > 1 + len(self.model.mtp_layers):
-            losses = []
-            prev = h
-            for k, mtp in enumerate(self.model.mtp_layers, start=1):
-                # Depth k predicts token t+k+1 from the depth-(k-1) state at t and the embedding of token t+k.
-                prev = mtp(prev[:, :-1], self.model.embed_tokens(input_ids[:, k:]))
-                losses.append(shifted_cross_entropy(mtp.logits(prev), labels[:, k:], shift=1))
+        depths = self.config.mtp_depths
+        if self.model.mtp_layers and input_ids.shape[1] > 1 + depths:
+            # Depth k predicts token t+k+1 from the depth-(k-1) state at t and the embedding of token t+k.
+            layers = self.model.mtp_layers
+            states = mtp_states(layers, h, self.model.embed_tokens(input_ids), self.config.mtp_train_depth)
+            losses = [shifted_cross_entropy(layers[min(k, len(layers) - 1)].logits(s), labels[:, k + 1:], shift=1)
+                      for k, s in enumerate(states)]
             out.mtp_loss = torch.stack(losses).mean()
             out.loss = out.lm_loss + self.mtp_weight * out.mtp_loss
         return out

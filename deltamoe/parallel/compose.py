@@ -78,7 +78,7 @@ def parallelize(model: DeltaMoEForCausalLM, dims: ParallelDims, mesh: ParallelMe
         for stage in stages:
             apply_fsdp(stage, mesh, expert_parallel=dims.ep > 1, pipelined=dims.pp > 1)
 
-    loss_fn = GlobalTokenLoss(config.num_nextn_predict_layers, model.mtp_weight)
+    loss_fn = GlobalTokenLoss(config.mtp_depths, model.mtp_weight)
     schedule = None
     if dims.pp > 1:
         schedule = build_schedule(stages, ids, dims, mesh["pp"], loss_fn, torch.device(model.device))

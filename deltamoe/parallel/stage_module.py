@@ -24,6 +24,7 @@ from torch import nn
 
 from deltamoe.model.decoder import res_query
 from deltamoe.model.model import DeltaMoEForCausalLM
+from deltamoe.model.mtp_chain import mtp_states
 from deltamoe.ops.norms import attn_res_mix
 from deltamoe.parallel.expert_load import empty_load, moe_modules, take_expert_load
 
@@ -87,11 +88,10 @@ class ModelStage(nn.Module):
             h = attn_res_mix(h, bank, u, self.config.rms_norm_eps)
             embeds = bank[0]  # layer 0 banks the raw embeddings
         logits = [self.lm_head(self.model.norm(h))]
-        if self.mtp_count and h.shape[1] > 1 + self.mtp_count:  # the same condition as the model's MTP loss
-            prev = h
-            for k, key in enumerate(self.mtp_keys, start=1):
-                mtp = self.model.layers[key]
-                # Depth k predicts token t+k+1 from the depth-(k-1) state at t and the embedding of token t+k.
-                prev = mtp(prev[:, :-1], embeds[:, k:])
-                logits.append(mtp.logits(prev))
+        depths = self.config.mtp_depths
+        if self.mtp_count and h.shape[1] > 1 + depths:  # the same condition as the model's MTP loss
+            layers = [self.model.layers[key] for key in self.mtp_keys]
+            # Depth k predicts token t+k+1 from the depth-(k-1) state at t and the embedding of token t+k.
+            for k, state in enumerate(mtp_states(layers, h, embeds, self.config.mtp_train_depth)):
+                logits.append(layers[min(k, len(layers) - 1)].logits(state))
         return torch.cat(logits, dim=1)

@@ -24,3 +24,12 @@ def test_rows_show_figures_and_goal():
     assert rows[2][1] == "520 / 680 / 600 tok/s" and rows[2][3] == "1.3x / 1.7x / 1.5x"
     assert spec_decode_rows(result(0.8, 1.5))[0][4].endswith("(missed)")
     assert "not reached" in spec_decode_rows(result(0.5, 1.2))[0][4]
+
+
+def test_label_names_the_mtp_training_depth():
+    d = result(0.8, 1.7)
+    assert "depths" not in spec_decode_rows(d)[0][0]  # results written before the field: depth 1
+    d["model"]["mtp_train_depth"] = 3
+    assert "MTP layer trained at depths 1..3" in spec_decode_rows(d)[0][0]
+    d["model"]["mtp_distill_steps"] = 300
+    assert "MTP layer trained at depths 1..3, self-distilled 300 steps" in spec_decode_rows(d)[0][0]

@@ -19,7 +19,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from dist_job import global_batch, k31_toy, kimi_linear_toy  # noqa: E402
 
 
-@pytest.mark.parametrize("make_config, num_stages", [(k31_toy, 1), (k31_toy, 4), (kimi_linear_toy, 3)])
+def chained_mtp_toy():
+    return k31_toy(mtp_train_depth=3)
+
+
+@pytest.mark.parametrize("make_config, num_stages",
+                         [(k31_toy, 1), (k31_toy, 4), (kimi_linear_toy, 3), (chained_mtp_toy, 2)])
 def test_chained_stages_equal_the_model(make_config, num_stages):
     config = make_config()
     ids, labels = global_batch(config)
@@ -30,10 +35,10 @@ def test_chained_stages_equal_the_model(make_config, num_stages):
     model = build_model(config, seed=0)
     ranges = split_stages(config, num_stages)
     stages = [ModelStage(model, r, first=i == 0, last=i == num_stages - 1) for i, r in enumerate(ranges)]
-    loss_fn = GlobalTokenLoss(config.num_nextn_predict_layers, model.mtp_weight)
+    loss_fn = GlobalTokenLoss(config.mtp_depths, model.mtp_weight)
     loss = 0.0
     for half in (slice(0, 1), slice(1, None)):  # two microbatches of unequal token counts
-        loss_fn.counts = target_counts(labels, config.num_nextn_predict_layers)
+        loss_fn.counts = target_counts(labels, config.mtp_depths)
         x = ids[half]
         for stage in stages:
             x = stage(x)

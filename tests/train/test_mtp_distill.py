@@ -1,0 +1,46 @@
+"""MTP self-distillation: targets are the trunk's greedy tokens, only the MTP layer moves, and its
+chained loss falls."""
+
+from __future__ import annotations
+
+import torch
+
+from deltamoe.config import load_preset
+from deltamoe.model.load import build_model
+from deltamoe.model.model import IGNORE_INDEX
+from deltamoe.train.mtp_distill import distill_mtp, trunk_targets
+
+
+def small_model():
+    config = load_preset("tiny").replace(hidden_size=32, num_hidden_layers=2, layer_types=("kda", "mla"),
+                                         kda_num_heads=2, kda_head_dim=8, num_attention_heads=2, q_lora_rank=16,
+                                         kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                                         intermediate_size=48, num_experts=4, num_experts_per_token=2,
+                                         moe_intermediate_size=16, latent_moe_size=16, attn_res_block_size=None)
+    return build_model(config, seed=1).eval()
+
+
+def test_targets_are_the_trunk_argmax_and_skip_padding():
+    model = small_model()
+    pad = model.config.pad_token_id
+    ids = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(0))
+    ids[1, 7:] = pad
+    _, labels = trunk_targets(model, ids, pad)
+    with torch.no_grad():
+        greedy = model(ids).logits.argmax(-1)
+    assert (labels[:, 0] == IGNORE_INDEX).all() and (labels[1, 7:] == IGNORE_INDEX).all()
+    assert torch.equal(labels[0, 1:], greedy[0, :-1]) and torch.equal(labels[1, 1:7], greedy[1, :6])
+
+
+def test_only_the_mtp_layer_learns_and_its_loss_falls():
+    model = small_model()
+    trunk_before = {n: p.clone() for n, p in model.named_parameters() if ".layers.2." not in f".{n}"}
+    mtp_before = [p.clone() for p in model.model.mtp_layers[0].parameters()]
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(1))
+    losses = distill_mtp(model, [ids] * 30, depth=2, lr=3e-3)
+    assert len(losses) == 30 and losses[-1] < 0.7 * losses[0]
+    for n, p in model.named_parameters():
+        if n in trunk_before:
+            assert torch.equal(p, trunk_before[n]), n
+    assert any(not torch.equal(p, q) for p, q in zip(model.model.mtp_layers[0].parameters(), mtp_before))
+    assert all(p.grad is None for p in model.parameters())
