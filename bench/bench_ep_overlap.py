@@ -1,6 +1,6 @@
 """Exposed expert all-to-all time with and without `--ep-chunks` (asynchronous, chunked dispatch/combine):
 two gloo ranks train the `tiny` preset with `--ep 2`, profile steps 2..STEPS-1 (`--profile-steps`), and
-deltamoe's own trace analyzer reads each run's Kineto traces (`deltamoe trace RUN/traces` shows the
+deltamoe's own trace analyzer reads each run's Kineto traces (`deltamoe trace analyze RUN/traces` shows the
 same): per step, the all-to-all time exposed (in flight while the training thread computes nothing:
 inside the call, blocked in `work.wait()` / `wait_tensor`), all exposed communication, and the step
 time; plus both runs' losses, which overlap must not change.

@@ -142,8 +142,10 @@ def train_fp8_rows(d: dict) -> list[Row]:
              f"on associative recall, {d['steps']} steps, same seed and data; train loss (mean of the last {tail} "
              f"steps) / held-out eval loss {command('train_fp8')}")
     pct = lambda x: f"{x:+.1%}".replace("%", " %")  # noqa: E731
+    noise = (f" (seed to seed: {pct(d['seed_rel_gap'])} / {pct(d['seed_eval_rel_gap'])})"
+             if "seed_rel_gap" in d else "")
     return [[label, f"{fp8['final_loss']:.4f} / {fp8['eval_loss']:.4f}",
-             f"{prec} {base['final_loss']:.4f} / {base['eval_loss']:.4f}", " / ".join(pct(g) for g in gaps),
+             f"{prec} {base['final_loss']:.4f} / {base['eval_loss']:.4f}", " / ".join(pct(g) for g in gaps) + noise,
              verdict([(f"within {goal:.0%}".replace("%", " %"), all(abs(g) <= goal for g in gaps))],
                      "on a CPU the e4m3 products are an exact emulation" if prec == "fp32" else None)]]
 

@@ -13,8 +13,9 @@ def test_train_fp8_row_judges_both_gaps():
     [row] = FORMATTERS["train_fp8"](_fp8(0.503, 0.004))
     assert row[1] == "0.5030 / 0.6100" and row[2] == "fp32 0.5000 / 0.6000" and row[3] == "+0.6 % / +0.4 %"
     assert row[4].startswith("within 1 % (met)")
-    [row] = FORMATTERS["train_fp8"](_fp8(0.503, 0.02))
-    assert row[4].startswith("within 1 % (missed)")
+    d = {**_fp8(0.503, 0.02), "seed_rel_gap": 0.031, "seed_eval_rel_gap": -0.012}
+    [row] = FORMATTERS["train_fp8"](d)
+    assert row[3] == "+0.6 % / +2.0 % (seed to seed: +3.1 % / -1.2 %)" and row[4].startswith("within 1 % (missed)")
 
 
 def test_ep_overlap_row_shows_exposed_all_to_all_before_and_after():
