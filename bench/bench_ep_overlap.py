@@ -27,6 +27,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).parent))
 from common import markdown_table, result_name, write_result  # noqa: E402
 
+LOSS_RTOL = 1e-5  # losses with and without chunks agree to fp32 rounding
+
 
 def _rank(rank: int, port: int, out: str, chunks: int, steps: int, quick: bool) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
@@ -77,13 +79,14 @@ def main() -> None:
     base, over = results[1], results[args.chunks]
     rows = [[f"--ep-chunks {c}", f"{r['exposed_alltoall_s_per_step'] * 1e3:.0f} ms",
              f"{r['exposed_s_per_step'] * 1e3:.0f} ms", f"{r['step_s'] * 1e3:.0f} ms",
-             f"{r['losses'][-1]:.4f}"] for c, r in results.items()]
+             f"{r['losses'][-1]:.6f}"] for c, r in results.items()]
     print(markdown_table(["run (2 gloo ranks, ep 2, tiny)", "exposed all-to-all / step", "exposed comm / step",
                           "step", "last loss"], rows))
+    # The chunks' expert matmuls over fewer rows may round differently: equal up to fp32 rounding.
+    diff = max(abs(a - b) / abs(b) for a, b in zip(over["losses"], base["losses"]))
     path = write_result(result_name("ep_overlap", args.quick), {
-        "steps_profiled": args.steps - 2, "chunks": args.chunks, "same_losses": base["losses"] == over["losses"],
-        "max_loss_diff": max(abs(a - b) for a, b in zip(base["losses"], over["losses"])),
-        "chunks_1": base, f"chunks_{args.chunks}": over})
+        "steps_profiled": args.steps - 2, "chunks": args.chunks, "same_losses": diff <= LOSS_RTOL,
+        "max_loss_rel_diff": diff, "chunks_1": base, f"chunks_{args.chunks}": over})
     print(f"results: {path}" + ("" if args.out else " (pass --out DIR to keep the traces for `deltamoe trace`)"))
 
 
