@@ -41,19 +41,22 @@ def _kind(name: str) -> str:
     return kind if kind in KINDS else "other"
 
 
-def exposed_by_kind(in_flight: list[tuple[str, float, float]], working: iv.Spans, lo: np.ndarray, hi: np.ndarray,
-                    waits: iv.Spans = iv.EMPTY) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+def exposed_by_kind(names: np.ndarray, start: np.ndarray, end: np.ndarray, working: iv.Spans, lo: np.ndarray,
+                    hi: np.ndarray, waits: iv.Spans = iv.EMPTY) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """Per step [lo, hi): the length of (every in-flight span and every wait) minus `working`, and per
     collective kind the length of its in-flight spans minus `working`.
 
-    `in_flight`: (collective name, start, end) rows; `working`: when the rank computes; `waits`: when
-    it blocks on a collective it does not name (in the total only)."""
-    by_kind: dict[str, list[tuple[float, float]]] = {}
-    for name, start, end in in_flight:
-        by_kind.setdefault(_kind(name), []).append((start, end))
-    kinds = {k: _spans(rows) for k, rows in sorted(by_kind.items())}
-    total = iv.subtract(iv.merge(waits, *kinds.values()), working)
-    per_kind = {k: iv.length_in(iv.subtract(s, working), lo, hi) for k, s in kinds.items()}
+    `names`, `start`, `end`: the in-flight collectives (a name or kind each); `working`: when the rank
+    computes; `waits`: when it blocks on a collective it does not name (in the total only)."""
+    # One pass over the distinct names (a few), not over the rows (tens of thousands on a big rank).
+    unique, inverse = np.unique(np.asarray(names, dtype=str), return_inverse=True)
+    kind_of = np.array([_kind(n) for n in unique.tolist()], dtype=object)[inverse] if len(unique) else unique
+    per_kind: dict[str, np.ndarray] = {}
+    for kind in sorted(set(kind_of.tolist())):
+        m = kind_of == kind
+        per_kind[kind] = iv.length_in(iv.subtract(iv.union(start[m], end[m]), working), lo, hi)
+    total = iv.subtract(iv.merge(waits, iv.union(np.asarray(start, dtype=float), np.asarray(end, dtype=float))),
+                        working)
     return iv.length_in(total, lo, hi), per_kind
 
 
@@ -66,15 +69,16 @@ def cpu_exposed(cpu_ops: list, coll_ops: list, functional_ops: list, annotations
     calls = [(c[0], c[1], c[1] + c[2]) for c in (*coll_ops, *functional_ops) if c[3] == main]
     working = iv.subtract(leaf_spans(ops[:, 0], ops[:, 1]), _spans([(s, e) for _, s, e in calls]))
     waits = _spans([(s, e) for name, s, e in calls if name.endswith("wait_tensor")])
-    in_flight = [c for c in calls if not c[0].endswith("wait_tensor")]
-    in_flight += [(a[0], a[1], a[1] + a[2]) for a in annotations]
-    return exposed_by_kind(in_flight, working, lo, hi, waits)
+    rows = [c for c in calls if not c[0].endswith("wait_tensor")] + [(a[0], a[1], a[1] + a[2]) for a in annotations]
+    names = np.array([r[0] for r in rows], dtype=str)
+    start, end = np.array([r[1] for r in rows], dtype=float), np.array([r[2] for r in rows], dtype=float)
+    return exposed_by_kind(names, start, end, working, lo, hi, waits)
 
 
 def gpu_exposed(kinds: np.ndarray, start: np.ndarray, end: np.ndarray, compute: iv.Spans, lo: np.ndarray,
                 hi: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """GPU: communication kernels (their collective kind, start, end) outside the compute kernels."""
-    return exposed_by_kind(list(zip(kinds.tolist(), start.tolist(), end.tolist())), compute, lo, hi)
+    return exposed_by_kind(kinds, np.asarray(start, dtype=float), np.asarray(end, dtype=float), compute, lo, hi)
 
 
 def _spans(pairs: list[tuple[float, float]]) -> iv.Spans:
