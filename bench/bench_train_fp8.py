@@ -71,7 +71,7 @@ def plot(runs: list[tuple[str, dict]], path: Path) -> Path:
     from deltamoe.train.plots import save_figure
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for color, (name, r) in zip(("C0", "C3", "C7"), runs):
+    for color, (name, r) in zip(("C0", "C3", "C7", "C2"), runs):
         losses = r["losses"]
         steps = range(1, len(losses) + 1)
         smooth = [sum(losses[max(0, i - TAIL + 1):i + 1]) / len(losses[max(0, i - TAIL + 1):i + 1])
