@@ -136,6 +136,37 @@ def train_offload_rows(d: dict) -> list[Row]:
                      "on a CPU the host is the same memory: bytes counted by the hooks")]]
 
 
+def train_fp8_rows(d: dict) -> list[Row]:
+    prec = d["settings"]["run"]["precision"]
+    base, fp8 = d[prec], d["fp8_blockwise"]
+    tail = d.get("tail_steps", max(1, d["steps"] // 10))
+    goal = d["goal_rel_gap"]
+    gaps = [d["rel_gap"]] + ([d["eval_rel_gap"]] if "eval_rel_gap" in d else [])
+    label = (f"blockwise FP8 training (e4m3 operands, DeepSeek-V3 tiles, forward and backward) vs {prec}, `tiny` "
+             f"on associative recall, {d['steps']} steps, same seed and data; train loss (mean of the last {tail} "
+             f"steps) / held-out eval loss {command('train_fp8')}")
+    pct = lambda x: f"{x:+.1%}".replace("%", " %")  # noqa: E731
+    noise = (f" (seed to seed: {pct(d['seed_rel_gap'])} / {pct(d['seed_eval_rel_gap'])})"
+             if "seed_rel_gap" in d else "")
+    return [[label, f"{fp8['final_loss']:.4f} / {fp8['eval_loss']:.4f}",
+             f"{prec} {base['final_loss']:.4f} / {base['eval_loss']:.4f}", " / ".join(pct(g) for g in gaps) + noise,
+             verdict([(f"within {goal:.0%}".replace("%", " %"), all(abs(g) <= goal for g in gaps))],
+                     "on a CPU the e4m3 products are an exact emulation" if prec == "fp32" else None)]]
+
+
+def ep_overlap_rows(d: dict) -> list[Row]:
+    c = d["chunks"]
+    base, over = d["chunks_1"], d[f"chunks_{c}"]
+    label = (f"overlapped expert all-to-all (`--ep-chunks {c}`, asynchronous) vs one exchange, 2 gloo ranks, "
+             f"`--ep 2`, `tiny`; exposed all-to-all per step from the run's own traces (deltamoe trace) "
+             f"{command('ep_overlap')}")
+    a, b = over["exposed_alltoall_s_per_step"], base["exposed_alltoall_s_per_step"]
+    return [[label, f"{ms(a)} ms (step {ms(over['step_s'])} ms)", f"one exchange {ms(b)} ms (step {ms(base['step_s'])} ms)",
+             f"{times(a / b)} the exposed time" if b > 0 else "",
+             verdict([("less exposed, same losses", a < b and d["same_losses"])],
+                      "gloo's threads and the training threads share the cores")]]
+
+
 def speedup_goal(d: dict) -> str:
     goal = d.get("target", {}).get("speedup")
     return verdict([(f">= {goal:g}x", d["speedup"] >= goal)], d.get("note")) if goal else d.get("note", "")
@@ -558,6 +589,8 @@ FORMATTERS: dict[str, Callable[[dict], list[Row]]] = {
     "rl_weight_sync": rl_weight_sync_rows,
     "rl_grpo": rl_grpo_rows,
     "train_offload": train_offload_rows,
+    "train_fp8": train_fp8_rows,
+    "ep_overlap": ep_overlap_rows,
 }
 
 

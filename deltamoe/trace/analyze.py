@@ -47,6 +47,7 @@ def _analyze(folder: str, cfg: ReadConfig | None, workers: int, on_file: Callabl
         raise TraceError(f"no usable rank file in {folder} ({len(errors)} skipped; first: {first})", field="DIR")
     from deltamoe.trace.analyses.alltoall import alltoall
     from deltamoe.trace.analyses.breakdown import breakdown, totals
+    from deltamoe.trace.analyses.exposed import exposed
     from deltamoe.trace.analyses.bubbles import bubbles
     from deltamoe.trace.analyses.overlap import overlap
     from deltamoe.trace.analyses.steps import step_times
@@ -77,6 +78,7 @@ def _analyze(folder: str, cfg: ReadConfig | None, workers: int, on_file: Callabl
         "straggler_detail": {k: v for k, v in strag.items() if k != "stragglers"},
         "ranks": rows,
         "overlap": overlap(summaries),
+        "exposed_by_kind": exposed(summaries),
         "sync_skew": sync_skew(j),
         "pipeline": pipe,
         "bubble_fraction": pipe["bubble_fraction"] if pipe else None,
@@ -135,6 +137,7 @@ def _load_analyses() -> None:
 
     import deltamoe.trace.analyses.alltoall
     import deltamoe.trace.analyses.breakdown
+    import deltamoe.trace.analyses.exposed
     import deltamoe.trace.analyses.bubbles
     import deltamoe.trace.analyses.overlap
     import deltamoe.trace.analyses.steps

@@ -11,6 +11,7 @@ from deltamoe.errors import TraceError
 from deltamoe.trace import intervals as iv
 from deltamoe.trace.classify import P2P_KINDS
 from deltamoe.trace.collectives import cpu_collectives, gpu_collectives
+from deltamoe.trace.exposed import cpu_exposed, gpu_exposed
 from deltamoe.trace.p2p import cpu_p2p_group
 from deltamoe.trace.summary import HEAT_BINS, Collectives, RankSummary
 from deltamoe.trace.tables import COMM, COMPUTE, MEMORY, EventTables
@@ -85,6 +86,8 @@ def build_summary(t: EventTables, header: dict, path: str, steps: StepRange = (N
     compute, comm, mem = builder.spans()
     _breakdown(s, compute, comm, mem)
     _pipeline(s, compute, comm, coll)
+    if len(step_ids):
+        s.exposed, s.exposed_kind = builder.exposed(s, compute)
     return s
 
 
@@ -257,6 +260,9 @@ class _GpuView:
         return gpu_collectives(self.t, rows, self.ext[rows], self.nid[rows], self.ts[rows],
                                self.ts[rows] + self.dur[rows], windows, self.groups, self.launch[rows])
 
+    def exposed(self, s: RankSummary, compute: iv.Spans) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        return gpu_exposed(s.coll.kind, s.coll.arrive, s.coll.end, compute, s.window[:, 0], s.window[:, 1])
+
 
 class _CpuView:
     """gloo / CPU-only traces: the main thread is the device; collectives are c10d + gloo ops."""
@@ -276,7 +282,8 @@ class _CpuView:
 
     def spans(self) -> tuple[iv.Spans, iv.Spans, iv.Spans]:
         t = self.t
-        comm_main = [(o[1], o[1] + o[2]) for o in t.cpu_coll_ops if o[3] == self.main]
+        # c10d calls, and the asynchronous collectives' issue and `wait_tensor` (waiting is not compute).
+        comm_main = [(o[1], o[1] + o[2]) for o in (*t.cpu_coll_ops, *t.functional_ops) if o[3] == self.main]
         comm_main += [(a[1], a[1] + a[2]) for a in t.annotations if a[3] == self.main]
         comm_all = comm_main + [(a[1], a[1] + a[2]) for a in t.annotations if a[3] != self.main]
         main_comm = _spans(comm_main)
@@ -287,6 +294,11 @@ class _CpuView:
 
     def collectives(self, windows: np.ndarray) -> Collectives:
         return cpu_collectives(self.t, self.main, windows, self.rank, self.p2p_group)
+
+    def exposed(self, s: RankSummary, compute: iv.Spans) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        t = self.t
+        return cpu_exposed(t.cpu_ops, t.cpu_coll_ops, t.functional_ops, t.annotations, self.main, s.window[:, 0],
+                           s.window[:, 1])
 
 
 def _steps(t: EventTables) -> tuple[np.ndarray, np.ndarray, np.ndarray] | tuple:

@@ -58,6 +58,10 @@ class RankSummary:
     coll: Collectives
     steps_in_trace: tuple[int, ...] = ()  # every ProfilerStep number of the file, kept or not
     warnings: list[str] = field(default_factory=list)
+    # per step, communication in flight while the rank computes nothing (trace/exposed.py), in all
+    # and per collective kind
+    exposed: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    exposed_kind: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def step_time(self) -> np.ndarray:

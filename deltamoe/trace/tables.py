@@ -21,7 +21,9 @@ COMPUTE, COMM, MEMORY = 0, 1, 2
 _RUNTIME_CATS = frozenset({"cuda_runtime", "musa_runtime", "privateuse1_runtime", "hip_runtime",
                            "xpu_runtime", "cuda_driver", "musa_driver"})
 _MEMORY_CATS = frozenset({"gpu_memcpy", "gpu_memset"})
-_PLAIN, _STEP, _PARAM_COMMS, _COLLECTIVE = 0, 1, 2, 3  # what add() does with a CPU op / annotation name
+_PLAIN, _STEP, _PARAM_COMMS, _COLLECTIVE, _FUNCTIONAL = 0, 1, 2, 3, 4  # what add() does with a CPU op / annotation
+# Asynchronous collectives (torch's functional ones) and their `wait_tensor` (trace/exposed.py).
+_FUNCTIONAL_PREFIXES = ("_c10d_functional::", "c10d_functional::")
 
 
 @dataclass
@@ -39,6 +41,7 @@ class EventTables:
     annotations: list = field(default_factory=list)  # (name, ts, dur, tid) for comm annotations
     cpu_coll_ops: list = field(default_factory=list)  # (name, ts, dur, tid, concrete inputs)
     cpu_ops: list = field(default_factory=list)      # (ts, dur, tid) of cpu_op events
+    functional_ops: list = field(default_factory=list)  # (name, ts, dur, tid) of `_c10d_functional::` calls
     steps: list = field(default_factory=list)        # (step number, ts, dur, tid)
     names: dict = field(default_factory=dict)        # kernel name -> id (interned per chunk)
     events: int = 0
@@ -80,14 +83,17 @@ class EventTables:
                     kind = cpu_kind[name] = (
                         _STEP if name.startswith("ProfilerStep")  # older exports record steps as cpu_op
                         else _PARAM_COMMS if name == "record_param_comms"
-                        else _COLLECTIVE if name.startswith(cpu_prefixes) else _PLAIN)
+                        else _COLLECTIVE if name.startswith(cpu_prefixes)
+                        else _FUNCTIONAL if name.startswith(_FUNCTIONAL_PREFIXES) else _PLAIN)
                 if kind == _STEP:
                     self._step(name, e.ts, e.dur, e.tid)
                     continue
                 cpu_ops((e.ts, e.dur, e.tid))
                 if kind == _PLAIN:
                     continue
-                if kind == _PARAM_COMMS:
+                if kind == _FUNCTIONAL:
+                    self.functional_ops.append((name, e.ts, e.dur, e.tid))
+                elif kind == _PARAM_COMMS:
                     a = e.args or _NO_ARGS
                     param_comms[a.external_id] = a
                     if a.collective == "send" or a.collective == "recv":
@@ -135,7 +141,7 @@ class EventTables:
         self.kernels = _rows_array(self.kernels, 7)
         self.runtimes = _rows_array(self.runtimes, 2)
         if (self.kernels[:, 2] != MEMORY).any():
-            self.cpu_ops, self.cpu_coll_ops = [], []
+            self.cpu_ops, self.cpu_coll_ops, self.functional_ops = [], [], []
             self.annotations = [a for a in self.annotations if collective_kind(a[0]) in P2P_KINDS]
         if self.kernel_coll:  # ops whose kernels carry their args are never looked up
             own = set(self.kernels[list(self.kernel_coll), 5].astype(np.int64).tolist())
@@ -162,6 +168,7 @@ class EventTables:
             out.annotations.extend(p.annotations)
             out.cpu_coll_ops.extend(p.cpu_coll_ops)
             out.cpu_ops.extend(p.cpu_ops)
+            out.functional_ops.extend(p.functional_ops)
             out.steps.extend(p.steps)
             out.events += p.events
         out.kernels = np.concatenate(kernels) if kernels else np.zeros((0, 7))

@@ -20,6 +20,12 @@ def print_summary(report: dict, console: Console | None = None) -> None:
     t = r["totals"]
     c.print("time: " + ", ".join(f"{k.replace('_fraction', '')} {v:.1%}" for k, v in t.items())
             + f"; comm hidden under compute {r['overlap']['job_overlap_fraction']:.1%}")
+    ex = r.get("exposed_by_kind")
+    if ex and ex["exposed_s_per_step"] > 0:
+        kinds = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in sorted(ex["by_kind_s_per_step"].items(), key=lambda kv: -kv[1])
+                          if v > 0)
+        c.print(f"exposed communication per step {ex['exposed_s_per_step'] * 1e3:.2f} ms of {ex['step_s'] * 1e3:.2f} ms "
+                f"(by kind: {kinds})")
     sk = r.get("sync_skew")
     if sk:
         c.print(f"collectives: {sk['sync_wait_s']:.4f} s waiting for late peers (sync skew), "

@@ -75,6 +75,8 @@ class RefTables(EventTables):
                 elif name.startswith(cpu_prefixes):
                     ci = (e.args or NO_ARGS).concrete_inputs
                     self.cpu_coll_ops.append((name, e.ts, e.dur, e.tid, ci))
+                elif name.startswith(("_c10d_functional::", "c10d_functional::")):
+                    self.functional_ops.append((name, e.ts, e.dur, e.tid))
             elif cat in _RUNTIME_CATS:
                 corr = (e.args or NO_ARGS).correlation
                 if corr is not None:
@@ -150,7 +152,8 @@ def ref_ordinal_within(group: np.ndarray) -> np.ndarray:
 _VALUES = [None, None, 0, 1, 3, 17, -1, 4096, "12", "x", "", 2.0, 3.7, float("nan"), True, [1, 2]]
 _NAMES = ["ncclKernel_AllReduce_RING", "ncclDevKernel_SendRecv", "rcclKernel_x", "sm90_gemm", "elementwise",
           "nccl:all_reduce", "nccl:send 3->4", "gloo:recv 2<-1", "c10d::allreduce_", "c10d::send",
-          "ProfilerStep#3", "ProfilerStep#12", "ProfilerStep", "record_param_comms", "aten::mm", "Memcpy HtoD"]
+          "ProfilerStep#3", "ProfilerStep#12", "ProfilerStep", "record_param_comms", "aten::mm", "Memcpy HtoD",
+          "_c10d_functional::wait_tensor"]
 _CATS = ["kernel", "kernel", "cpu_op", "cpu_op", "cuda_runtime", "hip_runtime", "cuda_driver", "gpu_memcpy",
          "gpu_memset", "user_annotation", "python_function", None, 3]
 _KINDS = ["all_reduce", "send", "recv", "all_to_all", "other"]
@@ -195,7 +198,8 @@ def test_event_tables_add_matches_reference(seed):
     # kernels and runtimes are flat lists now: the same numbers, row after row
     assert new.kernels == list(chain.from_iterable(ref.kernels))
     assert new.runtimes == list(chain.from_iterable(ref.runtimes))
-    for f in ("kernel_coll", "param_comms", "annotations", "cpu_coll_ops", "cpu_ops", "steps", "names", "events"):
+    for f in ("kernel_coll", "param_comms", "annotations", "cpu_coll_ops", "cpu_ops", "functional_ops", "steps", "names",
+              "events"):
         assert getattr(new, f) == getattr(ref, f), f
     try:
         ref_k = np.array(ref.kernels, dtype=float).reshape(-1, 7)
