@@ -21,11 +21,12 @@ GPU with blockwise-scaled `torch.nn.functional.scaled_mm` (sm90+) it is that ker
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from deltamoe.ops.fp8_emulation import dequantize_fp8_blockwise_fp32, quantize_fp8_blockwise_fp32
 from deltamoe.ops.quant import dequantize_fp8_blockwise, quantize_fp8_blockwise
 
 ACT_TILE = (1, 128)  # activations and output gradients along K
@@ -34,19 +35,31 @@ WEIGHT_BLOCK = (128, 128)
 
 @dataclass
 class Fp8Tiles:
-    """A 2-D tensor in e4m3 with one fp32 scale per `block` tile (`ops.quant` layout)."""
+    """A 2-D tensor of e4m3 values with one fp32 scale per `block` tile (`ops.quant` layout).
 
-    data: torch.Tensor  # float8_e4m3fn [R, C]
+    `data` holds the values as float8_e4m3fn on CUDA (what the kernel reads) and as fp32 elsewhere
+    (`ops.fp8_emulation`: the same values, without a CPU's slow float8 -> fp32 conversion). The
+    dequantised tensor is kept after the first `dequantize`, so the product and the error statistics
+    share it."""
+
+    data: torch.Tensor  # float8_e4m3fn or fp32 [R, C]
     scale: torch.Tensor  # fp32 [ceil(R / br), ceil(C / bc)]
     block: tuple[int, int]
+    _dequantized: torch.Tensor | None = field(default=None, repr=False)
 
     def dequantize(self) -> torch.Tensor:
-        return dequantize_fp8_blockwise(self.data, self.scale, self.block, dtype=torch.float32)
+        if self._dequantized is None:
+            if self.data.dtype == torch.float32:
+                self._dequantized = dequantize_fp8_blockwise_fp32(self.data, self.scale, self.block)
+            else:
+                self._dequantized = dequantize_fp8_blockwise(self.data, self.scale, self.block, dtype=torch.float32)
+        return self._dequantized
 
 
 def quantize_tiles(t: torch.Tensor, block: tuple[int, int]) -> Fp8Tiles:
     """float [R, C] -> e4m3 tiles of shape `block`; edge tiles of a size not a multiple are partial."""
-    data, scale = quantize_fp8_blockwise(t, block)
+    quantize = quantize_fp8_blockwise if t.is_cuda else quantize_fp8_blockwise_fp32
+    data, scale = quantize(t, block)
     return Fp8Tiles(data, scale, block)
 
 
