@@ -25,14 +25,18 @@ _EXPONENT_MASK = 0x7F800000
 def round_to_e4m3(t: torch.Tensor) -> torch.Tensor:
     """fp32 values in [-448, 448] (or NaN) -> the nearest e4m3 values, ties to even, in fp32: the same
     bits as `t.to(torch.float8_e4m3fn).float()`, the sign of zero included."""
-    mag = t.abs()
+    return round_to_e4m3_magnitude(t.abs()).copysign_(t)
+
+
+def round_to_e4m3_magnitude(mag: torch.Tensor) -> torch.Tensor:
+    """`round_to_e4m3` of non-negative values (or NaN), in place."""
     # 2^E of |t|'s binade (the exponent bits alone), floored at e4m3's smallest normal binade, whose
     # step (2^-9) the subnormals share.
     binade = (mag.view(torch.int32) & _EXPONENT_MASK).view(torch.float32).clamp_min(E4M3_MIN_NORMAL)
     # fp32's own round-to-nearest-even at a magnitude where its step is e4m3's step in that binade:
     # adding 2^(E+20) leaves 23 - 20 = 3 mantissa bits of |t|, and subtracting it back is exact.
-    shift = binade * 2.0 ** _DROPPED_BITS
-    return ((mag + shift) - shift).copysign(t)
+    shift = binade.mul_(2.0 ** _DROPPED_BITS)
+    return mag.add_(shift).sub_(shift)
 
 
 def _tiles(t: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, int, int]:
@@ -50,8 +54,10 @@ def quantize_fp8_blockwise_fp32(t: torch.Tensor, block: tuple[int, int]) -> tupl
         raise ValueError(f"t: expected [R, C], got shape {tuple(t.shape)}")
     rows, cols = t.shape
     blocks, pr, pc = _tiles(t, block)
-    scale = _block_scales(blocks.abs().amax(dim=(1, 3)))
-    q = round_to_e4m3((blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX))
+    mag = blocks.abs()
+    scale = _block_scales(mag.amax(dim=(1, 3)))
+    # |x| / s is |x / s| (a division rounds symmetrically), so the magnitudes feed the rounding.
+    q = round_to_e4m3_magnitude((mag / scale[:, None, :, None]).clamp_max_(FP8_MAX)).copysign_(blocks)
     q = q.view(rows + pr, cols + pc)
     return (q[:rows, :cols].contiguous() if pr or pc else q), scale
 

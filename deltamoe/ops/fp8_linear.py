@@ -10,8 +10,9 @@ dim K, as an fp8 tensor-core GEMM with per-block scaling needs:
     wgrad     dW = dy.T @ x     dy in 128 x 1 tiles (128 tokens), x in 128 x 1 tiles (128 tokens)
 
 The forward keeps x only as its e4m3 1 x 128 copy (one byte an element); wgrad dequantises it and
-requantises it in 128 x 1 tiles, the 1x128 -> 128x1 conversion DeepSeek-V3 describes. W is
-requantised from the master weight in backward (the same blocks, so the same values). Master
+requantises it in 128 x 1 tiles, the 1x128 -> 128x1 conversion DeepSeek-V3 describes (on a CPU
+the copy holds the e4m3 values as fp32, see `Fp8Tiles`). dgrad reuses the forward's W blocks,
+transposed (W.T's blocks are W's blocks transposed: the same values as requantising W.T). Master
 weights, gradients and optimizer state stay in full precision.
 
 `blockwise_fp8_mm` is the one place a product is taken: on a CPU (and anywhere the kernel does
@@ -163,25 +164,27 @@ class Fp8BlockwiseLinear(torch.autograd.Function):
         if stats is not None:
             stats.add("x", relative_error(xq.dequantize(), x2))
             stats.add("w", relative_error(wq.dequantize(), weight))
-        ctx.save_for_backward(xq.data, xq.scale, weight)
-        ctx.stats, ctx.x_shape, ctx.x_dtype = stats, x.shape, x.dtype
+        ctx.save_for_backward(xq.data, xq.scale, wq.data, wq.scale)
+        ctx.stats, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = stats, x.shape, x.dtype, weight.dtype
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x_data, x_scale, weight = ctx.saved_tensors
+        x_data, x_scale, w_data, w_scale = ctx.saved_tensors
         dy = grad.reshape(-1, grad.shape[-1])
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dyq = quantize_tiles(dy, ACT_TILE)
             if ctx.stats is not None:
                 ctx.stats.add("dy", relative_error(dyq.dequantize(), dy))
-            dx = blockwise_fp8_mm(dyq, quantize_tiles(weight.t(), WEIGHT_BLOCK), torch.float32)
+            # W.T's 128 x 128 blocks are W's blocks transposed: the forward's tiles, transposed.
+            wq_t = Fp8Tiles(w_data.t().contiguous(), w_scale.t().contiguous(), WEIGHT_BLOCK)
+            dx = blockwise_fp8_mm(dyq, wq_t, torch.float32)
             dx = dx.reshape(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             x_back = Fp8Tiles(x_data, x_scale, ACT_TILE).dequantize()  # the forward's e4m3 copy of x
             dw = blockwise_fp8_mm(quantize_tiles(dy.t(), ACT_TILE), quantize_tiles(x_back.t(), ACT_TILE),
-                                  torch.float32).to(weight.dtype)
+                                  torch.float32).to(ctx.w_dtype)
         return dx, dw, None
 
 
