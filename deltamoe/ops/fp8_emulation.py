@@ -39,9 +39,15 @@ def round_to_e4m3_magnitude(mag: torch.Tensor) -> torch.Tensor:
     return mag.add_(shift).sub_(shift)
 
 
+def _fitted_block(shape: torch.Size, block: tuple[int, int]) -> tuple[int, int]:
+    """`block`, shrunk along a dim the tensor spans in one tile: the same tiles without the padding."""
+    return max(1, min(block[0], shape[0])), max(1, min(block[1], shape[1]))
+
+
 def _tiles(t: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, int, int]:
-    """[R, C] fp32 -> [R'/br, br, C'/bc, bc] tiles of the zero-padded tensor (padded only where needed)."""
-    br, bc = block
+    """[R, C] fp32 -> [R'/br, br, C'/bc, bc] tiles of the zero-padded tensor (padded only where needed;
+    zero padding leaves a tile's absmax as it is)."""
+    br, bc = _fitted_block(t.shape, block)
     rows, cols = t.shape
     pr, pc = -rows % br, -cols % bc
     padded = F.pad(t.float(), (0, pc, 0, pr)) if pr or pc else t.float().contiguous()
@@ -66,7 +72,7 @@ def dequantize_fp8_blockwise_fp32(values: torch.Tensor, scale: torch.Tensor,
                                   block: tuple[int, int]) -> torch.Tensor:
     """`quant.dequantize_fp8_blockwise(..., dtype=float32)` of e4m3 values held in fp32."""
     rows, cols = values.shape
-    br, bc = block
+    br, bc = _fitted_block(values.shape, block)
     if rows % br or cols % bc:
         full = scale.repeat_interleave(bc, dim=1)[:, :cols]
         if br > 1:

@@ -133,6 +133,7 @@ class Fp8ErrorStats:
     def __init__(self) -> None:
         self.sums: torch.Tensor | None = None
         self.counts = [0, 0, 0]
+        self.enabled = True  # off: the linear records nothing (the error costs as much as a quantisation)
 
     def add(self, kind: str, err: torch.Tensor) -> None:
         i = self.KINDS.index(kind)
@@ -161,7 +162,7 @@ class Fp8BlockwiseLinear(torch.autograd.Function):
         xq = quantize_tiles(x2, ACT_TILE)
         wq = quantize_tiles(weight, WEIGHT_BLOCK)
         y = blockwise_fp8_mm(xq, wq, out_dtype)
-        if stats is not None:
+        if stats is not None and stats.enabled:
             stats.add("x", relative_error(xq.dequantize(), x2))
             stats.add("w", relative_error(wq.dequantize(), weight))
         ctx.save_for_backward(xq.data, xq.scale, wq.data, wq.scale)
@@ -175,7 +176,7 @@ class Fp8BlockwiseLinear(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dyq = quantize_tiles(dy, ACT_TILE)
-            if ctx.stats is not None:
+            if ctx.stats is not None and ctx.stats.enabled:
                 ctx.stats.add("dy", relative_error(dyq.dequantize(), dy))
             # W.T's 128 x 128 blocks are W's blocks transposed: the forward's tiles, transposed.
             wq_t = Fp8Tiles(w_data.t().contiguous(), w_scale.t().contiguous(), WEIGHT_BLOCK)
