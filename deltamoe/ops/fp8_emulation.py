@@ -32,7 +32,7 @@ def round_to_e4m3_magnitude(mag: torch.Tensor) -> torch.Tensor:
     """`round_to_e4m3` of non-negative values (or NaN), in place."""
     # 2^E of |t|'s binade (the exponent bits alone), floored at e4m3's smallest normal binade, whose
     # step (2^-9) the subnormals share.
-    binade = (mag.view(torch.int32) & _EXPONENT_MASK).view(torch.float32).clamp_min(E4M3_MIN_NORMAL)
+    binade = (mag.view(torch.int32) & _EXPONENT_MASK).view(torch.float32).clamp_min_(E4M3_MIN_NORMAL)
     # fp32's own round-to-nearest-even at a magnitude where its step is e4m3's step in that binade:
     # adding 2^(E+20) leaves 23 - 20 = 3 mantissa bits of |t|, and subtracting it back is exact.
     shift = binade.mul_(2.0 ** _DROPPED_BITS)

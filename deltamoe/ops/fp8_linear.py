@@ -22,6 +22,7 @@ GPU with blockwise-scaled `torch.nn.functional.scaled_mm` (sm90+) it is that ker
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -111,7 +112,9 @@ def blockwise_fp8_mm(a: Fp8Tiles, b: Fp8Tiles, out_dtype: torch.dtype = torch.fl
         raise ValueError(f"a: expected {ACT_TILE} tiles along K, got {a.block}")
     if _kernel_applies(a, b):
         return _kernel_mm(a, b, out_dtype)
-    with torch.autocast(a.data.device.type, enabled=False):
+    device_type = a.data.device.type
+    # Entering a disabled autocast region costs more than a small matmul: only when one is active.
+    with torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else nullcontext():
         return (a.dequantize() @ b.dequantize().t()).to(out_dtype)
 
 
