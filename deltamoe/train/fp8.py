@@ -96,6 +96,8 @@ class Fp8Training:
         self.recording = step == 1 or step % self.stats_every == 0 or step == last_step
         for s in self.stats.values():
             s.enabled = self.recording
+            if self.recording:
+                s.take()  # drop what forwards outside a training step (evaluation) recorded since
 
     def take(self) -> dict[str, dict[str, float]]:
         """Mean relative quantisation error of x, W and dy per converted module since the last call."""
