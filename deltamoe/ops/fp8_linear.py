@@ -10,8 +10,9 @@ dim K, as an fp8 tensor-core GEMM with per-block scaling needs:
     wgrad     dW = dy.T @ x     dy in 128 x 1 tiles (128 tokens), x in 128 x 1 tiles (128 tokens)
 
 The forward keeps x only as its e4m3 1 x 128 copy (one byte an element); wgrad dequantises it and
-requantises it in 128 x 1 tiles, the 1x128 -> 128x1 conversion DeepSeek-V3 describes. W is
-requantised from the master weight in backward (the same blocks, so the same values). Master
+requantises it in 128 x 1 tiles, the 1x128 -> 128x1 conversion DeepSeek-V3 describes (on a CPU
+the copy holds the e4m3 values as fp32, see `Fp8Tiles`). dgrad reuses the forward's W blocks,
+transposed (W.T's blocks are W's blocks transposed: the same values as requantising W.T). Master
 weights, gradients and optimizer state stay in full precision.
 
 `blockwise_fp8_mm` is the one place a product is taken: on a CPU (and anywhere the kernel does
@@ -21,11 +22,13 @@ GPU with blockwise-scaled `torch.nn.functional.scaled_mm` (sm90+) it is that ker
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from deltamoe.ops.fp8_emulation import dequantize_fp8_blockwise_fp32, quantize_fp8_blockwise_fp32
 from deltamoe.ops.quant import dequantize_fp8_blockwise, quantize_fp8_blockwise
 
 ACT_TILE = (1, 128)  # activations and output gradients along K
@@ -34,19 +37,31 @@ WEIGHT_BLOCK = (128, 128)
 
 @dataclass
 class Fp8Tiles:
-    """A 2-D tensor in e4m3 with one fp32 scale per `block` tile (`ops.quant` layout)."""
+    """A 2-D tensor of e4m3 values with one fp32 scale per `block` tile (`ops.quant` layout).
 
-    data: torch.Tensor  # float8_e4m3fn [R, C]
+    `data` holds the values as float8_e4m3fn on CUDA (what the kernel reads) and as fp32 elsewhere
+    (`ops.fp8_emulation`: the same values, without a CPU's slow float8 -> fp32 conversion). The
+    dequantised tensor is kept after the first `dequantize`, so the product and the error statistics
+    share it."""
+
+    data: torch.Tensor  # float8_e4m3fn or fp32 [R, C]
     scale: torch.Tensor  # fp32 [ceil(R / br), ceil(C / bc)]
     block: tuple[int, int]
+    _dequantized: torch.Tensor | None = field(default=None, repr=False)
 
     def dequantize(self) -> torch.Tensor:
-        return dequantize_fp8_blockwise(self.data, self.scale, self.block, dtype=torch.float32)
+        if self._dequantized is None:
+            if self.data.dtype == torch.float32:
+                self._dequantized = dequantize_fp8_blockwise_fp32(self.data, self.scale, self.block)
+            else:
+                self._dequantized = dequantize_fp8_blockwise(self.data, self.scale, self.block, dtype=torch.float32)
+        return self._dequantized
 
 
 def quantize_tiles(t: torch.Tensor, block: tuple[int, int]) -> Fp8Tiles:
     """float [R, C] -> e4m3 tiles of shape `block`; edge tiles of a size not a multiple are partial."""
-    data, scale = quantize_fp8_blockwise(t, block)
+    quantize = quantize_fp8_blockwise if t.is_cuda else quantize_fp8_blockwise_fp32
+    data, scale = quantize(t, block)
     return Fp8Tiles(data, scale, block)
 
 
@@ -97,7 +112,9 @@ def blockwise_fp8_mm(a: Fp8Tiles, b: Fp8Tiles, out_dtype: torch.dtype = torch.fl
         raise ValueError(f"a: expected {ACT_TILE} tiles along K, got {a.block}")
     if _kernel_applies(a, b):
         return _kernel_mm(a, b, out_dtype)
-    with torch.autocast(a.data.device.type, enabled=False):
+    device_type = a.data.device.type
+    # Entering a disabled autocast region costs more than a small matmul: only when one is active.
+    with torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else nullcontext():
         return (a.dequantize() @ b.dequantize().t()).to(out_dtype)
 
 
@@ -119,6 +136,7 @@ class Fp8ErrorStats:
     def __init__(self) -> None:
         self.sums: torch.Tensor | None = None
         self.counts = [0, 0, 0]
+        self.enabled = True  # off: the linear records nothing (the error costs as much as a quantisation)
 
     def add(self, kind: str, err: torch.Tensor) -> None:
         i = self.KINDS.index(kind)
@@ -147,28 +165,30 @@ class Fp8BlockwiseLinear(torch.autograd.Function):
         xq = quantize_tiles(x2, ACT_TILE)
         wq = quantize_tiles(weight, WEIGHT_BLOCK)
         y = blockwise_fp8_mm(xq, wq, out_dtype)
-        if stats is not None:
+        if stats is not None and stats.enabled:
             stats.add("x", relative_error(xq.dequantize(), x2))
             stats.add("w", relative_error(wq.dequantize(), weight))
-        ctx.save_for_backward(xq.data, xq.scale, weight)
-        ctx.stats, ctx.x_shape, ctx.x_dtype = stats, x.shape, x.dtype
+        ctx.save_for_backward(xq.data, xq.scale, wq.data, wq.scale)
+        ctx.stats, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = stats, x.shape, x.dtype, weight.dtype
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x_data, x_scale, weight = ctx.saved_tensors
+        x_data, x_scale, w_data, w_scale = ctx.saved_tensors
         dy = grad.reshape(-1, grad.shape[-1])
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dyq = quantize_tiles(dy, ACT_TILE)
-            if ctx.stats is not None:
+            if ctx.stats is not None and ctx.stats.enabled:
                 ctx.stats.add("dy", relative_error(dyq.dequantize(), dy))
-            dx = blockwise_fp8_mm(dyq, quantize_tiles(weight.t(), WEIGHT_BLOCK), torch.float32)
+            # W.T's 128 x 128 blocks are W's blocks transposed: the forward's tiles, transposed.
+            wq_t = Fp8Tiles(w_data.t().contiguous(), w_scale.t().contiguous(), WEIGHT_BLOCK)
+            dx = blockwise_fp8_mm(dyq, wq_t, torch.float32)
             dx = dx.reshape(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             x_back = Fp8Tiles(x_data, x_scale, ACT_TILE).dequantize()  # the forward's e4m3 copy of x
             dw = blockwise_fp8_mm(quantize_tiles(dy.t(), ACT_TILE), quantize_tiles(x_back.t(), ACT_TILE),
-                                  torch.float32).to(weight.dtype)
+                                  torch.float32).to(ctx.w_dtype)
         return dx, dw, None
 
 

@@ -46,6 +46,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--clip-grad",), "optim.clip_grad", "max gradient norm (<= 0: off)"),
     Flag(("--precision",), "run.precision", "fp32|bf16 (autocast)"),
     Flag(("--fp8",), "run.fp8", "blockwise: linears and experts in DeepSeek-V3 blockwise FP8 (forward and backward)"),
+    Flag(("--fp8-stats-every",), "run.fp8_stats_every", "log fp8 quantisation error on step 1, every N-th and the last"),
     Flag(("--num-pairs",), "data.num_pairs", "recall: key/value pairs"),
     Flag(("--context-len",), "data.context_len", "recall: context tokens incl. filler"),
     Flag(("--bias-gamma",), "balance.gamma", "router bias update speed (0: off)"),

@@ -86,6 +86,7 @@ class RunSection:
     progress: bool = True
     threads: int | None = None  # torch intra-op threads per process
     fp8: str | None = None  # "blockwise": linears and experts in DeepSeek-V3 blockwise FP8 (train/fp8.py)
+    fp8_stats_every: int = 10  # fp8 quantisation error in metrics.jsonl: steps 1, every N-th and the last
 
 
 @dataclass
@@ -182,6 +183,7 @@ class TrainConfig:
         need(r.fp8 in FP8_RECIPES, "run.fp8", f"one of {FP8_RECIPES}")
         need(r.fp8 is None or p.tp == 1, "run.fp8", "None with parallel.tp > 1 (fp8 linears do not take "
              "tensor-parallel DTensor weights yet)")
+        need(isinstance(r.fp8_stats_every, int) and r.fp8_stats_every >= 1, "run.fp8_stats_every", "an integer >= 1")
         for name in ("run.eval_every", "run.save_every"):
             section, attr = name.split(".")
             v = getattr(r, attr)

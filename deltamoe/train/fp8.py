@@ -9,7 +9,8 @@ experts. Kept in full precision, as DeepSeek-V3 keeps them: the embedding, the o
 The conversion is a model converter `parallelize` runs on each stage after expert parallelism and
 before activation checkpointing and FSDP2, so the swapped modules are the ones FSDP shards. Each
 converted module records its operands' relative quantisation error into an `Fp8ErrorStats`;
-`Fp8Training.take()` returns the step's means per module for metrics.jsonl.
+`Fp8Training.take()` returns the step's means per module for metrics.jsonl, on the steps
+`begin_step` records (`run.fp8_stats_every`).
 """
 
 from __future__ import annotations
@@ -66,10 +67,14 @@ def _clean_name(name: str) -> str:
 class Fp8Training:
     """The converter (`__call__(module)`, as `parallelize` takes it) and the stats of what it converted."""
 
-    def __init__(self, recipe: str = "blockwise"):
+    def __init__(self, recipe: str = "blockwise", stats_every: int = 1):
         if recipe not in RECIPES:
             raise ValueError(f"recipe: expected one of {RECIPES}, got {recipe!r}")
+        if stats_every < 1:
+            raise ValueError(f"stats_every: expected >= 1, got {stats_every}")
         self.stats: dict[str, Fp8ErrorStats] = {}
+        self.stats_every = stats_every
+        self.recording = True
 
     def __call__(self, module: nn.Module) -> None:
         for name, child in list(module.named_modules()):
@@ -84,6 +89,15 @@ class Fp8Training:
                 parent_name, _, leaf = name.rpartition(".")
                 stats = self.stats.setdefault(_clean_name(name), Fp8ErrorStats())
                 setattr(module.get_submodule(parent_name), leaf, Fp8Linear(child, stats))
+
+    def begin_step(self, step: int, last_step: int) -> None:
+        """Record the error on step 1, every `stats_every`-th step and the last step only: measuring
+        it costs about as much as quantising once more, and it changes slowly from step to step."""
+        self.recording = step == 1 or step % self.stats_every == 0 or step == last_step
+        for s in self.stats.values():
+            s.enabled = self.recording
+            if self.recording:
+                s.take()  # drop what forwards outside a training step (evaluation) recorded since
 
     def take(self) -> dict[str, dict[str, float]]:
         """Mean relative quantisation error of x, W and dy per converted module since the last call."""

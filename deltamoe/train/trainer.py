@@ -82,7 +82,7 @@ class Trainer:
         self.rank = dist.get_rank() if self.world > 1 else 0
         torch.manual_seed(cfg.run.seed)
         model = build_train_model(cfg.model, model_config, cfg.run.seed, self.device)
-        self.fp8 = Fp8Training(cfg.run.fp8) if cfg.run.fp8 else None
+        self.fp8 = Fp8Training(cfg.run.fp8, cfg.run.fp8_stats_every) if cfg.run.fp8 else None
         self.pm = parallelize(model, self.dims, mesh, [self.fp8] if self.fp8 else [])
         self.parts = self.pm.model_parts
         self.optimizers = Optimizers(self.parts, cfg.optim, cfg.run.steps)
@@ -111,8 +111,10 @@ class Trainer:
         try:
             for step in range(self.state.step + 1, cfg.run.steps + 1):
                 t0 = time.perf_counter()
+                if self.fp8 is not None:
+                    self.fp8.begin_step(step, cfg.run.steps)
                 record = self.step_fn(step, self._micro_batches())
-                if self.fp8 is not None:  # this rank's per-module quantisation error, for metrics.jsonl
+                if self.fp8 is not None and self.fp8.recording:  # this rank's quantisation error per module
                     record["fp8_error"] = self.fp8.take()
                 if self.pm.offload_stats is not None:  # saved activations this rank sent to host memory
                     record["offload_moved_bytes"] = self.pm.offload_stats.take()

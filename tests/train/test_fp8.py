@@ -57,5 +57,26 @@ def test_config_checks_name_the_field(tmp_path):
         micro_config(tmp_path, **{"run.fp8": "e5m2"})
     assert e.value.field == "run.fp8"
     with pytest.raises(ConfigError) as e:
+        micro_config(tmp_path, **{"run.fp8": "blockwise", "run.fp8_stats_every": 0})
+    assert e.value.field == "run.fp8_stats_every"
+    with pytest.raises(ConfigError) as e:
         micro_config(tmp_path, **{"run.fp8": "blockwise", "parallel.tp": 2, "parallel.dp": 1})
     assert e.value.field == "run.fp8"
+
+
+def test_error_statistics_on_step_one_every_nth_and_the_last():
+    fp8 = Fp8Training(stats_every=3)
+    model = nn.Sequential(nn.Linear(128, 64, bias=False))
+    fp8(model)
+    recorded = []
+    for step in range(1, 8):
+        fp8.begin_step(step, last_step=7)
+        model(torch.randn(4, 128, requires_grad=True)).sum().backward()  # dy: recorded with an input grad
+        errs = fp8.take()
+        assert bool(errs) == fp8.recording
+        if errs:
+            recorded.append(step)
+            assert set(errs["0"]) == {"x", "w", "dy"}
+    assert recorded == [1, 3, 6, 7]
+    with pytest.raises(ValueError, match="stats_every"):
+        Fp8Training(stats_every=0)
