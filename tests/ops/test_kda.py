@@ -138,6 +138,30 @@ def test_chunk_matches_recurrent_at_the_real_head_size(gate: str) -> None:
     assert_rel_close(s, s_ref, 1e-5)
 
 
+def test_gates_near_zero_over_a_long_sequence() -> None:
+    """g within 1e-6 of 0 (the memory hardly fades) over 2,000 tokens in 32 chunks: the state
+    keeps everything it was written, so an error in the carried decays would pile up."""
+    x = make_inputs(1, 2000, 2, 16, 16, seed=43)
+    x["g"] = -1e-6 * torch.rand(x["g"].shape, generator=torch.Generator().manual_seed(44))
+    o_ref, s_ref = recurrent_kda(**x, output_final_state=True, use_qk_l2norm=True)
+    o, s = chunk_kda(**x, output_final_state=True, use_qk_l2norm=True)
+    assert_rel_close(o, o_ref, 1e-5)
+    assert_rel_close(s, s_ref, 1e-5)
+
+
+def test_decays_past_fp32_range_between_chunks() -> None:
+    """Chunks whose decay spans nearly MAX_CHUNK_SPAN (63 * 1.8 = 113): the state leaves one chunk
+    scaled by e^-56.7 and enters the next by e^(g_0 - 56.7), together far below fp32's normal
+    range, while the state itself, and its weight e^-1.8 on the next chunk's first token, are not."""
+    x = make_inputs(1, 256, 2, 8, 8, gate="softplus", seed=47)
+    x["g"] = torch.full_like(x["g"], -1.8)
+    assert kda_module._pick_chunk_size(x["g"], 64) == 64
+    o_ref, s_ref = recurrent_kda(**x, output_final_state=True, use_qk_l2norm=True)
+    o, s = chunk_kda(**x, output_final_state=True, use_qk_l2norm=True)
+    assert_rel_close(o, o_ref, 1e-5)
+    assert_rel_close(s, s_ref, 1e-5)
+
+
 def test_padded_chunks_in_the_middle_of_the_sequence(monkeypatch: pytest.MonkeyPatch) -> None:
     """Groups of 5-token chunks whose decays halve them to 2: every group but the last ends in a
     padded chunk, whose padding must not reach the output or the state."""
@@ -277,6 +301,20 @@ def test_matches_fla_naive(fla_naive: ModuleType, gate: str) -> None:
         for o_want, s_want in ((o_rec, s_rec), (o_chk, s_chk)):
             assert_rel_close(o, o_want, 1e-5)
             assert_rel_close(s, s_want, 1e-5)
+
+
+def test_matches_fla_naive_at_the_real_head_size_over_a_long_sequence(fla_naive: ModuleType) -> None:
+    """K = V = 128, 1,024 tokens (16 chunks): chunk_kda against fla's naive chunk form, with gates
+    near 0 in one head (little decay) and KimiLinear's softplus gate in the other."""
+    x = make_inputs(1, 1024, 2, 128, 128, gate="softplus", seed=53, a_log_range=(-4.0, -2.0))
+    x["g"][:, :, 0] = -1e-4 * torch.rand(1, 1024, 128, generator=torch.Generator().manual_seed(54))
+    q, k = l2_normalize(x["q"]), l2_normalize(x["k"])
+    state = torch.randn(1, 2, 128, 128, generator=torch.Generator().manual_seed(55))
+    args = (q, k, x["v"], x["g"], x["beta"])
+    o_want, s_want = fla_naive.naive_chunk_kda(*args, initial_state=state, output_final_state=True, chunk_size=64)
+    o, s = chunk_kda(*args, initial_state=state, output_final_state=True)
+    assert_rel_close(o, o_want, 1e-5)
+    assert_rel_close(s, s_want, 1e-5)
 
 
 @pytest.mark.parametrize("t", [64, 77])
