@@ -165,11 +165,9 @@ def kda_step(
 #     S_{next}  = Diag(e^{G_last}) S_0 + Kd^T u.
 #
 # Everything that does not involve S_0 (M, L, the inverse of I + L, U, W) is computed for all
-# chunks of a group at once, in batched matmuls; the loop over chunks only runs the three
-# C x K x V products above (W S_0, q S_0, Kd^T u) and the small M u. The inverse is one batched
-# triangular solve against the identity, then a matmul: much faster than solving against the
-# K + V columns. The loop is about half the time and the chunk-local part (layout, decay factors,
-# M, L, solve, U, W) the other half: `bench/kda_cost_split.py` times each stage.
+# chunks at once, in batched matmuls; the loop over chunks only runs the three C x K x V products
+# above (W S_0, q S_0, Kd^T u) and the small M u. The inverse is one batched triangular solve
+# against the identity, then a matmul: much faster than solving against the K + V columns.
 #
 # Numerics. e^{G_i - G_j} = e^{G_i - r} e^{r - G_j} makes L and M plain matmuls; with r halfway
 # through the chunk's decay both factors stay within e^{+-span/2}, where span = G_0 - G_last =
@@ -178,18 +176,6 @@ def kda_step(
 # H_i - r (H_i = G_i - g_0, r = H_last / 2) are one matmul of g with a constant matrix of 0 and
 # +-1/2 that leaves g_0 out: their rounding is bounded by the span, not by how much decayed before
 # (e.g. a huge g_0).
-#
-# The loop carries S' = Diag(e^{g_0 + r}) S_0 instead of S_0: with e^{G_i} = e^{g_0 + r} e^{H_i - r}
-# and e^{G_last - G_j} = e^r e^{r - H_j}, the products become
-#
-#     u = U - W' S',  o = (scale q * e^{H - r}) S' + M u,  S_next = Diag(e^r) (S' + (k * e^{r - H})^T u)
-#
-# with W' = (I + L)^-1 Diag(beta) (k * e^{H - r}): the per-chunk decays land on the K x V state
-# (two products per chunk) instead of on three C x K operands, and the loop reads the decay
-# factors that M and L already use. The two state factors stay separate: S' + (...) may be as large
-# as e^{span/2} S, and their product e^{r + g_0' + r'} could fall below fp32's normal range while
-# the state it gives does not. A state that does underflow in S' (g_0 far below -span/2) decays
-# away within the chunk: W' and q * e^{H - r} scale it back up by at most e^{span/2}.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -306,12 +292,12 @@ def _chunk_kda_group(
     q, k = normalized_chunks(q, scale), normalized_chunks(k, 1.0)  # scale folds into q
     v, g, beta = to_chunks(v), to_chunks(g), to_chunks(beta).unsqueeze(-1)
 
-    # H_i - r and r - H_j stacked: one matmul and one exp for both factors (each exp'd on its own, so
-    # that neither factor's gradient divides by the other).
+    # H_i - r and r - H_j stacked: one matmul and one exp for both factors.
     centering = _centering_matrix(chunk, dtype)
     exponents = torch.cat([centering, -centering]) @ g  # [N, BH, 2C, K]
     half = exponents[..., chunk : chunk + 1, :]  # r - H_0 = r = H_last / 2
     to_half, from_half = torch.exp(exponents).split(chunk, dim=-2)  # e^{H_i - r}, e^{r - H_j}
+    first = g[..., :1, :]  # g_0 of each chunk
     q_to_half, k_to_half = q * to_half, k * to_half
     k_from_half = k * from_half
 
@@ -324,20 +310,21 @@ def _chunk_kda_group(
     eye = torch.eye(chunk, dtype=dtype)
     inverse = torch.linalg.solve_triangular(lower, eye, upper=False, unitriangular=True)  # (I + L)^-1
     solve_beta = inverse * beta.mT  # (I + L)^-1 Diag(beta)
-    u = solve_beta @ v
-    w = solve_beta @ k_to_half  # W' (see the notes: the state carries the decay to the chunk start)
 
-    into_chunk = torch.exp(g[..., :1, :] + half).mT  # e^{g_0 + r} [N, BH, K, 1]
-    out_of_chunk = torch.exp(half).mT  # e^r
-    k_from_half_t = k_from_half.mT
+    # e^{G_i} = e^{g_0 + r} e^{H_i - r}: the per-channel e^{g_0 + r} commutes with (I + L)^-1.
+    start = torch.exp(first + half)
+    u = solve_beta @ v
+    w = (solve_beta @ k_to_half) * start
+    q_decayed = q_to_half * start  # scale q e^G
+    k_to_end = (k_from_half * torch.exp(half)).mT  # Kd^T: e^{G_last - G_j} = e^{r - H_j} e^{r}
+    chunk_decay = torch.exp(first + 2 * half).mT  # e^{G_last} [N, BH, K, 1]
 
     outputs = []
     for n in range(n_chunks):
-        decayed = state * into_chunk[n]  # S'
-        delta = torch.baddbmm(u[n], w[n], decayed, alpha=-1)  # u = U - W' S'
-        o = torch.baddbmm(m_scores[n] @ delta, q_to_half[n], decayed)
+        delta = torch.baddbmm(u[n], w[n], state, alpha=-1)  # u = U - W S_0
+        o = torch.baddbmm(m_scores[n] @ delta, q_decayed[n], state)
         outputs.append(o.view(b, h, chunk, dv).transpose(1, 2))
-        state = torch.baddbmm(decayed, k_from_half_t[n], delta) * out_of_chunk[n]
+        state = torch.addcmul(k_to_end[n] @ delta, state, chunk_decay[n])
     if pad:
         outputs[-1] = outputs[-1][:, : chunk - pad]
     return outputs, state
