@@ -21,6 +21,8 @@ the compute dtype.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -247,6 +249,19 @@ def _centering_matrix(chunk: int, dtype: torch.dtype) -> torch.Tensor:
     return a
 
 
+class _ChunkTerms(NamedTuple):
+    """What a run of chunks contributes independently of the state entering it: each [N, BH, ...],
+    computed for all chunks at once (see the notes above)."""
+
+    u: torch.Tensor  # U = (I + L)^-1 Diag(beta) v [N, BH, C, V]
+    w: torch.Tensor  # W = (I + L)^-1 Diag(beta) (k * e^G) [N, BH, C, K]
+    m_scores: torch.Tensor  # M [N, BH, C, C]
+    q_decayed: torch.Tensor  # scale q * e^G [N, BH, C, K]
+    k_to_end: torch.Tensor  # Kd^T [N, BH, K, C]
+    chunk_decay: torch.Tensor  # e^{G_last} [N, BH, K, 1]
+    pad: int  # padding tokens at the end of the last chunk
+
+
 def _chunk_kda_group(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -260,8 +275,23 @@ def _chunk_kda_group(
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The chunked form over one run of tokens: (o of each chunk [B, C, H, V] in the compute dtype,
     padding cut off, concatenating to [B, T, H, V]; state [B*H, K, V])."""
+    terms = _chunk_terms(q, k, v, g, beta, scale, use_qk_l2norm, chunk_size)
+    return _state_pass(terms, state, q.shape[0], q.shape[2])
+
+
+def _chunk_terms(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool,
+    chunk_size: int,
+) -> _ChunkTerms:
+    """Everything of a run of tokens [B, T, H, *] that does not depend on the state: batched over
+    all of its chunks."""
     b, t, h, dk = q.shape
-    dv = v.shape[-1]
     dtype = _compute_dtype(q, k, v, g, beta)
     q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
 
@@ -319,6 +349,14 @@ def _chunk_kda_group(
     k_to_end = (k_from_half * torch.exp(half)).mT  # Kd^T: e^{G_last - G_j} = e^{r - H_j} e^{r}
     chunk_decay = torch.exp(first + 2 * half).mT  # e^{G_last} [N, BH, K, 1]
 
+    return _ChunkTerms(u, w, m_scores, q_decayed, k_to_end, chunk_decay, pad)
+
+
+def _state_pass(terms: _ChunkTerms, state: torch.Tensor, b: int, h: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The sequential part: chunk by chunk, the deltas, outputs and next state from the state
+    entering the chunk. Returns (o of each chunk [B, C, H, V], padding cut off; state [B*H, K, V])."""
+    u, w, m_scores, q_decayed, k_to_end, chunk_decay, pad = terms
+    n_chunks, _, chunk, dv = u.shape
     outputs = []
     for n in range(n_chunks):
         delta = torch.baddbmm(u[n], w[n], state, alpha=-1)  # u = U - W S_0

@@ -1,0 +1,136 @@
+"""Where `chunk_kda`'s time goes: the state-independent part (layout, decay factors, M and L, the
+triangular solve, U and W; batched over all chunks of a group) against the sequential state pass
+(one chunk after another), each split further into matmuls, the triangular solve and the rest
+(elementwise products, exp, layout copies, tril), and the final concatenation of o.
+
+    .venv/bin/python bench/kda_cost_split.py [--seq-len 8192] [--head-dim 128] [--chunk-size 64 32] [--threads 2]
+
+Inputs as `bench_kda.py` (B=1, H=8, fp32, qk l2norm in kernel, the softplus gate with KimiLinear's
+init). A chunk size is the longest chunk: `chunk_kda` halves it where a chunk's decay span would
+exceed MAX_CHUNK_SPAN (the table gives the length it used). Times are medians of `--repeats`
+runs; per-op times come from one profiled run after them. Prints a markdown table; figures on a
+loaded machine are indicative only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_kda import make_inputs  # noqa: E402
+from common import markdown_table  # noqa: E402
+
+from deltamoe.ops import kda  # noqa: E402
+
+MATMULS = {"aten::bmm", "aten::baddbmm", "aten::mm", "aten::addmm"}
+SOLVE = "aten::linalg_solve_triangular"
+
+
+class StageTimer:
+    """Wraps `kda._chunk_terms` and `kda._state_pass` to add up their wall time, and remembers the
+    chunk length `_chunk_terms` picked."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.chunks: set[int] = set()
+
+    def wrap(self, stage: str, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            result = fn(*args, **kwargs)
+            self.seconds[stage] += time.perf_counter() - start
+            if stage == "state-independent":
+                self.chunks.add(result.u.shape[2])
+            return result
+
+        return timed
+
+
+def op_split(run: Callable[[], object]) -> dict[str, float]:
+    """CPU seconds of one run by kind of op: matmul, triangular solve (with the ops it calls),
+    everything else."""
+    from torch.profiler import ProfilerActivity, profile  # slow to import: only where used
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    events = prof.key_averages()
+    everything = sum(e.self_cpu_time_total for e in events) / 1e6
+    matmul = sum(e.self_cpu_time_total for e in events if e.key in MATMULS) / 1e6
+    solve = sum(e.cpu_time_total for e in events if e.key == SOLVE) / 1e6
+    return {"matmul": matmul, "solve": solve, "rest": everything - matmul - solve}
+
+
+def measure(x: dict[str, torch.Tensor], chunk_size: int, repeats: int, split_ops: bool = True) -> dict:
+    """Stage times (medians) of `chunk_kda` on x, and with split_ops the op kinds of one more run."""
+    timer = StageTimer()
+    terms, state_pass = kda._chunk_terms, kda._state_pass
+    kda._chunk_terms, kda._state_pass = timer.wrap("state-independent", terms), timer.wrap("state pass", state_pass)
+    try:
+        def run() -> object:
+            return kda.chunk_kda(**x, output_final_state=True, use_qk_l2norm=True, chunk_size=chunk_size)
+
+        with torch.no_grad():
+            run()  # warm-up
+            totals, stages = [], defaultdict(list)
+            for _ in range(repeats):
+                timer.seconds.clear()
+                start = time.perf_counter()
+                run()
+                totals.append(time.perf_counter() - start)
+                for stage, seconds in timer.seconds.items():
+                    stages[stage].append(seconds)
+            ops = op_split(run) if split_ops else {}
+    finally:
+        kda._chunk_terms, kda._state_pass = terms, state_pass
+    total = statistics.median(totals)
+    parts = {stage: statistics.median(s) for stage, s in stages.items()}
+    parts["concatenate o, rest"] = total - sum(parts.values())
+    return {"chunk_size": chunk_size, "chunks_used": sorted(timer.chunks), "total_s": total, "stages_s": parts,
+            "ops_s": ops}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-len", type=int, default=8192)
+    parser.add_argument("--head-dim", type=int, default=128, help="K = V per head (K3: 128)")
+    parser.add_argument("--chunk-size", type=int, nargs="+", default=[64, 32])
+    parser.add_argument("--gate", choices=("softplus", "lower_bound"), default="softplus")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    for name in ("seq_len", "head_dim", "repeats", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}: expected a positive integer, got {getattr(args, name)}")
+    if min(args.chunk_size) < 1:
+        parser.error(f"--chunk-size: expected positive integers, got {args.chunk_size}")
+    torch.set_num_threads(args.threads)
+    x = make_inputs(args.seq_len, args.gate, head_dim=args.head_dim)
+
+    rows = []
+    for chunk_size in args.chunk_size:
+        r = measure(x, chunk_size, args.repeats)
+        ops = r["ops_s"]
+        op_total = sum(ops.values())
+        rows.append([
+            chunk_size, "/".join(str(c) for c in r["chunks_used"]), f"{r['total_s'] * 1e3:.1f}",
+            *(f"{r['stages_s'].get(s, 0.0) * 1e3:.1f}" for s in ("state-independent", "state pass", "concatenate o, rest")),
+            " / ".join(f"{ops.get(k, 0.0) / op_total:.0%}" for k in ("matmul", "solve", "rest")),
+        ])
+    print(f"T={args.seq_len}, B=1, H=8, K=V={args.head_dim}, fp32, {args.threads} threads, median of {args.repeats}")
+    print(markdown_table(
+        ["chunk_size", "chunks used", "total (ms)", "state-independent (ms)", "state pass (ms)", "concatenate o, rest (ms)",
+         "matmul / solve / rest (share of op time)"],
+        rows,
+    ))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""bench/kda_cost_split.py times `chunk_kda`'s stages by wrapping the op's two stage functions: the
+wrappers must see every group, and the op's result must not change under them."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from deltamoe.ops import kda
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def load_script():
+    sys.path.insert(0, str(BENCH))  # the script imports bench_kda and common beside it
+    try:
+        spec = importlib.util.spec_from_file_location("kda_cost_split", BENCH / "kda_cost_split.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_stages_add_up_and_the_op_is_restored(monkeypatch) -> None:
+    script = load_script()
+    monkeypatch.setattr(kda, "GROUP_ELEMENTS", 1)  # one group per chunk: four groups of 16
+    x = script.make_inputs(64, "softplus", head_dim=8)
+    terms, state_pass = kda._chunk_terms, kda._state_pass
+
+    r = script.measure(x, chunk_size=16, repeats=2, split_ops=False)  # the profiler takes seconds to start
+
+    assert kda._chunk_terms is terms and kda._state_pass is state_pass
+    assert r["chunks_used"] and max(r["chunks_used"]) <= 16
+    stages = r["stages_s"]
+    assert set(stages) == {"state-independent", "state pass", "concatenate o, rest"}
+    assert stages["state-independent"] > 0 and stages["state pass"] > 0
+    assert abs(sum(stages.values()) - r["total_s"]) < 1e-9
+    o, _ = kda.chunk_kda(**x, use_qk_l2norm=True, chunk_size=16)
+    o_ref, _ = kda.recurrent_kda(**x, use_qk_l2norm=True)
+    torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_op_kinds_of_one_run() -> None:
+    script = load_script()
+    x = script.make_inputs(64, "softplus", head_dim=8)
+    ops = script.op_split(lambda: kda.chunk_kda(**x, use_qk_l2norm=True, chunk_size=16))
+    assert set(ops) == {"matmul", "solve", "rest"}
+    assert ops["matmul"] > 0 and ops["solve"] > 0 and ops["rest"] > 0
