@@ -32,6 +32,7 @@ from deltamoe.ops import kda  # noqa: E402
 
 MATMULS = {"aten::bmm", "aten::baddbmm", "aten::mm", "aten::addmm"}
 SOLVE = "aten::linalg_solve_triangular"
+STAGES = ("state-independent", "state pass", "concatenate o, rest")
 
 
 class StageTimer:
@@ -121,12 +122,12 @@ def main() -> None:
         op_total = sum(ops.values())
         rows.append([
             chunk_size, "/".join(str(c) for c in r["chunks_used"]), f"{r['total_s'] * 1e3:.1f}",
-            *(f"{r['stages_s'].get(s, 0.0) * 1e3:.1f}" for s in ("state-independent", "state pass", "concatenate o, rest")),
+            *(f"{r['stages_s'].get(s, 0.0) * 1e3:.1f}" for s in STAGES),
             " / ".join(f"{ops.get(k, 0.0) / op_total:.0%}" for k in ("matmul", "solve", "rest")),
         ])
     print(f"T={args.seq_len}, B=1, H=8, K=V={args.head_dim}, fp32, {args.threads} threads, median of {args.repeats}")
     print(markdown_table(
-        ["chunk_size", "chunks used", "total (ms)", "state-independent (ms)", "state pass (ms)", "concatenate o, rest (ms)",
+        ["chunk_size", "chunks used", "total (ms)", *(f"{s} (ms)" for s in STAGES),
          "matmul / solve / rest (share of op time)"],
         rows,
     ))

@@ -167,8 +167,9 @@ def kda_step(
 #     S_{next}  = Diag(e^{G_last}) S_0 + Kd^T u.
 #
 # Everything that does not involve S_0 (M, L, the inverse of I + L, U, W) is computed for all
-# chunks at once, in batched matmuls; the loop over chunks only runs the three C x K x V products
-# above (W S_0, q S_0, Kd^T u) and the small M u. The inverse is one batched triangular solve
+# chunks of a group at once, in batched matmuls (`_chunk_terms`); the loop over chunks
+# (`_state_pass`) only runs the three C x K x V products above (W S_0, q S_0, Kd^T u) and the small
+# M u. The inverse is one batched triangular solve
 # against the identity, then a matmul: much faster than solving against the K + V columns.
 #
 # Numerics. e^{G_i - G_j} = e^{G_i - r} e^{r - G_j} makes L and M plain matmuls; with r halfway
