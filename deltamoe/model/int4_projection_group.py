@@ -26,6 +26,8 @@ from deltamoe.ops.int4_experts import STACK_ROW_MULTIPLE, kernel_block_rows
 from deltamoe.ops.int4_matmul import int4_matmul
 
 # Per module class: the submodules (dotted names) that its forward feeds the same input tensor.
+# A projection joins one group: the first that names it, in module order (a MoE's set takes its
+# shared expert's gate and up before that DenseMLP's own set is reached).
 SHARED_INPUT = {
     "KimiDeltaAttention": ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", "g_proj", "g_a_proj"),
     "LatentAttention": ("q_proj", "q_a_proj", "kv_a_proj_with_mqa", "g_proj", "indexer.wk", "indexer.weights_proj"),
@@ -81,8 +83,8 @@ def _version(x: torch.Tensor) -> int | None:
 
 
 def _groupable(m: nn.Module | None) -> bool:
-    return isinstance(m, Int4Linear) and m.use_kernel and m.activations is None and m.is_loaded \
-        and m.scales_and_zeros is not None and m.scales_and_zeros.shape[1] % STACK_ROW_MULTIPLE == 0
+    return isinstance(m, Int4Linear) and m.group is None and m.use_kernel and m.activations is None \
+        and m.is_loaded and m.scales_and_zeros is not None and m.scales_and_zeros.shape[1] % STACK_ROW_MULTIPLE == 0
 
 
 def join_shared_input_projections(model: nn.Module) -> int:

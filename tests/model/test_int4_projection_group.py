@@ -73,6 +73,9 @@ def test_loaded_model_joins_the_shared_input_projections_and_its_logits_do_not_c
     kda = next(m for m in joined.modules() if type(m).__name__ == "KimiDeltaAttention")
     assert kda.q_proj.group is kda.k_proj.group is kda.b_proj.group is not None
     assert kda.o_proj.group is None  # its input is the attention output
+    moe = next(m for m in joined.modules() if type(m).__name__ == "MoE")
+    shared = moe.shared_experts
+    assert moe.routed_expert_down_proj.group is shared.gate_proj.group is shared.up_proj.group is not None
     monkeypatch.setattr(load_module, "join_shared_input_projections", lambda model: 0)
     plain = load_model(path)
     assert not any(isinstance(m, Int4Linear) and m.group is not None for m in plain.modules())
