@@ -188,7 +188,7 @@ def main() -> None:
     ap.add_argument("--train-steps", type=int, default=300, help="without --checkpoint: train tiny this long")
     ap.add_argument("--skip-accuracy", action="store_true")
     ap.add_argument("--speed-only", action="store_true",
-                    help="only the decode speed and memory rows (no accuracy, no KV cache table); result file quant_speed")
+                    help="only the decode speed and memory rows (no accuracy, no KV cache table): quant_speed.json")
     # One thread: on a shared machine, OpenMP barriers of a 2-thread run wait on descheduled
     # threads and swamp the per-token times being compared.
     ap.add_argument("--threads", type=int, default=1)

@@ -98,10 +98,11 @@ class ExpertOperands:
               block_rows: int | None) -> "ExpertOperands":
         """Room for `num_experts` experts shaped like one expert's `gate_up` and `down` operands."""
         (w13, sz13), (w2, sz2) = gate_up, down
-        blocks = w2.shape[0] // (block_rows or w2.shape[0])
+        rows, k_in = w2.shape[0], 2 * w2.shape[1]  # down: [D', I/2] u8 -> blocks of [I, B/2]
+        block = block_rows or rows
         return ExpertOperands(w13.new_empty(num_experts, *w13.shape),
                               sz13.new_empty(sz13.shape[0], num_experts, *sz13.shape[1:]),
-                              w2.new_empty(blocks, num_experts, 2 * w2.shape[1], w2.numel() // (blocks * 2 * w2.shape[1])),
+                              w2.new_empty(rows // block, num_experts, k_in, block // 2),
                               sz2.new_empty(num_experts, *sz2.shape))
 
     def put(self, expert: int, gate_up: tuple[torch.Tensor, torch.Tensor],
