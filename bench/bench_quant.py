@@ -21,7 +21,8 @@ loss / perplexity delta, argmax agreement and task accuracy (bound: within 0.02 
 KV cache: latent-KV + indexer-key bytes per token, bf16 pages vs `--kv-cache-dtype fp8`.
 
     .venv/bin/python bench/bench_quant.py [--quick] [--formats int4,int4-rest-fp32]
-                                          [--checkpoint DIR --train-config JSON]
+                                          [--checkpoint DIR --train-config JSON] [--speed-only]
+                                          [--clock wall|cpu]
 """
 
 from __future__ import annotations
@@ -62,22 +63,24 @@ ACCURACY_FORMATS = [("int4", ("int4", 32, None)), ("w4a8 fp8", ("w4a8", 32, "fp8
                     ("w4a8 int8", ("w4a8", 32, "int8")), ("mxfp4 experts", ("mxfp4", None, None))]
 
 
-def decode_rate(model, new_tokens: int, rounds: int) -> float:
+def decode_rate(model, new_tokens: int, rounds: int, clock=time.perf_counter) -> float:
     """Batch-1 greedy decode tokens/s: (new_tokens - 1) over the time a `new_tokens` run takes
-    beyond a 1-token run (prefill and first token), best of `rounds`."""
+    beyond a 1-token run (prefill and first token), best of `rounds`. `clock`: wall time, or
+    `time.process_time` (this process's CPU time: on a loaded machine it leaves out the time
+    other processes hold the core)."""
     engine = LLMEngine(model, config=EngineConfig(cache_memory="64MiB", max_num_seqs=1))
     prompt = [256] + list(range(65, 65 + 15))
 
     def run(n: int) -> float:
-        t0 = time.perf_counter()
+        t0 = clock()
         engine.generate([prompt], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), progress=False)
-        return time.perf_counter() - t0
+        return clock() - t0
 
     run(2)  # warm-up
     return max((new_tokens - 1) / (run(new_tokens) - run(1)) for _ in range(rounds))
 
 
-def speed(preset: str, new_tokens: int, rounds: int, tmp: Path, keys: list[str]) -> list[dict]:
+def speed(preset: str, new_tokens: int, rounds: int, tmp: Path, keys: list[str], clock=time.perf_counter) -> list[dict]:
     """The formats `keys` names loaded side by side, then timed in alternating rounds (best of
     `rounds` each), so a shared machine's load swings reach every format alike."""
     formats = [SPEED_FORMATS[k] for k in keys]
@@ -92,7 +95,7 @@ def speed(preset: str, new_tokens: int, rounds: int, tmp: Path, keys: list[str])
     best = {label: 0.0 for label in models}
     for r in range(rounds):
         for label, model in models.items():
-            best[label] = max(best[label], decode_rate(model, new_tokens, 1))
+            best[label] = max(best[label], decode_rate(model, new_tokens, 1, clock))
             print(f"round {r}: {label} {best[label]:.2f} tok/s", flush=True)
     rows = [{"format": label, "rest_dtype": str(dtype).removeprefix("torch."), "decode_tok_s": round(best[label], 2),
              "weight_bytes": resident_weight_bytes(models[label])} for label, _, dtype in formats]
@@ -184,9 +187,13 @@ def main() -> None:
     ap.add_argument("--train-config", type=Path, default=None, help="the train_config.json of that run")
     ap.add_argument("--train-steps", type=int, default=300, help="without --checkpoint: train tiny this long")
     ap.add_argument("--skip-accuracy", action="store_true")
+    ap.add_argument("--speed-only", action="store_true",
+                    help="only the decode speed and memory rows (no accuracy, no KV cache table): quant_speed.json")
     # One thread: on a shared machine, OpenMP barriers of a 2-thread run wait on descheduled
     # threads and swamp the per-token times being compared.
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="time decode by the wall clock, or by this process's CPU time (a loaded machine)")
     args = ap.parse_args()
     keys = [k for k in args.formats.split(",") if k]
     unknown = sorted(set(keys) - set(SPEED_FORMATS))
@@ -198,10 +205,11 @@ def main() -> None:
     new_tokens = 8 if args.quick else args.new_tokens
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        speed_rows = speed(preset, new_tokens, 1 if args.quick else args.rounds, tmp, keys)
+        clock = time.process_time if args.clock == "cpu" else time.perf_counter
+        speed_rows = speed(preset, new_tokens, 1 if args.quick else args.rounds, tmp, keys, clock)
         acc_rows = []
         source = None
-        if not args.skip_accuracy:
+        if not (args.skip_accuracy or args.speed_only):
             if args.checkpoint is None:
                 ckpt, tcfg = train_tiny(20 if args.quick else args.train_steps, tmp / "train")
                 source = f"tiny trained here for {20 if args.quick else args.train_steps} steps (recall)"
@@ -218,12 +226,13 @@ def main() -> None:
                              [[r["format"], r["loss"], r["ppl"], r.get("ppl_delta", ""), r["accuracy"],
                                r.get("accuracy_delta", ""), r.get("logit_max_abs_err", ""),
                                r.get("logit_rms_err_rel", ""), r.get("argmax_agreement", "")] for r in acc_rows]))
-    cache_rows = kv_cache_bytes()
-    print(markdown_table(["preset", "KV bytes/token bf16", "fp8", "fp8 / bf16"],
-                         [[r["preset"], r["bf16_bytes_per_token"], r["fp8_bytes_per_token"], r["fp8_vs_bf16"]]
-                          for r in cache_rows]))
-    write_result(result_name("quant", args.quick), {
-        "preset": preset, "new_tokens": new_tokens, "threads": args.threads, "speed": speed_rows,
+    cache_rows = [] if args.speed_only else kv_cache_bytes()
+    if cache_rows:
+        print(markdown_table(["preset", "KV bytes/token bf16", "fp8", "fp8 / bf16"],
+                             [[r["preset"], r["bf16_bytes_per_token"], r["fp8_bytes_per_token"], r["fp8_vs_bf16"]]
+                              for r in cache_rows]))
+    write_result(result_name("quant_speed" if args.speed_only else "quant", args.quick), {
+        "preset": preset, "new_tokens": new_tokens, "threads": args.threads, "clock": args.clock, "speed": speed_rows,
         "accuracy_source": source, "accuracy": acc_rows, "kv_cache": cache_rows,
         "target": {"int4_decode_vs_bf16": 2.0, "int4_decode_vs_fp32": 2.0, "accuracy_delta_abs": 0.02,
                    "fp8_kv_vs_bf16": 0.56}})

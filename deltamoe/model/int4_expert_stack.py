@@ -1,6 +1,7 @@
 """`Int4ExpertStack`: a layer's routed INT4 (W4A16) experts as stacked CPU-kernel operands.
 
-Every expert's gate|up operand and down operand (`ops.int4_experts`) sit in one tensor each,
+Every expert's gate|up operand and down operand (`ops.int4_experts`) sit in one tensor each
+(`ExpertOperands`, in the order a one-token gather reads them),
 so a one-token decode step gathers its k experts and runs them in two kernel calls, and
 any other batch runs expert by expert in two calls each. The checkpoint's per-expert tensors
 (`experts.E.w1.weight_packed`, ...) are converted as soon as all of one expert's are here.
@@ -30,12 +31,9 @@ class Int4ExpertStack(nn.Module):
         self.num_experts = config.num_experts
         self.intermediate, self.dim = config.moe_intermediate_size, config.expert_dim
         self.block_rows = ie.kernel_block_rows()  # None: no one-token gather, experts run one at a time
-        # Plain attributes (kernel layouts a model-wide `.to(dtype)` must not touch), allocated
+        # A plain attribute (kernel layouts a model-wide `.to(dtype)` must not touch), allocated
         # when the first expert is converted.
-        self.w13: torch.Tensor | None = None  # u8 [E, 2I, D'/2]
-        self.sz13: torch.Tensor | None = None  # bf16 [E, D'/g, 2I, 2]
-        self.w2: torch.Tensor | None = None  # u8 [E, D'', I/2], D'' = D' rounded up to 64
-        self.sz2: torch.Tensor | None = None  # bf16 [E, I/g, D'', 2]
+        self.ops: ie.ExpertOperands | None = None
         self.pending: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
 
     def load_part(self, name: str, proj: str, expert: int, part: str, tensor: torch.Tensor) -> None:
@@ -54,36 +52,29 @@ class Int4ExpertStack(nn.Module):
             self._store(expert, *(done[p]["quantized"] for p in PROJECTIONS))
 
     def _store(self, expert: int, w1: tuple, w3: tuple, w2: tuple) -> None:
-        w13, sz13 = ie.gate_up_operand(w1, w3, self.group_size)
-        w2k, sz2 = ie.down_operand(w2, self.group_size)
-        if self.w13 is None:
-            e = self.num_experts
-            self.w13 = w13.new_empty(e, *w13.shape)
-            self.sz13 = sz13.new_empty(e, *sz13.shape)
-            self.w2 = w2k.new_empty(e, *w2k.shape)
-            self.sz2 = sz2.new_empty(e, *sz2.shape)
-        self.w13[expert], self.sz13[expert], self.w2[expert], self.sz2[expert] = w13, sz13, w2k, sz2
+        gate_up, down = ie.gate_up_operand(w1, w3, self.group_size), ie.down_operand(w2, self.group_size)
+        if self.ops is None:
+            self.ops = ie.ExpertOperands.empty(self.num_experts, gate_up, down, self.block_rows)
+        self.ops.put(expert, gate_up, down)
 
     def _act(self) -> tuple[str, float, float]:
         c = self.config
         return c.hidden_act, c.situ_beta, c.situ_linear_beta
 
     def expert_mlp(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        return ie.int4_expert_mlp(x, self.w13[expert], self.sz13[expert], self.w2[expert], self.sz2[expert],
-                                  self.intermediate, self.dim, self.group_size, *self._act())
+        return ie.int4_expert_mlp(x, *self.ops.expert(expert), self.intermediate, self.dim, self.group_size,
+                                  *self._act())
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        if self.w13 is None:
+        if self.ops is None:
             raise RuntimeError("Int4ExpertStack: no experts loaded")
         if x.shape[0] == 1 and self.block_rows is not None and x.dtype != torch.float64:
-            return ie.int4_experts_one_token(x, weights, indices, self.w13, self.sz13, self.w2, self.sz2,
-                                             self.intermediate, self.dim, self.group_size, self.block_rows,
-                                             *self._act())
+            return ie.int4_experts_one_token(x, weights, indices, self.ops, self.intermediate, self.dim,
+                                             self.group_size, *self._act())
         return experts_forward_by_expert(x, weights, indices, self.num_experts, self.expert_mlp)
 
     def resident_bytes(self) -> int:
-        tensors = [self.w13, self.sz13, self.w2, self.sz2]
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return 0 if self.ops is None else self.ops.resident_bytes()
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, intermediate={self.intermediate}, dim={self.dim}, "

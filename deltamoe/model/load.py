@@ -12,6 +12,7 @@ from deltamoe.hf_config import load_config
 from deltamoe.model.init import init_weights
 from deltamoe.model.model import DeltaMoEForCausalLM
 from deltamoe.model.quant_scheme import QuantScheme
+from deltamoe.model.int4_projection_group import join_shared_input_projections
 from deltamoe.model.quantize_modules import quantize_modules
 from deltamoe.model.weights import checkpoint_files, load_weights, read_quant_scheme
 
@@ -53,6 +54,8 @@ def load_model(source: str | Path | ModelConfig, dtype: torch.dtype = torch.floa
         if hasattr(module, "e_score_correction_bias"):
             module.e_score_correction_bias.data = module.e_score_correction_bias.data.float()
     load_weights(model, path, scheme)
+    if scheme is not None and not dequantize:
+        join_shared_input_projections(model)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()

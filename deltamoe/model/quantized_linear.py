@@ -9,12 +9,18 @@ u8 nibbles and runs the dequantising reference instead, which the tests compare 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from deltamoe.errors import CheckpointError
 from deltamoe.model.quant_scheme import PARTS, QuantScheme, int4_parts
 from deltamoe.ops import int4_matmul as q4
+from deltamoe.ops.int4_experts import STACK_ROW_MULTIPLE
+
+if TYPE_CHECKING:
+    from deltamoe.model.int4_projection_group import Int4ProjectionGroup
 
 
 class Int4Linear(nn.Module):
@@ -31,6 +37,8 @@ class Int4Linear(nn.Module):
         self.qweight: torch.Tensor | None = None  # the matmul's weight operand, set by load_weight
         self.scales_and_zeros: torch.Tensor | None = None  # the int4 kernel's scale operand
         self.loaded: dict[str, torch.Tensor] = {}
+        # Set when this projection joins others of the same input (`model/int4_projection_group.py`).
+        self.group: Int4ProjectionGroup | None = None
 
     def load_part(self, name: str, part: str, tensor: torch.Tensor) -> None:
         """Take one published tensor (`weight_packed`, `weight_scale`, `weight_shape`); once all are
@@ -54,7 +62,9 @@ class Int4Linear(nn.Module):
         elif self.activations == "int8":
             self.qweight = q4.w4a8_int8_weight(packed, scale, self.group_size)
         else:
-            self.qweight, self.scales_and_zeros = q4.int4_kernel_weight(packed, scale, self.group_size)
+            # Rows padded to the stack multiple, so the operand can join a projection group.
+            self.qweight, self.scales_and_zeros = q4.int4_kernel_weight(packed, scale, self.group_size,
+                                                                        row_multiple=STACK_ROW_MULTIPLE)
 
     @property
     def is_loaded(self) -> bool:
@@ -63,6 +73,8 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is None:
             raise RuntimeError("Int4Linear: no weight loaded")
+        if self.group is not None:
+            return self.group.output(self, x)
         n, g = self.out_features, self.group_size
         if not self.use_kernel:
             ref = {None: q4.int4_matmul_reference, "int8": q4.w4a8_int8_matmul_reference,

@@ -11,7 +11,11 @@ K-major), so the k experts' operands can be joined without converting anything a
 - down: the k [D, I] operands joined along the input dim, block by block, are one [D, k*I]
   operand, fed the k hidden rows side by side, each already scaled by its routing weight.
 
-`int4_experts_one_token` so runs the whole top-k in two kernel calls. The routed sum then
+`int4_experts_one_token` so runs the whole top-k in two kernel calls. The stack keeps every
+operand in the order the gather wants (`ExpertOperands`), so gathering k experts copies whole
+contiguous runs (no transposing copy on the decode path): gate|up weights expert-major
+[E, 2I, D/2]; their scales group-major [D/g, E, 2I, 2]; down weights block-major
+[D'/B, E, I, B/2]; their scales expert-major [E, I/g, D', 2]. The routed sum then
 happens inside the kernel's fp32 accumulation and is rounded to bf16 once, where the
 expert-by-expert form rounds each expert output to bf16 before the fp32 sum (and rounds
 the weighted hidden rows to bf16 for the kernel): the two agree to bf16 rounding, and both
@@ -21,6 +25,7 @@ are held to `experts_forward_reference` on the dequantised weights.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -75,6 +80,56 @@ def down_operand(w2: tuple[torch.Tensor, torch.Tensor], group_size: int) -> tupl
     return int4_kernel_weight(w2[0], w2[1], group_size, row_multiple=STACK_ROW_MULTIPLE)
 
 
+@dataclass(frozen=True)
+class ExpertOperands:
+    """Every expert's kernel operands of one layer, stacked in the gather order (module docstring).
+
+    w13 u8 [E, 2I', D/2], sz13 bf16 [D/g, E, 2I', 2] (from `gate_up_operand`); w2 u8
+    [D'/B, E, I, B/2], sz2 bf16 [E, I/g, D', 2] (from `down_operand`; B = `block_rows`, D' a
+    multiple of it). `block_rows=None` (the layout is unknown) keeps each down operand whole (B = D').
+    """
+    w13: torch.Tensor
+    sz13: torch.Tensor
+    w2: torch.Tensor
+    sz2: torch.Tensor
+
+    @staticmethod
+    def empty(num_experts: int, gate_up: tuple[torch.Tensor, torch.Tensor], down: tuple[torch.Tensor, torch.Tensor],
+              block_rows: int | None) -> "ExpertOperands":
+        """Room for `num_experts` experts shaped like one expert's `gate_up` and `down` operands."""
+        (w13, sz13), (w2, sz2) = gate_up, down
+        rows, k_in = w2.shape[0], 2 * w2.shape[1]  # down: [D', I/2] u8 -> blocks of [I, B/2]
+        block = block_rows or rows
+        return ExpertOperands(w13.new_empty(num_experts, *w13.shape),
+                              sz13.new_empty(sz13.shape[0], num_experts, *sz13.shape[1:]),
+                              w2.new_empty(rows // block, num_experts, k_in, block // 2),
+                              sz2.new_empty(num_experts, *sz2.shape))
+
+    def put(self, expert: int, gate_up: tuple[torch.Tensor, torch.Tensor],
+            down: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Store one expert's operands (as `gate_up_operand` and `down_operand` return them)."""
+        self.w13[expert], self.sz13[:, expert] = gate_up
+        self.w2[:, expert] = down[0].view(self.w2.shape[0], *self.w2.shape[2:])
+        self.sz2[expert] = down[1]
+
+    @staticmethod
+    def stack(gate_up: list[tuple[torch.Tensor, torch.Tensor]], down: list[tuple[torch.Tensor, torch.Tensor]],
+              block_rows: int | None) -> "ExpertOperands":
+        ops = ExpertOperands.empty(len(gate_up), gate_up[0], down[0], block_rows)
+        for expert, (g, d) in enumerate(zip(gate_up, down)):
+            ops.put(expert, g, d)
+        return ops
+
+    def expert(self, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One expert's (w13, sz13, w2, sz2) as the kernel takes them (contiguous)."""
+        blocks, _, k, half_b = self.w2.shape
+        return (self.w13[expert], self.sz13[:, expert].contiguous(),
+                self.w2[:, expert].reshape(blocks * 2 * half_b, k // 2), self.sz2[expert])
+
+    def resident_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.w13, self.sz13, self.w2, self.sz2))
+
+
 def int4_expert_mlp(x: torch.Tensor, w13: torch.Tensor, sz13: torch.Tensor, w2: torch.Tensor, sz2: torch.Tensor,
                     intermediate: int, out_features: int, group_size: int, act: str, situ_beta: float = 4.0,
                     situ_linear_beta: float = 25.0) -> torch.Tensor:
@@ -85,31 +140,27 @@ def int4_expert_mlp(x: torch.Tensor, w13: torch.Tensor, sz13: torch.Tensor, w2: 
     return int4_matmul(glu(gate, up, act, situ_beta, situ_linear_beta), w2, sz2, out_features, group_size)
 
 
-def int4_experts_one_token(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w13: torch.Tensor,
-                           sz13: torch.Tensor, w2: torch.Tensor, sz2: torch.Tensor, intermediate: int,
-                           out_features: int, group_size: int, block_rows: int, act: str,
+def int4_experts_one_token(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, ops: ExpertOperands,
+                           intermediate: int, out_features: int, group_size: int, act: str,
                            situ_beta: float = 4.0, situ_linear_beta: float = 25.0) -> torch.Tensor:
     """The weighted sum of one token's k experts in two kernel calls -> fp32 [1, D].
 
-    x [1, D]; weights, indices [1, k]. The stacks hold every expert's operands:
-    w13 u8 [E, 2I', D/2] with sz13 [E, D/g, 2I', 2] (from `gate_up_operand`), w2 u8 [E, D', I/2]
-    with sz2 [E, I/g, D', 2] (from `down_operand`; D' >= D rows, a multiple of `block_rows`).
-    Only the k selected experts' operands are read (gathered into one operand each).
+    x [1, D]; weights, indices [1, k]; `ops` stacked with the block size `kernel_block_rows`
+    reports. Only the k selected experts' operands are read (gathered into one operand each).
     """
     # index_select, not advanced indexing: it copies whole rows (several times faster on u8).
     idx = indices[0]
-    k, rows13 = idx.numel(), w13.shape[1]
-    gate_up_w = w13.index_select(0, idx).reshape(k * rows13, w13.shape[2])
-    gate_up_sz = sz13.index_select(0, idx).transpose(0, 1).reshape(sz13.shape[1], k * rows13, 2)
+    k, rows13 = idx.numel(), ops.w13.shape[1]
+    gate_up_w = ops.w13.index_select(0, idx).reshape(k * rows13, ops.w13.shape[2])
+    gate_up_sz = ops.sz13.index_select(1, idx).reshape(ops.sz13.shape[0], k * rows13, 2)
     xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
     gate_up = torch.ops.aten._weight_int4pack_mm_for_cpu(xb.contiguous(), gate_up_w, group_size, gate_up_sz)
     gate_up = gate_up.view(k, rows13).float()
     hidden = glu(gate_up[:, :intermediate], gate_up[:, intermediate:2 * intermediate], act, situ_beta,
                  situ_linear_beta)
     hidden = (hidden * weights[0].float().unsqueeze(-1)).to(torch.bfloat16).reshape(1, k * intermediate)
-    e, d_rows, half_i = w2.shape
-    blocks = w2.index_select(0, idx).view(k, d_rows // block_rows, 2 * half_i, block_rows // 2)
-    down_w = blocks.transpose(0, 1).reshape(d_rows, k * half_i)  # [D'/B, k, I, B/2]: blocks joined along K
-    down_sz = sz2.index_select(0, idx).reshape(k * sz2.shape[1], d_rows, 2)
+    blocks, _, k_in, half_b = ops.w2.shape
+    down_w = ops.w2.index_select(1, idx).reshape(blocks * 2 * half_b, k * k_in // 2)  # blocks joined along K
+    down_sz = ops.sz2.index_select(0, idx).reshape(k * ops.sz2.shape[1], ops.sz2.shape[2], 2)
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(hidden, down_w, group_size, down_sz)
     return y[:, :out_features].float()

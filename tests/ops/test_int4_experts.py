@@ -15,15 +15,20 @@ from deltamoe.ops.quant import dequantize_int4, quantize_int4
 pytestmark = pytest.mark.skipif(not has_int4_cpu_kernel(), reason="torch build lacks the CPU int4 kernel")
 
 
-def _experts(e: int, d: int, i: int, group: int, seed: int):
-    """Random quantized experts -> (stacked kernel operands, dequantised fp32 w1, w3, w2)."""
+def _operands(e: int, d: int, i: int, group: int, seed: int):
+    """Random quantized experts -> (per-expert gate|up operands, down operands, the quantized weights)."""
     gen = torch.Generator().manual_seed(seed)
     q = {w: [quantize_int4(torch.randn(*shape, generator=gen) * 0.3, group) for _ in range(e)]
          for w, shape in (("w1", (i, d)), ("w3", (i, d)), ("w2", (d, i)))}
     gate_up = [ie.gate_up_operand(q["w1"][j], q["w3"][j], group) for j in range(e)]
     down = [ie.down_operand(q["w2"][j], group) for j in range(e)]
-    ops = (torch.stack([w for w, _ in gate_up]), torch.stack([s for _, s in gate_up]),
-           torch.stack([w for w, _ in down]), torch.stack([s for _, s in down]))
+    return gate_up, down, q
+
+
+def _experts(e: int, d: int, i: int, group: int, seed: int):
+    """Random quantized experts -> (stacked kernel operands `ExpertOperands`, dequantised fp32 w1, w3, w2)."""
+    gate_up, down, q = _operands(e, d, i, group, seed)
+    ops = ie.ExpertOperands.stack(gate_up, down, ie.kernel_block_rows())
     dense = [torch.stack([dequantize_int4(p, s, group, dtype=torch.float32) for p, s in q[w]])
              for w in ("w1", "w3", "w2")]
     return ops, dense
@@ -43,6 +48,17 @@ def test_the_probe_finds_the_block_layout_this_build_uses():
     assert ie.kernel_block_rows() in (64, 32, 16)
 
 
+@pytest.mark.parametrize("block_rows", [ie.kernel_block_rows(), None])
+def test_stacked_operands_give_each_expert_back_unchanged(block_rows):
+    """The gather-ordered stack returns each expert's operands exactly as converted."""
+    e, d, i, group = 5, 96, 64, 32
+    gate_up, down, _ = _operands(e, d, i, group, seed=4)
+    ops = ie.ExpertOperands.stack(gate_up, down, block_rows)
+    for j in range(e):
+        for got, want in zip(ops.expert(j), (*gate_up[j], *down[j])):
+            assert got.is_contiguous() and torch.equal(got, want)
+
+
 # (e, k, d, i, group, act): small and odd shapes; d = 96 pads the down operand's rows to 128.
 SHAPES = [(8, 2, 64, 96, 32, "situ"), (16, 4, 128, 256, 128, "silu"), (5, 3, 96, 64, 32, "situ"),
           (32, 8, 256, 256, 128, "situ")]
@@ -50,26 +66,25 @@ SHAPES = [(8, 2, 64, 96, 32, "situ"), (16, 4, 128, 256, 128, "silu"), (5, 3, 96,
 
 @pytest.mark.parametrize("e,k,d,i,group,act", SHAPES)
 def test_one_token_step_matches_the_reference(e, k, d, i, group, act):
-    (w13, sz13, w2, sz2), dense = _experts(e, d, i, group, seed=e + d)
+    ops, dense = _experts(e, d, i, group, seed=e + d)
     for trial in range(3):  # fresh inputs and routings
         gen = torch.Generator().manual_seed(100 * trial + e)
         x = torch.randn(1, d, generator=gen)
         weights, indices = route_tokens(torch.randn(1, e, generator=gen), None, k)
-        got = ie.int4_experts_one_token(x, weights, indices, w13, sz13, w2, sz2, i, d, group,
-                                        ie.kernel_block_rows(), act)
+        got = ie.int4_experts_one_token(x, weights, indices, ops, i, d, group, act)
         ref = _reference(x, weights, indices, dense, act)
         assert got.shape == (1, d) and got.dtype == torch.float32
         # bf16 rounding of the hidden rows and of the summed output: a few 2^-9 steps.
         assert _rel_err(got, ref) < 2**-7
         by_expert = experts_forward_by_expert(
             x.bfloat16(), weights, indices, e,
-            lambda j, rows: ie.int4_expert_mlp(rows, w13[j], sz13[j], w2[j], sz2[j], i, d, group, act))
+            lambda j, rows: ie.int4_expert_mlp(rows, *ops.expert(j), i, d, group, act))
         assert _rel_err(got, by_expert) < 2**-7
 
 
 @pytest.mark.parametrize("e,k,d,i,group,act", SHAPES[:3])
 def test_expert_by_expert_matches_the_reference(e, k, d, i, group, act):
-    (w13, sz13, w2, sz2), dense = _experts(e, d, i, group, seed=e)
+    ops, dense = _experts(e, d, i, group, seed=e)
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(11, d, generator=gen)
     weights, indices = route_tokens(torch.randn(11, e, generator=gen), None, k)
@@ -77,7 +92,7 @@ def test_expert_by_expert_matches_the_reference(e, k, d, i, group, act):
 
     def mlp(j, rows):
         used.add(j)
-        return ie.int4_expert_mlp(rows, w13[j], sz13[j], w2[j], sz2[j], i, d, group, act)
+        return ie.int4_expert_mlp(rows, *ops.expert(j), i, d, group, act)
 
     got = experts_forward_by_expert(x, weights, indices, e, mlp)
     assert _rel_err(got, _reference(x, weights, indices, dense, act)) < 2**-7
@@ -87,13 +102,13 @@ def test_expert_by_expert_matches_the_reference(e, k, d, i, group, act):
 def test_one_token_step_reads_only_the_selected_experts():
     """Experts outside the top-k hold garbage (NaN scales): the step must not see them."""
     e, k, d, i, group = 8, 2, 64, 96, 32
-    (w13, sz13, w2, sz2), dense = _experts(e, d, i, group, seed=3)
+    ops, dense = _experts(e, d, i, group, seed=3)
     x = torch.randn(1, d, generator=torch.Generator().manual_seed(1))
     weights, indices = torch.tensor([[0.7, 0.3]]), torch.tensor([[5, 2]])
     unused = [j for j in range(e) if j not in (5, 2)]
-    sz13, sz2 = sz13.clone(), sz2.clone()
-    sz13[unused], sz2[unused] = float("nan"), float("nan")
-    got = ie.int4_experts_one_token(x, weights, indices, w13, sz13, w2, sz2, i, d, group,
-                                    ie.kernel_block_rows(), "situ")
+    sz13, sz2 = ops.sz13.clone(), ops.sz2.clone()
+    sz13[:, unused], sz2[unused] = float("nan"), float("nan")
+    ops = ie.ExpertOperands(ops.w13, sz13, ops.w2, sz2)
+    got = ie.int4_experts_one_token(x, weights, indices, ops, i, d, group, "situ")
     assert torch.isfinite(got).all()
     assert _rel_err(got, _reference(x, weights, indices, dense, "situ")) < 2**-7
