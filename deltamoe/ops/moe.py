@@ -126,10 +126,11 @@ def _grouped_mm_applies(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> 
 
 
 def _few_rows_on_cpu(x_sorted: torch.Tensor, w1: torch.Tensor) -> bool:
-    """Fewer (token, slot) rows than experts on a CPU (small-batch decode): torch's CPU grouped
-    matmul walks every expert, empty or not (~90 us for 2 rows over 8 experts, measured), while
-    the loop below touches only the experts that have rows."""
-    return x_sorted.device.type == "cpu" and x_sorted.shape[0] < w1.shape[0]
+    """At most half as many (token, slot) rows as experts on a CPU (small-batch decode): torch's
+    CPU grouped matmul walks every expert, empty or not, while the loop below touches only the
+    experts that have rows but pays several dispatched ops for each; with more rows (a batch of
+    a few tokens, a speculative verification) most experts have rows and the grouped call is cheaper."""
+    return x_sorted.device.type == "cpu" and 2 * x_sorted.shape[0] <= w1.shape[0]
 
 
 def experts_forward(
