@@ -318,6 +318,7 @@ def main() -> None:
         # "acceptance" and "speed": the mixture's prompts, each decoded to the end of its answer (EOS).
         "acceptance": accept, "acceptance_per_task": per_task_accept, "acceptance_open_ended": accept_open,
         "speed": speeds["mix"], "speed_by_workload": speeds, "rollback": rollback,
+        "acceptance_k2_by_workload": {name: acc[1]["mean_acceptance"] for name, (_, acc) in workloads.items()},
         "goal_met": goals["mix"], "goal_met_by_workload": goals,
     }
     path = write_result(result_name("spec_decode", args.quick), data)
