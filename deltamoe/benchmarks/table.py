@@ -499,11 +499,11 @@ def spec_decode_rows(d: dict) -> list[Row]:
         if accept >= floor:
             return verdict([(f">= {goal:g}x at acceptance >= {floor:g}", speedup >= goal)], d.get("note"))
         return f">= {goal:g}x at acceptance >= {floor:g} (acceptance {accept:.2f}: not reached)"
-    depth = d["model"].get("mtp_train_depth", 1)
+    depth = d["model"].get("mtp_train_depth") or 1  # None: a given checkpoint of unknown recipe
     trained = f", MTP layer trained at depths 1..{depth}" if depth > 1 else ""
-    distilled = d["model"].get("mtp_distill_steps", 0)
+    distilled = d["model"].get("mtp_distill_steps") or 0
     trained += f", self-distilled {distilled} steps" if distilled else ""
-    label = (f"speculative decoding (MTP drafts), `tiny` trained {d['model']['train_steps']} steps on "
+    label = (f"speculative decoding (MTP drafts), `tiny` trained {d['model']['train_steps'] or '?'} steps on "
              f"{d['model']['task']}{trained}, batch 1, K = 2 {command('spec_decode')}")
     per_k = " / ".join(f"K={k}" for k in (1, 2, 3))
     # Other workloads of the same run (the repeat task's long answers, open-ended decoding), batch 1, K = 2.
