@@ -1,20 +1,30 @@
 """Speculative decoding with the MTP head against plain decoding, side by side in one run: decode
-tokens/s at batch 1 and 8 with K = 1, 2, 3 drafts, and acceptance per draft position on raw and
-chat-templated prompts.
+tokens/s at batch 1 and 8 with K = 0 (plain), 1, 2, 3 drafts, and acceptance per draft position
+on raw and chat-templated prompts, per task.
 
 The model is the `tiny` preset (8 layers + 1 MTP layer, MTP loss weight 0.3) trained here on a
-recall + arithmetic + copy mixture for `--train-steps` steps, its one MTP layer trained at depths
+recall + arithmetic + copy + repeat mixture for `--train-steps` steps (repeat: `abc|` ->
+`abcabc...`, 32 letters of a fully predictable answer), its one MTP layer trained at depths
 1..`--mtp-train-depth` (applied recursively, as it drafts), then the MTP layer alone
 self-distilled on the trunk's greedy tokens for `--mtp-distill-steps` steps
 (deltamoe/train/mtp_distill.py); both cached under runs/bench_spec_decode/ and reused by later
-runs with the same recipe. Prompts are held-out
-examples of each task cut before an answer (as the demo's serve stage draws them); the
-chat-templated kind wraps the same text as one user message with the model's chat template.
-Every run is greedy with EOS ignored (acceptance over `--new-tokens` tokens per prompt, the
-answer and whatever the model writes after it). Decode tokens/s counts the tokens after each
-request's first one over the time after every request has its first token, best of
-`--rounds` alternating rounds over the modes (eager, one torch thread, unless --compile: then
-plain decodes run the compiled graph, and verification stays eager).
+runs with the same recipe. `--save-checkpoint DIR` copies the result to DIR; `--checkpoint DIR`
+measures DIR and trains nothing (the speed part alone, e.g. on a quiet machine).
+
+Prompts are held-out examples of each task cut before an answer (as the demo's serve stage draws
+them); the chat-templated kind wraps the same text as one user message with the model's chat
+template. Everything is greedy. Workloads:
+- mix: every task's prompts, each decoded to the end of its answer (EOS; at most the answer's
+  bytes + 1 tokens): acceptance per task and over the mixture, and tokens/s ("acceptance" and
+  "speed" in the results, the README row);
+- repeat: the repeat task's prompts alone (long predictable answers), to the end of the answer;
+- open_ended: the mixture's prompts, `--new-tokens` tokens each with EOS ignored (the answer and
+  whatever the model writes after it: the measure of earlier runs).
+Decode tokens/s counts the tokens after each request's first one over the time after every
+request of a group of `batch` has its first token, best of `--rounds` alternating rounds over the
+modes (eager, one torch thread, unless --compile: then plain decodes run the compiled graph, and
+verification stays eager). The goal (>= 1.6x at batch 1, K = 2) applies to a workload whose K = 2
+acceptance is >= 0.7; `goal_met` is null for one below it.
 
 Rollback: the cost per verification of the two ways to undo rejected drafts in the KDA state,
 measured on the same model at batch 1: per-position checkpoints kept during the verification
@@ -23,23 +33,28 @@ replaying the kept tokens through the model whenever a draft is rejected (weight
 measured acceptance).
 
     .venv/bin/python bench/bench_spec_decode.py [--quick] [--train-steps N] [--compile]
+        [--save-checkpoint DIR | --checkpoint DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
+import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import markdown_table, result_name, write_result  # noqa: E402
 
-from deltamoe.demo.serve_stage import held_out_prompts  # noqa: E402
+from deltamoe.demo.serve_stage import HeldOutPrompt, held_out_prompts  # noqa: E402
 from deltamoe.model.load import load_model  # noqa: E402
 from deltamoe.serve.api.chat_template import ChatTemplate  # noqa: E402
 from deltamoe.serve.engine.cache_view import PagedBatchView  # noqa: E402
@@ -51,14 +66,16 @@ from deltamoe.tokenizers.load import load_tokenizer  # noqa: E402
 from deltamoe.train.data.tasks import make_task  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-TASK = "recall+arithmetic+copy"
+TASK = "recall+arithmetic+copy+repeat"
 TARGET = {"speedup_batch1_k2": 1.6, "min_acceptance": 0.7}
+RECIPE_FILE = "bench_spec_decode_recipe.json"  # beside a --save-checkpoint copy: its training steps
 
 
 def recipe(steps: int, threads: int, mtp_depth: int) -> dict:
     model = {"preset": "tiny", "overrides": {"mtp_train_depth": mtp_depth}} if mtp_depth > 1 else {"preset": "tiny"}
     return {"model": model,
-            "data": {"task": TASK, "num_pairs": 8, "num_queries": 8, "digits": 2, "seq_len": 64, "batch_size": 32,
+            "data": {"task": TASK, "num_pairs": 8, "num_queries": 8, "digits": 2, "string_len": 8, "seq_len": 64,
+                     "batch_size": 32,
                      "eval_rows": 64},
             "optim": {"lr": 1e-3, "warmup_steps": min(20, steps // 5), "min_lr_ratio": 0.1},
             "run": {"steps": steps, "eval_every": steps, "threads": threads}}
@@ -101,13 +118,38 @@ def distilled_checkpoint(checkpoint: Path, steps: int, threads: int, mtp_depth: 
     return out, False
 
 
-def prompt_sets(checkpoint: Path, tokenizer, per_task: int) -> dict[str, list[list[int]]]:
-    task = make_task(TASK, digits=2, num_pairs=8, num_queries=8)
-    texts = [p.prompt for t in task.tasks for p in held_out_prompts(t, per_task, seed=1)]
+@dataclass
+class Workload:
+    """Prompts with their own sampling params (all greedy), run `batch` at a time."""
+
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+
+
+def task_prompts(per_task: int) -> dict[str, list[HeldOutPrompt]]:
+    """Held-out examples of each task of the mixture, cut before an answer."""
+    task = make_task(TASK, digits=2, num_pairs=8, num_queries=8, string_len=8)
+    return {t.name: held_out_prompts(t, per_task, seed=1) for t in task.tasks}
+
+
+def encoders(checkpoint: Path, tokenizer) -> dict[str, Callable[[str], list[int]]]:
+    """raw: the text after BOS, as training rows start; chat: one user message through the chat template."""
     template = ChatTemplate.for_model(tokenizer, checkpoint)
     bos = tokenizer.bos_token_id
-    return {"raw": [tokenizer.encode(t, add_bos=bos is not None) for t in texts],
-            "chat": [template.encode([{"role": "user", "content": t}]) for t in texts]}
+    return {"raw": lambda text: tokenizer.encode(text, add_bos=bos is not None),
+            "chat": lambda text: template.encode([{"role": "user", "content": text}])}
+
+
+def to_answer_end(prompts: list[HeldOutPrompt], encode: Callable[[str], list[int]]) -> Workload:
+    """Each prompt decoded until the model ends its answer (EOS), at most the answer's bytes + 1."""
+    return Workload([encode(p.prompt) for p in prompts],
+                    [SamplingParams(max_tokens=len(p.answer.encode()) + 1, temperature=0.0) for p in prompts])
+
+
+def open_ended(prompts: list[HeldOutPrompt], encode: Callable[[str], list[int]], new_tokens: int) -> Workload:
+    """`new_tokens` per prompt with EOS ignored: the answer, then whatever the model writes after it."""
+    return Workload([encode(p.prompt) for p in prompts],
+                    [SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True) for _ in prompts])
 
 
 def engine(model, tokenizer, k: int | None, compile_decode: bool) -> LLMEngine:
@@ -116,52 +158,61 @@ def engine(model, tokenizer, k: int | None, compile_decode: bool) -> LLMEngine:
     return LLMEngine(model, tokenizer, config)
 
 
-def greedy(new_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-
-
-def acceptance(model, tokenizer, prompts: list[list[int]], k: int, new_tokens: int) -> dict:
+def acceptance(model, tokenizer, work: Workload, k: int) -> dict:
     eng = engine(model, tokenizer, k, False)
-    eng.generate(prompts, greedy(new_tokens), progress=False)
+    eng.generate(work.prompts, work.params, progress=False)
     rates = eng.runner.tracker.acceptance_rates()
     return {"k": k, "per_position": [round(r, 4) for r in rates], "mean_kept_drafts": round(sum(rates), 4),
             "mean_acceptance": round(sum(rates) / k, 4), "verifications": eng.runner.tracker.verifications}
 
 
-def decode_rate(eng: LLMEngine, prompts: list[list[int]], new_tokens: int) -> float:
-    """Tokens after each request's first, per second after every request has its first token."""
-    for p in prompts:
-        eng.add_request(p, greedy(new_tokens))
-    first: set[str] = set()
-    while len(first) < len(prompts):
-        first |= {o.request_id for o in eng.step() if o.num_output_tokens}
-    t0, tokens = time.perf_counter(), 0
-    while eng.has_unfinished():
-        tokens += sum(len(o.delta_token_ids) for o in eng.step())
-    return tokens / (time.perf_counter() - t0)
+def decode_time(eng: LLMEngine, work: Workload, batch: int) -> tuple[int, float]:
+    """(tokens, seconds) over the workload run `batch` requests at a time: in each group, the tokens
+    after each request's first, over the time after every request of the group has its first token."""
+    tokens, seconds = 0, 0.0
+    for i in range(0, len(work.prompts), batch):
+        group = list(zip(work.prompts[i:i + batch], work.params[i:i + batch]))
+        for prompt, params in group:
+            eng.add_request(prompt, params)
+        first: set[str] = set()
+        while len(first) < len(group) and eng.has_unfinished():
+            first |= {o.request_id for o in eng.step() if o.num_output_tokens}
+        t0 = time.perf_counter()
+        while eng.has_unfinished():
+            tokens += sum(len(o.delta_token_ids) for o in eng.step())
+        seconds += time.perf_counter() - t0
+    return tokens, seconds
 
 
-def speed(model, tokenizer, prompts: list[list[int]], batch: int, new_tokens: int, rounds: int,
-          compile_decode: bool) -> dict:
+def speed(model, tokenizer, work: Workload, batch: int, rounds: int, compile_decode: bool) -> dict:
+    """Decode tokens/s of the workload with K = 0 (plain), 1, 2, 3: best of `rounds` alternating rounds."""
     modes = {"plain": None, "K=1": 1, "K=2": 2, "K=3": 3}
     engines = {name: engine(model, tokenizer, k, compile_decode) for name, k in modes.items()}
-    chosen = (prompts * batch)[:batch]
+    warm = Workload(work.prompts[:batch], [dataclasses.replace(p, max_tokens=min(8, p.max_tokens))
+                                           for p in work.params[:batch]])
     for eng in engines.values():  # warm-up: compiles (with --compile) and first-call costs
         eng.warm_up()
-        decode_rate(eng, chosen, min(8, new_tokens))
+        decode_time(eng, warm, batch)
     best = {name: 0.0 for name in modes}
+    tokens = 0
     for _ in range(rounds):
         for name, eng in engines.items():
-            best[name] = max(best[name], decode_rate(eng, chosen, new_tokens))
-    return {"batch": batch, "tokens_per_s": {n: round(v, 1) for n, v in best.items()},
+            tokens, seconds = decode_time(eng, work, batch)
+            best[name] = max(best[name], tokens / seconds)
+    return {"batch": batch, "decode_tokens": tokens, "tokens_per_s": {n: round(v, 1) for n, v in best.items()},
             "speedup": {n: round(best[n] / best["plain"], 3) for n in modes if n != "plain"}}
+
+
+def goal_met(accept_k2: float, speedup_k2: float) -> bool | None:
+    """The issue's conditional goal: None when acceptance stays under the floor (the goal does not apply)."""
+    return speedup_k2 >= TARGET["speedup_batch1_k2"] if accept_k2 >= TARGET["min_acceptance"] else None
 
 
 @torch.inference_mode()
 def rollback_costs(model, tokenizer, prompt: list[int], k: int, accept: list[float], repeats: int) -> dict:
     """ms per verification at batch 1: checkpoints during the forward vs replay after a rejection."""
     eng = engine(model, tokenizer, k, False)
-    seq = eng.make_sequence(prompt, greedy(4))
+    seq = eng.make_sequence(prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     eng.add_sequence(seq)
     eng.step()  # prefill
     cache = eng.cache
@@ -189,11 +240,21 @@ def rollback_costs(model, tokenizer, prompt: list[int], k: int, accept: list[flo
             "chosen": "checkpoints" if with_checkpoints <= expected_replay else "replay"}
 
 
+def merged(results: list[dict]) -> dict:
+    """Acceptance over several workloads' verifications together."""
+    k, total = results[0]["k"], sum(r["verifications"] for r in results)
+    rates = [sum(r["per_position"][j] * r["verifications"] for r in results) / max(total, 1) for j in range(k)]
+    return {"k": k, "per_position": [round(r, 4) for r in rates], "mean_kept_drafts": round(sum(rates), 4),
+            "mean_acceptance": round(sum(rates) / k, 4), "verifications": total}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="few training steps and tokens (a smoke run)")
+    ap.add_argument("--checkpoint", type=Path, help="measure this trained MTP checkpoint; no training")
+    ap.add_argument("--save-checkpoint", type=Path, help="copy the trained (and distilled) checkpoint here")
     ap.add_argument("--train-steps", type=int, default=600)
-    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=64, help="tokens per prompt of the open-ended workload")
     ap.add_argument("--prompts-per-task", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads while decoding")
@@ -208,41 +269,69 @@ def main() -> None:
     new_tokens = 12 if args.quick else args.new_tokens
     per_task = 2 if args.quick else args.prompts_per_task
     rounds = 1 if args.quick else args.rounds
-
-    checkpoint, reused = trained_checkpoint(steps, args.train_threads, args.mtp_train_depth)
     distill = 5 if args.quick and args.mtp_distill_steps else args.mtp_distill_steps
-    if distill:
-        checkpoint, _ = distilled_checkpoint(checkpoint, distill, args.train_threads, args.mtp_train_depth)
+
+    trained = {"train_steps": steps, "mtp_train_depth": args.mtp_train_depth, "mtp_distill_steps": distill}
+    if args.checkpoint is not None:
+        if not (args.checkpoint / "config.json").exists():
+            raise SystemExit(f"--checkpoint: no config.json in {args.checkpoint}")
+        checkpoint, reused = args.checkpoint, True
+        saved = args.checkpoint / RECIPE_FILE  # how --save-checkpoint's run trained it
+        trained = json.loads(saved.read_text()) if saved.exists() else dict.fromkeys(trained)
+    else:
+        checkpoint, reused = trained_checkpoint(steps, args.train_threads, args.mtp_train_depth)
+        if distill:
+            checkpoint, _ = distilled_checkpoint(checkpoint, distill, args.train_threads, args.mtp_train_depth)
+        if args.save_checkpoint is not None:
+            shutil.copytree(checkpoint, args.save_checkpoint, dirs_exist_ok=True)
+            (args.save_checkpoint / RECIPE_FILE).write_text(json.dumps(trained))
+            print(f"saved the checkpoint to {args.save_checkpoint}", flush=True)
     torch.set_num_threads(args.threads)
     model = load_model(checkpoint)
     tokenizer = load_tokenizer(checkpoint, model.config.vocab_size)
-    prompts = prompt_sets(checkpoint, tokenizer, per_task)
-    accept = {kind: [acceptance(model, tokenizer, ps, k, new_tokens) for k in (1, 2, 3)]
-              for kind, ps in prompts.items()}
-    speeds = [speed(model, tokenizer, prompts["raw"], b, new_tokens, rounds, args.compile) for b in (1, 8)]
-    rollback = rollback_costs(model, tokenizer, prompts["raw"][0], 2, accept["raw"][1]["per_position"],
+    by_task = task_prompts(per_task)
+    mix = [p for ps in by_task.values() for p in ps]
+    encode = encoders(checkpoint, tokenizer)
+
+    per_task_accept = {kind: {task: [acceptance(model, tokenizer, to_answer_end(ps, enc), k) for k in (1, 2, 3)]
+                              for task, ps in by_task.items()} for kind, enc in encode.items()}
+    accept = {kind: [merged([rs[i] for rs in tasks.values()]) for i in range(3)]
+              for kind, tasks in per_task_accept.items()}
+    accept_open = {kind: [acceptance(model, tokenizer, open_ended(mix, enc, new_tokens), k) for k in (1, 2, 3)]
+                   for kind, enc in encode.items()}
+    workloads = {"mix": (to_answer_end(mix, encode["raw"]), accept["raw"]),
+                 "repeat": (to_answer_end(by_task["repeat"], encode["raw"]), per_task_accept["raw"]["repeat"]),
+                 "open_ended": (open_ended(mix, encode["raw"], new_tokens), accept_open["raw"])}
+    speeds = {name: [speed(model, tokenizer, work, b, rounds, args.compile) for b in (1, 8)]
+              for name, (work, _) in workloads.items()}
+    goals = {name: goal_met(acc[1]["mean_acceptance"], speeds[name][0]["speedup"]["K=2"])
+             for name, (_, acc) in workloads.items()}
+    rollback = rollback_costs(model, tokenizer, workloads["mix"][0].prompts[0], 2, accept["raw"][1]["per_position"],
                               5 if args.quick else 50)
 
-    b1 = speeds[0]
-    k2_accept = accept["raw"][1]["mean_acceptance"]
     data = {
         "quick": args.quick, "target": TARGET,
-        "model": {"preset": "tiny", "task": TASK, "train_steps": steps, "mtp_train_depth": args.mtp_train_depth,
-                  "mtp_distill_steps": distill,
-                  "checkpoint": str(checkpoint),
-                  "reused": reused},
-        "workload": {"prompts_per_kind": len(prompts["raw"]), "new_tokens": new_tokens, "rounds": rounds,
-                     "threads": args.threads, "compile_decode": args.compile},
-        "acceptance": accept, "speed": speeds, "rollback": rollback,
-        "goal_met": b1["speedup"]["K=2"] >= TARGET["speedup_batch1_k2"] if k2_accept >= TARGET["min_acceptance"]
-        else None,
+        "model": {"preset": "tiny", "task": TASK, **trained, "checkpoint": str(checkpoint), "reused": reused,
+                  "given": args.checkpoint is not None},
+        "workload": {"prompts_per_task": per_task, "tasks": list(by_task), "open_ended_new_tokens": new_tokens,
+                     "rounds": rounds, "threads": args.threads, "compile_decode": args.compile},
+        # "acceptance" and "speed": the mixture's prompts, each decoded to the end of its answer (EOS).
+        "acceptance": accept, "acceptance_per_task": per_task_accept, "acceptance_open_ended": accept_open,
+        "speed": speeds["mix"], "speed_by_workload": speeds, "rollback": rollback,
+        "acceptance_k2_by_workload": {name: acc[1]["mean_acceptance"] for name, (_, acc) in workloads.items()},
+        "goal_met": goals["mix"], "goal_met_by_workload": goals,
     }
     path = write_result(result_name("spec_decode", args.quick), data)
-    rows = [[kind, f"K={r['k']}", " ".join(f"{x:.2f}" for x in r["per_position"]), f"{r['mean_kept_drafts']:.2f}"]
-            for kind, rs in accept.items() for r in rs]
-    print(markdown_table(["prompts", "drafts", "acceptance per position", "kept per verification"], rows))
-    print(markdown_table(["batch", *speeds[0]["tokens_per_s"]],
-                         [[s["batch"], *(f"{v:,.1f}" for v in s["tokens_per_s"].values())] for s in speeds]))
+    rows = [[kind, task, f"K={r['k']}", " ".join(f"{x:.2f}" for x in r["per_position"]), f"{r['mean_kept_drafts']:.2f}"]
+            for kind, tasks in [(k, {**t, "(mix)": accept[k]}) for k, t in per_task_accept.items()]
+            for task, rs in tasks.items() for r in rs]
+    rows += [[kind, f"(open-ended, {new_tokens} tokens)", f"K={r['k']}", " ".join(f"{x:.2f}" for x in r["per_position"]),
+              f"{r['mean_kept_drafts']:.2f}"] for kind, rs in accept_open.items() for r in rs]
+    print(markdown_table(["prompts", "task", "drafts", "acceptance per position", "kept per verification"], rows))
+    print(markdown_table(["workload", "batch", *speeds["mix"][0]["tokens_per_s"], "K=2 speedup", "goal"],
+                         [[name, s["batch"], *(f"{v:,.1f}" for v in s["tokens_per_s"].values()),
+                           f"{s['speedup']['K=2']:.2f}x", goals[name] if s["batch"] == 1 else ""]
+                          for name, ss in speeds.items() for s in ss]))
     print(f"rollback at K=2: checkpoints {rollback['checkpoints_ms']} ms vs replay {rollback['replay_expected_ms']} "
           f"ms per verification -> {rollback['chosen']}")
     print(f"wrote {path}")

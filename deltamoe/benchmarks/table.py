@@ -492,28 +492,37 @@ def spec_decode_rows(d: dict) -> list[Row]:
     k2 = {kind: rs[1] for kind, rs in d["acceptance"].items()}  # K = 2
     speedup, accept = b1["speedup"]["K=2"], k2["raw"]["mean_acceptance"]
     goal, floor = t.get("speedup_batch1_k2"), t.get("min_acceptance", 0.0)
-    if goal is None:
-        target = ""
-    elif accept >= floor:
-        target = verdict([(f">= {goal:g}x at acceptance >= {floor:g}", speedup >= goal)], d.get("note"))
-    else:
-        target = f">= {goal:g}x at acceptance >= {floor:g} (acceptance {accept:.2f}: not reached)"
-    depth = d["model"].get("mtp_train_depth", 1)
+
+    def target(accept: float, speedup: float) -> str:
+        if goal is None:
+            return ""
+        if accept >= floor:
+            return verdict([(f">= {goal:g}x at acceptance >= {floor:g}", speedup >= goal)], d.get("note"))
+        return f">= {goal:g}x at acceptance >= {floor:g} (acceptance {accept:.2f}: not reached)"
+    depth = d["model"].get("mtp_train_depth") or 1  # None: a given checkpoint of unknown recipe
     trained = f", MTP layer trained at depths 1..{depth}" if depth > 1 else ""
-    distilled = d["model"].get("mtp_distill_steps", 0)
+    distilled = d["model"].get("mtp_distill_steps") or 0
     trained += f", self-distilled {distilled} steps" if distilled else ""
-    label = (f"speculative decoding (MTP drafts), `tiny` trained {d['model']['train_steps']} steps on "
+    label = (f"speculative decoding (MTP drafts), `tiny` trained {d['model']['train_steps'] or '?'} steps on "
              f"{d['model']['task']}{trained}, batch 1, K = 2 {command('spec_decode')}")
     per_k = " / ".join(f"K={k}" for k in (1, 2, 3))
+    # Other workloads of the same run (the repeat task's long answers, open-ended decoding), batch 1, K = 2.
+    workloads = [[f"same, {name.replace('_', '-')} prompts, batch 1, K = 2",
+                  f"{rate(s[0]['tokens_per_s']['K=2'])} tok/s; acceptance raw {d['acceptance_k2_by_workload'][name]:.2f}",
+                  f"plain decode {rate(s[0]['tokens_per_s']['plain'])} tok/s", times(s[0]["speedup"]["K=2"]),
+                  target(d["acceptance_k2_by_workload"][name], s[0]["speedup"]["K=2"])]
+                 for name, s in d.get("speed_by_workload", {}).items()
+                 if name != "mix" and name in d.get("acceptance_k2_by_workload", {})]
     return [
         [label, f"{rate(b1['tokens_per_s']['K=2'])} tok/s; acceptance raw {accept:.2f}, chat "
                 f"{k2['chat']['mean_acceptance']:.2f}", f"plain decode {rate(b1['tokens_per_s']['plain'])} tok/s",
-         bold(times(speedup)), target],
+         bold(times(speedup)), target(accept, speedup)],
         [f"same, batch 1, {per_k}", " / ".join(rate(b1["tokens_per_s"][f"K={k}"]) for k in (1, 2, 3)) + " tok/s",
          "", " / ".join(times(b1["speedup"][f"K={k}"]) for k in (1, 2, 3)), ""],
         [f"same, batch 8, {per_k}", " / ".join(rate(b8["tokens_per_s"][f"K={k}"]) for k in (1, 2, 3)) + " tok/s",
          f"plain decode {rate(b8['tokens_per_s']['plain'])} tok/s",
          " / ".join(times(b8["speedup"][f"K={k}"]) for k in (1, 2, 3)), ""],
+        *workloads,
     ]
 def vision_rows(d: dict) -> list[Row]:
     enc, t = d["encoder"], d["ttft"]

@@ -11,7 +11,7 @@ from torch import nn
 
 from deltamoe.config import ModelConfig
 from deltamoe.model.cache import ModelCache
-from deltamoe.ops.kda import chunk_kda, kda_step
+from deltamoe.ops.kda import chunk_kda, kda_step, kda_steps
 from deltamoe.ops.kda_gate import causal_conv1d, kda_gate
 from deltamoe.ops.norms import gated_rms_norm
 
@@ -95,15 +95,11 @@ class KimiDeltaAttention(nn.Module):
         elif state is not None and getattr(cache, "keeps_kda_checkpoints", False):
             # Speculative verification (serve/spec_decode/): step by step, keeping the state after
             # every position, so that rejected draft tokens roll back to the accepted one.
-            outs, states = [], []
-            for j in range(t):
-                o_j, state = kda_step(q[:, j], k_[:, j], v[:, j], g[:, j], beta[:, j], state, use_qk_l2norm=True)
-                outs.append(o_j)
-                states.append(state)
-            o, final_state = torch.stack(outs, 1), state
+            o, states = kda_steps(q, k_, v, g, beta, state, use_qk_l2norm=True)
+            final_state = states[:, -1]
             window = torch.cat([conv_state.to(raw.dtype), raw.transpose(1, 2)], dim=-1)  # [B, 3P, W-1+T]
             conv_states = window.unfold(-1, conv_state.shape[-1], 1)[:, :, 1:].transpose(1, 2)  # [B, T, 3P, W-1]
-            cache.keep_kda_checkpoints(self.layer_idx, conv_states, torch.stack(states, 1))
+            cache.keep_kda_checkpoints(self.layer_idx, conv_states, states)
         else:
             o, final_state = chunk_kda(q, k_, v, g, beta, initial_state=state,
                                        output_final_state=cache is not None, use_qk_l2norm=True)

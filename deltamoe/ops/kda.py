@@ -147,6 +147,37 @@ def kda_step(
     return o.to(out_dtype), state
 
 
+def kda_steps(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kda_step` over T tokens of N sequences, keeping the state after every token: what
+    speculative verification needs to roll back to any accepted draft (serve/spec_decode/).
+
+    q, k, g [N, T, H, K]; v [N, T, H, V]; beta [N, T, H]; state [N, H, K, V] (not modified).
+    Inputs are cast and normalized once for all T tokens, not once per token.
+    Returns (o [N, T, H, V] in v.dtype, states [N, T, H, K, V] in the compute dtype).
+    """
+    _check_inputs(q, k, v, g, beta, state)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out_dtype = v.dtype
+    q, k, v, g, beta = _upcast_inputs(q, k, v, g, beta, use_qk_l2norm)
+    q = q * scale
+    state = state.to(q.dtype)
+    outputs, states = [], []
+    for i in range(q.shape[1]):
+        o_i, state = _delta_step(state, q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i])
+        outputs.append(o_i)
+        states.append(state)
+    return torch.stack(outputs, 1).to(out_dtype), torch.stack(states, 1)
+
+
 # ---------------------------------------------------------------------------------------------
 # Chunked form.
 #

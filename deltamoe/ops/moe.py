@@ -126,10 +126,11 @@ def _grouped_mm_applies(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> 
 
 
 def _few_rows_on_cpu(x_sorted: torch.Tensor, w1: torch.Tensor) -> bool:
-    """Fewer (token, slot) rows than experts on a CPU (small-batch decode): torch's CPU grouped
-    matmul walks every expert, empty or not (~90 us for 2 rows over 8 experts, measured), while
-    the loop below touches only the experts that have rows."""
-    return x_sorted.device.type == "cpu" and x_sorted.shape[0] < w1.shape[0]
+    """At most half as many (token, slot) rows as experts on a CPU (small-batch decode): torch's
+    CPU grouped matmul walks every expert, empty or not, while the loop below touches only the
+    experts that have rows but pays several dispatched ops for each; with more rows (a batch of
+    a few tokens, a speculative verification) most experts have rows and the grouped call is cheaper."""
+    return x_sorted.device.type == "cpu" and 2 * x_sorted.shape[0] <= w1.shape[0]
 
 
 def experts_forward(
@@ -245,20 +246,18 @@ def _sorted_expert_outputs(
         up = F.grouped_mm(x_sorted, w3.transpose(1, 2), offs=ends)
         return F.grouped_mm(glu(gate, up, act, situ_beta, situ_linear_beta), w2.transpose(1, 2), offs=ends)
     # One host sync for the slice boundaries; tokens per expert are data dependent anyway.
-    outputs = []
-    start = 0
+    slices, start = [], 0
     for expert, count in enumerate(counts.tolist()):
-        if count == 0:
-            continue
-        xe = x_sorted[start:start + count]
-        if linear is None:
-            hidden = glu(xe @ w1[expert].T, xe @ w3[expert].T, act, situ_beta, situ_linear_beta)
-            outputs.append(hidden @ w2[expert].T)
-        else:
-            hidden = glu(linear(xe, w1[expert]), linear(xe, w3[expert]), act, situ_beta, situ_linear_beta)
-            outputs.append(linear(hidden, w2[expert]))
-        start += count
-    return torch.cat(outputs)
+        if count:
+            slices.append((expert, slice(start, start + count)))
+            start += count
+    mm = (lambda x, w: x @ w.T) if linear is None else linear
+    # The activation is elementwise: one call over every expert's rows instead of one per expert
+    # (at decode sizes each op's dispatch, not its arithmetic, is the cost).
+    gate = torch.cat([mm(x_sorted[rows], w1[expert]) for expert, rows in slices])
+    up = torch.cat([mm(x_sorted[rows], w3[expert]) for expert, rows in slices])
+    hidden = glu(gate, up, act, situ_beta, situ_linear_beta)
+    return torch.cat([mm(hidden[rows], w2[expert]) for expert, rows in slices])
 
 
 def experts_forward_reference(

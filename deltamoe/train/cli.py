@@ -34,7 +34,7 @@ class Flag:
 FLAGS: tuple[Flag, ...] = (
     Flag(("--preset",), "model.preset", "model preset (tiny, small, ...)"),
     Flag(("--model",), "model.path", "model config.json or checkpoint folder to start from"),
-    Flag(("--task",), "data.task", "synthetic task: recall|arithmetic|copy|reverse, or a mixture: recall+arithmetic"),
+    Flag(("--task",), "data.task", "synthetic task: recall|arithmetic|copy|reverse|repeat, or a mixture: recall+arithmetic"),
     Flag(("--data",), "data.path", ".txt or .jsonl ({'text': ...}) file instead of a task"),
     Flag(("--steps",), "run.steps", "optimizer steps"),
     Flag(("--seed",), "run.seed"),

@@ -18,7 +18,7 @@ from typing import Any
 from deltamoe.errors import ConfigError
 from deltamoe.parallel.dims import ParallelDims, launch_world_size
 
-TASKS = ("recall", "arithmetic", "copy", "reverse")
+TASKS = ("recall", "arithmetic", "copy", "reverse", "repeat")
 PRECISIONS = ("fp32", "bf16")
 FP8_RECIPES = (None, "blockwise")
 
@@ -42,7 +42,7 @@ class DataSection:
     num_pairs: int = 8
     context_len: int | None = None  # None: just the pairs, no filler
     num_queries: int = 8
-    # arithmetic: operands of 1..`digits` digits; copy/reverse: strings of 1..`string_len` letters
+    # arithmetic: operands of 1..`digits` digits; copy/reverse/repeat: strings of 1..`string_len` letters
     digits: int = 3
     string_len: int = 8
     eval_rows: int = 128  # held-out rows scored at each evaluation

@@ -33,3 +33,14 @@ def test_label_names_the_mtp_training_depth():
     assert "MTP layer trained at depths 1..3" in spec_decode_rows(d)[0][0]
     d["model"]["mtp_distill_steps"] = 300
     assert "MTP layer trained at depths 1..3, self-distilled 300 steps" in spec_decode_rows(d)[0][0]
+
+
+def test_other_workloads_get_a_row_each_with_their_own_goal_verdict():
+    d = result(0.3, 1.1)
+    d["speed_by_workload"] = {"mix": d["speed"], "repeat": [{"batch": 1, "tokens_per_s": {"plain": 100.0, "K=2": 180.0},
+                                                            "speedup": {"K=2": 1.8}}]}
+    d["acceptance_k2_by_workload"] = {"mix": 0.3, "repeat": 0.9}
+    rows = spec_decode_rows(d)
+    assert "not reached" in rows[0][4] and len(rows) == 4
+    assert rows[3][0] == "same, repeat prompts, batch 1, K = 2" and rows[3][1] == "180 tok/s; acceptance raw 0.90"
+    assert rows[3][3] == "1.8x" and rows[3][4] == ">= 1.6x at acceptance >= 0.7 (met)"

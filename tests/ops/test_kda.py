@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deltamoe.ops import kda as kda_module
-from deltamoe.ops.kda import chunk_kda, kda_step, l2_normalize, recurrent_kda
+from deltamoe.ops.kda import chunk_kda, kda_step, kda_steps, l2_normalize, recurrent_kda
 from deltamoe.ops.kda_gate import kda_gate
 
 GATES = ("softplus", "lower_bound")
@@ -272,6 +272,23 @@ def test_decode_steps_equal_recurrent_and_leave_the_given_state_alone() -> None:
     torch.testing.assert_close(torch.stack(outputs, dim=1), o_ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(state, s_ref, rtol=1e-6, atol=1e-6)
     assert state.dtype == torch.float32 and outputs[0].dtype == x["v"].dtype
+
+
+def test_steps_keep_the_recurrent_state_after_every_token() -> None:
+    """The verification form: outputs as the reference's, and state j is the reference's final
+    state after the first j + 1 tokens."""
+    n, h, dk, dv, steps = 2, 2, 8, 6, 4
+    initial = torch.randn(n, h, dk, dv, generator=torch.Generator().manual_seed(18))
+    x = make_inputs(n, steps, h, dk, dv, seed=19)
+    given = initial.clone()
+    o, states = kda_steps(**x, state=initial, use_qk_l2norm=True)
+    assert torch.equal(initial, given) and states.shape == (n, steps, h, dk, dv)
+    o_ref, _ = recurrent_kda(**x, initial_state=initial, use_qk_l2norm=True)
+    torch.testing.assert_close(o, o_ref, rtol=1e-6, atol=1e-6)
+    for j in range(steps):
+        _, s_ref = recurrent_kda(**{name: t[:, :j + 1] for name, t in x.items()}, initial_state=initial,
+                                 output_final_state=True, use_qk_l2norm=True)
+        torch.testing.assert_close(states[:, j], s_ref, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("fn", [chunk_kda, recurrent_kda])

@@ -299,13 +299,14 @@ def test_experts_forward_grouped_matmul_path_equals_the_expert_loop(dtype: torch
 
 
 def test_experts_forward_few_rows_take_the_loop_and_equal_the_reference() -> None:
-    """Small-batch decode on a CPU (fewer rows than experts) loops over the active experts only;
+    """Small-batch decode on a CPU (at most half as many rows as experts) loops over the active experts only;
     the result is the reference's, and the grouped path's to the last bits (one-row matmuls may
     round differently from the grouped kernel's)."""
     from deltamoe.ops import moe
 
     x, weights, indices, w1, w3, w2 = random_experts(2, 8, 2, 16, 8, torch.float32, seed=3)
     assert moe._few_rows_on_cpu(x.repeat_interleave(2, 0), w1)  # 4 (token, slot) rows, 8 experts
+    assert not moe._few_rows_on_cpu(x.repeat_interleave(3, 0)[:5], w1)  # 5 rows: the grouped call
     with torch.no_grad():
         few = experts_forward(x, weights, indices, w1, w3, w2, act="situ")
     ref = experts_forward_reference(x, weights, indices, w1, w3, w2, act="situ")

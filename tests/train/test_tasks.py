@@ -6,8 +6,8 @@ import torch
 from deltamoe.errors import ConfigError
 from deltamoe.model.model import IGNORE_INDEX
 from deltamoe.train.data.task_stream import TaskStream
-from deltamoe.train.data.tasks import (EVAL_BUCKETS, QUERY, Arithmetic, AssociativeRecall, Copy, example_text,
-                                       in_eval_split)
+from deltamoe.train.data.tasks import (EVAL_BUCKETS, QUERY, Arithmetic, AssociativeRecall, Copy, Repeat, example_text,
+                                       in_eval_split, make_task)
 from deltamoe.train.evaluate import answer_accuracy
 
 BOS, EOS, PAD = 256, 257, 258
@@ -71,7 +71,17 @@ def test_copy_and_reverse(reverse):
         assert tgt == answer == (src[::-1] if reverse else src)
 
 
-@pytest.mark.parametrize("task", [Arithmetic(2), AssociativeRecall(4), Copy(3)], ids=lambda t: t.name)
+def test_repeat_answer_is_the_pattern_repeated_to_four_times_the_longest():
+    exs = examples(stream(Repeat(5)), "train", range(20))
+    assert {len(src) for src, _ in (t.split(QUERY) for t, _ in exs)} == {1, 2, 3, 4, 5}
+    for text, answer in exs:
+        src, tgt = text.split(QUERY)
+        assert tgt == answer and len(answer) == 20
+        assert all(answer[i] == src[i % len(src)] for i in range(20))
+    assert make_task("copy+repeat", string_len=5).tasks[1] == Repeat(5)
+
+
+@pytest.mark.parametrize("task", [Arithmetic(2), AssociativeRecall(4), Copy(3), Repeat(3)], ids=lambda t: t.name)
 def test_eval_split_is_disjoint_from_training(task):
     s = stream(task, seq_len=48)
     train = {t for t, _ in examples(s, "train", range(300))}

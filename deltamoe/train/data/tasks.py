@@ -22,6 +22,7 @@ KEYS = string.ascii_letters  # 52 single-byte keys
 VALUES = string.digits  # values repeat across keys; chance accuracy is 10 %
 FILLER = " .,;:-_~"  # disjoint from keys, values and the query marker
 QUERY = "|"
+REPEAT_FACTOR = 4  # a repeat answer is this many times the longest pattern
 
 
 class Task(Protocol):
@@ -119,6 +120,28 @@ class Copy:
 
 
 @dataclass(frozen=True)
+class Repeat:
+    """`abc|` -> `abcabcabcab...`: a pattern of 1..string_len lowercase letters repeated to
+    REPEAT_FACTOR * string_len letters. Past its first period every answer byte is a copy of the
+    byte one period back: a long, fully predictable continuation (what speculative drafts exploit)."""
+
+    string_len: int = 8
+    name: str = "repeat"
+
+    @property
+    def length(self) -> int:
+        return REPEAT_FACTOR * self.string_len
+
+    @property
+    def max_len(self) -> int:
+        return self.string_len + len(QUERY) + self.length
+
+    def example(self, rng: random.Random) -> list[Segment]:
+        s = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(1, self.string_len)))
+        return [(s + QUERY, False), ((s * self.length)[:self.length], True)]
+
+
+@dataclass(frozen=True)
 class TaskMixture:
     """Several tasks in one stream: each example comes from one of `tasks`, chosen uniformly.
 
@@ -155,4 +178,6 @@ def make_task(name: str, *, digits: int = 3, num_pairs: int = 8, num_queries: in
         return AssociativeRecall(num_pairs, num_queries, context_len)
     if name in ("copy", "reverse"):
         return Copy(string_len, reverse=name == "reverse")
+    if name == "repeat":
+        return Repeat(string_len)
     raise ValueError(f"unknown task {name!r}")
