@@ -40,9 +40,9 @@ Batch 1 is no class of its own in the regional form: it runs as two copies of it
 MLPs stay eager (`decode_form`). For `tiny` that leaves four graphs: KDA and DSA attention, the
 MoE in both forms. The whole call as one graph keeps batch 1 as a class of its own, rewritten by
 the one-row matmul pass. Each class compiles once per process (its regions: seconds each on two
-cores; inductor caches them on disk). `LLMEngine.warm_up` sends the requests of `warm_up_rounds` through the scheduler so every
-class compiles before traffic. Prefill chunks stay eager: their lengths vary and they are a small
-share of the steps.
+cores; inductor caches them on disk). `LLMEngine.warm_up` sends the requests of `warm_up_rounds`
+through the scheduler so every class compiles before traffic. Prefill chunks stay eager: their
+lengths vary and they are a small share of the steps.
 
 Guards on the model's modules are skipped (`skip_guard_on_all_nn_modules_unsafe`): checking
 hundreds of parameters costs ~0.2-0.4 ms per step. Torch keeps compiled graphs per code object,
