@@ -104,9 +104,11 @@ def check_workers(model: str, tp: int, ep: int, compile_decode: bool):
 
 
 COMPILE_HELP = ("Run decode steps through torch.compile: each layer kind's attention and FFN compile once and every "
-                "layer reuses them (faster steps for small models on a CPU; compiling takes a minute or more on a "
-                "first start, once, and needs a C++ compiler). Greedy tokens are the same as --no-compile's (eager, "
-                "the default). --compile-decode: the same as --compile.")
+                "layer reuses them (faster steps for small models on a CPU; a first start compiles for up to a "
+                "minute, later ones load inductor's disk cache; needs a C++ compiler). Greedy tokens are the same as "
+                "--no-compile's (eager). --compile-decode: the same as --compile.")
+COMPILE_DEFAULT_HELP = (" Default: compiled where it can run (one process on a CPU, pages not fp8, a C++ compiler), "
+                        "eager elsewhere.")
 COMPILE_DECLS = ("--compile/--no-compile", "--compile-decode")
 
 
@@ -172,7 +174,7 @@ def generate_command(
     dtype: str = typer.Option("float32"),
     device: str = typer.Option("cpu"),
     progress: bool = typer.Option(False, help="Show a progress bar with tokens/s."),
-    compile_decode: bool = typer.Option(False, *COMPILE_DECLS, help=COMPILE_HELP),
+    compile_decode: Optional[bool] = typer.Option(None, *COMPILE_DECLS, help=COMPILE_HELP + COMPILE_DEFAULT_HELP),
     threads: Optional[int] = typer.Option(None, help=THREADS_HELP),
     tp: int = typer.Option(1, "--tp", help=TP_HELP),
     ep: int = typer.Option(1, "--ep", help=EP_HELP),
@@ -185,9 +187,11 @@ def generate_command(
     async_scheduling: bool = ASYNC_SCHEDULING_OPTION,
 ) -> None:
     """Generate text for one or more prompts (continuous batching)."""
+    from deltamoe.serve.compile_choice import resolve_compile
     from deltamoe.serve.image_cli import check_image_model, load_cli_images, placeholder_tokens
 
     vision_config = check_image_model(model, image)
+    compile_decode = resolve_compile(compile_decode, device, tp, ep, kv_cache_dtype)
     engine = build_engine(model, tokenizer, cache_memory, max_num_seqs, max_num_batched_tokens, dtype, device,
                           compile_decode, tp=tp, ep=ep, kv_cache_dtype=kv_cache_dtype, threads=threads,
                           speculative=speculative, num_draft_tokens=num_draft_tokens,
@@ -233,7 +237,7 @@ def chat_command(
     dtype: str = typer.Option("float32"),
     device: str = typer.Option("cpu"),
     threads: Optional[int] = typer.Option(None, help=THREADS_HELP),
-    compile_decode: bool = typer.Option(False, *COMPILE_DECLS, help=COMPILE_HELP),
+    compile_decode: bool = typer.Option(False, *COMPILE_DECLS, help=COMPILE_HELP + " Default: eager."),
     speculative: Optional[str] = SPECULATIVE_OPTION,
     num_draft_tokens: int = NUM_DRAFT_TOKENS_OPTION,
     spec_min_acceptance: float = SPEC_MIN_ACCEPTANCE_OPTION,
@@ -333,9 +337,9 @@ def serve_command(
     log_level: str = typer.Option("info", help="uvicorn log level (warning keeps the access log quiet)."),
     threads: Optional[int] = typer.Option(None, help=THREADS_HELP + "; serve keeps one more core for the HTTP "
                                           "front end"),
-    compile_decode: bool = typer.Option(False, *COMPILE_DECLS,
-                                        help=COMPILE_HELP + " Every decode graph compiles at startup, before the "
-                                                            "port opens."),
+    compile_decode: Optional[bool] = typer.Option(None, *COMPILE_DECLS,
+                                                  help=COMPILE_HELP + COMPILE_DEFAULT_HELP + " Every decode graph "
+                                                  "compiles at startup, before the port opens."),
     role: str = typer.Option("colocated", help="colocated (one engine does everything), or one half of a "
                              "prefill/decode pair behind `deltamoe router`: prefill or decode."),
     kv_transfer: Optional[str] = typer.Option(None, help="How a prefill/decode pair moves caches: mooncake "
@@ -368,10 +372,12 @@ def serve_command(
                                              "that an RL trainer pushes new weights through (behind --api-key)."),
 ) -> None:
     """OpenAI-compatible HTTP server (deltamoe.serve.api) over an AsyncLLMEngine."""
+    from deltamoe.serve.compile_choice import resolve_compile
     from deltamoe.serve.engine.config import EngineConfig, parse_bytes
     from deltamoe.serve.kv_transfer.role_config import check_role
 
     check_role(role, kv_transfer)
+    compile_decode = resolve_compile(compile_decode, device, tp, ep, kv_cache_dtype)
     parse_bytes(kv_transfer_staging, "kv_transfer_staging")  # a bad size fails before the model loads
     check_dtype(dtype)
     config = EngineConfig(cache_memory=cache_memory, max_num_seqs=max_num_seqs,
@@ -417,8 +423,9 @@ def serve_command(
     engine = AsyncLLMEngine(LLMEngine.from_pretrained(model, config, tokenizer, parse_dtype(dtype), device,
                                                       workers, connector=connector))
     if config.compile_decode:
-        typer.echo("compiling the decode step (once per process; nine small graphs for the tiny preset, a minute "
-                   "or two on a first start on two cores, seconds from inductor's disk cache)...", err=True)
+        typer.echo("compiling the decode step (once per process; four small graphs for the tiny preset, up to a "
+                   "minute on a first start on two cores, seconds from inductor's disk cache; --no-compile decodes "
+                   "eagerly)...", err=True)
         engine.engine.warm_up()
     template = ChatTemplate.for_model(engine.tokenizer, tokenizer or model)
     name = served_model_name or model

@@ -33,13 +33,16 @@ the forms the graph traces give every context and page layout one shape rule:
   the context invalid), so contexts under and over top-k share a graph;
 - every batch, batch 1 on consecutive blocks too, gathers its pages (`PagedBatchView`'s
   slice_consecutive off), so a sequence's page layout does not split the graph.
-A few shape rules still split the graphs, each asked of its owner rather than copied here:
-- batch 1 is a graph of its own (torch specialises size 1);
-- batches of 2 and more: one graph per form of `ops.moe.gathers_expert_weights`.
-Each class compiles once per process (its regions: seconds each on two cores; inductor caches
-them on disk). `LLMEngine.warm_up` sends the requests of `warm_up_rounds` through the scheduler so every
-class compiles before traffic. Prefill chunks stay eager: their lengths vary and they are a small
-share of the steps.
+One shape rule still splits the graphs, asked of its owner rather than copied here:
+- one graph per form of `ops.moe.gathers_expert_weights` (MoE regions only).
+Batch 1 is no class of its own in the regional form: it runs as two copies of its row
+(`CompiledDecode.with_min_rows`; torch would specialise size 1 into graphs of their own). Dense
+MLPs stay eager (`decode_form`). For `tiny` that leaves four graphs: KDA and DSA attention, the
+MoE in both forms. The whole call as one graph keeps batch 1 as a class of its own, rewritten by
+the one-row matmul pass. Each class compiles once per process (its regions: seconds each on two
+cores; inductor caches them on disk). `LLMEngine.warm_up` sends the requests of `warm_up_rounds`
+through the scheduler so every class compiles before traffic. Prefill chunks stay eager: their
+lengths vary and they are a small share of the steps.
 
 Guards on the model's modules are skipped (`skip_guard_on_all_nn_modules_unsafe`): checking
 hundreds of parameters costs ~0.2-0.4 ms per step. Torch keeps compiled graphs per code object,
@@ -53,11 +56,13 @@ sync does, are read afresh every call).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import os
+import platform
 import uuid
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 
@@ -72,6 +77,9 @@ from deltamoe.serve.engine.decode_matvec_pass import DecodeMatvecPass
 
 # Graphs one process may hold for the decode call: the classes above, for a few models.
 RECOMPILE_LIMIT = 64
+# The per-row lists of a runner call (`runner.ModelCall`): what `CompiledDecode.with_min_rows` repeats.
+_ROW_FIELDS = ("token_ids", "block_tables", "past_lengths", "slots", "counts")
+CallT = TypeVar("CallT")
 
 
 def compiler_available() -> bool:
@@ -108,15 +116,32 @@ class CompiledDecode:
             raise ConfigError("needs a C++ compiler for torch.compile's CPU kernels (g++ or $CXX); "
                               "install one or run with --no-compile", field="compile_decode")
         limit_compile_threads()
+        probe_vector_isa_once()
         key = model.__dict__.get("_compiled_decode_key")
         if key is None:
             key = model._compiled_decode_key = uuid.uuid4().hex
         self.regional = regional
+        # Regions run a call of one row as two copies of it (`with_min_rows`): torch specialises
+        # size 1, so batch 1 would be graph classes of its own, compiled at start like the others.
+        # The whole call keeps its batch-1 graph (the one-row matmul pass rewrites it).
+        self.min_rows = 2 if regional else 1
         self._model, self._key = decode_form(model, key if regional else None), key
         self._call = _decode_call if regional else _compiled_call()
 
     def __call__(self, input_ids: torch.Tensor, view: object) -> torch.Tensor:
         return self._call(self._model, self._key, input_ids, view)
+
+    def with_min_rows(self, call: CallT, ids: torch.Tensor) -> tuple[CallT, torch.Tensor]:
+        """The runner's call (`runner.ModelCall`) and its ids [B, 1], each row repeated up to `min_rows`
+        rows. The copy of a row writes the same values to the same pages and state slot as the row
+        itself, so the cache ends as the row alone leaves it; the caller keeps the first B rows'
+        logits."""
+        rows = len(call.counts)
+        if rows >= self.min_rows:
+            return call, ids
+        copies = -(-self.min_rows // rows)
+        return (dataclasses.replace(call, **{name: getattr(call, name) * copies for name in _ROW_FIELDS}),
+                ids.repeat(copies, 1))
 
 
 def limit_compile_threads() -> None:
@@ -128,6 +153,24 @@ def limit_compile_threads() -> None:
     from torch._inductor import config
 
     config.compile_threads = max(1, min(config.compile_threads, torch.get_num_threads()))
+
+
+def probe_vector_isa_once() -> None:
+    """Inductor proves every vector ISA the CPU reports (AVX2, AVX-512, AVX-512 VNNI, AMX on a
+    recent x86) by compiling a test against ATen's vector headers, once per inductor cache: about
+    15 s of a first start on two cores, for the one ISA it then uses, the best. Here only that best
+    ISA's test is compiled; when it builds, the lower ones are taken as given (a compiler that
+    builds for AVX-512 builds for AVX2), else inductor probes them all as usual. AMX's own checks
+    still run. TORCHINDUCTOR_VEC_ISA_OK, when set, wins; other CPUs are left to inductor."""
+    from torch._inductor import config, cpu_vec_isa
+
+    if config.cpp.vec_isa_ok is not None or platform.machine() not in ("x86_64", "AMD64"):
+        return
+    reported = cpu_vec_isa.x86_isa_checker()
+    best = next((isa for isa in cpu_vec_isa.supported_vec_isa_list
+                 if str(isa) and all(flag in reported for flag in str(isa).split())), None)
+    if best is not None and best.check_build(cpu_vec_isa.VecISA._avx_code):
+        config.cpp.vec_isa_ok = True
 
 
 def decode_form(module: torch.nn.Module, regions_key: str | None = None) -> torch.nn.Module:
@@ -142,8 +185,10 @@ def decode_form(module: torch.nn.Module, regions_key: str | None = None) -> torc
                      for name, child in module._modules.items()}
     if regions_key is not None and isinstance(twin, DecoderLayer):
         twin.self_attn.forward = AttentionRegion(twin.self_attn, regions_key, _compile)
-        ffn = twin.block_sparse_moe if twin.is_moe else twin.mlp
-        ffn.forward = FFNRegion(ffn, regions_key, _compile)
+        # A dense MLP (three matmuls and an activation: a dozen ops) stays eager: fusing its
+        # activation saves microseconds a step, its own graph costs seconds on a first start.
+        if twin.is_moe:
+            twin.block_sparse_moe.forward = FFNRegion(twin.block_sparse_moe, regions_key, _compile)
     if isinstance(twin, MoE):
         if twin.dispatcher is not local_experts:
             raise ConfigError("runs experts on this process only (expert-parallel dispatch is not compiled)",
@@ -206,7 +251,8 @@ def warm_up_rounds(config: ModelConfig, max_num_seqs: int, max_context: int) -> 
     Contexts are one class (DSA's selection is top_k wide at every context in the compiled form)
     and so are page layouts (every batch gathers its pages); batches split where an op's shape
     rule changes form:
-    - batch 1: the lead alone decodes once;
+    - batch 1: the lead alone decodes once (with regions it runs as two rows, the graphs of
+      batch 2: its round then compiles them and batch 2's round compiles nothing);
     - batch B >= 2: B - 1 followers join the lead, and all decode together once (the followers
       are admitted in one step while the token budget holds 2 per follower).
     `max_context`: the longest sequence the engine admits (prompt + output)."""

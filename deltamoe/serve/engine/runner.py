@@ -168,12 +168,15 @@ class ModelRunner:
         if ids is None:
             ids = torch.tensor(call.token_ids, device=self.device).view(len(call.counts), -1)
         compiled = self._compiled_decode if call.compiled else None
+        rows = len(call.counts)
+        if compiled is not None:
+            call, ids = compiled.with_min_rows(call, ids)
         view = PagedBatchView(self.cache, call.block_tables, call.past_lengths, call.slots, call.counts,
                               min_table_width=compiled.min_table_width if compiled is not None else 1,
                               slice_consecutive=compiled is None or compiled.slices_consecutive_pages)
         # Norm + LM head on the last real position only: prefill chunks need no other logits.
         if compiled is not None:
-            logits = compiled(ids, view)[:, -1].float()
+            logits = compiled(ids, view)[:rows, -1].float()
         else:
             embeds = None if call.images is None else self.model.embed(
                 ids, call.images.embeds, call.images.mask(*ids.shape, ids.device))

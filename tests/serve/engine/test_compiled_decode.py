@@ -69,7 +69,7 @@ def generate(model, prompts: list[list[int]]) -> list[list[int]]:
 def test_compiled_decode_equals_greedy_alone(name, models, helpers):
     model = models[name]
     prompts = helpers.prompts(6, 2, 30, seed=31)  # up to 42 tokens of context: beyond DSA's top-k of 8
-    assert_greedy_matches(model, prompts[:1], generate(model, prompts[:1]))  # batch 1: its own specialisation
+    assert_greedy_matches(model, prompts[:1], generate(model, prompts[:1]))  # batch 1: runs as two rows
     assert_greedy_matches(model, prompts, generate(model, prompts))
 
 
@@ -156,8 +156,8 @@ def test_warm_up_compiles_every_graph_traffic_meets(helpers):
     """After `warm_up`, traffic never compiles (torch would raise under `fail_on_recompile`): one
     sequence on consecutive and on scattered pages, batches on both sides of the experts'
     gather / all-experts switch (8 experts, top-2: from 4 rows), contexts below and above the
-    DSA indexer's top-k (8), and one-token prompts. The warm-up compiles three graphs (batch 1 and
-    one per experts' form); contexts and page layouts share them."""
+    DSA indexer's top-k (8), and one-token prompts. The warm-up compiles each region for the two
+    experts' forms (batch 1 runs as two rows); contexts and page layouts share the graphs."""
     model = build_model(helpers.k31_tiny(num_hidden_layers=2, layer_types=("kda", "dsa"), num_experts=8), seed=4).eval()
     engine = LLMEngine(model, config=EngineConfig(cache_memory="16MiB", compile_decode=True, max_snapshots=0))
     engine.warm_up()

@@ -62,3 +62,41 @@ def test_layers_of_one_kind_share_a_region_key(helpers):
     assert region_key("other model", layers[0].self_attn) != attn[0]
     ffn = [region_key("m", layer.block_sparse_moe if layer.is_moe else layer.mlp) for layer in layers[:4]]
     assert ffn[1] == ffn[2] == ffn[3] and ffn[0] != ffn[1]  # dense first layer, then MoE
+
+
+def test_a_row_run_twice_leaves_the_cache_and_logits_of_the_row_alone(helpers):
+    """`CompiledDecode.with_min_rows`: a one-row decode call runs as two copies of the row (the
+    traced form run eagerly here); its logits and every cache tensor afterwards equal the call of
+    the row alone (up to rounding)."""
+    config = helpers.k31_tiny(num_hidden_layers=2, layer_types=("kda", "dsa"))
+    model = build_model(config, seed=7).eval()
+    engine = LLMEngine(model, config=EngineConfig(cache_memory="16MiB", compile_decode=True))
+    runner = engine.runner
+    runner._compiled_decode = compiled_decode.CompiledDecode(model, regional=False)
+    runner._compiled_decode._call = compiled_decode._decode_call
+    engine.add_request(helpers.prompts(1, 30, 30, seed=3)[0], SamplingParams(max_tokens=4, temperature=0.0))
+    seq = engine.scheduler.running[0] if engine.scheduler.running else None
+    while seq is None or seq.num_computed < len(seq.token_ids) - 1:
+        engine.step()
+        seq = engine.scheduler.running[0]
+    cache = engine.cache
+    tensors = (cache.conv, cache.recurrent, cache.latent, cache.index_keys)
+    saved = [t.clone() for t in tensors]
+    (_, call), = runner.plan(engine.scheduler.schedule())
+    assert call.compiled and len(call.counts) == 1
+
+    def step(min_rows: int):
+        for t, s in zip(tensors, saved):
+            t.copy_(s)
+        runner._compiled_decode.min_rows = min_rows
+        with torch.inference_mode():
+            return runner.forward(call), [t.clone() for t in tensors]
+
+    want, want_cache = step(1)
+    got, got_cache = step(2)
+    assert got.shape == want.shape == (1, config.vocab_size)
+    # Equal up to rounding: a matmul of two rows may sum in another order than one of one row.
+    torch.testing.assert_close(got, want)
+    for g, w in zip(got_cache, want_cache):
+        torch.testing.assert_close(g, w)
+    assert any(not torch.equal(g, s) for g, s in zip(got_cache, saved))  # the step did write

@@ -1,7 +1,7 @@
 """`LLMEngine.warm_up` reaches every decode graph class through the scheduler and leaves no trace.
 
-The compiled graph is swapped for the eager model here, so no compile runs: what is checked is
-which decode calls the warm-up's made-up requests make (batch, experts' form) and
+The compiled regions run eagerly here (`_compile` is the identity), so no compile runs: what is checked is
+which decode calls the warm-up's made-up requests make (the experts' form of their rows) and
 that the engine afterwards is the engine before. `test_compiled_decode.py` checks, with real
 compiles, that traffic after a warm-up never compiles again.
 """
@@ -28,9 +28,11 @@ def model(helpers):
     return build_model(config, seed=4).eval()
 
 
-def engine_recording_decodes(model, **config) -> tuple[LLMEngine, list[tuple]]:
-    """An engine whose compiled decode calls run eagerly and are recorded as graph classes: batch 1,
-    or the experts' form of a batch (contexts and page layouts share a graph)."""
+def engine_recording_decodes(model, monkeypatch, **config) -> tuple[LLMEngine, list[tuple]]:
+    """An engine whose compiled regions run eagerly and whose decode calls are recorded as graph
+    classes: the experts' form of the rows a call runs (a batch of one runs as `min_rows` rows;
+    contexts and page layouts share a graph)."""
+    monkeypatch.setattr(compiled_decode, "_compile", lambda fn: fn)
     engine = LLMEngine(model, config=EngineConfig(cache_memory="16MiB", compile_decode=True, **config))
     runner, cfg = engine.runner, model.config
     seen: list[tuple] = []
@@ -38,15 +40,11 @@ def engine_recording_decodes(model, **config) -> tuple[LLMEngine, list[tuple]]:
 
     def recording(call):
         if call.compiled:
-            batch = len(call.counts)
-            seen.append(("batch 1",) if batch == 1 else
-                        ("batch", gathers_expert_weights(batch, cfg.num_experts_per_token, cfg.num_experts)))
+            rows = max(len(call.counts), runner._compiled_decode.min_rows)
+            seen.append(("batch", gathers_expert_weights(rows, cfg.num_experts_per_token, cfg.num_experts)))
         return forward(call)
 
     runner.forward = recording
-    runner._compiled_decode = lambda ids, view: model(ids, cache=view, logits_to_keep=1).logits
-    runner._compiled_decode.min_table_width = compiled_decode.CompiledDecode.min_table_width
-    runner._compiled_decode.slices_consecutive_pages = compiled_decode.CompiledDecode.slices_consecutive_pages
     return engine, seen
 
 
@@ -59,12 +57,12 @@ def engine_state(engine: LLMEngine) -> tuple:
             dict(cache.slots.snapshots), probe.request_id, probe.generator.initial_seed())
 
 
-def test_warm_up_reaches_every_class_and_leaves_no_trace(model):
-    engine, seen = engine_recording_decodes(model)
-    fresh, _ = engine_recording_decodes(model)
+def test_warm_up_reaches_every_class_and_leaves_no_trace(model, monkeypatch):
+    engine, seen = engine_recording_decodes(model, monkeypatch)
+    fresh, _ = engine_recording_decodes(model, monkeypatch)
     engine.warm_up()
-    # Every class: batch 1, and batches on both sides of the experts' switch.
-    assert set(seen) == {("batch 1",), ("batch", True), ("batch", False)}
+    # Every class: batches on both sides of the experts' switch (batch 1 runs as two rows).
+    assert set(seen) == {("batch", True), ("batch", False)}
     assert engine_state(engine) == engine_state(fresh)
     assert not engine.has_unfinished()
     # And the engine serves as a fresh one does.
@@ -74,15 +72,15 @@ def test_warm_up_reaches_every_class_and_leaves_no_trace(model):
             == [c.token_ids for c in fresh.generate(prompts, params, progress=False)])
 
 
-def test_warm_up_plans_only_classes_the_limits_allow(model):
+def test_warm_up_plans_only_classes_the_limits_allow(model, monkeypatch):
     """One sequence at a time: no batches."""
-    engine, seen = engine_recording_decodes(model, max_num_seqs=1)
+    engine, seen = engine_recording_decodes(model, monkeypatch, max_num_seqs=1)
     engine.warm_up()
-    assert set(seen) == {("batch 1",)}
+    assert set(seen) == {("batch", True)}
 
 
-def test_warm_up_refuses_a_busy_engine(model):
-    engine, _ = engine_recording_decodes(model)
+def test_warm_up_refuses_a_busy_engine(model, monkeypatch):
+    engine, _ = engine_recording_decodes(model, monkeypatch)
     engine.add_request([1, 2, 3], SamplingParams(max_tokens=2))
     with pytest.raises(RuntimeError, match="idle engine"):
         engine.warm_up()

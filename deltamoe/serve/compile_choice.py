@@ -1,0 +1,44 @@
+"""Whether `generate` and `serve` compile their decode step: `--compile`, `--no-compile`, or the default.
+
+The default compiles (serve/engine/compiled_decode.py, per-layer regions: a first start of the
+`tiny` preset compiles four small graphs, 54-58 s expected on two quiet cores; a later one loads
+inductor's disk cache) wherever the compiled path serves the launch: one process, a CPU
+(inductor's GPU kernels need Triton, which deltamoe does not install), pages in the model's
+dtype (not fp8) and a C++ compiler on the machine. Elsewhere the default decodes eagerly; `--compile` asked for explicitly
+where it cannot run stays an error naming the option. DELTAMOE_COMPILE_DEFAULT=0 makes the
+default eager everywhere (the test suite sets it: a first compile takes a minute or more per model).
+
+Imports no torch: the CLI decides before loading anything.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+
+def compile_by_default(device: str, tp: int, ep: int, kv_cache_dtype: str, torchrun: bool) -> bool:
+    """What the default (no --compile / --no-compile) means for this launch."""
+    if os.environ.get("DELTAMOE_COMPILE_DEFAULT", "1") == "0":
+        return False
+    if tp * ep > 1 or torchrun or kv_cache_dtype == "fp8" or not device.startswith("cpu"):
+        return False
+    if not _has_cxx():
+        print("note: no C++ compiler found (g++ or $CXX): decoding eagerly; install one for the compiled "
+              "decode step, or pass --no-compile to silence this", file=sys.stderr)
+        return False
+    return True
+
+
+def _has_cxx() -> bool:
+    return any(shutil.which(c) for c in (os.environ.get("CXX") or "", "g++", "c++", "clang++") if c)
+
+
+def resolve_compile(flag: bool | None, device: str, tp: int, ep: int, kv_cache_dtype: str) -> bool:
+    """`flag`: True (--compile), False (--no-compile) or None (the default)."""
+    if flag is not None:
+        return flag
+    from deltamoe.serve.executor.config import launched_by_torchrun
+
+    return compile_by_default(device, tp, ep, kv_cache_dtype, launched_by_torchrun())
