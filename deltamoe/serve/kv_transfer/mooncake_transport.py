@@ -8,8 +8,10 @@ transport requires it), once, at start-up: the whole cache pools, never per requ
 Writes go through the engine's synchronous calls (`transfer_sync_write`, or
 `batch_transfer_sync_write` for several segments), which wait in C++ with the GIL released:
 a Python loop polling `transfer_check_status` needs the GIL between polls, and next to an
-engine thread running Python it made a 1 MiB write 7-20x slower than the engine itself. The
-engine bounds each call (`MC_TRANSFER_TIMEOUT` seconds, 5 at least, plus one second per GiB)
+engine thread running Python it made a 1 MiB write 7-20x slower than the engine itself. A
+write that overlaps with producing its bytes (`write_as_ready`) submits chunks asynchronously
+(`batch_transfer_async_write`) and waits for them all in one `get_batch_transfer_status`, which
+also waits in C++ with the GIL released. The engine bounds each call (`MC_TRANSFER_TIMEOUT` seconds, 5 at least, plus one second per GiB)
 and answers an error for an unreachable peer; a write that returns after the caller's deadline
 counts as failed too.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Iterable
 
 from deltamoe.errors import ConfigError
 from deltamoe.serve.kv_transfer.pools import Segment
@@ -71,6 +74,41 @@ class MooncakeTransport:
                                  "engine's own timeout)")
         if time.monotonic() - start > timeout_s:
             raise TransferFailed(f"the hand-off to {peer} took longer than {timeout_s:.1f} s")
+
+    def write_as_ready(self, peer: str, src: int, dst: int, ready: Iterable[int], min_chunk: int,
+                       timeout_s: float) -> int:
+        """Copy bytes from `src` to `peer`'s `dst` while the sender is still producing them: `ready`
+        yields how many leading bytes are final (non-decreasing; its last value is the total), and
+        every `min_chunk` new bytes go out as one asynchronous write, so the transfer engine's
+        threads send a chunk while this thread produces the next. Returns the number of writes;
+        raises TransferFailed as `write` does. Whatever happens, returns only once no write is in
+        flight (the caller then reuses the memory)."""
+        if timeout_s <= 0:
+            raise TransferFailed(f"no time left for the hand-off to {peer}")
+        start = time.monotonic()
+        batches: list[int] = []
+        sent = end = 0
+        try:
+            for end in ready:
+                if end - sent >= min_chunk:
+                    batches.append(self._submit(peer, src + sent, dst + sent, end - sent))
+                    sent = end
+            if end > sent:
+                batches.append(self._submit(peer, src + sent, dst + sent, end - sent))
+        finally:
+            status = self._engine.get_batch_transfer_status(batches) if batches else 0
+        if status != 0:
+            raise TransferFailed(f"the hand-off write to {peer} failed (status {status}: peer unreachable, or the "
+                                 "engine's own timeout)")
+        if time.monotonic() - start > timeout_s:
+            raise TransferFailed(f"the hand-off to {peer} took longer than {timeout_s:.1f} s")
+        return len(batches)
+
+    def _submit(self, peer: str, src: int, dst: int, nbytes: int) -> int:
+        batch = self._engine.batch_transfer_async_write(peer, [src], [dst], [nbytes])
+        if batch == 0:  # the engine's "not submitted" (no batch id)
+            raise TransferFailed(f"the hand-off write to {peer} could not be submitted (peer unreachable?)")
+        return batch
 
     def close(self) -> None:
         for address in self._registered:

@@ -15,6 +15,7 @@ and one copy of the last block's rows, however scattered the blocks are.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -81,15 +82,25 @@ def payload_bytes(cache: HybridCache, num_rows: int) -> int:
 
 def pack(cache: HybridCache, rows: TokenRows, slot: int, out: torch.Tensor) -> None:
     """Gather the request's rows and state slot into `out` (uint8, at least `message_bytes` long)."""
+    for _ in pack_in_steps(cache, rows, slot, out):
+        pass
+
+
+def pack_in_steps(cache: HybridCache, rows: TokenRows, slot: int, out: torch.Tensor) -> Iterator[int]:
+    """`pack`, one layer of one pool at a time: after each, yields how many leading bytes of `out`
+    are final, so a sender writes them while it gathers the rest (`MooncakeTransport.write_as_ready`)."""
     pools = _copyable(cache)
-    for name, view in _views(cache, len(rows), out):
-        pool = pools[name]
-        if name in PAGED_POOLS:
-            pool_blocks, message_blocks, pool_tail, message_tail = _by_block(pool, view, rows)
-            torch.index_select(pool_blocks, 1, rows.blocks[:rows.whole_blocks], out=message_blocks)
-            message_tail.copy_(pool_tail)
-        else:
-            view.copy_(pool.select(1, slot))
+    for (name, view), (_, offset, _, nbytes) in zip(_views(cache, len(rows), out), message_parts(cache, len(rows))):
+        pool, layer_bytes = pools[name], nbytes // view.shape[0]
+        for layer in range(pool.shape[0]):
+            layer_pool, layer_view = pool[layer:layer + 1], view[layer:layer + 1]
+            if name in PAGED_POOLS:
+                pool_blocks, message_blocks, pool_tail, message_tail = _by_block(layer_pool, layer_view, rows)
+                torch.index_select(pool_blocks, 1, rows.blocks[:rows.whole_blocks], out=message_blocks)
+                message_tail.copy_(pool_tail)
+            else:
+                layer_view.copy_(layer_pool.select(1, slot))
+            yield offset + (layer + 1) * layer_bytes
 
 
 def unpack(cache: HybridCache, rows: TokenRows, slot: int, message: torch.Tensor) -> None:
