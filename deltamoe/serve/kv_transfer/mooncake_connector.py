@@ -95,7 +95,7 @@ class MooncakeConnector(KVConnector):
         self._totals = {"sent": 0, "received": 0, "failures": 0, "bytes_sent": 0, "bytes_received": 0,
                         "seconds_sent": 0.0, "seconds_received": 0.0, "unpacked": 0,
                         "seconds_packing": 0.0, "seconds_writing": 0.0, "seconds_unpacking": 0.0,
-                        "timed": 0, "seconds_finish_to_cache": 0.0, "seconds_notice": 0.0}
+                        "writes": 0, "timed": 0, "seconds_finish_to_cache": 0.0, "seconds_notice": 0.0}
 
     def bind(self, cache: HybridCache, model_config: ModelConfig) -> None:
         super().bind(cache, model_config)
@@ -211,6 +211,7 @@ class MooncakeConnector(KVConnector):
             return
         written = time.monotonic()
         seconds = written - start
+        self._add("writes", writes)
         self._end(request_id, "sent", nbytes=nbytes, seconds=seconds, unpacked=not packed)
         push.done.set_result({"bytes": nbytes, "seconds": seconds, "segments": writes, "packed": packed,
                               "clock": monotonic_clock_id(), "finished_at": push.finished_at, "written_at": written})
@@ -250,9 +251,9 @@ class MooncakeConnector(KVConnector):
             self._totals["seconds_finish_to_cache"] += cached - float(report["finished_at"])
             self._totals["seconds_notice"] += unpacking - float(report["written_at"])
 
-    def _add(self, total: str, seconds: float) -> None:
+    def _add(self, total: str, amount: float) -> None:
         with self._lock:
-            self._totals[total] += seconds
+            self._totals[total] += amount
 
     def _end(self, request_id: str, direction: str, nbytes: int = 0, seconds: float = 0.0,
              error: str | None = None, unpacked: bool = False) -> None:
