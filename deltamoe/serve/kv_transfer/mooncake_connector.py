@@ -19,8 +19,9 @@ and are sent like the rest (the decode side lacks them).
 
 The write is packed when the request fits both servers' staging areas (`staging.py`): the
 decode side lends a range of its area, the prefill side gathers the request into a range of
-its own and writes it in one transfer, and the decode side scatters it into its blocks and
-slot once the prefill call returns. Otherwise (a request larger than an area) the prefill side
+its own, a layer of a pool at a time, and writes each `write_chunk_bytes` of it as soon as they
+are gathered (the transfer engine sends a chunk while this thread gathers the next), and the
+decode side scatters it into its blocks and slot once the prefill call returns. Otherwise (a request larger than an area) the prefill side
 writes straight into the decode side's pools, one write per run of blocks per layer and one
 per state layer: correct, but each write pays the transport's fixed cost.
 """
