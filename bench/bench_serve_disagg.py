@@ -32,7 +32,8 @@ the completion notice (the prefill server's HTTP answer to the decode server) an
 nothing of the prefill's compute. Printed beside it: the copy path alone (gather + write on the
 prefill side, `kv_transfer_seconds_sent`, plus the scatter, `kv_transfer_seconds_unpacking`: the
 definition before the notice was timed), split into gather / write / scatter (the write goes out
-in chunks while the gather runs: "write" is the part that does not overlap it) and the notice;
+in chunks while the gather runs: "write" is the part that does not overlap it), the wait for the
+hand-off thread (queued) and the notice;
 goal: >= 50 % of raw (back to back) at every size. `--handoff-only` runs the idle hand-offs and
 the raw writes without the colocated server and the mixed load (a minute instead of several).
 Also the bytes a hand-off moves for Kimi K3 (the planner's cost formulas) at a few prompt
@@ -172,6 +173,7 @@ def handoff_totals(p_url: str, d_url: str) -> dict[str, float]:
             + metric(d_url, "deltamoe_engine_kv_transfer_seconds_unpacking"),
             "gather": metric(p_url, "deltamoe_engine_kv_transfer_seconds_packing"),
             "write": metric(p_url, "deltamoe_engine_kv_transfer_seconds_writing"),
+            "queued": metric(p_url, "deltamoe_engine_kv_transfer_seconds_queued"),
             "notice": metric(d_url, "deltamoe_engine_kv_transfer_seconds_notice"),
             "scatter": metric(d_url, "deltamoe_engine_kv_transfer_seconds_unpacking")}
 
@@ -246,7 +248,7 @@ def run_disaggregated(args) -> tuple[dict, dict]:
                               "seconds_per_handoff": r["seconds"] / r["count"], "unpacked": r["unpacked"],
                               "writes_per_handoff": r["writes"] / r["count"],
                               **{f"{part}_seconds": r[part] / r["count"]
-                                 for part in ("copy", "gather", "write", "notice", "scatter")},
+                                 for part in ("copy", "queued", "gather", "write", "notice", "scatter")},
                               "gb_s": r["bytes"] / r["seconds"] / 1e9,
                               "copy_gb_s": r["bytes"] / r["copy"] / 1e9} for r in idle]}
         return row, hand_off
@@ -400,14 +402,15 @@ def main() -> None:
     print(markdown_table(["idle hand-off", "MiB", "writes", "finish -> in cache ms", "GB/s",
                           "raw TCP GB/s (back to back)", "hand-off / raw", "raw TCP GB/s (isolated)",
                           "hand-off / isolated raw", "copy path ms (gather / write / scatter)", "copy path / raw",
-                          "notice ms"],
+                          "queued / notice ms"],
                          [[f"{r['prompt_tokens']} tokens", f"{r['bytes_per_handoff'] / 2**20:.2f}",
                            f"{r['writes_per_handoff']:.0f}", f"{r['seconds_per_handoff'] * 1e3:.2f}",
                            f"{r['gb_s']:.3f}", f"{r['raw_tcp_gb_s']:.3f}", f"{r['over_raw_tcp']:.2f}",
                            f"{r['raw_tcp_isolated_gb_s']:.3f}", f"{r['over_raw_tcp_isolated']:.2f}",
                            f"{r['copy_seconds'] * 1e3:.2f} ("
                            + " / ".join(f"{r[f'{part}_seconds'] * 1e3:.2f}" for part in ("gather", "write", "scatter"))
-                           + ")", f"{r['copy_over_raw_tcp']:.2f}", f"{r['notice_seconds'] * 1e3:.2f}"]
+                           + ")", f"{r['copy_over_raw_tcp']:.2f}",
+                           f"{r['queued_seconds'] * 1e3:.2f} / {r['notice_seconds'] * 1e3:.2f}"]
                           for r in hand_off["idle"]]))
     if colocated is not None:
         print(f"a long prompt every {args.long_every} s")

@@ -96,7 +96,7 @@ class MooncakeConnector(KVConnector):
         self._totals = {"sent": 0, "received": 0, "failures": 0, "bytes_sent": 0, "bytes_received": 0,
                         "seconds_sent": 0.0, "seconds_received": 0.0, "unpacked": 0,
                         "seconds_packing": 0.0, "seconds_writing": 0.0, "seconds_unpacking": 0.0,
-                        "writes": 0, "timed": 0, "seconds_finish_to_cache": 0.0, "seconds_notice": 0.0}
+                        "writes": 0, "seconds_queued": 0.0, "timed": 0, "seconds_finish_to_cache": 0.0, "seconds_notice": 0.0}
 
     def bind(self, cache: HybridCache, model_config: ModelConfig) -> None:
         super().bind(cache, model_config)
@@ -195,6 +195,7 @@ class MooncakeConnector(KVConnector):
 
     def _push(self, request_id: str, push: PushTo, src_blocks: list[int], num_tokens: int, slot: int) -> None:
         start = time.monotonic()
+        self._add("seconds_queued", start - push.finished_at)  # the prefill's finish -> this thread runs
         try:
             packed = push.staging is not None and self.staging.fits(push.staging[1])
             if packed:
