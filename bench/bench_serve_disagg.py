@@ -392,10 +392,10 @@ def main() -> None:
         "p99_chat_itl_colocated_over_disagg": round(colocated["chat_itl_p99_ms"] / disagg["chat_itl_p99_ms"], 2),
         "handoff_under_load_gb_s": round(hand_off["loaded_gb_s"], 3)}
     summary |= {"handoff_over_raw_tcp": round(min(r["over_raw_tcp"] for r in hand_off["idle"]), 2),
-               "copy_path_over_raw_tcp": round(min(r["copy_over_raw_tcp"] for r in hand_off["idle"]), 2),
-               "handoff_over_raw_tcp_isolated": round(min(r["over_raw_tcp_isolated"] for r in hand_off["idle"]), 2),
-               "handoff_bytes_per_request": round(per_request),
-               "handoff_seconds_per_request": round(hand_off["handoff_seconds_total"] / max(1, hand_off["handoffs"]), 4)}
+                "copy_path_over_raw_tcp": round(min(r["copy_over_raw_tcp"] for r in hand_off["idle"]), 2),
+                "handoff_over_raw_tcp_isolated": round(min(r["over_raw_tcp_isolated"] for r in hand_off["idle"]), 2),
+                "handoff_bytes_per_request": round(per_request),
+                "handoff_seconds_per_request": round(hand_off["handoff_seconds_total"] / max(1, hand_off["handoffs"]), 4)}
     sizes = bytes_per_handoff(args, disagg, hand_off["bytes_total"])
     print(markdown_table(["write (this process -> receiver process)", "GB/s"],
                          [[f"{t['bytes'] / 2**20:.2f} MiB in {t['segments']} segment(s)", t["gb_s"]] for t in transport]))

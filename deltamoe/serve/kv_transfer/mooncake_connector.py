@@ -21,9 +21,10 @@ The write is packed when the request fits both servers' staging areas (`staging.
 decode side lends a range of its area, the prefill side gathers the request into a range of
 its own, a layer of a pool at a time, and writes each `write_chunk_bytes` of it as soon as they
 are gathered (the transfer engine sends a chunk while this thread gathers the next), and the
-decode side scatters it into its blocks and slot once the prefill call returns. Otherwise (a request larger than an area) the prefill side
-writes straight into the decode side's pools, one write per run of blocks per layer and one
-per state layer: correct, but each write pays the transport's fixed cost.
+decode side scatters it into its blocks and slot once the prefill call returns. Otherwise (a
+request larger than an area) the prefill side writes straight into the decode side's pools, one
+write per run of blocks per layer and one per state layer: correct, but each write pays the
+transport's fixed cost.
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ class MooncakeConnector(KVConnector):
         self._totals = {"sent": 0, "received": 0, "failures": 0, "bytes_sent": 0, "bytes_received": 0,
                         "seconds_sent": 0.0, "seconds_received": 0.0, "unpacked": 0,
                         "seconds_packing": 0.0, "seconds_writing": 0.0, "seconds_unpacking": 0.0,
-                        "writes": 0, "seconds_queued": 0.0, "timed": 0, "seconds_finish_to_cache": 0.0, "seconds_notice": 0.0}
+                        "writes": 0, "seconds_queued": 0.0,
+                        "timed": 0, "seconds_finish_to_cache": 0.0, "seconds_notice": 0.0}
 
     def bind(self, cache: HybridCache, model_config: ModelConfig) -> None:
         super().bind(cache, model_config)
