@@ -202,6 +202,22 @@ def test_unreachable_decode_side_fails_the_push_in_bounded_time(k31_model, pool)
     assert connector.stats()["kv_transfer_failures"] == 1
 
 
+def test_a_transfers_end_wakes_the_decode_engine(k31_model, helpers, pool, monkeypatch):
+    """A decode step that only waits for a hand-off sleeps until the transfer ends, not for a poll period."""
+    from deltamoe.serve.engine import async_engine
+
+    monkeypatch.setattr(async_engine, "TRANSFER_POLL_S", 30.0)
+    pool.add("p0", k31_model)
+    decode, connector = decode_engine(k31_model, pool)
+    prompt = helpers.prompts(1, 20, 20, seed=5)[0]
+
+    async def main():
+        return await asyncio.wait_for(collect(decode, prompt, "p0"), 20.0)
+
+    got = run_then_close(decode, connector, main)
+    assert got == LLMEngine(k31_model, config=EngineConfig(**CONFIG)).generate([prompt], GREEDY, progress=False)[0].token_ids
+
+
 def test_short_prompts_stay_on_the_decode_server(k31_model, helpers, pool):
     prefill = pool.add("p0", k31_model)
     decode, connector = decode_engine(k31_model, pool, min_prompt_tokens=10)
