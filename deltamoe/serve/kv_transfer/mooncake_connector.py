@@ -82,7 +82,7 @@ class HandOffConfig:
     min_prompt_tokens: int = 2  # decode side: shorter prompts are computed here, with no hand-off
     max_threads: int = 16  # hand-offs in flight at once (a decode side waits on HTTP in each)
     staging_bytes: int = 64 << 20  # registered area for packed hand-offs (larger requests go unpacked)
-    write_chunk_bytes: int = 256 << 10  # a packed write goes out in chunks of this many bytes as they are gathered
+    write_chunk_bytes: int = 1 << 20  # a packed write goes out in chunks of this many bytes as they are gathered
 
 
 class MooncakeConnector(KVConnector):

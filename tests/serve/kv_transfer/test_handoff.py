@@ -107,7 +107,7 @@ def test_handoff_equals_colocated(k31_model, helpers, pool, num_prefill):
     expected = [c.token_ids for c in LLMEngine(k31_model, config=EngineConfig(**CONFIG)).generate(
         prompts, GREEDY, progress=False)]
     # With two prefill servers, p1 writes each packed hand-off a layer at a time as it gathers it.
-    prefills = [pool.add(f"p{i}", k31_model, HandOffConfig(write_chunk_bytes=1 if i else 256 << 10))
+    prefills = [pool.add(f"p{i}", k31_model, HandOffConfig(write_chunk_bytes=1 if i else 1 << 20))
                 for i in range(num_prefill)]
     decode, connector = decode_engine(k31_model, pool)
 
