@@ -1,4 +1,4 @@
-"""A request's cache as one contiguous message: what a packed hand-off writes in a single transfer.
+"""A request's cache as one contiguous message: what a packed hand-off writes (in a few large chunks).
 
 Layout (the same on both sides, since the pools' shapes and dtypes must match): for each pool
 in `pools.POOLS` order that the cache has, the request's part of every layer, each part
@@ -6,10 +6,11 @@ starting on a 64-byte boundary:
 - paged pools [layers, rows, *row]: the rows of tokens [first_block * block_size, num_tokens),
   in token order, as [layers, tokens, *row];
 - state pools [layers, slots, *state]: the request's slot, as [layers, *state].
-The sender gathers its rows and slot into such a message (`pack`); the receiver scatters the
-message into its own rows and slot (`unpack`): per pool, one gather or scatter of whole blocks
-(a block of a layer is one contiguous run of rows, so each index moves block_size rows at once)
-and one copy of the last block's rows, however scattered the blocks are.
+The sender gathers its rows and slot into such a message (`pack`, or `pack_in_steps` a layer at
+a time, so that the message's head travels while its tail is gathered); the receiver scatters the
+message into its own rows and slot (`unpack`): per pool (per layer of it, gathering), one gather or
+scatter of whole blocks (a block of a layer is one contiguous run of rows, so each index moves
+block_size rows at once) and one copy of the last block's rows, however scattered the blocks are.
 """
 
 from __future__ import annotations
