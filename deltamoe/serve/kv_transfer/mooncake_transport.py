@@ -10,8 +10,8 @@ Writes go through the engine's synchronous calls (`transfer_sync_write`, or
 a Python loop polling `transfer_check_status` needs the GIL between polls, and next to an
 engine thread running Python it made a 1 MiB write 7-20x slower than the engine itself. A
 write that overlaps with producing its bytes (`write_as_ready`) submits chunks asynchronously
-(`batch_transfer_async_write`) and waits for them all in one `get_batch_transfer_status`, which
-also waits in C++ with the GIL released (handing the chunks to Python writer threads instead
+(`batch_transfer_async_write`), writes the last one synchronously and then waits for the others
+in one `get_batch_transfer_status`, which also waits in C++ with the GIL released (handing the chunks to Python writer threads instead
 cost a thread wake-up per chunk, many milliseconds each on the loaded two-core VM). The engine
 bounds each call (`MC_TRANSFER_TIMEOUT` seconds, 5 at least, plus one second per GiB) and
 answers an error for an unreachable peer; a write that returns after the caller's deadline
@@ -112,13 +112,17 @@ class MooncakeTransport:
         """Copy bytes from `src` to `peer`'s `dst` while the sender is still producing them: `ready`
         yields how many leading bytes are final (non-decreasing; its last value is the total), and
         every `min_chunk` new bytes go out as one asynchronous write, so the transfer engine's
-        threads send a chunk while this thread produces the next. Returns the number of writes;
-        raises TransferFailed as `write` does. Whatever happens, returns only once no write is in
-        flight (the caller then reuses the memory)."""
+        threads send a chunk while this thread produces the next. The rest goes out last as a
+        synchronous write (all of it when it never reached `min_chunk`: then this is `write` after
+        producing), and only then does this thread wait for the earlier chunks, by then mostly done
+        (the wait spins in C++: short spins leave the cores to the engine's sending threads).
+        Returns the number of writes; raises TransferFailed as `write` does. Whatever happens,
+        returns only once no write is in flight (the caller then reuses the memory)."""
         if timeout_s <= 0:
             raise TransferFailed(f"no time left for the hand-off to {peer}")
         start = time.monotonic()
         batches: list[int] = []
+        statuses: list[int] = []
         sent = end = 0
         try:
             for end in ready:
@@ -126,15 +130,16 @@ class MooncakeTransport:
                     batches.append(self._submit(peer, src + sent, dst + sent, end - sent))
                     sent = end
             if end > sent:
-                batches.append(self._submit(peer, src + sent, dst + sent, end - sent))
+                statuses.append(self._engine.transfer_sync_write(peer, src + sent, dst + sent, end - sent))
         finally:
-            status = self._engine.get_batch_transfer_status(batches) if batches else 0
-        if status != 0:
-            raise TransferFailed(f"the hand-off write to {peer} failed (status {status}: peer unreachable, or the "
-                                 "engine's own timeout)")
+            if batches:
+                statuses.append(self._engine.get_batch_transfer_status(batches))
+        if any(status != 0 for status in statuses):
+            raise TransferFailed(f"the hand-off write to {peer} failed (status {min(statuses)}: peer unreachable, "
+                                 "or the engine's own timeout)")
         if time.monotonic() - start > timeout_s:
             raise TransferFailed(f"the hand-off to {peer} took longer than {timeout_s:.1f} s")
-        return len(batches)
+        return len(batches) + (end > sent)
 
     def _submit(self, peer: str, src: int, dst: int, nbytes: int) -> int:
         batch = self._engine.batch_transfer_async_write(peer, [src], [dst], [nbytes])
