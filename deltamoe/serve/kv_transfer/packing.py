@@ -43,6 +43,10 @@ class TokenRows:
     def whole_blocks(self) -> int:
         return self.count // self.block_size
 
+    def to(self, device: torch.device | str) -> "TokenRows":
+        """The same rows with the block index on `device` (a pool's index must live beside it)."""
+        return TokenRows(self.blocks.to(device), self.block_size, self.count)
+
     def flat(self) -> torch.Tensor:
         """Every row id, in token order (the reference form)."""
         rows = self.blocks[:, None] * self.block_size + torch.arange(self.block_size)
