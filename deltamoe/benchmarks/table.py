@@ -331,7 +331,10 @@ def serve_disagg_rows(d: dict) -> list[Row]:
     idle = d["hand_off"]["idle"]
     worst = min(r["over_raw_tcp"] for r in idle)
     share = t.get("handoff_over_raw_tcp")
-    out.append([f"same, one hand-off at a time (gather + write + scatter) at "
+    # Runs before the notice was timed measured the copy path alone (no "copy_seconds" beside it).
+    span = "prefill's finish -> cache in the decode server's pools" if "copy_seconds" in idle[0] \
+        else "gather + write + scatter"
+    out.append([f"same, one hand-off at a time ({span}) at "
                 + " / ".join(f"{r['bytes_per_handoff'] / 2**20:.2f}" for r in idle) + " MiB",
                 " / ".join(f"{r['gb_s']:.2f}" for r in idle) + " GB/s",
                 "Mooncake raw TCP write " + " / ".join(f"{r['raw_tcp_gb_s']:.2f}" for r in idle) + " GB/s",

@@ -170,4 +170,8 @@ def test_serve_disagg_rows_judge_both_goals_and_show_k3_bytes():
     assert tpot[2:] == ["colocated TPOT p99 100 ms, gap p99 900 ms", "**2.5x** / 10.0x", ">= 2x p99 TPOT (met)"]
     assert handoff[1:] == ["0.90 / 0.60 GB/s", "Mooncake raw TCP write 1.50 / 1.50 GB/s", "0.60 / **0.40**",
                            ">= 50 % of raw at every size (missed)"]
+    assert "(gather + write + scatter)" in handoff[0]  # a run from before the notice was timed
+    for row in d["hand_off"]["idle"]:
+        row["copy_seconds"] = 0.001
+    assert "(prefill's finish -> cache in the decode server's pools)" in serve_disagg_rows(d)[1][0]
     assert sizes[1] == "537 MiB" and "1.00 MiB measured, 1.00 MiB predicted" in sizes[2]

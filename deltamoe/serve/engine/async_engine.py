@@ -42,7 +42,7 @@ class RequestFailedError(EngineDeadError):
     """One request failed inside the engine (its cache hand-off did not arrive); the engine lives on."""
 
 
-TRANSFER_POLL_S = 0.002  # how often a step that only waits for hand-offs looks again
+TRANSFER_POLL_S = 0.05  # the longest a step that only waits for hand-offs sleeps (a transfer's end wakes it)
 
 
 class AsyncLLMEngine:
@@ -51,6 +51,8 @@ class AsyncLLMEngine:
         self._idle_wait_s = idle_wait_s
         self._commands: collections.deque[tuple[str, object]] = collections.deque()
         self._wake = threading.Event()
+        if engine.connector is not None:  # a hand-off's end wakes a step that waits for it
+            engine.connector.on_transfer_end = self._wake.set
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()  # guards _streams and request validation (shared counters)
         self._stats = engine.stats()

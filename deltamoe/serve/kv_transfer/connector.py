@@ -19,6 +19,7 @@ subclass, with no engine change.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from deltamoe.config import ModelConfig
@@ -39,6 +40,10 @@ class FinishedTransfers:
 
 
 class KVConnector(ABC):
+    # Called (from any thread) whenever a transfer ends: the engine thread, asleep while its steps only
+    # wait for transfers, looks at `get_finished` again at once. Set by the engine's driver.
+    on_transfer_end: Callable[[], None] | None = None
+
     def bind(self, cache: HybridCache, model_config: ModelConfig) -> None:
         """Called once by the engine with its cache (the pools a transport registers) and model config."""
         self.cache, self.model_config = cache, model_config

@@ -19,10 +19,12 @@ and are sent like the rest (the decode side lacks them).
 
 The write is packed when the request fits both servers' staging areas (`staging.py`): the
 decode side lends a range of its area, the prefill side gathers the request into a range of
-its own and writes it in one transfer, and the decode side scatters it into its blocks and
-slot once the prefill call returns. Otherwise (a request larger than an area) the prefill side
-writes straight into the decode side's pools, one write per run of blocks per layer and one
-per state layer: correct, but each write pays the transport's fixed cost.
+its own, a layer of a pool at a time, and writes each `write_chunk_bytes` of it as soon as they
+are gathered (the transfer engine sends a chunk while this thread gathers the next), and the
+decode side scatters it into its blocks and slot once the prefill call returns. Otherwise (a
+request larger than an area) the prefill side writes straight into the decode side's pools, one
+write per run of blocks per layer and one per state layer: correct, but each write pays the
+transport's fixed cost.
 """
 
 from __future__ import annotations
@@ -30,17 +32,18 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from deltamoe.config import ModelConfig
 from deltamoe.errors import RequestError
 from deltamoe.serve.engine.cache import HybridCache
 from deltamoe.serve.engine.sequence import Sequence
+from deltamoe.serve.kv_transfer.clock import monotonic_clock_id
 from deltamoe.serve.kv_transfer.connector import FinishedTransfers, KVConnector
 from deltamoe.serve.kv_transfer.mooncake_transport import MooncakeTransport, TransferFailed
-from deltamoe.serve.kv_transfer.packing import message_bytes, pack, payload_bytes, token_rows, unpack
-from deltamoe.serve.kv_transfer.pools import PoolDescriptor, Segment, describe, pool_tensors, request_segments
+from deltamoe.serve.kv_transfer.packing import message_bytes, pack_in_steps, payload_bytes, token_rows, unpack
+from deltamoe.serve.kv_transfer.pools import PoolDescriptor, describe, pool_tensors, request_segments
 from deltamoe.serve.kv_transfer.staging import StagingArea
 
 # Asks a prefill server (its URL) to compute a prompt and write it into this engine; returns its
@@ -65,6 +68,7 @@ class PushTo:
     dst_blocks: list[int]
     dst_slot: int
     timeout_s: float
+    finished_at: float = 0.0  # time.monotonic() when the prefill finished (the hand-off's start)
     staging: tuple[int, int] | None = None  # (address, bytes) of the decode side's range for a packed write
     deadline: float = 0.0  # time.monotonic() by which the write ends, one way or the other
     done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
@@ -78,6 +82,7 @@ class HandOffConfig:
     min_prompt_tokens: int = 2  # decode side: shorter prompts are computed here, with no hand-off
     max_threads: int = 16  # hand-offs in flight at once (a decode side waits on HTTP in each)
     staging_bytes: int = 64 << 20  # registered area for packed hand-offs (larger requests go unpacked)
+    write_chunk_bytes: int = 1 << 20  # a packed write goes out in chunks of this many bytes as they are gathered
 
 
 class MooncakeConnector(KVConnector):
@@ -91,7 +96,9 @@ class MooncakeConnector(KVConnector):
         self._in_flight: set[str] = set()
         self._totals = {"sent": 0, "received": 0, "failures": 0, "bytes_sent": 0, "bytes_received": 0,
                         "seconds_sent": 0.0, "seconds_received": 0.0, "unpacked": 0,
-                        "seconds_packing": 0.0, "seconds_writing": 0.0, "seconds_unpacking": 0.0}
+                        "seconds_packing": 0.0, "seconds_writing": 0.0, "seconds_unpacking": 0.0,
+                        "writes": 0, "seconds_queued": 0.0,
+                        "timed": 0, "seconds_finish_to_cache": 0.0, "seconds_notice": 0.0}
 
     def bind(self, cache: HybridCache, model_config: ModelConfig) -> None:
         super().bind(cache, model_config)
@@ -134,6 +141,7 @@ class MooncakeConnector(KVConnector):
         if reason == "abort":
             push.done.set_exception(TransferFailed("the prefill was aborted before its hand-off"))
             return False
+        push.finished_at = time.monotonic()
         with self._lock:
             self._in_flight.add(seq.request_id)
         src_blocks = seq.block_table[push.first_block:push.first_block + len(push.dst_blocks)]
@@ -174,10 +182,11 @@ class MooncakeConnector(KVConnector):
             left = deadline - time.monotonic()
             payload["timeout_s"] = left * self.config.push_share
             report = self.prefill_client(url, payload, left)
+            unpacking = time.monotonic()
             if report.get("packed"):
-                unpacking = time.monotonic()
                 unpack(self.cache, rows, slot, self.staging.buffer[offset:offset + size])
                 self._add("seconds_unpacking", time.monotonic() - unpacking)
+            self._time_from_prefill(report, unpacking, time.monotonic())
         except Exception as e:  # any failure fails this request only, with the reason
             self._end(request_id, "received", error=f"prefill hand-off from {url} failed: {e}")
             return
@@ -188,6 +197,7 @@ class MooncakeConnector(KVConnector):
 
     def _push(self, request_id: str, push: PushTo, src_blocks: list[int], num_tokens: int, slot: int) -> None:
         start = time.monotonic()
+        self._add("seconds_queued", start - push.finished_at)  # the prefill's finish -> this thread runs
         try:
             packed = push.staging is not None and self.staging.fits(push.staging[1])
             if packed:
@@ -203,13 +213,16 @@ class MooncakeConnector(KVConnector):
             self._end(request_id, "sent", error=str(e))
             push.done.set_exception(e if isinstance(e, TransferFailed) else TransferFailed(str(e)))
             return
-        seconds = time.monotonic() - start
+        written = time.monotonic()
+        seconds = written - start
+        self._add("writes", writes)
         self._end(request_id, "sent", nbytes=nbytes, seconds=seconds, unpacked=not packed)
-        push.done.set_result({"bytes": nbytes, "seconds": seconds, "segments": writes, "packed": packed})
+        push.done.set_result({"bytes": nbytes, "seconds": seconds, "segments": writes, "packed": packed,
+                              "clock": monotonic_clock_id(), "finished_at": push.finished_at, "written_at": written})
 
     def _write_packed(self, push: PushTo, src_blocks: list[int], num_tokens: int, slot: int) -> tuple[int, int]:
-        """Gather the request into a range of this side's staging area and write it in one transfer
-        into the decode side's range; (the request's bytes, 1)."""
+        """Gather the request into a range of this side's staging area and write it into the decode
+        side's range, a chunk at a time while the rest is gathered; (the request's bytes, writes)."""
         rows = token_rows(src_blocks, push.first_block, num_tokens, self.cache.block_size)
         address, size = push.staging
         if size != message_bytes(self.cache, len(rows)):
@@ -218,21 +231,33 @@ class MooncakeConnector(KVConnector):
         offset = self.staging.borrow(size, push.deadline)
         if offset is None:
             raise TransferFailed("the staging area stayed full until the hand-off's deadline")
+        gathering = [0.0]
         try:
-            packing = time.monotonic()
-            pack(self.cache, rows, slot, self.staging.buffer[offset:offset + size])
-            writing = time.monotonic()
-            self.transport.write(push.dest.session, [Segment(self.staging.address + offset, address, size)],
-                                 max(0.0, push.deadline - time.monotonic()))
-            self._add("seconds_packing", writing - packing)
-            self._add("seconds_writing", time.monotonic() - writing)
+            start = time.monotonic()
+            steps = _timed(pack_in_steps(self.cache, rows, slot, self.staging.buffer[offset:offset + size]), gathering)
+            writes = self.transport.write_as_ready(push.dest.session, self.staging.address + offset, address, steps,
+                                                   self.config.write_chunk_bytes,
+                                                   max(0.0, push.deadline - time.monotonic()))
+            self._add("seconds_packing", gathering[0])
+            self._add("seconds_writing", time.monotonic() - start - gathering[0])
         finally:
             self.staging.give_back(offset, size)
-        return payload_bytes(self.cache, len(rows)), 1
+        return payload_bytes(self.cache, len(rows)), writes
 
-    def _add(self, total: str, seconds: float) -> None:
+    def _time_from_prefill(self, report: dict, unpacking: float, cached: float) -> None:
+        """Decode side, on the prefill server's host only (one monotonic clock, `clock.py`): the
+        hand-off from the prefill's finish until the request's cache is in this engine's pools, and
+        of that the notice (the prefill's write ended -> this side starts scattering)."""
+        if report.get("clock") is None or report.get("clock") != monotonic_clock_id():
+            return
         with self._lock:
-            self._totals[total] += seconds
+            self._totals["timed"] += 1
+            self._totals["seconds_finish_to_cache"] += cached - float(report["finished_at"])
+            self._totals["seconds_notice"] += unpacking - float(report["written_at"])
+
+    def _add(self, total: str, amount: float) -> None:
+        with self._lock:
+            self._totals[total] += amount
 
     def _end(self, request_id: str, direction: str, nbytes: int = 0, seconds: float = 0.0,
              error: str | None = None, unpacked: bool = False) -> None:
@@ -241,12 +266,27 @@ class MooncakeConnector(KVConnector):
             if error is not None:
                 self._finished.failed[request_id] = error
                 self._totals["failures"] += 1
-                return
-            getattr(self._finished, direction).add(request_id)
-            self._totals[direction] += 1
-            self._totals[f"bytes_{direction}"] += nbytes
-            self._totals[f"seconds_{direction}"] += seconds
-            self._totals["unpacked"] += unpacked
+            else:
+                getattr(self._finished, direction).add(request_id)
+                self._totals[direction] += 1
+                self._totals[f"bytes_{direction}"] += nbytes
+                self._totals[f"seconds_{direction}"] += seconds
+                self._totals["unpacked"] += unpacked
+        if self.on_transfer_end is not None:
+            self.on_transfer_end()
+
+
+def _timed(steps: Iterator[int], spent: list[float]) -> Iterator[int]:
+    """`steps`, adding the seconds spent inside it (not in whoever consumes it) to spent[0]."""
+    while True:
+        start = time.monotonic()
+        try:
+            value = next(steps)
+        except StopIteration:
+            spent[0] += time.monotonic() - start
+            return
+        spent[0] += time.monotonic() - start
+        yield value
 
 
 def push_target(connector: MooncakeConnector, payload: dict) -> tuple[list[int], PushTo]:

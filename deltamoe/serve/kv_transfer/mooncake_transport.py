@@ -8,22 +8,57 @@ transport requires it), once, at start-up: the whole cache pools, never per requ
 Writes go through the engine's synchronous calls (`transfer_sync_write`, or
 `batch_transfer_sync_write` for several segments), which wait in C++ with the GIL released:
 a Python loop polling `transfer_check_status` needs the GIL between polls, and next to an
-engine thread running Python it made a 1 MiB write 7-20x slower than the engine itself. The
-engine bounds each call (`MC_TRANSFER_TIMEOUT` seconds, 5 at least, plus one second per GiB)
-and answers an error for an unreachable peer; a write that returns after the caller's deadline
+engine thread running Python it made a 1 MiB write 7-20x slower than the engine itself. A
+write that overlaps with producing its bytes (`write_as_ready`) submits chunks asynchronously
+(`batch_transfer_async_write`), writes the last one synchronously and then waits for the others
+in one `get_batch_transfer_status`, which also waits in C++ with the GIL released (handing the chunks to Python writer threads instead
+cost a thread wake-up per chunk, many milliseconds each on the loaded two-core VM). The engine
+bounds each call (`MC_TRANSFER_TIMEOUT` seconds, 5 at least, plus one second per GiB) and
+answers an error for an unreachable peer; a write that returns after the caller's deadline
 counts as failed too.
+
+The engine logs through its bundled glog, which does not read GLOG_minloglevel from the
+environment: at INFO it writes a line for every handshake and every asynchronous batch.
+`quiet_engine_logs` sets glog's exported threshold itself: GLOG_minloglevel when set, else ERROR.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import time
+from collections.abc import Iterable
+from pathlib import Path
 
 from deltamoe.errors import ConfigError
 from deltamoe.serve.kv_transfer.pools import Segment
 
 MIN_ENGINE_TIMEOUT_S = 5  # the engine's floor for MC_TRANSFER_TIMEOUT
+GLOG_MIN_LEVEL = "_ZN3fLI17FLAGS_minloglevelE"  # glog's `FLAGS_minloglevel` (C++ name, exported)
+GLOG_ERROR = 2
+
+
+def quiet_engine_logs() -> None:
+    """Make the loaded Mooncake engine's glog drop lines below GLOG_minloglevel (default: ERROR), as
+    glog itself would with that variable. A wheel whose glog is not a separate loaded library keeps
+    logging at INFO: only the log's volume differs."""
+    level = engine_log_level()
+    if level is not None:
+        level.value = int(os.environ.get("GLOG_minloglevel", GLOG_ERROR))
+
+
+def engine_log_level() -> ctypes.c_int32 | None:
+    """The loaded Mooncake engine's glog threshold (0 INFO .. 3 FATAL), or None where its wheel has no
+    separate glog library (the engine must be imported already)."""
+    import mooncake
+
+    for lib in Path(mooncake.__file__).resolve().parent.parent.glob("mooncake_transfer_engine*.libs/libglog*.so*"):
+        try:
+            return ctypes.c_int32.in_dll(ctypes.CDLL(str(lib), mode=os.RTLD_NOLOAD), GLOG_MIN_LEVEL)
+        except (OSError, ValueError):  # that wheel's glog is not the one loaded, or has no such flag
+            continue
+    return None
 
 
 class TransferFailed(RuntimeError):
@@ -32,7 +67,6 @@ class TransferFailed(RuntimeError):
 
 class MooncakeTransport:
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", timeout_s: float = 30.0):
-        os.environ.setdefault("GLOG_minloglevel", "2")  # the engine logs every handshake at INFO level
         # Read by the engine's constructor: how long one synchronous write may wait.
         os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(MIN_ENGINE_TIMEOUT_S, math.ceil(timeout_s))))
         try:
@@ -40,6 +74,7 @@ class MooncakeTransport:
         except ImportError as e:  # also a missing libibverbs.so.1 (apt-get install libibverbs1)
             raise ConfigError(f"the Mooncake transfer engine cannot be loaded ({e})", field="kv_transfer",
                               hint="pip install mooncake-transfer-engine-non-cuda; apt-get install -y libibverbs1")
+        quiet_engine_logs()
         self._engine = TransferEngine()
         if self._engine.initialize(host, "P2PHANDSHAKE", protocol, "") != 0:
             raise ConfigError(f"the Mooncake transfer engine cannot start on {host!r} over {protocol}",
@@ -71,6 +106,46 @@ class MooncakeTransport:
                                  "engine's own timeout)")
         if time.monotonic() - start > timeout_s:
             raise TransferFailed(f"the hand-off to {peer} took longer than {timeout_s:.1f} s")
+
+    def write_as_ready(self, peer: str, src: int, dst: int, ready: Iterable[int], min_chunk: int,
+                       timeout_s: float) -> int:
+        """Copy bytes from `src` to `peer`'s `dst` while the sender is still producing them: `ready`
+        yields how many leading bytes are final (non-decreasing; its last value is the total), and
+        every `min_chunk` new bytes go out as one asynchronous write, so the transfer engine's
+        threads send a chunk while this thread produces the next. The rest goes out last as a
+        synchronous write (all of it when it never reached `min_chunk`: then this is `write` after
+        producing), and only then does this thread wait for the earlier chunks, by then mostly done
+        (the wait spins in C++: short spins leave the cores to the engine's sending threads).
+        Returns the number of writes; raises TransferFailed as `write` does. Whatever happens,
+        returns only once no write is in flight (the caller then reuses the memory)."""
+        if timeout_s <= 0:
+            raise TransferFailed(f"no time left for the hand-off to {peer}")
+        start = time.monotonic()
+        batches: list[int] = []
+        statuses: list[int] = []
+        sent = end = 0
+        try:
+            for end in ready:
+                if end - sent >= min_chunk:
+                    batches.append(self._submit(peer, src + sent, dst + sent, end - sent))
+                    sent = end
+            if end > sent:
+                statuses.append(self._engine.transfer_sync_write(peer, src + sent, dst + sent, end - sent))
+        finally:
+            if batches:
+                statuses.append(self._engine.get_batch_transfer_status(batches))
+        if any(status != 0 for status in statuses):
+            raise TransferFailed(f"the hand-off write to {peer} failed (status {min(statuses)}: peer unreachable, "
+                                 "or the engine's own timeout)")
+        if time.monotonic() - start > timeout_s:
+            raise TransferFailed(f"the hand-off to {peer} took longer than {timeout_s:.1f} s")
+        return len(batches) + (end > sent)
+
+    def _submit(self, peer: str, src: int, dst: int, nbytes: int) -> int:
+        batch = self._engine.batch_transfer_async_write(peer, [src], [dst], [nbytes])
+        if batch <= 0:  # the engine's "not submitted" (0: no batch id; an unreachable peer answers 0 too)
+            raise TransferFailed(f"the hand-off write to {peer} could not be submitted (peer unreachable?)")
+        return batch
 
     def close(self) -> None:
         for address in self._registered:

@@ -1,4 +1,4 @@
-"""A request's cache as one contiguous message: what a packed hand-off writes in a single transfer.
+"""A request's cache as one contiguous message: what a packed hand-off writes (in a few large chunks).
 
 Layout (the same on both sides, since the pools' shapes and dtypes must match): for each pool
 in `pools.POOLS` order that the cache has, the request's part of every layer, each part
@@ -6,15 +6,17 @@ starting on a 64-byte boundary:
 - paged pools [layers, rows, *row]: the rows of tokens [first_block * block_size, num_tokens),
   in token order, as [layers, tokens, *row];
 - state pools [layers, slots, *state]: the request's slot, as [layers, *state].
-The sender gathers its rows and slot into such a message (`pack`); the receiver scatters the
-message into its own rows and slot (`unpack`): per pool, one gather or scatter of whole blocks
-(a block of a layer is one contiguous run of rows, so each index moves block_size rows at once)
-and one copy of the last block's rows, however scattered the blocks are.
+The sender gathers its rows and slot into such a message (`pack`, or `pack_in_steps` a layer at
+a time, so that the message's head travels while its tail is gathered); the receiver scatters the
+message into its own rows and slot (`unpack`): per pool (per layer of it, gathering), one gather or
+scatter of whole blocks (a block of a layer is one contiguous run of rows, so each index moves
+block_size rows at once) and one copy of the last block's rows, however scattered the blocks are.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +42,10 @@ class TokenRows:
     @property
     def whole_blocks(self) -> int:
         return self.count // self.block_size
+
+    def to(self, device: torch.device | str) -> "TokenRows":
+        """The same rows with the block index on `device` (a pool's index must live beside it)."""
+        return TokenRows(self.blocks.to(device), self.block_size, self.count)
 
     def flat(self) -> torch.Tensor:
         """Every row id, in token order (the reference form)."""
@@ -81,15 +87,25 @@ def payload_bytes(cache: HybridCache, num_rows: int) -> int:
 
 def pack(cache: HybridCache, rows: TokenRows, slot: int, out: torch.Tensor) -> None:
     """Gather the request's rows and state slot into `out` (uint8, at least `message_bytes` long)."""
+    for _ in pack_in_steps(cache, rows, slot, out):
+        pass
+
+
+def pack_in_steps(cache: HybridCache, rows: TokenRows, slot: int, out: torch.Tensor) -> Iterator[int]:
+    """`pack`, one layer of one pool at a time: after each, yields how many leading bytes of `out`
+    are final, so a sender writes them while it gathers the rest (`MooncakeTransport.write_as_ready`)."""
     pools = _copyable(cache)
-    for name, view in _views(cache, len(rows), out):
-        pool = pools[name]
-        if name in PAGED_POOLS:
-            pool_blocks, message_blocks, pool_tail, message_tail = _by_block(pool, view, rows)
-            torch.index_select(pool_blocks, 1, rows.blocks[:rows.whole_blocks], out=message_blocks)
-            message_tail.copy_(pool_tail)
-        else:
-            view.copy_(pool.select(1, slot))
+    for (name, view), (_, offset, _, nbytes) in zip(_views(cache, len(rows), out), message_parts(cache, len(rows))):
+        pool, layer_bytes = pools[name], nbytes // view.shape[0]
+        for layer in range(pool.shape[0]):
+            layer_pool, layer_view = pool[layer:layer + 1], view[layer:layer + 1]
+            if name in PAGED_POOLS:
+                pool_blocks, message_blocks, pool_tail, message_tail = _by_block(layer_pool, layer_view, rows)
+                torch.index_select(pool_blocks, 1, rows.blocks[:rows.whole_blocks], out=message_blocks)
+                message_tail.copy_(pool_tail)
+            else:
+                layer_view.copy_(layer_pool.select(1, slot))
+            yield offset + (layer + 1) * layer_bytes
 
 
 def unpack(cache: HybridCache, rows: TokenRows, slot: int, message: torch.Tensor) -> None:

@@ -3,8 +3,8 @@
 The transfer engine pays a fixed cost per write (a request over its TCP transport, tens of
 microseconds), so a request whose blocks are scattered over the pools, a write per run of
 blocks per layer, moves at a few percent of the wire's speed. Packed, the sender gathers the
-request into a range of its own area, writes that range in one go into a range of the
-receiver's area, and the receiver scatters it into its pools. Each area is one tensor,
+request into a range of its own area, writes that range (in a few large chunks) into a range
+of the receiver's area, and the receiver scatters it into its pools. Each area is one tensor,
 registered once with the transport at start-up; a hand-off borrows a range for its duration.
 """
 

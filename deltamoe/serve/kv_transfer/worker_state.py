@@ -77,7 +77,8 @@ class LoadedCache:
     """A request whose cache reached rank 0 from a prefill server: where the other ranks put it.
     Its packed bytes (`nbytes`) follow the step's message as a uint8 tensor broadcast."""
 
-    rows: list[int]  # pool rows of tokens [0, num_computed), in token order
+    blocks: list[int]  # the blocks holding tokens [0, num_tokens), in order
+    num_tokens: int
     slot: int
     nbytes: int
 
@@ -99,12 +100,13 @@ def loaded_caches(cache: HybridCache, pools: HybridCache | HandOffPools, tp: int
     for seq, _ in batch.items:
         if not first_step_after_load(seq):
             continue
-        rows = token_rows(seq.block_table, 0, seq.num_computed, cache.block_size).to(device)
+        blocks = seq.block_table[:-(-seq.num_computed // cache.block_size)]
+        rows = token_rows(blocks, 0, seq.num_computed, cache.block_size).to(device)
         message = torch.empty(message_bytes(pools, len(rows)), dtype=torch.uint8, device=device)
         pack(pools, rows, seq.slot, message)
         if pools is not cache:
             take_heads(cache, seq.slot, pools.recurrent[:, seq.slot], pools.conv[:, seq.slot], 0, tp)
-        described.append(LoadedCache(rows.tolist(), seq.slot, message.numel()))
+        described.append(LoadedCache(blocks, seq.num_computed, seq.slot, message.numel()))
         messages.append(message)
     return described, messages
 
@@ -116,7 +118,7 @@ def receive_loaded_caches(cache: HybridCache, loaded: list[LoadedCache], device:
     for item in loaded:
         message = torch.empty(item.nbytes, dtype=torch.uint8, device=device)
         dist.broadcast(message, src=0)
-        rows = torch.tensor(item.rows, dtype=torch.long, device=device)
+        rows = token_rows(item.blocks, 0, item.num_tokens, cache.block_size).to(device)
         if landing is cache:
             unpack(cache, rows, item.slot, message)
         else:  # pages straight into this rank's pools, the whole-head state into slot 0 of the landing area

@@ -17,6 +17,7 @@ from deltamoe.serve.engine.config import EngineConfig  # noqa: E402
 from deltamoe.serve.engine.llm_engine import LLMEngine  # noqa: E402
 from deltamoe.serve.engine.sampling import SamplingParams  # noqa: E402
 from deltamoe.serve.kv_transfer.mooncake_connector import HandOffConfig, MooncakeConnector, RemotePrefill  # noqa: E402
+from deltamoe.serve.kv_transfer.pools import pool_tensors  # noqa: E402
 from deltamoe.serve.kv_transfer.prefill_service import prefill_and_push  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -105,7 +106,9 @@ def test_handoff_equals_colocated(k31_model, helpers, pool, num_prefill):
     prompts = concurrent_prompts + followers
     expected = [c.token_ids for c in LLMEngine(k31_model, config=EngineConfig(**CONFIG)).generate(
         prompts, GREEDY, progress=False)]
-    prefills = [pool.add(f"p{i}", k31_model) for i in range(num_prefill)]
+    # With two prefill servers, p1 writes each packed hand-off a layer at a time as it gathers it.
+    prefills = [pool.add(f"p{i}", k31_model, HandOffConfig(write_chunk_bytes=1 if i else 1 << 20))
+                for i in range(num_prefill)]
     decode, connector = decode_engine(k31_model, pool)
 
     async def main():
@@ -132,6 +135,14 @@ def test_handoff_equals_colocated(k31_model, helpers, pool, num_prefill):
                                                       for p in prompts if len(p) > 1)
     assert sum(p.stats().extra["kv_transfer_bytes_sent"] for p in prefills) == moved["kv_transfer_bytes_received"]
     assert prefills[0].stats().prefix_hit_tokens >= 16
+    assert prefills[0].stats().extra["kv_transfer_writes"] == prefills[0].stats().extra["kv_transfer_sent"]
+    if num_prefill == 2:  # p1: a write per layer of each pool
+        p1 = prefills[1].stats().extra
+        assert p1["kv_transfer_writes"] == p1["kv_transfer_sent"] * sum(
+            t.shape[0] for t in pool_tensors(prefills[1].cache).values() if t.numel())
+    # One host, one clock: the decode side timed every hand-off from the prefill's finish to its cache.
+    assert moved["kv_transfer_timed"] == handed_off
+    assert moved["kv_transfer_seconds_finish_to_cache"] > moved["kv_transfer_seconds_notice"] > 0
 
 
 def test_failed_handoff_is_an_error_and_frees_everything(k31_model, helpers, pool):
@@ -189,6 +200,22 @@ def test_unreachable_decode_side_fails_the_push_in_bounded_time(k31_model, pool)
     asyncio.run(wait())
     assert_all_free(prefill)
     assert connector.stats()["kv_transfer_failures"] == 1
+
+
+def test_a_transfers_end_wakes_the_decode_engine(k31_model, helpers, pool, monkeypatch):
+    """A decode step that only waits for a hand-off sleeps until the transfer ends, not for a poll period."""
+    from deltamoe.serve.engine import async_engine
+
+    monkeypatch.setattr(async_engine, "TRANSFER_POLL_S", 30.0)
+    pool.add("p0", k31_model)
+    decode, connector = decode_engine(k31_model, pool)
+    prompt = helpers.prompts(1, 20, 20, seed=5)[0]
+
+    async def main():
+        return await asyncio.wait_for(collect(decode, prompt, "p0"), 20.0)
+
+    got = run_then_close(decode, connector, main)
+    assert got == LLMEngine(k31_model, config=EngineConfig(**CONFIG)).generate([prompt], GREEDY, progress=False)[0].token_ids
 
 
 def test_short_prompts_stay_on_the_decode_server(k31_model, helpers, pool):
