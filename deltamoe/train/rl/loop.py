@@ -172,6 +172,7 @@ class RLRun:
     # ------------------------------------------------------------------ one step
     def _step(self, step: int) -> dict[str, Any]:
         cfg = self.cfg
+        cpu = time.process_time()
         record, batch = self._share(self._rollout(step) if self.rank == 0 else None)
         start = time.perf_counter()
         if batch is not None:
@@ -181,6 +182,7 @@ class RLRun:
         self.state.tokens += record["rollout_tokens"]
         record["train_s"] = time.perf_counter() - start
         record["sync_s"], record["weight_version"] = self._sync()
+        record["cpu_s"] = time.process_time() - cpu  # this process's CPU time: wall time without the load
         return record
 
     def _rollout(self, step: int) -> tuple[dict[str, Any], RolloutTensors | None]:

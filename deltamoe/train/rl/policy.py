@@ -68,14 +68,16 @@ class PolicyTrainer:
         tokens = batch.weight.sum().clamp(min=1.0)  # the global normaliser: every rank divides by it
         b = batch.block(self.pm.dp_rank, self.pm.dp_size)
         with torch.no_grad():
-            logits = next_token_logits(self.module, b.ids)
-            old = scored_logprobs(logits, b, cfg.temperature)
-            gap = (scored_logprobs(logits, b) - b.engine_logp).abs()  # raw logprobs, as the engine reports
             ref = scored_logprobs(self.reference(b.ids).logits, b, cfg.temperature)
         sums = torch.zeros(4)  # loss, policy loss, KL, clipped tokens: summed over the updates, this rank's share
         for u in range(cfg.updates_per_batch):
             lr = self.optimizers.set_lr((step - 1) * cfg.updates_per_batch + u + 1)
-            logp = scored_logprobs(next_token_logits(self.module, b.ids), b, cfg.temperature)
+            logits = next_token_logits(self.module, b.ids)
+            logp = scored_logprobs(logits, b, cfg.temperature)
+            if u == 0:  # the policy that sampled (the engine holds the same weights): the first forward's
+                old = logp.detach()
+                with torch.no_grad():
+                    gap = (scored_logprobs(logits, b) - b.engine_logp).abs()  # raw logprobs, as the engine reports
             result = grpo_loss(logp, old, b.advantage, b.weight, cfg.clip_eps, ref, cfg.kl_coef, tokens=tokens)
             result.loss.backward()
             grad_norm = self.pm.clip_grad_norm_(cfg.max_grad_norm)
