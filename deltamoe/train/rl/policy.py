@@ -67,26 +67,35 @@ class PolicyTrainer:
         cfg = self.cfg
         tokens = batch.weight.sum().clamp(min=1.0)  # the global normaliser: every rank divides by it
         b = batch.block(self.pm.dp_rank, self.pm.dp_size)
+        # Micro-batches of rows, their gradients summed: the same update in bounded memory. Every rank
+        # has as many rows, hence as many forwards (FSDP2's gathers need every rank in each).
+        parts = -(-b.ids.shape[0] // cfg.micro_rows)
+        chunks = [b.block(k, parts) for k in range(parts)] if parts > 1 else [b]
         with torch.no_grad():
-            ref = scored_logprobs(self.reference(b.ids).logits, b, cfg.temperature)
+            ref = [scored_logprobs(self.reference(c.ids).logits, c, cfg.temperature) for c in chunks]
+        old: list[torch.Tensor] = []
+        gap = torch.zeros(0)
         sums = torch.zeros(4)  # loss, policy loss, KL, clipped tokens: summed over the updates, this rank's share
         for u in range(cfg.updates_per_batch):
             lr = self.optimizers.set_lr((step - 1) * cfg.updates_per_batch + u + 1)
-            logits = next_token_logits(self.module, b.ids)
-            logp = scored_logprobs(logits, b, cfg.temperature)
-            if u == 0:  # the policy that sampled (the engine holds the same weights): the first forward's
-                old = logp.detach()
-                with torch.no_grad():
-                    gap = (scored_logprobs(logits, b) - b.engine_logp).abs()  # raw logprobs, as the engine reports
-            result = grpo_loss(logp, old, b.advantage, b.weight, cfg.clip_eps, ref, cfg.kl_coef, tokens=tokens)
-            result.loss.backward()
+            for k, c in enumerate(chunks):
+                logits = next_token_logits(self.module, c.ids)
+                logp = scored_logprobs(logits, c, cfg.temperature)
+                if u == 0:  # the policy that sampled (the engine holds the same weights): the first forward's
+                    old.append(logp.detach())
+                    with torch.no_grad():  # raw logprobs, as the engine reports
+                        gap = torch.cat([gap, (scored_logprobs(logits, c) - c.engine_logp).abs()])
+                result = grpo_loss(logp, old[k], c.advantage, c.weight, cfg.clip_eps, ref[k], cfg.kl_coef,
+                                   tokens=tokens)
+                result.loss.backward()
+                kl = result.kl if u == cfg.updates_per_batch - 1 else 0.0  # the KL after the last update's forward
+                sums += torch.tensor([float(result.loss.detach()), result.policy_loss, kl, result.clip_fraction])
             grad_norm = self.pm.clip_grad_norm_(cfg.max_grad_norm)
             self.optimizers.step()
             self.optimizers.zero_grad()
-            kl = result.kl if u == cfg.updates_per_batch - 1 else 0.0  # the KL after the last update's forward
-            sums += torch.tensor([float(result.loss.detach()), result.policy_loss, kl, result.clip_fraction])
         sums = self.pm.all_reduce_sum(sums)
-        gap_sum = self.pm.all_reduce_sum(torch.tensor([float((gap * b.weight).sum()), float(b.weight.sum())]))
+        weight = torch.cat([c.weight for c in chunks])
+        gap_sum = self.pm.all_reduce_sum(torch.tensor([float((gap * weight).sum()), float(weight.sum())]))
         gap_max = torch.tensor([float(gap.max()) if gap.numel() else 0.0])
         if self.world > 1:
             dist.all_reduce(gap_max, op=dist.ReduceOp.MAX)

@@ -61,3 +61,24 @@ def test_identical_completions_with_different_advantages_are_refused():
     samples = _samples([[[7], [7]]], [[256, 40]])
     with pytest.raises(ValueError, match="different advantages"):
         rollout_tensors(samples, [1.0, -1.0], pad=258)
+
+
+def test_micro_batched_update_equals_one_forward(micro_model_config):
+    import copy
+
+    from deltamoe.train.rl.config import RLConfig
+    from deltamoe.train.rl.policy import PolicyTrainer
+
+    policy = build_model(micro_model_config, seed=4).train()
+    samples = _samples([[[7], [9], [7]], [[5], [6], [6]], [[1], [2], [3]]], [[256, 40, 41], [256, 50], [256, 60, 61, 62]])
+    batch = rollout_tensors(samples, [0.5, -1.0, 0.5, -0.5, 0.25, 0.25, 1.0, 0.0, -1.0], pad=258)
+    got = {}
+    for micro in (64, 2):  # one forward, or two micro-batches (the second padded)
+        cfg = RLConfig(lr=1e-2, updates_per_batch=2, micro_rows=micro)
+        trainer = PolicyTrainer(copy.deepcopy(policy), cfg, None)
+        got[micro] = trainer.update(batch, 1), trainer.module.state_dict()
+    (one, w_one), (two, w_two) = got[64], got[2]
+    for key in ("loss", "policy_loss", "kl", "clip_fraction", "grad_norm", "logprob_mismatch"):
+        assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-7), key
+    assert one["kl"] > 0
+    assert all(torch.allclose(w_two[k], w_one[k], atol=1e-6) for k in w_one)
