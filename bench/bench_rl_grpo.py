@@ -49,7 +49,7 @@ progress = false
 threads = {threads}
 """
 RL = {"task": "recall", "num-pairs": 8, "prompts-per-step": 1024, "group-size": 8, "updates-per-batch": 1,
-      "advantage-norm": "mean", "lr": 1e-3, "warmup-steps": 2, "eval-every": 3, "eval-prompts": 512,
+      "advantage-norm": "mean", "lr": 3e-4, "warmup-steps": 1, "eval-every": 3, "eval-prompts": 512,
       "save-every": 0, "temperature": 1.0}
 
 
