@@ -40,6 +40,7 @@ HELP = {
                   "eos: the model must stop by itself",
     "format_reward": "reward added for a well-formed answer (task alphabet, properly ended)",
     "max_grad_norm": "gradient clipping norm",
+    "micro_rows": "trainer rows per forward/backward (gradients summed over them: the same update, less memory)",
     "dp": "trainer data-parallel ranks (FSDP2) under torchrun; rank 0 owns the engine; default: WORLD_SIZE",
     "rollout_retries": "retries of a failed rollout request before it is dropped",
     "rollout_timeout_s": "a rollout batch still running after this many seconds is aborted",

@@ -42,6 +42,7 @@ class RLConfig:
     completion: str = "answer"
     format_reward: float = 0.0  # added when a completion is well-formed (task alphabet, properly ended)
     max_grad_norm: float = 1.0
+    micro_rows: int = 256  # trainer rows per forward/backward; their gradients are summed (same update, less memory)
     # the trainer: data-parallel ranks (FSDP2) under torchrun; None: WORLD_SIZE (1 for a plain process)
     dp: int | None = None
     # rollouts
@@ -74,7 +75,7 @@ class RLConfig:
         if self.completion not in COMPLETIONS:
             raise ConfigError(f"expected one of {', '.join(COMPLETIONS)}, got {self.completion!r}", field="completion")
         positive = ("digits", "num_pairs", "steps", "prompts_per_step", "group_size", "updates_per_batch",
-                    "eval_prompts", "keep_checkpoints")
+                    "eval_prompts", "keep_checkpoints", "micro_rows")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -47,13 +47,14 @@ class LossParts:
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
               clip_eps: float, ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
               tokens: torch.Tensor | None = None) -> LossParts:
-    """All [B, T-1] except advantages [B]; mask 1 on completion tokens. `tokens`: the normaliser when
-    these rows are one data rank's share of a batch (the whole batch's completion tokens); default:
-    this mask's."""
+    """All [B, T-1] except advantages [B]; mask 1 on completion tokens. Or all [N], one entry per
+    scored token, with `mask` the number of completions each stands for (`batch.py`). `tokens`: the
+    normaliser when these rows are one data rank's share of a batch (the whole batch's completion
+    tokens); default: this mask's sum."""
     mask = mask.float()
     n = mask.sum().clamp(min=1.0) if tokens is None else tokens
     ratio = torch.exp(logp - old_logp)
-    adv = advantages[:, None]
+    adv = advantages[:, None] if advantages.dim() < logp.dim() else advantages
     unclipped, clipped = ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv
     per_token = -torch.minimum(unclipped, clipped)
     policy = (per_token * mask).sum() / n

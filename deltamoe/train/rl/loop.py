@@ -47,10 +47,11 @@ from deltamoe.train import checkpoint
 from deltamoe.train.metrics import JsonlLog, read_jsonl, truncate_jsonl
 from deltamoe.train.progress import RunProgress
 from deltamoe.train.rl.accuracy import wilson_interval
+from deltamoe.train.rl.batch import RolloutTensors, rollout_tensors
 from deltamoe.train.rl.config import RLConfig
 from deltamoe.train.rl.grpo import group_advantages
 from deltamoe.train.rl.plots import plot_rl_curves
-from deltamoe.train.rl.policy import PolicyTrainer, RolloutTensors
+from deltamoe.train.rl.policy import PolicyTrainer
 from deltamoe.train.rl.prompts import Prompt, TaskPrompts
 from deltamoe.train.rl.rewards import exact_match, reward
 from deltamoe.train.rl.rollout import EngineRollouts, Sample
@@ -171,6 +172,7 @@ class RLRun:
     # ------------------------------------------------------------------ one step
     def _step(self, step: int) -> dict[str, Any]:
         cfg = self.cfg
+        cpu = time.process_time()
         record, batch = self._share(self._rollout(step) if self.rank == 0 else None)
         start = time.perf_counter()
         if batch is not None:
@@ -180,6 +182,7 @@ class RLRun:
         self.state.tokens += record["rollout_tokens"]
         record["train_s"] = time.perf_counter() - start
         record["sync_s"], record["weight_version"] = self._sync()
+        record["cpu_s"] = time.process_time() - cpu  # this process's CPU time: wall time without the load
         return record
 
     def _rollout(self, step: int) -> tuple[dict[str, Any], RolloutTensors | None]:
@@ -202,7 +205,7 @@ class RLRun:
         if not samples:
             return record, None
         advantages = torch.cat([group_advantages(torch.tensor([g]), cfg.advantage_norm).flatten() for g in rewards])
-        return record, self._batch(samples, advantages)
+        return record, rollout_tensors(samples, advantages.tolist(), self.model_config.pad_token_id or 0)
 
     def _share(self, payload: tuple[dict[str, Any], RolloutTensors | None] | None
                ) -> tuple[dict[str, Any], RolloutTensors | None]:
@@ -242,19 +245,6 @@ class RLRun:
         expected_finish = "length" if self.cfg.completion == "answer" else "stop"
         return reward(s.text, s.finish_reason, s.prompt.answer, expected_finish, self.prompts.alphabet,
                       self.cfg.format_reward)
-
-    def _batch(self, samples: list[Sample], advantages: torch.Tensor) -> RolloutTensors:
-        width = max(len(s.prompt.token_ids) + len(s.token_ids) for s in samples)
-        pad = self.model_config.pad_token_id or 0
-        ids = torch.full((len(samples), width), pad, dtype=torch.long)
-        mask = torch.zeros(len(samples), width - 1)
-        engine_logp = torch.zeros(len(samples), width - 1)
-        for row, s in enumerate(samples):
-            p, c = len(s.prompt.token_ids), len(s.token_ids)
-            ids[row, :p + c] = torch.tensor(s.prompt.token_ids + s.token_ids)
-            mask[row, p - 1:p - 1 + c] = 1.0  # position t predicts token t + 1
-            engine_logp[row, p - 1:p - 1 + c] = torch.tensor(s.logprobs)
-        return RolloutTensors(ids, mask, engine_logp, advantages.float())
 
     # ------------------------------------------------------------------ evaluation, checkpoints
     def _evaluate(self) -> dict[str, Any]:

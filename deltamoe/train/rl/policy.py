@@ -10,7 +10,6 @@ is normalised by the global batch's completion tokens and FSDP2 sums the gradien
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,28 +24,8 @@ from deltamoe.train.config import OptimSection
 from deltamoe.train.evaluate import next_token_logits
 from deltamoe.train.optim import LRSchedule, Optimizers
 from deltamoe.train.rl.config import RLConfig
-from deltamoe.train.rl.grpo import grpo_loss, token_logprobs
-
-
-@dataclass
-class RolloutTensors:
-    """The rollouts as training tensors: prompt + completion rows, right-padded."""
-
-    ids: torch.Tensor  # [B, T]
-    mask: torch.Tensor  # [B, T-1], 1 where position t predicts a completion token
-    engine_logp: torch.Tensor  # [B, T-1], the engine's logprobs on the masked positions
-    advantages: torch.Tensor  # [B]
-
-    def block(self, rank: int, ranks: int) -> RolloutTensors:
-        """Data rank `rank`'s rows. Every rank gets the same number: rows past the batch are copies
-        of row 0 with an empty mask (no loss, no gradient), because FSDP2's gathers need every rank
-        in every forward."""
-        per_rank = -(-self.ids.shape[0] // ranks)
-        rows = torch.arange(rank * per_rank, (rank + 1) * per_rank)
-        real = rows < self.ids.shape[0]
-        rows = torch.where(real, rows, 0)
-        return RolloutTensors(self.ids[rows], self.mask[rows] * real[:, None], self.engine_logp[rows],
-                              self.advantages[rows] * real)
+from deltamoe.train.rl.batch import RolloutTensors, scored_logprobs
+from deltamoe.train.rl.grpo import grpo_loss
 
 
 class SGDOptimizers(Optimizers):
@@ -86,27 +65,37 @@ class PolicyTrainer:
 
     def _update(self, batch: RolloutTensors, step: int) -> dict[str, Any]:
         cfg = self.cfg
-        tokens = batch.mask.sum().clamp(min=1.0)  # the global normaliser: every rank divides by it
+        tokens = batch.weight.sum().clamp(min=1.0)  # the global normaliser: every rank divides by it
         b = batch.block(self.pm.dp_rank, self.pm.dp_size)
-        on = b.mask.bool()
+        # Micro-batches of rows, their gradients summed: the same update in bounded memory. Every rank
+        # has as many rows, hence as many forwards (FSDP2's gathers need every rank in each).
+        parts = -(-b.ids.shape[0] // cfg.micro_rows)
+        chunks = [b.block(k, parts) for k in range(parts)] if parts > 1 else [b]
         with torch.no_grad():
-            logits = next_token_logits(self.module, b.ids)
-            old = token_logprobs(logits, b.ids, cfg.temperature)
-            gap = (token_logprobs(logits, b.ids) - b.engine_logp)[on].abs()  # raw logprobs, as the engine reports
-            ref = token_logprobs(self.reference(b.ids).logits, b.ids, cfg.temperature)
+            ref = [scored_logprobs(self.reference(c.ids).logits, c, cfg.temperature) for c in chunks]
+        old: list[torch.Tensor] = []
+        gap = torch.zeros(0)
         sums = torch.zeros(4)  # loss, policy loss, KL, clipped tokens: summed over the updates, this rank's share
         for u in range(cfg.updates_per_batch):
             lr = self.optimizers.set_lr((step - 1) * cfg.updates_per_batch + u + 1)
-            logp = token_logprobs(next_token_logits(self.module, b.ids), b.ids, cfg.temperature)
-            result = grpo_loss(logp, old, b.advantages, b.mask, cfg.clip_eps, ref, cfg.kl_coef, tokens=tokens)
-            result.loss.backward()
+            for k, c in enumerate(chunks):
+                logits = next_token_logits(self.module, c.ids)
+                logp = scored_logprobs(logits, c, cfg.temperature)
+                if u == 0:  # the policy that sampled (the engine holds the same weights): the first forward's
+                    old.append(logp.detach())
+                    with torch.no_grad():  # raw logprobs, as the engine reports
+                        gap = torch.cat([gap, (scored_logprobs(logits, c) - c.engine_logp).abs()])
+                result = grpo_loss(logp, old[k], c.advantage, c.weight, cfg.clip_eps, ref[k], cfg.kl_coef,
+                                   tokens=tokens)
+                result.loss.backward()
+                kl = result.kl if u == cfg.updates_per_batch - 1 else 0.0  # the KL after the last update's forward
+                sums += torch.tensor([float(result.loss.detach()), result.policy_loss, kl, result.clip_fraction])
             grad_norm = self.pm.clip_grad_norm_(cfg.max_grad_norm)
             self.optimizers.step()
             self.optimizers.zero_grad()
-            kl = result.kl if u == cfg.updates_per_batch - 1 else 0.0  # the KL after the last update's forward
-            sums += torch.tensor([float(result.loss.detach()), result.policy_loss, kl, result.clip_fraction])
         sums = self.pm.all_reduce_sum(sums)
-        gap_sum = self.pm.all_reduce_sum(torch.tensor([float(gap.sum()), float(gap.numel())]))
+        weight = torch.cat([c.weight for c in chunks])
+        gap_sum = self.pm.all_reduce_sum(torch.tensor([float((gap * weight).sum()), float(weight.sum())]))
         gap_max = torch.tensor([float(gap.max()) if gap.numel() else 0.0])
         if self.world > 1:
             dist.all_reduce(gap_max, op=dist.ReduceOp.MAX)
@@ -116,5 +105,5 @@ class PolicyTrainer:
                 "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
                 "lr": lr, "completion_tokens": int(tokens),
                 "logprob_mismatch": float(gap_sum[0] / gap_sum[1]) if gap_sum[1] else 0.0,
-                "logprob_mismatch_max": float(gap_max[0]),
-                "advantage_nonzero": float((batch.advantages.abs() > 0).float().mean())}
+                "logprob_mismatch_max": float(gap_max[0]), "train_rows": int(batch.ids.shape[0]),
+                "advantage_nonzero": float((batch.weight * (batch.advantage != 0)).sum() / tokens)}

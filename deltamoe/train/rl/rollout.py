@@ -47,8 +47,12 @@ class _Pending:
 
 
 class EngineRollouts:
-    def __init__(self, engine: LLMEngine, retries: int, timeout_s: float):
+    def __init__(self, engine: LLMEngine, retries: int, timeout_s: float, share_prompt: bool = True):
+        """`share_prompt`: a group's choices 2..G fork choice 1's prefill (`serve/engine/forks.py`: the
+        engine's n > 1), so a prompt is computed once per group; each choice still draws with its own
+        seed from the same distribution. Retries run on their own."""
         self.engine, self.retries, self.timeout_s = engine, retries, timeout_s
+        self.share_prompt = share_prompt
 
     def sample(self, prompts: list[Prompt], group_size: int, params: list[SamplingParams], seed: int) -> RolloutBatch:
         """`params[i]` (with logprobs=0) for prompt i's requests; each request gets its own seed."""
@@ -58,13 +62,20 @@ class EngineRollouts:
         pending: dict[str, _Pending] = {}
         retried = dropped = 0
 
-        def submit(p: _Pending) -> None:
+        children: dict[str, list[str]] = {}  # a parent's request id -> its forked choices' ids
+
+        def submit(p: _Pending, fork_of: str | None = None) -> str:
             s = p.sample
             request_params = SamplingParams(**{**vars(params[s.prompt_index]),
                                                "seed": hash((seed, s.prompt_index, p.slot, p.attempt)) & (2**63 - 1)})
             rid = f"rl-{seed}-{s.prompt_index}-{p.slot}-{p.attempt}"
             p.sample = Sample(s.prompt_index, s.prompt)
-            pending[self.engine.add_request(s.prompt.token_ids, request_params, request_id=rid)] = p
+            seq = self.engine.make_sequence(s.prompt.token_ids, request_params, request_id=rid)
+            seq.fork_of = fork_of
+            if fork_of is not None:
+                children.setdefault(fork_of, []).append(rid)
+            pending[self.engine.add_sequence(seq)] = p
+            return rid
 
         def failed(p: _Pending) -> None:
             nonlocal retried, dropped
@@ -76,8 +87,10 @@ class EngineRollouts:
                 dropped += 1
 
         for i, prompt in enumerate(prompts):
-            for j in range(group_size):
-                submit(_Pending(Sample(i, prompt), j))
+            parent = f"rl-{seed}-{i}-0-0" if self.share_prompt else None
+            for j in range(1, group_size):  # forked choices reach the engine before their parent
+                submit(_Pending(Sample(i, prompt), j), parent)
+            submit(_Pending(Sample(i, prompt), 0))
         while pending:
             if time.perf_counter() > deadline:
                 for rid in list(pending):
@@ -105,6 +118,9 @@ class EngineRollouts:
                 del pending[out.request_id]
                 if out.finish_reason == "error":
                     self.engine.errors.pop(out.request_id, None)
+                    for child in children.pop(out.request_id, []):  # choices still waiting on its prefill
+                        if child in pending and self.engine.abort(child) is not None:
+                            failed(pending.pop(child))
                     failed(p)
                 else:
                     s.text, s.finish_reason = out.text, out.finish_reason or ""

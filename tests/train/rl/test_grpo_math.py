@@ -92,22 +92,24 @@ def test_wilson_interval():
 
 
 def test_data_rank_blocks_sum_to_the_whole_batch_loss():
-    from deltamoe.train.rl.policy import RolloutTensors
+    from deltamoe.train.rl.batch import RolloutTensors
 
     torch.manual_seed(0)
-    b = RolloutTensors(torch.randint(0, 9, (5, 4)), (torch.rand(5, 3) > 0.3).float(), torch.zeros(5, 3),
-                       torch.randn(5))
-    logp, old = torch.randn(5, 3), torch.randn(5, 3)
-    whole = grpo_loss(logp, old, b.advantages, b.mask, 0.2).loss
-    tokens = b.mask.sum()
+    row = torch.tensor([0, 0, 1, 2, 2, 3, 4])  # 5 rows, 7 scored tokens
+    n = row.numel()
+    b = RolloutTensors(torch.randint(0, 9, (5, 4)), row, torch.randint(0, 3, (n,)), torch.randint(0, 9, (n,)),
+                       torch.tensor([1.0, 2.0, 1.0, 1.0, 3.0, 1.0, 1.0]), torch.randn(n), torch.zeros(n))
+    logp, old = torch.randn(n), torch.randn(n)
+    whole = grpo_loss(logp, old, b.advantage, b.weight, 0.2).loss
+    tokens = b.weight.sum()
     parts = []
     for rank in range(2):
         blk = b.block(rank, 2)
-        rows = torch.arange(rank * 3, rank * 3 + 3)
-        rows = torch.where(rows < 5, rows, 0)  # the pad row repeats row 0
+        mine = (row >= rank * 3) & (row < rank * 3 + 3)
         assert blk.ids.shape[0] == 3  # every rank the same number of rows
-        parts.append(grpo_loss(logp[rows], old[rows], blk.advantages, blk.mask, 0.2, tokens=tokens).loss)
-    assert torch.equal(b.block(1, 2).mask[2], torch.zeros(3)) and b.block(1, 2).advantages[2] == 0  # the pad row
+        assert torch.equal(blk.ids[blk.row], b.ids[row[mine]])  # each token scored on its own row
+        parts.append(grpo_loss(logp[mine], old[mine], blk.advantage, blk.weight, 0.2, tokens=tokens).loss)
+    assert torch.equal(b.block(1, 2).ids[2], b.ids[0]) and not (b.block(1, 2).row == 2).any()  # the pad row
     assert float(parts[0] + parts[1]) == pytest.approx(float(whole), rel=1e-6)
 
 

@@ -102,3 +102,19 @@ def test_failed_rollouts_are_retried_then_dropped_never_hang(init, tmp_path):
     batch = EngineRollouts(run.engine, retries=1, timeout_s=60).sample(prompts, 3, params, seed=1)
     assert batch.dropped == 6 and batch.groups == [[], []]
     assert not run.engine.has_unfinished()
+
+
+def test_forked_choices_sample_what_separate_requests_do(init, tmp_path):
+    """A group's choices fork the first one's prefill; each still draws with its own seed."""
+    run = RLRun(_config(init, tmp_path / "run"))
+    prompts = run.prompts.batch("train", 0, 3)
+    params = [SamplingParams(max_tokens=2, logprobs=0, ignore_eos=True)] * 3
+    got = {share: EngineRollouts(run.engine, retries=0, timeout_s=60, share_prompt=share).sample(prompts, 4, params, 7)
+           for share in (False, True)}
+    for separate, forked in zip(got[False].groups, got[True].groups):
+        assert len(forked) == 4
+        assert sorted(s.token_ids for s in forked) == sorted(s.token_ids for s in separate)
+        lp = {tuple(s.token_ids): s.logprobs for s in separate}
+        assert all(torch.allclose(torch.tensor(s.logprobs), torch.tensor(lp[tuple(s.token_ids)]), atol=1e-4)
+                   for s in forked)
+    assert len({tuple(s.token_ids) for g in got[True].groups for s in g}) > 3  # the choices differ
