@@ -56,10 +56,13 @@ def write_corpus(path: Path) -> dict:
     """docs/*.md then README.md, one {"text": ...} line per file; returns what identifies the corpus."""
     files = sorted((REPO / "docs").glob("*.md")) + [REPO / "README.md"]
     lines = [json.dumps({"text": f.read_text(encoding="utf-8")}) for f in files]
-    blob = ("\n".join(lines) + "\n").encode()
-    path.write_bytes(blob)
-    return {"files": [str(f.relative_to(REPO)) for f in files], "bytes": len(blob),
-            "sha256": hashlib.sha256(blob).hexdigest()}
+    path.write_text("\n".join(lines) + "\n")
+    return {"files": [str(f.relative_to(REPO)) for f in files], **corpus_identity(path)}
+
+
+def corpus_identity(path: Path) -> dict:
+    blob = path.read_bytes()
+    return {"bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
 
 
 def layer_errors(fp8_error: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
@@ -75,26 +78,56 @@ def layer_errors(fp8_error: dict[str, dict[str, float]]) -> dict[str, dict[str, 
 
 def run(fp8: bool, seed: int, steps: int, tail: int, settings: dict, out: str) -> dict:
     from deltamoe.train.config import TrainConfig
-    from deltamoe.train.metrics import read_jsonl
     from deltamoe.train.trainer import train
 
     s = {k: dict(v) for k, v in settings.items()}
     s["run"].update(steps=steps, out=out, fp8="blockwise" if fp8 else None, seed=seed)
     cfg = TrainConfig.from_dict({"model": {"preset": "tiny"}, **s}).validate()
     t0 = time.perf_counter()
-    result = train(cfg)
-    wall = time.perf_counter() - t0
-    losses = [m["loss"] for m in result.metrics]
-    evals = [{"step": e["step"], "loss": e["loss"]} for e in read_jsonl(Path(out) / "eval.jsonl")]
+    train(cfg)
+    return {**read_run(Path(out), fp8, seed, tail, steps), "wall_s": time.perf_counter() - t0}
+
+
+def read_run(out: Path, fp8: bool, seed: int, tail: int, upto: int) -> dict:
+    """A run's record from its folder (metrics.jsonl, eval.jsonl), through step `upto`."""
+    from deltamoe.train.metrics import read_jsonl
+
+    metrics = [m for m in read_jsonl(out / "metrics.jsonl") if "loss" in m and m["step"] <= upto]
+    losses = [m["loss"] for m in metrics]
+    evals = [{"step": e["step"], "loss": e["loss"]} for e in read_jsonl(out / "eval.jsonl") if e["step"] <= upto]
     record = {"seed": seed, "losses": losses, "final_loss": sum(losses[-tail:]) / len(losses[-tail:]),
-              "evals": evals, "eval_loss": result.final_eval["loss"], "wall_s": wall}
+              "evals": evals, "eval_loss": evals[-1]["loss"] if evals else None,
+              "eval_step": evals[-1]["step"] if evals else None}
     if fp8:
-        stats = [(m["step"], m["fp8_error"]) for m in result.metrics if "fp8_error" in m]
+        stats = [(m["step"], m["fp8_error"]) for m in metrics if "fp8_error" in m]
         record["fp8_error_by_layer_last_step"] = layer_errors(stats[-1][1])
         record["fp8_error_mean_over_modules"] = [
             {"step": step, **{op: statistics.mean(e[op] for e in errs.values() if op in e) for op in ("x", "w", "dy")}}
             for step, errs in stats]
     return record
+
+
+def read_runs(root: Path, prec: str, tail: int) -> tuple[list[dict], list[dict], int, int]:
+    """--from-runs: the kept folders of an earlier (possibly unfinished) run of this script, compared
+    through the last step every run reached and the last evaluation every run made."""
+    from deltamoe.train.metrics import read_jsonl
+
+    folders = sorted(root.glob(f"{prec}_seed*"), key=lambda p: int(p.name.rsplit("seed", 1)[1]))
+    pairs = [(f, root / f"fp8_seed{f.name.rsplit('seed', 1)[1]}") for f in folders]
+    runs = [p for pair in pairs for p in pair]
+    if len(pairs) < 2 or not all((p / "metrics.jsonl").is_file() for p in runs):
+        raise SystemExit(f"error: --from-runs: {root} needs {prec}_seedN and fp8_seedN folders for >= 2 seeds")
+    schedule = json.loads((runs[0] / "train_config.json").read_text())["run"]["steps"]
+    reached = min(max(m["step"] for m in read_jsonl(p / "metrics.jsonl") if "loss" in m) for p in runs)
+    ref = [read_run(r, False, int(r.name.rsplit("seed", 1)[1]), tail, reached) for r, _ in pairs]
+    fp8 = [read_run(f, True, int(f.name.rsplit("seed", 1)[1]), tail, reached) for _, f in pairs]
+    if any(r["eval_step"] is None for r in ref + fp8):
+        raise SystemExit(f"error: --from-runs: not every run in {root} has evaluated by step {reached} yet")
+    last_eval = min(r["eval_step"] for r in ref + fp8)
+    for r in ref + fp8:  # every run's eval loss at the same step
+        r["evals"] = [e for e in r["evals"] if e["step"] <= last_eval]
+        r["eval_loss"], r["eval_step"], r["wall_s"] = r["evals"][-1]["loss"], last_eval, None
+    return ref, fp8, reached, schedule
 
 
 def spread(values: list[float]) -> dict:
@@ -167,6 +200,8 @@ def main() -> None:
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="bf16" if torch.cuda.is_available() else "fp32")
     ap.add_argument("--jobs", type=int, help="runs training at once (default: all of them)")
     ap.add_argument("--out", help="keep the run folders here (default: a temporary folder)")
+    ap.add_argument("--from-runs", metavar="DIR", help="train nothing: compare the run folders an earlier --out "
+                    "kept, through the last step all of them reached (an unfinished run: `steps` < `schedule_steps`)")
     args = ap.parse_args()
     settings = {k: dict(v) for k, v in SETTINGS.items()}
     settings["run"]["precision"] = args.precision
@@ -178,25 +213,34 @@ def main() -> None:
         steps, seeds, tail = 6, 2, 3
     if seeds < 2 or not 1 <= tail <= steps:
         ap.error("--seeds needs >= 2 (the spread) and --tail 1..--steps")
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(args.out or tmp)
-        root.mkdir(parents=True, exist_ok=True)
-        corpus = write_corpus(root / "corpus.jsonl")
-        settings["data"]["path"] = str(root / "corpus.jsonl")
-        jobs = [(fp8, seed, steps, tail, settings, str(root / f"{'fp8' if fp8 else args.precision}_seed{seed}"))
-                for seed in range(seeds) for fp8 in (False, True)]
-        with multiprocessing.get_context("spawn").Pool(args.jobs or len(jobs)) as pool:
-            results = pool.starmap(run, jobs)
-    ref, fp8 = results[0::2], results[1::2]
+    schedule = steps
+    if args.from_runs:
+        root = Path(args.from_runs)
+        corpus = corpus_identity(root / "corpus.jsonl")
+        kept = json.loads(next(root.glob("fp8_seed*/train_config.json")).read_text())
+        settings = {k: {f: kept[k][f] for f in v} for k, v in settings.items()}
+        ref, fp8, steps, schedule = read_runs(root, args.precision, tail)
+        seeds = len(ref)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            root = Path(args.out or tmp)
+            root.mkdir(parents=True, exist_ok=True)
+            corpus = write_corpus(root / "corpus.jsonl")
+            settings["data"]["path"] = str(root / "corpus.jsonl")
+            jobs = [(fp8, seed, steps, tail, settings, str(root / f"{'fp8' if fp8 else args.precision}_seed{seed}"))
+                    for seed in range(seeds) for fp8 in (False, True)]
+            with multiprocessing.get_context("spawn").Pool(args.jobs or len(jobs)) as pool:
+                results = pool.starmap(run, jobs)
+        ref, fp8 = results[0::2], results[1::2]
     settings["data"]["path"] = "corpus.jsonl (docs/*.md + README.md)"
     summary = summarise(ref, fp8)
     data = {"objective": "byte-level language modelling", "corpus": corpus, "settings": settings, "steps": steps,
-            "seeds": seeds, "tail_steps": tail, "goal_rel_gap": GOAL, "precision": args.precision, **summary,
-            args.precision: ref, "fp8_blockwise": fp8}
+            "schedule_steps": schedule, "eval_step": ref[0]["eval_step"], "seeds": seeds, "tail_steps": tail,
+            "goal_rel_gap": GOAL, "precision": args.precision, **summary, args.precision: ref, "fp8_blockwise": fp8}
     path = write_result(result_name("train_fp8", args.quick), data)
     png = plot(args.precision, ref, fp8, tail, RESULTS / f"{result_name('train_fp8', args.quick)}.png")
     rows = [[r["seed"], f"{r['final_loss']:.4f} / {r['eval_loss']:.4f}", f"{f['final_loss']:.4f} / {f['eval_loss']:.4f}",
-             f"{p['rel_gap']:+.2%} / {p['eval_rel_gap']:+.2%}", f"{r['wall_s']:.0f} s / {f['wall_s']:.0f} s"]
+             f"{p['rel_gap']:+.2%} / {p['eval_rel_gap']:+.2%}", " / ".join("-" if x["wall_s"] is None else f"{x['wall_s']:.0f} s" for x in (r, f))]
             for r, f, p in zip(ref, fp8, summary["pairs"])]
     print(markdown_table(["seed", f"{args.precision} train (last {tail}) / eval loss", "fp8 train / eval loss",
                           "fp8 gap train / eval", "wall"], rows))
