@@ -9,8 +9,8 @@ same for every run. Recall, the earlier objective, has a phase transition whose 
 seed to seed, so one seed's gap measured when it jumped, not fp8; a language-modelling loss falls
 smoothly, and after its fast drop the seeds end close together.
 
-Per run: the final training loss (mean of the last `--tail` steps: one batch's loss is noisy) and
-the held-out eval loss. Per seed pair: fp8 / reference - 1 for both; over the pairs their mean and
+Per run: the final training loss (the next-token loss, metrics.jsonl's `lm_loss`, without MTP's
+term; mean of the last `--tail` steps: one batch's loss is noisy) and the held-out eval loss. Per seed pair: fp8 / reference - 1 for both; over the pairs their mean and
 spread (sample standard deviation; min and max); the reference's own seed-to-seed spread
 (standard deviation / mean of its final losses) says how large a gap noise alone makes. The goal
 is a mean gap within 1 % on both losses. Also per decoder layer the mean relative quantisation
@@ -93,7 +93,7 @@ def read_run(out: Path, fp8: bool, seed: int, tail: int, upto: int) -> dict:
     from deltamoe.train.metrics import read_jsonl
 
     metrics = [m for m in read_jsonl(out / "metrics.jsonl") if "loss" in m and m["step"] <= upto]
-    losses = [m["loss"] for m in metrics]
+    losses = [m["lm_loss"] for m in metrics]  # next-token loss, as evaluated (the total `loss` adds MTP's)
     evals = [{"step": e["step"], "loss": e["loss"]} for e in read_jsonl(out / "eval.jsonl") if e["step"] <= upto]
     record = {"seed": seed, "losses": losses, "final_loss": sum(losses[-tail:]) / len(losses[-tail:]),
               "evals": evals, "eval_loss": evals[-1]["loss"] if evals else None,
@@ -152,8 +152,8 @@ def running_mean(xs: list[float], k: int) -> list[float]:
     return [sum(xs[max(0, i - k + 1):i + 1]) / len(xs[max(0, i - k + 1):i + 1]) for i in range(len(xs))]
 
 
-def plot(prec: str, ref: list[dict], fp8: list[dict], tail: int, path: Path) -> Path:
-    """Left: every run's training loss (tail-step running mean) and eval loss. Right: fp8 / reference - 1 per seed."""
+def plot(prec: str, ref: list[dict], fp8: list[dict], path: Path, window: int = 10) -> Path:
+    """Left: every run's training loss (`window`-step running mean) and eval loss. Right: fp8 / reference - 1 per seed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -166,15 +166,15 @@ def plot(prec: str, ref: list[dict], fp8: list[dict], tail: int, path: Path) -> 
         for i, r in enumerate(runs):
             color = cmap(0.5 + 0.4 * i / max(1, len(runs) - 1))
             steps = range(1, len(r["losses"]) + 1)
-            ax.plot(steps, running_mean(r["losses"], tail), color=color, lw=1.2, label=f"{name}, seed {r['seed']}")
+            ax.plot(steps, running_mean(r["losses"], window), color=color, lw=1.2, label=f"{name}, seed {r['seed']}")
             ax.plot([e["step"] for e in r["evals"]], [e["loss"] for e in r["evals"]], "o", color=color, ms=3)
     ax.set_xlabel("step")
-    ax.set_ylabel(f"loss (train: {tail}-step mean; dots: held-out eval)")
+    ax.set_ylabel(f"next-token loss (train: {window}-step mean; dots: held-out eval)")
     ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     for i, (r, f) in enumerate(zip(ref, fp8)):
-        gap = [b / a - 1 for a, b in zip(running_mean(r["losses"], tail), running_mean(f["losses"], tail))]
+        gap = [b / a - 1 for a, b in zip(running_mean(r["losses"], window), running_mean(f["losses"], window))]
         gap_ax.plot(range(1, len(gap) + 1), [100 * g for g in gap], color=f"C{i}", lw=1.2,
                     label=f"seed {r['seed']}: train")
         gap_ax.plot([e["step"] for e in r["evals"]],
@@ -238,7 +238,7 @@ def main() -> None:
             "schedule_steps": schedule, "eval_step": ref[0]["eval_step"], "seeds": seeds, "tail_steps": tail,
             "goal_rel_gap": GOAL, "precision": args.precision, **summary, args.precision: ref, "fp8_blockwise": fp8}
     path = write_result(result_name("train_fp8", args.quick), data)
-    png = plot(args.precision, ref, fp8, tail, RESULTS / f"{result_name('train_fp8', args.quick)}.png")
+    png = plot(args.precision, ref, fp8, RESULTS / f"{result_name('train_fp8', args.quick)}.png")
     rows = [[r["seed"], f"{r['final_loss']:.4f} / {r['eval_loss']:.4f}", f"{f['final_loss']:.4f} / {f['eval_loss']:.4f}",
              f"{p['rel_gap']:+.2%} / {p['eval_rel_gap']:+.2%}", " / ".join("-" if x["wall_s"] is None else f"{x['wall_s']:.0f} s" for x in (r, f))]
             for r, f, p in zip(ref, fp8, summary["pairs"])]

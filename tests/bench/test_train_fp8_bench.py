@@ -22,7 +22,7 @@ def _write_run(folder: Path, losses: list[float], evals: dict[int, float], fp8: 
     folder.mkdir(parents=True)
     rows = []
     for step, loss in enumerate(losses, start=1):
-        row = {"step": step, "loss": loss}
+        row = {"step": step, "loss": loss + 1, "lm_loss": loss}
         if fp8 and step % 2 == 0:
             row["fp8_error"] = {"model.layers.0.mlp.up_proj": {"x": 0.02 * step, "w": 0.03, "dy": 0.01},
                                 "model.layers.0.mlp.down_proj": {"x": 0.04 * step, "w": 0.05, "dy": 0.03},
