@@ -73,7 +73,8 @@ def layer_errors(fp8_error: dict[str, dict[str, float]]) -> dict[str, dict[str, 
         key = ".".join(parts[:3]) if parts[:2] == ["model", "layers"] else parts[0] if parts[0] != "model" else ".".join(parts[:2])
         for operand, e in errs.items():
             groups[key][operand].append(e)
-    return {k: {op: sum(v) / len(v) for op, v in ops.items()} for k, ops in groups.items()}
+    order = sorted(groups, key=lambda k: (k.split(".")[0], int(k.rsplit(".", 1)[1]) if k[-1].isdigit() else -1))
+    return {k: {op: sum(v) / len(v) for op, v in groups[k].items()} for k in order}
 
 
 def run(fp8: bool, seed: int, steps: int, tail: int, settings: dict, out: str) -> dict:
