@@ -3,19 +3,26 @@
 from deltamoe.benchmarks.table import FORMATTERS
 
 
-def _fp8(fp8_loss: float, eval_gap: float) -> dict:
-    return {"settings": {"run": {"precision": "fp32"}}, "steps": 300, "tail_steps": 20, "goal_rel_gap": 0.01,
-            "rel_gap": fp8_loss / 0.5 - 1, "eval_rel_gap": eval_gap,
-            "fp32": {"final_loss": 0.5, "eval_loss": 0.6}, "fp8_blockwise": {"final_loss": fp8_loss, "eval_loss": 0.61}}
+def _fp8(fp8_losses: list[float], eval_gaps: list[float]) -> dict:
+    """Three seed pairs: reference train losses 0.5 / 0.52 / 0.54, eval losses 0.6 each."""
+    ref = [{"seed": i, "final_loss": 0.5 + 0.02 * i, "eval_loss": 0.6} for i in range(3)]
+    fp8 = [{"seed": i, "final_loss": f, "eval_loss": 0.6 * (1 + g)} for i, (f, g) in enumerate(zip(fp8_losses, eval_gaps))]
+    gaps = [f["final_loss"] / r["final_loss"] - 1 for r, f in zip(ref, fp8)]
+    return {"precision": "fp32", "steps": 240, "seeds": 3, "tail_steps": 40, "goal_rel_gap": 0.01,
+            "rel_gap": {"mean": sum(gaps) / 3, "std": 0.004}, "eval_rel_gap": {"mean": sum(eval_gaps) / 3, "std": 0.002},
+            "seed_rel_spread": 0.0385, "seed_eval_rel_spread": 0.0, "fp32": ref, "fp8_blockwise": fp8}
 
 
-def test_train_fp8_row_judges_both_gaps():
-    [row] = FORMATTERS["train_fp8"](_fp8(0.503, 0.004))
-    assert row[1] == "0.5030 / 0.6100" and row[2] == "fp32 0.5000 / 0.6000" and row[3] == "+0.6 % / +0.4 %"
-    assert row[4].startswith("within 1 % (met)")
-    d = {**_fp8(0.503, 0.02), "seed_rel_gap": 0.031, "seed_eval_rel_gap": -0.012}
-    [row] = FORMATTERS["train_fp8"](d)
-    assert row[3] == "+0.6 % / +2.0 % (seed to seed: +3.1 % / -1.2 %)" and row[4].startswith("within 1 % (missed)")
+def test_train_fp8_row_shows_means_over_seeds_and_judges_both_mean_gaps():
+    [row] = FORMATTERS["train_fp8"](_fp8([0.503, 0.52, 0.54], [0.004, 0.0, 0.002]))
+    assert "3 seeds" in row[0] and "240 steps" in row[0] and "last 40 steps" in row[0]
+    assert row[1] == "0.5210 / 0.6012" and row[2] == "fp32 0.5200 / 0.6000"
+    assert row[3] == "+0.2 % +- 0.4 % / +0.2 % +- 0.2 % (seed to seed: 3.9 % / 0.0 %)"
+    assert row[4].startswith("mean within 1 % (met)")
+    [row] = FORMATTERS["train_fp8"](_fp8([0.503, 0.52, 0.54], [0.02, 0.01, 0.03]))
+    assert row[3].startswith("+0.2 % +- 0.4 % / +2.0 % +- 0.2 %") and row[4].startswith("mean within 1 % (missed)")
+    [row] = FORMATTERS["train_fp8"]({**_fp8([0.5, 0.52, 0.54], [0, 0, 0]), "schedule_steps": 320, "eval_step": 200})
+    assert "the first 240 of 320 steps (unfinished; eval loss at step 200)" in row[0]
 
 
 def test_ep_overlap_row_shows_exposed_all_to_all_before_and_after():
