@@ -574,7 +574,12 @@ def rl_grpo_rows(d: dict) -> list[Row]:
         return f"{d[key] * 100:.1f} %" + (f" [{ci[0] * 100:.1f}, {ci[1] * 100:.1f}]" if ci else "")
 
     prompts = f" on {d['eval_prompts']} prompts" if d.get("eval_prompts") else ""
-    return [[f"GRPO from a {d['sft_steps']}-step supervised `tiny`, 2-digit addition {command('rl_grpo')}",
+    rl = d.get("rl_settings", {})
+    # Results files from before rl_settings named the task only in this row: 2-digit addition.
+    task = {"recall": f"recall ({rl.get('num-pairs', 8)} pairs)", "arithmetic": "2-digit addition"}.get(
+        rl.get("task", "arithmetic"), rl.get("task"))
+    batch = f", {rl['prompts-per-step']:,} prompts x {rl['group-size']} a step" if "prompts-per-step" in rl else ""
+    return [[f"GRPO from a {d['sft_steps']}-step supervised `tiny`, {task}{batch} {command('rl_grpo')}",
              f"held-out {acc('final_accuracy')} after {d['rl_steps']} steps, {d['rl_s'] / 60:.1f} min",
              f"start {acc('start_accuracy')}{prompts}", "", ""]]
 
