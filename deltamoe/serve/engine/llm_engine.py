@@ -31,6 +31,7 @@ from deltamoe.serve.engine.scheduler import Scheduler
 from deltamoe.serve.executor.base import Executor
 from deltamoe.serve.executor.config import WorkerConfig, launched_by_torchrun
 from deltamoe.serve.executor.group import RankGroup
+from deltamoe.serve.executor.held_loads import HeldLoads
 from deltamoe.serve.executor.multiproc import MultiprocExecutor
 from deltamoe.serve.executor.overlap import OverlappedSteps
 from deltamoe.serve.executor.uniproc import UniprocExecutor
@@ -66,7 +67,9 @@ class LLMEngine:
         self.connector = connector
         if connector is not None:
             connector.bind(pools, model.config)
-        self.scheduler = Scheduler(self.config, self.cache, connector)
+        # With async scheduling a decode role's loads start at a step boundary (executor/held_loads.py).
+        loads = HeldLoads(connector) if connector is not None and self.config.async_scheduling else None
+        self.scheduler = Scheduler(self.config, self.cache, loads or connector)
         self.runner = ModelRunner(model, self.cache, compiled_decode=self.config.compile_decode)
         if self.config.speculative is not None:  # MTP drafts verified in one forward (serve/spec_decode/)
             self.runner = speculative_runner(model, self.cache, self.config, min(
@@ -77,7 +80,7 @@ class LLMEngine:
 
             self.executor.hand_off = RankZeroHandOffs(self.cache, pools, group.dims.tp)
         # One-step-ahead scheduling: step N+1 is scheduled while step N runs (None: one step at a time).
-        self.overlap = OverlappedSteps(self.executor, self.scheduler, self._take_token, connector) \
+        self.overlap = OverlappedSteps(self.executor, self.scheduler, self._take_token, loads) \
             if self.config.async_scheduling else None
         self.device = model.device
         self._requests: dict[str, Sequence] = {}

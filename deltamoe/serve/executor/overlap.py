@@ -27,6 +27,14 @@ What makes the late view safe:
 Tokens, seeded draws and preemption order are therefore the one-step engine's (tests/serve/executor/
 test_overlap.py).
 
+With a prefill/decode role: on the decode side a handed-off request's load starts on the device thread
+at the step boundary after its memory was reserved (`held_loads.py`: after every step launched before,
+and after the reservation's state-slot writes), and the request joins the first batch scheduled after
+its load is done; on the prefill side a request finishes when its last step is collected, so the
+connector's `request_finished` (which starts the push of its blocks and state) sees the cache that
+step left, and no step in flight touches that memory (a request whose last token is in flight is not
+scheduled again).
+
 With tp * ep worker ranks (`MultiprocExecutor`) the device thread is where rank 0 tells the ranks each
 step (`execute_ahead`): the step's state-slot writes and calls, placeholders included, then the
 previous step's sampled ids as a tensor, from which every rank fills the placeholders alike
@@ -49,7 +57,9 @@ from deltamoe.serve.engine.scheduler import ScheduledBatch, Scheduler
 from deltamoe.serve.engine.sequence import Sequence
 from deltamoe.serve.executor.base import Executor
 from deltamoe.serve.executor.config import check_async_scheduling
+from deltamoe.serve.executor.held_loads import HeldLoads, NotedLoad
 from deltamoe.serve.executor.placeholders import PLACEHOLDER, Fill, filled_inputs
+from deltamoe.serve.executor.uniproc import UniprocExecutor
 
 
 @dataclass
@@ -91,9 +101,11 @@ class _InFlight:
 class OverlappedSteps:
     def __init__(self, executor: Executor, scheduler: Scheduler,
                  take_token: Callable[[Sequence, int, TokenLogprob | None], RequestOutput],
-                 connector: object | None = None):
-        """`take_token`: the engine's processing of a sampled token already placed in the sequence."""
-        check_async_scheduling(hand_off=connector is not None)
+                 loads: HeldLoads | None = None):
+        """`take_token`: the engine's processing of a sampled token already placed in the sequence.
+        `loads`: with a prefill/decode role, the connector the scheduler was given (`held_loads.py`)."""
+        check_async_scheduling(hand_off=loads is not None, workers=not isinstance(executor, UniprocExecutor))
+        self.loads = loads
         self.executor = executor
         self.runner = executor.runner
         self.scheduler = scheduler
@@ -105,11 +117,13 @@ class OverlappedSteps:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="deltamoe-device",
                                         initializer=_bind_device, initargs=(device,))
         self._in_flight: _InFlight | None = None
+        self._boundaries: list[Future[None]] = []  # loads started on the device thread, not yet checked
 
     # ------------------------------------------------------------------ the step
     def step(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Launch `batch` (just scheduled), then process the step launched before it: its outputs."""
         outputs: list[RequestOutput] = []
+        self._start_loads()
         alone = bool(batch) and self._runs_alone(batch)
         if alone and self._in_flight is not None:  # it needs every earlier token on the host
             outputs += self._collect(self._in_flight)
@@ -122,6 +136,9 @@ class OverlappedSteps:
         if launched is not None and (launched.alone or not self.scheduler.has_unfinished()):
             outputs += self._collect(launched)  # nothing may be scheduled past it / nothing left to schedule
             self._in_flight = None
+        for boundary in [b for b in self._boundaries if b.done()]:
+            self._boundaries.remove(boundary)
+            boundary.result()  # the device thread's error, if any, surfaces here
         return outputs
 
     def shutdown(self) -> None:
@@ -136,6 +153,18 @@ class OverlappedSteps:
             if snapshots and cache.takes_snapshot(seq, seq.num_computed + n):
                 return True
         return False
+
+    def _start_loads(self) -> None:
+        """Hand-offs the last `schedule()` reserved memory for start on the device thread once the steps
+        launched before have run, after the state-slot writes logged so far (the reservations' among
+        them): before the step launched next, which does not touch requests still loading."""
+        loads = self.loads.take() if self.loads is not None else []
+        if loads:
+            self._boundaries.append(self._pool.submit(self._at_boundary, self.cache.take_state_ops(), loads))
+
+    def _at_boundary(self, state_ops: list[tuple[int | None, int]], loads: list[NotedLoad]) -> None:
+        self.cache.apply_state_ops(state_ops)  # one process: `check_async_scheduling` refuses roles with ranks
+        self.loads.start(loads)
 
     # ------------------------------------------------------------------ launch (host)
     def _launch(self, batch: ScheduledBatch, alone: bool) -> _InFlight:

@@ -158,12 +158,17 @@ def test_server_front_streams_and_cancels(k31_model, helpers):
 
 
 def test_refused_where_it_cannot_run_yet(k31_model, capsys):
-    """Prefill/decode roles: a ConfigError naming the field, before anything starts."""
+    """A prefill/decode role over worker ranks: a ConfigError naming the field, before anything starts
+    (a role on one process runs: tests/serve/kv_transfer/test_handoff.py)."""
+    from deltamoe.serve.executor.held_loads import HeldLoads
+
     engine = LLMEngine(k31_model, config=EngineConfig(cache_memory="8MiB"))
+    engine.executor = object()  # stands for a multi-process executor: never reached
     with pytest.raises(ConfigError) as e:
-        OverlappedSteps(engine.executor, engine.scheduler, engine._take_token, object())
+        OverlappedSteps(engine.executor, engine.scheduler, engine._take_token, HeldLoads(object()))
     assert e.value.field == "async_scheduling"
-    assert main(["serve", "tiny", "--role", "prefill", "--kv-transfer", "mooncake", "--async-scheduling"]) == 2
+    assert main(["serve", "tiny", "--role", "prefill", "--kv-transfer", "mooncake", "--ep", "2",
+                 "--async-scheduling"]) == 2
     assert "async_scheduling" in capsys.readouterr().err
 
 

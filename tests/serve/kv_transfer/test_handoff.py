@@ -256,3 +256,41 @@ def test_fp8_pages_and_unpacked_handoffs_equal_colocated(k31_model, helpers, poo
     assert connector.stats()["kv_transfer_bytes_received"] == sum(
         (len(p) - 1) * layout.bytes_per_token + layout.bytes_per_state_slot for p in prompts)
     assert prefill.stats().extra["kv_transfer_unpacked"] == (len(prompts) if staging_bytes < 4096 else 0)
+
+
+@pytest.mark.parametrize("async_side", ["prefill", "decode", "both"])
+def test_async_scheduling_equals_colocated_sync(k31_model, helpers, pool, async_side):
+    """One-step-ahead scheduling on the prefill side, the decode side or both (`executor/held_loads.py`):
+    concurrent prompts longer than a block, four of them handed off while two others decode, give the
+    colocated one-step engine's tokens, and every block and slot goes back on both sides."""
+    prompts = helpers.prompts(6, 6, 30, seed=13)
+    expected = [c.token_ids for c in LLMEngine(k31_model, config=EngineConfig(**CONFIG)).generate(
+        prompts, GREEDY, progress=False)]
+    prefill = pool.add("p0", k31_model, async_scheduling=async_side in ("prefill", "both"))
+    decode, connector = decode_engine(k31_model, pool, async_scheduling=async_side in ("decode", "both"))
+
+    async def main():
+        first_token = asyncio.Event()
+
+        async def lead(prompt):  # decodes while the followers are handed off
+            tokens = []
+            async for out in decode.generate(prompt, GREEDY, kv_transfer=RemotePrefill("p0")):
+                tokens += out.delta_token_ids
+                first_token.set()
+            return tokens
+
+        async def follower(prompt):
+            await first_token.wait()
+            return await collect(decode, prompt, "p0")
+
+        got = await asyncio.gather(*map(lead, prompts[:2]), *map(follower, prompts[2:]))
+        await settle(decode.engine, prefill)
+        return got
+
+    assert run_then_close(decode, connector, main) == expected
+    assert (prefill.overlap is not None, decode.engine.overlap is not None) == (
+        async_side in ("prefill", "both"), async_side in ("decode", "both"))
+    for engine in (decode.engine, prefill):
+        assert_all_free(engine)
+    assert connector.stats()["kv_transfer_received"] == len(prompts)
+    assert prefill.stats().extra["kv_transfer_sent"] == len(prompts)
