@@ -39,6 +39,10 @@ the raw writes without the colocated server and the mixed load (a minute instead
 Also the bytes a hand-off moves for Kimi K3 (the planner's cost formulas) at a few prompt
 lengths beside this run's tiny model (measured and predicted).
 
+`--async-scheduling` runs every server (the colocated one, prefill and decode) with one-step-ahead
+scheduling (step N+1 scheduled while step N runs) and writes `serve_disagg_async.json`, a row of
+its own beside the one-step run's.
+
 Resources: the colocated server gets `--colocated-threads` torch threads (default 2), each
 P/D server 1, so both setups use the same number of cores. Absolute times are this shared
 CPU's; read the ratios.
@@ -180,8 +184,10 @@ def handoff_totals(p_url: str, d_url: str) -> dict[str, float]:
 
 def serve_args(args, threads: int) -> list[str]:
     chunk = [] if args.chunk is None else ["--max-num-batched-tokens", str(args.chunk)]
+    overlap = ["--async-scheduling"] if args.async_scheduling else []
     return ["serve", args.model, "--served-model-name", MODEL_NAME, "--threads", str(threads), "--cache-memory",
-            args.cache_memory, *chunk, "--max-model-len", str(max(args.long_len, *args.idle_lens) + args.long_output + 8)]
+            args.cache_memory, *chunk, "--max-model-len", str(max(args.long_len, *args.idle_lens) + args.long_output + 8),
+            *overlap]
 
 
 async def warm_up(url: str, args) -> float:
@@ -361,6 +367,8 @@ def main() -> None:
     ap.add_argument("--idle-lens", type=lambda s: [int(x) for x in s.split(",")], default=[256, 1536, 6144],
                     help="prompt lengths of the idle hand-offs (tiny: 0.5 KiB a token)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--async-scheduling", action="store_true", help="every server (colocated, prefill, decode) "
+                    "schedules step N+1 while step N runs; writes serve_disagg_async.json")
     ap.add_argument("--quick", action="store_true", help="15 s per setup; writes serve_disagg_quick.json")
     ap.add_argument("--handoff-only", action="store_true", help="only the idle hand-offs against raw TCP (no "
                     "colocated server, no mixed load); writes serve_disagg_handoff_quick.json (no README row)")
@@ -426,7 +434,8 @@ def main() -> None:
                          [[s["model"], s["prompt_tokens"], f"{s['bytes'] / 2**20:.2f} MiB",
                            "" if s["measured"] is None else f"{s['measured'] / 2**20:.2f} MiB"] for s in sizes]))
     # A hand-off-only run lacks the TPOT comparison the README row shows: always a _quick (git-ignored) file.
-    name = "serve_disagg_handoff_quick" if args.handoff_only else result_name("serve_disagg", args.quick)
+    name = "serve_disagg_handoff_quick" if args.handoff_only else result_name(
+        "serve_disagg_async" if args.async_scheduling else "serve_disagg", args.quick)
     path = write_result(name, {
         "config": vars(args), "targets": TARGETS, "colocated": colocated, "disaggregated": disagg,
         "hand_off": hand_off, "summary": summary, "bytes_per_handoff": sizes, "transport": transport})

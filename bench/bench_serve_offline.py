@@ -6,8 +6,10 @@ one prompt at a time and as one left-padded batch; deltamoe runs the whole list 
 `LLMEngine.generate` (continuous batching, chunked prefill, paged cache), eagerly and with its
 decode steps compiled (`EngineConfig(compile_decode=True)`, `--compile-decode`; the compile
 happens in a warm-up run before timing, as a server does it at startup, and its time is reported
-apart). Output tokens/s are compared with the better transformers mode (best of `--rounds`
-alternating rounds). The one-at-a-time mode is timed on the first `--serial-prompts` prompts: its
+apart), each one step at a time and with one-step-ahead scheduling (`EngineConfig(async_scheduling=True)`,
+`--async-scheduling`: step N+1 is scheduled while step N runs; its greedy tokens are checked equal to
+one step at a time). Output tokens/s are compared with the better transformers mode, and each async
+mode with its one-step mode (best of `--rounds` alternating rounds). The one-at-a-time mode is timed on the first `--serial-prompts` prompts: its
 rate does not depend on how many prompts follow.
 
     .venv/bin/python bench/bench_serve_offline.py [--quick]
@@ -109,12 +111,14 @@ def main() -> None:
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     k = min(args.serial_prompts, n)
 
-    def ours_run(compiled: bool, run_params: SamplingParams = params) -> float:
+    def ours_run(compiled: bool, run_params: SamplingParams = params, async_scheduling: bool = False) -> float:
         engine = LLMEngine(ours, config=EngineConfig(cache_memory="1GiB", max_num_seqs=64, max_num_batched_tokens=2048,
-                                                     compile_decode=compiled))
+                                                     compile_decode=compiled, async_scheduling=async_scheduling))
         t0 = time.perf_counter()
-        ours_run.completions[compiled] = engine.generate(prompts, run_params, progress=False)
-        return time.perf_counter() - t0
+        ours_run.completions[compiled, async_scheduling] = engine.generate(prompts, run_params, progress=False)
+        seconds = time.perf_counter() - t0
+        engine.shutdown()
+        return seconds
 
     ours_run.completions = {}
 
@@ -127,20 +131,29 @@ def main() -> None:
     warm = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     ours_run(False, warm)
     compile_s = ours_run(True, warm)  # compiles the decode graph (batch 1 and batched) once
+    ours_run(True, warm, async_scheduling=True)  # the same graphs, called from the device thread
     hf_serial(ref, prompts[:1], 4)
-    best = {"compiled": float("inf"), "eager": float("inf"), "serial": float("inf"), "batched": float("inf")}
+    best = {"compiled": float("inf"), "eager": float("inf"), "compiled_async": float("inf"),
+            "eager_async": float("inf"), "serial": float("inf"), "batched": float("inf")}
     for _ in range(args.rounds):
         best["compiled"] = min(best["compiled"], ours_run(True))
+        best["compiled_async"] = min(best["compiled_async"], ours_run(True, async_scheduling=True))
         best["eager"] = min(best["eager"], ours_run(False))
+        best["eager_async"] = min(best["eager_async"], ours_run(False, async_scheduling=True))
         best["serial"] = min(best["serial"], serial_run())
         best["batched"] = min(best["batched"], hf_batched(ref, prompts, new))
-    completions = ours_run.completions[True]
+    completions = ours_run.completions[True, False]
     assert all(len(c.token_ids) == new for c in completions)
-    same_modes = sum(a.token_ids == b.token_ids for a, b in zip(completions, ours_run.completions[False])) / n
+    same_modes = sum(a.token_ids == b.token_ids for a, b in zip(completions, ours_run.completions[False, False])) / n
+    same_async = {mode: sum(a.token_ids == b.token_ids for a, b in zip(ours_run.completions[compiled, True],
+                                                                      ours_run.completions[compiled, False])) / n
+                  for mode, compiled in (("compiled", True), ("eager", False))}
     match = sum(a == c.token_ids for a, c in zip(serial_run.outputs, completions)) / k
     own = sum(own_greedy(ours, p, new) == c.token_ids for p, c in zip(prompts[:k], completions)) / k
 
     rates = {"deltamoe engine, compiled decode": n * new / best["compiled"], "deltamoe engine, eager": n * new / best["eager"],
+             "deltamoe engine, compiled decode, async scheduling": n * new / best["compiled_async"],
+             "deltamoe engine, eager, async scheduling": n * new / best["eager_async"],
              "transformers, one at a time": k * new / best["serial"],
              "transformers, batched (left pad)": n * new / best["batched"]}
     best_peer = max(rates["transformers, one at a time"], rates["transformers, batched (left pad)"])
@@ -150,13 +163,19 @@ def main() -> None:
                      "serial_prompts_timed": k},
         "tokens_per_s": rates, "speedup_vs_best_transformers": rates["deltamoe engine, compiled decode"] / best_peer,
         "eager_speedup_vs_best_transformers": rates["deltamoe engine, eager"] / best_peer,
+        "async_speedup": {"compiled decode": best["compiled"] / best["compiled_async"],
+                          "eager": best["eager"] / best["eager_async"]},
         "compile_warmup_s": compile_s, "greedy_equal_compiled_vs_eager": same_modes,
+        "greedy_equal_async_vs_one_step": same_async,
         "greedy_equal_to_deltamoe_alone": own, "greedy_equal_to_transformers_serial": match, "rounds": args.rounds,
         "target": {"speedup": 5.0}})
     print(f"\n{n} prompts x {new} new tokens, greedy; torch threads {torch.get_num_threads()}\n")
     print(markdown_table(["mode", "output tokens/s", "vs best transformers"], rows))
     print(f"\ncompiled-decode warm-up (compiles the graph once): {compile_s:.1f} s; greedy outputs compiled == "
           f"eager: {same_modes:.0%} of {n} prompts")
+    print(f"async scheduling vs one step at a time: compiled {best['compiled'] / best['compiled_async']:.2f}x, eager "
+          f"{best['eager'] / best['eager_async']:.2f}x; greedy outputs equal: compiled {same_async['compiled']:.0%}, "
+          f"eager {same_async['eager']:.0%}")
     print(f"greedy outputs identical to deltamoe's model alone (ContiguousCache): {own:.0%} of {k} prompts; "
           f"to transformers one at a time: {match:.0%} (random tiny weights: near-tied logits flip argmax "
           f"at the 1e-5 level that separates the two implementations)")

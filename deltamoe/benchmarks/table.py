@@ -203,6 +203,9 @@ def train_quality_rows(d: dict) -> list[Row]:
              verdict([(goal, met)], d.get("note"))]]
 
 
+ASYNC_MODE = ", async scheduling"  # suffix of bench_serve_offline.py's one-step-ahead modes
+
+
 def serve_offline_rows(d: dict) -> list[Row]:
     w, tps = d["workload"], dict(d["tokens_per_s"])
     ours = {name: tps.pop(name) for name in list(tps) if name.startswith("deltamoe engine")}
@@ -215,6 +218,12 @@ def serve_offline_rows(d: dict) -> list[Row]:
     rows: list[Row] = []
     for name, value in ours.items():  # the headline (first) mode carries the goal
         mode = name.removeprefix("deltamoe engine").removeprefix(", ")
+        one_step = name.removesuffix(ASYNC_MODE)  # an async mode is compared with its one-step mode
+        if one_step != name and one_step in ours:
+            rows.append([f"same, deltamoe {mode}", f"{rate(value)} tok/s",
+                         f"{one_step.removeprefix('deltamoe engine, ')}, one step at a time {rate(ours[one_step])}",
+                         times(value / ours[one_step]), ""])
+            continue
         rows.append([label + (f", {mode}" if mode else "") if not rows else f"same, deltamoe {mode}",
                      f"{rate(value)} tok/s", f"transformers {peers}" if not rows else "",
                      bold(times(value / best_peer)) if not rows else times(value / best_peer),
@@ -326,9 +335,11 @@ def serve_disagg_rows(d: dict) -> list[Row]:
     co, pd = d["colocated"], d["disaggregated"]
     tpot = summary["p99_chat_tpot_colocated_over_disagg"]
     goal = f">= {t['p99_chat_tpot_colocated_over_disagg']:g}x p99 TPOT" if "p99_chat_tpot_colocated_over_disagg" in t else ""
+    run = ("with async scheduling on every server (`python bench/bench_serve_disagg.py --async-scheduling`)"
+           if c.get("async_scheduling") else command("serve_disagg"))
     out = [[f"P/D disaggregation (1 prefill + 1 decode, Mooncake TCP) vs one colocated server, {c['model']}: "
             f"{c['chats']} chats of {c['chat_len']} + {c['chat_output']} tokens beside a {c['long_len']}-token prompt "
-            f"every {c['long_every']:g} s {command('serve_disagg')}",
+            f"every {c['long_every']:g} s {run}",
             f"chat TPOT p99 {pd['chat_tpot_p99_ms']:,.0f} ms, gap p99 {pd['chat_itl_p99_ms']:,.0f} ms",
             f"colocated TPOT p99 {co['chat_tpot_p99_ms']:,.0f} ms, gap p99 {co['chat_itl_p99_ms']:,.0f} ms",
             f"{bold(times(tpot))} / {times(summary['p99_chat_itl_colocated_over_disagg'])}",
@@ -599,6 +610,7 @@ FORMATTERS: dict[str, Callable[[dict], list[Row]]] = {
     "serve_online": serve_online_rows,
     "serve_online_compiled": serve_online_rows,
     "serve_disagg": serve_disagg_rows,
+    "serve_disagg_async": serve_disagg_rows,  # bench_serve_disagg.py --async-scheduling
     "serve_online_vs_transformers": serve_online_vs_peer_rows,
     "serve_workers": serve_workers_rows,
     "serve_structured": serve_structured_rows,

@@ -175,3 +175,23 @@ def test_serve_disagg_rows_judge_both_goals_and_show_k3_bytes():
         row["copy_seconds"] = 0.001
     assert "(prefill's finish -> cache in the decode server's pools)" in serve_disagg_rows(d)[1][0]
     assert sizes[1] == "537 MiB" and "1.00 MiB measured, 1.00 MiB predicted" in sizes[2]
+
+
+def test_offline_async_modes_are_set_against_their_one_step_modes():
+    offline = json.loads((RESULTS / "serve_offline.json").read_text())
+    tps = offline["tokens_per_s"]
+    one_step = tps["deltamoe engine, eager"]
+    tps["deltamoe engine, eager, async scheduling"] = one_step * 1.5
+    rows = FORMATTERS["serve_offline"](offline)
+    row = next(r for r in rows if r[0] == "same, deltamoe eager, async scheduling")
+    assert row[1:4] == [f"{one_step * 1.5:,.0f} tok/s", f"eager, one step at a time {one_step:,.0f}", "1.5x"]
+    assert rows[0][3] == f"**{times(offline['speedup_vs_best_transformers'])}**"  # the headline is unchanged
+
+
+def test_a_disagg_run_with_async_scheduling_says_so():
+    disagg = json.loads((RESULTS / "serve_disagg.json").read_text())
+    assert "async scheduling" not in FORMATTERS["serve_disagg"](disagg)[0][0]
+    disagg["config"]["async_scheduling"] = True
+    label = FORMATTERS["serve_disagg_async"](disagg)[0][0]
+    assert label.endswith("with async scheduling on every server (`python bench/bench_serve_disagg.py "
+                          "--async-scheduling`)")
