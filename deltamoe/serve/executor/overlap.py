@@ -164,6 +164,8 @@ class OverlappedSteps:
 
     def _at_boundary(self, state_ops: list[tuple[int | None, int]], loads: list[NotedLoad]) -> None:
         self.cache.apply_state_ops(state_ops)  # one process: `check_async_scheduling` refuses roles with ranks
+        if self.runner.device.type == "cuda":  # the steps before and these writes are only enqueued so far
+            torch.cuda.current_stream(self.runner.device).synchronize()
         self.loads.start(loads)
 
     # ------------------------------------------------------------------ launch (host)

@@ -7,17 +7,13 @@ their pools afterwards (read from /metrics)."""
 
 from __future__ import annotations
 
-import concurrent.futures
-
 import pytest
 
 pytest.importorskip("mooncake.engine")
 httpx = pytest.importorskip("httpx")
 
-from deltamoe.model.weights import save_checkpoint  # noqa: E402
 from tests.serve.kv_transfer.test_handoff_workers import model  # noqa: E402,F401 (a fixture)
-from tests.serve.router.test_disaggregated_processes import assert_nothing_held, colocated, complete, metric  # noqa: E402
-from tests.serve.router.test_disaggregated_workers import Pairs  # noqa: E402
+from tests.serve.router.test_disaggregated_workers import Pairs, assert_pair_equals_colocated, running  # noqa: E402
 
 pytestmark = pytest.mark.slow
 ASYNC = ["--async-scheduling"]
@@ -32,23 +28,10 @@ class AsyncPairs(Pairs):
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory, model):  # noqa: F811
-    ckpt = tmp_path_factory.mktemp("ckpt")
-    save_checkpoint(model, ckpt)
-    p = AsyncPairs(str(ckpt))
-    yield p
-    p.close()
+    with running(AsyncPairs, tmp_path_factory, model) as p:
+        yield p
 
 
 @pytest.mark.parametrize("router", list(AsyncPairs.ROUTED))
 def test_greedy_through_router_with_async_scheduling_equals_colocated(pairs, model, helpers, router):  # noqa: F811
-    prompts = helpers.prompts(8, 6, 30, seed=23)
-    expected = colocated(model, prompts, 12)
-    url = pairs.urls[router]
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        got = list(pool.map(lambda ip: complete(url, ip[1], 12, stream=ip[0] % 2 == 0), enumerate(prompts)))
-    assert got == expected
-    prefill, decode = AsyncPairs.ROUTED[router]
-    assert metric(pairs.urls[decode], "deltamoe_engine_kv_transfer_received") >= 8
-    assert metric(pairs.urls[prefill], "deltamoe_engine_kv_transfer_sent") >= 8
-    for name in (prefill, decode):
-        assert_nothing_held(pairs.urls[name])
+    assert_pair_equals_colocated(pairs, router, model, helpers.prompts(8, 6, 30, seed=23))

@@ -7,6 +7,8 @@ text, and every server's blocks and state slots are back in their pools afterwar
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+from collections.abc import Iterator
 
 import pytest
 
@@ -57,25 +59,39 @@ class Pairs:
                 proc.kill()
 
 
-@pytest.fixture(scope="module")
-def pairs(tmp_path_factory, model):  # noqa: F811
+@contextlib.contextmanager
+def running(layout: type[Pairs], tmp_path_factory, model) -> Iterator[Pairs]:
+    """`layout`'s servers and routers over `model` saved to a fresh folder, stopped on exit."""
     ckpt = tmp_path_factory.mktemp("ckpt")
     save_checkpoint(model, ckpt)
-    p = Pairs(str(ckpt))
-    yield p
-    p.close()
+    p = layout(str(ckpt))
+    try:
+        yield p
+    finally:
+        p.close()
 
 
-@pytest.mark.parametrize("router", ["ep_prefill", "ep_decode", "tp_both"])
-def test_greedy_through_router_with_workers_equals_colocated(pairs, model, helpers, router):  # noqa: F811
-    prompts = helpers.prompts(8, 6, 30, seed=21)
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory, model):  # noqa: F811
+    with running(Pairs, tmp_path_factory, model) as p:
+        yield p
+
+
+def assert_pair_equals_colocated(pairs: Pairs, router: str, model, prompts: list[list[int]]) -> None:
+    """8 concurrent greedy requests (streaming and not) through `router`: the colocated engine's text,
+    every one handed off, and nothing held by the pair afterwards."""
     expected = colocated(model, prompts, 12)
     url = pairs.urls[router]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         got = list(pool.map(lambda ip: complete(url, ip[1], 12, stream=ip[0] % 2 == 0), enumerate(prompts)))
     assert got == expected
-    prefill, decode = Pairs.ROUTED[router]
-    assert metric(pairs.urls[decode], "deltamoe_engine_kv_transfer_received") >= 8
-    assert metric(pairs.urls[prefill], "deltamoe_engine_kv_transfer_sent") >= 8
+    prefill, decode = pairs.ROUTED[router]
+    assert metric(pairs.urls[decode], "deltamoe_engine_kv_transfer_received") >= len(prompts)
+    assert metric(pairs.urls[prefill], "deltamoe_engine_kv_transfer_sent") >= len(prompts)
     for name in (prefill, decode):
         assert_nothing_held(pairs.urls[name])
+
+
+@pytest.mark.parametrize("router", ["ep_prefill", "ep_decode", "tp_both"])
+def test_greedy_through_router_with_workers_equals_colocated(pairs, model, helpers, router):  # noqa: F811
+    assert_pair_equals_colocated(pairs, router, model, helpers.prompts(8, 6, 30, seed=21))
