@@ -83,8 +83,3 @@ class HeldLoads(KVConnector):
                     failed = True
         if failed and self.connector.on_transfer_end is not None:
             self.connector.on_transfer_end()
-
-    @property
-    def num_held(self) -> int:
-        with self._lock:
-            return len(self._held)
