@@ -7,8 +7,8 @@ one prompt at a time and as one left-padded batch; deltamoe runs the whole list 
 decode steps compiled (`EngineConfig(compile_decode=True)`, `--compile-decode`; the compile
 happens in a warm-up run before timing, as a server does it at startup, and its time is reported
 apart), each one step at a time and with one-step-ahead scheduling (`EngineConfig(async_scheduling=True)`,
-`--async-scheduling`: step N+1 is scheduled while step N runs; its greedy tokens are checked equal to
-one step at a time). Output tokens/s are compared with the better transformers mode, and each async
+`--async-scheduling`: step N+1 is scheduled while step N runs; the share of prompts whose greedy tokens
+equal one step at a time's is reported). Output tokens/s are compared with the better transformers mode, and each async
 mode with its one-step mode (best of `--rounds` alternating rounds). The one-at-a-time mode is timed on the first `--serial-prompts` prompts: its
 rate does not depend on how many prompts follow.
 
