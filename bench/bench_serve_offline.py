@@ -6,11 +6,13 @@ one prompt at a time and as one left-padded batch; deltamoe runs the whole list 
 `LLMEngine.generate` (continuous batching, chunked prefill, paged cache), eagerly and with its
 decode steps compiled (`EngineConfig(compile_decode=True)`, `--compile-decode`; the compile
 happens in a warm-up run before timing, as a server does it at startup, and its time is reported
-apart). Output tokens/s are compared with the better transformers mode (best of `--rounds`
-alternating rounds). The one-at-a-time mode is timed on the first `--serial-prompts` prompts: its
+apart). `--whole` adds a third deltamoe mode, the decode call compiled as one graph
+(`CompiledDecode(model, regional=False)`), timed in the same rounds: the regions' default
+against the form they replaced, side by side. Output tokens/s are compared with the better
+transformers mode (best of `--rounds` alternating rounds). The one-at-a-time mode is timed on the first `--serial-prompts` prompts: its
 rate does not depend on how many prompts follow.
 
-    .venv/bin/python bench/bench_serve_offline.py [--quick]
+    .venv/bin/python bench/bench_serve_offline.py [--quick] [--whole]
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import markdown_table, result_name, write_result  # noqa: E402
 
 from deltamoe.model.load import load_model  # noqa: E402
+from deltamoe.serve.engine.compiled_decode import CompiledDecode  # noqa: E402
 from deltamoe.serve.engine.config import EngineConfig  # noqa: E402
 from deltamoe.serve.engine.llm_engine import LLMEngine  # noqa: E402
 from deltamoe.serve.engine.sampling import SamplingParams  # noqa: E402
@@ -97,6 +100,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="alternate the modes this many times, keep the best")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads for every side (1 keeps a shared machine's noise down)")
+    parser.add_argument("--whole", action="store_true", help="also time the decode call compiled as one graph")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     n, new = (16, 32) if args.quick else (64, 128)
@@ -109,9 +113,12 @@ def main() -> None:
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     k = min(args.serial_prompts, n)
 
-    def ours_run(compiled: bool, run_params: SamplingParams = params) -> float:
+    def ours_run(compiled: bool | str, run_params: SamplingParams = params) -> float:
+        """`compiled`: False (eager), True (regions, the default) or "whole" (one graph)."""
         engine = LLMEngine(ours, config=EngineConfig(cache_memory="1GiB", max_num_seqs=64, max_num_batched_tokens=2048,
-                                                     compile_decode=compiled))
+                                                     compile_decode=bool(compiled)))
+        if compiled == "whole":
+            engine.runner._compiled_decode = CompiledDecode(ours, regional=False)
         t0 = time.perf_counter()
         ours_run.completions[compiled] = engine.generate(prompts, run_params, progress=False)
         return time.perf_counter() - t0
@@ -127,10 +134,13 @@ def main() -> None:
     warm = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     ours_run(False, warm)
     compile_s = ours_run(True, warm)  # compiles the decode graph (batch 1 and batched) once
+    whole_compile_s = ours_run("whole", warm) if args.whole else None
     hf_serial(ref, prompts[:1], 4)
     best = {"compiled": float("inf"), "eager": float("inf"), "serial": float("inf"), "batched": float("inf")}
     for _ in range(args.rounds):
         best["compiled"] = min(best["compiled"], ours_run(True))
+        if args.whole:
+            best["whole"] = min(best.get("whole", float("inf")), ours_run("whole"))
         best["eager"] = min(best["eager"], ours_run(False))
         best["serial"] = min(best["serial"], serial_run())
         best["batched"] = min(best["batched"], hf_batched(ref, prompts, new))
@@ -141,6 +151,7 @@ def main() -> None:
     own = sum(own_greedy(ours, p, new) == c.token_ids for p, c in zip(prompts[:k], completions)) / k
 
     rates = {"deltamoe engine, compiled decode": n * new / best["compiled"], "deltamoe engine, eager": n * new / best["eager"],
+             **({"deltamoe engine, compiled decode (whole call)": n * new / best["whole"]} if args.whole else {}),
              "transformers, one at a time": k * new / best["serial"],
              "transformers, batched (left pad)": n * new / best["batched"]}
     best_peer = max(rates["transformers, one at a time"], rates["transformers, batched (left pad)"])
@@ -150,11 +161,14 @@ def main() -> None:
                      "serial_prompts_timed": k},
         "tokens_per_s": rates, "speedup_vs_best_transformers": rates["deltamoe engine, compiled decode"] / best_peer,
         "eager_speedup_vs_best_transformers": rates["deltamoe engine, eager"] / best_peer,
-        "compile_warmup_s": compile_s, "greedy_equal_compiled_vs_eager": same_modes,
+        "compile_warmup_s": compile_s, "whole_compile_warmup_s": whole_compile_s, "greedy_equal_compiled_vs_eager": same_modes,
         "greedy_equal_to_deltamoe_alone": own, "greedy_equal_to_transformers_serial": match, "rounds": args.rounds,
         "target": {"speedup": 5.0}})
     print(f"\n{n} prompts x {new} new tokens, greedy; torch threads {torch.get_num_threads()}\n")
     print(markdown_table(["mode", "output tokens/s", "vs best transformers"], rows))
+    if args.whole:
+        same_whole = sum(a.token_ids == b.token_ids for a, b in zip(completions, ours_run.completions["whole"])) / n
+        print(f"\nwhole-call warm-up: {whole_compile_s:.1f} s; greedy outputs whole == regions: {same_whole:.0%}")
     print(f"\ncompiled-decode warm-up (compiles the graph once): {compile_s:.1f} s; greedy outputs compiled == "
           f"eager: {same_modes:.0%} of {n} prompts")
     print(f"greedy outputs identical to deltamoe's model alone (ContiguousCache): {own:.0%} of {k} prompts; "
