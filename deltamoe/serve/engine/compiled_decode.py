@@ -7,6 +7,10 @@ Two forms, the same results:
   start (an empty inductor cache) short enough to compile by default;
 - the whole call as one graph (`CompiledDecode(model, regional=False)`): the same kernels without
   the eager glue, a faster step at the cost of compiling every layer's code.
+Not a third form: one guarded call over layer bodies marked `torch.compiler.nested_compile_region`
+(compiled once per kind, stamped out per layer). Inductor's C++ launcher (`cpp_wrapper`) cannot
+emit such a subgraph, and with the Python launcher the compile is no shorter than the whole
+graph's and the step slower than the regions' (docs/serving.md, "Ways to cut that cost").
 
 Everything torch.compile needs to know lives here: the compiled callable and its options, the
 shape settings, the model form it traces, the rule the cache view's block tables follow, and the
