@@ -106,7 +106,7 @@ def test_handoff_equals_colocated(k31_model, helpers, pool, num_prefill):
     prompts = concurrent_prompts + followers
     expected = [c.token_ids for c in LLMEngine(k31_model, config=EngineConfig(**CONFIG)).generate(
         prompts, GREEDY, progress=False)]
-    # With two prefill servers, p1 writes each packed hand-off a layer at a time as it gathers it.
+    # With two prefill servers, p1 writes each packed hand-off a pool at a time as it gathers it.
     prefills = [pool.add(f"p{i}", k31_model, HandOffConfig(write_chunk_bytes=1 if i else 1 << 20))
                 for i in range(num_prefill)]
     decode, connector = decode_engine(k31_model, pool)
@@ -136,13 +136,13 @@ def test_handoff_equals_colocated(k31_model, helpers, pool, num_prefill):
     assert sum(p.stats().extra["kv_transfer_bytes_sent"] for p in prefills) == moved["kv_transfer_bytes_received"]
     assert prefills[0].stats().prefix_hit_tokens >= 16
     assert prefills[0].stats().extra["kv_transfer_writes"] == prefills[0].stats().extra["kv_transfer_sent"]
-    if num_prefill == 2:  # p1: a write per layer of each pool
+    if num_prefill == 2:  # p1: a write per pool
         p1 = prefills[1].stats().extra
         assert p1["kv_transfer_writes"] == p1["kv_transfer_sent"] * sum(
-            t.shape[0] for t in pool_tensors(prefills[1].cache).values() if t.numel())
+            1 for t in pool_tensors(prefills[1].cache).values() if t.numel())
     # One host, one clock: the decode side timed every hand-off from the prefill's finish to its cache.
     assert moved["kv_transfer_timed"] == handed_off
-    assert moved["kv_transfer_seconds_finish_to_cache"] > moved["kv_transfer_seconds_notice"] > 0
+    assert moved["kv_transfer_seconds_finish_to_cache"] > max(0.0, moved["kv_transfer_seconds_notice"])
 
 
 def test_failed_handoff_is_an_error_and_frees_everything(k31_model, helpers, pool):
