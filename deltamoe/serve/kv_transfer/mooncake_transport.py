@@ -21,7 +21,7 @@ caller's deadline counts as failed too.
 
 Completion notices: the last write of a hand-off may carry a notice (the engine's notify: a
 short message that the peer's engine queues once the write is complete, read there with
-`get_notifies`), sent only after every earlier chunk completed. The engine's TCP framing
+`get_notifies`), issued only after every other write completed. The engine's TCP framing
 acknowledges a write only once its bytes are in the receiver's memory (Mooncake's acknowledged
 "v2" framing, unless MC_TCP_PROTO=1 forces the legacy one), so a receiver that sees the notice
 has every byte of the hand-off.
@@ -47,6 +47,7 @@ MIN_ENGINE_TIMEOUT_S = 5  # the engine's floor for MC_TRANSFER_TIMEOUT
 GLOG_MIN_LEVEL = "_ZN3fLI17FLAGS_minloglevelE"  # glog's `FLAGS_minloglevel` (C++ name, exported)
 GLOG_ERROR = 2
 NOTICE_NAME = "deltamoe-hand-off"  # the notify name of hand-off completion notices
+NOTICE_BYTES = 64  # what a notice's own write sends again after a chunked write
 
 
 def quiet_engine_logs() -> None:
@@ -131,14 +132,16 @@ class MooncakeTransport:
                        timeout_s: float, notice: str | None = None) -> int:
         """Copy `nbytes` from `src` to `peer`'s `dst` while the sender is still producing them: `ready`
         yields how many leading bytes are final (non-decreasing, ending at `nbytes`), and every
-        `min_chunk` new bytes before the end go out as one asynchronous write, so the transfer
-        engine's threads send a chunk while this thread produces the next. Once the bytes are all
-        produced, this thread waits for every chunk sent so far, each until it completed or failed,
-        and only then writes the rest synchronously (all of it when no chunk went out: then this is
-        `write` after producing), with `notice` for the peer when given. Returns the number of
-        writes; raises TransferFailed as `write` does. Whatever happens, returns only once no write
-        is in flight (the caller then reuses the memory, and the peer lends its range to another
-        hand-off)."""
+        `min_chunk` new bytes go out as one asynchronous write, so the transfer engine's threads
+        send a chunk while this thread produces the next; the rest goes out the same way once
+        produced, and this thread then waits for every chunk, each until it completed or failed.
+        A request that never reached `min_chunk` goes out as one synchronous write after it is
+        produced. `notice`, when given, reaches the peer after every byte: it rides on that single
+        write, or on a write of the last `NOTICE_BYTES` again once all chunks completed (a notice
+        needs a write, and a chunk written after the others completed, rather than beside them,
+        costs more than a short write). Returns the number of writes; raises TransferFailed as
+        `write` does. Whatever happens, returns only once no write is in flight (the caller then
+        reuses the memory, and the peer lends its range to another hand-off)."""
         if timeout_s <= 0:
             raise TransferFailed(f"no time left for the hand-off to {peer}")
         start = time.monotonic()
@@ -151,17 +154,21 @@ class MooncakeTransport:
                     sent = end
             if end != nbytes:
                 raise ValueError(f"the producer stopped at {end} of {nbytes} bytes")
+            if batches:
+                batches.append(self._submit(peer, src + sent, dst + sent, nbytes - sent))
         finally:
             failed = [status for status in self._wait_each(batches) if status != 0]
-        if not failed:
-            status = self._write_one(peer, src + sent, dst + sent, nbytes - sent, notice)
-            failed = [status] if status != 0 else []
+        writes = len(batches)
+        if not failed and (notice is not None or not batches):
+            first = max(0, nbytes - NOTICE_BYTES) if batches else 0
+            status = self._write_one(peer, src + first, dst + first, nbytes - first, notice)
+            failed, writes = [status] if status != 0 else [], writes + 1
         if failed:
             raise TransferFailed(f"the hand-off write to {peer} failed (status {min(failed)}: peer unreachable, "
                                  "or the engine's own timeout)")
         if time.monotonic() - start > timeout_s:
             raise TransferFailed(f"the hand-off to {peer} took longer than {timeout_s:.1f} s")
-        return len(batches) + 1
+        return writes
 
     def notices(self) -> list[str]:
         """The completion notices that arrived since the last call (their messages)."""

@@ -41,7 +41,7 @@ def test_chunks_go_out_as_bytes_become_ready_and_land_in_place(peers):
 
     writes = sender.write_as_ready(receiver.session, src.data_ptr(), dst.data_ptr(), 16384, ready(), 4000, 5.0)
     assert produced == [1000, 2000, 4000, 9000, 12000, 16384]
-    assert writes == 3  # [0, 4000), [4000, 9000), [9000, 16384)
+    assert writes == 3  # [0, 4000), [4000, 9000), [9000, 16384) (the last once produced)
     assert torch.equal(dst, src)
 
 
@@ -73,7 +73,7 @@ def test_a_notice_reaches_the_peer_after_the_last_chunk(peers):
     dst.zero_()
     writes = sender.write_as_ready(receiver.session, src.data_ptr(), dst.data_ptr(), 16384,
                                    iter([4096, 8192, 16384]), 4096, 5.0, notice="t1")
-    assert writes == 3 and wait_for_notices(receiver, 1) == ["t1"] and torch.equal(dst, src)
+    assert writes == 4 and wait_for_notices(receiver, 1) == ["t1"] and torch.equal(dst, src)  # 3 chunks + the notice
     # A single write (no chunk reached 4096 bytes before the end) carries the notice as well.
     dst.zero_()
     writes = sender.write_as_ready(receiver.session, src.data_ptr(), dst.data_ptr(), 16384, iter([16384]), 4096, 5.0,
