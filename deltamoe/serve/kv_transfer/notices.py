@@ -7,8 +7,11 @@ takes two more thread hand-overs (the prefill server's event loop, then this ser
 client) and an HTTP response on the way: the answer stays the control path (errors, timings).
 
 The engine offers no blocking wait for notices, only `get_notifies`, so this thread polls it, and
-only while some hand-off awaits its notice; each poll is one short C++ call, and between polls the
-thread sleeps without the GIL. A notice is "<key> <detail>": the key names one hand-off
+only while some hand-off awaits its notice (also while its prompt is still being computed: the
+decode side cannot tell when the prefill ends); each poll is one short C++ call, and between polls
+the thread sleeps without the GIL. The poll period trades the notice's delay (half of it on
+average) against the CPU the polls take beside the engine thread (a few percent of a core at the
+default). A notice is "<key> <detail>": the key names one hand-off
 (`expect`), and its callback runs on this thread with the detail. Whoever claims a hand-off first handles it: this thread when its notice arrives,
 or the hand-off's own thread when the HTTP answer comes first (`claim`: the notice was queued
 but not yet polled, or the hand-off failed); a notice nobody expects any more is dropped.
@@ -20,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 
-POLL_S = 50e-6  # sleep between polls while a notice is awaited (the kernel adds its timer slack)
+POLL_S = 100e-6  # sleep between polls while a notice is awaited (the kernel adds its timer slack)
 
 
 class NoticeWatcher:
