@@ -10,7 +10,8 @@ Decode side (`RemotePrefill` on a sequence): at admission the scheduler reserves
 N-1 tokens and a state slot; `update_state_after_alloc` then asks the prefill server (through
 `prefill_client`, an HTTP call in a server) to compute and write into exactly those blocks,
 skipping the leading blocks that this engine's prefix cache already held. The request runs once
-that call returns; until then (also when it is aborted) its blocks stay pinned.
+the hand-off landed (its completion notice, or that call's answer if it comes first); until then
+(also when it is aborted) its blocks stay pinned.
 
 Prefill side (`PushTo` on a sequence): when the request finishes its N-1 tokens,
 `request_finished` starts the write on a hand-off thread and keeps the blocks and slot pinned
@@ -23,10 +24,10 @@ its own, a pool at a time, and writes each `write_chunk_bytes` of it as soon as 
 gathered (the transfer engine sends a chunk while this thread gathers the next). Otherwise (a
 request larger than an area) the prefill side writes straight into the decode side's pools, one
 write per run of blocks per layer and one per state layer: correct, but each write pays the
-transport's fixed cost. Either way the last write carries a completion notice (`notices.py`),
-sent once every other write completed: the decode side scatters the message into its blocks and
-slot (packed) and lets the request run as soon as the notice arrives, without waiting for the
-prefill call's answer, which still reports errors and timings.
+transport's fixed cost. Either way a completion notice (`notices.py`) follows once every write
+completed: the decode side scatters the message into its blocks and slot (packed) and lets the
+request run as soon as the notice arrives, without waiting for the prefill call's answer, which
+still reports errors and timings.
 
 A staging range is lent for as long as a write may still land in it: the prefill side answers
 only once each of its writes completed or failed (`MooncakeTransport.write_as_ready`), and when
