@@ -14,14 +14,16 @@ the hand-off landed (its completion notice, or that call's answer if it comes fi
 (also when it is aborted) its blocks stay pinned.
 
 Prefill side (`PushTo` on a sequence): when the request finishes its N-1 tokens,
-`request_finished` starts the write on a hand-off thread and keeps the blocks and slot pinned
-until the write ends. Prefix caching works as in any engine: cached blocks are not recomputed,
+`request_finished` starts the write (a packed one on the engine thread itself, see below; the
+rest on a hand-off thread) and keeps the blocks and slot pinned until the write ends. Prefix caching works as in any engine: cached blocks are not recomputed,
 and are sent like the rest (the decode side lacks them).
 
 The write is packed when the request fits both servers' staging areas (`staging.py`): the
 decode side lends a range of its area, the prefill side gathers the request into a range of
 its own, a pool at a time, and writes each `write_chunk_bytes` of it as soon as they are
-gathered (the transfer engine sends a chunk while this thread gathers the next). Otherwise (a
+gathered (the transfer engine sends a chunk while this thread gathers the next). The engine
+thread does that itself when a range is free at once, every byte as asynchronous writes, so that
+the hand-off thread, which waits for them and sends the notice, wakes up while they travel. Otherwise (a
 request larger than an area) the prefill side writes straight into the decode side's pools, one
 write per run of blocks per layer and one per state layer: correct, but each write pays the
 transport's fixed cost. Either way a completion notice (`notices.py`) follows once every write
@@ -49,7 +51,7 @@ from deltamoe.serve.engine.cache import HybridCache
 from deltamoe.serve.engine.sequence import Sequence
 from deltamoe.serve.kv_transfer.clock import monotonic_clock_id
 from deltamoe.serve.kv_transfer.connector import FinishedTransfers, KVConnector
-from deltamoe.serve.kv_transfer.mooncake_transport import MooncakeTransport, TransferFailed
+from deltamoe.serve.kv_transfer.mooncake_transport import ChunkedWrite, MooncakeTransport, TransferFailed
 from deltamoe.serve.kv_transfer.notices import POLL_S, NoticeWatcher
 from deltamoe.serve.kv_transfer.packing import TokenRows, message_bytes, pack_in_steps, payload_bytes, token_rows, unpack
 from deltamoe.serve.kv_transfer.pools import PoolDescriptor, describe, pool_tensors, request_segments
@@ -180,7 +182,10 @@ class MooncakeConnector(KVConnector):
         with self._lock:
             self._in_flight.add(seq.request_id)
         src_blocks = seq.block_table[push.first_block:push.first_block + len(push.dst_blocks)]
-        self._threads.submit(self._push, seq.request_id, push, src_blocks, seq.num_computed, seq.slot)
+        # This thread gathers a packed hand-off and puts it on its way at once, when a range of the
+        # staging area is free now: the hand-off thread then starts while the bytes travel, not before.
+        started = self._start_packed(push, src_blocks, seq.num_computed, seq.slot, wait=False)
+        self._threads.submit(self._push, seq.request_id, push, src_blocks, seq.num_computed, seq.slot, started)
         return True
 
     # ------------------------------------------------------------------ worker side
@@ -271,13 +276,15 @@ class MooncakeConnector(KVConnector):
             timer.daemon = True
             timer.start()
 
-    def _push(self, request_id: str, push: PushTo, src_blocks: list[int], num_tokens: int, slot: int) -> None:
+    def _push(self, request_id: str, push: PushTo, src_blocks: list[int], num_tokens: int, slot: int,
+              started: "StartedPush | None") -> None:
         start = time.monotonic()
         self._add("seconds_queued", start - push.finished_at)  # the prefill's finish -> this thread runs
         try:
-            packed = push.staging is not None and self.staging.fits(push.staging[1])
+            packed = started is not None or (push.staging is not None and self.staging.fits(push.staging[1]))
             if packed:
-                nbytes, writes = self._write_packed(push, src_blocks, num_tokens, slot)
+                nbytes, writes = self._finish_packed(
+                    push, started or self._start_packed(push, src_blocks, num_tokens, slot, wait=True))
             else:
                 segments = request_segments(self.cache, push.dest, src_blocks, push.dst_blocks, num_tokens,
                                             push.first_block, slot, push.dst_slot)
@@ -291,36 +298,58 @@ class MooncakeConnector(KVConnector):
             push.done.set_exception(e if isinstance(e, TransferFailed) else TransferFailed(str(e)))
             return
         written = time.monotonic()
-        seconds = written - start
+        seconds = written - push.finished_at if started is not None else written - start
         self._add("writes", writes)
         self._end(request_id, "sent", nbytes=nbytes, seconds=seconds, unpacked=not packed)
         push.done.set_result({"bytes": nbytes, "seconds": seconds, "segments": writes, "packed": packed,
                               "clock": monotonic_clock_id(), "finished_at": push.finished_at, "written_at": written})
 
-    def _write_packed(self, push: PushTo, src_blocks: list[int], num_tokens: int, slot: int) -> tuple[int, int]:
-        """Gather the request into a range of this side's staging area and write it into the decode
-        side's range, a chunk at a time while the rest is gathered; (the request's bytes, writes)."""
+    def _start_packed(self, push: PushTo, src_blocks: list[int], num_tokens: int, slot: int,
+                      wait: bool) -> "StartedPush | None":
+        """Gather the request into a range of this side's staging area, a pool at a time, sending each
+        `write_chunk_bytes` into the decode side's range as soon as they are gathered. `wait`: on the
+        hand-off thread, wait for a range until the deadline; else (the engine thread) None when no
+        range is free at once or the write is not packed, and every byte goes out asynchronously
+        (the engine thread never waits on the wire). A failure comes back inside the result (the
+        engine thread never raises it): `_finish_packed` raises it."""
+        if push.staging is None or not self.staging.fits(push.staging[1]):
+            return None
         rows = token_rows(src_blocks, push.first_block, num_tokens, self.cache.block_size)
         address, size = push.staging
         if size != message_bytes(self.cache, len(rows)):
-            raise TransferFailed(f"the decode side lent {size} bytes for a {message_bytes(self.cache, len(rows))}-byte "
-                                 "packed hand-off")
-        offset = self.staging.borrow(size, push.deadline)
+            error = TransferFailed(f"the decode side lent {size} bytes for a {message_bytes(self.cache, len(rows))}"
+                                   "-byte packed hand-off")
+            return StartedPush(None, size, 0, error=error)
+        offset = self.staging.borrow(size, push.deadline if wait else 0.0)
         if offset is None:
-            raise TransferFailed("the staging area stayed full until the hand-off's deadline")
+            return StartedPush(None, size, 0, error=TransferFailed(
+                "the staging area stayed full until the hand-off's deadline")) if wait else None
+        started = StartedPush(offset, size, payload_bytes(self.cache, len(rows)))
         gathering = [0.0]
         try:
-            start = time.monotonic()
             steps = _timed(pack_in_steps(self.cache, rows, slot, self.staging.buffer[offset:offset + size]), gathering)
-            writes = self.transport.write_as_ready(push.dest.session, self.staging.address + offset, address, size,
-                                                   steps, self.config.write_chunk_bytes,
-                                                   max(0.0, push.deadline - time.monotonic()),
-                                                   notice=_notice(push.notice, packed=True))
-            self._add("seconds_packing", gathering[0])
-            self._add("seconds_writing", time.monotonic() - start - gathering[0])
-        finally:
+            started.write = self.transport.start_chunks(push.dest.session, self.staging.address + offset, address,
+                                                        size, steps, self.config.write_chunk_bytes, all_async=not wait)
+        except Exception as e:  # its chunks have ended: the range is free again
             self.staging.give_back(offset, size)
-        return payload_bytes(self.cache, len(rows)), writes
+            started.offset, started.error = None, e
+        started.gather_s = gathering[0]
+        return started
+
+    def _finish_packed(self, push: PushTo, started: "StartedPush") -> tuple[int, int]:
+        """Wait for a started packed write's chunks, then send its completion notice (`notices.py`) and
+        free its range; (the request's bytes, writes)."""
+        try:
+            if started.error is not None:
+                raise started.error
+            writes = self.transport.finish(started.write, max(0.0, push.deadline - started.write.started),
+                                           notice=_notice(push.notice, packed=True))
+            self._add("seconds_packing", started.gather_s)
+            self._add("seconds_writing", time.monotonic() - started.write.started - started.gather_s)
+        finally:
+            if started.offset is not None:
+                self.staging.give_back(started.offset, started.size)
+        return started.nbytes, writes
 
     def _time_from_prefill(self, report: dict, landing: Landing) -> None:
         """Decode side, on the prefill server's host only (one monotonic clock, `clock.py`): the
@@ -353,6 +382,18 @@ class MooncakeConnector(KVConnector):
                 self._totals["unpacked"] += unpacked
         if self.on_transfer_end is not None:
             self.on_transfer_end()
+
+
+@dataclass
+class StartedPush:
+    """Prefill side: a packed hand-off gathered into this side's staging area, its chunks on their way."""
+
+    offset: int | None  # of its range in this side's staging area (None: none held)
+    size: int
+    nbytes: int  # the request's bytes (`payload_bytes`)
+    write: ChunkedWrite | None = None
+    gather_s: float = 0.0
+    error: Exception | None = None  # why it could not start (raised on the hand-off thread)
 
 
 def _notice(key: str | None, packed: bool) -> str | None:

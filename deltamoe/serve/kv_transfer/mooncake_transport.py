@@ -38,6 +38,7 @@ import math
 import os
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from deltamoe.errors import ConfigError
@@ -74,6 +75,19 @@ def engine_log_level() -> ctypes.c_int32 | None:
 
 class TransferFailed(RuntimeError):
     """A hand-off write that failed or ran past its deadline."""
+
+
+@dataclass
+class ChunkedWrite:
+    """A write whose chunks are on their way (`MooncakeTransport.start_chunks`); `finish` ends it."""
+
+    peer: str
+    src: int
+    dst: int
+    nbytes: int
+    started: float  # time.monotonic() when its first chunk could go out
+    batches: list[int] = field(default_factory=list)  # the engine's ids of the chunks in flight
+    sent: int = 0  # leading bytes that the chunks carry
 
 
 class MooncakeTransport:
@@ -130,44 +144,57 @@ class MooncakeTransport:
 
     def write_as_ready(self, peer: str, src: int, dst: int, nbytes: int, ready: Iterable[int], min_chunk: int,
                        timeout_s: float, notice: str | None = None) -> int:
-        """Copy `nbytes` from `src` to `peer`'s `dst` while the sender is still producing them: `ready`
-        yields how many leading bytes are final (non-decreasing, ending at `nbytes`), and every
-        `min_chunk` new bytes go out as one asynchronous write, so the transfer engine's threads
-        send a chunk while this thread produces the next; the rest goes out the same way once
-        produced, and this thread then waits for every chunk, each until it completed or failed.
-        A request that never reached `min_chunk` goes out as one synchronous write after it is
-        produced. `notice`, when given, reaches the peer after every byte: it rides on that single
-        write, or on a write of the last `NOTICE_BYTES` again once all chunks completed (a notice
-        needs a write, and a chunk written after the others completed, rather than beside them,
-        costs more than a short write). Returns the number of writes; raises TransferFailed as
+        """Copy `nbytes` from `src` to `peer`'s `dst` while the sender is still producing them
+        (`start_chunks`, then `finish`). Returns the number of writes; raises TransferFailed as
         `write` does. Whatever happens, returns only once no write is in flight (the caller then
         reuses the memory, and the peer lends its range to another hand-off)."""
         if timeout_s <= 0:
             raise TransferFailed(f"no time left for the hand-off to {peer}")
-        start = time.monotonic()
-        batches: list[int] = []
-        sent = end = 0
+        return self.finish(self.start_chunks(peer, src, dst, nbytes, ready, min_chunk), timeout_s, notice)
+
+    def start_chunks(self, peer: str, src: int, dst: int, nbytes: int, ready: Iterable[int], min_chunk: int,
+                     all_async: bool = False) -> "ChunkedWrite":
+        """Put a write on its way while its bytes are produced: `ready` yields how many leading bytes
+        are final (non-decreasing, ending at `nbytes`), and every `min_chunk` new bytes go out as one
+        asynchronous write, so the transfer engine's threads send a chunk while this thread produces
+        the next; the rest goes out the same way once produced, unless no chunk went out and not
+        `all_async` (then `finish` writes it all at once). Raises (the producer's error, or
+        TransferFailed) only once no chunk is in flight."""
+        write = ChunkedWrite(peer, src, dst, nbytes, time.monotonic())
+        end = 0
         try:
             for end in ready:
-                if end - sent >= min_chunk and end < nbytes:
-                    batches.append(self._submit(peer, src + sent, dst + sent, end - sent))
-                    sent = end
+                if end - write.sent >= min_chunk and end < nbytes:
+                    write.batches.append(self._submit(peer, src + write.sent, dst + write.sent, end - write.sent))
+                    write.sent = end
             if end != nbytes:
                 raise ValueError(f"the producer stopped at {end} of {nbytes} bytes")
-            if batches:
-                batches.append(self._submit(peer, src + sent, dst + sent, nbytes - sent))
-        finally:
-            failed = [status for status in self._wait_each(batches) if status != 0]
-        writes = len(batches)
-        if not failed and (notice is not None or not batches):
-            first = max(0, nbytes - NOTICE_BYTES) if batches else 0
-            status = self._write_one(peer, src + first, dst + first, nbytes - first, notice)
+            if write.batches or all_async:
+                write.batches.append(self._submit(peer, src + write.sent, dst + write.sent, nbytes - write.sent))
+                write.sent = nbytes
+        except BaseException:
+            self._wait_each(write.batches)
+            raise
+        return write
+
+    def finish(self, write: "ChunkedWrite", timeout_s: float, notice: str | None = None) -> int:
+        """Wait for every chunk of `write`, each until it completed or failed; then write what no
+        chunk carried (synchronously), and `notice` for the peer when given: it rides on that
+        write, or on a write of the last `NOTICE_BYTES` again (a notice needs a write, and a chunk
+        written after the others completed, rather than beside them, costs more than a short
+        write). Returns the number of writes; raises TransferFailed as `write` does, only once no
+        chunk is in flight."""
+        failed = [status for status in self._wait_each(write.batches) if status != 0]
+        writes = len(write.batches)
+        if not failed and (notice is not None or write.sent < write.nbytes):
+            first = write.sent if write.sent < write.nbytes else max(0, write.nbytes - NOTICE_BYTES)
+            status = self._write_one(write.peer, write.src + first, write.dst + first, write.nbytes - first, notice)
             failed, writes = [status] if status != 0 else [], writes + 1
         if failed:
-            raise TransferFailed(f"the hand-off write to {peer} failed (status {min(failed)}: peer unreachable, "
-                                 "or the engine's own timeout)")
-        if time.monotonic() - start > timeout_s:
-            raise TransferFailed(f"the hand-off to {peer} took longer than {timeout_s:.1f} s")
+            raise TransferFailed(f"the hand-off write to {write.peer} failed (status {min(failed)}: peer "
+                                 "unreachable, or the engine's own timeout)")
+        if time.monotonic() - write.started > timeout_s:
+            raise TransferFailed(f"the hand-off to {write.peer} took longer than {timeout_s:.1f} s")
         return writes
 
     def notices(self) -> list[str]:

@@ -110,9 +110,13 @@ def test_handoff_equals_colocated(k31_model, helpers, pool, num_prefill):
     prompts = concurrent_prompts + followers
     expected = [c.token_ids for c in LLMEngine(k31_model, config=EngineConfig(**CONFIG)).generate(
         prompts, GREEDY, progress=False)]
-    # With two prefill servers, p1 writes each packed hand-off a pool at a time as it gathers it.
+    # With two prefill servers, p1 writes each packed hand-off a pool at a time as it gathers it, all of
+    # it on its hand-off thread (p0's engine thread gathers and starts the write as the prefill ends).
     prefills = [pool.add(f"p{i}", k31_model, HandOffConfig(write_chunk_bytes=1 if i else 1 << 20))
                 for i in range(num_prefill)]
+    if num_prefill == 2:
+        p1 = pool.engines["p1"][1]
+        p1._start_packed = lambda *args, wait: MooncakeConnector._start_packed(p1, *args, wait=True) if wait else None
     decode, connector = decode_engine(k31_model, pool)
 
     async def main():
@@ -139,7 +143,9 @@ def test_handoff_equals_colocated(k31_model, helpers, pool, num_prefill):
                                                       for p in prompts if len(p) > 1)
     assert sum(p.stats().extra["kv_transfer_bytes_sent"] for p in prefills) == moved["kv_transfer_bytes_received"]
     assert prefills[0].stats().prefix_hit_tokens >= 16
-    assert prefills[0].stats().extra["kv_transfer_writes"] == prefills[0].stats().extra["kv_transfer_sent"]
+    # p0: each hand-off (under 1 MiB) one write, started by the engine thread as the prefill ends, and the
+    # completion notice's own write once it completed.
+    assert prefills[0].stats().extra["kv_transfer_writes"] == 2 * prefills[0].stats().extra["kv_transfer_sent"]
     if num_prefill == 2:  # p1: a write per pool, then the completion notice's own
         p1 = prefills[1].stats().extra
         assert p1["kv_transfer_writes"] == p1["kv_transfer_sent"] * (1 + sum(
