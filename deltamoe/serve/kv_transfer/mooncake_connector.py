@@ -22,8 +22,9 @@ The write is packed when the request fits both servers' staging areas (`staging.
 decode side lends a range of its area, the prefill side gathers the request into a range of
 its own, a pool at a time, and writes each `write_chunk_bytes` of it as soon as they are
 gathered (the transfer engine sends a chunk while this thread gathers the next). The engine
-thread does that itself when a range is free at once, every byte as asynchronous writes, so that
-the hand-off thread, which waits for them and sends the notice, wakes up while they travel. Otherwise (a
+thread does that itself for a hand-off of up to `inline_start_bytes` when a range is free at once,
+every byte as asynchronous writes, so that the hand-off thread, which waits for them and sends the
+notice, wakes up while they travel. Otherwise (a
 request larger than an area) the prefill side writes straight into the decode side's pools, one
 write per run of blocks per layer and one per state layer: correct, but each write pays the
 transport's fixed cost. Either way a completion notice (`notices.py`) follows once every write
@@ -40,6 +41,7 @@ the decode side keeps the range out of use for as long as the transfer engine le
 from __future__ import annotations
 
 import concurrent.futures
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -118,6 +120,7 @@ class HandOffConfig:
     staging_bytes: int = 64 << 20  # registered area for packed hand-offs (larger requests go unpacked)
     write_chunk_bytes: int = 1 << 20  # a packed write goes out in chunks of this many bytes as they are gathered
     notice_poll_s: float = POLL_S  # decode side: sleep between polls for completion notices while one is awaited
+    inline_start_bytes: int = 4 << 20  # prefill side: the engine thread gathers and starts packed hand-offs up to this
 
 
 class MooncakeConnector(KVConnector):
@@ -134,7 +137,9 @@ class MooncakeConnector(KVConnector):
                         "seconds_packing": 0.0, "seconds_writing": 0.0, "seconds_unpacking": 0.0,
                         "writes": 0, "seconds_queued": 0.0, "landed_on_notice": 0,
                         "timed": 0, "seconds_finish_to_cache": 0.0, "seconds_notice": 0.0}
-        self._landings = 0  # numbers the completion notices' keys
+        # Completion notices' keys: this connector's own prefix (a late notice meant for an earlier
+        # server on the same address never matches) and a count.
+        self._notice_prefix, self._landings = secrets.token_hex(4), 0
 
     def bind(self, cache: HybridCache, model_config: ModelConfig) -> None:
         super().bind(cache, model_config)
@@ -182,9 +187,16 @@ class MooncakeConnector(KVConnector):
         with self._lock:
             self._in_flight.add(seq.request_id)
         src_blocks = seq.block_table[push.first_block:push.first_block + len(push.dst_blocks)]
-        # This thread gathers a packed hand-off and puts it on its way at once, when a range of the
-        # staging area is free now: the hand-off thread then starts while the bytes travel, not before.
-        started = self._start_packed(push, src_blocks, seq.num_computed, seq.slot, wait=False)
+        # This thread gathers a small packed hand-off and puts it on its way at once, when a range of
+        # the staging area is free now: the hand-off thread then starts while the bytes travel, not
+        # before. A large one would hold this thread (the next step) for its whole gather, and the
+        # thread hand-over is a small part of its time: the hand-off thread does it all.
+        started = None
+        if push.staging is not None and push.staging[1] <= self.config.inline_start_bytes:
+            try:
+                started = self._start_packed(push, src_blocks, seq.num_computed, seq.slot, wait=False)
+            except Exception as e:  # fails this hand-off only, on its thread
+                started = StartedPush(None, 0, 0, error=e)
         self._threads.submit(self._push, seq.request_id, push, src_blocks, seq.num_computed, seq.slot, started)
         return True
 
@@ -213,7 +225,7 @@ class MooncakeConnector(KVConnector):
         deadline = start + self.config.timeout_s
         with self._lock:
             self._landings += 1
-            key = f"{self._landings}:{request_id}"
+            key = f"{self._notice_prefix}-{self._landings}"
         landing = Landing(request_id, key, rows, slot, payload_bytes(self.cache, len(rows)), start)
         expected = False
         try:

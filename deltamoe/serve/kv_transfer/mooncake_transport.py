@@ -106,7 +106,11 @@ class MooncakeTransport:
                               field="kv_transfer_host")
         self.session = f"{host}:{self._engine.get_rpc_port()}"
         self._registered: list[int] = []
-        self._engine_timeout_s = max(MIN_ENGINE_TIMEOUT_S, int(os.environ["MC_TRANSFER_TIMEOUT"]))
+        try:
+            self._engine_timeout_s = max(MIN_ENGINE_TIMEOUT_S, int(os.environ["MC_TRANSFER_TIMEOUT"]))
+        except ValueError:
+            raise ConfigError(f"expected whole seconds, got {os.environ['MC_TRANSFER_TIMEOUT']!r}",
+                              field="MC_TRANSFER_TIMEOUT") from None
 
     def write_bound_s(self, nbytes: int) -> float:
         """How long the engine lets one write of `nbytes` run before giving up on it (its own rule)."""
@@ -153,7 +157,7 @@ class MooncakeTransport:
         return self.finish(self.start_chunks(peer, src, dst, nbytes, ready, min_chunk), timeout_s, notice)
 
     def start_chunks(self, peer: str, src: int, dst: int, nbytes: int, ready: Iterable[int], min_chunk: int,
-                     all_async: bool = False) -> "ChunkedWrite":
+                     all_async: bool = False) -> ChunkedWrite:
         """Put a write on its way while its bytes are produced: `ready` yields how many leading bytes
         are final (non-decreasing, ending at `nbytes`), and every `min_chunk` new bytes go out as one
         asynchronous write, so the transfer engine's threads send a chunk while this thread produces
@@ -177,7 +181,7 @@ class MooncakeTransport:
             raise
         return write
 
-    def finish(self, write: "ChunkedWrite", timeout_s: float, notice: str | None = None) -> int:
+    def finish(self, write: ChunkedWrite, timeout_s: float, notice: str | None = None) -> int:
         """Wait for every chunk of `write`, each until it completed or failed; then write what no
         chunk carried (synchronously), and `notice` for the peer when given: it rides on that
         write, or on a write of the last `NOTICE_BYTES` again (a notice needs a write, and a chunk
