@@ -205,6 +205,27 @@ def test_the_notice_lands_a_handoff_before_the_prefill_server_answers(k31_model,
     assert connector.staging.free_bytes() == connector.staging.nbytes
 
 
+def test_the_answer_lands_a_handoff_whose_notice_was_not_seen(k31_model, helpers, pool):
+    """When the prefill server's answer comes before the notice is polled (here: never), the hand-off's
+    own thread lands it: same tokens, nothing left pinned."""
+    prefill = pool.add("p0", k31_model)
+    decode, connector = decode_engine(k31_model, pool)
+    connector.notices._poll = lambda: []
+    prompt = helpers.prompts(1, 20, 20, seed=9)[0]
+
+    async def main():
+        got = await collect(decode, prompt, "p0")
+        await settle(decode.engine, prefill)
+        return got
+
+    got = run_then_close(decode, connector, main)
+    assert got == LLMEngine(k31_model, config=EngineConfig(**CONFIG)).generate([prompt], GREEDY, progress=False)[0].token_ids
+    stats = connector.stats()
+    assert stats["kv_transfer_received"] == 1 and stats["kv_transfer_landed_on_notice"] == 0
+    assert_all_free(decode.engine)
+    assert connector.staging.free_bytes() == connector.staging.nbytes
+
+
 def test_a_failed_handoff_keeps_its_staging_range_while_a_write_may_land(k31_model, helpers, pool):
     """A prefill server that answered has ended every write: the range comes back at once. A call that
     ended without an answer may leave writes running: the range stays out of use for the transfer
