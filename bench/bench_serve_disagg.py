@@ -28,12 +28,15 @@ Hand-off throughput = bytes handed off / the time from the prefill's finish (the
 engine ends the request's N-1 tokens) to the decode side having the request's cache and state in
 its pools (its scatter done): `kv_transfer_seconds_finish_to_cache` of the decode server, timed on
 the host's one monotonic clock. It covers the wait for a hand-off thread, the gather, the write,
-the completion notice (the prefill server's HTTP answer to the decode server) and the scatter, and
-nothing of the prefill's compute. Printed beside it: the copy path alone (gather + write on the
-prefill side, `kv_transfer_seconds_sent`, plus the scatter, `kv_transfer_seconds_unpacking`: the
-definition before the notice was timed), split into gather / write / scatter (the write goes out
-in chunks while the gather runs: "write" is the part that does not overlap it), the wait for the
-hand-off thread (queued) and the notice;
+the completion notice (the transfer engine's notify after the last write, polled by the decode
+server; the prefill server's HTTP answer when it comes first) and the scatter, and nothing of the
+prefill's compute. Printed beside it: the copy path alone (gather + write on the prefill side,
+`kv_transfer_seconds_sent`, plus the scatter, `kv_transfer_seconds_unpacking`: the definition
+before the notice was timed), split into gather / write / scatter (the write goes out in chunks
+while the gather runs: "write" is the part that does not overlap it), the wait for the hand-off
+thread (queued), the notice (from the prefill thread's return from its last write to the scatter's
+start: below zero when the notice overtakes that return) and how many hand-offs landed on the
+notice rather than on the HTTP answer;
 goal: >= 50 % of raw (back to back) at every size. `--handoff-only` runs the idle hand-offs and
 the raw writes without the colocated server and the mixed load (a minute instead of several).
 Also the bytes a hand-off moves for Kimi K3 (the planner's cost formulas) at a few prompt
@@ -179,6 +182,7 @@ def handoff_totals(p_url: str, d_url: str) -> dict[str, float]:
             "write": metric(p_url, "deltamoe_engine_kv_transfer_seconds_writing"),
             "queued": metric(p_url, "deltamoe_engine_kv_transfer_seconds_queued"),
             "notice": metric(d_url, "deltamoe_engine_kv_transfer_seconds_notice"),
+            "on_notice": metric(d_url, "deltamoe_engine_kv_transfer_landed_on_notice"),
             "scatter": metric(d_url, "deltamoe_engine_kv_transfer_seconds_unpacking")}
 
 
@@ -253,6 +257,7 @@ def run_disaggregated(args) -> tuple[dict, dict]:
                     "idle": [{"prompt_tokens": r["prompt_tokens"], "bytes_per_handoff": r["bytes"] / r["count"],
                               "seconds_per_handoff": r["seconds"] / r["count"], "unpacked": r["unpacked"],
                               "writes_per_handoff": r["writes"] / r["count"],
+                              "landed_on_notice": r["on_notice"] / r["count"],
                               **{f"{part}_seconds": r[part] / r["count"]
                                  for part in ("copy", "queued", "gather", "write", "notice", "scatter")},
                               "gb_s": r["bytes"] / r["seconds"] / 1e9,
@@ -410,7 +415,7 @@ def main() -> None:
     print(markdown_table(["idle hand-off", "MiB", "writes", "finish -> in cache ms", "GB/s",
                           "raw TCP GB/s (back to back)", "hand-off / raw", "raw TCP GB/s (isolated)",
                           "hand-off / isolated raw", "copy path ms (gather / write / scatter)", "copy path / raw",
-                          "queued / notice ms"],
+                          "queued / notice ms", "on notice"],
                          [[f"{r['prompt_tokens']} tokens", f"{r['bytes_per_handoff'] / 2**20:.2f}",
                            f"{r['writes_per_handoff']:.0f}", f"{r['seconds_per_handoff'] * 1e3:.2f}",
                            f"{r['gb_s']:.3f}", f"{r['raw_tcp_gb_s']:.3f}", f"{r['over_raw_tcp']:.2f}",
@@ -418,7 +423,8 @@ def main() -> None:
                            f"{r['copy_seconds'] * 1e3:.2f} ("
                            + " / ".join(f"{r[f'{part}_seconds'] * 1e3:.2f}" for part in ("gather", "write", "scatter"))
                            + ")", f"{r['copy_over_raw_tcp']:.2f}",
-                           f"{r['queued_seconds'] * 1e3:.2f} / {r['notice_seconds'] * 1e3:.2f}"]
+                           f"{r['queued_seconds'] * 1e3:.2f} / {r['notice_seconds'] * 1e3:.2f}",
+                           f"{r['landed_on_notice']:.0%}"]
                           for r in hand_off["idle"]]))
     if colocated is not None:
         print(f"a long prompt every {args.long_every} s")

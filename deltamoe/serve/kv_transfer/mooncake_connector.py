@@ -10,26 +10,38 @@ Decode side (`RemotePrefill` on a sequence): at admission the scheduler reserves
 N-1 tokens and a state slot; `update_state_after_alloc` then asks the prefill server (through
 `prefill_client`, an HTTP call in a server) to compute and write into exactly those blocks,
 skipping the leading blocks that this engine's prefix cache already held. The request runs once
-that call returns; until then (also when it is aborted) its blocks stay pinned.
+the hand-off landed (its completion notice, or that call's answer if it comes first); until then
+(also when it is aborted) its blocks stay pinned.
 
 Prefill side (`PushTo` on a sequence): when the request finishes its N-1 tokens,
-`request_finished` starts the write on a hand-off thread and keeps the blocks and slot pinned
-until the write ends. Prefix caching works as in any engine: cached blocks are not recomputed,
+`request_finished` starts the write (a packed one on the engine thread itself, see below; the
+rest on a hand-off thread) and keeps the blocks and slot pinned until the write ends. Prefix caching works as in any engine: cached blocks are not recomputed,
 and are sent like the rest (the decode side lacks them).
 
 The write is packed when the request fits both servers' staging areas (`staging.py`): the
 decode side lends a range of its area, the prefill side gathers the request into a range of
-its own, a layer of a pool at a time, and writes each `write_chunk_bytes` of it as soon as they
-are gathered (the transfer engine sends a chunk while this thread gathers the next), and the
-decode side scatters it into its blocks and slot once the prefill call returns. Otherwise (a
+its own, a pool at a time, and writes each `write_chunk_bytes` of it as soon as they are
+gathered (the transfer engine sends a chunk while this thread gathers the next). The engine
+thread does that itself for a hand-off of up to `inline_start_bytes` when a range is free at once,
+every byte as asynchronous writes, so that the hand-off thread, which waits for them and sends the
+notice, wakes up while they travel. Otherwise (a
 request larger than an area) the prefill side writes straight into the decode side's pools, one
 write per run of blocks per layer and one per state layer: correct, but each write pays the
-transport's fixed cost.
+transport's fixed cost. Either way a completion notice (`notices.py`) follows once every write
+completed: the decode side scatters the message into its blocks and slot (packed) and lets the
+request run as soon as the notice arrives, without waiting for the prefill call's answer, which
+still reports errors and timings.
+
+A staging range is lent for as long as a write may still land in it: the prefill side answers
+only once each of its writes completed or failed (`MooncakeTransport.write_as_ready`), and when
+the call ends with no answer (the prefill server unreachable, or gone quiet past the timeout)
+the decode side keeps the range out of use for as long as the transfer engine lets a write run.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -41,14 +53,21 @@ from deltamoe.serve.engine.cache import HybridCache
 from deltamoe.serve.engine.sequence import Sequence
 from deltamoe.serve.kv_transfer.clock import monotonic_clock_id
 from deltamoe.serve.kv_transfer.connector import FinishedTransfers, KVConnector
-from deltamoe.serve.kv_transfer.mooncake_transport import MooncakeTransport, TransferFailed
-from deltamoe.serve.kv_transfer.packing import message_bytes, pack_in_steps, payload_bytes, token_rows, unpack
+from deltamoe.serve.kv_transfer.mooncake_transport import ChunkedWrite, MooncakeTransport, TransferFailed
+from deltamoe.serve.kv_transfer.notices import POLL_S, NoticeWatcher
+from deltamoe.serve.kv_transfer.packing import TokenRows, message_bytes, pack_in_steps, payload_bytes, token_rows, unpack
 from deltamoe.serve.kv_transfer.pools import PoolDescriptor, describe, pool_tensors, request_segments
 from deltamoe.serve.kv_transfer.staging import StagingArea
 
 # Asks a prefill server (its URL) to compute a prompt and write it into this engine; returns its
-# report ({"bytes", "seconds", ...}) or raises. The third argument bounds the call in seconds.
+# report ({"bytes", "seconds", ...}) or raises: TransferFailed for the server's own answer that the
+# hand-off failed, PrefillUnanswered (or any other error) when no answer came. The third argument
+# bounds the call in seconds.
 PrefillClient = Callable[[str, dict, float], dict]
+
+
+class PrefillUnanswered(TransferFailed):
+    """The prefill call ended without the prefill server's answer: its writes may still be running."""
 
 
 @dataclass
@@ -71,7 +90,24 @@ class PushTo:
     finished_at: float = 0.0  # time.monotonic() when the prefill finished (the hand-off's start)
     staging: tuple[int, int] | None = None  # (address, bytes) of the decode side's range for a packed write
     deadline: float = 0.0  # time.monotonic() by which the write ends, one way or the other
+    notice: str | None = None  # the decode side's key for the completion notice
     done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass
+class Landing:
+    """Decode side: one hand-off on its way in, handled by whoever claims it (`notices.py`)."""
+
+    request_id: str
+    key: str  # its completion notice's key
+    rows: TokenRows
+    slot: int
+    nbytes: int  # the request's bytes (`payload_bytes`)
+    start: float  # time.monotonic() when the load was asked for
+    staging: tuple[int, int] | None = None  # (offset, bytes) of the range lent to it
+    unpacking: float = 0.0  # time.monotonic() when its scatter started (or would have)
+    cached: float = 0.0  # ... and when the cache was in the pools
+    landed: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass
@@ -83,6 +119,8 @@ class HandOffConfig:
     max_threads: int = 16  # hand-offs in flight at once (a decode side waits on HTTP in each)
     staging_bytes: int = 64 << 20  # registered area for packed hand-offs (larger requests go unpacked)
     write_chunk_bytes: int = 1 << 20  # a packed write goes out in chunks of this many bytes as they are gathered
+    notice_poll_s: float = POLL_S  # decode side: sleep between polls for completion notices while one is awaited
+    inline_start_bytes: int = 4 << 20  # prefill side: the engine thread gathers and starts packed hand-offs up to this
 
 
 class MooncakeConnector(KVConnector):
@@ -97,8 +135,11 @@ class MooncakeConnector(KVConnector):
         self._totals = {"sent": 0, "received": 0, "failures": 0, "bytes_sent": 0, "bytes_received": 0,
                         "seconds_sent": 0.0, "seconds_received": 0.0, "unpacked": 0,
                         "seconds_packing": 0.0, "seconds_writing": 0.0, "seconds_unpacking": 0.0,
-                        "writes": 0, "seconds_queued": 0.0,
+                        "writes": 0, "seconds_queued": 0.0, "landed_on_notice": 0,
                         "timed": 0, "seconds_finish_to_cache": 0.0, "seconds_notice": 0.0}
+        # Completion notices' keys: this connector's own prefix (a late notice meant for an earlier
+        # server on the same address never matches) and a count.
+        self._notice_prefix, self._landings = secrets.token_hex(4), 0
 
     def bind(self, cache: HybridCache, model_config: ModelConfig) -> None:
         super().bind(cache, model_config)
@@ -107,6 +148,7 @@ class MooncakeConnector(KVConnector):
         for tensor in [*pool_tensors(cache).values(), self.staging.buffer]:  # once: never per request
             self.transport.register(tensor.data_ptr(), tensor.numel() * tensor.element_size())
         self.descriptor = describe(cache, self.transport.session, model_config)
+        self.notices = NoticeWatcher(self.transport.notices, self.config.notice_poll_s)
 
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, seq: Sequence, num_computed: int) -> int:
@@ -145,7 +187,17 @@ class MooncakeConnector(KVConnector):
         with self._lock:
             self._in_flight.add(seq.request_id)
         src_blocks = seq.block_table[push.first_block:push.first_block + len(push.dst_blocks)]
-        self._threads.submit(self._push, seq.request_id, push, src_blocks, seq.num_computed, seq.slot)
+        # This thread gathers a small packed hand-off and puts it on its way at once, when a range of
+        # the staging area is free now: the hand-off thread then starts while the bytes travel, not
+        # before. A large one would hold this thread (the next step) for its whole gather, and the
+        # thread hand-over is a small part of its time: the hand-off thread does it all.
+        started = None
+        if push.staging is not None and push.staging[1] <= self.config.inline_start_bytes:
+            try:
+                started = self._start_packed(push, src_blocks, seq.num_computed, seq.slot, wait=False)
+            except Exception as e:  # fails this hand-off only, on its thread
+                started = StartedPush(None, 0, 0, error=e)
+        self._threads.submit(self._push, seq.request_id, push, src_blocks, seq.num_computed, seq.slot, started)
         return True
 
     # ------------------------------------------------------------------ worker side
@@ -164,49 +216,93 @@ class MooncakeConnector(KVConnector):
         if hasattr(self.prefill_client, "close"):  # an HTTP client's connections
             self.prefill_client.close()
         if self.transport is not None:
+            self.notices.close()
             self.transport.close()
 
     # ------------------------------------------------------------------ hand-off threads
-    def _load(self, request_id: str, url: str, payload: dict, rows, slot: int) -> None:
+    def _load(self, request_id: str, url: str, payload: dict, rows: TokenRows, slot: int) -> None:
         start = time.monotonic()
         deadline = start + self.config.timeout_s
-        size, offset = message_bytes(self.cache, len(rows)), None
+        with self._lock:
+            self._landings += 1
+            key = f"{self._notice_prefix}-{self._landings}"
+        landing = Landing(request_id, key, rows, slot, payload_bytes(self.cache, len(rows)), start)
+        expected = False
         try:
             if self.prefill_client is None:
                 raise TransferFailed("this server has no prefill client (it is not a decode server)")
+            size = message_bytes(self.cache, len(rows))
             if self.staging.fits(size):  # waits while other hand-offs hold the area (bounded)
                 offset = self.staging.borrow(size, deadline)
                 if offset is None:
                     raise TransferFailed(f"the staging area stayed full for {self.config.timeout_s:.1f} s")
+                landing.staging = (offset, size)
                 payload["staging"] = [self.staging.address + offset, size]
+            payload["notice"] = key
+            self.notices.expect(key, lambda detail: self._land(landing, detail == "packed", on_notice=True))
+            expected = True
             left = deadline - time.monotonic()
             payload["timeout_s"] = left * self.config.push_share
             report = self.prefill_client(url, payload, left)
-            unpacking = time.monotonic()
-            if report.get("packed"):
-                unpack(self.cache, rows, slot, self.staging.buffer[offset:offset + size])
-                self._add("seconds_unpacking", time.monotonic() - unpacking)
-            self._time_from_prefill(report, unpacking, time.monotonic())
         except Exception as e:  # any failure fails this request only, with the reason
-            self._end(request_id, "received", error=f"prefill hand-off from {url} failed: {e}")
+            if not expected or self.notices.claim(key):  # no notice came: the hand-off failed
+                self._give_back(landing, answered=isinstance(e, TransferFailed) and not isinstance(e, PrefillUnanswered))
+                self._end(request_id, "received", error=f"prefill hand-off from {url} failed: {e}")
+            # else the notice came first: every byte arrived, whatever the prefill server says since
             return
-        finally:
-            if offset is not None:
-                self.staging.give_back(offset, size)
-        self._end(request_id, "received", nbytes=int(report.get("bytes", 0)), seconds=time.monotonic() - start)
+        if self.notices.claim(key):  # the answer came before the notice was polled
+            self._land(landing, bool(report.get("packed")), on_notice=False)
+        landing.landed.wait()
+        self._time_from_prefill(report, landing)
 
-    def _push(self, request_id: str, push: PushTo, src_blocks: list[int], num_tokens: int, slot: int) -> None:
+    def _land(self, landing: Landing, packed: bool, on_notice: bool) -> None:
+        """The whole hand-off is in this engine's memory: scatter it (packed), free its range and let
+        the request run."""
+        try:
+            landing.unpacking = time.monotonic()
+            if packed:
+                offset, size = landing.staging
+                unpack(self.cache, landing.rows, landing.slot, self.staging.buffer[offset:offset + size])
+            landing.cached = time.monotonic()
+            self._add("seconds_unpacking", landing.cached - landing.unpacking if packed else 0.0)
+            self._add("landed_on_notice", int(on_notice))
+        except Exception as e:
+            self._end(landing.request_id, "received", error=f"the hand-off could not be scattered: {e}")
+        else:
+            self._end(landing.request_id, "received", nbytes=landing.nbytes, seconds=landing.cached - landing.start)
+        finally:
+            self._give_back(landing, answered=True)
+            landing.landed.set()
+
+    def _give_back(self, landing: Landing, answered: bool) -> None:
+        """Return the landing's staging range: now when no write can still land in it (the notice came,
+        or the prefill server answered: it answers once each write ended), else once the transfer
+        engine would have given up on any write still running."""
+        if landing.staging is None:
+            return
+        offset, size = landing.staging
+        if answered:
+            self.staging.give_back(offset, size)
+        else:
+            timer = threading.Timer(self.transport.write_bound_s(size), self.staging.give_back, (offset, size))
+            timer.daemon = True
+            timer.start()
+
+    def _push(self, request_id: str, push: PushTo, src_blocks: list[int], num_tokens: int, slot: int,
+              started: "StartedPush | None") -> None:
         start = time.monotonic()
         self._add("seconds_queued", start - push.finished_at)  # the prefill's finish -> this thread runs
         try:
-            packed = push.staging is not None and self.staging.fits(push.staging[1])
+            packed = started is not None or (push.staging is not None and self.staging.fits(push.staging[1]))
             if packed:
-                nbytes, writes = self._write_packed(push, src_blocks, num_tokens, slot)
+                nbytes, writes = self._finish_packed(
+                    push, started or self._start_packed(push, src_blocks, num_tokens, slot, wait=True))
             else:
                 segments = request_segments(self.cache, push.dest, src_blocks, push.dst_blocks, num_tokens,
                                             push.first_block, slot, push.dst_slot)
                 writing = time.monotonic()
-                self.transport.write(push.dest.session, segments, max(0.0, push.deadline - time.monotonic()))
+                self.transport.write(push.dest.session, segments, max(0.0, push.deadline - time.monotonic()),
+                                     notice=_notice(push.notice, packed=False))
                 self._add("seconds_writing", time.monotonic() - writing)
                 nbytes, writes = sum(s.nbytes for s in segments), len(segments)
         except Exception as e:
@@ -214,46 +310,70 @@ class MooncakeConnector(KVConnector):
             push.done.set_exception(e if isinstance(e, TransferFailed) else TransferFailed(str(e)))
             return
         written = time.monotonic()
-        seconds = written - start
+        seconds = written - push.finished_at if started is not None else written - start
         self._add("writes", writes)
         self._end(request_id, "sent", nbytes=nbytes, seconds=seconds, unpacked=not packed)
         push.done.set_result({"bytes": nbytes, "seconds": seconds, "segments": writes, "packed": packed,
                               "clock": monotonic_clock_id(), "finished_at": push.finished_at, "written_at": written})
 
-    def _write_packed(self, push: PushTo, src_blocks: list[int], num_tokens: int, slot: int) -> tuple[int, int]:
-        """Gather the request into a range of this side's staging area and write it into the decode
-        side's range, a chunk at a time while the rest is gathered; (the request's bytes, writes)."""
+    def _start_packed(self, push: PushTo, src_blocks: list[int], num_tokens: int, slot: int,
+                      wait: bool) -> "StartedPush | None":
+        """Gather the request into a range of this side's staging area, a pool at a time, sending each
+        `write_chunk_bytes` into the decode side's range as soon as they are gathered. `wait`: on the
+        hand-off thread, wait for a range until the deadline; else (the engine thread) None when no
+        range is free at once or the write is not packed, and every byte goes out asynchronously
+        (the engine thread never waits on the wire). A failure comes back inside the result (the
+        engine thread never raises it): `_finish_packed` raises it."""
+        if push.staging is None or not self.staging.fits(push.staging[1]):
+            return None
         rows = token_rows(src_blocks, push.first_block, num_tokens, self.cache.block_size)
         address, size = push.staging
         if size != message_bytes(self.cache, len(rows)):
-            raise TransferFailed(f"the decode side lent {size} bytes for a {message_bytes(self.cache, len(rows))}-byte "
-                                 "packed hand-off")
-        offset = self.staging.borrow(size, push.deadline)
+            error = TransferFailed(f"the decode side lent {size} bytes for a {message_bytes(self.cache, len(rows))}"
+                                   "-byte packed hand-off")
+            return StartedPush(None, size, 0, error=error)
+        offset = self.staging.borrow(size, push.deadline if wait else 0.0)
         if offset is None:
-            raise TransferFailed("the staging area stayed full until the hand-off's deadline")
+            return StartedPush(None, size, 0, error=TransferFailed(
+                "the staging area stayed full until the hand-off's deadline")) if wait else None
+        started = StartedPush(offset, size, payload_bytes(self.cache, len(rows)))
         gathering = [0.0]
         try:
-            start = time.monotonic()
             steps = _timed(pack_in_steps(self.cache, rows, slot, self.staging.buffer[offset:offset + size]), gathering)
-            writes = self.transport.write_as_ready(push.dest.session, self.staging.address + offset, address, steps,
-                                                   self.config.write_chunk_bytes,
-                                                   max(0.0, push.deadline - time.monotonic()))
-            self._add("seconds_packing", gathering[0])
-            self._add("seconds_writing", time.monotonic() - start - gathering[0])
-        finally:
+            started.write = self.transport.start_chunks(push.dest.session, self.staging.address + offset, address,
+                                                        size, steps, self.config.write_chunk_bytes, all_async=not wait)
+        except Exception as e:  # its chunks have ended: the range is free again
             self.staging.give_back(offset, size)
-        return payload_bytes(self.cache, len(rows)), writes
+            started.offset, started.error = None, e
+        started.gather_s = gathering[0]
+        return started
 
-    def _time_from_prefill(self, report: dict, unpacking: float, cached: float) -> None:
+    def _finish_packed(self, push: PushTo, started: "StartedPush") -> tuple[int, int]:
+        """Wait for a started packed write's chunks, then send its completion notice (`notices.py`) and
+        free its range; (the request's bytes, writes)."""
+        try:
+            if started.error is not None:
+                raise started.error
+            writes = self.transport.finish(started.write, max(0.0, push.deadline - started.write.started),
+                                           notice=_notice(push.notice, packed=True))
+            self._add("seconds_packing", started.gather_s)
+            self._add("seconds_writing", time.monotonic() - started.write.started - started.gather_s)
+        finally:
+            if started.offset is not None:
+                self.staging.give_back(started.offset, started.size)
+        return started.nbytes, writes
+
+    def _time_from_prefill(self, report: dict, landing: Landing) -> None:
         """Decode side, on the prefill server's host only (one monotonic clock, `clock.py`): the
         hand-off from the prefill's finish until the request's cache is in this engine's pools, and
-        of that the notice (the prefill's write ended -> this side starts scattering)."""
+        of that the notice (the prefill's last write returned -> this side starts scattering; below
+        zero when the notice overtakes the prefill thread's own return from that write)."""
         if report.get("clock") is None or report.get("clock") != monotonic_clock_id():
             return
         with self._lock:
             self._totals["timed"] += 1
-            self._totals["seconds_finish_to_cache"] += cached - float(report["finished_at"])
-            self._totals["seconds_notice"] += unpacking - float(report["written_at"])
+            self._totals["seconds_finish_to_cache"] += landing.cached - float(report["finished_at"])
+            self._totals["seconds_notice"] += landing.unpacking - float(report["written_at"])
 
     def _add(self, total: str, amount: float) -> None:
         with self._lock:
@@ -274,6 +394,23 @@ class MooncakeConnector(KVConnector):
                 self._totals["unpacked"] += unpacked
         if self.on_transfer_end is not None:
             self.on_transfer_end()
+
+
+@dataclass
+class StartedPush:
+    """Prefill side: a packed hand-off gathered into this side's staging area, its chunks on their way."""
+
+    offset: int | None  # of its range in this side's staging area (None: none held)
+    size: int
+    nbytes: int  # the request's bytes (`payload_bytes`)
+    write: ChunkedWrite | None = None
+    gather_s: float = 0.0
+    error: Exception | None = None  # why it could not start (raised on the hand-off thread)
+
+
+def _notice(key: str | None, packed: bool) -> str | None:
+    """The completion notice of a hand-off whose decode side named `key` (its watcher splits it again)."""
+    return None if key is None else f"{key} {'packed' if packed else 'unpacked'}"
 
 
 def _timed(steps: Iterator[int], spent: list[float]) -> Iterator[int]:
@@ -299,6 +436,7 @@ def push_target(connector: MooncakeConnector, payload: dict) -> tuple[list[int],
         first_block, dst_blocks = int(payload["first_block"]), [int(b) for b in payload["dst_blocks"]]
         dst_slot, timeout_s = int(payload["dst_slot"]), float(payload["timeout_s"])
         staging = (int(payload["staging"][0]), int(payload["staging"][1])) if payload.get("staging") else None
+        notice = str(payload["notice"]) if payload.get("notice") is not None else None
     except (KeyError, TypeError, ValueError) as e:
         raise RequestError(f"malformed hand-off request ({e!r})", field="kv_transfer") from e
     if dest.signature != connector.descriptor.signature:
@@ -310,4 +448,4 @@ def push_target(connector: MooncakeConnector, payload: dict) -> tuple[list[int],
         raise RequestError(f"{len(dst_blocks)} destination blocks for {len(token_ids) - 1} tokens from block "
                            f"{first_block} (expected {need})", field="kv_transfer")
     return token_ids, PushTo(dest=dest, first_block=first_block, dst_blocks=dst_blocks, dst_slot=dst_slot,
-                             timeout_s=timeout_s, staging=staging, deadline=time.monotonic() + timeout_s)
+                             timeout_s=timeout_s, staging=staging, deadline=time.monotonic() + timeout_s, notice=notice)

@@ -10,12 +10,21 @@ Writes go through the engine's synchronous calls (`transfer_sync_write`, or
 a Python loop polling `transfer_check_status` needs the GIL between polls, and next to an
 engine thread running Python it made a 1 MiB write 7-20x slower than the engine itself. A
 write that overlaps with producing its bytes (`write_as_ready`) submits chunks asynchronously
-(`batch_transfer_async_write`), writes the last one synchronously and then waits for the others
-in one `get_batch_transfer_status`, which also waits in C++ with the GIL released (handing the chunks to Python writer threads instead
-cost a thread wake-up per chunk, many milliseconds each on the loaded two-core VM). The engine
-bounds each call (`MC_TRANSFER_TIMEOUT` seconds, 5 at least, plus one second per GiB) and
-answers an error for an unreachable peer; a write that returns after the caller's deadline
-counts as failed too.
+(`batch_transfer_async_write`) and waits for them in `get_batch_transfer_status`, which also
+waits in C++ with the GIL released (handing the chunks to Python writer threads instead cost a
+thread wake-up per chunk, many milliseconds each on the loaded two-core VM). It waits for each
+chunk on its own: given several, that call returns at the first failed one while its siblings
+are still being written, and the caller would then lend the memory they land in to another
+hand-off. The engine bounds each call (`MC_TRANSFER_TIMEOUT` seconds, 5 at least, plus one
+second per GiB) and answers an error for an unreachable peer; a write that returns after the
+caller's deadline counts as failed too.
+
+Completion notices: the last write of a hand-off may carry a notice (the engine's notify: a
+short message that the peer's engine queues once the write is complete, read there with
+`get_notifies`), issued only after every other write completed. The engine's TCP framing
+acknowledges a write only once its bytes are in the receiver's memory (Mooncake's acknowledged
+"v2" framing, unless MC_TCP_PROTO=1 forces the legacy one), so a receiver that sees the notice
+has every byte of the hand-off.
 
 The engine logs through its bundled glog, which does not read GLOG_minloglevel from the
 environment: at INFO it writes a line for every handshake and every asynchronous batch.
@@ -29,6 +38,7 @@ import math
 import os
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from deltamoe.errors import ConfigError
@@ -37,6 +47,8 @@ from deltamoe.serve.kv_transfer.pools import Segment
 MIN_ENGINE_TIMEOUT_S = 5  # the engine's floor for MC_TRANSFER_TIMEOUT
 GLOG_MIN_LEVEL = "_ZN3fLI17FLAGS_minloglevelE"  # glog's `FLAGS_minloglevel` (C++ name, exported)
 GLOG_ERROR = 2
+NOTICE_NAME = "deltamoe-hand-off"  # the notify name of hand-off completion notices
+NOTICE_BYTES = 64  # what a notice's own write sends again after a chunked write
 
 
 def quiet_engine_logs() -> None:
@@ -65,6 +77,19 @@ class TransferFailed(RuntimeError):
     """A hand-off write that failed or ran past its deadline."""
 
 
+@dataclass
+class ChunkedWrite:
+    """A write whose chunks are on their way (`MooncakeTransport.start_chunks`); `finish` ends it."""
+
+    peer: str
+    src: int
+    dst: int
+    nbytes: int
+    started: float  # time.monotonic() when its first chunk could go out
+    batches: list[int] = field(default_factory=list)  # the engine's ids of the chunks in flight
+    sent: int = 0  # leading bytes that the chunks carry
+
+
 class MooncakeTransport:
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", timeout_s: float = 30.0):
         # Read by the engine's constructor: how long one synchronous write may wait.
@@ -81,6 +106,15 @@ class MooncakeTransport:
                               field="kv_transfer_host")
         self.session = f"{host}:{self._engine.get_rpc_port()}"
         self._registered: list[int] = []
+        try:
+            self._engine_timeout_s = max(MIN_ENGINE_TIMEOUT_S, int(os.environ["MC_TRANSFER_TIMEOUT"]))
+        except ValueError:
+            raise ConfigError(f"expected whole seconds, got {os.environ['MC_TRANSFER_TIMEOUT']!r}",
+                              field="MC_TRANSFER_TIMEOUT") from None
+
+    def write_bound_s(self, nbytes: int) -> float:
+        """How long the engine lets one write of `nbytes` run before giving up on it (its own rule)."""
+        return self._engine_timeout_s + nbytes / (1 << 30)
 
     def register(self, address: int, nbytes: int) -> None:
         if nbytes == 0:
@@ -89,57 +123,100 @@ class MooncakeTransport:
             raise ConfigError(f"cannot register {nbytes} bytes with the Mooncake transfer engine", field="kv_transfer")
         self._registered.append(address)
 
-    def write(self, peer: str, segments: list[Segment], timeout_s: float) -> None:
-        """Copy every segment into `peer`'s registered memory; raises TransferFailed (an engine
-        error, or the write ended after `timeout_s`)."""
+    def write(self, peer: str, segments: list[Segment], timeout_s: float, notice: str | None = None) -> None:
+        """Copy every segment into `peer`'s registered memory (the last one after the others, with
+        `notice` when given); raises TransferFailed (an engine error, or the write ended after
+        `timeout_s`)."""
         if timeout_s <= 0:
             raise TransferFailed(f"no time left for the hand-off to {peer}")
         start = time.monotonic()
-        if len(segments) == 1:
-            seg = segments[0]
-            status = self._engine.transfer_sync_write(peer, seg.src, seg.dst, seg.nbytes)
-        else:
-            status = self._engine.batch_transfer_sync_write(peer, [s.src for s in segments],
-                                                            [s.dst for s in segments], [s.nbytes for s in segments])
+        # With a notice, the last segment goes after the others (a notice rides on one write).
+        *rest, last = segments if notice is not None else [*segments, None]
+        status = 0
+        if len(rest) == 1:
+            status = self._engine.transfer_sync_write(peer, rest[0].src, rest[0].dst, rest[0].nbytes)
+        elif rest:
+            status = self._engine.batch_transfer_sync_write(peer, [s.src for s in rest], [s.dst for s in rest],
+                                                            [s.nbytes for s in rest])
+        if status == 0 and last is not None:
+            status = self._write_one(peer, last.src, last.dst, last.nbytes, notice)
         if status != 0:
             raise TransferFailed(f"the hand-off write to {peer} failed (status {status}: peer unreachable, or the "
                                  "engine's own timeout)")
         if time.monotonic() - start > timeout_s:
             raise TransferFailed(f"the hand-off to {peer} took longer than {timeout_s:.1f} s")
 
-    def write_as_ready(self, peer: str, src: int, dst: int, ready: Iterable[int], min_chunk: int,
-                       timeout_s: float) -> int:
-        """Copy bytes from `src` to `peer`'s `dst` while the sender is still producing them: `ready`
-        yields how many leading bytes are final (non-decreasing; its last value is the total), and
-        every `min_chunk` new bytes go out as one asynchronous write, so the transfer engine's
-        threads send a chunk while this thread produces the next. The rest goes out last as a
-        synchronous write (all of it when it never reached `min_chunk`: then this is `write` after
-        producing), and only then does this thread wait for the earlier chunks, by then mostly done
-        (the wait spins in C++: short spins leave the cores to the engine's sending threads).
-        Returns the number of writes; raises TransferFailed as `write` does. Whatever happens,
-        returns only once no write is in flight (the caller then reuses the memory)."""
+    def write_as_ready(self, peer: str, src: int, dst: int, nbytes: int, ready: Iterable[int], min_chunk: int,
+                       timeout_s: float, notice: str | None = None) -> int:
+        """Copy `nbytes` from `src` to `peer`'s `dst` while the sender is still producing them
+        (`start_chunks`, then `finish`). Returns the number of writes; raises TransferFailed as
+        `write` does. Whatever happens, returns only once no write is in flight (the caller then
+        reuses the memory, and the peer lends its range to another hand-off)."""
         if timeout_s <= 0:
             raise TransferFailed(f"no time left for the hand-off to {peer}")
-        start = time.monotonic()
-        batches: list[int] = []
-        statuses: list[int] = []
-        sent = end = 0
+        return self.finish(self.start_chunks(peer, src, dst, nbytes, ready, min_chunk), timeout_s, notice)
+
+    def start_chunks(self, peer: str, src: int, dst: int, nbytes: int, ready: Iterable[int], min_chunk: int,
+                     all_async: bool = False) -> ChunkedWrite:
+        """Put a write on its way while its bytes are produced: `ready` yields how many leading bytes
+        are final (non-decreasing, ending at `nbytes`), and every `min_chunk` new bytes go out as one
+        asynchronous write, so the transfer engine's threads send a chunk while this thread produces
+        the next; the rest goes out the same way once produced, unless no chunk went out and not
+        `all_async` (then `finish` writes it all at once). Raises (the producer's error, or
+        TransferFailed) only once no chunk is in flight."""
+        write = ChunkedWrite(peer, src, dst, nbytes, time.monotonic())
+        end = 0
         try:
             for end in ready:
-                if end - sent >= min_chunk:
-                    batches.append(self._submit(peer, src + sent, dst + sent, end - sent))
-                    sent = end
-            if end > sent:
-                statuses.append(self._engine.transfer_sync_write(peer, src + sent, dst + sent, end - sent))
-        finally:
-            if batches:
-                statuses.append(self._engine.get_batch_transfer_status(batches))
-        if any(status != 0 for status in statuses):
-            raise TransferFailed(f"the hand-off write to {peer} failed (status {min(statuses)}: peer unreachable, "
-                                 "or the engine's own timeout)")
-        if time.monotonic() - start > timeout_s:
-            raise TransferFailed(f"the hand-off to {peer} took longer than {timeout_s:.1f} s")
-        return len(batches) + (end > sent)
+                if end - write.sent >= min_chunk and end < nbytes:
+                    write.batches.append(self._submit(peer, src + write.sent, dst + write.sent, end - write.sent))
+                    write.sent = end
+            if end != nbytes:
+                raise ValueError(f"the producer stopped at {end} of {nbytes} bytes")
+            if write.batches or all_async:
+                write.batches.append(self._submit(peer, src + write.sent, dst + write.sent, nbytes - write.sent))
+                write.sent = nbytes
+        except BaseException:
+            self._wait_each(write.batches)
+            raise
+        return write
+
+    def finish(self, write: ChunkedWrite, timeout_s: float, notice: str | None = None) -> int:
+        """Wait for every chunk of `write`, each until it completed or failed; then write what no
+        chunk carried (synchronously), and `notice` for the peer when given: it rides on that
+        write, or on a write of the last `NOTICE_BYTES` again (a notice needs a write, and a chunk
+        written after the others completed, rather than beside them, costs more than a short
+        write). Returns the number of writes; raises TransferFailed as `write` does, only once no
+        chunk is in flight."""
+        failed = [status for status in self._wait_each(write.batches) if status != 0]
+        writes = len(write.batches)
+        if not failed and (notice is not None or write.sent < write.nbytes):
+            first = write.sent if write.sent < write.nbytes else max(0, write.nbytes - NOTICE_BYTES)
+            status = self._write_one(write.peer, write.src + first, write.dst + first, write.nbytes - first, notice)
+            failed, writes = [status] if status != 0 else [], writes + 1
+        if failed:
+            raise TransferFailed(f"the hand-off write to {write.peer} failed (status {min(failed)}: peer "
+                                 "unreachable, or the engine's own timeout)")
+        if time.monotonic() - write.started > timeout_s:
+            raise TransferFailed(f"the hand-off to {write.peer} took longer than {timeout_s:.1f} s")
+        return writes
+
+    def notices(self) -> list[str]:
+        """The completion notices that arrived since the last call (their messages)."""
+        return [n.msg for n in self._engine.get_notifies() if n.name == NOTICE_NAME]
+
+    def _write_one(self, peer: str, src: int, dst: int, nbytes: int, notice: str | None) -> int:
+        if notice is None:
+            return self._engine.transfer_sync_write(peer, src, dst, nbytes)
+        from mooncake.engine import TransferNotify, TransferOpcode
+
+        return self._engine.transfer_sync(peer, src, dst, nbytes, TransferOpcode.Write,
+                                          TransferNotify(NOTICE_NAME, notice))
+
+    def _wait_each(self, batches: list[int]) -> list[int]:
+        """Each batch's status (0 = complete), once it completed or failed (a call per batch, see the
+        module's docstring)."""
+        return [self._engine.get_batch_transfer_status([batch]) for batch in batches]
 
     def _submit(self, peer: str, src: int, dst: int, nbytes: int) -> int:
         batch = self._engine.batch_transfer_async_write(peer, [src], [dst], [nbytes])

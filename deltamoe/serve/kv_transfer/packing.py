@@ -6,11 +6,13 @@ starting on a 64-byte boundary:
 - paged pools [layers, rows, *row]: the rows of tokens [first_block * block_size, num_tokens),
   in token order, as [layers, tokens, *row];
 - state pools [layers, slots, *state]: the request's slot, as [layers, *state].
-The sender gathers its rows and slot into such a message (`pack`, or `pack_in_steps` a layer at
+The sender gathers its rows and slot into such a message (`pack`, or `pack_in_steps` a pool at
 a time, so that the message's head travels while its tail is gathered); the receiver scatters the
-message into its own rows and slot (`unpack`): per pool (per layer of it, gathering), one gather or
+message into its own rows and slot (`unpack`): per pool, every layer at once, one gather or
 scatter of whole blocks (a block of a layer is one contiguous run of rows, so each index moves
 block_size rows at once) and one copy of the last block's rows, however scattered the blocks are.
+A few large copies, not one per layer: at a few hundred KiB each torch call's fixed cost, not
+the bytes, decides how long a gather takes.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class TokenRows:
     blocks: torch.Tensor  # long, the blocks holding the rows, in token order
     block_size: int
     count: int
+    tail_start: int = 0  # the pool row of the partial last block's first row (0 when there is none)
 
     def __len__(self) -> int:
         return self.count
@@ -45,7 +48,7 @@ class TokenRows:
 
     def to(self, device: torch.device | str) -> "TokenRows":
         """The same rows with the block index on `device` (a pool's index must live beside it)."""
-        return TokenRows(self.blocks.to(device), self.block_size, self.count)
+        return TokenRows(self.blocks.to(device), self.block_size, self.count, self.tail_start)
 
     def flat(self) -> torch.Tensor:
         """Every row id, in token order (the reference form)."""
@@ -58,7 +61,8 @@ def token_rows(blocks: list[int], first_block: int, num_tokens: int, block_size:
     count = num_tokens - first_block * block_size
     if not 0 < count <= len(blocks) * block_size or count <= (len(blocks) - 1) * block_size:
         raise ValueError(f"{len(blocks)} blocks of {block_size} for {count} rows")
-    return TokenRows(torch.tensor(blocks, dtype=torch.long), block_size, count)
+    tail_start = blocks[count // block_size] * block_size if count % block_size else 0
+    return TokenRows(torch.tensor(blocks, dtype=torch.long), block_size, count, tail_start)
 
 
 def message_parts(cache: HybridCache, num_rows: int) -> list[tuple[str, int, tuple[int, ...], int]]:
@@ -92,26 +96,25 @@ def pack(cache: HybridCache, rows: TokenRows, slot: int, out: torch.Tensor) -> N
 
 
 def pack_in_steps(cache: HybridCache, rows: TokenRows, slot: int, out: torch.Tensor) -> Iterator[int]:
-    """`pack`, one layer of one pool at a time: after each, yields how many leading bytes of `out`
-    are final, so a sender writes them while it gathers the rest (`MooncakeTransport.write_as_ready`)."""
+    """`pack`, one pool at a time (all its layers at once): after each, yields how many leading bytes
+    of `out` are final, the last time `message_bytes` (its alignment included), so a sender writes
+    them while it gathers the rest (`MooncakeTransport.write_as_ready`)."""
     pools = _copyable(cache)
-    for (name, view), (_, offset, _, nbytes) in zip(_views(cache, len(rows), out), message_parts(cache, len(rows))):
-        pool, layer_bytes = pools[name], nbytes // view.shape[0]
-        for layer in range(pool.shape[0]):
-            layer_pool, layer_view = pool[layer:layer + 1], view[layer:layer + 1]
-            if name in PAGED_POOLS:
-                pool_blocks, message_blocks, pool_tail, message_tail = _by_block(layer_pool, layer_view, rows)
-                torch.index_select(pool_blocks, 1, rows.blocks[:rows.whole_blocks], out=message_blocks)
-                message_tail.copy_(pool_tail)
-            else:
-                layer_view.copy_(layer_pool.select(1, slot))
-            yield offset + (layer + 1) * layer_bytes
+    parts = _views(cache, len(rows), out)
+    for i, (name, view, end) in enumerate(parts):
+        if name in PAGED_POOLS:
+            pool_blocks, message_blocks, pool_tail, message_tail = _by_block(pools[name], view, rows)
+            torch.index_select(pool_blocks, 1, rows.blocks[:rows.whole_blocks], out=message_blocks)
+            message_tail.copy_(pool_tail)
+        else:
+            view.copy_(pools[name].select(1, slot))
+        yield end if i < len(parts) - 1 else -(-end // ALIGN) * ALIGN
 
 
 def unpack(cache: HybridCache, rows: TokenRows, slot: int, message: torch.Tensor) -> None:
     """Scatter a packed message into this cache's `rows` and state `slot`."""
     pools = _copyable(cache)
-    for name, view in _views(cache, len(rows), message):
+    for name, view, _ in _views(cache, len(rows), message):
         pool = pools[name]
         if name in PAGED_POOLS:
             pool_blocks, message_blocks, pool_tail, message_tail = _by_block(pool, view, rows)
@@ -130,13 +133,14 @@ def _by_block(pool: torch.Tensor, view: torch.Tensor, rows: TokenRows) -> tuple[
     n = whole * bs
     pool_blocks = pool.view(pool.shape[0], pool.shape[1] // bs, -1)
     message_blocks = view[:, :n].view(pool.shape[0], whole, pool_blocks.shape[2])
-    first = int(rows.blocks[whole]) * bs if n < rows.count else 0
+    first = rows.tail_start
     return pool_blocks, message_blocks, pool[:, first:first + rows.count - n], view[:, n:]
 
 
-def _views(cache: HybridCache, num_rows: int, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+def _views(cache: HybridCache, num_rows: int, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor, int]]:
+    """(pool, its part of the message in `buffer` as a tensor, the part's end in bytes), in message order."""
     pools = _copyable(cache)
-    return [(name, buffer[offset:offset + nbytes].view(pools[name].dtype).view(shape))
+    return [(name, buffer[offset:offset + nbytes].view(pools[name].dtype).view(shape), offset + nbytes)
             for name, offset, shape, nbytes in message_parts(cache, num_rows)]
 
 

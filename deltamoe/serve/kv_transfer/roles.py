@@ -16,7 +16,8 @@ from fastapi.responses import JSONResponse
 
 from deltamoe.errors import RequestError
 from deltamoe.serve.engine.async_engine import AsyncLLMEngine
-from deltamoe.serve.kv_transfer.mooncake_connector import HandOffConfig, MooncakeConnector, RemotePrefill
+from deltamoe.serve.kv_transfer.mooncake_connector import (HandOffConfig, MooncakeConnector, PrefillUnanswered,
+                                                           RemotePrefill)
 from deltamoe.serve.kv_transfer.mooncake_transport import TransferFailed
 from deltamoe.serve.kv_transfer.prefill_service import prefill_and_push
 
@@ -42,7 +43,7 @@ class HttpPrefillClient:
         try:
             r = self._client.post(f"{url.rstrip('/')}/internal/prefill", json=payload, timeout=timeout_s)
         except httpx.HTTPError as e:
-            raise TransferFailed(f"{type(e).__name__}: {e}") from e
+            raise PrefillUnanswered(f"{type(e).__name__}: {e}") from e
         if r.status_code != 200:
             try:
                 message = r.json()["error"]["message"]

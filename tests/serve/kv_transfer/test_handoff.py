@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
+import time
 
 import pytest
 
@@ -16,7 +18,9 @@ from deltamoe.serve.engine.async_engine import AsyncLLMEngine, RequestFailedErro
 from deltamoe.serve.engine.config import EngineConfig  # noqa: E402
 from deltamoe.serve.engine.llm_engine import LLMEngine  # noqa: E402
 from deltamoe.serve.engine.sampling import SamplingParams  # noqa: E402
-from deltamoe.serve.kv_transfer.mooncake_connector import HandOffConfig, MooncakeConnector, RemotePrefill  # noqa: E402
+from deltamoe.serve.kv_transfer.mooncake_connector import (  # noqa: E402
+    HandOffConfig, MooncakeConnector, PrefillUnanswered, RemotePrefill)
+from deltamoe.serve.kv_transfer.mooncake_transport import TransferFailed  # noqa: E402
 from deltamoe.serve.kv_transfer.pools import pool_tensors  # noqa: E402
 from deltamoe.serve.kv_transfer.prefill_service import prefill_and_push  # noqa: E402
 
@@ -61,9 +65,9 @@ def pool():
 
 
 def decode_engine(model, pool: PrefillPool, timeout_s: float = 30.0, min_prompt_tokens: int = 2,
-                  staging_bytes: int = 64 << 20, **config) -> tuple[AsyncLLMEngine, MooncakeConnector]:
+                  staging_bytes: int = 64 << 20, client=None, **config) -> tuple[AsyncLLMEngine, MooncakeConnector]:
     hand_off = HandOffConfig(timeout_s=timeout_s, min_prompt_tokens=min_prompt_tokens, staging_bytes=staging_bytes)
-    connector = MooncakeConnector(hand_off, prefill_client=pool.client)
+    connector = MooncakeConnector(hand_off, prefill_client=client or pool.client)
     return AsyncLLMEngine(LLMEngine(model, config=EngineConfig(**(CONFIG | config)), connector=connector)), connector
 
 
@@ -106,9 +110,13 @@ def test_handoff_equals_colocated(k31_model, helpers, pool, num_prefill):
     prompts = concurrent_prompts + followers
     expected = [c.token_ids for c in LLMEngine(k31_model, config=EngineConfig(**CONFIG)).generate(
         prompts, GREEDY, progress=False)]
-    # With two prefill servers, p1 writes each packed hand-off a layer at a time as it gathers it.
+    # With two prefill servers, p1 writes each packed hand-off a pool at a time as it gathers it, all of
+    # it on its hand-off thread (p0's engine thread gathers and starts the write as the prefill ends).
     prefills = [pool.add(f"p{i}", k31_model, HandOffConfig(write_chunk_bytes=1 if i else 1 << 20))
                 for i in range(num_prefill)]
+    if num_prefill == 2:
+        p1 = pool.engines["p1"][1]
+        p1._start_packed = lambda *args, wait: MooncakeConnector._start_packed(p1, *args, wait=True) if wait else None
     decode, connector = decode_engine(k31_model, pool)
 
     async def main():
@@ -135,14 +143,16 @@ def test_handoff_equals_colocated(k31_model, helpers, pool, num_prefill):
                                                       for p in prompts if len(p) > 1)
     assert sum(p.stats().extra["kv_transfer_bytes_sent"] for p in prefills) == moved["kv_transfer_bytes_received"]
     assert prefills[0].stats().prefix_hit_tokens >= 16
-    assert prefills[0].stats().extra["kv_transfer_writes"] == prefills[0].stats().extra["kv_transfer_sent"]
-    if num_prefill == 2:  # p1: a write per layer of each pool
+    # p0: each hand-off (under 1 MiB) one write, started by the engine thread as the prefill ends, and the
+    # completion notice's own write once it completed.
+    assert prefills[0].stats().extra["kv_transfer_writes"] == 2 * prefills[0].stats().extra["kv_transfer_sent"]
+    if num_prefill == 2:  # p1: a write per pool, then the completion notice's own
         p1 = prefills[1].stats().extra
-        assert p1["kv_transfer_writes"] == p1["kv_transfer_sent"] * sum(
-            t.shape[0] for t in pool_tensors(prefills[1].cache).values() if t.numel())
+        assert p1["kv_transfer_writes"] == p1["kv_transfer_sent"] * (1 + sum(
+            1 for t in pool_tensors(prefills[1].cache).values() if t.numel()))
     # One host, one clock: the decode side timed every hand-off from the prefill's finish to its cache.
     assert moved["kv_transfer_timed"] == handed_off
-    assert moved["kv_transfer_seconds_finish_to_cache"] > moved["kv_transfer_seconds_notice"] > 0
+    assert moved["kv_transfer_seconds_finish_to_cache"] > max(0.0, moved["kv_transfer_seconds_notice"])
 
 
 def test_failed_handoff_is_an_error_and_frees_everything(k31_model, helpers, pool):
@@ -162,6 +172,90 @@ def test_failed_handoff_is_an_error_and_frees_everything(k31_model, helpers, poo
     assert connector.stats()["kv_transfer_failures"] == 1
     assert_all_free(decode.engine)
     assert_all_free(pool.engines["p0"][0].engine)
+
+
+@pytest.mark.parametrize("staging_bytes", [64 << 20, 1024])
+def test_the_notice_lands_a_handoff_before_the_prefill_server_answers(k31_model, helpers, pool, staging_bytes):
+    """The decode side runs a handed-off request once the transfer engine's completion notice is in:
+    here the prefill call's answer is held back until the decode side has streamed its whole answer,
+    packed (scattered from the staging area) and unpacked (written straight into the pools) alike."""
+    prefill = pool.add("p0", k31_model)
+    answered = threading.Event()
+
+    def held_answer(url: str, payload: dict, timeout_s: float) -> dict:
+        report = pool.client(url, payload, timeout_s)
+        answered.wait(20.0)
+        return report
+
+    decode, connector = decode_engine(k31_model, pool, staging_bytes=staging_bytes, client=held_answer)
+    prompt = helpers.prompts(1, 20, 20, seed=6)[0]
+
+    async def main():
+        got = await asyncio.wait_for(collect(decode, prompt, "p0"), 15.0)
+        assert not answered.is_set()
+        answered.set()
+        await settle(decode.engine, prefill)
+        return got
+
+    got = run_then_close(decode, connector, main)
+    assert got == LLMEngine(k31_model, config=EngineConfig(**CONFIG)).generate([prompt], GREEDY, progress=False)[0].token_ids
+    assert connector.stats()["kv_transfer_landed_on_notice"] == 1
+    assert prefill.stats().extra["kv_transfer_unpacked"] == (staging_bytes < 4096)
+    assert_all_free(decode.engine)
+    assert connector.staging.free_bytes() == connector.staging.nbytes
+
+
+def test_the_answer_lands_a_handoff_whose_notice_was_not_seen(k31_model, helpers, pool):
+    """When the prefill server's answer comes before the notice is polled (here: never), the hand-off's
+    own thread lands it: same tokens, nothing left pinned."""
+    prefill = pool.add("p0", k31_model)
+    decode, connector = decode_engine(k31_model, pool)
+    connector.notices._poll = lambda: []
+    prompt = helpers.prompts(1, 20, 20, seed=9)[0]
+
+    async def main():
+        got = await collect(decode, prompt, "p0")
+        await settle(decode.engine, prefill)
+        return got
+
+    got = run_then_close(decode, connector, main)
+    assert got == LLMEngine(k31_model, config=EngineConfig(**CONFIG)).generate([prompt], GREEDY, progress=False)[0].token_ids
+    stats = connector.stats()
+    assert stats["kv_transfer_received"] == 1 and stats["kv_transfer_landed_on_notice"] == 0
+    assert_all_free(decode.engine)
+    assert connector.staging.free_bytes() == connector.staging.nbytes
+
+
+def test_a_failed_handoff_keeps_its_staging_range_while_a_write_may_land(k31_model, helpers, pool):
+    """A prefill server that answered has ended every write: the range comes back at once. A call that
+    ended without an answer may leave writes running: the range stays out of use for the transfer
+    engine's bound on a write (shortened here), then comes back."""
+    pool.add("p0", k31_model)
+    failures = iter([TransferFailed("HTTP 502: the write failed"), PrefillUnanswered("ReadTimeout: no answer")])
+
+    def failing(url: str, payload: dict, timeout_s: float) -> dict:
+        raise next(failures)
+
+    decode, connector = decode_engine(k31_model, pool, client=failing)
+    connector.transport.write_bound_s = lambda nbytes: 0.5
+    prompt = helpers.prompts(1, 20, 20, seed=8)[0]
+    area = connector.staging
+
+    async def main():
+        with pytest.raises(RequestFailedError, match="the write failed"):
+            await collect(decode, prompt, "p0")
+        assert area.free_bytes() == area.nbytes
+        with pytest.raises(RequestFailedError, match="no answer"):
+            await collect(decode, prompt, "p0")
+        failed_at = time.monotonic()
+        assert area.free_bytes() < area.nbytes
+        while area.free_bytes() < area.nbytes and time.monotonic() - failed_at < 10.0:
+            await asyncio.sleep(0.02)
+        assert area.free_bytes() == area.nbytes and time.monotonic() - failed_at > 0.3
+        await settle(decode.engine)
+
+    run_then_close(decode, connector, main)
+    assert_all_free(decode.engine)
 
 
 def test_mismatched_block_size_is_refused_by_the_prefill_side(k31_model, helpers, pool):

@@ -1,7 +1,8 @@
 """`MooncakeTransport.write_as_ready`: bytes written in chunks while the sender still produces the
-rest land exactly where a single write would put them; an unreachable peer or a failing producer
-ends the call with an error, and only once no chunk is in flight; the engine's log follows
-GLOG_minloglevel."""
+rest land exactly where a single write would put them; an unreachable peer, a failing producer or
+a chunk the peer refuses ends the call with an error, and only once no chunk is in flight (a late
+sibling never lands in memory the caller has lent out again); a completion notice reaches the peer
+once every byte is there; the engine's log follows GLOG_minloglevel."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ import torch
 
 pytest.importorskip("mooncake.engine")
 
+import time  # noqa: E402
+
 from deltamoe.serve.kv_transfer.mooncake_transport import (  # noqa: E402
     MooncakeTransport, TransferFailed, engine_log_level, quiet_engine_logs)
+from deltamoe.serve.kv_transfer.pools import Segment  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +39,9 @@ def test_chunks_go_out_as_bytes_become_ready_and_land_in_place(peers):
             produced.append(end)
             yield end
 
-    writes = sender.write_as_ready(receiver.session, src.data_ptr(), dst.data_ptr(), ready(), 4000, 5.0)
+    writes = sender.write_as_ready(receiver.session, src.data_ptr(), dst.data_ptr(), 16384, ready(), 4000, 5.0)
     assert produced == [1000, 2000, 4000, 9000, 12000, 16384]
-    assert writes == 3  # [0, 4000), [4000, 9000), [9000, 16384)
+    assert writes == 3  # [0, 4000), [4000, 9000), [9000, 16384) (the last once produced)
     assert torch.equal(dst, src)
 
 
@@ -50,14 +54,61 @@ def test_a_failing_producer_raises_after_its_chunks_have_landed(peers):
         raise ValueError("gather failed")
 
     with pytest.raises(ValueError, match="gather failed"):
-        sender.write_as_ready(receiver.session, src.data_ptr(), dst.data_ptr(), ready(), 4096, 5.0)
+        sender.write_as_ready(receiver.session, src.data_ptr(), dst.data_ptr(), 16384, ready(), 4096, 5.0)
     assert torch.equal(dst[:2048], src[:2048]) and not dst[2048:].any()
+
+
+def wait_for_notices(transport: MooncakeTransport, count: int, timeout_s: float = 5.0) -> list[str]:
+    got: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < count and time.monotonic() < deadline:
+        got += transport.notices()
+        time.sleep(0.001)
+    return got
+
+
+def test_a_notice_reaches_the_peer_after_the_last_chunk(peers):
+    sender, receiver, src, dst = peers
+    receiver.notices()  # nothing left over from other tests
+    dst.zero_()
+    writes = sender.write_as_ready(receiver.session, src.data_ptr(), dst.data_ptr(), 16384,
+                                   iter([4096, 8192, 16384]), 4096, 5.0, notice="t1")
+    assert writes == 4 and wait_for_notices(receiver, 1) == ["t1"] and torch.equal(dst, src)  # 3 chunks + the notice
+    # A single write (no chunk reached 4096 bytes before the end) carries the notice as well.
+    dst.zero_()
+    writes = sender.write_as_ready(receiver.session, src.data_ptr(), dst.data_ptr(), 16384, iter([16384]), 4096, 5.0,
+                                   notice="t2")
+    assert writes == 1 and wait_for_notices(receiver, 1) == ["t2"] and torch.equal(dst, src)
+    # Segments straight into the peer's memory: the notice rides on the last one.
+    dst.zero_()
+    segments = [Segment(src.data_ptr() + i, dst.data_ptr() + i, 4096) for i in (0, 8192, 4096, 12288)]
+    sender.write(receiver.session, segments, 5.0, notice="t3")
+    assert wait_for_notices(receiver, 1) == ["t3"] and torch.equal(dst, src)
+    sender.write_as_ready(receiver.session, src.data_ptr(), dst.data_ptr(), 16384, iter([16384]), 4096, 5.0)
+    assert wait_for_notices(receiver, 1, timeout_s=0.2) == []  # no notice asked, none sent
+
+
+def test_a_refused_chunk_fails_the_write_only_once_its_siblings_have_landed(peers):
+    """The peer refuses the second chunk (it lies past its registered memory) while the first, large
+    one is still on its way: the call raises only after that one landed, and sends no notice."""
+    sender, receiver, *_ = peers
+    big = 16 << 20
+    src = torch.full((big + 8192,), 7, dtype=torch.uint8)
+    dst = torch.zeros(big + 8192, dtype=torch.uint8)
+    sender.register(src.data_ptr(), src.numel())
+    receiver.register(dst.data_ptr(), big)  # the first chunk's range only
+    with pytest.raises(TransferFailed, match="failed"):
+        sender.write_as_ready(receiver.session, src.data_ptr(), dst.data_ptr(), big + 8192,
+                              iter([big, big + 4096, big + 8192]), 4096, 5.0, notice="never")
+    assert int(dst[big - 1]) == 7  # the large sibling had landed before the call returned
+    assert torch.equal(dst[:big], src[:big]) and not dst[big:].any()
+    assert wait_for_notices(receiver, 1, timeout_s=0.2) == []
 
 
 def test_an_unreachable_peer_is_a_transfer_failure(peers):
     sender, _, src, _ = peers
     with pytest.raises(TransferFailed, match="127.0.0.1:1"):
-        sender.write_as_ready("127.0.0.1:1", src.data_ptr(), 0, iter([1024]), 512, 5.0)
+        sender.write_as_ready("127.0.0.1:1", src.data_ptr(), 0, 1024, iter([1024]), 512, 5.0)
 
 
 def test_engine_logs_follow_glog_minloglevel_default_error(peers, monkeypatch):
