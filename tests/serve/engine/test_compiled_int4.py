@@ -24,14 +24,19 @@ KERNEL = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 
 
 @pytest.fixture(scope="module")
-def int4_model(helpers, tmp_path_factory):
+def int4_checkpoint(helpers, tmp_path_factory):
     """A two-layer K3.1-shaped model, int4 group 32 (wide enough that its experts are quantized too)."""
     config = helpers.k31_tiny(num_hidden_layers=2, layer_types=("kda", "dsa"), hidden_size=64, num_experts=8,
                               moe_intermediate_size=32, latent_moe_size=32, first_k_dense_replace=0)
     root = tmp_path_factory.mktemp("int4")
     save_checkpoint(build_model(config, seed=6).eval(), root / "fp32")
     quantize_checkpoint(root / "fp32", root / "int4", make_scheme("int4", 32), dtype=torch.float32)
-    return load_model(root / "int4")
+    return root / "int4"
+
+
+@pytest.fixture(scope="module")
+def int4_model(int4_checkpoint):
+    return load_model(int4_checkpoint)
 
 
 def traced(fn):
@@ -100,3 +105,21 @@ def test_compiled_int4_engine_gives_the_eager_int4_engines_tokens(int4_model, he
         outputs[compiled] = [[c.token_ids for c in engine.generate(batch, params, progress=False)]
                              for batch in (prompts[:1], prompts[:2], prompts)]
     assert outputs[True] == outputs[False]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not compiled_decode.compiler_available(), reason="torch.compile's CPU kernels need a C++ compiler")
+def test_a_second_start_reuses_the_int4_graphs_from_the_disk_cache(int4_checkpoint, tmp_path):
+    """Two processes on one fresh inductor cache: the second loads the first's graphs (a graph
+    guarded on the int4 operands' sizes could not be checked there) and prints the same tokens."""
+    import os
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-m", "deltamoe", "generate", str(int4_checkpoint), "-p", "hello", "--max-tokens", "6",
+            "--temperature", "0", "--ignore-eos", "--compile"]
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "OMP_NUM_THREADS": "1"}
+    runs = [subprocess.run(args, env=env, capture_output=True, text=True, timeout=900) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-2000:]
+    assert runs[0].stdout == runs[1].stdout and runs[0].stdout.strip()
