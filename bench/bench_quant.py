@@ -10,7 +10,9 @@ parameter, buffer and packed weight the model holds. Two int4 rows: the unquanti
 (embeddings, norms, lm_head, the Linears the scheme skips) in bf16, as published int4
 checkpoints store it, and the same weights with that rest in fp32 (a CPU without fast bf16
 matmuls runs it faster); both are compared with fp32 and with bf16, and the goal is 2x the
-faster of the two.
+faster of the two. `--compile` adds the same rows decoded through the compiled regions
+(`EngineConfig.compile_decode`, the default of `generate`/`serve`) for the formats that have a
+compiled form (fp32, bf16, int4 W4A16), each compared with the compiled fp32 and bf16 rows.
 
 Accuracy: a trained checkpoint (`--checkpoint`, with the `--train-config` of its run; default:
 the tiny model trained here for `--train-steps` steps on the recall task) is quantized per
@@ -22,7 +24,7 @@ KV cache: latent-KV + indexer-key bytes per token, bf16 pages vs `--kv-cache-dty
 
     .venv/bin/python bench/bench_quant.py [--quick] [--formats int4,int4-rest-fp32]
                                           [--checkpoint DIR --train-config JSON] [--speed-only]
-                                          [--clock wall|cpu]
+                                          [--clock wall|cpu] [--compile]
 """
 
 from __future__ import annotations
@@ -59,16 +61,18 @@ SPEED_FORMATS = {
     "mxfp4": ("mxfp4 experts", ("mxfp4", None, None), torch.bfloat16),
 }
 BASELINES = ("fp32", "bf16")  # always timed
+COMPILED_FORMATS = ("fp32", "bf16", "int4", "int4-rest-fp32")  # the formats compiled decode runs
 ACCURACY_FORMATS = [("int4", ("int4", 32, None)), ("w4a8 fp8", ("w4a8", 32, "fp8")),
                     ("w4a8 int8", ("w4a8", 32, "int8")), ("mxfp4 experts", ("mxfp4", None, None))]
 
 
-def decode_rate(model, new_tokens: int, rounds: int, clock=time.perf_counter) -> float:
+def decode_rate(model, new_tokens: int, rounds: int, clock=time.perf_counter, compiled: bool = False) -> float:
     """Batch-1 greedy decode tokens/s: (new_tokens - 1) over the time a `new_tokens` run takes
     beyond a 1-token run (prefill and first token), best of `rounds`. `clock`: wall time, or
     `time.process_time` (this process's CPU time: on a loaded machine it leaves out the time
-    other processes hold the core)."""
-    engine = LLMEngine(model, config=EngineConfig(cache_memory="64MiB", max_num_seqs=1))
+    other processes hold the core). `compiled`: through the compiled decode regions (compiled
+    by the warm-up run; a process keeps them for later engines on the same model)."""
+    engine = LLMEngine(model, config=EngineConfig(cache_memory="64MiB", max_num_seqs=1, compile_decode=compiled))
     prompt = [256] + list(range(65, 65 + 15))
 
     def run(n: int) -> float:
@@ -80,9 +84,11 @@ def decode_rate(model, new_tokens: int, rounds: int, clock=time.perf_counter) ->
     return max((new_tokens - 1) / (run(new_tokens) - run(1)) for _ in range(rounds))
 
 
-def speed(preset: str, new_tokens: int, rounds: int, tmp: Path, keys: list[str], clock=time.perf_counter) -> list[dict]:
+def speed(preset: str, new_tokens: int, rounds: int, tmp: Path, keys: list[str], clock=time.perf_counter,
+          compiled_keys: tuple[str, ...] = ()) -> list[dict]:
     """The formats `keys` names loaded side by side, then timed in alternating rounds (best of
-    `rounds` each), so a shared machine's load swings reach every format alike."""
+    `rounds` each), so a shared machine's load swings reach every format alike; `compiled_keys`
+    are timed again through the compiled decode regions, compared with the compiled baselines."""
     formats = [SPEED_FORMATS[k] for k in keys]
     models = {}
     for key, (label, fmt, dtype) in zip(keys, formats):
@@ -92,18 +98,22 @@ def speed(preset: str, new_tokens: int, rounds: int, tmp: Path, keys: list[str],
             path = tmp / key
             quantize_checkpoint(preset, path, make_scheme(*fmt), dtype=dtype)
             models[label] = load_model(path, dtype=dtype)
-    best = {label: 0.0 for label in models}
+    runs = [(label, False) for label in models] + [(SPEED_FORMATS[k][0], True) for k in keys if k in compiled_keys]
+    best = {run: 0.0 for run in runs}
     for r in range(rounds):
-        for label, model in models.items():
-            best[label] = max(best[label], decode_rate(model, new_tokens, 1, clock))
-            print(f"round {r}: {label} {best[label]:.2f} tok/s", flush=True)
-    rows = [{"format": label, "rest_dtype": str(dtype).removeprefix("torch."), "decode_tok_s": round(best[label], 2),
-             "weight_bytes": resident_weight_bytes(models[label])} for label, _, dtype in formats]
-    base = {r["format"]: r for r in rows}
+        for label, compiled in runs:
+            rate = decode_rate(models[label], new_tokens, 1, clock, compiled)
+            best[label, compiled] = max(best[label, compiled], rate)
+            print(f"round {r}: {label}{' compiled' if compiled else ''} {best[label, compiled]:.2f} tok/s", flush=True)
+    dtypes = {label: dtype for label, _, dtype in formats}
+    rows = [{"format": label, "decode": "compiled" if compiled else "eager",
+             "rest_dtype": str(dtypes[label]).removeprefix("torch."), "decode_tok_s": round(best[label, compiled], 2),
+             "weight_bytes": resident_weight_bytes(models[label])} for label, compiled in runs]
+    base = {(r["format"], r["decode"]): r for r in rows}
     for r in rows:
-        r["speedup_vs_bf16"] = round(r["decode_tok_s"] / base["bf16"]["decode_tok_s"], 2)
-        r["speedup_vs_fp32"] = round(r["decode_tok_s"] / base["fp32"]["decode_tok_s"], 2)
-        r["memory_vs_bf16"] = round(r["weight_bytes"] / base["bf16"]["weight_bytes"], 3)
+        r["speedup_vs_bf16"] = round(r["decode_tok_s"] / base["bf16", r["decode"]]["decode_tok_s"], 2)
+        r["speedup_vs_fp32"] = round(r["decode_tok_s"] / base["fp32", r["decode"]]["decode_tok_s"], 2)
+        r["memory_vs_bf16"] = round(r["weight_bytes"] / base["bf16", "eager"]["weight_bytes"], 3)
     return rows
 
 
@@ -194,6 +204,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="time decode by the wall clock, or by this process's CPU time (a loaded machine)")
+    ap.add_argument("--compile", action="store_true",
+                    help=f"also time {', '.join(COMPILED_FORMATS)} through the compiled decode regions")
     args = ap.parse_args()
     keys = [k for k in args.formats.split(",") if k]
     unknown = sorted(set(keys) - set(SPEED_FORMATS))
@@ -206,7 +218,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         clock = time.process_time if args.clock == "cpu" else time.perf_counter
-        speed_rows = speed(preset, new_tokens, 1 if args.quick else args.rounds, tmp, keys, clock)
+        speed_rows = speed(preset, new_tokens, 1 if args.quick else args.rounds, tmp, keys, clock,
+                           COMPILED_FORMATS if args.compile else ())
         acc_rows = []
         source = None
         if not (args.skip_accuracy or args.speed_only):
@@ -217,8 +230,10 @@ def main() -> None:
                 ckpt, tcfg = args.checkpoint, args.train_config
                 source = str(args.checkpoint)
             acc_rows = accuracy(ckpt, tcfg, tmp)
-    print(markdown_table(["format", "rest", "decode tok/s (batch 1)", "x bf16", "x fp32", "weight MiB", "x bf16 bytes"],
-                         [[r["format"], r["rest_dtype"], r["decode_tok_s"], r["speedup_vs_bf16"], r["speedup_vs_fp32"],
+    print(markdown_table(["format", "rest", "decode", "decode tok/s (batch 1)", "x bf16", "x fp32", "weight MiB",
+                          "x bf16 bytes"],
+                         [[r["format"], r["rest_dtype"], r["decode"], r["decode_tok_s"], r["speedup_vs_bf16"],
+                           r["speedup_vs_fp32"],
                            round(r["weight_bytes"] / 2**20, 1), r["memory_vs_bf16"]] for r in speed_rows]))
     if acc_rows:
         print(markdown_table(["format", "eval loss", "ppl", "ppl delta", "task acc", "acc delta", "logit max err",
@@ -232,7 +247,8 @@ def main() -> None:
                              [[r["preset"], r["bf16_bytes_per_token"], r["fp8_bytes_per_token"], r["fp8_vs_bf16"]]
                               for r in cache_rows]))
     write_result(result_name("quant_speed" if args.speed_only else "quant", args.quick), {
-        "preset": preset, "new_tokens": new_tokens, "threads": args.threads, "clock": args.clock, "speed": speed_rows,
+        "preset": preset, "new_tokens": new_tokens, "threads": args.threads, "clock": args.clock,
+        "compiled": args.compile, "speed": speed_rows,
         "accuracy_source": source, "accuracy": acc_rows, "kv_cache": cache_rows,
         "target": {"int4_decode_vs_bf16": 2.0, "int4_decode_vs_fp32": 2.0, "accuracy_delta_abs": 0.02,
                    "fp8_kv_vs_bf16": 0.56}})

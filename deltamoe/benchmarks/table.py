@@ -473,23 +473,28 @@ def moe_rows(d: dict) -> list[Row]:
 
 
 def quant_rows(d: dict) -> list[Row]:
-    speed = {r["format"]: r for r in d["speed"]}
     t = d.get("target", {})
-    bf16, fp32 = speed["bf16"], speed["fp32"]
     out = []
-    # The int4 rows (rest bf16 as published; rest fp32 where the run has it) against both
-    # full-precision baselines: the goal holds against each one the run names a target for.
-    for label, what in (("int4 (W4A16)", "int4 W4A16"), ("int4 (W4A16), rest fp32", "int4 W4A16, rest fp32")):
-        int4 = speed.get(label)
-        if int4 is None:
+    # Eager rows, then compiled ones where the run has them (`--compile`), each against the baselines
+    # decoded the same way. The int4 rows (rest bf16 as published; rest fp32 where the run has it)
+    # against both full-precision baselines: the goal holds against each one the run names a target for.
+    for decode in ("eager", "compiled"):
+        speed = {r["format"]: r for r in d["speed"] if r.get("decode", "eager") == decode}
+        if not speed:
             continue
-        goals = [(f">= {t[f'int4_decode_vs_{b}']:g}x {b}", int4[f"speedup_vs_{b}"] >= t[f"int4_decode_vs_{b}"])
-                 for b in ("bf16", "fp32") if f"int4_decode_vs_{b}" in t]
-        out.append([f"{what} batch-1 decode, {d['preset']} {command('quant')}",
-                    f"{int4['decode_tok_s']:.2f} tok/s, {int4['memory_vs_bf16']:.2f}x bf16 bytes",
-                    f"bf16 {bf16['decode_tok_s']:.2f} / fp32 {fp32['decode_tok_s']:.2f} tok/s",
-                    bold(f"{times(int4['speedup_vs_bf16'])} / {times(int4['speedup_vs_fp32'])}"),
-                    verdict(goals, d.get("note")) if goals else ""])
+        bf16, fp32 = speed["bf16"], speed["fp32"]
+        for label, what in (("int4 (W4A16)", "int4 W4A16"), ("int4 (W4A16), rest fp32", "int4 W4A16, rest fp32")):
+            int4 = speed.get(label)
+            if int4 is None:
+                continue
+            goals = [(f">= {t[f'int4_decode_vs_{b}']:g}x {b}", int4[f"speedup_vs_{b}"] >= t[f"int4_decode_vs_{b}"])
+                     for b in ("bf16", "fp32") if f"int4_decode_vs_{b}" in t]
+            how = ", compiled" if decode == "compiled" else ""
+            out.append([f"{what} batch-1 decode{how}, {d['preset']} {command('quant')}",
+                        f"{int4['decode_tok_s']:.2f} tok/s, {int4['memory_vs_bf16']:.2f}x bf16 bytes",
+                        f"bf16 {bf16['decode_tok_s']:.2f} / fp32 {fp32['decode_tok_s']:.2f} tok/s",
+                        bold(f"{times(int4['speedup_vs_bf16'])} / {times(int4['speedup_vs_fp32'])}"),
+                        verdict(goals, d.get("note")) if goals else ""])
     if d.get("accuracy"):
         bound = t.get("accuracy_delta_abs")
         deltas = [abs(r["accuracy_delta"]) for r in d["accuracy"] if r.get("accuracy_delta") is not None]

@@ -73,6 +73,13 @@ class Int4ExpertStack(nn.Module):
                                              self.group_size, *self._act())
         return experts_forward_by_expert(x, weights, indices, self.num_experts, self.expert_mlp)
 
+    def forward_static(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """`forward` with shapes that never depend on the routing (`ops.int4_experts.int4_experts_static`)."""
+        if self.ops is None:
+            raise RuntimeError("Int4ExpertStack: no experts loaded")
+        return ie.int4_experts_static(x, weights, indices, self.ops, self.intermediate, self.dim, self.group_size,
+                                      *self._act())
+
     def resident_bytes(self) -> int:
         return 0 if self.ops is None else self.ops.resident_bytes()
 

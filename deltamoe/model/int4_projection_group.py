@@ -14,6 +14,12 @@ group last ran on returns its slice of that joint output; any other input (or a 
 the same member, or an in-place write to the input where torch tracks one) runs the joint call
 first. The model's forward code is unchanged: the members are still called one by one, in the
 order the layer needs them, and every output equals the member's own call (tests hold them to it).
+
+The same code runs inside a compiled decode graph (`serve/engine/compiled_decode.py`): dynamo
+evaluates the bookkeeping while it traces, so the graph holds one joint call per group and each
+member's slice of it. A member is known by its first row in the joint output (`group_start`, a
+plain int that survives the module copies the compiled form makes), and the input's version is
+not read there (dynamo cannot; a graph never writes its inputs in place between two calls).
 """
 
 from __future__ import annotations
@@ -45,11 +51,12 @@ class Int4ProjectionGroup:
         self.weight = torch.cat([m.qweight for m in members])
         self.scales_and_zeros = torch.cat([m.scales_and_zeros for m in members], dim=1)
         self.rows = self.scales_and_zeros.shape[1]
-        self.offsets: dict[int, int] = {}
+        self.starts: list[int] = []
         start, row_start = 0, 0
         for m in members:
             rows, size = m.scales_and_zeros.shape[1], m.qweight.shape[0]
-            self.offsets[id(m)] = row_start
+            self.starts.append(row_start)
+            m.group_start = row_start
             # The member's rows of the joint operands: views, so the weights are held once (its calls
             # go through the group: the kernel reads a scale operand as contiguous).
             m.qweight = self.weight[start:start + size]
@@ -66,12 +73,11 @@ class Int4ProjectionGroup:
     def output(self, member: Int4Linear, x: torch.Tensor) -> torch.Tensor:
         """`member`'s output for x: its columns of the joint call on x. Each joint output serves
         each member once, then is dropped."""
-        key = id(member)
-        if key not in self._waiting or x is not self._input or _version(x) != self._version:
+        start = member.group_start
+        if start not in self._waiting or x is not self._input or _version(x) != self._version:
             self._output = int4_matmul(x, self.weight, self.scales_and_zeros, self.rows, self.group_size)
-            self._input, self._version, self._waiting = x, _version(x), set(self.offsets)
-        self._waiting.discard(key)
-        start = self.offsets[key]
+            self._input, self._version, self._waiting = x, _version(x), set(self.starts)
+        self._waiting.discard(start)
         out = self._output[..., start:start + member.out_features]
         if not self._waiting:
             self._input = self._output = None
@@ -79,6 +85,8 @@ class Int4ProjectionGroup:
 
 
 def _version(x: torch.Tensor) -> int | None:
+    if torch.compiler.is_compiling():  # see the module docstring
+        return None
     return None if x.is_inference() else x._version
 
 

@@ -8,7 +8,8 @@
 - INT4 otherwise (w4a8, or the dequantising reference): each expert projection is an `Int4Linear`.
 
 It replaces `RoutedExperts` (same place in the module tree, `block_sparse_moe.experts`) and
-`packed_local_experts` replaces the MoE's dispatcher.
+`packed_local_experts` replaces the MoE's dispatcher; `packed_experts_static_dispatcher` gives the
+form a compiled decode graph holds, for the formats that have one.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from deltamoe.config import ModelConfig
-from deltamoe.errors import CheckpointError
+from deltamoe.errors import CheckpointError, ConfigError
 from deltamoe.model.int4_expert_stack import PROJECTIONS, Int4ExpertStack
 from deltamoe.model.quant_scheme import PARTS, QuantScheme
 from deltamoe.model.quantized_linear import Int4Linear
@@ -115,3 +116,19 @@ def packed_local_experts(z: torch.Tensor, weights: torch.Tensor, indices: torch.
                          experts: PackedExperts) -> torch.Tensor:
     """The MoE dispatcher for packed experts (same signature as `ffn.local_experts`)."""
     return experts(z, weights, indices)
+
+
+def packed_local_experts_static(z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+                                experts: PackedExperts) -> torch.Tensor:
+    """`packed_local_experts` with shapes that never depend on the routing (int4 W4A16 stacks)."""
+    return experts.stack.forward_static(z, weights, indices)
+
+
+def packed_experts_static_dispatcher(experts: PackedExperts):
+    """The static dispatcher for `experts` (serve's compiled decode installs it on its own view of
+    the model); ConfigError for the formats that have none (MXFP4, W4A8, the dequantising reference)."""
+    if experts.stack is None:
+        raise ConfigError(f"compiled decode runs int4 W4A16 experts on the CPU kernel, not "
+                          f"{experts.scheme.weight_format} experts with activations={experts.scheme.activations} "
+                          f"(run with --no-compile)", field="compile_decode")
+    return packed_local_experts_static

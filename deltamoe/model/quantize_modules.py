@@ -6,6 +6,7 @@ replaces are never allocated; the quantized modules are then filled by `load_wei
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from deltamoe.model.ffn import MoE, RoutedExperts
@@ -59,3 +60,17 @@ def resident_weight_bytes(model: nn.Module) -> int:
                 (isinstance(m, PackedExperts) and m.scheme.weight_format == "mxfp4"):
             total += m.resident_bytes()
     return total
+
+
+def plain_tensor_operands(module: nn.Module) -> list[torch.Tensor]:
+    """The kernel operands `module` itself holds as plain attributes, not as parameters or buffers
+    (an int4 projection's, its projection group's, an int4 expert stack's)."""
+    if isinstance(module, Int4Linear):
+        tensors = [module.qweight, module.scales_and_zeros, module.weight_scale]
+        if module.group is not None:
+            tensors += [module.group.weight, module.group.scales_and_zeros]
+    elif isinstance(module, Int4ExpertStack) and module.ops is not None:
+        tensors = [module.ops.w13, module.ops.sz13, module.ops.w2, module.ops.sz2]
+    else:
+        tensors = []
+    return [t for t in tensors if t is not None]

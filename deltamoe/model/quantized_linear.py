@@ -39,6 +39,7 @@ class Int4Linear(nn.Module):
         self.loaded: dict[str, torch.Tensor] = {}
         # Set when this projection joins others of the same input (`model/int4_projection_group.py`).
         self.group: Int4ProjectionGroup | None = None
+        self.group_start = 0  # this projection's first row in the group's joint output
 
     def load_part(self, name: str, part: str, tensor: torch.Tensor) -> None:
         """Take one published tensor (`weight_packed`, `weight_scale`, `weight_shape`); once all are

@@ -11,7 +11,8 @@ K-major), so the k experts' operands can be joined without converting anything a
 - down: the k [D, I] operands joined along the input dim, block by block, are one [D, k*I]
   operand, fed the k hidden rows side by side, each already scaled by its routing weight.
 
-`int4_experts_one_token` so runs the whole top-k in two kernel calls. The stack keeps every
+`int4_experts_one_token` so runs the whole top-k in two kernel calls; `int4_experts_static` is the
+form of any batch whose shapes never depend on the routing (what a compiled decode graph holds). The stack keeps every
 operand in the order the gather wants (`ExpertOperands`), so gathering k experts copies whole
 contiguous runs (no transposing copy on the decode path): gate|up weights expert-major
 [E, 2I, D/2]; their scales group-major [D/g, E, 2I, 2]; down weights block-major
@@ -31,6 +32,7 @@ import torch
 
 from deltamoe.ops.activations import glu
 from deltamoe.ops.int4_matmul import has_int4_cpu_kernel, int4_kernel_weight, int4_matmul
+from deltamoe.ops.moe import gathers_expert_weights
 
 # Down-projection operands are padded to this many output rows so that every block size a
 # build uses (64 on AVX-512, 32 on AVX2 and the scalar path) divides them.
@@ -162,5 +164,53 @@ def int4_experts_one_token(x: torch.Tensor, weights: torch.Tensor, indices: torc
     blocks, _, k_in, half_b = ops.w2.shape
     down_w = ops.w2.index_select(1, idx).reshape(blocks * 2 * half_b, k * k_in // 2)  # blocks joined along K
     down_sz = ops.sz2.index_select(0, idx).reshape(k * ops.sz2.shape[1], ops.sz2.shape[2], 2)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(hidden, down_w, group_size, down_sz)
+    return y[:, :out_features].float()
+
+
+def int4_experts_static(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, ops: ExpertOperands,
+                        intermediate: int, out_features: int, group_size: int, act: str,
+                        situ_beta: float = 4.0, situ_linear_beta: float = 25.0) -> torch.Tensor:
+    """The weighted sum of each row's k experts in two kernel calls, with shapes that never depend
+    on the routing (no per-expert row counts read back to the host) -> fp32 [N, D].
+
+    x [N, D]; weights, indices [N, k]; `ops` stacked with the block size `kernel_block_rows` reports.
+    The two forms follow `ops.moe.gathers_expert_weights` (the rule compiled decode plans its graph
+    classes by):
+    - gather: the N*k selected experts' operands are gathered and joined as in
+      `int4_experts_one_token`; every row runs against all N*k of them, and each row's hidden
+      vector is kept only in its own k experts' columns (zeros elsewhere) for the down call;
+    - all experts: the stacks are the joint operands as they lie (no copy); each row's hidden
+      vector is kept only where its router chose the expert, scaled by the routing weight.
+    """
+    n, top_k = indices.shape
+    num_experts, rows13 = ops.w13.shape[0], ops.w13.shape[1]
+    blocks, _, k_in, half_b = ops.w2.shape
+    xb = (x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)).contiguous()
+    if gathers_expert_weights(n, top_k, num_experts):
+        idx = indices.reshape(-1)
+        used = idx.shape[0]
+        gate_up_w = ops.w13.index_select(0, idx).reshape(used * rows13, ops.w13.shape[2])
+        gate_up_sz = ops.sz13.index_select(1, idx).reshape(ops.sz13.shape[0], used * rows13, 2)
+        down_w = ops.w2.index_select(1, idx).reshape(blocks * 2 * half_b, used * k_in // 2)
+        down_sz = ops.sz2.index_select(0, idx).reshape(used * ops.sz2.shape[1], ops.sz2.shape[2], 2)
+        # Row r's own experts are slots r*k .. r*k + k - 1 of the gathered ones.
+        own = torch.arange(used, device=x.device).view(1, used) // top_k == torch.arange(n, device=x.device).view(n, 1)
+        scale = torch.where(own, weights.float().reshape(1, used), 0.0)
+    else:
+        used = num_experts
+        gate_up_w = ops.w13.reshape(used * rows13, ops.w13.shape[2])
+        gate_up_sz = ops.sz13.reshape(ops.sz13.shape[0], used * rows13, 2)
+        down_w = ops.w2.reshape(blocks * 2 * half_b, used * k_in // 2)
+        down_sz = ops.sz2.reshape(used * ops.sz2.shape[1], ops.sz2.shape[2], 2)
+        scale = x.new_zeros(n, used, dtype=torch.float32).scatter_add_(1, indices, weights.float())
+        own = x.new_zeros(n, used, dtype=torch.bool).scatter_(1, indices, True)
+    gate_up = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, gate_up_w, group_size, gate_up_sz)
+    gate_up = gate_up.view(n, used, rows13).float()
+    hidden = glu(gate_up[..., :intermediate], gate_up[..., intermediate:2 * intermediate], act, situ_beta,
+                 situ_linear_beta)
+    # `where`, not a product with zeros: an expert a row does not use never leaks an inf or NaN in.
+    hidden = torch.where(own.unsqueeze(-1), hidden * scale.unsqueeze(-1), 0.0)
+    hidden = hidden.to(torch.bfloat16).reshape(n, used * intermediate)
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(hidden, down_w, group_size, down_sz)
     return y[:, :out_features].float()

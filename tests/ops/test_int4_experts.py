@@ -112,3 +112,22 @@ def test_one_token_step_reads_only_the_selected_experts():
     got = ie.int4_experts_one_token(x, weights, indices, ops, i, d, group, "situ")
     assert torch.isfinite(got).all()
     assert _rel_err(got, _reference(x, weights, indices, dense, "situ")) < 2**-7
+
+
+@pytest.mark.parametrize("e,k,d,i,group,act", SHAPES[:3])
+@pytest.mark.parametrize("rows", [1, 2, 3, 12])
+def test_static_form_matches_the_reference_in_both_forms(e, k, d, i, group, act, rows):
+    """Few rows gather their experts, many run every expert (`gathers_expert_weights`); both forms
+    against the reference and the one-token step, repeated rows included (compiled decode runs a
+    batch of one as two copies of its row)."""
+    ops, dense = _experts(e, d, i, group, seed=e + rows)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, d, generator=gen)
+    weights, indices = route_tokens(torch.randn(rows, e, generator=gen), None, k)
+    got = ie.int4_experts_static(x, weights, indices, ops, i, d, group, act)
+    assert got.shape == (rows, d) and got.dtype == torch.float32
+    assert _rel_err(got, _reference(x, weights, indices, dense, act)) < 2**-7
+    one = ie.int4_experts_one_token(x[:1], weights[:1], indices[:1], ops, i, d, group, act)
+    twice = ie.int4_experts_static(x[:1].repeat(2, 1), weights[:1].repeat(2, 1), indices[:1].repeat(2, 1), ops, i, d,
+                                   group, act)
+    assert torch.equal(twice[0], twice[1]) and _rel_err(twice[:1], one) < 2**-7

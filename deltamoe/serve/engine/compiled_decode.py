@@ -75,6 +75,8 @@ from deltamoe.errors import ConfigError
 from deltamoe.model.decoder import DecoderLayer
 from deltamoe.model.ffn import MoE, local_experts, local_experts_static
 from deltamoe.model.mla_layer import LatentAttention
+from deltamoe.model.packed_experts import packed_experts_static_dispatcher, packed_local_experts
+from deltamoe.model.quantize_modules import plain_tensor_operands
 from deltamoe.ops.moe import gathers_expert_weights
 from deltamoe.serve.engine.compiled_regions import AttentionRegion, FFNRegion
 from deltamoe.serve.engine.decode_matvec_pass import DecodeMatvecPass
@@ -193,13 +195,20 @@ def decode_form(module: torch.nn.Module, regions_key: str | None = None) -> torc
         # activation saves microseconds a step, its own graph costs seconds on a first start.
         if twin.is_moe:
             twin.block_sparse_moe.forward = FFNRegion(twin.block_sparse_moe, regions_key, _compile)
-    if isinstance(twin, MoE):
+    if isinstance(twin, MoE) and twin.dispatcher is packed_local_experts:
+        twin.dispatcher = packed_experts_static_dispatcher(twin.experts)
+    elif isinstance(twin, MoE):
         if twin.dispatcher is not local_experts:
             raise ConfigError("runs experts on this process only (expert-parallel dispatch is not compiled)",
                               field="compile_decode")
         twin.dispatcher = local_experts_static
     if isinstance(twin, LatentAttention):
         twin.pads_topk = True
+    # Quantized weights held as plain tensors (not parameters) would be traced with symbolic sizes,
+    # which the graphs do not need and inductor's on-disk cache cannot check again (a warm start
+    # failed on them): their sizes are fixed, as parameters' are.
+    for tensor in plain_tensor_operands(twin):
+        torch._dynamo.mark_static(tensor)
     return twin
 
 
