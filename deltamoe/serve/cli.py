@@ -191,7 +191,7 @@ def generate_command(
     from deltamoe.serve.image_cli import check_image_model, load_cli_images, placeholder_tokens
 
     vision_config = check_image_model(model, image)
-    compile_decode = resolve_compile(compile_decode, device, tp, ep, kv_cache_dtype)
+    compile_decode = resolve_compile(compile_decode, device, tp, ep, kv_cache_dtype, model)
     engine = build_engine(model, tokenizer, cache_memory, max_num_seqs, max_num_batched_tokens, dtype, device,
                           compile_decode, tp=tp, ep=ep, kv_cache_dtype=kv_cache_dtype, threads=threads,
                           speculative=speculative, num_draft_tokens=num_draft_tokens,
@@ -377,7 +377,7 @@ def serve_command(
     from deltamoe.serve.kv_transfer.role_config import check_role
 
     check_role(role, kv_transfer)
-    compile_decode = resolve_compile(compile_decode, device, tp, ep, kv_cache_dtype)
+    compile_decode = resolve_compile(compile_decode, device, tp, ep, kv_cache_dtype, model)
     parse_bytes(kv_transfer_staging, "kv_transfer_staging")  # a bad size fails before the model loads
     check_dtype(dtype)
     config = EngineConfig(cache_memory=cache_memory, max_num_seqs=max_num_seqs,

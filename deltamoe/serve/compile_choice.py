@@ -4,7 +4,10 @@ The default compiles (serve/engine/compiled_decode.py, per-layer regions: a firs
 `tiny` preset compiles four small graphs, 54-58 s expected on two quiet cores; a later one loads
 inductor's disk cache) wherever the compiled path serves the launch: one process, a CPU
 (inductor's GPU kernels need Triton, which deltamoe does not install), pages in the model's
-dtype (not fp8) and a C++ compiler on the machine. Elsewhere the default decodes eagerly; `--compile` asked for explicitly
+dtype (not fp8), full-precision weights and a C++ compiler on the machine. A quantized checkpoint
+(int4 / W4A8 / MXFP4) decodes eagerly by default: at batch 1 the compiled int4 step runs batch 1
+as two rows, which doubles its expert gathers, and MXFP4 / W4A8 experts have no compiled form;
+`--compile` still compiles a W4A16 one. Elsewhere the default decodes eagerly; `--compile` asked for explicitly
 where it cannot run stays an error naming the option. DELTAMOE_COMPILE_DEFAULT=0 makes the
 default eager everywhere (the test suite sets it: a first compile takes a minute or more per model).
 
@@ -13,16 +16,19 @@ Imports no torch: the CLI decides before loading anything.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
+from pathlib import Path
 
 
-def compile_by_default(device: str, tp: int, ep: int, kv_cache_dtype: str, torchrun: bool) -> bool:
+def compile_by_default(device: str, tp: int, ep: int, kv_cache_dtype: str, torchrun: bool,
+                       quantized: bool = False) -> bool:
     """What the default (no --compile / --no-compile) means for this launch."""
     if os.environ.get("DELTAMOE_COMPILE_DEFAULT", "1") == "0":
         return False
-    if tp * ep > 1 or torchrun or kv_cache_dtype == "fp8" or not device.startswith("cpu"):
+    if tp * ep > 1 or torchrun or kv_cache_dtype == "fp8" or quantized or not device.startswith("cpu"):
         return False
     if not _has_cxx():
         print("note: no C++ compiler found (g++ or $CXX): decoding eagerly; install one for the compiled "
@@ -35,10 +41,25 @@ def _has_cxx() -> bool:
     return any(shutil.which(c) for c in (os.environ.get("CXX") or "", "g++", "c++", "clang++") if c)
 
 
-def resolve_compile(flag: bool | None, device: str, tp: int, ep: int, kv_cache_dtype: str) -> bool:
+def quantized_checkpoint(model: str) -> bool:
+    """Whether `model` is a checkpoint folder with quantized weights: a `quantization_config` in its
+    config.json, or packed expert tensors (`weight_packed`, K3's MXFP4 experts) named in its index.
+    A preset name, or a folder this cannot read, counts as full precision: loading reports the rest."""
+    folder = Path(model)
+    try:
+        if "quantization_config" in json.loads((folder / "config.json").read_text()):
+            return True
+        index = json.loads((folder / "model.safetensors.index.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return any(name.endswith("weight_packed") for name in index.get("weight_map", {}))
+
+
+def resolve_compile(flag: bool | None, device: str, tp: int, ep: int, kv_cache_dtype: str, model: str = "") -> bool:
     """`flag`: True (--compile), False (--no-compile) or None (the default)."""
     if flag is not None:
         return flag
     from deltamoe.serve.executor.config import launched_by_torchrun
 
-    return compile_by_default(device, tp, ep, kv_cache_dtype, launched_by_torchrun())
+    return compile_by_default(device, tp, ep, kv_cache_dtype, launched_by_torchrun(),
+                              quantized=bool(model) and quantized_checkpoint(model))

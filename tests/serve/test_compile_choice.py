@@ -37,3 +37,22 @@ def test_no_compiler_or_env_means_eager(monkeypatch, capsys):
     monkeypatch.setattr(compile_choice, "_has_cxx", lambda: True)
     monkeypatch.setenv("DELTAMOE_COMPILE_DEFAULT", "0")
     assert not compile_by_default("cpu", 1, 1, "auto", torchrun=False)
+
+
+def test_quantized_checkpoint_decodes_eagerly_by_default(default_on, tmp_path):
+    import json
+
+    plain, quantized, packed = (tmp_path / name for name in ("plain", "int4", "mxfp4"))
+    for folder in (plain, quantized, packed):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"model_type": "kimi_linear"}))
+    (quantized / "config.json").write_text(json.dumps({"quantization_config": {"format": "pack-quantized"}}))
+    (packed / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.layers.1.mlp.experts.0.w1.weight_packed": "model-1.safetensors"}}))
+    assert not compile_choice.quantized_checkpoint(str(plain))
+    assert compile_choice.quantized_checkpoint(str(quantized)) and compile_choice.quantized_checkpoint(str(packed))
+    assert not compile_choice.quantized_checkpoint("tiny")  # a preset
+    assert resolve_compile(None, "cpu", 1, 1, "auto", str(plain)) is True
+    assert resolve_compile(None, "cpu", 1, 1, "auto", str(quantized)) is False
+    assert resolve_compile(None, "cpu", 1, 1, "auto", str(packed)) is False
+    assert resolve_compile(True, "cpu", 1, 1, "auto", str(quantized)) is True  # --compile asks for it
