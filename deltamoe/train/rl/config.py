@@ -31,9 +31,9 @@ class RLConfig:
     # Linear warmup over the first optimizer steps: a fresh AdamW's first steps are sign-like
     # (every parameter moves by ~lr), which at an RL-sized lr throws a supervised policy far off.
     warmup_steps: int = 0
-    # A `deltamoe train` checkpoint (its checkpoints/step-N folder) whose AdamW state (moments, step
-    # count) the RL optimizer starts from: the supervised run's per-parameter step sizes, so the
-    # first RL steps are neither sign-like nor scaled by moments that have not seen a gradient yet.
+    # A `deltamoe train` checkpoint (its checkpoints/step-N folder) whose AdamW step count and second
+    # moments the RL optimizer starts from: the supervised run's per-parameter step sizes, so the
+    # first RL steps are not sign-like (a fresh AdamW's are). The first moment starts at zero.
     init_optimizer: str | None = None
     advantage_norm: str = "std"  # "std": GRPO's (r - mean) / std; "mean": (r - mean) / mean (log expected reward)
     clip_eps: float = 0.2  # ratio clip [1 - eps, 1 + eps]

@@ -60,7 +60,17 @@ class PolicyTrainer:
                                  clip_grad=cfg.max_grad_norm)
             self.optimizers = Optimizers(self.parts, optim, total)
         if cfg.init_optimizer is not None:
-            load_optimizer_state(Path(cfg.init_optimizer), self.parts, self.optimizers, field="init_optimizer")
+            self._carry_second_moments(Path(cfg.init_optimizer))
+
+    def _carry_second_moments(self, path: Path) -> None:
+        """AdamW's step count and second moments from a supervised checkpoint: per-parameter step sizes
+        on the scale its gradients set, past the bias-corrected start. The first moment is zeroed: it
+        is the supervised gradient's direction, which would keep taking supervised steps for ~1 / (1 -
+        beta1) RL steps and mix them into what RL is credited with."""
+        load_optimizer_state(path, self.parts, self.optimizers, field="init_optimizer")
+        for optimizer in self.optimizers.optimizers:
+            for state in optimizer.state.values():
+                state["exp_avg"].zero_()
 
     def update(self, batch: RolloutTensors, step: int) -> dict[str, Any]:
         """`updates_per_batch` optimizer steps on GRPO step `step`'s batch; the metrics of the global batch."""
