@@ -185,10 +185,31 @@ def load(path: Path, parts: list[nn.Module], optimizers: Optimizers, verified: b
     return train_state
 
 
-def check_loadable(path: Path) -> None:
+def load_optimizer_state(path: Path, parts: list[nn.Module], optimizers: Optimizers, field: str) -> int:
+    """Only the optimizers' per-parameter state (AdamW's moments and step count) of checkpoint `path`,
+    into `optimizers`; their hyperparameters (lr, betas, weight decay) stay as built. Returns the
+    checkpoint's step. `field` names the setting that chose `path`, for errors."""
+    path = Path(path)
+    check_loadable(path, field)
+    optim = _state_dict(parts, optimizers)["optim"]
+    try:
+        _dcp(dcp.load, {"optim": optim}, storage_reader=SafeFileSystemReader(path),
+             planner=SafeLoadPlanner(allow_partial_load=True))
+    except CheckpointException as e:
+        raise dcp_error(e, path, field) from None
+    for i, (p, o) in enumerate(zip(parts, optimizers.optimizers)):
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in o.param_groups]
+        set_optimizer_state_dict(p, o, optim[f"part{i}"])
+        for g, kept in zip(o.param_groups, groups):
+            g.update(kept)
+    train_state, _ = read_train_state(path / "train_state.rank0.json")
+    return train_state.step
+
+
+def check_loadable(path: Path, field: str = "run.resume_from") -> None:
     """A complete checkpoint whose files match their manifest and whose DCP index is plain data."""
     if not path.is_dir() or not (path / ".metadata").is_file():
-        raise CheckpointError(f"{path} is not a complete DCP checkpoint (no .metadata)", field="run.resume_from")
+        raise CheckpointError(f"{path} is not a complete DCP checkpoint (no .metadata)", field=field)
     verify_manifest(path)
     read_dcp_metadata(path)
 

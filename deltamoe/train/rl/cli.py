@@ -32,6 +32,8 @@ HELP = {
     "optimizer": "adamw|sgd (plain SGD: with the clipped gradient each step moves at most lr * max-grad-norm)",
     "lr": "learning rate (constant after the warmup)",
     "warmup_steps": "optimizer steps of linear lr warmup (a fresh AdamW's first steps are sign-like)",
+    "init_optimizer": "a `deltamoe train` checkpoint folder (checkpoints/step-N) whose AdamW step count and "
+                      "second moments the RL optimizer starts from (the one --init's model/ was exported with)",
     "advantage_norm": "std: GRPO's (r - mean) / std; mean: (r - mean) / mean, the gradient of log expected reward",
     "clip_eps": "PPO ratio clip epsilon",
     "kl_coef": "weight of the KL to the initial policy (0: logged only)",

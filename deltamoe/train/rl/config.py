@@ -31,6 +31,10 @@ class RLConfig:
     # Linear warmup over the first optimizer steps: a fresh AdamW's first steps are sign-like
     # (every parameter moves by ~lr), which at an RL-sized lr throws a supervised policy far off.
     warmup_steps: int = 0
+    # A `deltamoe train` checkpoint (its checkpoints/step-N folder) whose AdamW step count and second
+    # moments the RL optimizer starts from: the supervised run's per-parameter step sizes, so the
+    # first RL steps are not sign-like (a fresh AdamW's are). The first moment starts at zero.
+    init_optimizer: str | None = None
     advantage_norm: str = "std"  # "std": GRPO's (r - mean) / std; "mean": (r - mean) / mean (log expected reward)
     clip_eps: float = 0.2  # ratio clip [1 - eps, 1 + eps]
     kl_coef: float = 0.0  # > 0: k3 KL to the initial policy (a frozen copy) in the loss
@@ -72,6 +76,8 @@ class RLConfig:
                               field="advantage_norm")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"expected one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}", field="optimizer")
+        if self.init_optimizer is not None and self.optimizer != "adamw":
+            raise ConfigError("carries AdamW's state: needs --optimizer adamw", field="init_optimizer")
         if self.completion not in COMPLETIONS:
             raise ConfigError(f"expected one of {', '.join(COMPLETIONS)}, got {self.completion!r}", field="completion")
         positive = ("digits", "num_pairs", "steps", "prompts_per_step", "group_size", "updates_per_batch",

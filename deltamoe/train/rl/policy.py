@@ -10,6 +10,7 @@ is normalised by the global batch's completion tokens and FSDP2 sums the gradien
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from deltamoe.parallel.compose import parallelize
 from deltamoe.parallel.data_parallel import fsdp_view_warning_ignored
 from deltamoe.parallel.dims import ParallelDims
 from deltamoe.parallel.mesh import ParallelMesh
+from deltamoe.train.checkpoint import load_optimizer_state
 from deltamoe.train.config import OptimSection
 from deltamoe.train.evaluate import next_token_logits
 from deltamoe.train.optim import LRSchedule, Optimizers
@@ -57,6 +59,18 @@ class PolicyTrainer:
             optim = OptimSection(lr=cfg.lr, warmup_steps=cfg.warmup_steps, weight_decay=0.0, min_lr_ratio=1.0,
                                  clip_grad=cfg.max_grad_norm)
             self.optimizers = Optimizers(self.parts, optim, total)
+        if cfg.init_optimizer is not None:
+            self._carry_second_moments(Path(cfg.init_optimizer))
+
+    def _carry_second_moments(self, path: Path) -> None:
+        """AdamW's step count and second moments from a supervised checkpoint: per-parameter step sizes
+        on the scale its gradients set, past the bias-corrected start. The first moment is zeroed: it
+        is the supervised gradient's direction, which would keep taking supervised steps for ~1 / (1 -
+        beta1) RL steps and mix them into what RL is credited with."""
+        load_optimizer_state(path, self.parts, self.optimizers, field="init_optimizer")
+        for optimizer in self.optimizers.optimizers:
+            for state in optimizer.state.values():
+                state["exp_avg"].zero_()
 
     def update(self, batch: RolloutTensors, step: int) -> dict[str, Any]:
         """`updates_per_batch` optimizer steps on GRPO step `step`'s batch; the metrics of the global batch."""
