@@ -6,10 +6,13 @@ The model is the `tiny` preset (8 layers + 1 MTP layer, MTP loss weight 0.3) tra
 recall + arithmetic + copy + repeat mixture for `--train-steps` steps (repeat: `abc|` ->
 `abcabc...`, 32 letters of a fully predictable answer), its one MTP layer trained at depths
 1..`--mtp-train-depth` (applied recursively, as it drafts), then the MTP layer alone
-self-distilled on the trunk's greedy tokens for `--mtp-distill-steps` steps
-(deltamoe/train/mtp_distill.py); both cached under runs/bench_spec_decode/ and reused by later
-runs with the same recipe. `--save-checkpoint DIR` copies the result to DIR; `--checkpoint DIR`
-measures DIR and trains nothing (the speed part alone, e.g. on a quiet machine).
+self-distilled for `--mtp-distill-steps` steps (deltamoe/train/mtp_distill.py) on the model's own
+greedy continuations of training-split prompts, raw and chat-templated, only the generated
+positions scored (deltamoe/train/mtp_distill_data.py); both cached under runs/bench_spec_decode/
+and reused by later runs with the same recipe. `--save-checkpoint DIR` copies the result to DIR;
+`--checkpoint DIR` measures DIR and trains nothing (the speed part alone, e.g. on a quiet
+machine); `--checkpoint DIR --mtp-distill-steps N --save-checkpoint DIR2` distills DIR's MTP
+layer N steps further (trunk frozen), saves DIR2 and measures it.
 
 Prompts are held-out examples of each task cut before an answer (as the demo's serve stage draws
 them); the chat-templated kind wraps the same text as one user message with the model's chat
@@ -33,7 +36,7 @@ replaying the kept tokens through the model whenever a draft is rejected (weight
 measured acceptance).
 
     .venv/bin/python bench/bench_spec_decode.py [--quick] [--train-steps N] [--compile]
-        [--save-checkpoint DIR | --checkpoint DIR]
+        [--save-checkpoint DIR | --checkpoint DIR [--mtp-distill-steps N --save-checkpoint DIR2]]
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import markdown_table, result_name, write_result  # noqa: E402
 
-from deltamoe.demo.serve_stage import HeldOutPrompt, held_out_prompts  # noqa: E402
+from deltamoe.demo.serve_stage import HeldOutPrompt, answer_prompts  # noqa: E402
 from deltamoe.model.load import load_model  # noqa: E402
 from deltamoe.serve.api.chat_template import ChatTemplate  # noqa: E402
 from deltamoe.serve.engine.cache_view import PagedBatchView  # noqa: E402
@@ -69,6 +72,9 @@ ROOT = Path(__file__).resolve().parent.parent
 TASK = "recall+arithmetic+copy+repeat"
 TARGET = {"speedup_batch1_k2": 1.6, "min_acceptance": 0.7}
 RECIPE_FILE = "bench_spec_decode_recipe.json"  # beside a --save-checkpoint copy: its training steps
+DISTILL_PROMPTS_PER_TASK = 64  # training-split prompts per task, each raw and chat-templated
+DISTILL_NEW_TOKENS = 48  # greedy tokens the model writes after each (the answer and beyond)
+DISTILL_LR = 1e-3
 
 
 def recipe(steps: int, threads: int, mtp_depth: int) -> dict:
@@ -96,23 +102,30 @@ def trained_checkpoint(steps: int, threads: int, mtp_depth: int) -> tuple[Path, 
     return out / "model", False
 
 
-def distilled_checkpoint(checkpoint: Path, steps: int, threads: int, mtp_depth: int) -> tuple[Path, bool]:
+def distilled_checkpoint(checkpoint: Path, steps: int, threads: int, mtp_depth: int,
+                         out: Path | None = None) -> tuple[Path, bool]:
     """`checkpoint` with its MTP layer self-distilled for `steps` steps (train/mtp_distill.py) at depths
-    1..mtp_depth on the recipe's training rows (16 a step, after the ones training used); cached beside it."""
+    1..mtp_depth on the model's own greedy continuations of training-split prompts of every task, raw
+    and chat-templated (16 rows a step; train/mtp_distill_data.py); cached beside it unless `out`."""
     from deltamoe.model.weights import save_checkpoint
-    from deltamoe.train.config import TrainConfig
-    from deltamoe.train.data import build_data
     from deltamoe.train.mtp_distill import distill_mtp
+    from deltamoe.train.mtp_distill_data import continuation_batches, own_continuations
 
-    out = checkpoint.parent / f"model-mtp-distilled-{steps}"
-    if (out / "config.json").exists():
-        return out, True
-    settings = recipe(steps, threads, mtp_depth)
-    model = load_model(checkpoint)
-    data = build_data(TrainConfig.from_dict(settings).validate(), model.config)
+    if out is None:
+        out = checkpoint.parent / f"model-mtp-distilled-own-{steps}"
+        if (out / "config.json").exists():
+            return out, True
     torch.set_num_threads(threads)
-    rows = (data.rows("train", 10**6 + 16 * i, 16).input_ids for i in range(steps))
-    losses = distill_mtp(model, rows, mtp_depth)
+    model = load_model(checkpoint)
+    tokenizer = load_tokenizer(checkpoint, model.config.vocab_size)
+    encode = encoders(checkpoint, tokenizer)
+    texts = [p.prompt for ps in task_prompts(DISTILL_PROMPTS_PER_TASK, split="train").values() for p in ps]
+    t0 = time.perf_counter()
+    rows = own_continuations(engine(model, tokenizer, None, False), [enc(t) for t in texts for enc in encode.values()],
+                             DISTILL_NEW_TOKENS)
+    print(f"MTP self-distillation: {len(rows)} greedy continuations in {time.perf_counter() - t0:.0f} s", flush=True)
+    losses = distill_mtp(model, continuation_batches(rows, 16, steps, model.config.pad_token_id), mtp_depth,
+                         lr=DISTILL_LR)
     print(f"MTP self-distillation: loss {losses[0]:.3f} -> {losses[-1]:.3f} over {steps} steps", flush=True)
     save_checkpoint(model, out)
     return out, False
@@ -126,10 +139,10 @@ class Workload:
     params: list[SamplingParams]
 
 
-def task_prompts(per_task: int) -> dict[str, list[HeldOutPrompt]]:
-    """Held-out examples of each task of the mixture, cut before an answer."""
+def task_prompts(per_task: int, split: str = "eval") -> dict[str, list[HeldOutPrompt]]:
+    """Examples of each task of the mixture (held-out ones by default), cut before an answer."""
     task = make_task(TASK, digits=2, num_pairs=8, num_queries=8, string_len=8)
-    return {t.name: held_out_prompts(t, per_task, seed=1) for t in task.tasks}
+    return {t.name: answer_prompts(t, per_task, 1, split) for t in task.tasks}
 
 
 def encoders(checkpoint: Path, tokenizer) -> dict[str, Callable[[str], list[int]]]:
@@ -261,23 +274,39 @@ def main() -> None:
     ap.add_argument("--train-threads", type=int, default=2)
     ap.add_argument("--mtp-train-depth", type=int, default=3,
                     help="MTP depths trained (the one MTP layer applied recursively, as it drafts); 1: depth 1 only")
-    ap.add_argument("--mtp-distill-steps", type=int, default=300,
-                    help="then fine-tune the MTP layer alone on the trunk's greedy tokens (0: off)")
+    ap.add_argument("--mtp-distill-steps", type=int,
+                    help="then fine-tune the MTP layer alone on the model's own greedy continuations (default 300; "
+                         "0: off); with --checkpoint (default 0 there): continue from it, into --save-checkpoint")
     ap.add_argument("--compile", action="store_true", help="plain decodes through the compiled graph")
     args = ap.parse_args()
     steps = 10 if args.quick else args.train_steps
     new_tokens = 12 if args.quick else args.new_tokens
     per_task = 2 if args.quick else args.prompts_per_task
     rounds = 1 if args.quick else args.rounds
-    distill = 5 if args.quick and args.mtp_distill_steps else args.mtp_distill_steps
+    distill_steps = args.mtp_distill_steps if args.mtp_distill_steps is not None else (
+        0 if args.checkpoint is not None else 300)
+    distill = 5 if args.quick and distill_steps else distill_steps
 
-    trained = {"train_steps": steps, "mtp_train_depth": args.mtp_train_depth, "mtp_distill_steps": distill}
+    trained = {"train_steps": steps, "mtp_train_depth": args.mtp_train_depth, "mtp_distill_steps": distill,
+               "mtp_distill_data": "own greedy continuations" if distill else None}
     if args.checkpoint is not None:
         if not (args.checkpoint / "config.json").exists():
             raise SystemExit(f"--checkpoint: no config.json in {args.checkpoint}")
+        if distill and args.save_checkpoint is None:
+            raise SystemExit("--mtp-distill-steps with --checkpoint: name the new checkpoint with --save-checkpoint")
         checkpoint, reused = args.checkpoint, True
         saved = args.checkpoint / RECIPE_FILE  # how --save-checkpoint's run trained it
         trained = json.loads(saved.read_text()) if saved.exists() else dict.fromkeys(trained)
+        if distill:  # continue: distill the given checkpoint's MTP layer further
+            checkpoint, reused = distilled_checkpoint(args.checkpoint, distill, args.train_threads,
+                                                      args.mtp_train_depth, out=args.save_checkpoint)
+            trained = {**trained, "continued_from": str(args.checkpoint),
+                       "mtp_distill_steps": (trained.get("mtp_distill_steps") or 0) + distill,
+                       "mtp_distill_data": f"{trained.get('mtp_distill_steps') or 0} steps on "
+                                           f"{trained.get('mtp_distill_data') or 'data rows'}, then {distill} on own "
+                                           f"greedy continuations (depths 1..{args.mtp_train_depth})"}
+            (args.save_checkpoint / RECIPE_FILE).write_text(json.dumps(trained))
+            print(f"saved the checkpoint to {args.save_checkpoint}", flush=True)
     else:
         checkpoint, reused = trained_checkpoint(steps, args.train_threads, args.mtp_train_depth)
         if distill:

@@ -40,12 +40,17 @@ def held_out_prompts(task: Task, count: int, seed: int = 0) -> list[HeldOutPromp
     chosen at random (the answers before it stay in the prompt), like the trainer's evaluation,
     which scores every answer. Distinct, because short sums recur (1 digit + 1 digit is a quarter
     of them)."""
+    return answer_prompts(task, count, seed, "eval")
+
+
+def answer_prompts(task: Task, count: int, seed: int, split: str) -> list[HeldOutPrompt]:
+    """`held_out_prompts` drawn from `split` ("train": examples the model may have trained on)."""
     rng = random.Random(f"demo/{seed}/{task.name}")
     prompts: dict[str, HeldOutPrompt] = {}
     for _ in range(50 * count):
         if len(prompts) == count:
             break
-        segments = draw_example(task, rng, "eval")
+        segments = draw_example(task, rng, split)
         cut = rng.choice([i for i, (_, is_answer) in enumerate(segments) if is_answer])
         text = "".join(t for t, _ in segments[:cut])
         prompts.setdefault(text, HeldOutPrompt(task.name, text, segments[cut][0]))

@@ -11,10 +11,17 @@ the model's own output does not change; draft k of chain t is trained to predict
 argmax at position t+k given the true prefix, the token verification compares it with once
 drafts 1..k-1 are kept. EAGLE and Medusa-2 train their draft heads on the target model's
 outputs for the same reason.
+
+Where the target is taken matters too: drafts are made on text the model itself writes, and on
+rows of data (prompts full of random keys) the trunk's argmax is noise that teaches the MTP layer
+shortcuts (echoing its input token) which never hold on the model's own text. `DistillBatch.scored`
+restricts the loss to chosen positions: with the model's own greedy continuations
+(`train/mtp_distill_data.py`), the positions it generated.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -23,24 +30,34 @@ from deltamoe.model.model import IGNORE_INDEX, DeltaMoEForCausalLM, shifted_cros
 from deltamoe.model.mtp_chain import mtp_states
 
 
+@dataclass
+class DistillBatch:
+    input_ids: torch.Tensor  # [B, T]
+    scored: torch.Tensor | None = None  # [B, T] bool: the labels (token positions) the loss counts; None: all
+
+
 @torch.no_grad()
-def trunk_targets(model: DeltaMoEForCausalLM, input_ids: torch.Tensor, pad_id: int | None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def trunk_targets(model: DeltaMoEForCausalLM, input_ids: torch.Tensor, pad_id: int | None,
+                  scored: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(trunk hidden states [B, T, D], labels [B, T] aligned with input_ids): label j is the trunk's
-    argmax after tokens 0..j-1; IGNORE_INDEX at position 0 and where the input is padding."""
+    argmax after tokens 0..j-1; IGNORE_INDEX at position 0, where the input is padding and, given
+    `scored` [B, T] bool, where it is False."""
     h = model.model(input_ids)
     greedy = model.lm_head(model.model.norm(h)).argmax(-1)
     labels = torch.full_like(input_ids, IGNORE_INDEX)
     labels[:, 1:] = greedy[:, :-1]
     if pad_id is not None:
         labels[input_ids == pad_id] = IGNORE_INDEX
+    if scored is not None:
+        labels[~scored] = IGNORE_INDEX
     return h, labels
 
 
-def distill_mtp(model: DeltaMoEForCausalLM, batches: Iterable[torch.Tensor], depth: int, lr: float = 5e-4,
-                ) -> list[float]:
-    """One AdamW step per batch of input ids [B, T] on the MTP layer's parameters only; the mean
-    over depths 1..depth of the cross-entropy against `trunk_targets`. Returns the loss per step."""
+def distill_mtp(model: DeltaMoEForCausalLM, batches: Iterable[torch.Tensor | DistillBatch], depth: int,
+                lr: float = 5e-4) -> list[float]:
+    """One AdamW step per batch (input ids [B, T], or a DistillBatch) on the MTP layer's parameters
+    only; the mean over depths 1..depth of the cross-entropy against `trunk_targets`. Returns the
+    loss per step."""
     layers = model.model.mtp_layers
     if not layers:
         raise ValueError("the model has no MTP layer to distill (num_nextn_predict_layers = 0)")
@@ -48,8 +65,11 @@ def distill_mtp(model: DeltaMoEForCausalLM, batches: Iterable[torch.Tensor], dep
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     losses: list[float] = []
     try:
-        for ids in batches:
-            h, labels = trunk_targets(model, ids, model.config.pad_token_id)
+        for batch in batches:
+            if isinstance(batch, torch.Tensor):
+                batch = DistillBatch(batch)
+            ids = batch.input_ids
+            h, labels = trunk_targets(model, ids, model.config.pad_token_id, batch.scored)
             with torch.no_grad():
                 embeds = model.model.embed_tokens(ids)
             states = mtp_states(layers, h, embeds, depth)

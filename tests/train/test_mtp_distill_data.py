@@ -1,0 +1,58 @@
+"""Distillation rows from the model's own greedy continuations: what is generated, how rows are
+padded and which labels count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltamoe.model.model import IGNORE_INDEX
+from deltamoe.serve.engine.config import EngineConfig
+from deltamoe.serve.engine.llm_engine import LLMEngine
+from deltamoe.train.mtp_distill import DistillBatch, distill_mtp, trunk_targets
+from deltamoe.train.mtp_distill_data import Continuation, continuation_batches, own_continuations
+from tests.train.test_mtp_distill import small_model
+
+PAD = 258
+
+
+def test_continuations_are_the_prompt_then_the_models_greedy_tokens():
+    model = small_model()
+    prompts = [[256, 97, 98, 124], [256, 49, 43, 50, 61, 52]]
+    rows = own_continuations(LLMEngine(model, config=EngineConfig(cache_memory="8MiB")), prompts, 8)
+    assert [r.prompt_len for r in rows] == [4, 6]
+    ids = list(prompts[0])
+    with torch.no_grad():  # greedy, EOS ignored, token by token with full forwards
+        for _ in range(8):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert rows[0].token_ids == ids and len(rows[1].token_ids) == 6 + 8
+    with pytest.raises(ValueError, match="new_tokens"):
+        own_continuations(LLMEngine(model, config=EngineConfig(cache_memory="8MiB")), prompts, 2)
+
+
+def test_batches_pad_and_score_only_the_continuation():
+    rows = [Continuation([1, 2, 3, 4, 5, 6], 2), Continuation([7, 8, 9, 10], 1), Continuation([11, 12, 13], 1)]
+    batches = list(continuation_batches(rows, 2, 3, PAD, seed=0))
+    assert len(batches) == 3 and all(b.input_ids.shape[0] == 2 for b in batches)
+    seen = [tuple(r[r != PAD].tolist()) for b in batches for r in b.input_ids]
+    assert sorted(seen[:3]) == sorted(tuple(r.token_ids) for r in rows)  # one shuffled pass, then the next
+    for b in batches:
+        for ids, scored in zip(b.input_ids, b.scored):
+            row = next(r for r in rows if r.token_ids == ids[ids != PAD].tolist())
+            n = len(row.token_ids)
+            assert (ids[n:] == PAD).all()
+            assert scored.tolist() == [row.prompt_len + 1 <= j < n for j in range(len(ids))]
+
+
+def test_unscored_labels_are_ignored_and_do_not_move_the_loss():
+    model = small_model()
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    scored = torch.zeros_like(ids, dtype=torch.bool)
+    scored[:, 6:] = True
+    _, labels = trunk_targets(model, ids, PAD, scored)
+    _, every = trunk_targets(model, ids, PAD)
+    assert (labels[:, :6] == IGNORE_INDEX).all() and torch.equal(labels[:, 6:], every[:, 6:])
+    # The loss counts the scored labels only: finite, and not the loss over every label.
+    masked = distill_mtp(small_model(), [DistillBatch(ids, scored)], depth=2)[0]
+    full = distill_mtp(small_model(), [ids], depth=2)[0]
+    assert torch.isfinite(torch.tensor(masked)) and abs(masked - full) > 1e-4
