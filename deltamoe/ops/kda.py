@@ -15,8 +15,9 @@ Three forms of this one recurrence:
 
 Conventions (as fla): q, k [B, T, H, K]; v [B, T, H, V]; g = log-decay [B, T, H, K] (<= 0);
 beta [B, T, H] (already sigmoid-ed); state [B, H, K, V] fp32; scale defaults to K^-1/2.
-Everything is computed in fp32 (fp64 if an input is fp64); o comes back in v.dtype, the state in
-the compute dtype.
+Everything is computed in fp32 (fp64 if an input is fp64), inside an autocast region too (its bf16
+matmuls would round the state and the deltas); o comes back in v.dtype, the state in the compute
+dtype.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from deltamoe.ops.autocast import full_precision
 from deltamoe.ops.shapes import check_shape
 
 L2NORM_EPS = 1e-6  # fla's "in kernel" l2norm: x / sqrt(sum x^2 + eps), not F.normalize's max(., eps)
@@ -98,6 +100,7 @@ def _delta_step(
     return (q.unsqueeze(-1) * state).sum(-2), state
 
 
+@full_precision
 def recurrent_kda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -124,6 +127,7 @@ def recurrent_kda(
     return o.to(out_dtype), (state if output_final_state else None)
 
 
+@full_precision
 def kda_step(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -147,6 +151,7 @@ def kda_step(
     return o.to(out_dtype), state
 
 
+@full_precision
 def kda_steps(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -233,6 +238,7 @@ def _pick_chunk_size(g: torch.Tensor, chunk_size: int) -> int:
     return chunk
 
 
+@full_precision
 def chunk_kda(
     q: torch.Tensor,
     k: torch.Tensor,
