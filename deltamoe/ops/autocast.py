@@ -23,12 +23,12 @@ def without_autocast(device_type: str) -> AbstractContextManager:
 
 
 def full_precision(fn: F) -> F:
-    """Run the op `fn` outside any autocast region on the device of its first argument (a tensor,
-    given by position or by name)."""
+    """Run the op `fn` outside any autocast region on the device of its first tensor argument
+    (given by position or by name)."""
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        first = args[0] if args else next(iter(kwargs.values()))
+        first = next(x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor))
         with without_autocast(first.device.type):
             return fn(*args, **kwargs)
 
