@@ -2,15 +2,21 @@
 (`chunk_kimi_delta_attention`, the fallback KimiLinear uses without FLA kernels) and the plain
 token-by-token recurrence `recurrent_kda`, in one run.
 
-    .venv/bin/python bench/bench_kda.py [--quick] [--gate softplus|lower_bound] [--repeats 3] [--head-dim 128] [--threads 1]
+With `--compiled` also `compiled_chunk_kda` (ops/kda_compiled.py: the state-independent terms
+through torch.compile); its first call, which compiles, is the warm-up, its CPU seconds recorded
+as `compile_cpu_s`.
+
+    .venv/bin/python bench/bench_kda.py [--quick] [--gate softplus|lower_bound] [--repeats 3] [--head-dim 128] [--threads 1] [--compiled] [--cpu-time]
 
 fp32, B=1, H=8, K=V=32 (`--head-dim 128`: K=V=128, K3's head size, written to kda_k128.json), qk l2norm in kernel (as the model calls it); g comes from `kda_gate`
 with transformers' KimiLinear init of A_log and dt_bias and f ~ N(0, 1). Every path is timed at
 every T (no extrapolation). Prints a markdown table and writes bench/results/kda.json atomically.
 Times are medians of interleaved rounds on this machine's CPU (ms columns), with 2 threads unless
 `--threads N` (then written to kda*_tN.json); the ratios are given for the medians and for the best
-round of each path, since load from other processes on a shared machine only ever adds time. Read
-the ratios (DESIGN.md, "Performance").
+round of each path, since load from other processes on a shared machine only ever adds time.
+`--cpu-time` times each run by the process's CPU seconds instead of the wall clock: on a loaded
+machine with `--threads 1` that leaves out the time spent waiting for a core. Read the ratios
+(DESIGN.md, "Performance").
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import markdown_table, result_name, write_result  # noqa: E402
 
 from deltamoe.ops.kda import chunk_kda, recurrent_kda  # noqa: E402
+from deltamoe.ops.kda_compiled import compiled_chunk_kda  # noqa: E402
 from deltamoe.ops.kda_gate import kda_gate  # noqa: E402
 
 HEADS, HEAD_DIM = 8, 32
@@ -61,19 +68,21 @@ def make_inputs(seq_len: int, gate: str, seed: int = 0, head_dim: int = HEAD_DIM
     }
 
 
-def interleaved_times(paths: dict[str, KdaFn], repeats: int) -> dict[str, list[float]]:
+def interleaved_times(paths: dict[str, KdaFn], repeats: int,
+                      clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
     """Seconds per run of each path, timing the paths in turn each round, so that load from other
     processes on a shared machine lands on all of them alike (the ratios are what we report)."""
     times: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(repeats):
         for name, fn in paths.items():
-            start = time.perf_counter()
+            start = clock()
             fn()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
     return times
 
 
-def bench_one(seq_len: int, gate: str, repeats: int, head_dim: int = HEAD_DIM) -> dict:
+def bench_one(seq_len: int, gate: str, repeats: int, head_dim: int = HEAD_DIM, compiled: bool = False,
+              clock: Callable[[], float] = time.perf_counter) -> dict:
     x = make_inputs(seq_len, gate, head_dim=head_dim)
     hf_chunk = transformers_chunk_kda()
     paths: dict[str, KdaFn] = {
@@ -83,9 +92,15 @@ def bench_one(seq_len: int, gate: str, repeats: int, head_dim: int = HEAD_DIM) -
         ),
         "recurrent_kda": lambda: recurrent_kda(**x, output_final_state=True, use_qk_l2norm=True),
     }
+    if compiled:
+        paths["compiled_chunk_kda"] = lambda: compiled_chunk_kda(**x, output_final_state=True, use_qk_l2norm=True)
     with torch.no_grad():
-        outputs = {name: fn() for name, fn in paths.items()}  # also the warm-up
-        runs = interleaved_times(paths, repeats)
+        outputs, first_s = {}, {}
+        for name, fn in paths.items():  # also the warm-up (and the compile)
+            start = time.process_time()
+            outputs[name] = fn()
+            first_s[name] = time.process_time() - start
+        runs = interleaved_times(paths, repeats, clock)
     times = {name: statistics.median(ts) for name, ts in runs.items()}
     best = {name: min(ts) for name, ts in runs.items()}  # load from other processes only ever adds time
     o_ref, s_ref = outputs["recurrent_kda"]
@@ -94,7 +109,13 @@ def bench_one(seq_len: int, gate: str, repeats: int, head_dim: int = HEAD_DIM) -
     row["speedup_vs_recurrent"] = times["recurrent_kda"] / times["chunk_kda"]
     row["best_speedup_vs_transformers"] = best["transformers"] / best["chunk_kda"]
     row["best_speedup_vs_recurrent"] = best["recurrent_kda"] / best["chunk_kda"]
-    for name in ("chunk_kda", "transformers"):  # sanity: all three agree
+    if compiled:
+        for key, ref in (("vs_transformers", "transformers"), ("vs_recurrent", "recurrent_kda")):
+            row[f"compiled_speedup_{key}"] = times[ref] / times["compiled_chunk_kda"]
+            row[f"best_compiled_speedup_{key}"] = best[ref] / best["compiled_chunk_kda"]
+        row["compiled_vs_eager"] = times["chunk_kda"] / times["compiled_chunk_kda"]
+        row["compile_cpu_s"] = first_s["compiled_chunk_kda"]  # the first call: compile + one run
+    for name in ("chunk_kda", "transformers", *(["compiled_chunk_kda"] if compiled else [])):  # sanity: all agree
         o, s = outputs[name]
         row[f"{name}_max_rel_err"] = max(
             ((o - o_ref).abs().max() / o_ref.abs().max()).item(), ((s - s_ref).abs().max() / s_ref.abs().max()).item()
@@ -112,6 +133,12 @@ def table(rows: list[dict]) -> str:
          f"{r['speedup_vs_recurrent']:.1f}x / {r['best_speedup_vs_recurrent']:.1f}x"]
         for r in rows
     ]
+    if "compiled_chunk_kda_s" in rows[0]:
+        headers += ["compiled (ms)", "compiled vs transformers / recurrence (median)", "compiled vs eager", "compile (CPU s)"]
+        for cell, r in zip(cells, rows):
+            cell += [f"{r['compiled_chunk_kda_s'] * 1e3:.1f}",
+                     f"{r['compiled_speedup_vs_transformers']:.1f}x / {r['compiled_speedup_vs_recurrent']:.1f}x",
+                     f"{r['compiled_vs_eager']:.2f}x", f"{r['compile_cpu_s']:.1f}"]
     return markdown_table(headers, cells)
 
 
@@ -122,6 +149,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds (median); default 5, quick 3")
     parser.add_argument("--head-dim", type=int, default=HEAD_DIM, help="K = V per head (K3: 128)")
     parser.add_argument("--threads", type=int, default=THREADS, help=f"torch CPU threads (default {THREADS})")
+    parser.add_argument("--compiled", action="store_true", help="also time compiled_chunk_kda (ops/kda_compiled.py)")
+    parser.add_argument("--cpu-time", action="store_true", help="time runs by process CPU seconds, not wall time")
     args = parser.parse_args()
     if args.threads < 1:
         parser.error(f"--threads: expected a positive integer, got {args.threads}")
@@ -131,12 +160,13 @@ def main() -> None:
 
     rows = []
     for seq_len in seq_lens:
-        rows.append(bench_one(seq_len, args.gate, repeats, args.head_dim))
+        rows.append(bench_one(seq_len, args.gate, repeats, args.head_dim, args.compiled,
+                              time.process_time if args.cpu_time else time.perf_counter))
         print(f"T={seq_len}: done", flush=True)
     print(table(rows))
     config = {"B": 1, "H": HEADS, "K": args.head_dim, "V": args.head_dim, "dtype": "float32", "gate": args.gate,
               "qk_l2norm": True, "repeats": repeats, "statistic": "median of interleaved rounds",
-              "threads": args.threads}
+              "threads": args.threads, "clock": "process CPU time" if args.cpu_time else "wall"}
     name = "kda" if args.head_dim == HEAD_DIM else f"kda_k{args.head_dim}"
     name += "" if args.threads == THREADS else f"_t{args.threads}"
     path = write_result(result_name(name, args.quick), {"config": config, "rows": rows, "target": TARGET})

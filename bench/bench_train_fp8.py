@@ -17,12 +17,12 @@ is a mean gap within 1 % on both losses. Also per decoder layer the mean relativ
 error of x, W and dy at the last step (from metrics.jsonl's `fp8_error`), and the curves
 (bench/results/train_fp8.png: smoothed training loss per run, and the gap per seed pair over steps).
 
-The rest of the model runs at `--precision`: bf16 autocast on a GPU; fp32 on a CPU, where bf16
-autocast stops in KDA's chunked triangular solve (no bf16 CPU kernel), so on a CPU the reference is
-fp32. There the fp8 products are the exact quantise -> dequantise emulation, so the wall times
-measure the emulation, not fp8 speed. The runs train side by side in processes of one thread each
+The rest of the model, and the reference run, train at `--precision`: bf16 autocast by default
+(on a CPU too: KDA's chunked op leaves the region and computes in fp32, as its triangular solve has
+no bf16 CPU kernel), or fp32. On a CPU the fp8 products are the exact quantise -> dequantise
+emulation, so the wall times measure the emulation, not fp8 speed. The runs train side by side in processes of one thread each
 (`--jobs N` at a time); `--out DIR` keeps their run folders (metrics.jsonl, eval.jsonl).
-Run: python bench/bench_train_fp8.py [--quick] [--steps N] [--seeds K]
+Run: python bench/bench_train_fp8.py [--quick] [--steps N] [--seeds K] [--precision bf16|fp32]
 """
 
 from __future__ import annotations
@@ -37,8 +37,6 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, markdown_table, result_name, write_result  # noqa: E402
@@ -198,7 +196,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3, help="seed pairs (reference and fp8 at seeds 0..K-1)")
     ap.add_argument("--tail", type=int, default=30, help="steps averaged into the final training loss")
     ap.add_argument("--quick", action="store_true", help="2 seeds x 6 steps of 4 x 32 tokens (a smoke run)")
-    ap.add_argument("--precision", choices=("fp32", "bf16"), default="bf16" if torch.cuda.is_available() else "fp32")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="bf16",
+                    help="the reference run's precision, and the rest of the model's in the fp8 run")
     ap.add_argument("--jobs", type=int, help="runs training at once (default: all of them)")
     ap.add_argument("--out", help="keep the run folders here (default: a temporary folder)")
     ap.add_argument("--from-runs", metavar="DIR", help="train nothing: compare the run folders an earlier --out "

@@ -76,12 +76,19 @@ def kda_rows(d: dict) -> list[Row]:
     if "speedup_vs_recurrent" in t:
         goals.append((f">= {t['speedup_vs_recurrent']:g}x", top["speedup_vs_recurrent"] >= t["speedup_vs_recurrent"]))
     threads = f", {c['threads']} thread{'s' if c['threads'] != 1 else ''}" if "threads" in c else ""
+    threads += ", CPU time" if c.get("clock") == "process CPU time" else ""
     out = [[f"KDA prefill, {c['dtype'].replace('float', 'fp')}, B={c['B']} H={c['H']} K=V={c['K']}, T={top['T']}{threads} "
             + command("kda"),
             f"{ms(top['chunk_kda_s'])} ms",
             f"transformers torch chunk KDA {ms(top['transformers_s'])} ms; plain recurrence {ms(top['recurrent_kda_s'])} ms",
             f"{bold(times(top['speedup_vs_transformers']))} / {bold(times(top['speedup_vs_recurrent']))}",
             verdict(goals, d.get("note")) if goals else ""]]
+    if "compiled_chunk_kda_s" in top:  # `--compiled`: ops/kda_compiled.py beside the eager op
+        out.append([f"same, compiled_chunk_kda (torch.compile of the state-independent terms; compile "
+                     f"{top['compile_cpu_s']:.0f} CPU s on the first call)", f"{ms(top['compiled_chunk_kda_s'])} ms",
+                    f"eager chunk_kda {ms(top['chunk_kda_s'])} ms ({times(top['compiled_vs_eager'])} faster)",
+                    f"{times(top['compiled_speedup_vs_transformers'])} / {times(top['compiled_speedup_vs_recurrent'])}",
+                    ""])
     if rest:
         def join(key: str) -> str:
             return " / ".join(ms(r[key]) for r in rest)
@@ -98,6 +105,8 @@ def kda_k128_rows(d: dict) -> list[Row]:
     rows = kda_rows(d)
     threads = d["config"].get("threads", 2)
     flags = "--head-dim 128" + ("" if threads == 2 else f" --threads {threads}")
+    flags += " --compiled" if "compiled_chunk_kda_s" in d["rows"][0] else ""
+    flags += " --cpu-time" if d["config"].get("clock") == "process CPU time" else ""
     rows[0][0] = rows[0][0].replace(command("kda"), f"(`python bench/bench_kda.py {flags}`)")
     return rows
 

@@ -22,12 +22,12 @@ GPU with blockwise-scaled `torch.nn.functional.scaled_mm` (sm90+) it is that ker
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from deltamoe.ops.autocast import without_autocast
 from deltamoe.ops.fp8_emulation import dequantize_fp8_blockwise_fp32, quantize_fp8_blockwise_fp32
 from deltamoe.ops.quant import dequantize_fp8_blockwise, quantize_fp8_blockwise
 
@@ -112,9 +112,7 @@ def blockwise_fp8_mm(a: Fp8Tiles, b: Fp8Tiles, out_dtype: torch.dtype = torch.fl
         raise ValueError(f"a: expected {ACT_TILE} tiles along K, got {a.block}")
     if _kernel_applies(a, b):
         return _kernel_mm(a, b, out_dtype)
-    device_type = a.data.device.type
-    # Entering a disabled autocast region costs more than a small matmul: only when one is active.
-    with torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else nullcontext():
+    with without_autocast(a.data.device.type):
         return (a.dequantize() @ b.dequantize().t()).to(out_dtype)
 
 

@@ -15,17 +15,19 @@ Three forms of this one recurrence:
 
 Conventions (as fla): q, k [B, T, H, K]; v [B, T, H, V]; g = log-decay [B, T, H, K] (<= 0);
 beta [B, T, H] (already sigmoid-ed); state [B, H, K, V] fp32; scale defaults to K^-1/2.
-Everything is computed in fp32 (fp64 if an input is fp64); o comes back in v.dtype, the state in
-the compute dtype.
+Everything is computed in fp32 (fp64 if an input is fp64), inside an autocast region too (its bf16
+matmuls would round the state and the deltas); o comes back in v.dtype, the state in the compute
+dtype.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from deltamoe.ops.autocast import full_precision
 from deltamoe.ops.shapes import check_shape
 
 L2NORM_EPS = 1e-6  # fla's "in kernel" l2norm: x / sqrt(sum x^2 + eps), not F.normalize's max(., eps)
@@ -98,6 +100,7 @@ def _delta_step(
     return (q.unsqueeze(-1) * state).sum(-2), state
 
 
+@full_precision
 def recurrent_kda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -124,6 +127,7 @@ def recurrent_kda(
     return o.to(out_dtype), (state if output_final_state else None)
 
 
+@full_precision
 def kda_step(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -147,6 +151,7 @@ def kda_step(
     return o.to(out_dtype), state
 
 
+@full_precision
 def kda_steps(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -233,6 +238,7 @@ def _pick_chunk_size(g: torch.Tensor, chunk_size: int) -> int:
     return chunk
 
 
+@full_precision
 def chunk_kda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -244,17 +250,21 @@ def chunk_kda(
     output_final_state: bool = False,
     use_qk_l2norm: bool = False,
     chunk_size: int = 64,
+    terms_fn: TermsFn | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA for prefill and training: same result as `recurrent_kda`, any T, differentiable.
 
     `chunk_size` is the longest chunk; a group of chunks halves it while one of its chunks would
     decay by more than e^-MAX_CHUNK_SPAN (see the notes above). g must be <= 0 (a log-decay).
+    `terms_fn` computes a group's state-independent terms: `_chunk_terms` (the default) or a
+    compiled form of it (ops/kda_compiled.py).
     Returns (o [B, T, H, V] in v.dtype, final state [B, H, K, V] or None).
     """
     b, t, h, dk, dv = _check_inputs(q, k, v, g, beta, initial_state)
     if chunk_size < 1:
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size}")
     scale = dk**-0.5 if scale is None else scale
+    terms_fn = _chunk_terms if terms_fn is None else terms_fn
     dtype = _compute_dtype(q, k, v, g, beta)
     state = q.new_zeros(b * h, dk, dv, dtype=dtype) if initial_state is None else initial_state.to(dtype)
     state = state.reshape(b * h, dk, dv)
@@ -267,7 +277,8 @@ def chunk_kda(
     for start in range(0, t, group):
         part = slice(start, start + group)
         chunk_outputs, state = _chunk_kda_group(
-            q[:, part], k[:, part], v[:, part], g[:, part], beta[:, part], state, scale, use_qk_l2norm, chunk_size
+            q[:, part], k[:, part], v[:, part], g[:, part], beta[:, part], state, scale, use_qk_l2norm, chunk_size,
+            terms_fn,
         )
         outputs.extend(chunk_outputs)
     o = torch.cat(outputs, dim=1) if outputs else v.new_zeros(b, 0, h, dv, dtype=dtype)
@@ -294,6 +305,11 @@ class _ChunkTerms(NamedTuple):
     pad: int  # padding tokens at the end of the last chunk
 
 
+# (q, k, v, g, beta, scale, use_qk_l2norm, chunk) -> _ChunkTerms: `_chunk_terms` or a compiled form.
+TermsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, bool, int],
+                   _ChunkTerms]
+
+
 def _chunk_kda_group(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -304,10 +320,13 @@ def _chunk_kda_group(
     scale: float,
     use_qk_l2norm: bool,
     chunk_size: int,
+    terms_fn: TermsFn,
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The chunked form over one run of tokens: (o of each chunk [B, C, H, V] in the compute dtype,
     padding cut off, concatenating to [B, T, H, V]; state [B*H, K, V])."""
-    terms = _chunk_terms(q, k, v, g, beta, scale, use_qk_l2norm, chunk_size)
+    dtype = _compute_dtype(q, k, v, g, beta)
+    chunk = _pick_chunk_size(g.to(dtype), chunk_size)
+    terms = terms_fn(q, k, v, g, beta, scale, use_qk_l2norm, chunk)
     return _state_pass(terms, state, q.shape[0], q.shape[2])
 
 
@@ -319,17 +338,16 @@ def _chunk_terms(
     beta: torch.Tensor,
     scale: float,
     use_qk_l2norm: bool,
-    chunk_size: int,
+    chunk: int,
 ) -> _ChunkTerms:
     """Everything of a run of tokens [B, T, H, *] that does not depend on the state: batched over
-    all of its chunks."""
+    all of its chunks of `chunk` tokens (`_pick_chunk_size`'s length)."""
     b, t, h, dk = q.shape
     dtype = _compute_dtype(q, k, v, g, beta)
     q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
 
     # Pad the tail with g = 0, k = v = beta = 0 tokens: they leave the state unchanged (decay 1,
     # no write) and their outputs are dropped.
-    chunk = _pick_chunk_size(g, chunk_size)
     n_chunks = -(-t // chunk)
     pad = n_chunks * chunk - t
 

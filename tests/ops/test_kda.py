@@ -193,6 +193,21 @@ def test_low_precision_inputs_keep_an_fp32_state() -> None:
     assert_rel_close(o.float(), o_ref, 3e-2)
 
 
+@pytest.mark.parametrize("fn", [chunk_kda, recurrent_kda])
+def test_a_bf16_autocast_region_leaves_the_op_in_fp32(fn) -> None:
+    """Inside the region the op's matmuls stay fp32 (the same values as outside it), and the
+    triangular solve, which has no bf16 CPU kernel, runs; gradients come back in the inputs' dtype."""
+    x = {n: t.bfloat16().requires_grad_() for n, t in make_inputs(1, 70, 2, 16, 8, seed=5).items()}
+    state = torch.randn(1, 2, 16, 8)
+    o_ref, s_ref = fn(**x, initial_state=state, output_final_state=True, use_qk_l2norm=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o, s = fn(**x, initial_state=state, output_final_state=True, use_qk_l2norm=True)
+    assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
+    assert torch.equal(o, o_ref) and torch.equal(s, s_ref)
+    o.float().square().sum().backward()
+    assert all(t.grad.dtype == torch.bfloat16 and torch.isfinite(t.grad).all() for t in x.values())
+
+
 def test_gradients_match_recurrent() -> None:
     x = make_inputs(1, 37, 2, 6, 5, seed=11)
     state = torch.randn(1, 2, 6, 5)
