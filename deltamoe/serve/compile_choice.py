@@ -47,12 +47,14 @@ def quantized_checkpoint(model: str) -> bool:
     A preset name, or a folder this cannot read, counts as full precision: loading reports the rest."""
     folder = Path(model)
     try:
-        if "quantization_config" in json.loads((folder / "config.json").read_text()):
+        config = json.loads((folder / "config.json").read_text())
+        if isinstance(config, dict) and "quantization_config" in config:
             return True
         index = json.loads((folder / "model.safetensors.index.json").read_text())
     except (OSError, ValueError):
         return False
-    return any(name.endswith("weight_packed") for name in index.get("weight_map", {}))
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    return isinstance(weight_map, dict) and any(str(name).endswith("weight_packed") for name in weight_map)
 
 
 def resolve_compile(flag: bool | None, device: str, tp: int, ep: int, kv_cache_dtype: str, model: str = "") -> bool:
