@@ -111,7 +111,7 @@ def test_table_shows_the_figures_of_the_results_files():
     ]
     for figure in expected:
         assert figure in table, figure
-    assert ">= 1.5x (met)" in table and ">= 5x (" in table
+    assert ">= 1.5x (met)" in table and ">= 8x (" in table
     assert len(table.splitlines()) >= 2 + 14
 
 
