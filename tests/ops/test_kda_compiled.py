@@ -11,21 +11,12 @@ from torch._dynamo.utils import counters
 
 from deltamoe.ops.kda import chunk_kda, l2_normalize
 from deltamoe.ops.kda_compiled import compiled_chunk_kda
+from deltamoe.serve.engine.compiled_decode import compiler_available
 
 from tests.ops.test_kda import assert_rel_close, fla_naive, make_inputs  # noqa: F401 (fla_naive: a fixture)
 
 
-def _has_cpp_compiler() -> bool:
-    try:
-        from torch._inductor import cpp_builder
-
-        cpp_builder.get_cpp_compiler()
-    except Exception:  # inductor raises its own error types for a missing compiler
-        return False
-    return True
-
-
-pytestmark = pytest.mark.skipif(not _has_cpp_compiler(), reason="torch.compile's CPU kernels need a C++ compiler")
+pytestmark = pytest.mark.skipif(not compiler_available(), reason="torch.compile's CPU kernels need a C++ compiler")
 
 
 def test_outputs_equal_the_eager_op_for_any_token_count() -> None:
