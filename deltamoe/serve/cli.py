@@ -385,10 +385,6 @@ def serve_command(
                           compile_decode=compile_decode, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
                           speculative=speculative, num_draft_tokens=num_draft_tokens,
                           spec_min_acceptance=spec_min_acceptance, async_scheduling=async_scheduling)
-    if async_scheduling:
-        from deltamoe.serve.executor.config import check_async_scheduling, launched_by_torchrun
-
-        check_async_scheduling(hand_off=role != "colocated", workers=tp * ep > 1 or launched_by_torchrun())
     chosen = engine_threads(threads)
     load_config(model)  # an unknown model fails here, from its config alone
     workers = check_workers(model, tp, ep, compile_decode)

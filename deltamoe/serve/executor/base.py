@@ -9,13 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
 import torch
 
 from deltamoe.serve.engine.runner import ModelCall, ModelRunner, StepResult
 from deltamoe.serve.engine.scheduler import ScheduledBatch
 from deltamoe.serve.executor.placeholders import Fill
+
+if TYPE_CHECKING:
+    from deltamoe.serve.kv_transfer.worker_state import RankZeroHandOffs, StepHandOffs
 
 T = TypeVar("T")
 
@@ -41,15 +44,19 @@ class RankReport:
 class Executor(Protocol):
     runner: ModelRunner  # rank 0's runner: its model shard and cache
     healthy: bool  # False once no step can run any more
+    # A P/D role over worker ranks: plans each step's hand-off work (`kv_transfer/worker_state.py`); else None.
+    hand_off: RankZeroHandOffs | None
 
     def execute(self, batch: ScheduledBatch) -> list[StepResult]:
         ...
 
     def execute_ahead(self, state_ops: list[tuple[int | None, int]], calls: list[ModelCall],
-                      fills: list[Fill | None], earlier: torch.Tensor | None, run: Callable[[], T]) -> T:
+                      fills: list[Fill | None], earlier: torch.Tensor | None, run: Callable[[], T],
+                      hand_offs: StepHandOffs | None = None) -> T:
         """A step rank 0 planned one step ahead (`overlap.py`, on its device thread): tell the other ranks
-        (its state-slot writes, its calls, and `earlier`, the previous step's sampled ids that `fills`
-        put in place of its placeholders), then `run` this process's part and return its result."""
+        (its state-slot writes, its calls, the caches `hand_offs` names, and `earlier`, the previous step's
+        sampled ids that `fills` put in place of its placeholders), then `run` this process's part and
+        return its result."""
         ...
 
     def check_health(self) -> None:

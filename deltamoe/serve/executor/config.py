@@ -48,12 +48,3 @@ class WorkerConfig:
 def launched_by_torchrun() -> bool:
     """This process is a rank of a torchrun job (its environment names the rank and the world)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def check_async_scheduling(hand_off: bool, workers: bool) -> None:
-    """Where one-step-ahead scheduling (`overlap.py`) cannot run yet: ConfigError naming the field.
-    `hand_off`: a prefill/decode role; `workers`: the model runs over worker ranks (`--tp`/`--ep`, torchrun)."""
-    if hand_off and workers:
-        raise ConfigError("async scheduling with a prefill/decode role runs on one process only (worker ranks "
-                          "receive handed-off caches with one-step-at-a-time steps)", field="async_scheduling",
-                          hint="drop --async-scheduling, or --tp/--ep")

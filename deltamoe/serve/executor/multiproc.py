@@ -17,7 +17,7 @@ import atexit
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,9 @@ from deltamoe.serve.executor.base import RankReport, WorkerDiedError
 from deltamoe.serve.executor.group import RankGroup, RankStats, StepMessage, StopMessage
 from deltamoe.serve.executor.placeholders import Fill
 from deltamoe.serve.executor.weight_sync import WeightsMessage, load_full_weights, tp_coordinate
+
+if TYPE_CHECKING:
+    from deltamoe.serve.kv_transfer.worker_state import StepHandOffs
 
 REPORT_INTERVAL_S = 1.0  # how often the ranks' step times are gathered (a step with report=True)
 _WATCH_INTERVAL_S = 0.2
@@ -49,8 +52,8 @@ class MultiprocExecutor:
         # One message at a time on the ranks' channels: with async scheduling the steps go out from
         # the device thread while weight updates and shutdown come from the engine's thread.
         self._control = threading.Lock()
-        # A P/D role (`kv_transfer/worker_state.RankZeroHandOffs`): before a step, the caches that reached
-        # rank 0 alone (their bytes follow the step's message) and the state slots to gather after it.
+        # A P/D role (`kv_transfer/worker_state.RankZeroHandOffs`): planned with each step, the caches that
+        # reached rank 0 alone (their bytes follow the step's message) and the state slots to gather after it.
         self.hand_off = None
         self._watchdog = threading.Thread(target=self._watch, name="deltamoe-worker-watch", daemon=True)
         self._watchdog.start()
@@ -60,32 +63,33 @@ class MultiprocExecutor:
     def execute(self, batch: ScheduledBatch) -> list[StepResult]:
         self.check_health()
         calls = self.runner.plan(batch)
+        hand_offs = self.hand_off.plan(batch) if self.hand_off is not None else None
         message = StepMessage(self.runner.cache.take_state_ops(), [c for _, c in calls])
-        tensors: list[torch.Tensor] = []
-        if self.hand_off is not None:
-            message.loaded, tensors, message.gather_slots = self.hand_off.before_step(batch)
-
-        def run() -> list[StepResult]:
-            results = self.runner.run(batch, calls)
-            if message.gather_slots:
-                self.hand_off.after_forward(message.gather_slots)
-            return results
-
-        return self._step(message, tensors, run)
+        return self._step(message, [], lambda: self.runner.run(batch, calls), hand_offs)
 
     def execute_ahead(self, state_ops: list[tuple[int | None, int]], calls: list[ModelCall],
-                      fills: list[Fill | None], earlier: torch.Tensor | None, run: Callable[[], T]) -> T:
+                      fills: list[Fill | None], earlier: torch.Tensor | None, run: Callable[[], T],
+                      hand_offs: StepHandOffs | None = None) -> T:
         """A step planned one step ahead (`overlap.py`'s device thread): the ranks fill the calls'
-        placeholders from `earlier`, which follows the step's message as a tensor broadcast."""
+        placeholders from `earlier`, which follows the step's message (and its handed-off caches, if
+        any) as a tensor broadcast."""
         self.check_health()
+        message = StepMessage(state_ops, calls)
         if earlier is None or all(fill is None for fill in fills):
-            return self._step(StepMessage(state_ops, calls), [], run)
+            return self._step(message, [], run, hand_offs)
         earlier = earlier.to(torch.long).contiguous()
-        return self._step(StepMessage(state_ops, calls, fills=fills, earlier_rows=len(earlier)), [earlier], run)
+        message.fills, message.earlier_rows = fills, len(earlier)
+        return self._step(message, [earlier], run, hand_offs)
 
-    def _step(self, message: StepMessage, tensors: list[torch.Tensor], run: Callable[[], T]) -> T:
-        """Tell every rank the step (its message, then `tensors` in the order the workers take them), run
-        rank 0's part (`run`), gather the ranks' times now and then."""
+    def _step(self, message: StepMessage, tensors: list[torch.Tensor], run: Callable[[], T],
+              hand_offs: StepHandOffs | None = None) -> T:
+        """Tell every rank the step (its message, then its handed-off caches' bytes and `tensors`, in the
+        order the workers take them), run rank 0's part (`run`, then the state gather a prefill role's
+        step asks for), gather the ranks' times now and then."""
+        if hand_offs is not None:  # read from rank 0's pools now: the loads landed before this step
+            message.loaded, loaded = self.hand_off.pack(hand_offs)
+            message.gather_slots = hand_offs.gather_slots
+            tensors = loaded + tensors
         now = time.monotonic()
         message.report = report = now - self._last_report >= REPORT_INTERVAL_S
         try:
@@ -95,6 +99,8 @@ class MultiprocExecutor:
                     dist.broadcast(tensor, src=0)
                 start = time.perf_counter()
                 results = run()
+                if message.gather_slots:
+                    self.hand_off.after_forward(message.gather_slots)
                 own = self._stats[0]
                 own.last_step_seconds = time.perf_counter() - start
                 own.forward_seconds_total += own.last_step_seconds

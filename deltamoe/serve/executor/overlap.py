@@ -40,6 +40,16 @@ step (`execute_ahead`): the step's state-slot writes and calls, placeholders inc
 previous step's sampled ids as a tensor, from which every rank fills the placeholders alike
 (`placeholders.py`). The host keeps scheduling step N+1 while the ranks run step N; only the device
 thread talks to the ranks while steps are in flight.
+
+A role over worker ranks (`kv_transfer/worker_state.py`) plans its part with each step, on the host:
+- decode side: a load lands in rank 0's pools at its step boundary, and the state-slot writes replayed
+  there reach the ranks too (a message without calls, before the load starts); the step that first
+  runs the request names its blocks and slot, and on the device thread rank 0 packs them from its
+  pools and broadcasts them after the step's message, so every rank scatters its share (the pages,
+  its heads of the KDA state) before that step's forward, in the order its steps run;
+- prefill side: the step that finishes a prompt names its state slots, and after that step's forward
+  every rank's heads of them are gathered whole into rank 0's pools (`--tp`), before the step is
+  collected, so `request_finished`, one step late, pushes the state every rank left.
 """
 
 from __future__ import annotations
@@ -47,6 +57,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -56,10 +67,11 @@ from deltamoe.serve.engine.sampling import SamplingParams, TokenLogprob, draw_to
 from deltamoe.serve.engine.scheduler import ScheduledBatch, Scheduler
 from deltamoe.serve.engine.sequence import Sequence
 from deltamoe.serve.executor.base import Executor
-from deltamoe.serve.executor.config import check_async_scheduling
 from deltamoe.serve.executor.held_loads import HeldLoads, NotedLoad
 from deltamoe.serve.executor.placeholders import PLACEHOLDER, Fill, filled_inputs
-from deltamoe.serve.executor.uniproc import UniprocExecutor
+
+if TYPE_CHECKING:
+    from deltamoe.serve.kv_transfer.worker_state import StepHandOffs
 
 
 @dataclass
@@ -73,6 +85,7 @@ class _Work:
     params: list[SamplingParams]  # per sampled row
     outputs: list[list[int]]  # per sampled row: the output ids so far (read by penalties only)
     generators: list[torch.Generator]
+    hand_offs: StepHandOffs | None  # with a role over worker ranks: the caches the step moves between ranks
 
 
 @dataclass
@@ -104,7 +117,6 @@ class OverlappedSteps:
                  loads: HeldLoads | None = None):
         """`take_token`: the engine's processing of a sampled token already placed in the sequence.
         `loads`: with a prefill/decode role, the connector the scheduler was given (`held_loads.py`)."""
-        check_async_scheduling(hand_off=loads is not None, workers=not isinstance(executor, UniprocExecutor))
         self.loads = loads
         self.executor = executor
         self.runner = executor.runner
@@ -163,7 +175,12 @@ class OverlappedSteps:
             self._boundaries.append(self._pool.submit(self._at_boundary, self.cache.take_state_ops(), loads))
 
     def _at_boundary(self, state_ops: list[tuple[int | None, int]], loads: list[NotedLoad]) -> None:
-        self.cache.apply_state_ops(state_ops)  # one process: `check_async_scheduling` refuses roles with ranks
+        """Worker ranks replay the same writes (a step message without calls): a slot that the reservation
+        zeroed is zero on every rank before the load's bytes reach it with the step that first runs it."""
+        self.executor.execute_ahead(state_ops, [], [], None, lambda: self._start_here(state_ops, loads))
+
+    def _start_here(self, state_ops: list[tuple[int | None, int]], loads: list[NotedLoad]) -> None:
+        self.cache.apply_state_ops(state_ops)
         if self.runner.device.type == "cuda":  # the steps before and these writes are only enqueued so far
             torch.cuda.current_stream(self.runner.device).synchronize()
         self.loads.start(loads)
@@ -175,8 +192,10 @@ class OverlappedSteps:
             call.block_tables = [list(table) for table in call.block_tables]
         rows = [sampled_rows(group) for group, _ in calls]
         sampled = [group[row][0] for (group, _), picked in zip(calls, rows) for row in picked]
+        hand_off = self.executor.hand_off
         work = _Work(self.cache.take_state_ops(), calls, rows, [self._fill(call, group) for group, call in calls],
-                     [s.params for s in sampled], [list(s.output_ids) for s in sampled], [s.generator for s in sampled])
+                     [s.params for s in sampled], [list(s.output_ids) for s in sampled], [s.generator for s in sampled],
+                     hand_off.plan(batch) if hand_off is not None else None)
         computed_after = []
         for seq, n in batch.items:
             seq.num_computed += n
@@ -207,7 +226,7 @@ class OverlappedSteps:
         if any(fill is not None for fill in work.fills):
             earlier = previous.result().tokens  # done: this thread ran it just before
         return self.executor.execute_ahead(work.state_ops, [call for _, call in work.calls], work.fills, earlier,
-                                           lambda: self._run_here(work, earlier))
+                                           lambda: self._run_here(work, earlier), work.hand_offs)
 
     def _run_here(self, work: _Work, earlier: torch.Tensor | None) -> _Sampled:
         """This process's part of the step: replay the state writes, fill the placeholders, run, sample."""

@@ -20,10 +20,11 @@ class UniprocExecutor:
     def execute(self, batch: ScheduledBatch) -> list[StepResult]:
         return self.runner.execute(batch)
 
-    def execute_ahead(self, state_ops, calls, fills, earlier, run: Callable[[], T]) -> T:
+    def execute_ahead(self, state_ops, calls, fills, earlier, run: Callable[[], T], hand_offs=None) -> T:
         return run()  # no other rank to tell
 
     healthy = True
+    hand_off = None  # a role's hand-offs land in this process's cache: nothing to pass on
 
     def check_health(self) -> None:
         return None

@@ -72,17 +72,6 @@ def take_heads(cache: HybridCache, slot: int, recurrent: torch.Tensor, conv: tor
     cache.conv[:, slot] = conv.unflatten(1, (3, tp * per))[:, :, tp_rank * per:(tp_rank + 1) * per].flatten(1, 2)
 
 
-@dataclass
-class LoadedCache:
-    """A request whose cache reached rank 0 from a prefill server: where the other ranks put it.
-    Its packed bytes (`nbytes`) follow the step's message as a uint8 tensor broadcast."""
-
-    blocks: list[int]  # the blocks holding tokens [0, num_tokens), in order
-    num_tokens: int
-    slot: int
-    nbytes: int
-
-
 def first_step_after_load(seq: Sequence) -> bool:
     """The step that runs a handed-off request's last prompt token: its N-1 tokens were loaded (not
     recomputed after a preemption) and nothing has run on it since."""
@@ -91,22 +80,51 @@ def first_step_after_load(seq: Sequence) -> bool:
             and seq.num_computed == seq.num_prompt_tokens - 1)
 
 
+@dataclass
+class LoadingCache:
+    """A request the step runs first after its load: where its rows and state slot are in rank 0's pools
+    (taken when the step is planned: its block table may grow while an earlier step still runs)."""
+
+    blocks: list[int]  # the blocks holding tokens [0, num_tokens), in order
+    num_tokens: int
+    slot: int
+
+
+@dataclass
+class LoadedCache(LoadingCache):
+    """A request whose cache reached rank 0 from a prefill server: where the other ranks put it.
+    Its packed bytes (`nbytes`) follow the step's message as a uint8 tensor broadcast."""
+
+    nbytes: int
+
+
+@dataclass
+class StepHandOffs:
+    """A step's hand-off work over worker ranks, planned with the step (host data only)."""
+
+    loading: list[LoadingCache]  # decode side: caches the other ranks lack, sent before the forward
+    gather_slots: list[int]  # prefill side over --tp: state slots gathered whole to rank 0 after it
+
+
+def loading_caches(cache: HybridCache, batch: ScheduledBatch) -> list[LoadingCache]:
+    """Rank 0, when a step is planned: the requests of `batch` whose loaded cache the other ranks lack."""
+    return [LoadingCache(seq.block_table[:-(-seq.num_computed // cache.block_size)], seq.num_computed, seq.slot)
+            for seq, _ in batch.items if first_step_after_load(seq)]
+
+
 def loaded_caches(cache: HybridCache, pools: HybridCache | HandOffPools, tp: int,
-                  batch: ScheduledBatch) -> tuple[list[LoadedCache], list[torch.Tensor]]:
-    """Rank 0, before a step: the requests of `batch` that the other ranks lack, and their packed bytes
-    (from `pools`, where the connector put them); under `--tp` rank 0 keeps its own heads first."""
+                  loading: list[LoadingCache]) -> tuple[list[LoadedCache], list[torch.Tensor]]:
+    """Rank 0, right before the step runs: the packed bytes of `loading` (from `pools`, where the
+    connector put them); under `--tp` rank 0 keeps its own heads first."""
     described, messages = [], []
     device = cache.latent.device
-    for seq, _ in batch.items:
-        if not first_step_after_load(seq):
-            continue
-        blocks = seq.block_table[:-(-seq.num_computed // cache.block_size)]
-        rows = token_rows(blocks, 0, seq.num_computed, cache.block_size).to(device)
+    for item in loading:
+        rows = token_rows(item.blocks, 0, item.num_tokens, cache.block_size).to(device)
         message = torch.empty(message_bytes(pools, len(rows)), dtype=torch.uint8, device=device)
-        pack(pools, rows, seq.slot, message)
+        pack(pools, rows, item.slot, message)
         if pools is not cache:
-            take_heads(cache, seq.slot, pools.recurrent[:, seq.slot], pools.conv[:, seq.slot], 0, tp)
-        described.append(LoadedCache(blocks, seq.num_computed, seq.slot, message.numel()))
+            take_heads(cache, item.slot, pools.recurrent[:, item.slot], pools.conv[:, item.slot], 0, tp)
+        described.append(LoadedCache(item.blocks, item.num_tokens, item.slot, message.numel()))
         messages.append(message)
     return described, messages
 
@@ -159,17 +177,21 @@ def gather_heads(cache: HybridCache, pools: HandOffPools, slots: list[int], tp: 
 
 
 class RankZeroHandOffs:
-    """Rank 0's part of a role's hand-offs over worker ranks (`MultiprocExecutor.hand_off`)."""
+    """Rank 0's part of a role's hand-offs over worker ranks (`MultiprocExecutor.hand_off`). A step's part
+    is planned with the step (`plan`, on the host) and carried out when it runs (`pack`, `after_forward`),
+    which under one-step-ahead scheduling (`executor/overlap.py`) is later, on the device thread."""
 
     def __init__(self, cache: HybridCache, pools: HybridCache | HandOffPools, tp: int):
         self.cache, self.pools, self.tp = cache, pools, tp
 
-    def before_step(self, batch: ScheduledBatch) -> tuple[list[LoadedCache], list[torch.Tensor], list[int]]:
-        """(handed-off caches the ranks lack, their bytes, the slots to gather after the forward)."""
-        loaded, messages = loaded_caches(self.cache, self.pools, self.tp, batch)
-        return loaded, messages, pushed_slots(batch) if self.pools is not self.cache else []
+    def plan(self, batch: ScheduledBatch) -> StepHandOffs:
+        return StepHandOffs(loading_caches(self.cache, batch),
+                            pushed_slots(batch) if self.pools is not self.cache else [])
+
+    def pack(self, step: StepHandOffs) -> tuple[list[LoadedCache], list[torch.Tensor]]:
+        """(handed-off caches the ranks lack, their bytes), read from the pools the loads landed in."""
+        return loaded_caches(self.cache, self.pools, self.tp, step.loading)
 
     def after_forward(self, slots: list[int]) -> None:
         if slots:
             gather_heads(self.cache, self.pools, slots, self.tp)
-

@@ -9,13 +9,9 @@ from __future__ import annotations
 import threading
 from types import SimpleNamespace
 
-import pytest
-
-from deltamoe.errors import ConfigError
 from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.llm_engine import LLMEngine
 from deltamoe.serve.engine.sampling import SamplingParams
-from deltamoe.serve.executor.config import check_async_scheduling
 from deltamoe.serve.executor.held_loads import HeldLoads
 from deltamoe.serve.kv_transfer.connector import FinishedTransfers, KVConnector
 
@@ -146,11 +142,3 @@ def test_a_load_that_cannot_start_fails_its_request():
     assert done.received == {"other"} and done.failed == {"r1": "the hand-off could not start: transport closed"}
     assert woken == [True]
     assert loads.request_finished(seq, "error") is True  # started (and failed): the real connector decides
-
-
-def test_roles_over_worker_ranks_are_refused():
-    check_async_scheduling(hand_off=True, workers=False)
-    check_async_scheduling(hand_off=False, workers=True)
-    with pytest.raises(ConfigError) as e:
-        check_async_scheduling(hand_off=True, workers=True)
-    assert e.value.field == "async_scheduling"

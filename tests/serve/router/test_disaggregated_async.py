@@ -3,7 +3,8 @@
 router -> prefill(async) -> decode(one step at a time) and router -> prefill(one step at a time) ->
 decode(async) answer concurrent greedy requests (prompts longer than a block, streaming and not)
 with the colocated one-step engine's text, and every server's blocks and state slots are back in
-their pools afterwards (read from /metrics)."""
+their pools afterwards (read from /metrics). The same with worker ranks on both sides: prefill(--tp 2,
+async) -> decode(--tp 2, async), and prefill(--ep 2, async) -> decode(--tp 2, async)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,21 @@ def pairs(tmp_path_factory, model):  # noqa: F811
 @pytest.mark.parametrize("router", list(AsyncPairs.ROUTED))
 def test_greedy_through_router_with_async_scheduling_equals_colocated(pairs, model, helpers, router):  # noqa: F811
     assert_pair_equals_colocated(pairs, router, model, helpers.prompts(8, 6, 30, seed=23))
+
+
+class AsyncWorkerPairs(Pairs):
+    LAYOUT = {"prefill_tp": ("prefill", ["--tp", "2", *ASYNC]), "decode_tp": ("decode", ["--tp", "2", *ASYNC]),
+              "prefill_ep": ("prefill", ["--ep", "2", *ASYNC])}
+    ROUTED = {"tp_both": ("prefill_tp", "decode_tp"), "ep_to_tp": ("prefill_ep", "decode_tp")}
+
+
+@pytest.fixture(scope="module")
+def worker_pairs(tmp_path_factory, model):  # noqa: F811
+    with running(AsyncWorkerPairs, tmp_path_factory, model) as p:
+        yield p
+
+
+@pytest.mark.parametrize("router", list(AsyncWorkerPairs.ROUTED))
+def test_greedy_through_router_async_over_workers_equals_colocated(worker_pairs, model, helpers,  # noqa: F811
+                                                                  router):
+    assert_pair_equals_colocated(worker_pairs, router, model, helpers.prompts(8, 6, 30, seed=29))
