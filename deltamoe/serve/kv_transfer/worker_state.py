@@ -13,6 +13,9 @@ connector registers rank 0's `hand_off_pools`: with `--ep` rank 0's cache itself
   them over the replica's group right after that step's message; each rank (rank 0 too, under
   `--tp`) scatters the rows into its pages and keeps its own heads of the state (`take_heads`),
   after replaying the step's state-slot writes and before the forward.
+Both are planned with the step (`RankZeroHandOffs.plan`, host data only) and done when it runs
+(`pack`, `after_forward`): at once on one step at a time; on the device thread, while the host schedules
+the next step, under one-step-ahead scheduling (`executor/overlap.py`).
 Receiving or sending one copy per rank over the transfer engine would need a transport, a
 registration and a descriptor per rank, and the other side would have to split or join the state
 by heads for each; the collectives run over links the replica already has and leave the router,
