@@ -8,13 +8,10 @@ import time
 
 import pytest
 
-from deltamoe.cli import main
-from deltamoe.errors import ConfigError
 from deltamoe.serve.engine.async_engine import AsyncLLMEngine
 from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.llm_engine import LLMEngine
 from deltamoe.serve.engine.sampling import SamplingParams
-from deltamoe.serve.executor.overlap import OverlappedSteps
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -155,21 +152,6 @@ def test_server_front_streams_and_cancels(k31_model, helpers):
         assert "".join(o.delta_text for o in outs) == text
     stats = engine.stats()
     assert 3 <= seen < 400 and (stats.num_running, stats.block_usage, stats.slot_usage) == (0, 0.0, 0.0)
-
-
-def test_refused_where_it_cannot_run_yet(k31_model, capsys):
-    """A prefill/decode role over worker ranks: a ConfigError naming the field, before anything starts
-    (a role on one process runs: tests/serve/kv_transfer/test_handoff.py)."""
-    from deltamoe.serve.executor.held_loads import HeldLoads
-
-    engine = LLMEngine(k31_model, config=EngineConfig(cache_memory="8MiB"))
-    engine.executor = object()  # stands for a multi-process executor: never reached
-    with pytest.raises(ConfigError) as e:
-        OverlappedSteps(engine.executor, engine.scheduler, engine._take_token, HeldLoads(object()))
-    assert e.value.field == "async_scheduling"
-    assert main(["serve", "tiny", "--role", "prefill", "--kv-transfer", "mooncake", "--ep", "2",
-                 "--async-scheduling"]) == 2
-    assert "async_scheduling" in capsys.readouterr().err
 
 
 def test_requests_the_overlapped_path_cannot_serve_are_refused_naming_the_field(helpers):
