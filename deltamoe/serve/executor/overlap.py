@@ -175,8 +175,9 @@ class OverlappedSteps:
             self._boundaries.append(self._pool.submit(self._at_boundary, self.cache.take_state_ops(), loads))
 
     def _at_boundary(self, state_ops: list[tuple[int | None, int]], loads: list[NotedLoad]) -> None:
-        """Worker ranks replay the same writes (a step message without calls): a slot that the reservation
-        zeroed is zero on every rank before the load's bytes reach it with the step that first runs it."""
+        """Worker ranks replay the same writes, in rank 0's order (a step message without calls): they hold
+        every write logged by the `schedule()` that reserved the loads, other requests' too (a local
+        request's prefix snapshot copy), which no later step message repeats."""
         self.executor.execute_ahead(state_ops, [], [], None, lambda: self._start_here(state_ops, loads))
 
     def _start_here(self, state_ops: list[tuple[int | None, int]], loads: list[NotedLoad]) -> None:
