@@ -42,8 +42,8 @@ One shape rule still splits the graphs, asked of its owner rather than copied he
 Batch 1 is no class of its own in the regional form: it runs as two copies of its row
 (`CompiledDecode.with_min_rows`; torch would specialise size 1 into graphs of their own). Not for
 a model with int4 expert stacks: their static form runs each row against every gathered expert,
-so a copy doubles the experts' gather and kernel reads, which costs int4's one-sequence step
-more than its weight bytes save; there batch 1 runs as one row through graphs of its own. Dense
+so a copy doubles the experts' gather and kernel reads (the two-row step is slower than eager
+int4, docs/serving.md); there batch 1 runs as one row through graphs of its own. Dense
 MLPs stay eager (`decode_form`). For `tiny` that leaves four graphs: KDA and DSA attention, the
 MoE in both forms. The whole call as one graph keeps batch 1 as a class of its own, rewritten by
 the one-row matmul pass. Each class compiles once per process (its regions: seconds each on two
