@@ -12,7 +12,11 @@ checkpoints store it, and the same weights with that rest in fp32 (a CPU without
 matmuls runs it faster); both are compared with fp32 and with bf16, and the goal is 2x the
 faster of the two. `--compile` adds the same rows decoded through the compiled regions
 (`EngineConfig.compile_decode`, the default of `generate`/`serve`) for the formats that have a
-compiled form (fp32, bf16, int4 W4A16), each compared with the compiled fp32 and bf16 rows.
+compiled form (fp32, bf16, int4 W4A16), each compared with the compiled fp32 and bf16 rows. The
+compiled engine runs a full-precision model's batch 1 as two copies of its row and an int4
+model's as one row (serve/engine/compiled_decode.py), so fp32 and bf16 are also timed compiled
+with batch 1 as one row (`compiled, one row`): a compiled int4 row is read against both, and
+every row against eager fp32.
 
 Accuracy: a trained checkpoint (`--checkpoint`, with the `--train-config` of its run; default:
 the tiny model trained here for `--train-steps` steps on the recall task) is quantized per
@@ -62,17 +66,23 @@ SPEED_FORMATS = {
 }
 BASELINES = ("fp32", "bf16")  # always timed
 COMPILED_FORMATS = ("fp32", "bf16", "int4", "int4-rest-fp32")  # the formats compiled decode runs
+ONE_ROW = "compiled, one row"  # the baselines' compiled batch 1 as one row (`decode_rate`'s one_row)
 ACCURACY_FORMATS = [("int4", ("int4", 32, None)), ("w4a8 fp8", ("w4a8", 32, "fp8")),
                     ("w4a8 int8", ("w4a8", 32, "int8")), ("mxfp4 experts", ("mxfp4", None, None))]
 
 
-def decode_rate(model, new_tokens: int, rounds: int, clock=time.perf_counter, compiled: bool = False) -> float:
+def decode_rate(model, new_tokens: int, rounds: int, clock=time.perf_counter, compiled: bool = False,
+                one_row: bool = False) -> float:
     """Batch-1 greedy decode tokens/s: (new_tokens - 1) over the time a `new_tokens` run takes
     beyond a 1-token run (prefill and first token), best of `rounds`. `clock`: wall time, or
     `time.process_time` (this process's CPU time: on a loaded machine it leaves out the time
     other processes hold the core). `compiled`: through the compiled decode regions (compiled
-    by the warm-up run; a process keeps them for later engines on the same model)."""
+    by the warm-up run; a process keeps them for later engines on the same model). `one_row`: a
+    compiled full-precision model's batch 1 through graphs of its own, as int4 models run it,
+    instead of two copies of the row (`CompiledDecode.min_rows`): the like-with-like reference."""
     engine = LLMEngine(model, config=EngineConfig(cache_memory="64MiB", max_num_seqs=1, compile_decode=compiled))
+    if one_row:
+        engine.runner._compiled_decode.min_rows = 1
     prompt = [256] + list(range(65, 65 + 15))
 
     def run(n: int) -> float:
@@ -98,21 +108,29 @@ def speed(preset: str, new_tokens: int, rounds: int, tmp: Path, keys: list[str],
             path = tmp / key
             quantize_checkpoint(preset, path, make_scheme(*fmt), dtype=dtype)
             models[label] = load_model(path, dtype=dtype)
-    runs = [(label, False) for label in models] + [(SPEED_FORMATS[k][0], True) for k in keys if k in compiled_keys]
+    # Decode modes: eager; compiled (batch 1 as the engine runs it: two copies of the row for a
+    # full-precision model, one row for int4); compiled with batch 1 as one row for the baselines too.
+    runs = [(label, "eager") for label in models] + [(SPEED_FORMATS[k][0], "compiled") for k in keys
+                                                     if k in compiled_keys]
+    if compiled_keys:
+        runs += [(SPEED_FORMATS[k][0], ONE_ROW) for k in BASELINES]
     best = {run: 0.0 for run in runs}
     for r in range(rounds):
-        for label, compiled in runs:
-            rate = decode_rate(models[label], new_tokens, 1, clock, compiled)
-            best[label, compiled] = max(best[label, compiled], rate)
-            print(f"round {r}: {label}{' compiled' if compiled else ''} {best[label, compiled]:.2f} tok/s", flush=True)
+        for label, mode in runs:
+            rate = decode_rate(models[label], new_tokens, 1, clock, mode != "eager", mode == ONE_ROW)
+            best[label, mode] = max(best[label, mode], rate)
+            print(f"round {r}: {label} {mode} {best[label, mode]:.2f} tok/s", flush=True)
     dtypes = {label: dtype for label, _, dtype in formats}
-    rows = [{"format": label, "decode": "compiled" if compiled else "eager",
-             "rest_dtype": str(dtypes[label]).removeprefix("torch."), "decode_tok_s": round(best[label, compiled], 2),
-             "weight_bytes": resident_weight_bytes(models[label])} for label, compiled in runs]
+    rows = [{"format": label, "decode": mode,
+             "rest_dtype": str(dtypes[label]).removeprefix("torch."), "decode_tok_s": round(best[label, mode], 2),
+             "weight_bytes": resident_weight_bytes(models[label])} for label, mode in runs]
     base = {(r["format"], r["decode"]): r for r in rows}
     for r in rows:
         r["speedup_vs_bf16"] = round(r["decode_tok_s"] / base["bf16", r["decode"]]["decode_tok_s"], 2)
         r["speedup_vs_fp32"] = round(r["decode_tok_s"] / base["fp32", r["decode"]]["decode_tok_s"], 2)
+        if r["decode"] == "compiled":  # like with like: the baselines' batch 1 as one row too
+            r["speedup_vs_fp32_one_row"] = round(r["decode_tok_s"] / base["fp32", ONE_ROW]["decode_tok_s"], 2)
+        r["speedup_vs_fp32_eager"] = round(r["decode_tok_s"] / base["fp32", "eager"]["decode_tok_s"], 2)
         r["memory_vs_bf16"] = round(r["weight_bytes"] / base["bf16", "eager"]["weight_bytes"], 3)
     return rows
 
@@ -230,10 +248,10 @@ def main() -> None:
                 ckpt, tcfg = args.checkpoint, args.train_config
                 source = str(args.checkpoint)
             acc_rows = accuracy(ckpt, tcfg, tmp)
-    print(markdown_table(["format", "rest", "decode", "decode tok/s (batch 1)", "x bf16", "x fp32", "weight MiB",
-                          "x bf16 bytes"],
+    print(markdown_table(["format", "rest", "decode", "decode tok/s (batch 1)", "x bf16", "x fp32",
+                          "x fp32 compiled one row", "x fp32 eager", "weight MiB", "x bf16 bytes"],
                          [[r["format"], r["rest_dtype"], r["decode"], r["decode_tok_s"], r["speedup_vs_bf16"],
-                           r["speedup_vs_fp32"],
+                           r["speedup_vs_fp32"], r.get("speedup_vs_fp32_one_row", ""), r["speedup_vs_fp32_eager"],
                            round(r["weight_bytes"] / 2**20, 1), r["memory_vs_bf16"]] for r in speed_rows]))
     if acc_rows:
         print(markdown_table(["format", "eval loss", "ppl", "ppl delta", "task acc", "acc delta", "logit max err",

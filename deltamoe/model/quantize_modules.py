@@ -74,3 +74,8 @@ def plain_tensor_operands(module: nn.Module) -> list[torch.Tensor]:
     else:
         tensors = []
     return [t for t in tensors if t is not None]
+
+
+def holds_int4_expert_stacks(model: nn.Module) -> bool:
+    """Whether any MoE of `model` runs its routed experts as an int4 W4A16 `Int4ExpertStack`."""
+    return any(isinstance(m, Int4ExpertStack) for m in model.modules())

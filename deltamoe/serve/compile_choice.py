@@ -4,10 +4,9 @@ The default compiles (serve/engine/compiled_decode.py, per-layer regions: a firs
 `tiny` preset compiles four small graphs, 54-58 s expected on two quiet cores; a later one loads
 inductor's disk cache) wherever the compiled path serves the launch: one process, a CPU
 (inductor's GPU kernels need Triton, which deltamoe does not install), pages in the model's
-dtype (not fp8), full-precision weights and a C++ compiler on the machine. A quantized checkpoint
-(int4 / W4A8 / MXFP4) decodes eagerly by default: at batch 1 the compiled int4 step runs batch 1
-as two rows, which doubles its expert gathers, and MXFP4 / W4A8 experts have no compiled form;
-`--compile` still compiles a W4A16 one. Elsewhere the default decodes eagerly; `--compile` asked for explicitly
+dtype (not fp8), full-precision or int4 W4A16 weights and a C++ compiler on the machine. Other
+quantized checkpoints (W4A8, MXFP4 experts) decode eagerly: their experts have no compiled form.
+Elsewhere the default decodes eagerly; `--compile` asked for explicitly
 where it cannot run stays an error naming the option. DELTAMOE_COMPILE_DEFAULT=0 makes the
 default eager everywhere (the test suite sets it: a first compile takes a minute or more per model).
 
@@ -41,20 +40,35 @@ def _has_cxx() -> bool:
     return any(shutil.which(c) for c in (os.environ.get("CXX") or "", "g++", "c++", "clang++") if c)
 
 
-def quantized_checkpoint(model: str) -> bool:
-    """Whether `model` is a checkpoint folder with quantized weights: a `quantization_config` in its
-    config.json, or packed expert tensors (`weight_packed`, K3's MXFP4 experts) named in its index.
+def quantized_without_compiled_form(model: str) -> bool:
+    """Whether `model` is a checkpoint folder with quantized weights that the compiled decode step
+    does not run: a `quantization_config` in its config.json other than int4 W4A16 (`_int4_w4a16`),
+    or packed expert tensors (`weight_packed`, K3's MXFP4 experts) named in its index.
     A preset name, or a folder this cannot read, counts as full precision: loading reports the rest."""
     folder = Path(model)
     try:
         config = json.loads((folder / "config.json").read_text())
         if isinstance(config, dict) and "quantization_config" in config:
-            return True
+            return not _int4_w4a16(config["quantization_config"])
         index = json.loads((folder / "model.safetensors.index.json").read_text())
     except (OSError, ValueError):
         return False
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     return isinstance(weight_map, dict) and any(str(name).endswith("weight_packed") for name in weight_map)
+
+
+def _int4_w4a16(qc: object) -> bool:
+    """Whether a compressed-tensors `quantization_config` is int4 weights with float activations (what
+    `model.quant_scheme.scheme_from_config` reads as format int4). Read here without importing torch."""
+    if not isinstance(qc, dict) or not isinstance(qc.get("config_groups"), dict):
+        return False
+    groups = list(qc["config_groups"].values())
+    if len(groups) != 1 or not isinstance(groups[0], dict):
+        return False
+    weights = groups[0].get("weights") or {}
+    fmt = qc.get("format") or groups[0].get("format")
+    return (fmt == "pack-quantized" and isinstance(weights, dict) and weights.get("num_bits") == 4
+            and weights.get("type") == "int" and groups[0].get("input_activations") is None)
 
 
 def resolve_compile(flag: bool | None, device: str, tp: int, ep: int, kv_cache_dtype: str, model: str = "") -> bool:
@@ -64,4 +78,4 @@ def resolve_compile(flag: bool | None, device: str, tp: int, ep: int, kv_cache_d
     from deltamoe.serve.executor.config import launched_by_torchrun
 
     return compile_by_default(device, tp, ep, kv_cache_dtype, launched_by_torchrun(),
-                              quantized=bool(model) and quantized_checkpoint(model))
+                              quantized=bool(model) and quantized_without_compiled_form(model))

@@ -39,20 +39,28 @@ def test_no_compiler_or_env_means_eager(monkeypatch, capsys):
     assert not compile_by_default("cpu", 1, 1, "auto", torchrun=False)
 
 
-def test_quantized_checkpoint_decodes_eagerly_by_default(default_on, tmp_path):
+def test_quantized_checkpoint_without_a_compiled_form_decodes_eagerly_by_default(default_on, tmp_path):
+    """Int4 W4A16 compiles by default like full precision; W4A8 and MXFP4 experts have no compiled form."""
     import json
 
-    plain, quantized, packed = (tmp_path / name for name in ("plain", "int4", "mxfp4"))
-    for folder in (plain, quantized, packed):
-        folder.mkdir()
-        (folder / "config.json").write_text(json.dumps({"model_type": "kimi_linear"}))
-    (quantized / "config.json").write_text(json.dumps({"quantization_config": {"format": "pack-quantized"}}))
-    (packed / "model.safetensors.index.json").write_text(json.dumps(
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}
+
+    def int4(acts):
+        return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}}}
+
+    configs = {"plain": {"model_type": "kimi_linear"}, "int4": {"quantization_config": int4(None)},
+               "w4a8": {"quantization_config": int4({"num_bits": 8, "type": "float", "dynamic": True})},
+               "mxfp4": {"quantization_config": {"format": "mxfp4-pack-quantized", "config_groups": {}}},
+               "packed": {"model_type": "kimi_k3"}}
+    for name, config in configs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    (tmp_path / "packed" / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {"model.layers.1.mlp.experts.0.w1.weight_packed": "model-1.safetensors"}}))
-    assert not compile_choice.quantized_checkpoint(str(plain))
-    assert compile_choice.quantized_checkpoint(str(quantized)) and compile_choice.quantized_checkpoint(str(packed))
-    assert not compile_choice.quantized_checkpoint("tiny")  # a preset
-    assert resolve_compile(None, "cpu", 1, 1, "auto", str(plain)) is True
-    assert resolve_compile(None, "cpu", 1, 1, "auto", str(quantized)) is False
-    assert resolve_compile(None, "cpu", 1, 1, "auto", str(packed)) is False
-    assert resolve_compile(True, "cpu", 1, 1, "auto", str(quantized)) is True  # --compile asks for it
+    eager = {name for name in configs if compile_choice.quantized_without_compiled_form(str(tmp_path / name))}
+    assert eager == {"w4a8", "mxfp4", "packed"}
+    assert not compile_choice.quantized_without_compiled_form("tiny")  # a preset
+    assert {name for name in configs if resolve_compile(None, "cpu", 1, 1, "auto", str(tmp_path / name))} \
+        == {"plain", "int4"}
+    assert resolve_compile(True, "cpu", 1, 1, "auto", str(tmp_path / "w4a8")) is True  # --compile asks for it

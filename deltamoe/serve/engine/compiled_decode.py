@@ -40,7 +40,10 @@ the forms the graph traces give every context and page layout one shape rule:
 One shape rule still splits the graphs, asked of its owner rather than copied here:
 - one graph per form of `ops.moe.gathers_expert_weights` (MoE regions only).
 Batch 1 is no class of its own in the regional form: it runs as two copies of its row
-(`CompiledDecode.with_min_rows`; torch would specialise size 1 into graphs of their own). Dense
+(`CompiledDecode.with_min_rows`; torch would specialise size 1 into graphs of their own). Not for
+a model with int4 expert stacks: their static form runs each row against every gathered expert,
+so a copy doubles the experts' gather and kernel reads (the two-row step is slower than eager
+int4, docs/serving.md); there batch 1 runs as one row through graphs of its own. Dense
 MLPs stay eager (`decode_form`). For `tiny` that leaves four graphs: KDA and DSA attention, the
 MoE in both forms. The whole call as one graph keeps batch 1 as a class of its own, rewritten by
 the one-row matmul pass. Each class compiles once per process (its regions: seconds each on two
@@ -76,7 +79,7 @@ from deltamoe.model.decoder import DecoderLayer
 from deltamoe.model.ffn import MoE, local_experts, local_experts_static
 from deltamoe.model.mla_layer import LatentAttention
 from deltamoe.model.packed_experts import packed_experts_static_dispatcher, packed_local_experts
-from deltamoe.model.quantize_modules import plain_tensor_operands
+from deltamoe.model.quantize_modules import holds_int4_expert_stacks, plain_tensor_operands
 from deltamoe.ops.moe import gathers_expert_weights
 from deltamoe.serve.engine.compiled_regions import AttentionRegion, FFNRegion
 from deltamoe.serve.engine.decode_matvec_pass import DecodeMatvecPass
@@ -129,8 +132,9 @@ class CompiledDecode:
         self.regional = regional
         # Regions run a call of one row as two copies of it (`with_min_rows`): torch specialises
         # size 1, so batch 1 would be graph classes of its own, compiled at start like the others.
-        # The whole call keeps its batch-1 graph (the one-row matmul pass rewrites it).
-        self.min_rows = 2 if regional else 1
+        # The whole call keeps its batch-1 graph (the one-row matmul pass rewrites it), and so do
+        # regions over int4 expert stacks (see the module docstring).
+        self.min_rows = 2 if regional and not holds_int4_expert_stacks(model) else 1
         self._model, self._key = decode_form(model, key if regional else None), key
         self._call = _decode_call if regional else _compiled_call()
 
@@ -264,8 +268,9 @@ def warm_up_rounds(config: ModelConfig, max_num_seqs: int, max_context: int) -> 
     Contexts are one class (DSA's selection is top_k wide at every context in the compiled form)
     and so are page layouts (every batch gathers its pages); batches split where an op's shape
     rule changes form:
-    - batch 1: the lead alone decodes once (with regions it runs as two rows, the graphs of
-      batch 2: its round then compiles them and batch 2's round compiles nothing);
+    - batch 1: the lead alone decodes once (with regions over full-precision experts it runs as
+      two rows, the graphs of batch 2: its round then compiles them and batch 2's round compiles
+      nothing);
     - batch B >= 2: B - 1 followers join the lead, and all decode together once (the followers
       are admitted in one step while the token budget holds 2 per follower).
     `max_context`: the longest sequence the engine admits (prompt + output)."""

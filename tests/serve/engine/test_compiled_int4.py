@@ -82,6 +82,27 @@ def test_traced_layers_hold_one_kernel_call_per_group_and_match_eager(int4_model
     for out, want in zip(got, [m(x) for m in group_members(int4_model.model.layers[0].self_attn)], strict=True):
         assert torch.equal(out, want)
 
+def test_a_batch_of_one_runs_as_one_row_over_int4_experts(int4_model, helpers, monkeypatch):
+    """Regions over int4 expert stacks run batch 1 as one row (two copies would double the experts'
+    gather and kernel reads), full-precision ones as two (batch 2's graphs); the int4 engine's
+    tokens through the regions' code (run eagerly here) equal the eager engine's."""
+    monkeypatch.setattr(compiled_decode, "_compile", lambda fn: fn)
+    float_model = build_model(int4_model.config, seed=6).eval()
+    assert compiled_decode.CompiledDecode(float_model).min_rows == 2
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt = helpers.prompts(1, 5, 5, seed=8)
+    outputs, rows = [], []
+    for compiled in (False, True):
+        engine = LLMEngine(int4_model, config=EngineConfig(cache_memory="16MiB", compile_decode=compiled))
+        if compiled:
+            call = engine.runner._compiled_decode
+            assert call.min_rows == 1
+            traced_call = call._call
+            call._call = lambda model, key, ids, view: rows.append(ids.shape[0]) or traced_call(model, key, ids, view)
+        outputs.append(engine.generate(prompt, params, progress=False)[0].token_ids)
+    assert rows == [1] * 5 and outputs[0] == outputs[1]
+
+
 def test_compiled_decode_refuses_experts_without_a_static_form(helpers, tmp_path):
     config = helpers.k31_tiny(num_hidden_layers=1, layer_types=("kda",), hidden_size=64, moe_intermediate_size=32,
                               latent_moe_size=32, first_k_dense_replace=0)
@@ -95,7 +116,7 @@ def test_compiled_decode_refuses_experts_without_a_static_form(helpers, tmp_path
 @pytest.mark.slow
 @pytest.mark.skipif(not compiled_decode.compiler_available(), reason="torch.compile's CPU kernels need a C++ compiler")
 def test_compiled_int4_engine_gives_the_eager_int4_engines_tokens(int4_model, helpers):
-    """Alone (run as two rows: the experts' gather form) and in batches on both sides of the
+    """Alone (one row: graphs of its own) and in batches on both sides of the
     gather / all-experts switch (8 experts, top-2: from 4 rows)."""
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     prompts = helpers.prompts(5, 3, 20, seed=41)
