@@ -1,0 +1,125 @@
+"""Multi-step decode (`EngineConfig.num_scheduler_steps`, `--num-scheduler-steps N`): up to N decode
+steps back to back, without returning to the scheduler between them (vLLM's multi-step scheduling).
+
+A step of a batch of decodes spends most of a small model's time outside the model: scheduling,
+planning the call, reading the sampled tokens back, building outputs. A window of N steps pays the
+scheduling and planning once: blocks for all N tokens are allocated up front, each step's sampled
+tokens are fed straight back as the next step's inputs (on the device, no host read), and the
+positions advance by one per step. After the window the host reads the N x B tokens at once and
+hands them to the engine one token at a time (`emit_speculative`, as a verification's run), so stop
+tokens, stop strings, max_tokens, block publishing and prefix snapshots behave as one step at a
+time; a request that finishes inside the window drops the tokens it sampled after its finish, and
+its memory (the extra blocks included) goes back as usual.
+
+When a window runs (else the readable one-step path, `ModelRunner.execute`):
+- every item of the scheduled batch is a decode of a request that already has an output token (so a
+  prompt's last token, a prefill, and therefore time to first token, is never part of a window);
+- no row needs host work per token inside the window: no grammar, no penalties (they count the
+  tokens sampled so far), no logprobs, no forked choices waiting, no images;
+- the window is at most the tokens any row has left (max_tokens), so no row runs past its limit, and
+  ends at the next KDA snapshot boundary a row keeps (`HybridCache.next_snapshot_boundary`), so a
+  prefix snapshot holds the state at its boundary;
+- the blocks for the whole window fit without preempting anyone; else one step.
+Requests arriving meanwhile wait for the window's end (up to N - 1 steps longer than one step at a
+time): the cost of fewer trips through the scheduler.
+
+Sampling inside the window draws from each request's own generator in the same order as one step
+at a time (`sampling.draw_tokens`), so greedy and seeded outputs are the one-step engine's, token
+for token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from deltamoe.errors import ConfigError
+from deltamoe.serve.engine.cache import HybridCache
+from deltamoe.serve.engine.config import EngineConfig
+from deltamoe.serve.engine.runner import ModelRunner, StepResult
+from deltamoe.serve.engine.sampling import draw_tokens
+from deltamoe.serve.engine.scheduler import ScheduledBatch
+from deltamoe.serve.engine.sequence import Sequence
+from deltamoe.serve.spec_decode.step_result import SpeculativeStepResult
+
+
+@dataclasses.dataclass(slots=True)
+class MultiStepResult(SpeculativeStepResult):
+    """One window's tokens for one request, emitted one at a time like a verification's run (no KDA
+    restore: a window never crosses a snapshot boundary before its last step)."""
+
+
+def runs_in_window(seq: Sequence) -> bool:
+    """Whether a decoding request needs no host work between its tokens (see the module docstring)."""
+    p = seq.params
+    return (seq.num_output_tokens >= 1 and seq.grammar is None and p.logprobs is None and p.presence_penalty == 0
+            and p.frequency_penalty == 0 and not seq.forks and seq.images is None and seq.num_pending == 0)
+
+
+class MultiStepDecode:
+    """Runs a scheduled batch as a window of up to `num_steps` decode steps, or as one step."""
+
+    def __init__(self, runner: ModelRunner, cache: HybridCache, num_steps: int):
+        self.runner, self.cache, self.num_steps = runner, cache, num_steps
+        self.windows = 0  # windows of more than one step run so far
+        self.window_steps = 0  # decode steps those windows ran
+
+    def execute(self, batch: ScheduledBatch) -> list[StepResult]:
+        steps = self.window(batch)
+        if steps <= 1:
+            return self.runner.execute(batch)
+        return self.run_window(batch, steps)
+
+    def window(self, batch: ScheduledBatch) -> int:
+        """Steps the batch can run back to back (1: one step), with the blocks for them allocated."""
+        steps = self.num_steps
+        for seq, n in batch.items:
+            if n != 1 or not runs_in_window(seq):
+                return 1
+            start = seq.num_computed
+            steps = min(steps, seq.max_tokens - seq.num_output_tokens)
+            steps = self.cache.next_snapshot_boundary(seq, start, start + steps) - start
+            if steps <= 1:
+                return 1
+        grown = []
+        for seq, _ in batch.items:
+            if not self.cache.grow(seq, seq.num_computed + steps):
+                for other in grown:  # back to what one step needs: the scheduler's allocation
+                    self.cache.release_tail(other, other.num_computed + 1)
+                return 1
+            grown.append(seq)
+        return steps
+
+    @torch.inference_mode()
+    def run_window(self, batch: ScheduledBatch, steps: int) -> list[StepResult]:
+        (group, call), = self.runner.plan(batch)  # decodes only: one call
+        seqs = [seq for seq, _ in group]
+        params, generators = [s.params for s in seqs], [s.generator for s in seqs]
+        no_outputs: list[list[int]] = [[] for _ in seqs]  # read by penalties only, which no row has here
+        ids = None
+        sampled: list[torch.Tensor] = []
+        for _ in range(steps):
+            logits = self.runner.forward(call, ids)
+            tokens = draw_tokens(logits, params, no_outputs, generators)
+            sampled.append(tokens)
+            ids = tokens.view(-1, 1)
+            call = dataclasses.replace(call, past_lengths=[p + 1 for p in call.past_lengths])
+        self.windows += 1
+        self.window_steps += steps
+        rows = torch.stack(sampled, dim=1).tolist()  # [B, steps]: the window's one read to the host
+        return [MultiStepResult(seq, 1, row[0], None, tokens=row, logprobs=[None] * steps, block_size=self.cache.block_size)
+                for seq, row in zip(seqs, rows)]
+
+
+def multi_step_decode(runner: ModelRunner, cache: HybridCache, config: EngineConfig, workers: bool,
+                      transfers: bool) -> MultiStepDecode | None:
+    """The engine's multi-step driver (None: one step at a time). Worker ranks would each need the
+    window's steps, and a KV connector loads and saves per step: both are refused, naming the field."""
+    if config.num_scheduler_steps == 1:
+        return None
+    for refused, layout in ((workers, "--tp/--ep workers"), (transfers, "a prefill/decode role")):
+        if refused:
+            raise ConfigError(f"multi-step decode with {layout}: not yet", field="num_scheduler_steps",
+                              hint="drop --num-scheduler-steps")
+    return MultiStepDecode(runner, cache, config.num_scheduler_steps)
