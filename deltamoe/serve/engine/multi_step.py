@@ -34,9 +34,9 @@ import dataclasses
 
 import torch
 
-from deltamoe.errors import ConfigError
 from deltamoe.serve.engine.cache import HybridCache
 from deltamoe.serve.engine.config import EngineConfig
+from deltamoe.serve.engine.multi_step_layouts import check_multi_step
 from deltamoe.serve.engine.runner import ModelRunner, StepResult
 from deltamoe.serve.engine.sampling import draw_tokens
 from deltamoe.serve.engine.scheduler import ScheduledBatch
@@ -114,12 +114,9 @@ class MultiStepDecode:
 
 def multi_step_decode(runner: ModelRunner, cache: HybridCache, config: EngineConfig, workers: bool,
                       transfers: bool) -> MultiStepDecode | None:
-    """The engine's multi-step driver (None: one step at a time). Worker ranks would each need the
-    window's steps, and a KV connector loads and saves per step: both are refused, naming the field."""
+    """The engine's multi-step driver (None: one step at a time); refused with worker ranks or a KV
+    connector (`multi_step_layouts.check_multi_step`)."""
+    check_multi_step(config.num_scheduler_steps, workers, transfers)
     if config.num_scheduler_steps == 1:
         return None
-    for refused, layout in ((workers, "--tp/--ep workers"), (transfers, "a prefill/decode role")):
-        if refused:
-            raise ConfigError(f"multi-step decode with {layout}: not yet", field="num_scheduler_steps",
-                              hint="drop --num-scheduler-steps")
     return MultiStepDecode(runner, cache, config.num_scheduler_steps)

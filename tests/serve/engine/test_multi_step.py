@@ -115,3 +115,24 @@ def test_refused_where_it_cannot_run_yet(k31_model):
             multi_step.multi_step_decode(engine.runner, engine.cache, EngineConfig(num_scheduler_steps=2),
                                          workers, transfers)
         assert e.value.field == "num_scheduler_steps"
+
+
+def test_cli_flag(k31_model, tmp_path, capsys):
+    """`generate --num-scheduler-steps 4` prints what one step at a time prints; a bad value, or workers
+    and roles it cannot run with, exit 2 naming the field before anything loads."""
+    from deltamoe.cli import main
+    from deltamoe.model.weights import save_checkpoint
+
+    save_checkpoint(k31_model, tmp_path)
+    args = ["generate", str(tmp_path), "-p", "hello", "-p", "hi there", "--max-tokens", "9", "--temperature", "0",
+            "--ignore-eos", "--no-compile"]
+    assert main(args) == 0
+    one = capsys.readouterr().out
+    assert main([*args, "--num-scheduler-steps", "4"]) == 0
+    assert capsys.readouterr().out == one
+    for bad in (["generate", str(tmp_path), "-p", "x", "--num-scheduler-steps", "0"],
+                ["generate", str(tmp_path), "-p", "x", "--num-scheduler-steps", "4", "--tp", "2", "--no-compile"],
+                ["serve", str(tmp_path), "--num-scheduler-steps", "4", "--role", "prefill", "--kv-transfer",
+                 "mooncake"]):
+        assert main(bad) == 2
+        assert "num_scheduler_steps" in capsys.readouterr().err
