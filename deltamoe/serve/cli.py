@@ -19,7 +19,7 @@ import typer
 from deltamoe.errors import ConfigError
 from deltamoe.hf_config import load_config
 from deltamoe.serve.engine.config import EngineConfig
-from deltamoe.serve.engine.multi_step_layouts import check_multi_step
+from deltamoe.serve.engine.multi_step_layouts import GENERATE_DEFAULT_STEPS, check_multi_step, resolve_generate_steps
 from deltamoe.threads import THREADS_HELP, choose_threads
 
 if TYPE_CHECKING:
@@ -134,6 +134,8 @@ NUM_SCHEDULER_STEPS_HELP = ("Decode steps run back to back, scheduling once per 
                             "never delayed by a window. 1: one step at a time.")
 NUM_SCHEDULER_STEPS_OPTION = typer.Option(EngineConfig.num_scheduler_steps, "--num-scheduler-steps",
                                           help=NUM_SCHEDULER_STEPS_HELP)
+GENERATE_STEPS_OPTION = typer.Option(None, "--num-scheduler-steps", help=NUM_SCHEDULER_STEPS_HELP + (
+    f" Default: {GENERATE_DEFAULT_STEPS} on one process without --async-scheduling or --speculative, 1 elsewhere."))
 
 
 KV_CACHE_DTYPE_HELP = ("Latent-KV and indexer-key pages: auto (the model dtype) or fp8 (e4m3 with a scale per "
@@ -195,7 +197,7 @@ def generate_command(
     image: list[str] = typer.Option([], "--image", help="Image file shown with every prompt, before its text; "
                                     "repeatable (models with a vision tower)."),
     async_scheduling: bool = ASYNC_SCHEDULING_OPTION,
-    num_scheduler_steps: int = NUM_SCHEDULER_STEPS_OPTION,
+    num_scheduler_steps: Optional[int] = GENERATE_STEPS_OPTION,
 ) -> None:
     """Generate text for one or more prompts (continuous batching)."""
     from deltamoe.serve.compile_choice import resolve_compile
@@ -203,6 +205,10 @@ def generate_command(
 
     vision_config = check_image_model(model, image)
     compile_decode = resolve_compile(compile_decode, device, tp, ep, kv_cache_dtype, model)
+    from deltamoe.serve.executor.config import launched_by_torchrun
+
+    num_scheduler_steps = resolve_generate_steps(num_scheduler_steps, tp * ep > 1 or launched_by_torchrun(),
+                                                 async_scheduling, speculative is not None)
     engine = build_engine(model, tokenizer, cache_memory, max_num_seqs, max_num_batched_tokens, dtype, device,
                           compile_decode, tp=tp, ep=ep, kv_cache_dtype=kv_cache_dtype, threads=threads,
                           speculative=speculative, num_draft_tokens=num_draft_tokens,

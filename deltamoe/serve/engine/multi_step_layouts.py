@@ -14,3 +14,17 @@ def check_multi_step(num_scheduler_steps: int, workers: bool, transfers: bool) -
         if refused:
             raise ConfigError(f"multi-step decode with {layout}: not yet", field="num_scheduler_steps",
                               hint="drop --num-scheduler-steps")
+
+
+# `generate`'s windows when --num-scheduler-steps is not given (docs/serving.md, "Multi-step decode": offline
+# 64 x 128 tokens on Kimi Linear tiny, compiled, the same tokens in fewer trips through the scheduler). `serve`
+# keeps one step at a time unless asked: windows stream in bursts and hold back arrivals until a window ends.
+GENERATE_DEFAULT_STEPS = 8
+
+
+def resolve_generate_steps(asked: int | None, workers: bool, async_scheduling: bool, speculative: bool) -> int:
+    """`generate`'s num_scheduler_steps: the one asked for, else GENERATE_DEFAULT_STEPS where windows run
+    (one process, neither async scheduling nor speculative decoding), else 1."""
+    if asked is not None:
+        return asked
+    return 1 if workers or async_scheduling or speculative else GENERATE_DEFAULT_STEPS

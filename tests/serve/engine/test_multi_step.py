@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from deltamoe.errors import ConfigError
-from deltamoe.serve.engine import multi_step
+from deltamoe.serve.engine import multi_step, multi_step_layouts
 from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.llm_engine import LLMEngine
 from deltamoe.serve.engine.sampling import SamplingParams
@@ -15,21 +15,17 @@ from deltamoe.serve.engine.sampling import SamplingParams
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
-def generate(model, prompts, params, waves=None, **config):
-    """Completions (token ids, finish reason, stop reason, text) of `prompts`, sent in `waves` of slices."""
-    engine = LLMEngine(model, config=EngineConfig(**config))
-    out = []
-    for lo, hi in waves or [(0, len(prompts))]:
-        out += engine.generate(prompts[lo:hi], params if not isinstance(params, list) else params[lo:hi],
-                               progress=False)
-    stats = engine.stats()  # every block and slot back
-    assert (stats.block_usage, stats.slot_usage, stats.num_running, stats.num_waiting) == (0, 0, 0, 0)
-    return [(c.token_ids, c.finish_reason, c.stop_reason, c.text) for c in out], engine
-
-
-def both(model, prompts, params, waves=None, steps=4, **config):
-    one, single = generate(model, prompts, params, waves, **config)
-    many, windowed = generate(model, prompts, params, waves, num_scheduler_steps=steps, **config)
+def both(model, prompts, params, steps=4, **config):
+    """The completions (token ids, finish reason, stop reason, text) of one step at a time and of windows of
+    `steps`, asserted equal, and the two engines; every block and slot is back in both."""
+    runs = []
+    for n in (1, steps):
+        engine = LLMEngine(model, config=EngineConfig(num_scheduler_steps=n, **config))
+        out = engine.generate(prompts, params, progress=False)
+        stats = engine.stats()
+        assert (stats.block_usage, stats.slot_usage, stats.num_running, stats.num_waiting) == (0, 0, 0, 0)
+        runs.append(([(c.token_ids, c.finish_reason, c.stop_reason, c.text) for c in out], engine))
+    (one, single), (many, windowed) = runs
     assert single.multi_step is None and windowed.multi_step.windows > 0  # windows really ran
     assert many == one
     return one, single, windowed
@@ -118,21 +114,30 @@ def test_refused_where_it_cannot_run_yet(k31_model):
 
 
 def test_cli_flag(k31_model, tmp_path, capsys):
-    """`generate --num-scheduler-steps 4` prints what one step at a time prints; a bad value, or workers
-    and roles it cannot run with, exit 2 naming the field before anything loads."""
+    """`generate --num-scheduler-steps 4`, and generate's default, print what one step at a time prints; a
+    bad value, or workers and roles it cannot run with, exit 2 naming the field before anything loads."""
     from deltamoe.cli import main
     from deltamoe.model.weights import save_checkpoint
 
     save_checkpoint(k31_model, tmp_path)
     args = ["generate", str(tmp_path), "-p", "hello", "-p", "hi there", "--max-tokens", "9", "--temperature", "0",
             "--ignore-eos", "--no-compile"]
-    assert main(args) == 0
+    assert main([*args, "--num-scheduler-steps", "1"]) == 0
     one = capsys.readouterr().out
-    assert main([*args, "--num-scheduler-steps", "4"]) == 0
-    assert capsys.readouterr().out == one
+    for steps in (["--num-scheduler-steps", "4"], []):
+        assert main([*args, *steps]) == 0
+        assert capsys.readouterr().out == one
     for bad in (["generate", str(tmp_path), "-p", "x", "--num-scheduler-steps", "0"],
                 ["generate", str(tmp_path), "-p", "x", "--num-scheduler-steps", "4", "--tp", "2", "--no-compile"],
                 ["serve", str(tmp_path), "--num-scheduler-steps", "4", "--role", "prefill", "--kv-transfer",
                  "mooncake"]):
         assert main(bad) == 2
         assert "num_scheduler_steps" in capsys.readouterr().err
+
+
+def test_generate_default_windows_only_where_they_run():
+    assert multi_step_layouts.resolve_generate_steps(None, False, False, False) == \
+        multi_step_layouts.GENERATE_DEFAULT_STEPS > 1
+    for workers, async_scheduling, speculative in ((True, False, False), (False, True, False), (False, False, True)):
+        assert multi_step_layouts.resolve_generate_steps(None, workers, async_scheduling, speculative) == 1
+    assert multi_step_layouts.resolve_generate_steps(3, False, False, False) == 3
