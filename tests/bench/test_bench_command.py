@@ -188,6 +188,17 @@ def test_offline_async_modes_are_set_against_their_one_step_modes():
     assert rows[0][3] == f"**{times(offline['speedup_vs_best_transformers'])}**"  # the headline is unchanged
 
 
+def test_offline_multi_step_modes_are_set_against_their_one_step_modes():
+    offline = json.loads((RESULTS / "serve_offline.json").read_text())
+    tps = offline["tokens_per_s"]
+    one_step = tps["deltamoe engine, compiled decode"]
+    tps["deltamoe engine, compiled decode, multi-step 8"] = one_step * 1.25
+    rows = FORMATTERS["serve_offline"](offline)
+    row = next(r for r in rows if r[0] == "same, deltamoe compiled decode, multi-step 8")
+    assert row[1:4] == [f"{one_step * 1.25:,.0f} tok/s", f"compiled decode, one step at a time {one_step:,.0f}",
+                        times(1.25)]
+
+
 def test_a_disagg_run_with_async_scheduling_says_so():
     disagg = json.loads((RESULTS / "serve_disagg.json").read_text())
     assert "async scheduling" not in FORMATTERS["serve_disagg"](disagg)[0][0]
