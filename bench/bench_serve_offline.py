@@ -8,13 +8,16 @@ decode steps compiled (`EngineConfig(compile_decode=True)`, `--compile-decode`; 
 happens in a warm-up run before timing, as a server does it at startup, and its time is reported
 apart), each one step at a time and with one-step-ahead scheduling (`EngineConfig(async_scheduling=True)`,
 `--async-scheduling`: step N+1 is scheduled while step N runs; the share of prompts whose greedy tokens
-equal one step at a time's is reported). Output tokens/s are compared with the better transformers mode, and each async
+equal one step at a time's is reported), and with multi-step decode (`EngineConfig(num_scheduler_steps=N)`,
+`--num-scheduler-steps N`: windows of N decode steps between trips through the scheduler). Output tokens/s are compared with the better transformers mode, and each async
 mode with its one-step mode; `--whole` adds the decode call compiled as one graph
 (`CompiledDecode(model, regional=False)`), timed in the same rounds: the regions' default against the form
 they replaced, side by side (best of `--rounds` alternating rounds). The one-at-a-time mode is timed on the first `--serial-prompts` prompts: its
-rate does not depend on how many prompts follow.
+rate does not depend on how many prompts follow. `--clock cpu` times each mode by the process's CPU time
+instead of the wall clock (every side runs on one thread): on a loaded machine, time spent waiting for a
+core then counts for no side.
 
-    .venv/bin/python bench/bench_serve_offline.py [--quick] [--whole]
+    .venv/bin/python bench/bench_serve_offline.py [--quick] [--whole] [--clock cpu] [--num-scheduler-steps 8]
 """
 
 from __future__ import annotations
@@ -60,25 +63,25 @@ def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def hf_serial(model, prompts: list[list[int]], new: int) -> tuple[float, list[list[int]]]:
+def hf_serial(model, prompts: list[list[int]], new: int, clock=time.perf_counter) -> tuple[float, list[list[int]]]:
     outs = []
-    t0 = time.perf_counter()
+    t0 = clock()
     for p in prompts:
         ids = torch.tensor([p])
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                              do_sample=False, pad_token_id=258)
         outs.append(out[0, len(p):].tolist())
-    return time.perf_counter() - t0, outs
+    return clock() - t0, outs
 
 
 @torch.inference_mode()
-def hf_batched(model, prompts: list[list[int]], new: int) -> float:
+def hf_batched(model, prompts: list[list[int]], new: int, clock=time.perf_counter) -> float:
     width = max(map(len, prompts))
     ids = torch.tensor([[258] * (width - len(p)) + p for p in prompts])  # left padding
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    t0 = time.perf_counter()
+    t0 = clock()
     model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=258)
-    return time.perf_counter() - t0
+    return clock() - t0
 
 
 @torch.inference_mode()
@@ -103,8 +106,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads for every side (1 keeps a shared machine's noise down)")
     parser.add_argument("--whole", action="store_true", help="also time the decode call compiled as one graph")
+    parser.add_argument("--num-scheduler-steps", type=int, default=8,
+                        help="decode steps per window in the multi-step rows")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="time by the wall clock or by this process's CPU time")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    multi = args.num_scheduler_steps
     n, new = (16, 32) if args.quick else (64, 128)
     prompts = make_prompts(n)
     ref = hf_model()
@@ -115,31 +124,43 @@ def main() -> None:
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     k = min(args.serial_prompts, n)
 
-    def ours_run(compiled: bool | str, run_params: SamplingParams = params, async_scheduling: bool = False) -> float:
-        """`compiled`: False (eager), True (regions, the default) or "whole" (one graph)."""
+    def ours_run(compiled: bool | str, run_params: SamplingParams = params, async_scheduling: bool = False,
+                 steps: int = 1) -> float:
+        """`compiled`: False (eager), True (regions, the default) or "whole" (one graph); `steps`: decode
+        steps per multi-step window (1: one step at a time)."""
         engine = LLMEngine(ours, config=EngineConfig(cache_memory="1GiB", max_num_seqs=64, max_num_batched_tokens=2048,
-                                                     compile_decode=bool(compiled), async_scheduling=async_scheduling))
+                                                     compile_decode=bool(compiled), async_scheduling=async_scheduling,
+                                                     num_scheduler_steps=steps))
         if compiled == "whole":
             engine.runner._compiled_decode = CompiledDecode(ours, regional=False)
-        t0 = time.perf_counter()
-        ours_run.completions[compiled, async_scheduling] = engine.generate(prompts, run_params, progress=False)
-        seconds = time.perf_counter() - t0
+        t0 = clock()
+        completions = engine.generate(prompts, run_params, progress=False)
+        seconds = clock() - t0
+        ours_run.completions[compiled, async_scheduling] = completions
+        if steps > 1:
+            ours_run.completions[compiled, f"steps {steps}"] = completions
         engine.shutdown()
         return seconds
 
     ours_run.completions = {}
 
     def serial_run() -> float:
-        t, serial_run.outputs = hf_serial(ref, prompts[:k], new)
+        t, serial_run.outputs = hf_serial(ref, prompts[:k], new, clock)
         return t
 
     # Warm up, then alternate the three modes for --rounds rounds and keep each one's best time:
     # on a shared machine the minimum is the least disturbed estimate.
     warm = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     ours_run(False, warm)
-    compile_s = ours_run(True, warm)  # compiles the decode graph (batch 1 and batched) once
+    started = time.perf_counter()  # the wall clock: inductor compiles in worker processes too
+    ours_run(True, warm)  # compiles the decode graph (batch 1 and batched) once
+    compile_s = time.perf_counter() - started
     ours_run(True, warm, async_scheduling=True)  # the same graphs, called from the device thread
-    whole_compile_s = ours_run("whole", warm) if args.whole else None
+    whole_compile_s = None
+    if args.whole:
+        started = time.perf_counter()
+        ours_run("whole", warm)
+        whole_compile_s = time.perf_counter() - started
     hf_serial(ref, prompts[:1], 4)
     best = {"compiled": float("inf"), "eager": float("inf"), "compiled_async": float("inf"),
             "eager_async": float("inf"), "serial": float("inf"), "batched": float("inf")}
@@ -148,14 +169,19 @@ def main() -> None:
         best["compiled_async"] = min(best["compiled_async"], ours_run(True, async_scheduling=True))
         if args.whole:
             best["whole"] = min(best.get("whole", float("inf")), ours_run("whole"))
+        best["compiled_multi"] = min(best.get("compiled_multi", float("inf")), ours_run(True, steps=multi))
+        best["eager_multi"] = min(best.get("eager_multi", float("inf")), ours_run(False, steps=multi))
         best["eager"] = min(best["eager"], ours_run(False))
         best["eager_async"] = min(best["eager_async"], ours_run(False, async_scheduling=True))
         best["serial"] = min(best["serial"], serial_run())
-        best["batched"] = min(best["batched"], hf_batched(ref, prompts, new))
+        best["batched"] = min(best["batched"], hf_batched(ref, prompts, new, clock))
     completions = ours_run.completions[True, False]
     assert all(len(c.token_ids) == new for c in completions)
     same_modes = sum(a.token_ids == b.token_ids for a, b in zip(completions, ours_run.completions[False, False])) / n
     same_async = {mode: sum(a.token_ids == b.token_ids for a, b in zip(ours_run.completions[compiled, True],
+                                                                      ours_run.completions[compiled, False])) / n
+                  for mode, compiled in (("compiled", True), ("eager", False))}
+    same_multi = {mode: sum(a.token_ids == b.token_ids for a, b in zip(ours_run.completions[compiled, f"steps {multi}"],
                                                                       ours_run.completions[compiled, False])) / n
                   for mode, compiled in (("compiled", True), ("eager", False))}
     match = sum(a == c.token_ids for a, c in zip(serial_run.outputs, completions)) / k
@@ -164,6 +190,8 @@ def main() -> None:
     rates = {"deltamoe engine, compiled decode": n * new / best["compiled"], "deltamoe engine, eager": n * new / best["eager"],
              "deltamoe engine, compiled decode, async scheduling": n * new / best["compiled_async"],
              "deltamoe engine, eager, async scheduling": n * new / best["eager_async"],
+             f"deltamoe engine, compiled decode, multi-step {multi}": n * new / best["compiled_multi"],
+             f"deltamoe engine, eager, multi-step {multi}": n * new / best["eager_multi"],
              **({"deltamoe engine, compiled decode (whole call)": n * new / best["whole"]} if args.whole else {}),
              "transformers, one at a time": k * new / best["serial"],
              "transformers, batched (left pad)": n * new / best["batched"]}
@@ -176,12 +204,17 @@ def main() -> None:
         "eager_speedup_vs_best_transformers": rates["deltamoe engine, eager"] / best_peer,
         "async_speedup": {"compiled decode": best["compiled"] / best["compiled_async"],
                           "eager": best["eager"] / best["eager_async"]},
+        "num_scheduler_steps": multi, "clock": args.clock,
+        "multi_step_speedup": {"compiled decode": best["compiled"] / best["compiled_multi"],
+                               "eager": best["eager"] / best["eager_multi"]},
+        "multi_step_speedup_vs_best_transformers": n * new / best["compiled_multi"] / best_peer,
+        "greedy_equal_multi_step_vs_one_step": same_multi,
         "compile_warmup_s": compile_s, "greedy_equal_compiled_vs_eager": same_modes,
         "greedy_equal_async_vs_one_step": same_async,
         "compile_warmup_s": compile_s, "whole_compile_warmup_s": whole_compile_s, "greedy_equal_compiled_vs_eager": same_modes,
         "greedy_equal_to_deltamoe_alone": own, "greedy_equal_to_transformers_serial": match, "rounds": args.rounds,
         "target": {"speedup": 8.0}})
-    print(f"\n{n} prompts x {new} new tokens, greedy; torch threads {torch.get_num_threads()}\n")
+    print(f"\n{n} prompts x {new} new tokens, greedy; torch threads {torch.get_num_threads()}; {args.clock} clock\n")
     print(markdown_table(["mode", "output tokens/s", "vs best transformers"], rows))
     if args.whole:
         same_whole = sum(a.token_ids == b.token_ids for a, b in zip(completions, ours_run.completions["whole", False])) / n
@@ -191,6 +224,9 @@ def main() -> None:
     print(f"async scheduling vs one step at a time: compiled {best['compiled'] / best['compiled_async']:.2f}x, eager "
           f"{best['eager'] / best['eager_async']:.2f}x; greedy outputs equal: compiled {same_async['compiled']:.0%}, "
           f"eager {same_async['eager']:.0%}")
+    print(f"multi-step decode ({multi} steps a window) vs one step at a time: compiled "
+          f"{best['compiled'] / best['compiled_multi']:.2f}x, eager {best['eager'] / best['eager_multi']:.2f}x; greedy "
+          f"outputs equal: compiled {same_multi['compiled']:.0%}, eager {same_multi['eager']:.0%}")
     print(f"greedy outputs identical to deltamoe's model alone (ContiguousCache): {own:.0%} of {k} prompts; "
           f"to transformers one at a time: {match:.0%} (random tiny weights: near-tied logits flip argmax "
           f"at the 1e-5 level that separates the two implementations)")

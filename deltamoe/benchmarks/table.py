@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Callable
@@ -214,6 +215,7 @@ def train_quality_rows(d: dict) -> list[Row]:
 
 
 ASYNC_MODE = ", async scheduling"  # suffix of bench_serve_offline.py's one-step-ahead modes
+MULTI_STEP_MODE = re.compile(r", multi-step \d+$")  # suffix of its multi-step modes (windows of N decode steps)
 
 
 def serve_offline_rows(d: dict) -> list[Row]:
@@ -228,7 +230,8 @@ def serve_offline_rows(d: dict) -> list[Row]:
     rows: list[Row] = []
     for name, value in ours.items():  # the headline (first) mode carries the goal
         mode = name.removeprefix("deltamoe engine").removeprefix(", ")
-        one_step = name.removesuffix(ASYNC_MODE)  # an async mode is compared with its one-step mode
+        # An async or multi-step mode is compared with its one-step mode.
+        one_step = MULTI_STEP_MODE.sub("", name.removesuffix(ASYNC_MODE))
         if one_step != name and one_step in ours:
             rows.append([f"same, deltamoe {mode}", f"{rate(value)} tok/s",
                          f"{one_step.removeprefix('deltamoe engine, ')}, one step at a time {rate(ours[one_step])}",

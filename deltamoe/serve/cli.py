@@ -19,6 +19,7 @@ import typer
 from deltamoe.errors import ConfigError
 from deltamoe.hf_config import load_config
 from deltamoe.serve.engine.config import EngineConfig
+from deltamoe.serve.engine.multi_step_layouts import GENERATE_DEFAULT_STEPS, check_multi_step, resolve_generate_steps
 from deltamoe.threads import THREADS_HELP, choose_threads
 
 if TYPE_CHECKING:
@@ -127,6 +128,14 @@ NUM_DRAFT_TOKENS_OPTION = typer.Option(EngineConfig.num_draft_tokens, "--num-dra
 SPEC_MIN_ACCEPTANCE_OPTION = typer.Option(EngineConfig.spec_min_acceptance, "--spec-min-acceptance",
                                           help=SPEC_MIN_ACCEPTANCE_HELP)
 ASYNC_SCHEDULING_OPTION = typer.Option(False, *ASYNC_SCHEDULING_DECLS, help=ASYNC_SCHEDULING_HELP)
+NUM_SCHEDULER_STEPS_HELP = ("Decode steps run back to back, scheduling once per window, when every scheduled "
+                            "request is decoding and needs no host work per token (no grammar, penalties or "
+                            "logprobs): the same tokens; streams get them in bursts of up to N, first tokens are "
+                            "never delayed by a window. 1: one step at a time.")
+NUM_SCHEDULER_STEPS_OPTION = typer.Option(EngineConfig.num_scheduler_steps, "--num-scheduler-steps",
+                                          help=NUM_SCHEDULER_STEPS_HELP)
+GENERATE_STEPS_OPTION = typer.Option(None, "--num-scheduler-steps", help=NUM_SCHEDULER_STEPS_HELP + (
+    f" Default: {GENERATE_DEFAULT_STEPS} on one process without --async-scheduling or --speculative, 1 elsewhere."))
 
 
 KV_CACHE_DTYPE_HELP = ("Latent-KV and indexer-key pages: auto (the model dtype) or fp8 (e4m3 with a scale per "
@@ -137,7 +146,8 @@ def build_engine(model: str, tokenizer: Optional[str], cache_memory: str, max_nu
                  max_num_batched_tokens: int, dtype: str, device: str, compile_decode: bool = False,
                  tp: int = 1, ep: int = 1, kv_cache_dtype: str = "auto", threads: Optional[int] = None,
                  speculative: Optional[str] = None, num_draft_tokens: int = EngineConfig.num_draft_tokens,
-                 spec_min_acceptance: float = EngineConfig.spec_min_acceptance, async_scheduling: bool = False):
+                 spec_min_acceptance: float = EngineConfig.spec_min_acceptance, async_scheduling: bool = False,
+                 num_scheduler_steps: int = EngineConfig.num_scheduler_steps):
     from deltamoe.serve.engine.config import EngineConfig
 
     check_dtype(dtype)
@@ -145,9 +155,11 @@ def build_engine(model: str, tokenizer: Optional[str], cache_memory: str, max_nu
     config = EngineConfig(cache_memory=cache_memory, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, compile_decode=compile_decode,
                           kv_cache_dtype=kv_cache_dtype, speculative=speculative, num_draft_tokens=num_draft_tokens,
-                          spec_min_acceptance=spec_min_acceptance, async_scheduling=async_scheduling)
+                          spec_min_acceptance=spec_min_acceptance, async_scheduling=async_scheduling,
+                          num_scheduler_steps=num_scheduler_steps)
     load_config(model)  # an unknown model fails here, from its config alone
     workers = check_workers(model, tp, ep, compile_decode)
+    check_multi_step(num_scheduler_steps, workers=workers is not None, transfers=False)
     from deltamoe.serve.engine.llm_engine import LLMEngine  # imports torch: after every check above
     from deltamoe.threads import apply_threads
 
@@ -185,6 +197,7 @@ def generate_command(
     image: list[str] = typer.Option([], "--image", help="Image file shown with every prompt, before its text; "
                                     "repeatable (models with a vision tower)."),
     async_scheduling: bool = ASYNC_SCHEDULING_OPTION,
+    num_scheduler_steps: Optional[int] = GENERATE_STEPS_OPTION,
 ) -> None:
     """Generate text for one or more prompts (continuous batching)."""
     from deltamoe.serve.compile_choice import resolve_compile
@@ -192,10 +205,15 @@ def generate_command(
 
     vision_config = check_image_model(model, image)
     compile_decode = resolve_compile(compile_decode, device, tp, ep, kv_cache_dtype, model)
+    from deltamoe.serve.executor.config import launched_by_torchrun
+
+    num_scheduler_steps = resolve_generate_steps(num_scheduler_steps, tp * ep > 1 or launched_by_torchrun(),
+                                                 async_scheduling, speculative is not None)
     engine = build_engine(model, tokenizer, cache_memory, max_num_seqs, max_num_batched_tokens, dtype, device,
                           compile_decode, tp=tp, ep=ep, kv_cache_dtype=kv_cache_dtype, threads=threads,
                           speculative=speculative, num_draft_tokens=num_draft_tokens,
-                          spec_min_acceptance=spec_min_acceptance, async_scheduling=async_scheduling)
+                          spec_min_acceptance=spec_min_acceptance, async_scheduling=async_scheduling,
+                          num_scheduler_steps=num_scheduler_steps)
     from deltamoe.serve.api.chat_template import ChatTemplate
     from deltamoe.serve.engine.sampling import SamplingParams
 
@@ -367,6 +385,7 @@ def serve_command(
     image_max_tokens: int = typer.Option(1024, min=1, help="Placeholder tokens per image at most (larger images "
                                          "are scaled down, keeping their aspect)."),
     async_scheduling: bool = ASYNC_SCHEDULING_OPTION,
+    num_scheduler_steps: int = NUM_SCHEDULER_STEPS_OPTION,
     weight_updates: bool = typer.Option(False, "--weight-updates/--no-weight-updates",
                                         help="Serve the weight-update routes (/init_weight_transfer_engine ...) "
                                              "that an RL trainer pushes new weights through (behind --api-key)."),
@@ -384,10 +403,12 @@ def serve_command(
                           max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                           compile_decode=compile_decode, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
                           speculative=speculative, num_draft_tokens=num_draft_tokens,
-                          spec_min_acceptance=spec_min_acceptance, async_scheduling=async_scheduling)
+                          spec_min_acceptance=spec_min_acceptance, async_scheduling=async_scheduling,
+                          num_scheduler_steps=num_scheduler_steps)
     chosen = engine_threads(threads)
     load_config(model)  # an unknown model fails here, from its config alone
     workers = check_workers(model, tp, ep, compile_decode)
+    check_multi_step(num_scheduler_steps, workers=workers is not None, transfers=role != "colocated")
     if workers is not None and _torchrun_rank() > 0:
         # A torchrun rank > 0 runs its shard of the model until rank 0 stops (from_pretrained exits).
         from deltamoe.serve.engine.llm_engine import LLMEngine

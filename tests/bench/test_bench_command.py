@@ -177,14 +177,16 @@ def test_serve_disagg_rows_judge_both_goals_and_show_k3_bytes():
     assert sizes[1] == "537 MiB" and "1.00 MiB measured, 1.00 MiB predicted" in sizes[2]
 
 
-def test_offline_async_modes_are_set_against_their_one_step_modes():
+@pytest.mark.parametrize("one_step, mode", [("eager", "eager, async scheduling"),
+                                             ("compiled decode", "compiled decode, multi-step 8")])
+def test_offline_async_and_multi_step_modes_are_set_against_their_one_step_modes(one_step, mode):
     offline = json.loads((RESULTS / "serve_offline.json").read_text())
     tps = offline["tokens_per_s"]
-    one_step = tps["deltamoe engine, eager"]
-    tps["deltamoe engine, eager, async scheduling"] = one_step * 1.5
+    base = tps[f"deltamoe engine, {one_step}"]
+    tps[f"deltamoe engine, {mode}"] = base * 1.5
     rows = FORMATTERS["serve_offline"](offline)
-    row = next(r for r in rows if r[0] == "same, deltamoe eager, async scheduling")
-    assert row[1:4] == [f"{one_step * 1.5:,.0f} tok/s", f"eager, one step at a time {one_step:,.0f}", "1.5x"]
+    row = next(r for r in rows if r[0] == f"same, deltamoe {mode}")
+    assert row[1:4] == [f"{base * 1.5:,.0f} tok/s", f"{one_step}, one step at a time {base:,.0f}", "1.5x"]
     assert rows[0][3] == f"**{times(offline['speedup_vs_best_transformers'])}**"  # the headline is unchanged
 
 

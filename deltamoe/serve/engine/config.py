@@ -48,6 +48,8 @@ class EngineConfig:
     spec_min_acceptance: float = 0.2  # a request whose recent drafts are accepted less often stops speculating
     # Schedule step N+1 while step N runs, its not-yet-sampled tokens as placeholders (serve/executor/overlap.py).
     async_scheduling: bool = False
+    # Decode steps run back to back when a batch is all decodes, scheduling once per window (serve/engine/multi_step.py).
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
         self.cache_memory = parse_bytes(self.cache_memory)
@@ -65,6 +67,8 @@ class EngineConfig:
             ("num_draft_tokens", isinstance(self.num_draft_tokens, int) and 1 <= self.num_draft_tokens <= 3,
              "an integer in [1, 3]"),
             ("spec_min_acceptance", 0 <= self.spec_min_acceptance <= 1, "a number in [0, 1]"),
+            ("num_scheduler_steps", isinstance(self.num_scheduler_steps, int) and not isinstance(
+                self.num_scheduler_steps, bool) and self.num_scheduler_steps >= 1, "a positive integer"),
         ]
         for field, ok, expected in checks:
             if not ok:
@@ -76,5 +80,9 @@ class EngineConfig:
             raise ConfigError("async scheduling and speculative decoding do not combine yet (a verification step "
                               "needs its drafts on the host)", field="async_scheduling",
                               hint="drop --async-scheduling or --speculative")
+        if self.num_scheduler_steps > 1 and (self.async_scheduling or self.speculative is not None):
+            raise ConfigError("multi-step decode combines with neither async scheduling nor speculative decoding "
+                              "yet", field="num_scheduler_steps",
+                              hint="drop --num-scheduler-steps or --async-scheduling / --speculative")
         if self.max_snapshots is None:
             self.max_snapshots = self.max_num_seqs if self.enable_prefix_caching else 0

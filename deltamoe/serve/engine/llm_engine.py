@@ -24,6 +24,7 @@ from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.detokenizer import IncrementalDetokenizer
 from deltamoe.serve.engine.forks import ForkBook, start_forks
 from deltamoe.serve.engine.image_inputs import place_images
+from deltamoe.serve.engine.multi_step import multi_step_decode
 from deltamoe.serve.engine.outputs import Completion, EngineStats, RequestOutput
 from deltamoe.serve.engine.runner import ModelRunner, StepResult
 from deltamoe.serve.engine.sampling import SamplingParams
@@ -79,6 +80,8 @@ class LLMEngine:
             from deltamoe.serve.kv_transfer.worker_state import RankZeroHandOffs
 
             self.executor.hand_off = RankZeroHandOffs(self.cache, pools, group.dims.tp)
+        # Windows of up to num_scheduler_steps decode steps per trip through the scheduler (None: one step).
+        self.multi_step = multi_step_decode(self.runner, self.cache, self.config, group is not None, connector is not None)
         # One-step-ahead scheduling: step N+1 is scheduled while step N runs (None: one step at a time).
         self.overlap = OverlappedSteps(self.executor, self.scheduler, self._take_token, loads) \
             if self.config.async_scheduling else None
@@ -251,7 +254,7 @@ class LLMEngine:
             return failed + self.overlap.step(batch)
         if self.connector is not None:
             self.connector.start_load_kv()
-        results = self.executor.execute(batch) if batch else []
+        results = (self.multi_step or self.executor).execute(batch) if batch else []
         if self.connector is not None:
             self.connector.wait_for_save()
         self._totals["steps"] += 1

@@ -73,6 +73,22 @@ def test_compiled_decode_equals_greedy_alone(name, models, helpers):
     assert_greedy_matches(model, prompts, generate(model, prompts))
 
 
+def test_multi_step_windows_run_the_same_graphs(models, helpers):
+    """Multi-step decode (`num_scheduler_steps`) feeds each window's sampled tokens back into the same
+    compiled regions: after the engine ran the prompts one step at a time, its windows compile nothing
+    (torch would raise under `fail_on_recompile`), and give the same tokens, held to the greedy oracle too."""
+    model, prompts = models["k31"], helpers.prompts(5, 2, 30, seed=33)
+    engine = LLMEngine(model, config=EngineConfig(cache_memory="16MiB", compile_decode=True, num_scheduler_steps=4))
+    windows, engine.multi_step = engine.multi_step, None  # one step at a time first: it compiles the graphs
+    one_step = [c.token_ids for c in engine.generate(prompts, GREEDY, progress=False)]
+    engine.multi_step = windows
+    with torch.compiler.set_stance("fail_on_recompile"):
+        windowed = [c.token_ids for c in engine.generate(prompts, GREEDY, progress=False)]
+    assert engine.multi_step.windows > 0
+    assert windowed == one_step
+    assert_greedy_matches(model, prompts, windowed)
+
+
 def test_two_models_never_share_a_graph(models, helpers):
     """Torch keeps graphs per code object and the module guards are skipped; the per-model key
     keeps one model from running the other's graph (other layers, other weights)."""
