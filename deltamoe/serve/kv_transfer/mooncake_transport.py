@@ -19,9 +19,11 @@ hand-off. The engine bounds each call (`MC_TRANSFER_TIMEOUT` seconds, 5 at least
 second per GiB) and answers an error for an unreachable peer; a write that returns after the
 caller's deadline counts as failed too.
 
-Completion notices: the last write of a hand-off may carry a notice (the engine's notify: a
-short message that the peer's engine queues once the write is complete, read there with
-`get_notifies`), issued only after every other write completed. The engine's TCP framing
+Completion notices: a hand-off's last write may carry a notice (the engine's notify: a short
+message that the engine sends the peer once every segment of that write completed, read there
+with `get_notifies`): a synchronous batch of all the hand-off's segments carries it itself
+(`write`); after asynchronous chunks, a write issued once they all completed carries it
+(`finish`). The engine's TCP framing
 acknowledges a write only once its bytes are in the receiver's memory (Mooncake's acknowledged
 "v2" framing, unless MC_TCP_PROTO=1 forces the legacy one), so a receiver that sees the notice
 has every byte of the hand-off.
@@ -130,16 +132,16 @@ class MooncakeTransport:
         if timeout_s <= 0:
             raise TransferFailed(f"no time left for the hand-off to {peer}")
         start = time.monotonic()
-        # With a notice, the last segment goes after the others (a notice rides on one write).
-        *rest, last = segments if notice is not None else [*segments, None]
-        status = 0
-        if len(rest) == 1:
-            status = self._engine.transfer_sync_write(peer, rest[0].src, rest[0].dst, rest[0].nbytes)
-        elif rest:
-            status = self._engine.batch_transfer_sync_write(peer, [s.src for s in rest], [s.dst for s in rest],
-                                                            [s.nbytes for s in rest])
-        if status == 0 and last is not None:
-            status = self._write_one(peer, last.src, last.dst, last.nbytes, notice)
+        srcs, dsts, lengths = [s.src for s in segments], [s.dst for s in segments], [s.nbytes for s in segments]
+        if notice is not None:  # the engine sends it once the whole batch completed
+            from mooncake.engine import TransferNotify, TransferOpcode
+
+            status = self._engine.batch_transfer_sync(peer, srcs, dsts, lengths, TransferOpcode.Write,
+                                                      TransferNotify(NOTICE_NAME, notice))
+        elif len(segments) == 1:
+            status = self._engine.transfer_sync_write(peer, srcs[0], dsts[0], lengths[0])
+        else:
+            status = self._engine.batch_transfer_sync_write(peer, srcs, dsts, lengths)
         if status != 0:
             raise TransferFailed(f"the hand-off write to {peer} failed (status {status}: peer unreachable, or the "
                                  "engine's own timeout)")
@@ -169,12 +171,14 @@ class MooncakeTransport:
         try:
             for end in ready:
                 if end - write.sent >= min_chunk and end < nbytes:
-                    write.batches.append(self._submit(peer, src + write.sent, dst + write.sent, end - write.sent))
+                    write.batches.append(self._submit(peer, [src + write.sent], [dst + write.sent],
+                                                      [end - write.sent]))
                     write.sent = end
             if end != nbytes:
                 raise ValueError(f"the producer stopped at {end} of {nbytes} bytes")
             if write.batches or all_async:
-                write.batches.append(self._submit(peer, src + write.sent, dst + write.sent, nbytes - write.sent))
+                write.batches.append(self._submit(peer, [src + write.sent], [dst + write.sent],
+                                                  [nbytes - write.sent]))
                 write.sent = nbytes
         except BaseException:
             self._wait_each(write.batches)
@@ -201,6 +205,17 @@ class MooncakeTransport:
             raise TransferFailed(f"the hand-off to {write.peer} took longer than {timeout_s:.1f} s")
         return writes
 
+    def start_segments(self, peer: str, segments: list[Segment]) -> ChunkedWrite:
+        """Put every segment on its way as one asynchronous batch and return at once (the caller never
+        waits on the wire); `finish` waits for the batch and sends the notice (on a write of the last
+        segment's last `NOTICE_BYTES` again). Raises TransferFailed when the batch cannot be submitted."""
+        last = segments[-1]
+        write = ChunkedWrite(peer, last.src, last.dst, last.nbytes, time.monotonic())
+        write.batches.append(self._submit(peer, [s.src for s in segments], [s.dst for s in segments],
+                                          [s.nbytes for s in segments]))
+        write.sent = last.nbytes
+        return write
+
     def notices(self) -> list[str]:
         """The completion notices that arrived since the last call (their messages)."""
         return [n.msg for n in self._engine.get_notifies() if n.name == NOTICE_NAME]
@@ -218,8 +233,8 @@ class MooncakeTransport:
         module's docstring)."""
         return [self._engine.get_batch_transfer_status([batch]) for batch in batches]
 
-    def _submit(self, peer: str, src: int, dst: int, nbytes: int) -> int:
-        batch = self._engine.batch_transfer_async_write(peer, [src], [dst], [nbytes])
+    def _submit(self, peer: str, srcs: list[int], dsts: list[int], lengths: list[int]) -> int:
+        batch = self._engine.batch_transfer_async_write(peer, srcs, dsts, lengths)
         if batch <= 0:  # the engine's "not submitted" (0: no batch id; an unreachable peer answers 0 too)
             raise TransferFailed(f"the hand-off write to {peer} could not be submitted (peer unreachable?)")
         return batch
