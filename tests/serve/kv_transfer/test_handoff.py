@@ -155,6 +155,8 @@ def test_handoff_equals_colocated(k31_model, helpers, pool, num_prefill):
     # One host, one clock: the decode side timed every hand-off from the prefill's finish to its cache.
     assert moved["kv_transfer_timed"] == handed_off
     assert moved["kv_transfer_seconds_finish_to_cache"] > max(0.0, moved["kv_transfer_seconds_notice"])
+    # Concurrent hand-offs overlap: the seconds with one on its way count each shared second once.
+    assert 0.0 < moved["kv_transfer_seconds_busy"] <= moved["kv_transfer_seconds_finish_to_cache"] + 1e-9
 
 
 def test_failed_handoff_is_an_error_and_frees_everything(k31_model, helpers, pool):
