@@ -228,11 +228,12 @@ def run_colocated(args) -> dict:
         proc.wait(30)
 
 
-def start_stack(args, root: Path = ROOT) -> tuple[list[subprocess.Popen], str, str, str]:
-    """1 prefill + 1 decode server and a router, from the code in `root`: (processes, prefill, decode and
-    router URLs)."""
+def start_stack(args, root: Path = ROOT, prefill_args: tuple[str, ...] = ()) -> tuple[list[subprocess.Popen], str,
+                                                                                     str, str]:
+    """1 prefill + 1 decode server and a router, from the code in `root`, the prefill server with
+    `prefill_args` added: (processes, prefill, decode and router URLs)."""
     role = ["--kv-transfer", "mooncake", "--kv-transfer-timeout", "600"]  # a long prompt queues behind others
-    prefill, p_url = start(serve_args(args, 1) + ["--role", "prefill", *role], free_port(), root)
+    prefill, p_url = start(serve_args(args, 1) + ["--role", "prefill", *role, *prefill_args], free_port(), root)
     decode, d_url = start(serve_args(args, 1) + ["--role", "decode", *role, "--min-hand-off-tokens",
                                                   str(args.min_hand_off_tokens)], free_port(), root)
     procs = [prefill, decode]
@@ -271,7 +272,8 @@ def run_disaggregated(args) -> tuple[dict, dict]:
     stacks = {"this": (p_url, d_url, r_url)}
     try:
         if args.baseline is not None:  # started after this checkout's stack: it warms up meanwhile
-            base_procs, *base_urls = start_stack(args, args.baseline)
+            base_procs, *base_urls = (start_stack(args, prefill_args=("--kv-transfer-direct-max-segments", "-1"))
+                                      if args.baseline == "packed" else start_stack(args, Path(args.baseline)))
             procs += base_procs
             stacks["baseline"] = tuple(base_urls)
         alone = asyncio.run(warm_up(r_url, args))
@@ -428,8 +430,9 @@ def main() -> None:
                     help="prompt lengths of the idle hand-offs (tiny: 0.5 KiB a token)")
     ap.add_argument("--in-flight", type=int, default=4, help="then, for each --idle-lens length, --idle-handoffs "
                     "rounds of this many prompts at once: sustained throughput (1: none)")
-    ap.add_argument("--baseline", type=Path, default=None, help="a checkout of the code to compare with (e.g. `git "
-                    "worktree add /tmp/base 712a24e`): a second 1P+1D stack from it takes every other idle hand-off")
+    ap.add_argument("--baseline", default=None, help="a checkout of the code to compare with (e.g. `git worktree "
+                    "add /tmp/base 712a24e`), or `packed` (this checkout, every hand-off packed): a second 1P+1D "
+                    "stack from it takes every other idle hand-off")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--async-scheduling", action="store_true", help="every server (colocated, prefill, decode) "
                     "schedules step N+1 while step N runs; writes serve_disagg_async.json")
@@ -523,7 +526,7 @@ def main() -> None:
     name = "serve_disagg_handoff_quick" if args.handoff_only else result_name(
         "serve_disagg_async" if args.async_scheduling else "serve_disagg", args.quick)
     path = write_result(name, {
-        "config": vars(args) | {"baseline": None if args.baseline is None else str(args.baseline)}, "targets": TARGETS, "colocated": colocated, "disaggregated": disagg,
+        "config": vars(args), "targets": TARGETS, "colocated": colocated, "disaggregated": disagg,
         "hand_off": hand_off, "summary": summary, "bytes_per_handoff": sizes, "transport": transport})
     print(f"wrote {path}")
 

@@ -58,6 +58,7 @@ from deltamoe.serve.kv_transfer.mooncake_transport import ChunkedWrite, Mooncake
 from deltamoe.serve.kv_transfer.notices import POLL_S, NoticeWatcher
 from deltamoe.serve.kv_transfer.packing import TokenRows, message_bytes, pack_in_steps, payload_bytes, token_rows, unpack
 from deltamoe.serve.kv_transfer.pools import PoolDescriptor, Segment, describe, pool_tensors, request_segments
+from deltamoe.serve.kv_transfer.role_config import DIRECT_MAX_SEGMENTS
 from deltamoe.serve.kv_transfer.staging import StagingArea
 
 # Asks a prefill server (its URL) to compute a prompt and write it into this engine; returns its
@@ -125,7 +126,7 @@ class HandOffConfig:
     # Prefill side: a hand-off goes straight into the decode side's pools (no gather, no staging, no
     # scatter) when it is at most this many segments plus one per `direct_bytes_per_segment` of it (a
     # segment's fixed cost in the transfer engine against the copies a packed hand-off makes).
-    direct_max_segments: int = 32  # below zero: packed whenever the decode side lends a range
+    direct_max_segments: int = DIRECT_MAX_SEGMENTS  # below zero: packed whenever the decode side lends a range
     direct_bytes_per_segment: int = 48 << 10
 
 
