@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation vs one colocated server, side by side in one run, same load.
 
-    .venv/bin/python bench/bench_serve_disagg.py [--quick] [--model tiny] [--duration 40]
+    .venv/bin/python bench/bench_serve_disagg.py [--quick] [--model tiny] [--duration 40] [--baseline packed]
 
 Load (the same for both setups): `--chats` clients each stream short completions back to back
 (`--chat-len` prompt tokens, `--chat-output` tokens), while a long prompt (`--long-len` tokens,
@@ -37,7 +37,13 @@ while the gather runs: "write" is the part that does not overlap it), the wait f
 thread (queued), the notice (from the prefill thread's return from its last write to the scatter's
 start: below zero when the notice overtakes that return) and how many hand-offs landed on the
 notice rather than on the HTTP answer;
-goal: >= 50 % of raw (back to back) at every size. `--handoff-only` runs the idle hand-offs and
+goal: >= 50 % of raw (back to back) at every size. Then, sustained: `--in-flight` prompts of each
+`--idle-lens` length at once, `--idle-handoffs` rounds: bytes / the decode server's
+`kv_transfer_seconds_busy` (the seconds during which at least one hand-off was on its way, overlaps
+counted once), next to the same raw write. `--baseline DIR|packed` starts a second 1P+1D stack
+(from another checkout of the code, or this one with every hand-off packed) and sends it every
+other one-at-a-time hand-off: this / baseline per size, under the same load.
+`--handoff-only` runs the idle hand-offs and
 the raw writes without the colocated server and the mixed load (a minute instead of several).
 Also the bytes a hand-off moves for Kimi K3 (the planner's cost formulas) at a few prompt
 lengths beside this run's tiny model (measured and predicted).
