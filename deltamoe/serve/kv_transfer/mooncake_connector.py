@@ -14,20 +14,22 @@ the hand-off landed (its completion notice, or that call's answer if it comes fi
 (also when it is aborted) its blocks stay pinned.
 
 Prefill side (`PushTo` on a sequence): when the request finishes its N-1 tokens,
-`request_finished` starts the write (a packed one on the engine thread itself, see below; the
-rest on a hand-off thread) and keeps the blocks and slot pinned until the write ends. Prefix caching works as in any engine: cached blocks are not recomputed,
-and are sent like the rest (the decode side lacks them).
+`request_finished` starts the write (on the engine thread itself up to `inline_start_bytes`, see
+below; the rest on a hand-off thread) and keeps the blocks and slot pinned until the write ends.
+Prefix caching works as in any engine: cached blocks are not recomputed, and are sent like the rest
+(the decode side lacks them).
 
-The write is packed when the request fits both servers' staging areas (`staging.py`): the
-decode side lends a range of its area, the prefill side gathers the request into a range of
-its own, a pool at a time, and writes each `write_chunk_bytes` of it as soon as they are
-gathered (the transfer engine sends a chunk while this thread gathers the next). The engine
-thread does that itself for a hand-off of up to `inline_start_bytes` when a range is free at once,
-every byte as asynchronous writes, so that the hand-off thread, which waits for them and sends the
-notice, wakes up while they travel. Otherwise (a
-request larger than an area) the prefill side writes straight into the decode side's pools, one
-write per run of blocks per layer and one per state layer: correct, but each write pays the
-transport's fixed cost. Either way a completion notice (`notices.py`) follows once every write
+The write goes straight into the decode side's pools (zero-copy: no gather, no staging, no
+scatter) as one batch of segments, one per run of blocks per layer of each paged pool and one per
+state layer, when the request is few segments for its size (`HandOffConfig.direct_max_segments`:
+each segment pays the transport's fixed cost, a packed write pays a gather and a scatter). A more
+scattered request fitting both servers' staging areas (`staging.py`) is packed: the decode side
+lends a range of its area, the prefill side gathers the request into a range of its own, a pool at
+a time, and writes each `write_chunk_bytes` of it as soon as they are gathered (the transfer engine
+sends a chunk while this thread gathers the next). The engine thread submits a hand-off of up to
+`inline_start_bytes` itself (a packed one when a range is free at once), every byte as
+asynchronous writes, so that the hand-off thread, which waits for them and sends the notice, wakes
+up while they travel. Either way a completion notice (`notices.py`) follows once every write
 completed: the decode side scatters the message into its blocks and slot (packed) and lets the
 request run as soon as the notice arrives, without waiting for the prefill call's answer, which
 still reports errors and timings.
