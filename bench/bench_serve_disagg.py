@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation vs one colocated server, side by side in one run, same load.
 
-    .venv/bin/python bench/bench_serve_disagg.py [--quick] [--model tiny] [--duration 40]
+    .venv/bin/python bench/bench_serve_disagg.py [--quick] [--model tiny] [--duration 40] [--baseline packed]
 
 Load (the same for both setups): `--chats` clients each stream short completions back to back
 (`--chat-len` prompt tokens, `--chat-output` tokens), while a long prompt (`--long-len` tokens,
@@ -37,7 +37,13 @@ while the gather runs: "write" is the part that does not overlap it), the wait f
 thread (queued), the notice (from the prefill thread's return from its last write to the scatter's
 start: below zero when the notice overtakes that return) and how many hand-offs landed on the
 notice rather than on the HTTP answer;
-goal: >= 50 % of raw (back to back) at every size. `--handoff-only` runs the idle hand-offs and
+goal: >= 50 % of raw (back to back) at every size. Then, sustained: `--in-flight` prompts of each
+`--idle-lens` length at once, `--idle-handoffs` rounds: bytes / the decode server's
+`kv_transfer_seconds_busy` (the seconds during which at least one hand-off was on its way, overlaps
+counted once), next to the same raw write. `--baseline DIR|packed` starts a second 1P+1D stack
+(from another checkout of the code, or this one with every hand-off packed) and sends it every
+other one-at-a-time hand-off: this / baseline per size, under the same load.
+`--handoff-only` runs the idle hand-offs and
 the raw writes without the colocated server and the mixed load (a minute instead of several).
 Also the bytes a hand-off moves for Kimi K3 (the planner's cost formulas) at a few prompt
 lengths beside this run's tiny model (measured and predicted).
@@ -77,10 +83,13 @@ TARGETS = {"p99_chat_tpot_colocated_over_disagg": 2.0, "handoff_over_raw_tcp": 0
 ISOLATED_IDLE_S = 0.05  # the transport's idle time before each "isolated" raw write
 
 
-def start(args: list[str], port: int) -> tuple[subprocess.Popen, str]:
+def start(args: list[str], port: int, root: Path = ROOT) -> tuple[subprocess.Popen, str]:
+    """`deltamoe ARGS` on `port`, from the code in `root` (this checkout, or `--baseline`'s)."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | {"GLOG_minloglevel": "2"}
+    if root != ROOT:
+        env["PYTHONPATH"] = str(root)
     proc = subprocess.Popen([sys.executable, "-m", "deltamoe", *args, "--port", str(port), "--log-level", "warning"],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+                            cwd=root, env=env, stdout=subprocess.DEVNULL)
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -157,20 +166,27 @@ async def mixed_load(url: str, args) -> dict:
             "errors": sorted({r["error"] for r in chats + longs if not r["ok"]})[:5]}
 
 
-async def idle_handoffs(url: str, args, length: int) -> None:
-    """Prompts of `length` tokens one at a time on idle servers: the hand-off without CPU contention."""
+async def idle_handoffs(url: str, args, length: int, count: int | None = None, in_flight: int = 1) -> None:
+    """`count` (default `--idle-handoffs`) prompts of `length` tokens, `in_flight` at a time (1: one at a
+    time on idle servers, the hand-off without CPU contention)."""
     rng = random.Random(args.seed + length)
     async with httpx.AsyncClient(base_url=url, timeout=600) as http:
-        for _ in range(args.idle_handoffs):
-            result = await stream_one(http, [rng.randrange(32, 127) for _ in range(length)], 1)
-            if not result["ok"]:
-                raise RuntimeError(f"an idle hand-off of {length} tokens failed: {result['error']}")
+        for _ in range(count or args.idle_handoffs):
+            prompts = [[rng.randrange(32, 127) for _ in range(length)] for _ in range(in_flight)]
+            for result in await asyncio.gather(*(stream_one(http, p, 1) for p in prompts)):
+                if not result["ok"]:
+                    raise RuntimeError(f"an idle hand-off of {length} tokens failed: {result['error']}")
 
 
 def handoff_totals(p_url: str, d_url: str) -> dict[str, float]:
     """The hand-off counters: bytes, and seconds = the prefill side's gather + write plus the
-    decode side's scatter; and those three parts on their own."""
-    return {"count": metric(p_url, "deltamoe_engine_kv_transfer_sent"),
+    decode side's scatter; and those three parts on their own. `busy`: seconds during which at least
+    one hand-off was on its way (NaN from a baseline that does not count them)."""
+    try:
+        busy = metric(d_url, "deltamoe_engine_kv_transfer_seconds_busy")
+    except KeyError:
+        busy = float("nan")
+    return {"busy": busy,"count": metric(p_url, "deltamoe_engine_kv_transfer_sent"),
             "bytes": metric(p_url, "deltamoe_engine_kv_transfer_bytes_sent"),
             "unpacked": metric(p_url, "deltamoe_engine_kv_transfer_unpacked"),
             "writes": metric(p_url, "deltamoe_engine_kv_transfer_writes"),
@@ -218,33 +234,88 @@ def run_colocated(args) -> dict:
         proc.wait(30)
 
 
-def run_disaggregated(args) -> tuple[dict, dict]:
+def start_stack(args, root: Path = ROOT, prefill_args: tuple[str, ...] = ()) -> tuple[list[subprocess.Popen], str,
+                                                                                     str, str]:
+    """1 prefill + 1 decode server and a router, from the code in `root`, the prefill server with
+    `prefill_args` added: (processes, prefill, decode and router URLs)."""
     role = ["--kv-transfer", "mooncake", "--kv-transfer-timeout", "600"]  # a long prompt queues behind others
-    prefill, p_url = start(serve_args(args, 1) + ["--role", "prefill", *role], free_port())
+    prefill, p_url = start(serve_args(args, 1) + ["--role", "prefill", *role, *prefill_args], free_port(), root)
     decode, d_url = start(serve_args(args, 1) + ["--role", "decode", *role, "--min-hand-off-tokens",
-                                                  str(args.min_hand_off_tokens)], free_port())
+                                                  str(args.min_hand_off_tokens)], free_port(), root)
     procs = [prefill, decode]
     try:
         wait_healthy(prefill, p_url)
         wait_healthy(decode, d_url)
-        router, r_url = start(["router", "--prefill", p_url, "--decode", d_url, "--read-timeout", "600"], free_port())
+        router, r_url = start(["router", "--prefill", p_url, "--decode", d_url, "--read-timeout", "600"], free_port(),
+                              root)
         procs.append(router)
         wait_healthy(router, r_url, 60)
+    except BaseException:
+        stop(procs)
+        raise
+    return procs, p_url, d_url, r_url
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for proc in reversed(procs):
+        proc.terminate()
+    for proc in procs:
+        proc.wait(30)
+
+
+def per_handoff(r: dict) -> dict:
+    """One size's counters (deltas over its hand-offs) as per-hand-off figures."""
+    return {"prompt_tokens": r["prompt_tokens"], "bytes_per_handoff": r["bytes"] / r["count"],
+            "seconds_per_handoff": r["seconds"] / r["count"], "unpacked": r["unpacked"],
+            "writes_per_handoff": r["writes"] / r["count"], "landed_on_notice": r["on_notice"] / r["count"],
+            **{f"{part}_seconds": r[part] / r["count"]
+               for part in ("copy", "queued", "gather", "write", "notice", "scatter")},
+            "gb_s": r["bytes"] / r["seconds"] / 1e9, "copy_gb_s": r["bytes"] / r["copy"] / 1e9}
+
+
+def run_disaggregated(args) -> tuple[dict, dict]:
+    procs, p_url, d_url, r_url = start_stack(args)
+    stacks = {"this": (p_url, d_url, r_url)}
+    try:
+        if args.baseline is not None:  # started after this checkout's stack: it warms up meanwhile
+            base_procs, *base_urls = (start_stack(args, prefill_args=("--kv-transfer-direct-max-segments", "-1"))
+                                      if args.baseline == "packed" else start_stack(args, Path(args.baseline)))
+            procs += base_procs
+            stacks["baseline"] = tuple(base_urls)
         alone = asyncio.run(warm_up(r_url, args))
+        for name, (_, _, url) in stacks.items():
+            if name != "this":
+                asyncio.run(warm_up(url, args))
         warm = handoff_totals(p_url, d_url)
         row = {"chats_ok": 0, "longs_ok": 0} if args.handoff_only else asyncio.run(mixed_load(r_url, args))
         row |= {"long_prefill_alone_ms": round(alone * 1e3, 1)}
-        loaded = before = handoff_totals(p_url, d_url)
+        loaded = handoff_totals(p_url, d_url)
         if loaded["timed"] != loaded["count"]:
             raise RuntimeError(f"{loaded['count'] - loaded['timed']:.0f} hand-offs were not timed (the servers must "
                                "share this host's monotonic clock)")
         loaded = {k: loaded[k] - warm[k] for k in loaded}  # the load's hand-offs, not the warm-up's
-        idle = []
+        # One at a time; with a baseline, one hand-off on each stack in turn (the machine's load hits both alike).
+        idle = {name: [] for name in stacks}
         for length in args.idle_lens:
-            asyncio.run(idle_handoffs(r_url, args, length))
+            before = {name: handoff_totals(p, d) for name, (p, d, _) in stacks.items()}
+            for _ in range(args.idle_handoffs):
+                for name, (_, _, url) in stacks.items():
+                    asyncio.run(idle_handoffs(url, args, length, count=1))
+            for name, (p, d, _) in stacks.items():
+                after = handoff_totals(p, d)
+                delta = {k: after[k] - before[name][k] for k in after}
+                idle[name].append(per_handoff({"prompt_tokens": length, **delta}))
+        # Several in flight: `--in-flight` prompts at once, `--idle-handoffs` times; bytes over the seconds
+        # during which at least one of them was on its way (this checkout's stack only).
+        sustained = []
+        for length in args.idle_lens if args.in_flight > 1 else []:
+            before = handoff_totals(p_url, d_url)
+            asyncio.run(idle_handoffs(r_url, args, length, in_flight=args.in_flight))
             after = handoff_totals(p_url, d_url)
-            idle.append({"prompt_tokens": length, **{k: after[k] - before[k] for k in after}})
-            before = after
+            d = {k: after[k] - before[k] for k in after}
+            sustained.append({"prompt_tokens": length, "in_flight": args.in_flight, "handoffs": d["count"],
+                              "bytes": d["bytes"], "busy_seconds": d["busy"], "gb_s": d["bytes"] / d["busy"] / 1e9,
+                              "one_at_a_time_gb_s": d["bytes"] / d["seconds"] / 1e9})
         sent = metric(p_url, "deltamoe_engine_kv_transfer_sent")
         hand_off = {"handoffs": sent, "failures": metric(p_url, "deltamoe_engine_kv_transfer_failures")
                     + metric(d_url, "deltamoe_engine_kv_transfer_failures"),
@@ -254,20 +325,12 @@ def run_disaggregated(args) -> tuple[dict, dict]:
                     "retries": metric(r_url, "deltamoe_router_retries_total"),
                     "loaded_gb_s": loaded["bytes"] / loaded["seconds"] / 1e9 if loaded["count"] else float("nan"),
                     "unpacked": metric(p_url, "deltamoe_engine_kv_transfer_unpacked"),
-                    "idle": [{"prompt_tokens": r["prompt_tokens"], "bytes_per_handoff": r["bytes"] / r["count"],
-                              "seconds_per_handoff": r["seconds"] / r["count"], "unpacked": r["unpacked"],
-                              "writes_per_handoff": r["writes"] / r["count"],
-                              "landed_on_notice": r["on_notice"] / r["count"],
-                              **{f"{part}_seconds": r[part] / r["count"]
-                                 for part in ("copy", "queued", "gather", "write", "notice", "scatter")},
-                              "gb_s": r["bytes"] / r["seconds"] / 1e9,
-                              "copy_gb_s": r["bytes"] / r["copy"] / 1e9} for r in idle]}
+                    "idle": idle["this"], "sustained": sustained}
+        if "baseline" in idle:
+            hand_off["baseline_idle"] = idle["baseline"]
         return row, hand_off
     finally:
-        for proc in reversed(procs):
-            proc.terminate()
-        for proc in procs:
-            proc.wait(30)
+        stop(procs)
 
 
 RECEIVER = """
@@ -340,13 +403,13 @@ def bytes_per_handoff(args, disagg: dict, measured_total: float) -> list[dict]:
     longs = disagg["longs_ok"] + 1  # and the warm-up's long prompt (its chat stays on the decode server)
     rows.append({"model": f"{args.model} (fp32; engine layout)", "prompt_tokens": args.long_len,
                  "bytes": one[args.long_len], "measured": None})
-    idle = " + ".join(f"{args.idle_handoffs} x {n}" for n in args.idle_lens)
+    each = args.idle_handoffs * (1 + args.in_flight if args.in_flight > 1 else 1)  # one at a time, then in flight
+    idle = " + ".join(f"{each} x {n}" for n in args.idle_lens)
     rows.append({"model": f"{args.model}, this run: {chats} x {args.chat_len} + {longs} x {args.long_len} + {idle} "
                           "tokens",
-                 "prompt_tokens": chats * args.chat_len + longs * args.long_len
-                 + args.idle_handoffs * sum(args.idle_lens),
+                 "prompt_tokens": chats * args.chat_len + longs * args.long_len + each * sum(args.idle_lens),
                  "bytes": chats * one[args.chat_len] + longs * one[args.long_len]
-                 + args.idle_handoffs * sum(one[n] for n in args.idle_lens), "measured": measured_total})
+                 + each * sum(one[n] for n in args.idle_lens), "measured": measured_total})
     return rows
 
 
@@ -369,8 +432,13 @@ def main() -> None:
                     help="the decode server computes shorter prompts itself (the chats); 2 hands off every prompt")
     ap.add_argument("--idle-handoffs", type=int, default=5, help="prompts of each --idle-lens length handed off one "
                     "at a time after the load")
-    ap.add_argument("--idle-lens", type=lambda s: [int(x) for x in s.split(",")], default=[256, 1536, 6144],
+    ap.add_argument("--idle-lens", type=lambda s: [int(x) for x in s.split(",")], default=[256, 1536, 6144, 8192],
                     help="prompt lengths of the idle hand-offs (tiny: 0.5 KiB a token)")
+    ap.add_argument("--in-flight", type=int, default=4, help="then, for each --idle-lens length, --idle-handoffs "
+                    "rounds of this many prompts at once: sustained throughput (1: none)")
+    ap.add_argument("--baseline", default=None, help="a checkout of the code to compare with (e.g. `git worktree "
+                    "add /tmp/base 712a24e`), or `packed` (this checkout, every hand-off packed): a second 1P+1D "
+                    "stack from it takes every other idle hand-off")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--async-scheduling", action="store_true", help="every server (colocated, prefill, decode) "
                     "schedules step N+1 while step N runs; writes serve_disagg_async.json")
@@ -400,6 +468,10 @@ def main() -> None:
         r["raw_tcp_gb_s"], r["over_raw_tcp"] = raw / 1e9, r["gb_s"] * 1e9 / raw
         r["raw_tcp_isolated_gb_s"], r["over_raw_tcp_isolated"] = alone / 1e9, r["gb_s"] * 1e9 / alone
         r["copy_over_raw_tcp"] = r["copy_gb_s"] * 1e9 / raw
+    for r, raw in zip(hand_off["sustained"], rates):  # the same sizes, in the same order
+        r["raw_tcp_gb_s"], r["over_raw_tcp"] = raw / 1e9, r["gb_s"] * 1e9 / raw
+    for r, base in zip(hand_off["idle"], hand_off.get("baseline_idle", [])):
+        r["baseline_gb_s"], r["over_baseline"] = base["gb_s"], r["gb_s"] / base["gb_s"]
     summary = {} if colocated is None else {
         "p99_chat_tpot_colocated_over_disagg": round(colocated["chat_tpot_p99_ms"] / disagg["chat_tpot_p99_ms"], 2),
         "p99_chat_itl_colocated_over_disagg": round(colocated["chat_itl_p99_ms"] / disagg["chat_itl_p99_ms"], 2),
@@ -408,6 +480,10 @@ def main() -> None:
                 "copy_path_over_raw_tcp": round(min(r["copy_over_raw_tcp"] for r in hand_off["idle"]), 2),
                 "handoff_over_raw_tcp_isolated": round(min(r["over_raw_tcp_isolated"] for r in hand_off["idle"]), 2),
                 "handoff_bytes_per_request": round(per_request),
+                **({"sustained_handoff_over_raw_tcp": round(min(r["over_raw_tcp"] for r in hand_off["sustained"]), 2)}
+                   if hand_off["sustained"] else {}),
+                **({"handoff_over_baseline": round(min(r["over_baseline"] for r in hand_off["idle"]), 2)}
+                   if "baseline_idle" in hand_off else {}),
                 "handoff_seconds_per_request": round(hand_off["handoff_seconds_total"] / max(1, hand_off["handoffs"]), 4)}
     sizes = bytes_per_handoff(args, disagg, hand_off["bytes_total"])
     print(markdown_table(["write (this process -> receiver process)", "GB/s"],
@@ -426,6 +502,19 @@ def main() -> None:
                            f"{r['queued_seconds'] * 1e3:.2f} / {r['notice_seconds'] * 1e3:.2f}",
                            f"{r['landed_on_notice']:.0%}"]
                           for r in hand_off["idle"]]))
+    if hand_off["sustained"]:
+        print(markdown_table(["hand-offs in flight", "MiB each", "busy ms", "GB/s (bytes / busy)",
+                              "GB/s (one at a time's definition)", "raw TCP GB/s", "sustained / raw"],
+                             [[f"{r['in_flight']} x {r['prompt_tokens']} tokens",
+                               f"{r['bytes'] / r['handoffs'] / 2**20:.2f}",
+                               f"{r['busy_seconds'] * 1e3:.1f}", f"{r['gb_s']:.3f}", f"{r['one_at_a_time_gb_s']:.3f}",
+                               f"{r['raw_tcp_gb_s']:.3f}", f"{r['over_raw_tcp']:.2f}"] for r in hand_off["sustained"]]))
+    if "baseline_idle" in hand_off:
+        print(markdown_table(["idle hand-off", "this checkout GB/s", f"baseline ({args.baseline}) GB/s",
+                              "this / baseline", "baseline finish -> in cache ms"],
+                             [[f"{r['prompt_tokens']} tokens", f"{r['gb_s']:.3f}", f"{b['gb_s']:.3f}",
+                               f"{r['over_baseline']:.2f}", f"{b['seconds_per_handoff'] * 1e3:.2f}"]
+                              for r, b in zip(hand_off["idle"], hand_off["baseline_idle"])]))
     if colocated is not None:
         print(f"a long prompt every {args.long_every} s")
         print(markdown_table(["setup", "chat TPOT p50 ms", "chat TPOT p99 ms", "chat gap p50 ms", "chat gap p99 ms",

@@ -370,6 +370,17 @@ def serve_disagg_rows(d: dict) -> list[Row]:
                 " / ".join(bold(f"{r['over_raw_tcp']:.2f}") if r["over_raw_tcp"] == worst else f"{r['over_raw_tcp']:.2f}"
                            for r in idle),
                 verdict([(f">= {share:.0%} of raw at every size".replace("%", " %"), worst >= share)]) if share else ""])
+    sustained = d["hand_off"].get("sustained")  # runs before it was measured have none
+    if sustained:
+        low = min(r["over_raw_tcp"] for r in sustained)
+        out.append([f"same, {sustained[0]['in_flight']} hand-offs in flight (bytes / seconds with one on its way) at "
+                    + " / ".join(f"{r['bytes'] / r['handoffs'] / 2**20:.2f}" for r in sustained) + " MiB",
+                    " / ".join(f"{r['gb_s']:.2f}" for r in sustained) + " GB/s",
+                    "Mooncake raw TCP write " + " / ".join(f"{r['raw_tcp_gb_s']:.2f}" for r in sustained) + " GB/s",
+                    " / ".join(bold(f"{r['over_raw_tcp']:.2f}") if r["over_raw_tcp"] == low
+                               else f"{r['over_raw_tcp']:.2f}" for r in sustained),
+                    verdict([(f">= {share:.0%} of raw at every size".replace("%", " %"), low >= share)]) if share
+                    else ""])
     k3 = [r for r in d["bytes_per_handoff"] if r["model"].startswith("kimi-k3")]
     run = next((r for r in d["bytes_per_handoff"] if r["measured"] is not None), None)
     out.append(["same, bytes per hand-off: Kimi K3 (planner formulas) at "

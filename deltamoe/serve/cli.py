@@ -20,6 +20,7 @@ from deltamoe.errors import ConfigError
 from deltamoe.hf_config import load_config
 from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.multi_step_layouts import GENERATE_DEFAULT_STEPS, check_multi_step, resolve_generate_steps
+from deltamoe.serve.kv_transfer.role_config import DIRECT_MAX_SEGMENTS
 from deltamoe.threads import THREADS_HELP, choose_threads
 
 if TYPE_CHECKING:
@@ -371,6 +372,10 @@ def serve_command(
     kv_transfer_staging: str = typer.Option("64MiB", help="Registered area for packed hand-offs (one write per "
                                             "request); a request larger than either side's area is written block "
                                             "run by block run."),
+    kv_transfer_direct_max_segments: int = typer.Option(
+        DIRECT_MAX_SEGMENTS, min=-1, help="Prefill role: a hand-off of at most this many segments "
+        "(runs of blocks per layer, state layers) plus one per 48 KiB goes straight into the decode server's pools; "
+        "a more scattered one goes packed through the staging areas (-1: always packed when they fit)."),
     block_size: int = typer.Option(16, min=1, help="Tokens per cache block (equal on both sides of a P/D pair)."),
     tp: int = typer.Option(1, "--tp", help=TP_HELP),
     ep: int = typer.Option(1, "--ep", help=EP_HELP),
@@ -433,7 +438,8 @@ def serve_command(
     torch.set_num_threads(chosen)
     try:
         connector = make_connector(role, kv_transfer_host, kv_transfer_timeout, api_key, min_hand_off_tokens,
-                                   parse_bytes(kv_transfer_staging, "kv_transfer_staging"))
+                                   parse_bytes(kv_transfer_staging, "kv_transfer_staging"),
+                                   kv_transfer_direct_max_segments)
     except ConfigError:
         listener.close()
         raise

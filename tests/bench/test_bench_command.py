@@ -175,6 +175,15 @@ def test_serve_disagg_rows_judge_both_goals_and_show_k3_bytes():
         row["copy_seconds"] = 0.001
     assert "(prefill's finish -> cache in the decode server's pools)" in serve_disagg_rows(d)[1][0]
     assert sizes[1] == "537 MiB" and "1.00 MiB measured, 1.00 MiB predicted" in sizes[2]
+    # Several in flight: a row of its own, bytes over the seconds with one on its way.
+    d["hand_off"]["sustained"] = [{"in_flight": 4, "handoffs": 8, "bytes": 8 * 2**20, "gb_s": 0.3, "raw_tcp_gb_s": 1.5,
+                                   "over_raw_tcp": 0.2},
+                                  {"in_flight": 4, "handoffs": 8, "bytes": 2**25, "gb_s": 0.9, "raw_tcp_gb_s": 1.5,
+                                   "over_raw_tcp": 0.6}]
+    tpot, handoff, sustained, sizes = serve_disagg_rows(d)
+    assert sustained[0].startswith("same, 4 hand-offs in flight") and "1.00 / 4.00 MiB" in sustained[0]
+    assert sustained[1:] == ["0.30 / 0.90 GB/s", "Mooncake raw TCP write 1.50 / 1.50 GB/s", "**0.20** / 0.60",
+                             ">= 50 % of raw at every size (missed)"]
 
 
 @pytest.mark.parametrize("one_step, mode", [("eager", "eager, async scheduling"),

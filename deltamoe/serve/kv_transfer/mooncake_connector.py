@@ -14,20 +14,22 @@ the hand-off landed (its completion notice, or that call's answer if it comes fi
 (also when it is aborted) its blocks stay pinned.
 
 Prefill side (`PushTo` on a sequence): when the request finishes its N-1 tokens,
-`request_finished` starts the write (a packed one on the engine thread itself, see below; the
-rest on a hand-off thread) and keeps the blocks and slot pinned until the write ends. Prefix caching works as in any engine: cached blocks are not recomputed,
-and are sent like the rest (the decode side lacks them).
+`request_finished` starts the write (on the engine thread itself up to `inline_start_bytes`, see
+below; the rest on a hand-off thread) and keeps the blocks and slot pinned until the write ends.
+Prefix caching works as in any engine: cached blocks are not recomputed, and are sent like the rest
+(the decode side lacks them).
 
-The write is packed when the request fits both servers' staging areas (`staging.py`): the
-decode side lends a range of its area, the prefill side gathers the request into a range of
-its own, a pool at a time, and writes each `write_chunk_bytes` of it as soon as they are
-gathered (the transfer engine sends a chunk while this thread gathers the next). The engine
-thread does that itself for a hand-off of up to `inline_start_bytes` when a range is free at once,
-every byte as asynchronous writes, so that the hand-off thread, which waits for them and sends the
-notice, wakes up while they travel. Otherwise (a
-request larger than an area) the prefill side writes straight into the decode side's pools, one
-write per run of blocks per layer and one per state layer: correct, but each write pays the
-transport's fixed cost. Either way a completion notice (`notices.py`) follows once every write
+The write goes straight into the decode side's pools (zero-copy: no gather, no staging, no
+scatter) as one batch of segments, one per run of blocks per layer of each paged pool and one per
+state layer, when the request is few segments for its size (`HandOffConfig.direct_max_segments`:
+each segment pays the transport's fixed cost, a packed write pays a gather and a scatter). A more
+scattered request fitting both servers' staging areas (`staging.py`) is packed: the decode side
+lends a range of its area, the prefill side gathers the request into a range of its own, a pool at
+a time, and writes each `write_chunk_bytes` of it as soon as they are gathered (the transfer engine
+sends a chunk while this thread gathers the next). The engine thread submits a hand-off of up to
+`inline_start_bytes` itself (a packed one when a range is free at once), every byte as
+asynchronous writes, so that the hand-off thread, which waits for them and sends the notice, wakes
+up while they travel. Either way a completion notice (`notices.py`) follows once every write
 completed: the decode side scatters the message into its blocks and slot (packed) and lets the
 request run as soon as the notice arrives, without waiting for the prefill call's answer, which
 still reports errors and timings.
@@ -51,12 +53,14 @@ from deltamoe.config import ModelConfig
 from deltamoe.errors import RequestError
 from deltamoe.serve.engine.cache import HybridCache
 from deltamoe.serve.engine.sequence import Sequence
+from deltamoe.serve.kv_transfer.busy_time import BusyTime
 from deltamoe.serve.kv_transfer.clock import monotonic_clock_id
 from deltamoe.serve.kv_transfer.connector import FinishedTransfers, KVConnector
 from deltamoe.serve.kv_transfer.mooncake_transport import ChunkedWrite, MooncakeTransport, TransferFailed
 from deltamoe.serve.kv_transfer.notices import POLL_S, NoticeWatcher
 from deltamoe.serve.kv_transfer.packing import TokenRows, message_bytes, pack_in_steps, payload_bytes, token_rows, unpack
-from deltamoe.serve.kv_transfer.pools import PoolDescriptor, describe, pool_tensors, request_segments
+from deltamoe.serve.kv_transfer.pools import PoolDescriptor, Segment, describe, pool_tensors, request_segments
+from deltamoe.serve.kv_transfer.role_config import DIRECT_MAX_SEGMENTS
 from deltamoe.serve.kv_transfer.staging import StagingArea
 
 # Asks a prefill server (its URL) to compute a prompt and write it into this engine; returns its
@@ -120,7 +124,12 @@ class HandOffConfig:
     staging_bytes: int = 64 << 20  # registered area for packed hand-offs (larger requests go unpacked)
     write_chunk_bytes: int = 1 << 20  # a packed write goes out in chunks of this many bytes as they are gathered
     notice_poll_s: float = POLL_S  # decode side: sleep between polls for completion notices while one is awaited
-    inline_start_bytes: int = 4 << 20  # prefill side: the engine thread gathers and starts packed hand-offs up to this
+    inline_start_bytes: int = 4 << 20  # prefill side: the engine thread starts hand-offs of up to this many bytes
+    # Prefill side: a hand-off goes straight into the decode side's pools (no gather, no staging, no
+    # scatter) when it is at most this many segments plus one per `direct_bytes_per_segment` of it (a
+    # segment's fixed cost in the transfer engine against the copies a packed hand-off makes).
+    direct_max_segments: int = DIRECT_MAX_SEGMENTS  # below zero: packed whenever the decode side lends a range
+    direct_bytes_per_segment: int = 48 << 10
 
 
 class MooncakeConnector(KVConnector):
@@ -140,6 +149,7 @@ class MooncakeConnector(KVConnector):
         # Completion notices' keys: this connector's own prefix (a late notice meant for an earlier
         # server on the same address never matches) and a count.
         self._notice_prefix, self._landings = secrets.token_hex(4), 0
+        self._busy = BusyTime(self.config.timeout_s)  # decode side: hand-offs' timed intervals, overlaps once
 
     def bind(self, cache: HybridCache, model_config: ModelConfig) -> None:
         super().bind(cache, model_config)
@@ -187,18 +197,38 @@ class MooncakeConnector(KVConnector):
         with self._lock:
             self._in_flight.add(seq.request_id)
         src_blocks = seq.block_table[push.first_block:push.first_block + len(push.dst_blocks)]
-        # This thread gathers a small packed hand-off and puts it on its way at once, when a range of
-        # the staging area is free now: the hand-off thread then starts while the bytes travel, not
-        # before. A large one would hold this thread (the next step) for its whole gather, and the
-        # thread hand-over is a small part of its time: the hand-off thread does it all.
-        started = None
-        if push.staging is not None and push.staging[1] <= self.config.inline_start_bytes:
-            try:
-                started = self._start_packed(push, src_blocks, seq.num_computed, seq.slot, wait=False)
-            except Exception as e:  # fails this hand-off only, on its thread
-                started = StartedPush(None, 0, 0, error=e)
-        self._threads.submit(self._push, seq.request_id, push, src_blocks, seq.num_computed, seq.slot, started)
+        # This thread puts a small hand-off on its way at once (written straight into the pools, or
+        # gathered and written packed when a range of the staging area is free now): the hand-off
+        # thread then starts while the bytes travel, not before. A large packed one would hold this
+        # thread (the next step) for its whole gather, and the thread hand-over is a small part of
+        # its time: the hand-off thread does it all.
+        started, segments = None, None
+        try:
+            segments = request_segments(self.cache, push.dest, src_blocks, push.dst_blocks, seq.num_computed,
+                                        push.first_block, seq.slot, push.dst_slot)
+            if self._direct(push, segments):
+                if sum(s.nbytes for s in segments) <= self.config.inline_start_bytes:
+                    started = self._start_direct(push, segments)
+            else:
+                segments = None
+                if push.staging[1] <= self.config.inline_start_bytes:
+                    started = self._start_packed(push, src_blocks, seq.num_computed, seq.slot, wait=False)
+        except Exception as e:  # fails this hand-off only, on its thread
+            started = StartedPush(None, 0, 0, error=e)
+        self._threads.submit(self._push, seq.request_id, push, src_blocks, seq.num_computed, seq.slot, segments,
+                             started)
         return True
+
+    def _direct(self, push: PushTo, segments: list[Segment]) -> bool:
+        """Write straight into the decode side's pools (else packed, through the staging areas): always
+        when no range was lent or it does not fit this side's area, else when the request is few
+        segments for its size (`HandOffConfig.direct_max_segments`; below zero: never)."""
+        if push.staging is None or not self.staging.fits(push.staging[1]):
+            return True
+        if self.config.direct_max_segments < 0:
+            return False
+        nbytes = sum(s.nbytes for s in segments)
+        return len(segments) <= self.config.direct_max_segments + nbytes // self.config.direct_bytes_per_segment
 
     # ------------------------------------------------------------------ worker side
     def get_finished(self) -> FinishedTransfers:
@@ -208,8 +238,8 @@ class MooncakeConnector(KVConnector):
 
     def stats(self) -> dict[str, float]:
         with self._lock:
-            return {f"kv_transfer_{k}": float(v) for k, v in self._totals.items()} | {
-                "kv_transfer_in_flight": float(len(self._in_flight))}
+            totals = self._totals | {"seconds_busy": self._busy.seconds(), "in_flight": len(self._in_flight)}
+        return {f"kv_transfer_{k}": float(v) for k, v in totals.items()}
 
     def close(self) -> None:
         self._threads.shutdown(wait=True, cancel_futures=True)
@@ -289,22 +319,24 @@ class MooncakeConnector(KVConnector):
             timer.start()
 
     def _push(self, request_id: str, push: PushTo, src_blocks: list[int], num_tokens: int, slot: int,
-              started: "StartedPush | None") -> None:
+              segments: list[Segment] | None, started: "StartedPush | None") -> None:
+        """`segments`: the request's segments when it goes straight into the decode side's pools, None
+        when packed; `started`: what the engine thread already put on its way (or why it failed)."""
         start = time.monotonic()
         self._add("seconds_queued", start - push.finished_at)  # the prefill's finish -> this thread runs
+        packed = segments is None
         try:
-            packed = started is not None or (push.staging is not None and self.staging.fits(push.staging[1]))
-            if packed:
-                nbytes, writes = self._finish_packed(
+            if started is not None and started.error is not None:
+                raise started.error
+            if started is not None or packed:
+                nbytes, writes = self._finish_started(
                     push, started or self._start_packed(push, src_blocks, num_tokens, slot, wait=True))
             else:
-                segments = request_segments(self.cache, push.dest, src_blocks, push.dst_blocks, num_tokens,
-                                            push.first_block, slot, push.dst_slot)
                 writing = time.monotonic()
                 self.transport.write(push.dest.session, segments, max(0.0, push.deadline - time.monotonic()),
                                      notice=_notice(push.notice, packed=False))
                 self._add("seconds_writing", time.monotonic() - writing)
-                nbytes, writes = sum(s.nbytes for s in segments), len(segments)
+                nbytes, writes = sum(s.nbytes for s in segments), 1
         except Exception as e:
             self._end(request_id, "sent", error=str(e))
             push.done.set_exception(e if isinstance(e, TransferFailed) else TransferFailed(str(e)))
@@ -323,7 +355,7 @@ class MooncakeConnector(KVConnector):
         hand-off thread, wait for a range until the deadline; else (the engine thread) None when no
         range is free at once or the write is not packed, and every byte goes out asynchronously
         (the engine thread never waits on the wire). A failure comes back inside the result (the
-        engine thread never raises it): `_finish_packed` raises it."""
+        engine thread never raises it): `_finish_started` raises it."""
         if push.staging is None or not self.staging.fits(push.staging[1]):
             return None
         rows = token_rows(src_blocks, push.first_block, num_tokens, self.cache.block_size)
@@ -348,14 +380,21 @@ class MooncakeConnector(KVConnector):
         started.gather_s = gathering[0]
         return started
 
-    def _finish_packed(self, push: PushTo, started: "StartedPush") -> tuple[int, int]:
-        """Wait for a started packed write's chunks, then send its completion notice (`notices.py`) and
-        free its range; (the request's bytes, writes)."""
+    def _start_direct(self, push: PushTo, segments: list[Segment]) -> "StartedPush":
+        """Submit every segment straight into the decode side's pools as one asynchronous batch (the
+        engine thread never waits on the wire); `_finish_started` waits for it and sends the notice."""
+        started = StartedPush(None, 0, sum(s.nbytes for s in segments), packed=False)
+        started.write = self.transport.start_segments(push.dest.session, segments)
+        return started
+
+    def _finish_started(self, push: PushTo, started: "StartedPush") -> tuple[int, int]:
+        """Wait for a started write's chunks (packed) or batch (direct), then send its completion notice
+        (`notices.py`) and free its range; (the request's bytes, writes)."""
         try:
             if started.error is not None:
                 raise started.error
             writes = self.transport.finish(started.write, max(0.0, push.deadline - started.write.started),
-                                           notice=_notice(push.notice, packed=True))
+                                           notice=_notice(push.notice, packed=started.packed))
             self._add("seconds_packing", started.gather_s)
             self._add("seconds_writing", time.monotonic() - started.write.started - started.gather_s)
         finally:
@@ -374,6 +413,7 @@ class MooncakeConnector(KVConnector):
             self._totals["timed"] += 1
             self._totals["seconds_finish_to_cache"] += landing.cached - float(report["finished_at"])
             self._totals["seconds_notice"] += landing.unpacking - float(report["written_at"])
+        self._busy.add(float(report["finished_at"]), landing.cached)
 
     def _add(self, total: str, amount: float) -> None:
         with self._lock:
@@ -398,7 +438,8 @@ class MooncakeConnector(KVConnector):
 
 @dataclass
 class StartedPush:
-    """Prefill side: a packed hand-off gathered into this side's staging area, its chunks on their way."""
+    """Prefill side: a hand-off on its way: packed (gathered into this side's staging area, its chunks
+    on their way) or direct (its segments on their way into the decode side's pools)."""
 
     offset: int | None  # of its range in this side's staging area (None: none held)
     size: int
@@ -406,6 +447,7 @@ class StartedPush:
     write: ChunkedWrite | None = None
     gather_s: float = 0.0
     error: Exception | None = None  # why it could not start (raised on the hand-off thread)
+    packed: bool = True  # False: its segments go straight into the decode side's pools
 
 
 def _notice(key: str | None, packed: bool) -> str | None:

@@ -19,9 +19,19 @@ hand-off. The engine bounds each call (`MC_TRANSFER_TIMEOUT` seconds, 5 at least
 second per GiB) and answers an error for an unreachable peer; a write that returns after the
 caller's deadline counts as failed too.
 
-Completion notices: the last write of a hand-off may carry a notice (the engine's notify: a
-short message that the peer's engine queues once the write is complete, read there with
-`get_notifies`), issued only after every other write completed. The engine's TCP framing
+One waiter at a time: every call that waits in C++ (the synchronous writes, the wait for a batch)
+spins on the batch's status without sleeping, a whole core per waiting thread, and with several
+hand-offs in flight the spinners starve the transfer engine's own threads that move the bytes (see
+docs/serving.md for the measurement). So a waiter first takes the transport's waiter lock, asleep while another
+holds it; the batches it waits for travel meanwhile. It takes the lock for at most
+`WAITER_PATIENCE_S`, then waits anyway: a write to a peer that stalls (the engine's timeout is
+seconds) delays the others' waits by that much, not by the timeout.
+
+Completion notices: a hand-off's last write may carry a notice (the engine's notify: a short
+message that the engine sends the peer once every segment of that write completed, read there
+with `get_notifies`): a synchronous batch of all the hand-off's segments carries it itself
+(`write`); after asynchronous chunks, a write issued once they all completed carries it
+(`finish`). The engine's TCP framing
 acknowledges a write only once its bytes are in the receiver's memory (Mooncake's acknowledged
 "v2" framing, unless MC_TCP_PROTO=1 forces the legacy one), so a receiver that sees the notice
 has every byte of the hand-off.
@@ -33,11 +43,13 @@ environment: at INFO it writes a line for every handshake and every asynchronous
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import os
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,6 +61,7 @@ GLOG_MIN_LEVEL = "_ZN3fLI17FLAGS_minloglevelE"  # glog's `FLAGS_minloglevel` (C+
 GLOG_ERROR = 2
 NOTICE_NAME = "deltamoe-hand-off"  # the notify name of hand-off completion notices
 NOTICE_BYTES = 64  # what a notice's own write sends again after a chunked write
+WAITER_PATIENCE_S = 0.05  # longest wait for the waiter lock before waiting without it
 
 
 def quiet_engine_logs() -> None:
@@ -106,6 +119,7 @@ class MooncakeTransport:
                               field="kv_transfer_host")
         self.session = f"{host}:{self._engine.get_rpc_port()}"
         self._registered: list[int] = []
+        self._waiter = threading.Lock()  # see "One waiter at a time" above
         try:
             self._engine_timeout_s = max(MIN_ENGINE_TIMEOUT_S, int(os.environ["MC_TRANSFER_TIMEOUT"]))
         except ValueError:
@@ -130,16 +144,17 @@ class MooncakeTransport:
         if timeout_s <= 0:
             raise TransferFailed(f"no time left for the hand-off to {peer}")
         start = time.monotonic()
-        # With a notice, the last segment goes after the others (a notice rides on one write).
-        *rest, last = segments if notice is not None else [*segments, None]
-        status = 0
-        if len(rest) == 1:
-            status = self._engine.transfer_sync_write(peer, rest[0].src, rest[0].dst, rest[0].nbytes)
-        elif rest:
-            status = self._engine.batch_transfer_sync_write(peer, [s.src for s in rest], [s.dst for s in rest],
-                                                            [s.nbytes for s in rest])
-        if status == 0 and last is not None:
-            status = self._write_one(peer, last.src, last.dst, last.nbytes, notice)
+        srcs, dsts, lengths = [s.src for s in segments], [s.dst for s in segments], [s.nbytes for s in segments]
+        with self._one_waiter():
+            if notice is not None:  # the engine sends it once the whole batch completed
+                from mooncake.engine import TransferNotify, TransferOpcode
+
+                status = self._engine.batch_transfer_sync(peer, srcs, dsts, lengths, TransferOpcode.Write,
+                                                          TransferNotify(NOTICE_NAME, notice))
+            elif len(segments) == 1:
+                status = self._engine.transfer_sync_write(peer, srcs[0], dsts[0], lengths[0])
+            else:
+                status = self._engine.batch_transfer_sync_write(peer, srcs, dsts, lengths)
         if status != 0:
             raise TransferFailed(f"the hand-off write to {peer} failed (status {status}: peer unreachable, or the "
                                  "engine's own timeout)")
@@ -169,12 +184,14 @@ class MooncakeTransport:
         try:
             for end in ready:
                 if end - write.sent >= min_chunk and end < nbytes:
-                    write.batches.append(self._submit(peer, src + write.sent, dst + write.sent, end - write.sent))
+                    write.batches.append(self._submit(peer, [src + write.sent], [dst + write.sent],
+                                                      [end - write.sent]))
                     write.sent = end
             if end != nbytes:
                 raise ValueError(f"the producer stopped at {end} of {nbytes} bytes")
             if write.batches or all_async:
-                write.batches.append(self._submit(peer, src + write.sent, dst + write.sent, nbytes - write.sent))
+                write.batches.append(self._submit(peer, [src + write.sent], [dst + write.sent],
+                                                  [nbytes - write.sent]))
                 write.sent = nbytes
         except BaseException:
             self._wait_each(write.batches)
@@ -201,25 +218,51 @@ class MooncakeTransport:
             raise TransferFailed(f"the hand-off to {write.peer} took longer than {timeout_s:.1f} s")
         return writes
 
+    def start_segments(self, peer: str, segments: list[Segment]) -> ChunkedWrite:
+        """Put every segment on its way as one asynchronous batch and return at once (the caller never
+        waits on the wire); `finish` waits for the batch and sends the notice (on a write of the last
+        segment's last `NOTICE_BYTES` again). Raises TransferFailed when the batch cannot be submitted."""
+        last = segments[-1]
+        write = ChunkedWrite(peer, last.src, last.dst, last.nbytes, time.monotonic())
+        write.batches.append(self._submit(peer, [s.src for s in segments], [s.dst for s in segments],
+                                          [s.nbytes for s in segments]))
+        write.sent = last.nbytes
+        return write
+
     def notices(self) -> list[str]:
         """The completion notices that arrived since the last call (their messages)."""
         return [n.msg for n in self._engine.get_notifies() if n.name == NOTICE_NAME]
 
     def _write_one(self, peer: str, src: int, dst: int, nbytes: int, notice: str | None) -> int:
-        if notice is None:
-            return self._engine.transfer_sync_write(peer, src, dst, nbytes)
         from mooncake.engine import TransferNotify, TransferOpcode
 
-        return self._engine.transfer_sync(peer, src, dst, nbytes, TransferOpcode.Write,
-                                          TransferNotify(NOTICE_NAME, notice))
+        with self._one_waiter():
+            if notice is None:
+                return self._engine.transfer_sync_write(peer, src, dst, nbytes)
+            return self._engine.transfer_sync(peer, src, dst, nbytes, TransferOpcode.Write,
+                                              TransferNotify(NOTICE_NAME, notice))
 
     def _wait_each(self, batches: list[int]) -> list[int]:
         """Each batch's status (0 = complete), once it completed or failed (a call per batch, see the
         module's docstring)."""
-        return [self._engine.get_batch_transfer_status([batch]) for batch in batches]
+        statuses = []
+        for batch in batches:
+            with self._one_waiter():
+                statuses.append(self._engine.get_batch_transfer_status([batch]))
+        return statuses
 
-    def _submit(self, peer: str, src: int, dst: int, nbytes: int) -> int:
-        batch = self._engine.batch_transfer_async_write(peer, [src], [dst], [nbytes])
+    @contextlib.contextmanager
+    def _one_waiter(self) -> Iterator[None]:
+        """Wait in C++ as the only waiting thread, or after `WAITER_PATIENCE_S` anyway (module docstring)."""
+        held = self._waiter.acquire(timeout=WAITER_PATIENCE_S)
+        try:
+            yield
+        finally:
+            if held:
+                self._waiter.release()
+
+    def _submit(self, peer: str, srcs: list[int], dsts: list[int], lengths: list[int]) -> int:
+        batch = self._engine.batch_transfer_async_write(peer, srcs, dsts, lengths)
         if batch <= 0:  # the engine's "not submitted" (0: no batch id; an unreachable peer answers 0 too)
             raise TransferFailed(f"the hand-off write to {peer} could not be submitted (peer unreachable?)")
         return batch

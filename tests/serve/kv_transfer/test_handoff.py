@@ -110,10 +110,11 @@ def test_handoff_equals_colocated(k31_model, helpers, pool, num_prefill):
     prompts = concurrent_prompts + followers
     expected = [c.token_ids for c in LLMEngine(k31_model, config=EngineConfig(**CONFIG)).generate(
         prompts, GREEDY, progress=False)]
-    # With two prefill servers, p1 writes each packed hand-off a pool at a time as it gathers it, all of
-    # it on its hand-off thread (p0's engine thread gathers and starts the write as the prefill ends).
-    prefills = [pool.add(f"p{i}", k31_model, HandOffConfig(write_chunk_bytes=1 if i else 1 << 20))
-                for i in range(num_prefill)]
+    # p0 writes each hand-off straight into the decode side's pools (a few runs of blocks: zero-copy),
+    # its engine thread submitting the batch as the prefill ends. With two prefill servers, p1 packs
+    # every hand-off and writes it a pool at a time as it gathers it, all of it on its hand-off thread.
+    prefills = [pool.add(f"p{i}", k31_model, HandOffConfig(write_chunk_bytes=1, direct_max_segments=-1) if i
+                         else None) for i in range(num_prefill)]
     if num_prefill == 2:
         p1 = pool.engines["p1"][1]
         p1._start_packed = lambda *args, wait: MooncakeConnector._start_packed(p1, *args, wait=True) if wait else None
@@ -134,7 +135,8 @@ def test_handoff_equals_colocated(k31_model, helpers, pool, num_prefill):
     moved = connector.stats()
     handed_off = sum(len(p) > 1 for p in prompts)
     assert moved["kv_transfer_received"] == handed_off and moved["kv_transfer_failures"] == 0
-    assert sum(p.stats().extra["kv_transfer_unpacked"] for p in prefills) == 0  # each one write, packed
+    assert prefills[0].stats().extra["kv_transfer_unpacked"] == prefills[0].stats().extra["kv_transfer_sent"]
+    assert num_prefill == 1 or prefills[1].stats().extra["kv_transfer_unpacked"] == 0
     sent = sum(p.stats().extra["kv_transfer_sent"] for p in prefills)
     assert sent == handed_off
     # Exactly (N-1) tokens of latent + indexer rows and one KDA state per hand-off, nothing more.
@@ -143,7 +145,7 @@ def test_handoff_equals_colocated(k31_model, helpers, pool, num_prefill):
                                                       for p in prompts if len(p) > 1)
     assert sum(p.stats().extra["kv_transfer_bytes_sent"] for p in prefills) == moved["kv_transfer_bytes_received"]
     assert prefills[0].stats().prefix_hit_tokens >= 16
-    # p0: each hand-off (under 1 MiB) one write, started by the engine thread as the prefill ends, and the
+    # p0: each hand-off one batch of segments, started by the engine thread as the prefill ends, and the
     # completion notice's own write once it completed.
     assert prefills[0].stats().extra["kv_transfer_writes"] == 2 * prefills[0].stats().extra["kv_transfer_sent"]
     if num_prefill == 2:  # p1: a write per pool, then the completion notice's own
@@ -153,6 +155,8 @@ def test_handoff_equals_colocated(k31_model, helpers, pool, num_prefill):
     # One host, one clock: the decode side timed every hand-off from the prefill's finish to its cache.
     assert moved["kv_transfer_timed"] == handed_off
     assert moved["kv_transfer_seconds_finish_to_cache"] > max(0.0, moved["kv_transfer_seconds_notice"])
+    # Concurrent hand-offs overlap: the seconds with one on its way count each shared second once.
+    assert 0.0 < moved["kv_transfer_seconds_busy"] <= moved["kv_transfer_seconds_finish_to_cache"] + 1e-9
 
 
 def test_failed_handoff_is_an_error_and_frees_everything(k31_model, helpers, pool):
@@ -179,7 +183,7 @@ def test_the_notice_lands_a_handoff_before_the_prefill_server_answers(k31_model,
     """The decode side runs a handed-off request once the transfer engine's completion notice is in:
     here the prefill call's answer is held back until the decode side has streamed its whole answer,
     packed (scattered from the staging area) and unpacked (written straight into the pools) alike."""
-    prefill = pool.add("p0", k31_model)
+    prefill = pool.add("p0", k31_model, HandOffConfig(direct_max_segments=-1))
     answered = threading.Event()
 
     def held_answer(url: str, payload: dict, timeout_s: float) -> dict:
@@ -328,14 +332,18 @@ def test_short_prompts_stay_on_the_decode_server(k31_model, helpers, pool):
     assert connector.stats()["kv_transfer_received"] == 1  # only the 10-token prompt was handed off
 
 
-@pytest.mark.parametrize("kv_cache_dtype,staging_bytes", [("fp8", 64 << 20), ("auto", 1024)])
-def test_fp8_pages_and_unpacked_handoffs_equal_colocated(k31_model, helpers, pool, kv_cache_dtype, staging_bytes):
-    """fp8 pages travel with their scales; a request larger than the decode side's staging area
-    (1 KiB here) is written straight into its pools, block run by block run, with the same result."""
+@pytest.mark.parametrize("kv_cache_dtype,staging_bytes,direct_max_segments",
+                         [("fp8", 64 << 20, -1), ("fp8", 64 << 20, 32), ("auto", 1024, -1)])
+def test_fp8_pages_and_unpacked_handoffs_equal_colocated(k31_model, helpers, pool, kv_cache_dtype, staging_bytes,
+                                                         direct_max_segments):
+    """fp8 pages travel with their scales, packed or straight into the decode side's pools (zero-copy);
+    a request larger than the decode side's staging area (1 KiB here) goes straight into its pools
+    whatever the prefill side prefers, with the same result."""
     prompts = helpers.prompts(3, 12, 30, seed=11)
     expected = [c.token_ids for c in LLMEngine(k31_model, config=EngineConfig(**CONFIG, kv_cache_dtype=kv_cache_dtype))
                 .generate(prompts, GREEDY, progress=False)]
-    prefill = pool.add("p0", k31_model, kv_cache_dtype=kv_cache_dtype)
+    prefill = pool.add("p0", k31_model, HandOffConfig(direct_max_segments=direct_max_segments),
+                       kv_cache_dtype=kv_cache_dtype)
     decode, connector = decode_engine(k31_model, pool, staging_bytes=staging_bytes, kv_cache_dtype=kv_cache_dtype)
 
     async def main():
@@ -349,7 +357,8 @@ def test_fp8_pages_and_unpacked_handoffs_equal_colocated(k31_model, helpers, poo
     layout = decode.engine.cache.layout
     assert connector.stats()["kv_transfer_bytes_received"] == sum(
         (len(p) - 1) * layout.bytes_per_token + layout.bytes_per_state_slot for p in prompts)
-    assert prefill.stats().extra["kv_transfer_unpacked"] == (len(prompts) if staging_bytes < 4096 else 0)
+    direct = staging_bytes < 4096 or direct_max_segments >= 0
+    assert prefill.stats().extra["kv_transfer_unpacked"] == (len(prompts) if direct else 0)
 
 
 @pytest.mark.parametrize("async_side", ["prefill", "decode", "both"])

@@ -1,7 +1,8 @@
 """P/D hand-offs with worker ranks (gloo, spawned workers, the real Mooncake transfer engine):
 prefill(ep2 or tp2) -> decode(1 process) and prefill(1 process) -> decode(ep2 or tp2) give the
 colocated one-process engine's greedy tokens, token for token, for concurrent prompts longer than
-a block (and a prefill-side prefix hit), packed and unpacked, with every block and slot back
+a block (and a prefill-side prefix hit), packed and unpacked (straight into the pools: a staging area
+of 0 bytes), with every block and slot back
 afterwards."""
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def check_moved(decode: LLMEngine, prefill: LLMEngine, prompts) -> None:
                          ids=["ep2", "ep2-unpacked", "tp2", "tp2-unpacked"])
 def test_prefill_with_workers_to_decode_one_process(checkpoint, workload, model, pool, tp, ep, staging_bytes):
     prompts, expected = workload
-    prefill_connector = MooncakeConnector(HandOffConfig(staging_bytes=staging_bytes))
+    prefill_connector = MooncakeConnector(HandOffConfig(staging_bytes=staging_bytes, direct_max_segments=-1))
     prefill = engine_with_role(checkpoint, prefill_connector, tp=tp, ep=ep)
     pool.engines["p0"] = (AsyncLLMEngine(prefill), prefill_connector)
     connector = MooncakeConnector(HandOffConfig(staging_bytes=staging_bytes), prefill_client=pool.client)
@@ -120,7 +121,7 @@ def decode_in_one_batch(decode: LLMEngine, connector: MooncakeConnector, prompts
                          ids=["ep2", "tp2", "tp2-unpacked"])
 def test_prefill_one_process_to_decode_with_workers(checkpoint, workload, model, pool, tp, ep, staging_bytes):
     prompts, expected = workload
-    prefill = pool.add("p0", model, HandOffConfig(staging_bytes=staging_bytes))
+    prefill = pool.add("p0", model, HandOffConfig(staging_bytes=staging_bytes, direct_max_segments=-1))
     connector = MooncakeConnector(HandOffConfig(staging_bytes=staging_bytes), prefill_client=pool.client)
     decode = engine_with_role(checkpoint, connector, tp=tp, ep=ep)
     processes = decode.executor.group.processes

@@ -79,11 +79,17 @@ def test_a_notice_reaches_the_peer_after_the_last_chunk(peers):
     writes = sender.write_as_ready(receiver.session, src.data_ptr(), dst.data_ptr(), 16384, iter([16384]), 4096, 5.0,
                                    notice="t2")
     assert writes == 1 and wait_for_notices(receiver, 1) == ["t2"] and torch.equal(dst, src)
-    # Segments straight into the peer's memory: the notice rides on the last one.
+    # Segments straight into the peer's memory in one batch, which carries the notice.
     dst.zero_()
     segments = [Segment(src.data_ptr() + i, dst.data_ptr() + i, 4096) for i in (0, 8192, 4096, 12288)]
     sender.write(receiver.session, segments, 5.0, notice="t3")
     assert wait_for_notices(receiver, 1) == ["t3"] and torch.equal(dst, src)
+    # The same segments as one asynchronous batch (`start_segments`, the engine thread's form), then
+    # `finish` waits for it and sends the notice on a write of the last segment's tail again.
+    dst.zero_()
+    write = sender.start_segments(receiver.session, segments)
+    assert sender.finish(write, 5.0, notice="t4") == 2
+    assert wait_for_notices(receiver, 1) == ["t4"] and torch.equal(dst, src)
     sender.write_as_ready(receiver.session, src.data_ptr(), dst.data_ptr(), 16384, iter([16384]), 4096, 5.0)
     assert wait_for_notices(receiver, 1, timeout_s=0.2) == []  # no notice asked, none sent
 
