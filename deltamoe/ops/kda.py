@@ -207,6 +207,9 @@ def kda_steps(
 # (`_state_pass`) only runs the three C x K x V products above (W S_0, q S_0, Kd^T u) and the small
 # M u. The inverse is one batched triangular solve
 # against the identity, then a matmul: much faster than solving against the K + V columns.
+# Without autograd (prefill) the loop writes every product into buffers allocated once per group
+# and updates the state in place; with it, each product is a new tensor, since backward reads the
+# state entering every chunk.
 #
 # Numerics. e^{G_i - G_j} = e^{G_i - r} e^{r - G_j} makes L and M plain matmuls; with r halfway
 # through the chunk's decay both factors stay within e^{+-span/2}, where span = G_0 - G_last =
@@ -273,16 +276,27 @@ def chunk_kda(
     # intermediates stay in cache and reuse freed memory (instead of fresh pages from the OS), and
     # inference memory is bounded by one group instead of growing with T.
     group = chunk_size * max(1, GROUP_ELEMENTS // (b * h * chunk_size * max(dk, dv)))
-    outputs: list[torch.Tensor] = []  # per chunk, [B, C, H, V]: one cat at the end lays out o
+    o = v.new_empty(b, t, h, dv, dtype=dtype)  # each group's chunks are copied into their tokens
     for start in range(0, t, group):
         part = slice(start, start + group)
-        chunk_outputs, state = _chunk_kda_group(
+        chunk_o, state = _chunk_kda_group(
             q[:, part], k[:, part], v[:, part], g[:, part], beta[:, part], state, scale, use_qk_l2norm, chunk_size,
             terms_fn,
         )
-        outputs.extend(chunk_outputs)
-    o = torch.cat(outputs, dim=1) if outputs else v.new_zeros(b, 0, h, dv, dtype=dtype)
+        _copy_to_tokens(chunk_o, o[:, part])
     return o.to(v.dtype), (state.view(b, h, dk, dv) if output_final_state else None)
+
+
+def _copy_to_tokens(chunk_o: torch.Tensor, tokens: torch.Tensor) -> None:
+    """Lay out o of a run of chunks [N, B*H, C, V] as its tokens [B, T, H, V] (a view of the
+    output), in one copy; the padding at the end of the last chunk is left out."""
+    n_chunks, _, chunk, dv = chunk_o.shape
+    b, t, h, _ = tokens.shape
+    by_token = chunk_o.view(n_chunks, b, h, chunk, dv).permute(1, 0, 3, 2, 4)  # [B, N, C, H, V]
+    full = t // chunk  # chunks without padding
+    tokens[:, : full * chunk].view(b, full, chunk, h, dv).copy_(by_token[:, :full])
+    if full < n_chunks:
+        tokens[:, full * chunk :].copy_(by_token[:, full, : t - full * chunk])
 
 
 def _centering_matrix(chunk: int, dtype: torch.dtype) -> torch.Tensor:
@@ -302,7 +316,6 @@ class _ChunkTerms(NamedTuple):
     q_decayed: torch.Tensor  # scale q * e^G [N, BH, C, K]
     k_to_end: torch.Tensor  # Kd^T [N, BH, K, C]
     chunk_decay: torch.Tensor  # e^{G_last} [N, BH, K, 1]
-    pad: int  # padding tokens at the end of the last chunk
 
 
 # (q, k, v, g, beta, scale, use_qk_l2norm, chunk) -> _ChunkTerms: `_chunk_terms` or a compiled form.
@@ -321,13 +334,13 @@ def _chunk_kda_group(
     use_qk_l2norm: bool,
     chunk_size: int,
     terms_fn: TermsFn,
-) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """The chunked form over one run of tokens: (o of each chunk [B, C, H, V] in the compute dtype,
-    padding cut off, concatenating to [B, T, H, V]; state [B*H, K, V])."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked form over one run of tokens: (o of its chunks [N, B*H, C, V] in the compute
+    dtype, the last one padded; state [B*H, K, V])."""
     dtype = _compute_dtype(q, k, v, g, beta)
     chunk = _pick_chunk_size(g.to(dtype), chunk_size)
     terms = terms_fn(q, k, v, g, beta, scale, use_qk_l2norm, chunk)
-    return _state_pass(terms, state, q.shape[0], q.shape[2])
+    return _state_pass(terms, state)
 
 
 def _chunk_terms(
@@ -399,20 +412,38 @@ def _chunk_terms(
     k_to_end = (k_from_half * torch.exp(half)).mT  # Kd^T: e^{G_last - G_j} = e^{r - H_j} e^{r}
     chunk_decay = torch.exp(first + 2 * half).mT  # e^{G_last} [N, BH, K, 1]
 
-    return _ChunkTerms(u, w, m_scores, q_decayed, k_to_end, chunk_decay, pad)
+    return _ChunkTerms(u, w, m_scores, q_decayed, k_to_end, chunk_decay)
 
 
-def _state_pass(terms: _ChunkTerms, state: torch.Tensor, b: int, h: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _state_pass(terms: _ChunkTerms, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The sequential part: chunk by chunk, the deltas, outputs and next state from the state
-    entering the chunk. Returns (o of each chunk [B, C, H, V], padding cut off; state [B*H, K, V])."""
-    u, w, m_scores, q_decayed, k_to_end, chunk_decay, pad = terms
-    n_chunks, _, chunk, dv = u.shape
+    entering the chunk. Returns (o of each chunk [N, B*H, C, V]; state [B*H, K, V])."""
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (*terms, state)):
+        return _differentiable_state_pass(terms, state)
+    return _state_pass_in_place(terms, state)
+
+
+def _differentiable_state_pass(terms: _ChunkTerms, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_state_pass` for autograd: a new tensor for every product (backward reads the states)."""
+    u, w, m_scores, q_decayed, k_to_end, chunk_decay = terms
     outputs = []
-    for n in range(n_chunks):
+    for n in range(u.shape[0]):
         delta = torch.baddbmm(u[n], w[n], state, alpha=-1)  # u = U - W S_0
-        o = torch.baddbmm(m_scores[n] @ delta, q_decayed[n], state)
-        outputs.append(o.view(b, h, chunk, dv).transpose(1, 2))
+        outputs.append(torch.baddbmm(m_scores[n] @ delta, q_decayed[n], state))
         state = torch.addcmul(k_to_end[n] @ delta, state, chunk_decay[n])
-    if pad:
-        outputs[-1] = outputs[-1][:, : chunk - pad]
-    return outputs, state
+    return torch.stack(outputs), state
+
+
+def _state_pass_in_place(terms: _ChunkTerms, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_state_pass` without autograd: the same products written into buffers allocated once, and
+    the state updated in place (in a copy: the caller's stays as it was)."""
+    u, w, m_scores, q_decayed, k_to_end, chunk_decay = terms
+    n_chunks, bh, chunk, dv = u.shape
+    o = torch.empty_like(u)
+    delta = u.new_empty(bh, chunk, dv)
+    state = state.clone()
+    for n in range(n_chunks):
+        torch.baddbmm(u[n], w[n], state, alpha=-1, out=delta)  # u = U - W S_0
+        torch.bmm(m_scores[n], delta, out=o[n]).baddbmm_(q_decayed[n], state)
+        state.mul_(chunk_decay[n]).baddbmm_(k_to_end[n], delta)
+    return o, state

@@ -37,7 +37,7 @@ def test_stages_add_up_and_the_op_is_restored(monkeypatch) -> None:
     assert kda._chunk_terms is terms and kda._state_pass is state_pass
     assert r["chunks_used"] and max(r["chunks_used"]) <= 16
     stages = r["stages_s"]
-    assert set(stages) == {"state-independent", "state pass", "concatenate o, rest"}
+    assert set(stages) == {"state-independent", "state pass", "o into token order, rest"}
     assert stages["state-independent"] > 0 and stages["state pass"] > 0
     assert abs(sum(stages.values()) - r["total_s"]) < 1e-9
     o, _ = kda.chunk_kda(**x, use_qk_l2norm=True, chunk_size=16)

@@ -138,6 +138,25 @@ def test_chunk_matches_recurrent_at_the_real_head_size(gate: str) -> None:
     assert_rel_close(s, s_ref, 1e-5)
 
 
+def test_inference_and_autograd_state_passes_agree_and_leave_the_state_alone() -> None:
+    """Without autograd the state pass writes into buffers and updates the state in place; with
+    it every product is a new tensor. Both equal the recurrence at K = V = 128, and neither
+    touches the initial state it was given."""
+    x = make_inputs(1, 100, 2, 128, 128, seed=53, a_log_range=(-4.0, -2.0))
+    state = torch.randn(1, 2, 128, 128, generator=torch.Generator().manual_seed(54))
+    given = state.clone()
+    o_ref, s_ref = recurrent_kda(**x, initial_state=state, output_final_state=True, use_qk_l2norm=True)
+    with torch.no_grad():
+        o_in_place, s_in_place = chunk_kda(**x, initial_state=state, output_final_state=True, use_qk_l2norm=True)
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o_autograd, s_autograd = chunk_kda(**leaves, initial_state=state, output_final_state=True, use_qk_l2norm=True)
+    assert o_autograd.grad_fn is not None
+    for o, s in ((o_in_place, s_in_place), (o_autograd.detach(), s_autograd.detach())):
+        assert_rel_close(o, o_ref, 1e-5)
+        assert_rel_close(s, s_ref, 1e-5)
+    assert torch.equal(state, given)
+
+
 def test_gates_near_zero_over_a_long_sequence() -> None:
     """g within 1e-6 of 0 (the memory hardly fades) over 2,000 tokens in 32 chunks: the state
     keeps everything it was written, so an error in the carried decays would pile up."""
