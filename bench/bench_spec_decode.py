@@ -104,23 +104,27 @@ def trained_checkpoint(steps: int, threads: int, mtp_depth: int) -> tuple[Path, 
 
 
 def distilled_checkpoint(checkpoint: Path, steps: int, threads: int, mtp_depth: int,
-                         out: Path | None = None, lr: float = DISTILL_LR) -> tuple[Path, bool]:
+                         out: Path | None = None, lr: float = DISTILL_LR,
+                         tasks: list[str] | None = None) -> tuple[Path, bool]:
     """`checkpoint` with its MTP layer self-distilled for `steps` steps (train/mtp_distill.py) at depths
-    1..mtp_depth on the model's own greedy continuations of training-split prompts of every task, raw
-    and chat-templated (16 rows a step; train/mtp_distill_data.py); cached beside it unless `out`."""
+    1..mtp_depth on the model's own greedy continuations of training-split prompts of every task (or
+    of `tasks`), raw and chat-templated (16 rows a step; train/mtp_distill_data.py); cached beside it
+    unless `out`."""
     from deltamoe.model.weights import save_checkpoint
     from deltamoe.train.mtp_distill import distill_mtp
     from deltamoe.train.mtp_distill_data import frozen_trunk_batches, own_continuations
 
     if out is None:
-        out = checkpoint.parent / f"model-mtp-distilled-own-{steps}"
+        variant = "" if tasks is None and lr == DISTILL_LR else f"-{'+'.join(tasks or ['all'])}-lr{lr:g}"
+        out = checkpoint.parent / f"model-mtp-distilled-own-{steps}{variant}"
         if (out / "config.json").exists():
             return out, True
     torch.set_num_threads(threads)
     model = load_model(checkpoint)
     tokenizer = load_tokenizer(checkpoint, model.config.vocab_size)
     encode = encoders(checkpoint, tokenizer)
-    texts = [p.prompt for ps in task_prompts(DISTILL_PROMPTS_PER_TASK, split="train").values() for p in ps]
+    texts = [p.prompt for task, ps in task_prompts(DISTILL_PROMPTS_PER_TASK, split="train").items()
+             if tasks is None or task in tasks for p in ps]
     t0 = time.perf_counter()
     rows = own_continuations(engine(model, tokenizer, None, False), [enc(t) for t in texts for enc in encode.values()],
                              DISTILL_NEW_TOKENS)
@@ -280,10 +284,15 @@ def main() -> None:
                          "0: off); with --checkpoint (default 0 there): continue from it, into --save-checkpoint")
     ap.add_argument("--mtp-distill-lr", type=float, default=DISTILL_LR,
                     help="peak learning rate of the MTP self-distillation (warm-up, then a cosine to a tenth)")
+    ap.add_argument("--mtp-distill-tasks", type=lambda v: v.split(","),
+                    help="comma-separated tasks whose prompts the distillation continues (default: every task)")
     ap.add_argument("--compile", action="store_true", help="plain decodes through the compiled graph")
     ap.add_argument("--acceptance-only", action="store_true",
                     help="acceptance per position alone: no tokens/s and no rollback timing (a loaded machine)")
     args = ap.parse_args()
+    unknown = sorted(set(args.mtp_distill_tasks or []) - set(TASK.split("+")))
+    if unknown:
+        raise SystemExit(f"--mtp-distill-tasks: unknown task {unknown[0]!r} (tasks: {TASK.replace('+', ', ')})")
     steps = 10 if args.quick else args.train_steps
     new_tokens = 12 if args.quick else args.new_tokens
     per_task = 2 if args.quick else args.prompts_per_task
@@ -305,20 +314,21 @@ def main() -> None:
         if distill:  # continue: distill the given checkpoint's MTP layer further
             checkpoint, reused = distilled_checkpoint(args.checkpoint, distill, args.train_threads,
                                                       args.mtp_train_depth, out=args.save_checkpoint,
-                                                      lr=args.mtp_distill_lr)
+                                                      lr=args.mtp_distill_lr, tasks=args.mtp_distill_tasks)
             trained = {**trained, "continued_from": str(args.checkpoint),
                        "mtp_distill_steps": (trained.get("mtp_distill_steps") or 0) + distill,
                        "mtp_distill_data": f"{trained.get('mtp_distill_steps') or 0} steps on "
                                            f"{trained.get('mtp_distill_data') or 'data rows'}, then {distill} on own "
-                                           f"greedy continuations (depths 1..{args.mtp_train_depth}, "
-                                           f"lr {args.mtp_distill_lr:g} with warm-up and cosine)"}
+                                           f"greedy continuations of {'+'.join(args.mtp_distill_tasks or ['every task'])} "
+                                           f"prompts (depths 1..{args.mtp_train_depth}, lr {args.mtp_distill_lr:g} "
+                                           f"with warm-up and cosine)"}
             (args.save_checkpoint / RECIPE_FILE).write_text(json.dumps(trained))
             print(f"saved the checkpoint to {args.save_checkpoint}", flush=True)
     else:
         checkpoint, reused = trained_checkpoint(steps, args.train_threads, args.mtp_train_depth)
         if distill:
             checkpoint, _ = distilled_checkpoint(checkpoint, distill, args.train_threads, args.mtp_train_depth,
-                                                 lr=args.mtp_distill_lr)
+                                                 lr=args.mtp_distill_lr, tasks=args.mtp_distill_tasks)
         if args.save_checkpoint is not None:
             shutil.copytree(checkpoint, args.save_checkpoint, dirs_exist_ok=True)
             (args.save_checkpoint / RECIPE_FILE).write_text(json.dumps(trained))
