@@ -75,6 +75,7 @@ RECIPE_FILE = "bench_spec_decode_recipe.json"  # beside a --save-checkpoint copy
 DISTILL_PROMPTS_PER_TASK = 64  # training-split prompts per task, each raw and chat-templated
 DISTILL_NEW_TOKENS = 48  # greedy tokens the model writes after each (the answer and beyond)
 DISTILL_LR = 1e-3
+DISTILL_WARMUP = 20  # steps of linear warm-up, then a cosine to a tenth of the rate
 
 
 def recipe(steps: int, threads: int, mtp_depth: int) -> dict:
@@ -103,29 +104,33 @@ def trained_checkpoint(steps: int, threads: int, mtp_depth: int) -> tuple[Path, 
 
 
 def distilled_checkpoint(checkpoint: Path, steps: int, threads: int, mtp_depth: int,
-                         out: Path | None = None) -> tuple[Path, bool]:
+                         out: Path | None = None, lr: float = DISTILL_LR,
+                         tasks: list[str] | None = None) -> tuple[Path, bool]:
     """`checkpoint` with its MTP layer self-distilled for `steps` steps (train/mtp_distill.py) at depths
-    1..mtp_depth on the model's own greedy continuations of training-split prompts of every task, raw
-    and chat-templated (16 rows a step; train/mtp_distill_data.py); cached beside it unless `out`."""
+    1..mtp_depth on the model's own greedy continuations of training-split prompts of every task (or
+    of `tasks`), raw and chat-templated (16 rows a step; train/mtp_distill_data.py); cached beside it
+    unless `out`."""
     from deltamoe.model.weights import save_checkpoint
     from deltamoe.train.mtp_distill import distill_mtp
-    from deltamoe.train.mtp_distill_data import continuation_batches, own_continuations
+    from deltamoe.train.mtp_distill_data import frozen_trunk_batches, own_continuations
 
     if out is None:
-        out = checkpoint.parent / f"model-mtp-distilled-own-{steps}"
+        variant = "" if tasks is None and lr == DISTILL_LR else f"-{'+'.join(tasks or ['all'])}-lr{lr:g}"
+        out = checkpoint.parent / f"model-mtp-distilled-own-{steps}{variant}"
         if (out / "config.json").exists():
             return out, True
     torch.set_num_threads(threads)
     model = load_model(checkpoint)
     tokenizer = load_tokenizer(checkpoint, model.config.vocab_size)
     encode = encoders(checkpoint, tokenizer)
-    texts = [p.prompt for ps in task_prompts(DISTILL_PROMPTS_PER_TASK, split="train").values() for p in ps]
+    texts = [p.prompt for task, ps in task_prompts(DISTILL_PROMPTS_PER_TASK, split="train").items()
+             if tasks is None or task in tasks for p in ps]
     t0 = time.perf_counter()
     rows = own_continuations(engine(model, tokenizer, None, False), [enc(t) for t in texts for enc in encode.values()],
                              DISTILL_NEW_TOKENS)
     print(f"MTP self-distillation: {len(rows)} greedy continuations in {time.perf_counter() - t0:.0f} s", flush=True)
-    losses = distill_mtp(model, continuation_batches(rows, 16, steps, model.config.pad_token_id), mtp_depth,
-                         lr=DISTILL_LR)
+    losses = distill_mtp(model, frozen_trunk_batches(model, rows, 16, steps), mtp_depth, lr=lr,
+                         warmup=min(DISTILL_WARMUP, steps // 5), total_steps=steps)
     print(f"MTP self-distillation: loss {losses[0]:.3f} -> {losses[-1]:.3f} over {steps} steps", flush=True)
     save_checkpoint(model, out)
     return out, False
@@ -277,8 +282,17 @@ def main() -> None:
     ap.add_argument("--mtp-distill-steps", type=int,
                     help="then fine-tune the MTP layer alone on the model's own greedy continuations (default 300; "
                          "0: off); with --checkpoint (default 0 there): continue from it, into --save-checkpoint")
+    ap.add_argument("--mtp-distill-lr", type=float, default=DISTILL_LR,
+                    help="peak learning rate of the MTP self-distillation (warm-up, then a cosine to a tenth)")
+    ap.add_argument("--mtp-distill-tasks", type=lambda v: v.split(","),
+                    help="comma-separated tasks whose prompts the distillation continues (default: every task)")
     ap.add_argument("--compile", action="store_true", help="plain decodes through the compiled graph")
+    ap.add_argument("--acceptance-only", action="store_true",
+                    help="acceptance per position alone: no tokens/s and no rollback timing (a loaded machine)")
     args = ap.parse_args()
+    unknown = sorted(set(args.mtp_distill_tasks or []) - set(TASK.split("+")))
+    if unknown:
+        raise SystemExit(f"--mtp-distill-tasks: unknown task {unknown[0]!r} (tasks: {TASK.replace('+', ', ')})")
     steps = 10 if args.quick else args.train_steps
     new_tokens = 12 if args.quick else args.new_tokens
     per_task = 2 if args.quick else args.prompts_per_task
@@ -299,18 +313,22 @@ def main() -> None:
         trained = json.loads(saved.read_text()) if saved.exists() else dict.fromkeys(trained)
         if distill:  # continue: distill the given checkpoint's MTP layer further
             checkpoint, reused = distilled_checkpoint(args.checkpoint, distill, args.train_threads,
-                                                      args.mtp_train_depth, out=args.save_checkpoint)
+                                                      args.mtp_train_depth, out=args.save_checkpoint,
+                                                      lr=args.mtp_distill_lr, tasks=args.mtp_distill_tasks)
             trained = {**trained, "continued_from": str(args.checkpoint),
                        "mtp_distill_steps": (trained.get("mtp_distill_steps") or 0) + distill,
                        "mtp_distill_data": f"{trained.get('mtp_distill_steps') or 0} steps on "
                                            f"{trained.get('mtp_distill_data') or 'data rows'}, then {distill} on own "
-                                           f"greedy continuations (depths 1..{args.mtp_train_depth})"}
+                                           f"greedy continuations of {'+'.join(args.mtp_distill_tasks or ['every task'])} "
+                                           f"prompts (depths 1..{args.mtp_train_depth}, lr {args.mtp_distill_lr:g} "
+                                           f"with warm-up and cosine)"}
             (args.save_checkpoint / RECIPE_FILE).write_text(json.dumps(trained))
             print(f"saved the checkpoint to {args.save_checkpoint}", flush=True)
     else:
         checkpoint, reused = trained_checkpoint(steps, args.train_threads, args.mtp_train_depth)
         if distill:
-            checkpoint, _ = distilled_checkpoint(checkpoint, distill, args.train_threads, args.mtp_train_depth)
+            checkpoint, _ = distilled_checkpoint(checkpoint, distill, args.train_threads, args.mtp_train_depth,
+                                                 lr=args.mtp_distill_lr, tasks=args.mtp_distill_tasks)
         if args.save_checkpoint is not None:
             shutil.copytree(checkpoint, args.save_checkpoint, dirs_exist_ok=True)
             (args.save_checkpoint / RECIPE_FILE).write_text(json.dumps(trained))
@@ -328,6 +346,14 @@ def main() -> None:
               for kind, tasks in per_task_accept.items()}
     accept_open = {kind: [acceptance(model, tokenizer, open_ended(mix, enc, new_tokens), k) for k in (1, 2, 3)]
                    for kind, enc in encode.items()}
+    rows = [[kind, task, f"K={r['k']}", " ".join(f"{x:.2f}" for x in r["per_position"]), f"{r['mean_kept_drafts']:.2f}"]
+            for kind, tasks in [(k, {**t, "(mix)": accept[k]}) for k, t in per_task_accept.items()]
+            for task, rs in tasks.items() for r in rs]
+    rows += [[kind, f"(open-ended, {new_tokens} tokens)", f"K={r['k']}", " ".join(f"{x:.2f}" for x in r["per_position"]),
+              f"{r['mean_kept_drafts']:.2f}"] for kind, rs in accept_open.items() for r in rs]
+    print(markdown_table(["prompts", "task", "drafts", "acceptance per position", "kept per verification"], rows))
+    if args.acceptance_only:
+        return
     workloads = {"mix": (to_answer_end(mix, encode["raw"]), accept["raw"]),
                  "repeat": (to_answer_end(by_task["repeat"], encode["raw"]), per_task_accept["raw"]["repeat"]),
                  "open_ended": (open_ended(mix, encode["raw"], new_tokens), accept_open["raw"])}
@@ -351,12 +377,6 @@ def main() -> None:
         "goal_met": goals["mix"], "goal_met_by_workload": goals,
     }
     path = write_result(result_name("spec_decode", args.quick), data)
-    rows = [[kind, task, f"K={r['k']}", " ".join(f"{x:.2f}" for x in r["per_position"]), f"{r['mean_kept_drafts']:.2f}"]
-            for kind, tasks in [(k, {**t, "(mix)": accept[k]}) for k, t in per_task_accept.items()]
-            for task, rs in tasks.items() for r in rs]
-    rows += [[kind, f"(open-ended, {new_tokens} tokens)", f"K={r['k']}", " ".join(f"{x:.2f}" for x in r["per_position"]),
-              f"{r['mean_kept_drafts']:.2f}"] for kind, rs in accept_open.items() for r in rs]
-    print(markdown_table(["prompts", "task", "drafts", "acceptance per position", "kept per verification"], rows))
     print(markdown_table(["workload", "batch", *speeds["mix"][0]["tokens_per_s"], "K=2 speedup", "goal"],
                          [[name, s["batch"], *(f"{v:,.1f}" for v in s["tokens_per_s"].values()),
                            f"{s['speedup']['K=2']:.2f}x", goals[name] if s["batch"] == 1 else ""]

@@ -17,10 +17,15 @@ rows of data (prompts full of random keys) the trunk's argmax is noise that teac
 shortcuts (echoing its input token) which never hold on the model's own text. `DistillBatch.scored`
 restricts the loss to chosen positions: with the model's own greedy continuations
 (`train/mtp_distill_data.py`), the positions it generated.
+
+Since the trunk is frozen, its states and greedy labels for a row never change: a batch may carry
+them (`DistillBatch.hidden` / `labels`, from `mtp_distill_data.frozen_trunk_batches`, which runs
+the trunk once per row), and a step is then the MTP layer's forward and backward alone.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -34,6 +39,8 @@ from deltamoe.model.mtp_chain import mtp_states
 class DistillBatch:
     input_ids: torch.Tensor  # [B, T]
     scored: torch.Tensor | None = None  # [B, T] bool: the labels (token positions) the loss counts; None: all
+    hidden: torch.Tensor | None = None  # [B, T, D] the trunk's states, when computed ahead (frozen trunk)
+    labels: torch.Tensor | None = None  # [B, T] `trunk_targets`' labels for them (`scored` already applied)
 
 
 @torch.no_grad()
@@ -53,11 +60,22 @@ def trunk_targets(model: DeltaMoEForCausalLM, input_ids: torch.Tensor, pad_id: i
     return h, labels
 
 
+def lr_at(step: int, lr: float, warmup: int, total: int | None, min_ratio: float = 0.1) -> float:
+    """Linear warm-up over `warmup` steps, then a cosine down to `min_ratio` * lr at step `total`
+    (constant after the warm-up when `total` is None). `step` counts from 1."""
+    scale = min(1.0, step / warmup) if warmup > 0 else 1.0
+    if total is not None and step > warmup:
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        scale *= min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return lr * scale
+
+
 def distill_mtp(model: DeltaMoEForCausalLM, batches: Iterable[torch.Tensor | DistillBatch], depth: int,
-                lr: float = 5e-4) -> list[float]:
+                lr: float = 5e-4, warmup: int = 0, total_steps: int | None = None) -> list[float]:
     """One AdamW step per batch (input ids [B, T], or a DistillBatch) on the MTP layer's parameters
-    only; the mean over depths 1..depth of the cross-entropy against `trunk_targets`. Returns the
-    loss per step."""
+    only; the mean over depths 1..depth of the cross-entropy against `trunk_targets` (the batch's
+    own `hidden`/`labels` when it carries them). The learning rate follows `lr_at(step, lr, warmup,
+    total_steps)`. Returns the loss per step."""
     layers = model.model.mtp_layers
     if not layers:
         raise ValueError("the model has no MTP layer to distill (num_nextn_predict_layers = 0)")
@@ -65,11 +83,16 @@ def distill_mtp(model: DeltaMoEForCausalLM, batches: Iterable[torch.Tensor | Dis
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     losses: list[float] = []
     try:
-        for batch in batches:
+        for step, batch in enumerate(batches, start=1):
             if isinstance(batch, torch.Tensor):
                 batch = DistillBatch(batch)
             ids = batch.input_ids
-            h, labels = trunk_targets(model, ids, model.config.pad_token_id, batch.scored)
+            if batch.hidden is not None and batch.labels is not None:
+                h, labels = batch.hidden, batch.labels
+            else:
+                h, labels = trunk_targets(model, ids, model.config.pad_token_id, batch.scored)
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, lr, warmup, total_steps)
             with torch.no_grad():
                 embeds = model.model.embed_tokens(ids)
             states = mtp_states(layers, h, embeds, depth)

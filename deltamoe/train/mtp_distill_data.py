@@ -15,9 +15,10 @@ from typing import Iterator
 
 import torch
 
+from deltamoe.model.model import IGNORE_INDEX, DeltaMoEForCausalLM
 from deltamoe.serve.engine.llm_engine import LLMEngine
 from deltamoe.serve.engine.sampling import SamplingParams
-from deltamoe.train.mtp_distill import DistillBatch
+from deltamoe.train.mtp_distill import DistillBatch, trunk_targets
 
 MIN_NEW_TOKENS = 8  # every depth up to 3 needs scored labels in every row
 
@@ -37,24 +38,61 @@ def own_continuations(engine: LLMEngine, prompts: list[list[int]], new_tokens: i
     return [Continuation(p + c.token_ids, len(p)) for p, c in zip(prompts, completions)]
 
 
-def continuation_batches(rows: list[Continuation], batch_size: int, steps: int, pad_id: int,
-                         seed: int = 0) -> Iterator[DistillBatch]:
-    """`steps` batches of `batch_size` rows, right-padded with `pad_id`, drawn in shuffled passes
-    over `rows`; `scored` marks each row's continuation positions (see the module docstring)."""
-    if not rows:
+def padded(rows: list[Continuation], pad_id: int) -> DistillBatch:
+    """The rows right-padded with `pad_id` to the longest; `scored` marks each row's continuation
+    positions (see the module docstring)."""
+    width = max(len(r.token_ids) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    scored = torch.zeros(len(rows), width, dtype=torch.bool)
+    for b, r in enumerate(rows):
+        ids[b, :len(r.token_ids)] = torch.tensor(r.token_ids)
+        scored[b, r.prompt_len + 1:len(r.token_ids)] = True
+    return DistillBatch(ids, scored)
+
+
+def shuffled_picks(count: int, batch_size: int, steps: int, seed: int) -> Iterator[list[int]]:
+    """`steps` lists of `batch_size` indices into `count` rows, drawn in shuffled passes."""
+    if count == 0:
         raise ValueError("no continuation rows to distill on")
     rng = random.Random(seed)
     order: list[int] = []
     for _ in range(steps):
         while len(order) < batch_size:
-            more = list(range(len(rows)))
+            more = list(range(count))
             rng.shuffle(more)
             order += more
-        picked, order = [rows[i] for i in order[:batch_size]], order[batch_size:]
-        width = max(len(r.token_ids) for r in picked)
-        ids = torch.full((len(picked), width), pad_id, dtype=torch.long)
-        scored = torch.zeros(len(picked), width, dtype=torch.bool)
-        for b, r in enumerate(picked):
-            ids[b, :len(r.token_ids)] = torch.tensor(r.token_ids)
-            scored[b, r.prompt_len + 1:len(r.token_ids)] = True
-        yield DistillBatch(ids, scored)
+        picked, order = order[:batch_size], order[batch_size:]
+        yield picked
+
+
+def continuation_batches(rows: list[Continuation], batch_size: int, steps: int, pad_id: int,
+                         seed: int = 0) -> Iterator[DistillBatch]:
+    """`steps` batches of `batch_size` rows, right-padded with `pad_id`, drawn in shuffled passes
+    over `rows`; `scored` marks each row's continuation positions (see the module docstring)."""
+    for picked in shuffled_picks(len(rows), batch_size, steps, seed):
+        yield padded([rows[i] for i in picked], pad_id)
+
+
+@torch.no_grad()
+def frozen_trunk_batches(model: DeltaMoEForCausalLM, rows: list[Continuation], batch_size: int, steps: int,
+                         seed: int = 0, chunk: int = 64) -> Iterator[DistillBatch]:
+    """`continuation_batches`' batches (same rows, same order) carrying the trunk's states and
+    labels, computed once per row `chunk` rows at a time: the trunk is frozen during distillation,
+    and causal, so a row's states do not depend on the rows or padding beside it."""
+    if not rows:
+        raise ValueError("no continuation rows to distill on")
+    pad_id = model.config.pad_token_id
+    whole = padded(rows, pad_id)
+    width = whole.input_ids.shape[1]
+    hidden, labels = [], []
+    for i in range(0, len(rows), chunk):
+        part = padded(rows[i:i + chunk], pad_id)
+        h, lab = trunk_targets(model, part.input_ids, pad_id, part.scored)
+        hidden.append(torch.nn.functional.pad(h, (0, 0, 0, width - h.shape[1])))
+        labels.append(torch.nn.functional.pad(lab, (0, width - lab.shape[1]), value=IGNORE_INDEX))
+    all_hidden, all_labels = torch.cat(hidden), torch.cat(labels)
+    for picked in shuffled_picks(len(rows), batch_size, steps, seed):
+        width = max(len(rows[i].token_ids) for i in picked)
+        index = torch.tensor(picked)
+        yield DistillBatch(whole.input_ids[index, :width], whole.scored[index, :width],
+                           all_hidden[index, :width], all_labels[index, :width])

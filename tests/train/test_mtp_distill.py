@@ -3,12 +3,13 @@ chained loss falls."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from deltamoe.config import load_preset
 from deltamoe.model.load import build_model
 from deltamoe.model.model import IGNORE_INDEX
-from deltamoe.train.mtp_distill import distill_mtp, trunk_targets
+from deltamoe.train.mtp_distill import distill_mtp, lr_at, trunk_targets
 
 
 def small_model():
@@ -44,3 +45,10 @@ def test_only_the_mtp_layer_learns_and_its_loss_falls():
             assert torch.equal(p, trunk_before[n]), n
     assert any(not torch.equal(p, q) for p, q in zip(model.model.mtp_layers[0].parameters(), mtp_before))
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_learning_rate_warms_up_then_follows_a_cosine_to_its_floor():
+    assert [lr_at(s, 1.0, 4, None) for s in (1, 2, 4, 50)] == [0.25, 0.5, 1.0, 1.0]
+    assert lr_at(4, 1.0, 4, 104) == 1.0 and lr_at(104, 1.0, 4, 104) == pytest.approx(0.1)
+    assert lr_at(54, 1.0, 4, 104) == pytest.approx(0.55)  # halfway: the mean of 1 and the floor
+    assert lr_at(3, 2.0, 0, 3, min_ratio=0.5) == pytest.approx(1.0)

@@ -10,7 +10,7 @@ from deltamoe.model.model import IGNORE_INDEX
 from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.llm_engine import LLMEngine
 from deltamoe.train.mtp_distill import DistillBatch, distill_mtp, trunk_targets
-from deltamoe.train.mtp_distill_data import Continuation, continuation_batches, own_continuations
+from deltamoe.train.mtp_distill_data import Continuation, continuation_batches, frozen_trunk_batches, own_continuations
 from tests.train.test_mtp_distill import small_model
 
 PAD = 258
@@ -56,3 +56,20 @@ def test_unscored_labels_are_ignored_and_do_not_move_the_loss():
     masked = distill_mtp(small_model(), [DistillBatch(ids, scored)], depth=2)[0]
     full = distill_mtp(small_model(), [ids], depth=2)[0]
     assert torch.isfinite(torch.tensor(masked)) and abs(masked - full) > 1e-4
+
+
+def test_frozen_trunk_batches_carry_the_trunk_targets_of_the_same_batches():
+    model = small_model()
+    gen = torch.Generator().manual_seed(2)
+    rows = [Continuation(torch.randint(0, 256, (n,), generator=gen).tolist(), p) for n, p in [(12, 3), (9, 2), (14, 5)]]
+    plain = list(continuation_batches(rows, 2, 3, PAD, seed=1))
+    frozen = list(frozen_trunk_batches(model, rows, 2, 3, seed=1, chunk=2))
+    for a, b in zip(plain, frozen, strict=True):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.scored, b.scored)
+        h, labels = trunk_targets(model, a.input_ids, PAD, a.scored)
+        assert torch.equal(b.labels, labels)
+        real = a.input_ids != PAD
+        torch.testing.assert_close(b.hidden[real], h[real], atol=1e-5, rtol=1e-5)
+    # The same steps either way: the MTP layer sees the same states and targets.
+    losses = [distill_mtp(small_model(), batches, depth=2, lr=3e-3) for batches in (plain, frozen)]
+    torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(losses[1]), atol=1e-4, rtol=1e-4)
