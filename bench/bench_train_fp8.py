@@ -38,6 +38,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, markdown_table, result_name, write_result  # noqa: E402
 
@@ -234,8 +236,9 @@ def main() -> None:
         ref, fp8 = results[0::2], results[1::2]
     settings["data"]["path"] = "corpus.jsonl (docs/*.md + README.md)"
     summary = summarise(ref, fp8)
-    data = {"objective": "byte-level language modelling", "corpus": corpus, "settings": settings, "steps": steps,
-            "schedule_steps": schedule, "eval_step": ref[0]["eval_step"], "seeds": seeds, "tail_steps": tail,
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the trainer's (CUDA: the products use scaled_mm)
+    data = {"objective": "byte-level language modelling", "device": device, "corpus": corpus, "settings": settings,
+            "steps": steps, "schedule_steps": schedule, "eval_step": ref[0]["eval_step"], "seeds": seeds, "tail_steps": tail,
             "goal_rel_gap": GOAL, "precision": args.precision, **summary, args.precision: ref, "fp8_blockwise": fp8}
     path = write_result(result_name("train_fp8", args.quick), data)
     png = plot(args.precision, ref, fp8, RESULTS / f"{result_name('train_fp8', args.quick)}.png")

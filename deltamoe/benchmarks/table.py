@@ -167,7 +167,7 @@ def train_fp8_rows(d: dict) -> list[Row]:
              " / ".join(f"{pct(g['mean'])} +- {pct(g['std'], '')}" for g in gaps)
              + f" (seed to seed: {pct(d['seed_rel_spread'], '')} / {pct(d['seed_eval_rel_spread'], '')})",
              verdict([(f"mean within {goal:.0%}".replace("%", " %"), all(abs(g["mean"]) <= goal for g in gaps))],
-                     "on a CPU the e4m3 products are an exact emulation" if prec == "fp32" else None)]]
+                     "on a CPU the e4m3 products are an exact emulation" if d.get("device", "cpu") == "cpu" else None)]]
 
 
 def ep_overlap_rows(d: dict) -> list[Row]:

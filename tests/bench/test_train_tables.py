@@ -23,6 +23,13 @@ def test_train_fp8_row_shows_means_over_seeds_and_judges_both_mean_gaps():
     assert row[3].startswith("+0.2 % +- 0.4 % / +2.0 % +- 0.2 %") and row[4].startswith("mean within 1 % (missed)")
     [row] = FORMATTERS["train_fp8"]({**_fp8([0.5, 0.52, 0.54], [0, 0, 0]), "schedule_steps": 320, "eval_step": 200})
     assert "the first 240 of 320 steps (unfinished; eval loss at step 200)" in row[0]
+    # The emulation note follows the device the runs trained on (results without one came from a CPU).
+    bf16_cpu = {**_fp8([0.5, 0.52, 0.54], [0, 0, 0]), "precision": "bf16", "device": "cpu"}
+    bf16_cpu["bf16"] = bf16_cpu.pop("fp32")
+    [row] = FORMATTERS["train_fp8"](bf16_cpu)
+    assert row[2] == "bf16 0.5200 / 0.6000" and row[4].endswith("on a CPU the e4m3 products are an exact emulation")
+    [row] = FORMATTERS["train_fp8"]({**bf16_cpu, "device": "cuda"})
+    assert row[4] == "mean within 1 % (met)"
 
 
 def test_ep_overlap_row_shows_exposed_all_to_all_before_and_after():

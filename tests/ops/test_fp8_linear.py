@@ -59,6 +59,26 @@ def test_autocast_output_dtype_and_fp32_grads():
     assert x.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
 
 
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])  # a norm's output, another op's bf16 output
+def test_autocast_rounds_the_fp32_product_once_like_scaled_mm(x_dtype):
+    # An fp8 GEMM reads e4m3 operands, accumulates in fp32 and rounds its output once to bf16: inside a bf16
+    # region the product must be the fp32 quant reference rounded once, with no bf16 operand or partial sum,
+    # and the backward products (from the bf16 grad the region hands back) the fp32 reference as well.
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(70, 200, generator=g) * 3).to(x_dtype).requires_grad_()  # partial tiles on every dim
+    w = (torch.randn(130, 200, generator=g) * 0.05).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = fp8_linear(x, w)
+    dy = torch.randn(70, 130, generator=g).to(torch.bfloat16)
+    y.backward(dy)
+    x32 = x.detach().float()
+    assert torch.equal(y.detach(), reference_forward(x32, w.detach()).to(torch.bfloat16))
+    dx, dw = reference_grads(x32, w.detach(), dy.float())
+    assert x.grad.dtype == x_dtype and w.grad.dtype == torch.float32
+    assert torch.equal(x.grad, dx.to(x_dtype))
+    torch.testing.assert_close(w.grad, dw, rtol=1e-6, atol=1e-5)
+
+
 def _rel_rows(approx: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
     return (approx - exact).norm(dim=1) / exact.norm(dim=1)
 
