@@ -10,7 +10,7 @@ Elsewhere the default decodes eagerly; `--compile` asked for explicitly
 where it cannot run stays an error naming the option. DELTAMOE_COMPILE_DEFAULT=0 makes the
 default eager everywhere (the test suite sets it: a first compile takes a minute or more per model).
 
-Imports no torch: the CLI decides before loading anything.
+Imports no torch (but to read a quantized checkpoint's scheme): the CLI decides before loading anything.
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ def _has_cxx() -> bool:
 
 def quantized_without_compiled_form(model: str) -> bool:
     """Whether `model` is a checkpoint folder with quantized weights that the compiled decode step
-    does not run: a `quantization_config` in its config.json other than int4 W4A16 (`_int4_w4a16`),
-    or packed expert tensors (`weight_packed`, K3's MXFP4 experts) named in its index.
+    does not run: a `quantization_config` in its config.json that `model.quant_scheme` does not read
+    as int4 W4A16 (W4A8, MXFP4, or one loading will refuse), or packed expert tensors
+    (`weight_packed`, K3's MXFP4 experts) named in its index.
     A preset name, or a folder this cannot read, counts as full precision: loading reports the rest."""
     folder = Path(model)
     try:
@@ -58,17 +59,15 @@ def quantized_without_compiled_form(model: str) -> bool:
 
 
 def _int4_w4a16(qc: object) -> bool:
-    """Whether a compressed-tensors `quantization_config` is int4 weights with float activations (what
-    `model.quant_scheme.scheme_from_config` reads as format int4). Read here without importing torch."""
-    if not isinstance(qc, dict) or not isinstance(qc.get("config_groups"), dict):
-        return False
-    groups = list(qc["config_groups"].values())
-    if len(groups) != 1 or not isinstance(groups[0], dict):
-        return False
-    weights = groups[0].get("weights") or {}
-    fmt = qc.get("format") or groups[0].get("format")
-    return (fmt == "pack-quantized" and isinstance(weights, dict) and weights.get("num_bits") == 4
-            and weights.get("type") == "int" and groups[0].get("input_activations") is None)
+    """Whether a `quantization_config` is int4 weights with float activations, as the loader reads it
+    (imports torch: only for a quantized checkpoint, which loads torch next anyway)."""
+    from deltamoe.errors import CheckpointError
+    from deltamoe.model.quant_scheme import scheme_from_config
+
+    try:
+        return isinstance(qc, dict) and scheme_from_config(qc).format == "int4"
+    except (CheckpointError, AttributeError, TypeError, ValueError, KeyError):
+        return False  # loading names what is wrong with it
 
 
 def resolve_compile(flag: bool | None, device: str, tp: int, ep: int, kv_cache_dtype: str, model: str = "") -> bool:
