@@ -11,13 +11,18 @@ exceed MAX_CHUNK_SPAN (the table gives the length it used). `--decay-scale 0.25`
 log-decays so that chunks of 64 keep their length at K = 128: the plain 64-token form's time, a
 lower bound for any form that reaches 64 with the softplus gate by splitting a chunk into
 sub-chunks with their own decay anchors (those only add work to it). Times are medians of `--repeats`
-runs; per-op times come from one profiled run after them. Prints a markdown table; figures on a
+runs; per-op times come from one profiled run after them. A second table gives each matmul shape's
+achieved GFLOP/s in that run against the same matmul alone (hot operands, an out= buffer): the
+state pass's products are the [B*H, ...] shapes, the state-independent part's the [chunks*B*H, ...]
+ones. (Allocation counts the allocator calls only; first touches of fresh pages land in the op
+that writes them.) Prints a markdown table; figures on a
 loaded machine are indicative only.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -35,6 +40,7 @@ from deltamoe.ops import kda  # noqa: E402
 
 MATMULS = {"aten::bmm", "aten::baddbmm", "aten::baddbmm_", "aten::mm", "aten::addmm"}
 SOLVE = "aten::linalg_solve_triangular"
+ALLOCATIONS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty", "aten::zeros"}
 STAGES = ("state-independent", "state pass", "o into token order, rest")
 
 
@@ -58,18 +64,53 @@ class StageTimer:
         return timed
 
 
-def op_split(run: Callable[[], object]) -> dict[str, float]:
-    """CPU seconds of one run by kind of op: matmul, triangular solve (with the ops it calls),
-    everything else."""
+def op_split(run: Callable[[], object]) -> tuple[dict[str, float], list[dict]]:
+    """CPU seconds of one run by kind of op (matmul, triangular solve with the ops it calls,
+    allocation calls, everything else: elementwise, exp, layout copies, tril), and each matmul shape's calls, time and achieved GFLOP/s."""
     from torch.profiler import ProfilerActivity, profile  # slow to import: only where used
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         run()
-    events = prof.key_averages()
+    events = prof.key_averages(group_by_input_shape=True)
     everything = sum(e.self_cpu_time_total for e in events) / 1e6
     matmul = sum(e.self_cpu_time_total for e in events if e.key in MATMULS) / 1e6
     solve = sum(e.cpu_time_total for e in events if e.key == SOLVE) / 1e6
-    return {"matmul": matmul, "solve": solve, "rest": everything - matmul - solve}
+    allocation = sum(e.self_cpu_time_total for e in events if e.key in ALLOCATIONS) / 1e6
+    shapes = [
+        {"op": e.key, "shapes": e.input_shapes, "calls": e.count, "seconds": e.self_cpu_time_total / 1e6,
+         "gflop": e.count * matmul_flops(e.key, e.input_shapes) / 1e9}
+        for e in events if e.key in MATMULS
+    ]
+    return {"matmul": matmul, "solve": solve, "allocation": allocation,
+            "rest": everything - matmul - solve - allocation}, shapes
+
+
+def _operands(op: str, shapes: list[list[int]]) -> tuple[list[int], list[int]]:
+    """The two multiplied operands' shapes: bmm/mm (a, b), baddbmm/addmm (input, a, b)."""
+    return (shapes[0], shapes[1]) if op in ("aten::bmm", "aten::mm") else (shapes[1], shapes[2])
+
+
+def matmul_flops(op: str, shapes: list[list[int]]) -> int:
+    a, b = _operands(op, shapes)
+    return 2 * math.prod(a) * b[-1]  # [..., m, k] @ [..., k, n]: 2 m k n per batch entry
+
+
+def isolated_seconds(op: str, shapes: list[list[int]], repeats: int = 50) -> float:
+    """Seconds per call of the same matmul alone (hot operands, an out= buffer): what MKL gives
+    for that shape on this machine."""
+    a_shape, b_shape = _operands(op, shapes)
+    a, b = torch.randn(a_shape), torch.randn(b_shape)
+    out = torch.empty(*a_shape[:-1], b_shape[-1])
+    batched = len(a_shape) == 3
+    fn = (lambda: torch.bmm(a, b, out=out)) if batched else (lambda: torch.mm(a, b, out=out))
+    if op in ("aten::baddbmm", "aten::baddbmm_", "aten::addmm"):
+        fn = (lambda: out.baddbmm_(a, b)) if batched else (lambda: out.addmm_(a, b))
+    for _ in range(5):
+        fn()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) / repeats
 
 
 def measure(x: dict[str, torch.Tensor], chunk_size: int, repeats: int, split_ops: bool = True) -> dict:
@@ -91,14 +132,14 @@ def measure(x: dict[str, torch.Tensor], chunk_size: int, repeats: int, split_ops
                 totals.append(time.perf_counter() - start)
                 for stage, seconds in timer.seconds.items():
                     stages[stage].append(seconds)
-            ops = op_split(run) if split_ops else {}
+            ops, matmuls = op_split(run) if split_ops else ({}, [])
     finally:
         kda._chunk_terms, kda._state_pass = terms, state_pass
     total = statistics.median(totals)
     parts = {stage: statistics.median(s) for stage, s in stages.items()}
     parts["o into token order, rest"] = total - sum(parts.values())
     return {"chunk_size": chunk_size, "chunks_used": sorted(timer.chunks), "total_s": total, "stages_s": parts,
-            "ops_s": ops}
+            "ops_s": ops, "matmuls": matmuls}
 
 
 def main() -> None:
@@ -130,14 +171,23 @@ def main() -> None:
         rows.append([
             chunk_size, "/".join(str(c) for c in r["chunks_used"]), f"{r['total_s'] * 1e3:.1f}",
             *(f"{r['stages_s'].get(s, 0.0) * 1e3:.1f}" for s in STAGES),
-            " / ".join(f"{ops.get(k, 0.0) / op_total:.0%}" for k in ("matmul", "solve", "rest")),
+            " / ".join(f"{ops.get(k, 0.0) / op_total:.0%}" for k in ("matmul", "solve", "allocation", "rest")),
         ])
     print(f"T={args.seq_len}, B=1, H=8, K=V={args.head_dim}, fp32, {args.threads} threads, median of {args.repeats}, "
           f"log-decays x {args.decay_scale:g}")
     print(markdown_table(
         ["chunk_size", "chunks used", "total (ms)", *(f"{s} (ms)" for s in STAGES),
-         "matmul / solve / rest (share of op time)"],
+         "matmul / solve / allocation / rest (share of op time)"],
         rows,
+    ))
+    print("\nMatmuls of the last chunk size's profiled run, against the same shape alone (out= buffer):")
+    print(markdown_table(
+        ["op", "operand shapes", "calls", "time (ms)", "GFLOP/s in the run", "GFLOP/s alone", "run / alone"],
+        [[m["op"], " x ".join(str(list(x)) for x in _operands(m["op"], m["shapes"])), m["calls"],
+          f"{m['seconds'] * 1e3:.1f}", f"{m['gflop'] / m['seconds']:.0f}",
+          f"{matmul_flops(m['op'], m['shapes']) / 1e9 / alone:.0f}", f"{m['gflop'] / m['seconds'] * alone / (matmul_flops(m['op'], m['shapes']) / 1e9):.2f}"]
+         for m in sorted(r["matmuls"], key=lambda m: -m["seconds"])
+         for alone in [isolated_seconds(m["op"], m["shapes"])]],
     ))
 
 

@@ -385,7 +385,8 @@ def _chunk_terms(
     q, k = normalized_chunks(q, scale), normalized_chunks(k, 1.0)  # scale folds into q
     v, g, beta = to_chunks(v), to_chunks(g), to_chunks(beta).unsqueeze(-1)
 
-    # H_i - r by one matmul; r - H_j is its negation (exact), so the matmul runs once.
+    # H_i - r by one matmul; r - H_j is its negation (exact), so the matmul runs once. (Not
+    # 1 / e^{H_i - r}: the reciprocal's gradient, -1 / x^2, overflows near the largest span.)
     exponents = _centering_matrix(chunk, dtype) @ g  # [N, BH, C, K]
     half = -exponents[..., :1, :]  # r - H_0 = r = H_last / 2
     to_half, from_half = torch.exp(exponents), torch.exp(-exponents)  # e^{H_i - r}, e^{r - H_j}
