@@ -2,9 +2,9 @@
 (`chunk_kimi_delta_attention`, the fallback KimiLinear uses without FLA kernels) and the plain
 token-by-token recurrence `recurrent_kda`, in one run.
 
-With `--compiled` also `compiled_chunk_kda` (ops/kda_compiled.py: the state-independent terms
-through torch.compile); its first call, which compiles, is the warm-up, its CPU seconds recorded
-as `compile_cpu_s`.
+With `--compiled` also `compiled_chunk_kda` (ops/kda_compiled.py: each group of chunk steps, terms
+and state pass, one torch.compile call); its first call, which compiles, is the warm-up, its CPU
+seconds recorded as `compile_cpu_s`. `bench/kda_compiled_groups.py` compares its group sizes.
 
     .venv/bin/python bench/bench_kda.py [--quick] [--gate softplus|lower_bound] [--repeats 3] [--head-dim 128] [--threads 1] [--compiled] [--cpu-time]
 

@@ -49,6 +49,13 @@ def test_stages_add_up_and_the_op_is_restored(monkeypatch) -> None:
 def test_op_kinds_of_one_run() -> None:
     script = load_script()
     x = script.make_inputs(64, "softplus", head_dim=8)
-    ops = script.op_split(lambda: kda.chunk_kda(**x, use_qk_l2norm=True, chunk_size=16))
-    assert set(ops) == {"matmul", "solve", "rest"}
+    with torch.no_grad():
+        ops, matmuls = script.op_split(lambda: kda.chunk_kda(**x, use_qk_l2norm=True, chunk_size=16))
+    assert set(ops) == {"matmul", "solve", "allocation", "rest"}
     assert ops["matmul"] > 0 and ops["solve"] > 0 and ops["rest"] > 0
+    # The state pass's W S_0 of each chunk: [B*H, C, K] x [B*H, K, V] = [8, 16, 8] x [8, 8, 8], in
+    # baddbmm(out=) (U is its input), once per chunk: 2 * 8 * 16 * 8 * 8 flops each.
+    w_s = [m for m in matmuls if m["op"] == "aten::baddbmm" and m["shapes"][1] == [8, 16, 8]]
+    assert len(w_s) == 1 and w_s[0]["calls"] == 4
+    assert w_s[0]["gflop"] == pytest.approx(4 * 2 * 8 * 16 * 8 * 8 / 1e9)
+    assert script.isolated_seconds(w_s[0]["op"], w_s[0]["shapes"], repeats=3) > 0
