@@ -6,7 +6,8 @@ recurrence by CPU time and by wall time.
 
 Inputs as `bench_kda.py` (B=1, H=8, fp32, qk l2norm in kernel, the softplus gate with KimiLinear's
 init). Each compiled variant's first call compiles: its CPU and wall seconds are the compile
-columns. Then rounds time every path in turn (load from other processes lands on all alike);
+columns (inductor caches compiled graphs on disk: for a cold compile, run with
+TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)). Then rounds time every path in turn (load from other processes lands on all alike);
 medians. Each path's result is checked against the recurrence's. Prints a markdown table and
 writes bench/results/kda_compiled_groups.json (`--quick`: T = 2048, 3 repeats, *_quick.json).
 """

@@ -22,7 +22,7 @@ dtype.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -253,21 +253,18 @@ def chunk_kda(
     output_final_state: bool = False,
     use_qk_l2norm: bool = False,
     chunk_size: int = 64,
-    terms_fn: TermsFn | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA for prefill and training: same result as `recurrent_kda`, any T, differentiable.
 
     `chunk_size` is the longest chunk; a group of chunks halves it while one of its chunks would
     decay by more than e^-MAX_CHUNK_SPAN (see the notes above). g must be <= 0 (a log-decay).
-    `terms_fn` computes a group's state-independent terms: `_chunk_terms` (the default) or a
-    compiled form of it (ops/kda_compiled.py).
+    ops/kda_compiled.py runs the same steps with each group of chunks one compiled call.
     Returns (o [B, T, H, V] in v.dtype, final state [B, H, K, V] or None).
     """
     b, t, h, dk, dv = _check_inputs(q, k, v, g, beta, initial_state)
     if chunk_size < 1:
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size}")
     scale = dk**-0.5 if scale is None else scale
-    terms_fn = _chunk_terms if terms_fn is None else terms_fn
     dtype = _compute_dtype(q, k, v, g, beta)
     state = q.new_zeros(b * h, dk, dv, dtype=dtype) if initial_state is None else initial_state.to(dtype)
     state = state.reshape(b * h, dk, dv)
@@ -280,8 +277,7 @@ def chunk_kda(
     for start in range(0, t, group):
         part = slice(start, start + group)
         chunk_o, state = _chunk_kda_group(
-            q[:, part], k[:, part], v[:, part], g[:, part], beta[:, part], state, scale, use_qk_l2norm, chunk_size,
-            terms_fn,
+            q[:, part], k[:, part], v[:, part], g[:, part], beta[:, part], state, scale, use_qk_l2norm, chunk_size
         )
         _copy_to_tokens(chunk_o, o[:, part])
     return o.to(v.dtype), (state.view(b, h, dk, dv) if output_final_state else None)
@@ -318,11 +314,6 @@ class _ChunkTerms(NamedTuple):
     chunk_decay: torch.Tensor  # e^{G_last} [N, BH, K, 1]
 
 
-# (q, k, v, g, beta, scale, use_qk_l2norm, chunk) -> _ChunkTerms: `_chunk_terms` or a compiled form.
-TermsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, bool, int],
-                   _ChunkTerms]
-
-
 def _chunk_kda_group(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -333,13 +324,12 @@ def _chunk_kda_group(
     scale: float,
     use_qk_l2norm: bool,
     chunk_size: int,
-    terms_fn: TermsFn,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunked form over one run of tokens: (o of its chunks [N, B*H, C, V] in the compute
     dtype, the last one padded; state [B*H, K, V])."""
     dtype = _compute_dtype(q, k, v, g, beta)
     chunk = _pick_chunk_size(g.to(dtype), chunk_size)
-    terms = terms_fn(q, k, v, g, beta, scale, use_qk_l2norm, chunk)
+    terms = _chunk_terms(q, k, v, g, beta, scale, use_qk_l2norm, chunk)
     return _state_pass(terms, state)
 
 
