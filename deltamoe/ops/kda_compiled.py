@@ -9,13 +9,15 @@ the decay factors, masks, the state's decay, the stacking of outputs) into a few
 still in cache, plans the group's buffers once, and turns the per-op dispatch of the eager loop
 into one call per group; the matmuls and the triangular solve stay the ATen (MKL) calls they are.
 
-The chunk length is picked once for the whole sequence (`kda._pick_chunk_size`, data-dependent,
-eager); a graph class is then one (chunk length, chunks per group, scale, l2 norm) with the
-tensors' dtype, batch, head count and head sizes, all static. The tail of the sequence that does
-not fill a whole group runs the same steps eagerly (so every T shares the group's graph). Every
+The chunk length is picked once per call (`kda._pick_chunk_size`, data-dependent, eager), and the
+sequences of a batch run one after another, so a graph class is one (chunk length, chunks per
+group, scale, l2 norm) with the tensors' dtype, head count and head sizes, all static, whatever B
+and T. The tail of a sequence that does not fill a whole group runs the same steps eagerly. Every
 class costs a compile (seconds) the first time it runs in a process: the eager `chunk_kda` stays
 the model's default, and this form is for long prefills and training runs where that pays back.
-Its result equals `chunk_kda`'s to float rounding (tests/ops/test_kda_compiled.py).
+Dynamo keeps up to `torch._dynamo.config.recompile_limit` classes per (chunk length, scale, l2
+norm); past that it warns and runs the steps eagerly (same result). Its result equals
+`chunk_kda`'s to float rounding (tests/ops/test_kda_compiled.py).
 """
 
 from __future__ import annotations
