@@ -7,11 +7,11 @@ unless `--keep-cache DIR` names one (run twice with the same DIR to time a start
 cache). Then the decode step, wall and CPU ms per step, at batch 1 and `--batch`, through the
 compiled graphs and eagerly (the same model, a second engine without compile).
 
-    .venv/bin/python bench/bench_compile_start.py [--preset tiny] [--threads 2] [--form layers|parts|whole]
+    .venv/bin/python bench/bench_compile_start.py [--preset tiny] [--threads 2] [--form parts|layers|whole]
 
-`--form` picks the compiled form (`compiled_decode.FORMS`): whole-layer regions (the default),
-attention and FFN regions ("parts"), or the whole decode call as one graph per class ("whole";
-`--whole` is its short spelling). Writes bench/results/compile_start.json (other forms:
+`--form` picks the compiled form (`compiled_decode.FORMS`): attention and FFN regions (the
+default), whole-layer regions ("layers"), or the whole decode call as one graph per class
+("whole"; `--whole` is its short spelling). Writes bench/results/compile_start.json (other forms:
 compile_start_<form>.json; `--quick`: *_quick.json).
 """
 
@@ -42,7 +42,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="the batched step's rows")
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed per batch size")
     parser.add_argument("--keep-cache", default=None, help="inductor cache directory (default: a fresh one)")
-    parser.add_argument("--form", default="layers", choices=("layers", "parts", "whole"), help="the compiled form")
+    parser.add_argument("--form", default="parts", choices=("parts", "layers", "whole"),
+                        help="the compiled form (compiled_decode.FORMS; the default first)")
     parser.add_argument("--whole", action="store_true", help="--form whole")
     parser.add_argument("--quick", action="store_true", help="4 sequences at most, 4 timed steps (a smoke test)")
     args = parser.parse_args()
@@ -64,7 +65,7 @@ def main() -> None:
     model = load_model(args.preset).eval()
     config = EngineConfig(compile_decode=True, max_num_seqs=args.max_num_seqs)
     engine = LLMEngine(model, config=config)
-    if args.form != "layers":
+    if args.form != "parts":
         from deltamoe.serve.engine.compiled_decode import CompiledDecode
 
         engine.runner._compiled_decode = CompiledDecode(model, form=args.form)
@@ -109,10 +110,11 @@ def main() -> None:
 
     steps = {"compiled": step_ms(engine, True),
              "eager": step_ms(LLMEngine(model, config=EngineConfig(max_num_seqs=args.max_num_seqs)), False)}
-    name = "compile_start" if args.form == "layers" else f"compile_start_{args.form}"
+    name = "compile_start" if args.form == "parts" else f"compile_start_{args.form}"
     path = write_result(result_name(name, args.quick), {
         "config": {"preset": args.preset, "threads": args.threads, "max_num_seqs": args.max_num_seqs,
-                   "batch": args.batch, "steps": args.steps, "mode": args.form,
+                   "batch": args.batch, "steps": args.steps,
+                   "mode": "whole" if args.form == "whole" else "regions", "form": args.form,
                    "fresh_cache": args.keep_cache is None, "quick": args.quick},
         "first_start": first, "step_ms": steps, "target": {"first_start_s": FIRST_START_TARGET_S}})
     print(f"wrote {path}")

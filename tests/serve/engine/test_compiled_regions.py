@@ -20,7 +20,7 @@ from deltamoe.serve.engine.llm_engine import LLMEngine
 from deltamoe.serve.engine.sampling import SamplingParams
 
 
-@pytest.mark.parametrize("form", ["layers", "parts"])
+@pytest.mark.parametrize("form", ["parts", "layers"])
 def test_layer_views_give_the_batch_views_logits_and_cache(form, helpers, monkeypatch):
     config = helpers.k31_tiny(num_hidden_layers=4, layer_types=("kda", "dsa", "kda", "dsa"))
     model = build_model(config, seed=7).eval()
