@@ -5,7 +5,8 @@ once per graph class: minutes on two cores for an 8-layer model. Here each decod
 attention (KDA, MLA, DSA) and FFN (dense, MoE) runs through a compiled region, and every layer of
 the same kind reuses its graph (torch's "regional compilation"): the compile covers one layer of
 each kind. The glue between regions (embedding, AttnRes mixes, norms, residuals, LM head) runs
-eagerly, a few dozen small ops per step.
+eagerly, a few dozen small ops per step. `LayerRegionTrunk` (form "layers") draws the boundary
+around whole decoder layers instead, glue included.
 
 What makes one graph serve many layers:
 - parameters are graph inputs (dynamo inlines built-in nn modules), not constants;
