@@ -7,10 +7,12 @@ unless `--keep-cache DIR` names one (run twice with the same DIR to time a start
 cache). Then the decode step, wall and CPU ms per step, at batch 1 and `--batch`, through the
 compiled graphs and eagerly (the same model, a second engine without compile).
 
-    .venv/bin/python bench/bench_compile_start.py [--preset tiny] [--threads 2] [--whole]
+    .venv/bin/python bench/bench_compile_start.py [--preset tiny] [--threads 2] [--form parts|layers|whole]
 
-`--whole` compiles the whole decode call as one graph per class instead of regions (to compare).
-Writes bench/results/compile_start.json (`--whole`: compile_start_whole.json; `--quick`: *_quick.json).
+`--form` picks the compiled form (`compiled_decode.FORMS`): attention and FFN regions (the
+default), whole-layer regions ("layers"), or the whole decode call as one graph per class
+("whole"; `--whole` is its short spelling). Writes bench/results/compile_start.json (other forms:
+compile_start_<form>.json; `--quick`: *_quick.json).
 """
 
 from __future__ import annotations
@@ -40,9 +42,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="the batched step's rows")
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed per batch size")
     parser.add_argument("--keep-cache", default=None, help="inductor cache directory (default: a fresh one)")
-    parser.add_argument("--whole", action="store_true", help="the whole decode call as one graph per class")
+    parser.add_argument("--form", default="parts", choices=("parts", "layers", "whole"),
+                        help="the compiled form (compiled_decode.FORMS; the default first)")
+    parser.add_argument("--whole", action="store_true", help="--form whole")
     parser.add_argument("--quick", action="store_true", help="4 sequences at most, 4 timed steps (a smoke test)")
     args = parser.parse_args()
+    if args.whole:
+        args.form = "whole"
     if args.quick:
         args.max_num_seqs, args.batch, args.steps = 4, 4, 4
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.keep_cache or tempfile.mkdtemp(prefix="inductor-")
@@ -59,10 +65,10 @@ def main() -> None:
     model = load_model(args.preset).eval()
     config = EngineConfig(compile_decode=True, max_num_seqs=args.max_num_seqs)
     engine = LLMEngine(model, config=config)
-    if args.whole:
+    if args.form != "parts":
         from deltamoe.serve.engine.compiled_decode import CompiledDecode
 
-        engine.runner._compiled_decode = CompiledDecode(model, regional=False)
+        engine.runner._compiled_decode = CompiledDecode(model, form=args.form)
     run_round = engine._run_warm_up_round
     rounds: list[dict] = []
 
@@ -74,7 +80,7 @@ def main() -> None:
 
     engine._run_warm_up_round = timed
     compile_threads = torch._inductor.config.compile_threads
-    print(f"warm-up of {args.preset} ({'whole call' if args.whole else 'regions'}; torch threads {args.threads}):")
+    print(f"warm-up of {args.preset} (form {args.form}; torch threads {args.threads}):")
     wall, cpu = time.perf_counter(), cpu_seconds()
     engine.warm_up()
     first = {"wall_s": time.perf_counter() - wall, "cpu_s": cpu_seconds() - cpu,
@@ -104,9 +110,11 @@ def main() -> None:
 
     steps = {"compiled": step_ms(engine, True),
              "eager": step_ms(LLMEngine(model, config=EngineConfig(max_num_seqs=args.max_num_seqs)), False)}
-    path = write_result(result_name("compile_start_whole" if args.whole else "compile_start", args.quick), {
+    name = "compile_start" if args.form == "parts" else f"compile_start_{args.form}"
+    path = write_result(result_name(name, args.quick), {
         "config": {"preset": args.preset, "threads": args.threads, "max_num_seqs": args.max_num_seqs,
-                   "batch": args.batch, "steps": args.steps, "mode": "whole" if args.whole else "regions",
+                   "batch": args.batch, "steps": args.steps,
+                   "mode": "whole" if args.form == "whole" else "regions", "form": args.form,
                    "fresh_cache": args.keep_cache is None, "quick": args.quick},
         "first_start": first, "step_ms": steps, "target": {"first_start_s": FIRST_START_TARGET_S}})
     print(f"wrote {path}")

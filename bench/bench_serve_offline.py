@@ -11,13 +11,13 @@ apart), each one step at a time and with one-step-ahead scheduling (`EngineConfi
 equal one step at a time's is reported), and with multi-step decode (`EngineConfig(num_scheduler_steps=N)`,
 `--num-scheduler-steps N`: windows of N decode steps between trips through the scheduler). Output tokens/s are compared with the better transformers mode, and each async
 mode with its one-step mode; `--whole` adds the decode call compiled as one graph
-(`CompiledDecode(model, regional=False)`), timed in the same rounds: the regions' default against the form
-they replaced, side by side (best of `--rounds` alternating rounds). The one-at-a-time mode is timed on the first `--serial-prompts` prompts: its
+(`CompiledDecode(model, form="whole")`) and `--forms` other forms of the compiled call (`compiled_decode.FORMS`:
+"layers", "parts"; the default is "parts"), timed in the same rounds beside the default, side by side (best of `--rounds` alternating rounds). The one-at-a-time mode is timed on the first `--serial-prompts` prompts: its
 rate does not depend on how many prompts follow. `--clock cpu` times each mode by the process's CPU time
 instead of the wall clock (every side runs on one thread): on a loaded machine, time spent waiting for a
 core then counts for no side.
 
-    .venv/bin/python bench/bench_serve_offline.py [--quick] [--whole] [--clock cpu] [--num-scheduler-steps 8]
+    .venv/bin/python bench/bench_serve_offline.py [--quick] [--whole] [--forms layers] [--clock cpu] [--num-scheduler-steps 8]
 """
 
 from __future__ import annotations
@@ -106,6 +106,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads for every side (1 keeps a shared machine's noise down)")
     parser.add_argument("--whole", action="store_true", help="also time the decode call compiled as one graph")
+    parser.add_argument("--forms", nargs="*", default=[], choices=("layers",),
+                        help="also time these forms of the compiled call (compiled_decode.FORMS)")
     parser.add_argument("--num-scheduler-steps", type=int, default=8,
                         help="decode steps per window in the multi-step rows")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
@@ -126,13 +128,13 @@ def main() -> None:
 
     def ours_run(compiled: bool | str, run_params: SamplingParams = params, async_scheduling: bool = False,
                  steps: int = 1) -> float:
-        """`compiled`: False (eager), True (regions, the default) or "whole" (one graph); `steps`: decode
+        """`compiled`: False (eager), True (the default form) or a form name ("whole", "parts"); `steps`: decode
         steps per multi-step window (1: one step at a time)."""
         engine = LLMEngine(ours, config=EngineConfig(cache_memory="1GiB", max_num_seqs=64, max_num_batched_tokens=2048,
                                                      compile_decode=bool(compiled), async_scheduling=async_scheduling,
                                                      num_scheduler_steps=steps))
-        if compiled == "whole":
-            engine.runner._compiled_decode = CompiledDecode(ours, regional=False)
+        if isinstance(compiled, str):
+            engine.runner._compiled_decode = CompiledDecode(ours, form=compiled)
         t0 = clock()
         completions = engine.generate(prompts, run_params, progress=False)
         seconds = clock() - t0
@@ -161,6 +163,11 @@ def main() -> None:
         started = time.perf_counter()
         ours_run("whole", warm)
         whole_compile_s = time.perf_counter() - started
+    form_compile_s = {}
+    for form in args.forms:
+        started = time.perf_counter()
+        ours_run(form, warm)
+        form_compile_s[form] = time.perf_counter() - started
     hf_serial(ref, prompts[:1], 4)
     best = {"compiled": float("inf"), "eager": float("inf"), "compiled_async": float("inf"),
             "eager_async": float("inf"), "serial": float("inf"), "batched": float("inf")}
@@ -169,6 +176,8 @@ def main() -> None:
         best["compiled_async"] = min(best["compiled_async"], ours_run(True, async_scheduling=True))
         if args.whole:
             best["whole"] = min(best.get("whole", float("inf")), ours_run("whole"))
+        for form in args.forms:
+            best[form] = min(best.get(form, float("inf")), ours_run(form))
         best["compiled_multi"] = min(best.get("compiled_multi", float("inf")), ours_run(True, steps=multi))
         best["eager_multi"] = min(best.get("eager_multi", float("inf")), ours_run(False, steps=multi))
         best["eager"] = min(best["eager"], ours_run(False))
@@ -193,6 +202,7 @@ def main() -> None:
              f"deltamoe engine, compiled decode, multi-step {multi}": n * new / best["compiled_multi"],
              f"deltamoe engine, eager, multi-step {multi}": n * new / best["eager_multi"],
              **({"deltamoe engine, compiled decode (whole call)": n * new / best["whole"]} if args.whole else {}),
+             **{f"deltamoe engine, compiled decode (form {form})": n * new / best[form] for form in args.forms},
              "transformers, one at a time": k * new / best["serial"],
              "transformers, batched (left pad)": n * new / best["batched"]}
     best_peer = max(rates["transformers, one at a time"], rates["transformers, batched (left pad)"])
@@ -211,7 +221,8 @@ def main() -> None:
         "greedy_equal_multi_step_vs_one_step": same_multi,
         "compile_warmup_s": compile_s, "greedy_equal_compiled_vs_eager": same_modes,
         "greedy_equal_async_vs_one_step": same_async,
-        "compile_warmup_s": compile_s, "whole_compile_warmup_s": whole_compile_s, "greedy_equal_compiled_vs_eager": same_modes,
+        "compile_warmup_s": compile_s, "whole_compile_warmup_s": whole_compile_s,
+        "forms_compile_warmup_s": form_compile_s, "greedy_equal_compiled_vs_eager": same_modes,
         "greedy_equal_to_deltamoe_alone": own, "greedy_equal_to_transformers_serial": match, "rounds": args.rounds,
         "target": {"speedup": 8.0}})
     print(f"\n{n} prompts x {new} new tokens, greedy; torch threads {torch.get_num_threads()}; {args.clock} clock\n")
@@ -219,6 +230,9 @@ def main() -> None:
     if args.whole:
         same_whole = sum(a.token_ids == b.token_ids for a, b in zip(completions, ours_run.completions["whole", False])) / n
         print(f"\nwhole-call warm-up: {whole_compile_s:.1f} s; greedy outputs whole == regions: {same_whole:.0%}")
+    for form in args.forms:
+        same = sum(a.token_ids == b.token_ids for a, b in zip(completions, ours_run.completions[form, False])) / n
+        print(f"\nform {form} warm-up: {form_compile_s[form]:.1f} s; greedy outputs equal the default form's: {same:.0%}")
     print(f"\ncompiled-decode warm-up (compiles the graph once): {compile_s:.1f} s; greedy outputs compiled == "
           f"eager: {same_modes:.0%} of {n} prompts")
     print(f"async scheduling vs one step at a time: compiled {best['compiled'] / best['compiled_async']:.2f}x, eager "

@@ -70,7 +70,7 @@ def main() -> None:
         engine = LLMEngine(model, config=EngineConfig(cache_memory="1GiB", max_num_seqs=64, max_num_batched_tokens=2048,
                                                       compile_decode=form != "eager"))
         if form in ("whole", "whole-py", "nested"):
-            call = compiled_decode.CompiledDecode(model, regional=False)
+            call = compiled_decode.CompiledDecode(model, form="whole")
             if form != "whole":
                 call.min_rows, call._call = 2, python_launcher_call()
             if form == "nested":  # changes process-wide settings: runs last (see main)

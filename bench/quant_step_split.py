@@ -17,7 +17,7 @@ microsecond) and times by the wall clock, so the split is read as shares; the un
 CPU time is printed beside it. Op event counts include ops called inside other ops. A compiled
 step (`--compile`) is split by op kind only: its fused kernels count as the regions' own code.
 
-    OMP_NUM_THREADS=1 python bench/quant_step_split.py [--steps 16] [--compile]
+    OMP_NUM_THREADS=1 python bench/quant_step_split.py [--steps 16] [--compile [--form layers]]
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from deltamoe.model.ffn import MoE
 from deltamoe.model.load import load_model
 from deltamoe.model.quant_scheme import make_scheme
 from deltamoe.quantize.checkpoint import quantize_checkpoint
+from deltamoe.serve.engine.compiled_decode import FORMS, CompiledDecode
 from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.llm_engine import LLMEngine
 from deltamoe.serve.engine.sampling import SamplingParams
@@ -113,8 +114,10 @@ def label_parts(model: torch.nn.Module, parts: bool = True) -> list:
     return handles
 
 
-def split(model: torch.nn.Module, steps: int, compiled: bool) -> dict:
+def split(model: torch.nn.Module, steps: int, compiled: bool, form: str = FORMS[0]) -> dict:
     engine = LLMEngine(model, config=EngineConfig(cache_memory="64MiB", max_num_seqs=1, compile_decode=compiled))
+    if compiled and form != FORMS[0]:
+        engine.runner._compiled_decode = CompiledDecode(model, form=form)
     params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
     engine.generate([PROMPT], params, progress=False)  # warm-up (and compile)
     t0 = time.process_time()
@@ -182,6 +185,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--preset", default="small")
     ap.add_argument("--compile", action="store_true", help="profile the compiled decode step instead")
+    ap.add_argument("--form", default=FORMS[0], choices=FORMS, help="the compiled call's form (with --compile)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
@@ -190,7 +194,8 @@ def main() -> None:
         models = {"fp32": load_model(args.preset, dtype=torch.float32),
                   "int4 (rest fp32)": load_model(path, dtype=torch.float32)}
         for name, model in models.items():
-            show(name + (" compiled" if args.compile else " eager"), split(model, args.steps, args.compile))
+            show(name + (f" compiled ({args.form})" if args.compile else " eager"),
+                 split(model, args.steps, args.compile, args.form))
 
 
 if __name__ == "__main__":

@@ -35,3 +35,17 @@ def attn_res_mix(current: torch.Tensor, bank: list[torch.Tensor], u: torch.Tenso
     keys = F.rms_norm(values, (values.shape[-1],), None, eps)
     probs = torch.softmax(keys @ u.float().reshape(-1, 1), dim=-2)  # [..., n+1, 1]
     return (probs * values).sum(-2).to(current.dtype)
+
+
+def attn_res_mix_slots(current: torch.Tensor, bank: torch.Tensor, live: torch.Tensor, u: torch.Tensor,
+                       eps: float) -> torch.Tensor:
+    """`attn_res_mix` over a bank of fixed size: bank [..., S, D] with the banked values in some of
+    its slots (finite values in the others), live [S + 1] bool marking the slots the mix reads and,
+    last, `current` (always read). A slot that is not live scores -inf and weighs exactly 0, so this
+    is `attn_res_mix(current, [bank[..., j, :] for live j], u, eps)`; the shapes are those of every
+    layer, whatever its bank holds (one compiled graph serves them all)."""
+    values = torch.cat([bank.float(), current.float().unsqueeze(-2)], dim=-2)  # [..., S+1, D]
+    keys = F.rms_norm(values, (values.shape[-1],), None, eps)
+    scores = (keys @ u.float().reshape(-1, 1)).masked_fill(~live.reshape(-1, 1), float("-inf"))
+    probs = torch.softmax(scores, dim=-2)  # [..., S+1, 1]
+    return (probs * values).sum(-2).to(current.dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltamoe.ops.norms import attn_res_mix, gated_rms_norm, rms_norm
+from deltamoe.ops.norms import attn_res_mix, attn_res_mix_slots, gated_rms_norm, rms_norm
 
 
 def formula(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -38,3 +38,20 @@ def test_gated_rms_norm_and_attn_res_mix_equal_their_formulas() -> None:
     values = torch.stack([*bank, current], dim=-2)
     probs = torch.softmax((formula(values, 1e-5) * u).sum(-1, keepdim=True), dim=-2)
     torch.testing.assert_close(attn_res_mix(current, bank, u, 1e-5), (probs * values).sum(-2), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attn_res_mix_slots_equals_the_mix_of_its_live_slots(dtype) -> None:
+    """Slots that are not live weigh 0 whatever they hold; the live ones mix as `attn_res_mix`."""
+    g = torch.Generator().manual_seed(2)
+    bank = (torch.randn(3, 1, 5, 24, generator=g) * 4).to(dtype)
+    current, u = torch.randn(3, 1, 24, generator=g).to(dtype), torch.randn(24, generator=g)
+    for live_slots in ([], [0], [1, 3], [0, 1, 2, 3, 4]):
+        live = torch.tensor([j in live_slots for j in range(5)] + [True])
+        want = attn_res_mix(current, [bank[..., j, :] for j in live_slots], u, 1e-5)
+        got = attn_res_mix_slots(current, bank, live, u, 1e-5)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    # no live slot: the current value itself, as the layer's `if bank else p` takes it
+    torch.testing.assert_close(attn_res_mix_slots(current, bank, torch.tensor([False] * 5 + [True]), u, 1e-5),
+                               current, rtol=0, atol=0)

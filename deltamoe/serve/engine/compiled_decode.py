@@ -1,12 +1,17 @@
 """The compiled decode call (`EngineConfig.compile_decode`, `--compile`): per-layer regions, or one graph.
 
-Two forms, the same results:
-- regions (the default): each decoder layer's attention and FFN run through a compiled region
-  that every layer of the same kind shares (`compiled_regions.py`); the glue between them is
-  eager. The compile covers one layer of each kind, not every layer: it is what makes a first
-  start (an empty inductor cache) short enough to compile by default;
-- the whole call as one graph (`CompiledDecode(model, regional=False)`): the same kernels without
-  the eager glue, a faster step at the cost of compiling every layer's code.
+Forms (`FORMS`), the same results:
+- regions: compiled regions that every layer of the same kind shares (`compiled_regions.py`). The
+  compile covers one layer of each kind, not every layer: it is what makes a first start (an
+  empty inductor cache) short enough to compile by default. Two boundaries:
+  - "parts" (the default): each layer's attention and FFN, the norms, residuals and AttnRes
+    mixes eager between them;
+  - "layers": one region per whole layer, the AttnRes bank a fixed-size tensor
+    (`model/bank_slots.py`), only the embedding, the output mix and the LM head eager: half the
+    region calls and none of the glue, for about twice the compile (a layer kind's graph holds
+    its attention once per form of the experts, and the dense first layer is a kind of its own);
+- the whole call as one graph ("whole"): the same kernels without any eager glue or region
+  entries, a faster step at the cost of compiling every layer's code.
 Not a third form: one guarded call over layer bodies marked `torch.compiler.nested_compile_region`
 (compiled once per kind, stamped out per layer). Inductor's C++ launcher (`cpp_wrapper`) cannot
 emit such a subgraph, and with the Python launcher the compile is no shorter than the whole
@@ -44,8 +49,9 @@ Batch 1 is no class of its own in the regional form: it runs as two copies of it
 a model with int4 expert stacks: their static form runs each row against every gathered expert,
 so a copy doubles the experts' gather and kernel reads (the two-row step is slower than eager
 int4, docs/serving.md); there batch 1 runs as one row through graphs of its own. Dense
-MLPs stay eager (`decode_form`). For `tiny` that leaves four graphs: KDA and DSA attention, the
-MoE in both forms. The whole call as one graph keeps batch 1 as a class of its own, rewritten by
+MLPs stay eager in the default form. For `tiny` that leaves four graphs: KDA and DSA attention,
+the MoE in both forms (whole layers: five, the dense first layer, KDA and DSA layers in the
+experts' two forms). The whole call as one graph keeps batch 1 as a class of its own, rewritten by
 the one-row matmul pass. Each class compiles once per process (its regions: seconds each on two
 cores; inductor caches them on disk). `LLMEngine.warm_up` sends the requests of `warm_up_rounds`
 through the scheduler so every class compiles before traffic. Prefill chunks stay eager: their
@@ -78,14 +84,17 @@ from deltamoe.errors import ConfigError
 from deltamoe.model.decoder import DecoderLayer
 from deltamoe.model.ffn import MoE, local_experts, local_experts_static
 from deltamoe.model.mla_layer import LatentAttention
+from deltamoe.model.model import DeltaMoEModel
 from deltamoe.model.packed_experts import packed_experts_static_dispatcher, packed_local_experts
 from deltamoe.model.quantize_modules import holds_int4_expert_stacks, plain_tensor_operands
 from deltamoe.ops.moe import gathers_expert_weights
-from deltamoe.serve.engine.compiled_regions import AttentionRegion, FFNRegion
+from deltamoe.serve.engine.compiled_regions import AttentionRegion, FFNRegion, LayerRegionTrunk
 from deltamoe.serve.engine.decode_matvec_pass import DecodeMatvecPass
 
 # Graphs one process may hold for the decode call: the classes above, for a few models.
 RECOMPILE_LIMIT = 64
+# The forms of the compiled call (`CompiledDecode`), the default first.
+FORMS = ("parts", "layers", "whole")
 # The per-row lists of a runner call (`runner.ModelCall`): what `CompiledDecode.with_min_rows` repeats.
 _ROW_FIELDS = ("token_ids", "block_tables", "past_lengths", "slots", "counts")
 CallT = TypeVar("CallT")
@@ -116,9 +125,13 @@ class CompiledDecode:
     # slice_consecutive): one graph for both layouts, for a gather of the context's rows per step.
     slices_consecutive_pages = False
 
-    def __init__(self, model: torch.nn.Module, regional: bool = True):
-        """`regional`: compile each layer's attention and FFN as regions shared by every layer of
-        their kind (`compiled_regions.py`), the glue between them eager; else the whole call."""
+    def __init__(self, model: torch.nn.Module, form: str = "parts"):
+        """`form` (one of FORMS): "parts", each layer's attention and FFN as regions shared by the
+        layers of their kind, the glue between them eager; "layers", each decoder layer as one
+        region shared by every layer of its kind (`compiled_regions.py`); "whole", the whole call as
+        one graph."""
+        if form not in FORMS:
+            raise ConfigError(f"expected one of {', '.join(FORMS)}, got {form!r}", field="form")
         if model.training:
             raise ConfigError("expected a model in eval mode for the compiled decode graph", field="compile_decode")
         if next(model.parameters()).device.type == "cpu" and not compiler_available():
@@ -129,13 +142,14 @@ class CompiledDecode:
         key = model.__dict__.get("_compiled_decode_key")
         if key is None:
             key = model._compiled_decode_key = uuid.uuid4().hex
-        self.regional = regional
+        self.form = form
+        regional = form != "whole"
         # Regions run a call of one row as two copies of it (`with_min_rows`): torch specialises
         # size 1, so batch 1 would be graph classes of its own, compiled at start like the others.
         # The whole call keeps its batch-1 graph (the one-row matmul pass rewrites it), and so do
         # regions over int4 expert stacks (see the module docstring).
         self.min_rows = 2 if regional and not holds_int4_expert_stacks(model) else 1
-        self._model, self._key = decode_form(model, key if regional else None), key
+        self._model, self._key = decode_form(model, key if regional else None, form), key
         self._call = _decode_call if regional else _compiled_call()
 
     def __call__(self, input_ids: torch.Tensor, view: object) -> torch.Tensor:
@@ -183,17 +197,20 @@ def probe_vector_isa_once() -> None:
         config.cpp.vec_isa_ok = True
 
 
-def decode_form(module: torch.nn.Module, regions_key: str | None = None) -> torch.nn.Module:
+def decode_form(module: torch.nn.Module, regions_key: str | None = None, form: str = "parts") -> torch.nn.Module:
     """The module tree the graph traces: new module objects over the same parameters and buffers
     (shared, never copied: in-place weight updates reach both), with every MoE that runs its
     experts locally dispatching to the static form. The served model itself is left as it is:
     its eager calls (prefill chunks) keep the sorted expert form.
-    `regions_key`: the model's key when each decoder layer's attention and FFN run as compiled
-    regions (`compiled_regions.py`); None when the whole call is one graph."""
+    `regions_key`: the model's key when the decoder layers run through compiled regions
+    (`compiled_regions.py`); None when the whole call is one graph. `form`: the regions'
+    boundary: each layer's attention and FFN ("parts") or whole decoder layers ("layers")."""
     twin = copy.copy(module)  # shares _parameters and _buffers; _modules is replaced below
-    twin._modules = {name: decode_form(child, regions_key) if child is not None else None
+    twin._modules = {name: decode_form(child, regions_key, form) if child is not None else None
                      for name, child in module._modules.items()}
-    if regions_key is not None and isinstance(twin, DecoderLayer):
+    if regions_key is not None and form == "layers" and isinstance(twin, DeltaMoEModel):
+        twin.forward = LayerRegionTrunk(twin, regions_key, _compile)
+    if regions_key is not None and form == "parts" and isinstance(twin, DecoderLayer):
         twin.self_attn.forward = AttentionRegion(twin.self_attn, regions_key, _compile)
         # A dense MLP (three matmuls and an activation: a dozen ops) stays eager: fusing its
         # activation saves microseconds a step, its own graph costs seconds on a first start.

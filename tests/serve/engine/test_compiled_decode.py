@@ -168,15 +168,24 @@ def scatter_free_blocks(engine: LLMEngine, seed: int = 0) -> None:
         blocks.release(taken[i])
 
 
-def test_warm_up_compiles_every_graph_traffic_meets(helpers):
+@pytest.mark.parametrize("form, graphs", [("parts", 4), pytest.param("layers", 5, marks=pytest.mark.slow)])
+def test_warm_up_compiles_every_graph_traffic_meets(form, graphs, helpers):
     """After `warm_up`, traffic never compiles (torch would raise under `fail_on_recompile`): one
     sequence on consecutive and on scattered pages, batches on both sides of the experts'
     gather / all-experts switch (8 experts, top-2: from 4 rows), contexts below and above the
-    DSA indexer's top-k (8), and one-token prompts. The warm-up compiles each region for the two
-    experts' forms (batch 1 runs as two rows); contexts and page layouts share the graphs."""
-    model = build_model(helpers.k31_tiny(num_hidden_layers=2, layer_types=("kda", "dsa"), num_experts=8), seed=4).eval()
+    DSA indexer's top-k (8), and one-token prompts. Regions are shared by the layers of their kind
+    whatever their place in the AttnRes blocks (KDA and DSA layers that start a block and ones that
+    do not, banks of one to three inputs): the default form compiles four graphs (KDA and DSA
+    attention, the MoE in the experts' two forms; batch 1 runs as two rows), whole layers five (the
+    dense first layer, KDA and DSA layers in the experts' two forms); contexts and page layouts
+    share the graphs."""
+    config = helpers.k31_tiny(num_hidden_layers=5, layer_types=("kda", "kda", "kda", "dsa", "dsa"), num_experts=8)
+    model = build_model(config, seed=4).eval()
     engine = LLMEngine(model, config=EngineConfig(cache_memory="16MiB", compile_decode=True, max_snapshots=0))
+    engine.runner._compiled_decode = compiled_decode.CompiledDecode(model, form=form)
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     engine.warm_up()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == graphs
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     with torch.compiler.set_stance("fail_on_recompile"):
         outs = [engine.generate([[5, 6, 7]], params, progress=False)]  # one sequence, context 3 -> 15
@@ -186,3 +195,4 @@ def test_warm_up_compiles_every_graph_traffic_meets(helpers):
         scatter_free_blocks(engine)
         outs.append(engine.generate([list(range(40, 80))], params, progress=False))  # 40 + 12 tokens, 4 blocks
     assert all(len(c.token_ids) == 12 for batch in outs for c in batch)
+    assert_greedy_matches(model, [[i, i + 1, 9] for i in range(6)], [c.token_ids for c in outs[2]])

@@ -8,6 +8,7 @@ eager call over the `PagedBatchView` (test_compiled_decode.py checks the compile
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from deltamoe.model.load import build_model
@@ -19,7 +20,8 @@ from deltamoe.serve.engine.llm_engine import LLMEngine
 from deltamoe.serve.engine.sampling import SamplingParams
 
 
-def test_layer_views_give_the_batch_views_logits_and_cache(helpers, monkeypatch):
+@pytest.mark.parametrize("form", ["parts", "layers"])
+def test_layer_views_give_the_batch_views_logits_and_cache(form, helpers, monkeypatch):
     config = helpers.k31_tiny(num_hidden_layers=4, layer_types=("kda", "dsa", "kda", "dsa"))
     model = build_model(config, seed=7).eval()
     engine = LLMEngine(model, config=EngineConfig(cache_memory="16MiB"))
@@ -33,7 +35,7 @@ def test_layer_views_give_the_batch_views_logits_and_cache(helpers, monkeypatch)
     tensors = (cache.conv, cache.recurrent, cache.latent, cache.index_keys)
     saved = [t.clone() for t in tensors]
     monkeypatch.setattr(compiled_decode, "_compile", lambda fn: fn)
-    regions = compiled_decode.decode_form(model, "key")
+    regions = compiled_decode.decode_form(model, "key", form)
 
     @torch.inference_mode()
     def step(fn):
@@ -72,7 +74,7 @@ def test_a_row_run_twice_leaves_the_cache_and_logits_of_the_row_alone(helpers):
     model = build_model(config, seed=7).eval()
     engine = LLMEngine(model, config=EngineConfig(cache_memory="16MiB", compile_decode=True))
     runner = engine.runner
-    runner._compiled_decode = compiled_decode.CompiledDecode(model, regional=False)
+    runner._compiled_decode = compiled_decode.CompiledDecode(model, form="whole")
     runner._compiled_decode._call = compiled_decode._decode_call
     engine.add_request(helpers.prompts(1, 30, 30, seed=3)[0], SamplingParams(max_tokens=4, temperature=0.0))
     seq = engine.scheduler.running[0] if engine.scheduler.running else None
