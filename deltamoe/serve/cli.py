@@ -112,6 +112,11 @@ COMPILE_HELP = ("Run decode steps through torch.compile: each layer kind's atten
 COMPILE_DEFAULT_HELP = (" Default: compiled where it can run (one process on a CPU, pages not fp8, a C++ compiler), "
                         "eager elsewhere.")
 COMPILE_DECLS = ("--compile/--no-compile", "--compile-decode")
+COMPILE_FORM_OPTION = typer.Option(
+    EngineConfig.compile_form, "--compile-form",
+    help="What one compiled graph covers, with --compile: parts (each layer kind's attention and FFN; starts "
+         "fastest), layers (whole decoder layers, norms and residuals inside: faster steps, about twice the "
+         "first start's compile) or whole (the whole decode call: fastest steps, the longest first start).")
 
 
 SPECULATIVE_HELP = ("Speculative decoding: mtp (the model's MTP head drafts --num-draft-tokens tokens a step, the model "
@@ -148,13 +153,15 @@ def build_engine(model: str, tokenizer: Optional[str], cache_memory: str, max_nu
                  tp: int = 1, ep: int = 1, kv_cache_dtype: str = "auto", threads: Optional[int] = None,
                  speculative: Optional[str] = None, num_draft_tokens: int = EngineConfig.num_draft_tokens,
                  spec_min_acceptance: float = EngineConfig.spec_min_acceptance, async_scheduling: bool = False,
-                 num_scheduler_steps: int = EngineConfig.num_scheduler_steps):
+                 num_scheduler_steps: int = EngineConfig.num_scheduler_steps,
+                 compile_form: str = EngineConfig.compile_form):
     from deltamoe.serve.engine.config import EngineConfig
 
     check_dtype(dtype)
     chosen = choose_threads(threads)
     config = EngineConfig(cache_memory=cache_memory, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, compile_decode=compile_decode,
+                          compile_form=compile_form,
                           kv_cache_dtype=kv_cache_dtype, speculative=speculative, num_draft_tokens=num_draft_tokens,
                           spec_min_acceptance=spec_min_acceptance, async_scheduling=async_scheduling,
                           num_scheduler_steps=num_scheduler_steps)
@@ -188,6 +195,7 @@ def generate_command(
     device: str = typer.Option("cpu"),
     progress: bool = typer.Option(False, help="Show a progress bar with tokens/s."),
     compile_decode: Optional[bool] = typer.Option(None, *COMPILE_DECLS, help=COMPILE_HELP + COMPILE_DEFAULT_HELP),
+    compile_form: str = COMPILE_FORM_OPTION,
     threads: Optional[int] = typer.Option(None, help=THREADS_HELP),
     tp: int = typer.Option(1, "--tp", help=TP_HELP),
     ep: int = typer.Option(1, "--ep", help=EP_HELP),
@@ -214,7 +222,7 @@ def generate_command(
                           compile_decode, tp=tp, ep=ep, kv_cache_dtype=kv_cache_dtype, threads=threads,
                           speculative=speculative, num_draft_tokens=num_draft_tokens,
                           spec_min_acceptance=spec_min_acceptance, async_scheduling=async_scheduling,
-                          num_scheduler_steps=num_scheduler_steps)
+                          num_scheduler_steps=num_scheduler_steps, compile_form=compile_form)
     from deltamoe.serve.api.chat_template import ChatTemplate
     from deltamoe.serve.engine.sampling import SamplingParams
 
@@ -359,6 +367,7 @@ def serve_command(
     compile_decode: Optional[bool] = typer.Option(None, *COMPILE_DECLS,
                                                   help=COMPILE_HELP + COMPILE_DEFAULT_HELP + " Every decode graph "
                                                   "compiles at startup, before the port opens."),
+    compile_form: str = COMPILE_FORM_OPTION,
     role: str = typer.Option("colocated", help="colocated (one engine does everything), or one half of a "
                              "prefill/decode pair behind `deltamoe router`: prefill or decode."),
     kv_transfer: Optional[str] = typer.Option(None, help="How a prefill/decode pair moves caches: mooncake "
@@ -406,7 +415,8 @@ def serve_command(
     check_dtype(dtype)
     config = EngineConfig(cache_memory=cache_memory, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                          compile_decode=compile_decode, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
+                          compile_decode=compile_decode, compile_form=compile_form, block_size=block_size,
+                          kv_cache_dtype=kv_cache_dtype,
                           speculative=speculative, num_draft_tokens=num_draft_tokens,
                           spec_min_acceptance=spec_min_acceptance, async_scheduling=async_scheduling,
                           num_scheduler_steps=num_scheduler_steps)

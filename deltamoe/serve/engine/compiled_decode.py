@@ -88,13 +88,14 @@ from deltamoe.model.model import DeltaMoEModel
 from deltamoe.model.packed_experts import packed_experts_static_dispatcher, packed_local_experts
 from deltamoe.model.quantize_modules import holds_int4_expert_stacks, plain_tensor_operands
 from deltamoe.ops.moe import gathers_expert_weights
+from deltamoe.serve.engine.config import COMPILE_FORMS
 from deltamoe.serve.engine.compiled_regions import AttentionRegion, FFNRegion, LayerRegionTrunk
 from deltamoe.serve.engine.decode_matvec_pass import DecodeMatvecPass
 
 # Graphs one process may hold for the decode call: the classes above, for a few models.
 RECOMPILE_LIMIT = 64
 # The forms of the compiled call (`CompiledDecode`), the default first.
-FORMS = ("parts", "layers", "whole")
+FORMS = COMPILE_FORMS
 # The per-row lists of a runner call (`runner.ModelCall`): what `CompiledDecode.with_min_rows` repeats.
 _ROW_FIELDS = ("token_ids", "block_tables", "past_lengths", "slots", "counts")
 CallT = TypeVar("CallT")

@@ -7,6 +7,10 @@ from dataclasses import dataclass
 
 from deltamoe.errors import ConfigError
 
+# The forms of the compiled decode call (serve/engine/compiled_decode.py), the default first: each
+# layer kind's attention and FFN as regions, whole decoder layers as regions, the whole call as one graph.
+COMPILE_FORMS = ("parts", "layers", "whole")
+
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -41,6 +45,7 @@ class EngineConfig:
     max_state_fraction: float = 0.5  # at most this share of cache_memory goes to KDA state slots
     seed: int = 0  # seeds requests that give no seed of their own
     compile_decode: bool = False  # run decode steps through torch.compile, per-layer regions (serve/engine/compiled_decode.py)
+    compile_form: str = "parts"  # what one compiled graph covers (COMPILE_FORMS); read only with compile_decode
     kv_cache_dtype: str = "auto"  # latent-KV and indexer-key pages: "auto" (the model dtype) or "fp8" (e4m3 + scales)
     # Speculative decoding (serve/spec_decode/): None, or "mtp" (the model's MTP head drafts).
     speculative: str | None = None
@@ -63,6 +68,7 @@ class EngineConfig:
             ("max_snapshots", self.max_snapshots is None or self.max_snapshots >= 0, "None or >= 0"),
             ("max_state_fraction", 0 < self.max_state_fraction <= 1, "a number in (0, 1]"),
             ("kv_cache_dtype", self.kv_cache_dtype in ("auto", "fp8"), "auto or fp8"),
+            ("compile_form", self.compile_form in COMPILE_FORMS, "one of " + ", ".join(COMPILE_FORMS)),
             ("speculative", self.speculative in (None, "mtp"), "None or mtp"),
             ("num_draft_tokens", isinstance(self.num_draft_tokens, int) and 1 <= self.num_draft_tokens <= 3,
              "an integer in [1, 3]"),

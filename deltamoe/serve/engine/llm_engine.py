@@ -71,7 +71,8 @@ class LLMEngine:
         # With async scheduling a decode role's loads start at a step boundary (executor/held_loads.py).
         loads = HeldLoads(connector) if connector is not None and self.config.async_scheduling else None
         self.scheduler = Scheduler(self.config, self.cache, loads or connector)
-        self.runner = ModelRunner(model, self.cache, compiled_decode=self.config.compile_decode)
+        self.runner = ModelRunner(model, self.cache, compiled_decode=self.config.compile_decode,
+                                  compile_form=self.config.compile_form)
         if self.config.speculative is not None:  # MTP drafts verified in one forward (serve/spec_decode/)
             self.runner = speculative_runner(model, self.cache, self.config, min(
                 self.max_model_len, self.cache.max_tokens_per_sequence()), group is not None, connector)

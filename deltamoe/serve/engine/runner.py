@@ -69,12 +69,13 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: DeltaMoEForCausalLM, cache: HybridCache, compiled_decode: bool = False):
+    def __init__(self, model: DeltaMoEForCausalLM, cache: HybridCache, compiled_decode: bool = False,
+                 compile_form: str = "parts"):
         self.model = model
         self.cache = cache
         self.device = model.device
         # Decode calls (T = 1) through the compiled regions; prefill chunks always run eagerly.
-        self._compiled_decode = CompiledDecode(model) if compiled_decode else None
+        self._compiled_decode = CompiledDecode(model, compile_form) if compiled_decode else None
         # Tokens routed to each expert [MoE layers, experts], summed over calls: kept when asked
         # (`track_expert_load`), for the per-rank expert load a multi-worker server reports.
         self.expert_load: torch.Tensor | None = None

@@ -102,3 +102,26 @@ def test_a_row_run_twice_leaves_the_cache_and_logits_of_the_row_alone(helpers):
     for g, w in zip(got_cache, want_cache):
         torch.testing.assert_close(g, w)
     assert any(not torch.equal(g, s) for g, s in zip(got_cache, saved))  # the step did write
+
+
+def test_engine_config_picks_the_compiled_form(helpers, monkeypatch):
+    """`EngineConfig.compile_form` (`--compile-form`) reaches the runner's compiled call; greedy tokens
+    through the whole-layer form (traced code run eagerly here) equal the eager engine's."""
+    from deltamoe.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        EngineConfig(cache_memory="16MiB", compile_decode=True, compile_form="layer")
+    assert err.value.field == "compile_form"
+    config = helpers.k31_tiny(num_hidden_layers=2, layer_types=("kda", "dsa"))
+    model = build_model(config, seed=7).eval()
+    monkeypatch.setattr(compiled_decode, "_compile", lambda fn: fn)
+    prompts = helpers.prompts(3, 5, 30, seed=4)
+
+    def run(**kw) -> tuple[LLMEngine, list[list[int]]]:
+        engine = LLMEngine(model, config=EngineConfig(cache_memory="16MiB", **kw))
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        return engine, [c.token_ids for c in engine.generate(prompts, params, progress=False)]
+
+    layers, got = run(compile_decode=True, compile_form="layers")
+    assert layers.runner._compiled_decode.form == "layers"
+    assert got == run()[1]
