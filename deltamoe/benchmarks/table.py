@@ -247,13 +247,15 @@ def serve_offline_rows(d: dict) -> list[Row]:
 def compile_start_rows(d: dict) -> list[Row]:
     c, first, steps = d["config"], d["first_start"], d["step_ms"]
     target = d["target"]["first_start_s"]
-    mode = "regions" if c["mode"] == "regions" else "whole call"
+    form = c.get("form", "parts" if c["mode"] == "regions" else "whole")  # older files name only the mode
+    mode = {"parts": "regions", "layers": "whole-layer regions", "whole": "whole call"}[form]
     start = "first start (empty inductor cache)" if c.get("fresh_cache", True) else "start from inductor's disk cache"
+    how = command("compile_start") if form == "parts" else f"(`python bench/bench_compile_start.py --form {form}`)"
     b = str(c["batch"])
     compiled, eager = steps["compiled"], steps["eager"]
     return [
         [f"compiled decode, {start}, `{c['preset']}`, {c['threads']} threads, {mode} "
-         f"{command('compile_start')}", f"{secs(first['wall_s'])} s ({secs(first['cpu_s'])} s CPU), "
+         f"{how}", f"{secs(first['wall_s'])} s ({secs(first['cpu_s'])} s CPU), "
          f"{first['graphs']} graphs", "", "", verdict([(f"<= {target:.0f} s", first["wall_s"] <= target)])],
         [f"same, decode step at batch 1 / {b}, compiled vs eager",
          f"{compiled['1']['wall_ms']:.1f} / {compiled[b]['wall_ms']:.1f} ms",
@@ -640,6 +642,7 @@ FORMATTERS: dict[str, Callable[[dict], list[Row]]] = {
     "serve_dsa_decode": serve_dsa_decode_rows,
     "compile_start": compile_start_rows,
     "compile_start_whole": compile_start_rows,
+    "compile_start_layers": compile_start_rows,  # bench_compile_start.py --form layers
     "serve_cache_bytes": serve_cache_bytes_rows,
     "serve_online": serve_online_rows,
     "serve_online_compiled": serve_online_rows,
