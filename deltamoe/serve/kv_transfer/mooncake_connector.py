@@ -145,7 +145,8 @@ class MooncakeConnector(KVConnector):
                         "seconds_sent": 0.0, "seconds_received": 0.0, "unpacked": 0,
                         "seconds_packing": 0.0, "seconds_writing": 0.0, "seconds_unpacking": 0.0,
                         "writes": 0, "seconds_queued": 0.0, "landed_on_notice": 0,
-                        "timed": 0, "seconds_finish_to_cache": 0.0, "seconds_notice": 0.0}
+                        "timed": 0, "seconds_finish_to_cache": 0.0, "seconds_notice": 0.0,
+                        "seconds_submitting": 0.0, "seconds_transferring": 0.0, "seconds_notifying": 0.0}
         # Completion notices' keys: this connector's own prefix (a late notice meant for an earlier
         # server on the same address never matches) and a count.
         self._notice_prefix, self._landings = secrets.token_hex(4), 0
@@ -397,10 +398,21 @@ class MooncakeConnector(KVConnector):
                                            notice=_notice(push.notice, packed=started.packed))
             self._add("seconds_packing", started.gather_s)
             self._add("seconds_writing", time.monotonic() - started.write.started - started.gather_s)
+            if not started.packed:
+                self._time_direct(started.write)
         finally:
             if started.offset is not None:
                 self.staging.give_back(started.offset, started.size)
         return started.nbytes, writes
+
+    def _time_direct(self, write: ChunkedWrite) -> None:
+        """A direct hand-off's write by phase: the engine thread's submission of its batch, the batch on
+        the wire until the hand-off thread saw it complete (that thread's start included), then the
+        notice's own write."""
+        with self._lock:
+            self._totals["seconds_submitting"] += write.submitted - write.started
+            self._totals["seconds_transferring"] += write.completed - write.submitted
+            self._totals["seconds_notifying"] += time.monotonic() - write.completed
 
     def _time_from_prefill(self, report: dict, landing: Landing) -> None:
         """Decode side, on the prefill server's host only (one monotonic clock, `clock.py`): the
