@@ -396,23 +396,24 @@ class MooncakeConnector(KVConnector):
                 raise started.error
             writes = self.transport.finish(started.write, max(0.0, push.deadline - started.write.started),
                                            notice=_notice(push.notice, packed=started.packed))
+            written = time.monotonic()
             self._add("seconds_packing", started.gather_s)
-            self._add("seconds_writing", time.monotonic() - started.write.started - started.gather_s)
+            self._add("seconds_writing", written - started.write.started - started.gather_s)
             if not started.packed:
-                self._time_direct(started.write)
+                self._time_direct(started.write, written)
         finally:
             if started.offset is not None:
                 self.staging.give_back(started.offset, started.size)
         return started.nbytes, writes
 
-    def _time_direct(self, write: ChunkedWrite) -> None:
+    def _time_direct(self, write: ChunkedWrite, written: float) -> None:
         """A direct hand-off's write by phase: the engine thread's submission of its batch, the batch on
         the wire until the hand-off thread saw it complete (that thread's start included), then the
         notice's own write."""
         with self._lock:
             self._totals["seconds_submitting"] += write.submitted - write.started
             self._totals["seconds_transferring"] += write.completed - write.submitted
-            self._totals["seconds_notifying"] += time.monotonic() - write.completed
+            self._totals["seconds_notifying"] += written - write.completed
 
     def _time_from_prefill(self, report: dict, landing: Landing) -> None:
         """Decode side, on the prefill server's host only (one monotonic clock, `clock.py`): the
