@@ -45,8 +45,9 @@ write; zero for the others);
 goal: >= 50 % of raw (back to back) at every size. Then, sustained: `--in-flight` prompts of each
 `--idle-lens` length at once, `--idle-handoffs` rounds: bytes / the decode server's
 `kv_transfer_seconds_busy` (the seconds during which at least one hand-off was on its way, overlaps
-counted once), next to the same raw write. `--baseline DIR|packed` starts a second 1P+1D stack
-(from another checkout of the code, or this one with every hand-off packed) and sends it every
+counted once), next to the same raw write. `--baseline DIR|packed|no-lanes` starts a second 1P+1D
+stack (from another checkout of the code, or this one with every hand-off packed, or this one over a
+new Mooncake TCP connection per write instead of the connection lanes) and sends it every
 other one-at-a-time hand-off: this / baseline per size, under the same load.
 `--handoff-only` runs the idle hand-offs and
 the raw writes without the colocated server and the mixed load (a minute instead of several).
@@ -88,9 +89,12 @@ TARGETS = {"p99_chat_tpot_colocated_over_disagg": 2.0, "handoff_over_raw_tcp": 0
 ISOLATED_IDLE_S = 0.05  # the transport's idle time before each "isolated" raw write
 
 
-def start(args: list[str], port: int, root: Path = ROOT) -> tuple[subprocess.Popen, str]:
-    """`deltamoe ARGS` on `port`, from the code in `root` (this checkout, or `--baseline`'s)."""
+def start(args: list[str], port: int, root: Path = ROOT, env_extra: dict[str, str] | None = None
+          ) -> tuple[subprocess.Popen, str]:
+    """`deltamoe ARGS` on `port`, from the code in `root` (this checkout, or `--baseline`'s), with
+    `env_extra` in its environment."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | {"GLOG_minloglevel": "2"}
+    env |= env_extra or {}
     if root != ROOT:
         env["PYTHONPATH"] = str(root)
     proc = subprocess.Popen([sys.executable, "-m", "deltamoe", *args, "--port", str(port), "--log-level", "warning"],
@@ -249,14 +253,15 @@ def run_colocated(args) -> dict:
         proc.wait(30)
 
 
-def start_stack(args, root: Path = ROOT, prefill_args: tuple[str, ...] = ()) -> tuple[list[subprocess.Popen], str,
-                                                                                     str, str]:
+def start_stack(args, root: Path = ROOT, prefill_args: tuple[str, ...] = (), env_extra: dict[str, str] | None = None
+                ) -> tuple[list[subprocess.Popen], str, str, str]:
     """1 prefill + 1 decode server and a router, from the code in `root`, the prefill server with
-    `prefill_args` added: (processes, prefill, decode and router URLs)."""
+    `prefill_args` added, both servers with `env_extra`: (processes, prefill, decode and router URLs)."""
     role = ["--kv-transfer", "mooncake", "--kv-transfer-timeout", "600"]  # a long prompt queues behind others
-    prefill, p_url = start(serve_args(args, 1) + ["--role", "prefill", *role, *prefill_args], free_port(), root)
+    prefill, p_url = start(serve_args(args, 1) + ["--role", "prefill", *role, *prefill_args], free_port(), root,
+                           env_extra)
     decode, d_url = start(serve_args(args, 1) + ["--role", "decode", *role, "--min-hand-off-tokens",
-                                                  str(args.min_hand_off_tokens)], free_port(), root)
+                                                  str(args.min_hand_off_tokens)], free_port(), root, env_extra)
     procs = [prefill, decode]
     try:
         wait_healthy(prefill, p_url)
@@ -269,6 +274,18 @@ def start_stack(args, root: Path = ROOT, prefill_args: tuple[str, ...] = ()) -> 
         stop(procs)
         raise
     return procs, p_url, d_url, r_url
+
+
+def baseline_stack(args) -> tuple[list[subprocess.Popen], str, str, str]:
+    """`--baseline`'s stack: this checkout with every hand-off packed (`packed`), or over a new Mooncake
+    connection per write (`no-lanes`), or the checkout in that directory."""
+    if args.baseline == "packed":
+        return start_stack(args, prefill_args=("--kv-transfer-direct-max-segments", "-1"))
+    if args.baseline == "no-lanes":
+        from deltamoe.serve.kv_transfer.mooncake_transport import CONNECTION_LANES
+
+        return start_stack(args, env_extra={CONNECTION_LANES: "0"})
+    return start_stack(args, Path(args.baseline))
 
 
 def stop(procs: list[subprocess.Popen]) -> None:
@@ -294,8 +311,7 @@ def run_disaggregated(args) -> tuple[dict, dict]:
     stacks = {"this": (p_url, d_url, r_url)}
     try:
         if args.baseline is not None:  # started after this checkout's stack: it warms up meanwhile
-            base_procs, *base_urls = (start_stack(args, prefill_args=("--kv-transfer-direct-max-segments", "-1"))
-                                      if args.baseline == "packed" else start_stack(args, Path(args.baseline)))
+            base_procs, *base_urls = baseline_stack(args)
             procs += base_procs
             stacks["baseline"] = tuple(base_urls)
         alone = asyncio.run(warm_up(r_url, args))
@@ -471,8 +487,9 @@ def main() -> None:
     ap.add_argument("--in-flight", type=int, default=4, help="then, for each --idle-lens length, --idle-handoffs "
                     "rounds of this many prompts at once: sustained throughput (1: none)")
     ap.add_argument("--baseline", default=None, help="a checkout of the code to compare with (e.g. `git worktree "
-                    "add /tmp/base 712a24e`), or `packed` (this checkout, every hand-off packed): a second 1P+1D "
-                    "stack from it takes every other idle hand-off")
+                    "add /tmp/base 712a24e`), or `packed` (this checkout, every hand-off packed), or `no-lanes` "
+                    "(this checkout, a new Mooncake TCP connection per write): a second 1P+1D stack from it takes "
+                    "every other idle hand-off")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--async-scheduling", action="store_true", help="every server (colocated, prefill, decode) "
                     "schedules step N+1 while step N runs; writes serve_disagg_async.json")

@@ -14,8 +14,9 @@ the hand-off landed (its completion notice, or that call's answer if it comes fi
 (also when it is aborted) its blocks stay pinned.
 
 Prefill side (`PushTo` on a sequence): when the request finishes its N-1 tokens,
-`request_finished` starts the write (on the engine thread itself when it goes straight into the
-decode side's pools or is packed within `inline_start_bytes`, see below; else on a hand-off thread) and keeps the blocks and slot pinned until the write ends.
+`request_finished` starts the write (on the engine thread itself up to `inline_start_bytes`, and
+any direct one over connection lanes, see below; the rest on a hand-off thread) and keeps the
+blocks and slot pinned until the write ends.
 Prefix caching works as in any engine: cached blocks are not recomputed, and are sent like the rest
 (the decode side lacks them).
 
@@ -26,11 +27,11 @@ each segment pays the transport's fixed cost, a packed write pays a gather and a
 scattered request fitting both servers' staging areas (`staging.py`) is packed: the decode side
 lends a range of its area, the prefill side gathers the request into a range of its own, a pool at
 a time, and writes each `write_chunk_bytes` of it as soon as they are gathered (the transfer engine
-sends a chunk while this thread gathers the next). The engine thread submits every direct hand-off
-itself (submitting only queues its segments on the transport's connections, whatever its size) and
-a packed one of up to `inline_start_bytes` when a range is free at once, every byte as
-asynchronous writes, so that the hand-off thread, which waits for them and sends the notice, wakes
-up while they travel. Either way a completion notice (`notices.py`) follows once every write
+sends a chunk while this thread gathers the next). The engine thread submits a hand-off of up to
+`inline_start_bytes` itself (a packed one when a range is free at once), and any direct one when
+the transport has connection lanes (its submission then only queues the segments, whatever their
+size; without lanes it connects once per segment), every byte as asynchronous writes, so that
+the hand-off thread, which waits for them and sends the notice, wakes up while they travel. Either way a completion notice (`notices.py`) follows once every write
 completed: the decode side scatters the message into its blocks and slot (packed) and lets the
 request run as soon as the notice arrives, without waiting for the prefill call's answer, which
 still reports errors and timings.
@@ -125,7 +126,7 @@ class HandOffConfig:
     staging_bytes: int = 64 << 20  # registered area for packed hand-offs (larger requests go unpacked)
     write_chunk_bytes: int = 1 << 20  # a packed write goes out in chunks of this many bytes as they are gathered
     notice_poll_s: float = POLL_S  # decode side: sleep between polls for completion notices while one is awaited
-    inline_start_bytes: int = 4 << 20  # prefill side: the engine thread starts packed hand-offs of up to this many bytes
+    inline_start_bytes: int = 4 << 20  # prefill side: the engine thread starts hand-offs of up to this many bytes
     # Prefill side: a hand-off goes straight into the decode side's pools (no gather, no staging, no
     # scatter) when it is at most this many segments plus one per `direct_bytes_per_segment` of it (a
     # segment's fixed cost in the transfer engine against the copies a packed hand-off makes).
@@ -199,25 +200,27 @@ class MooncakeConnector(KVConnector):
         with self._lock:
             self._in_flight.add(seq.request_id)
         src_blocks = seq.block_table[push.first_block:push.first_block + len(push.dst_blocks)]
-        # This thread puts a hand-off on its way at once (any written straight into the pools: its
-        # submission only queues the segments; a small one gathered and written packed when a range of
-        # the staging area is free now): the hand-off thread then starts while the bytes travel, not
-        # before. A large packed one would hold this thread (the next step) for its whole gather, and
-        # the thread hand-over is a small part of its time: the hand-off thread does it all.
+        # This thread puts a hand-off on its way at once (written straight into the pools: a small one,
+        # or any over connection lanes, where its submission only queues the segments; gathered and
+        # written packed when small and a range of the staging area is free now): the hand-off thread
+        # then starts while the bytes travel, not before. A large packed one would hold this thread
+        # (the next step) for its whole gather, and the thread hand-over is a small part of its time:
+        # the hand-off thread does it all.
         started, segments = None, None
         try:
             segments = request_segments(self.cache, push.dest, src_blocks, push.dst_blocks, seq.num_computed,
                                         push.first_block, seq.slot, push.dst_slot)
             if self._direct(push, segments):
-                started = self._start_direct(push, segments)
+                if self.transport.lanes or sum(s.nbytes for s in segments) <= self.config.inline_start_bytes:
+                    started = self._start_direct(push, segments)
             else:
                 segments = None
                 if push.staging[1] <= self.config.inline_start_bytes:
                     started = self._start_packed(push, src_blocks, seq.num_computed, seq.slot, wait=False)
         except Exception as e:  # fails this hand-off only, on its thread
             started = StartedPush(None, 0, 0, error=e)
-        self._threads.submit(self._push, seq.request_id, push, src_blocks, seq.num_computed, seq.slot,
-                             segments is None, started)
+        self._threads.submit(self._push, seq.request_id, push, src_blocks, seq.num_computed, seq.slot, segments,
+                             started)
         return True
 
     def _direct(self, push: PushTo, segments: list[Segment]) -> bool:
@@ -320,17 +323,24 @@ class MooncakeConnector(KVConnector):
             timer.start()
 
     def _push(self, request_id: str, push: PushTo, src_blocks: list[int], num_tokens: int, slot: int,
-              packed: bool, started: "StartedPush | None") -> None:
-        """`packed`: False when the request goes straight into the decode side's pools; `started`: what
-        the engine thread already put on its way (or why it failed), None for a packed hand-off that
-        this thread gathers and writes itself (every direct one was started)."""
+              segments: list[Segment] | None, started: "StartedPush | None") -> None:
+        """`segments`: the request's segments when it goes straight into the decode side's pools, None
+        when packed; `started`: what the engine thread already put on its way (or why it failed)."""
         start = time.monotonic()
         self._add("seconds_queued", start - push.finished_at)  # the prefill's finish -> this thread runs
+        packed = segments is None
         try:
             if started is not None and started.error is not None:
                 raise started.error
-            nbytes, writes = self._finish_started(
-                push, started or self._start_packed(push, src_blocks, num_tokens, slot, wait=True))
+            if started is not None or packed:
+                nbytes, writes = self._finish_started(
+                    push, started or self._start_packed(push, src_blocks, num_tokens, slot, wait=True))
+            else:
+                writing = time.monotonic()
+                self.transport.write(push.dest.session, segments, max(0.0, push.deadline - time.monotonic()),
+                                     notice=_notice(push.notice, packed=False))
+                self._add("seconds_writing", time.monotonic() - writing)
+                nbytes, writes = sum(s.nbytes for s in segments), 1
         except Exception as e:
             self._end(request_id, "sent", error=str(e))
             push.done.set_exception(e if isinstance(e, TransferFailed) else TransferFailed(str(e)))

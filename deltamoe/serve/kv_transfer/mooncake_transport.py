@@ -133,6 +133,9 @@ class MooncakeTransport:
             raise ConfigError(f"the Mooncake transfer engine cannot start on {host!r} over {protocol}",
                               field="kv_transfer_host")
         self.session = f"{host}:{self._engine.get_rpc_port()}"
+        # Whether a submission only queues its segments on open connections (else it connects once per
+        # segment in the submitting thread).
+        self.lanes = os.environ[CONNECTION_LANES].strip().lower() not in ("0", "false", "no")
         self._registered: list[int] = []
         self._waiter = threading.Lock()  # see "One waiter at a time" above
         try:
