@@ -31,10 +31,11 @@ sends a chunk while this thread gathers the next). The engine thread submits a h
 `inline_start_bytes` itself (a packed one when a range is free at once), and any direct one when
 the transport has connection lanes (its submission then only queues the segments, whatever their
 size; without lanes it connects once per segment), every byte as asynchronous writes, so that
-the hand-off thread, which waits for them and sends the notice, wakes up while they travel. Either way a completion notice (`notices.py`) follows once every write
-completed: the decode side scatters the message into its blocks and slot (packed) and lets the
-request run as soon as the notice arrives, without waiting for the prefill call's answer, which
-still reports errors and timings.
+the hand-off thread, which waits for them and sends the notice, wakes up while they travel.
+Either way a completion notice (`notices.py`) follows once every write completed: the decode side
+scatters the message into its blocks and slot (packed) and lets the request run as soon as the
+notice arrives, without waiting for the prefill call's answer, which still reports errors and
+timings.
 
 A staging range is lent for as long as a write may still land in it: the prefill side answers
 only once each of its writes completed or failed (`MooncakeTransport.write_as_ready`), and when
