@@ -22,7 +22,9 @@ one at a time afterwards, on pools the load left scattered) next to the Mooncake
 engine's raw TCP write throughput measured in the same run on the same machine, from this
 process into a receiver process, for one write of each idle size: back to back (the goal's
 reference) and isolated (after `ISOLATED_IDLE_S` of idle transport, as a hand-off's write follows a
-prefill).
+prefill); both over the engine's persistent connection lanes, as the servers write (the
+transport's default), and back to back once more over a new connection per write (the engine's
+own default: "no lanes").
 
 Hand-off throughput = bytes handed off / the time from the prefill's finish (the prefill server's
 engine ends the request's N-1 tokens) to the decode side having the request's cache and state in
@@ -36,12 +38,16 @@ before the notice was timed), split into gather / write / scatter (the write goe
 while the gather runs: "write" is the part that does not overlap it), the wait for the hand-off
 thread (queued), the notice (from the prefill thread's return from its last write to the scatter's
 start: below zero when the notice overtakes that return) and how many hand-offs landed on the
-notice rather than on the HTTP answer;
+notice rather than on the HTTP answer, and for a direct hand-off that the engine thread started,
+its write by phase (`kv_transfer_seconds_{submitting,transferring,notifying}`: the engine thread's
+submission, the batch on the wire until the hand-off thread saw it complete, the notice's own
+write; zero for the others);
 goal: >= 50 % of raw (back to back) at every size. Then, sustained: `--in-flight` prompts of each
 `--idle-lens` length at once, `--idle-handoffs` rounds: bytes / the decode server's
 `kv_transfer_seconds_busy` (the seconds during which at least one hand-off was on its way, overlaps
-counted once), next to the same raw write. `--baseline DIR|packed` starts a second 1P+1D stack
-(from another checkout of the code, or this one with every hand-off packed) and sends it every
+counted once), next to the same raw write. `--baseline DIR|packed|no-lanes` starts a second 1P+1D
+stack (from another checkout of the code, or this one with every hand-off packed, or this one over a
+new Mooncake TCP connection per write instead of the connection lanes) and sends it every
 other one-at-a-time hand-off: this / baseline per size, under the same load.
 `--handoff-only` runs the idle hand-offs and
 the raw writes without the colocated server and the mixed load (a minute instead of several).
@@ -83,9 +89,12 @@ TARGETS = {"p99_chat_tpot_colocated_over_disagg": 2.0, "handoff_over_raw_tcp": 0
 ISOLATED_IDLE_S = 0.05  # the transport's idle time before each "isolated" raw write
 
 
-def start(args: list[str], port: int, root: Path = ROOT) -> tuple[subprocess.Popen, str]:
-    """`deltamoe ARGS` on `port`, from the code in `root` (this checkout, or `--baseline`'s)."""
+def start(args: list[str], port: int, root: Path = ROOT, env_extra: dict[str, str] | None = None
+          ) -> tuple[subprocess.Popen, str]:
+    """`deltamoe ARGS` on `port`, from the code in `root` (this checkout, or `--baseline`'s), with
+    `env_extra` in its environment."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | {"GLOG_minloglevel": "2"}
+    env |= env_extra or {}
     if root != ROOT:
         env["PYTHONPATH"] = str(root)
     proc = subprocess.Popen([sys.executable, "-m", "deltamoe", *args, "--port", str(port), "--log-level", "warning"],
@@ -178,6 +187,14 @@ async def idle_handoffs(url: str, args, length: int, count: int | None = None, i
                     raise RuntimeError(f"an idle hand-off of {length} tokens failed: {result['error']}")
 
 
+def metric_or_nan(url: str, name: str) -> float:
+    """`metric`, NaN where that server's code does not count it (a `--baseline` checkout)."""
+    try:
+        return metric(url, name)
+    except KeyError:
+        return float("nan")
+
+
 def handoff_totals(p_url: str, d_url: str) -> dict[str, float]:
     """The hand-off counters: bytes, and seconds = the prefill side's gather + write plus the
     decode side's scatter; and those three parts on their own. `busy`: seconds during which at least
@@ -199,7 +216,9 @@ def handoff_totals(p_url: str, d_url: str) -> dict[str, float]:
             "queued": metric(p_url, "deltamoe_engine_kv_transfer_seconds_queued"),
             "notice": metric(d_url, "deltamoe_engine_kv_transfer_seconds_notice"),
             "on_notice": metric(d_url, "deltamoe_engine_kv_transfer_landed_on_notice"),
-            "scatter": metric(d_url, "deltamoe_engine_kv_transfer_seconds_unpacking")}
+            "scatter": metric(d_url, "deltamoe_engine_kv_transfer_seconds_unpacking"),
+            **{part: metric_or_nan(p_url, f"deltamoe_engine_kv_transfer_seconds_{part}")
+               for part in ("submitting", "transferring", "notifying")}}
 
 
 def serve_args(args, threads: int) -> list[str]:
@@ -234,14 +253,15 @@ def run_colocated(args) -> dict:
         proc.wait(30)
 
 
-def start_stack(args, root: Path = ROOT, prefill_args: tuple[str, ...] = ()) -> tuple[list[subprocess.Popen], str,
-                                                                                     str, str]:
+def start_stack(args, root: Path = ROOT, prefill_args: tuple[str, ...] = (), env_extra: dict[str, str] | None = None
+                ) -> tuple[list[subprocess.Popen], str, str, str]:
     """1 prefill + 1 decode server and a router, from the code in `root`, the prefill server with
-    `prefill_args` added: (processes, prefill, decode and router URLs)."""
+    `prefill_args` added, both servers with `env_extra`: (processes, prefill, decode and router URLs)."""
     role = ["--kv-transfer", "mooncake", "--kv-transfer-timeout", "600"]  # a long prompt queues behind others
-    prefill, p_url = start(serve_args(args, 1) + ["--role", "prefill", *role, *prefill_args], free_port(), root)
+    prefill, p_url = start(serve_args(args, 1) + ["--role", "prefill", *role, *prefill_args], free_port(), root,
+                           env_extra)
     decode, d_url = start(serve_args(args, 1) + ["--role", "decode", *role, "--min-hand-off-tokens",
-                                                  str(args.min_hand_off_tokens)], free_port(), root)
+                                                  str(args.min_hand_off_tokens)], free_port(), root, env_extra)
     procs = [prefill, decode]
     try:
         wait_healthy(prefill, p_url)
@@ -254,6 +274,18 @@ def start_stack(args, root: Path = ROOT, prefill_args: tuple[str, ...] = ()) -> 
         stop(procs)
         raise
     return procs, p_url, d_url, r_url
+
+
+def baseline_stack(args) -> tuple[list[subprocess.Popen], str, str, str]:
+    """`--baseline`'s stack: this checkout with every hand-off packed (`packed`), or over a new Mooncake
+    connection per write (`no-lanes`), or the checkout in that directory."""
+    if args.baseline == "packed":
+        return start_stack(args, prefill_args=("--kv-transfer-direct-max-segments", "-1"))
+    if args.baseline == "no-lanes":
+        from deltamoe.serve.kv_transfer.mooncake_transport import CONNECTION_LANES
+
+        return start_stack(args, env_extra={CONNECTION_LANES: "0"})
+    return start_stack(args, Path(args.baseline))
 
 
 def stop(procs: list[subprocess.Popen]) -> None:
@@ -269,7 +301,8 @@ def per_handoff(r: dict) -> dict:
             "seconds_per_handoff": r["seconds"] / r["count"], "unpacked": r["unpacked"],
             "writes_per_handoff": r["writes"] / r["count"], "landed_on_notice": r["on_notice"] / r["count"],
             **{f"{part}_seconds": r[part] / r["count"]
-               for part in ("copy", "queued", "gather", "write", "notice", "scatter")},
+               for part in ("copy", "queued", "gather", "write", "notice", "scatter", "submitting", "transferring",
+                            "notifying")},
             "gb_s": r["bytes"] / r["seconds"] / 1e9, "copy_gb_s": r["bytes"] / r["copy"] / 1e9}
 
 
@@ -278,8 +311,7 @@ def run_disaggregated(args) -> tuple[dict, dict]:
     stacks = {"this": (p_url, d_url, r_url)}
     try:
         if args.baseline is not None:  # started after this checkout's stack: it warms up meanwhile
-            base_procs, *base_urls = (start_stack(args, prefill_args=("--kv-transfer-direct-max-segments", "-1"))
-                                      if args.baseline == "packed" else start_stack(args, Path(args.baseline)))
+            base_procs, *base_urls = baseline_stack(args)
             procs += base_procs
             stacks["baseline"] = tuple(base_urls)
         alone = asyncio.run(warm_up(r_url, args))
@@ -342,13 +374,16 @@ sys.stdin.read()
 """
 
 
-def raw_tcp_throughput(sizes: list[tuple[int, int]], repeats: int = 9, idle_s: float = 0.0) -> list[float]:
+def raw_tcp_throughput(sizes: list[tuple[int, int]], repeats: int = 9, idle_s: float = 0.0,
+                       lanes: bool = True) -> list[float]:
     """Bytes per second of Mooncake TCP writes from this process into another's registered memory (a
     receiver process, as between two servers): for each (total bytes, segments), the total split
     into that many equal segments in one `MooncakeTransport.write` (the engine's own synchronous
     write, `transfer_sync_write` or `batch_transfer_sync_write`, plus a clock check), median of
     `repeats`. `idle_s` > 0: each write after that long with the transport idle, as a hand-off's
-    write is (it follows a prefill), instead of back to back with warm threads and caches."""
+    write is (it follows a prefill), instead of back to back with warm threads and caches. `lanes`:
+    over the engine's persistent connections, as the servers write (the transport's default), else
+    a new connection per write (the engine's own default)."""
     import torch
 
     from deltamoe.serve.kv_transfer.mooncake_transport import MooncakeTransport
@@ -361,7 +396,7 @@ def raw_tcp_throughput(sizes: list[tuple[int, int]], repeats: int = 9, idle_s: f
     rates = []
     try:
         session, address = json.loads(receiver.stdout.readline())
-        sender = MooncakeTransport()
+        sender = with_lanes(lanes, MooncakeTransport)
         src = torch.rand(largest // 4 + 1)
         sender.register(src.data_ptr(), src.nbytes)
         sender.write(session, [Segment(src.data_ptr(), address, 64)], 30.0)  # the handshake, not timed
@@ -380,6 +415,21 @@ def raw_tcp_throughput(sizes: list[tuple[int, int]], repeats: int = 9, idle_s: f
         receiver.stdin.close()
         receiver.wait(10)
     return rates
+
+
+def with_lanes(lanes: bool, make):
+    """`make()` with the Mooncake engine's connection lanes on or off (read by its constructor)."""
+    from deltamoe.serve.kv_transfer.mooncake_transport import CONNECTION_LANES
+
+    before = os.environ.get(CONNECTION_LANES)
+    os.environ[CONNECTION_LANES] = "1" if lanes else "0"
+    try:
+        return make()
+    finally:
+        if before is None:
+            os.environ.pop(CONNECTION_LANES)
+        else:
+            os.environ[CONNECTION_LANES] = before
 
 
 def bytes_per_handoff(args, disagg: dict, measured_total: float) -> list[dict]:
@@ -437,8 +487,9 @@ def main() -> None:
     ap.add_argument("--in-flight", type=int, default=4, help="then, for each --idle-lens length, --idle-handoffs "
                     "rounds of this many prompts at once: sustained throughput (1: none)")
     ap.add_argument("--baseline", default=None, help="a checkout of the code to compare with (e.g. `git worktree "
-                    "add /tmp/base 712a24e`), or `packed` (this checkout, every hand-off packed): a second 1P+1D "
-                    "stack from it takes every other idle hand-off")
+                    "add /tmp/base 712a24e`), or `packed` (this checkout, every hand-off packed), or `no-lanes` "
+                    "(this checkout, a new Mooncake TCP connection per write): a second 1P+1D stack from it takes "
+                    "every other idle hand-off")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--async-scheduling", action="store_true", help="every server (colocated, prefill, decode) "
                     "schedules step N+1 while step N runs; writes serve_disagg_async.json")
@@ -462,12 +513,15 @@ def main() -> None:
     sweep += [(mib << 20, count) for mib in (8, 64) for count in (1, 16)]
     rates = raw_tcp_throughput(sweep)
     isolated = raw_tcp_throughput(sweep[:len(hand_off["idle"])], idle_s=ISOLATED_IDLE_S)
+    no_lanes = raw_tcp_throughput(sweep[:len(hand_off["idle"])], lanes=False)
     transport = [{"bytes": total, "segments": count, "gb_s": round(rate / 1e9, 3)}
                  for (total, count), rate in zip(sweep, rates)]
     for r, raw, alone in zip(hand_off["idle"], rates, isolated):
         r["raw_tcp_gb_s"], r["over_raw_tcp"] = raw / 1e9, r["gb_s"] * 1e9 / raw
         r["raw_tcp_isolated_gb_s"], r["over_raw_tcp_isolated"] = alone / 1e9, r["gb_s"] * 1e9 / alone
         r["copy_over_raw_tcp"] = r["copy_gb_s"] * 1e9 / raw
+    for r, fresh in zip(hand_off["idle"], no_lanes):
+        r["raw_tcp_no_lanes_gb_s"], r["over_raw_tcp_no_lanes"] = fresh / 1e9, r["gb_s"] * 1e9 / fresh
     for r, raw in zip(hand_off["sustained"], rates):  # the same sizes, in the same order
         r["raw_tcp_gb_s"], r["over_raw_tcp"] = raw / 1e9, r["gb_s"] * 1e9 / raw
     for r, base in zip(hand_off["idle"], hand_off.get("baseline_idle", [])):
@@ -491,7 +545,8 @@ def main() -> None:
     print(markdown_table(["idle hand-off", "MiB", "writes", "finish -> in cache ms", "GB/s",
                           "raw TCP GB/s (back to back)", "hand-off / raw", "raw TCP GB/s (isolated)",
                           "hand-off / isolated raw", "copy path ms (gather / write / scatter)", "copy path / raw",
-                          "queued / notice ms", "on notice"],
+                          "queued / notice ms", "on notice", "direct write ms (submit / on wire / notice write)",
+                          "raw TCP GB/s (no lanes)", "hand-off / raw (no lanes)"],
                          [[f"{r['prompt_tokens']} tokens", f"{r['bytes_per_handoff'] / 2**20:.2f}",
                            f"{r['writes_per_handoff']:.0f}", f"{r['seconds_per_handoff'] * 1e3:.2f}",
                            f"{r['gb_s']:.3f}", f"{r['raw_tcp_gb_s']:.3f}", f"{r['over_raw_tcp']:.2f}",
@@ -500,7 +555,10 @@ def main() -> None:
                            + " / ".join(f"{r[f'{part}_seconds'] * 1e3:.2f}" for part in ("gather", "write", "scatter"))
                            + ")", f"{r['copy_over_raw_tcp']:.2f}",
                            f"{r['queued_seconds'] * 1e3:.2f} / {r['notice_seconds'] * 1e3:.2f}",
-                           f"{r['landed_on_notice']:.0%}"]
+                           f"{r['landed_on_notice']:.0%}",
+                           " / ".join(f"{r[f'{part}_seconds'] * 1e3:.2f}"
+                                      for part in ("submitting", "transferring", "notifying")),
+                           f"{r['raw_tcp_no_lanes_gb_s']:.3f}", f"{r['over_raw_tcp_no_lanes']:.2f}"]
                           for r in hand_off["idle"]]))
     if hand_off["sustained"]:
         print(markdown_table(["hand-offs in flight", "MiB each", "busy ms", "GB/s (bytes / busy)",

@@ -14,8 +14,9 @@ the hand-off landed (its completion notice, or that call's answer if it comes fi
 (also when it is aborted) its blocks stay pinned.
 
 Prefill side (`PushTo` on a sequence): when the request finishes its N-1 tokens,
-`request_finished` starts the write (on the engine thread itself up to `inline_start_bytes`, see
-below; the rest on a hand-off thread) and keeps the blocks and slot pinned until the write ends.
+`request_finished` starts the write (on the engine thread itself up to `inline_start_bytes`, and
+any direct one over connection lanes, see below; the rest on a hand-off thread) and keeps the
+blocks and slot pinned until the write ends.
 Prefix caching works as in any engine: cached blocks are not recomputed, and are sent like the rest
 (the decode side lacks them).
 
@@ -27,12 +28,14 @@ scattered request fitting both servers' staging areas (`staging.py`) is packed: 
 lends a range of its area, the prefill side gathers the request into a range of its own, a pool at
 a time, and writes each `write_chunk_bytes` of it as soon as they are gathered (the transfer engine
 sends a chunk while this thread gathers the next). The engine thread submits a hand-off of up to
-`inline_start_bytes` itself (a packed one when a range is free at once), every byte as
-asynchronous writes, so that the hand-off thread, which waits for them and sends the notice, wakes
-up while they travel. Either way a completion notice (`notices.py`) follows once every write
-completed: the decode side scatters the message into its blocks and slot (packed) and lets the
-request run as soon as the notice arrives, without waiting for the prefill call's answer, which
-still reports errors and timings.
+`inline_start_bytes` itself (a packed one when a range is free at once), and any direct one when
+the transport has connection lanes (its submission then only queues the segments, whatever their
+size; without lanes it connects once per segment), every byte as asynchronous writes, so that
+the hand-off thread, which waits for them and sends the notice, wakes up while they travel.
+Either way a completion notice (`notices.py`) follows once every write completed: the decode side
+scatters the message into its blocks and slot (packed) and lets the request run as soon as the
+notice arrives, without waiting for the prefill call's answer, which still reports errors and
+timings.
 
 A staging range is lent for as long as a write may still land in it: the prefill side answers
 only once each of its writes completed or failed (`MooncakeTransport.write_as_ready`), and when
@@ -145,7 +148,8 @@ class MooncakeConnector(KVConnector):
                         "seconds_sent": 0.0, "seconds_received": 0.0, "unpacked": 0,
                         "seconds_packing": 0.0, "seconds_writing": 0.0, "seconds_unpacking": 0.0,
                         "writes": 0, "seconds_queued": 0.0, "landed_on_notice": 0,
-                        "timed": 0, "seconds_finish_to_cache": 0.0, "seconds_notice": 0.0}
+                        "timed": 0, "seconds_finish_to_cache": 0.0, "seconds_notice": 0.0,
+                        "seconds_submitting": 0.0, "seconds_transferring": 0.0, "seconds_notifying": 0.0}
         # Completion notices' keys: this connector's own prefix (a late notice meant for an earlier
         # server on the same address never matches) and a count.
         self._notice_prefix, self._landings = secrets.token_hex(4), 0
@@ -197,17 +201,18 @@ class MooncakeConnector(KVConnector):
         with self._lock:
             self._in_flight.add(seq.request_id)
         src_blocks = seq.block_table[push.first_block:push.first_block + len(push.dst_blocks)]
-        # This thread puts a small hand-off on its way at once (written straight into the pools, or
-        # gathered and written packed when a range of the staging area is free now): the hand-off
-        # thread then starts while the bytes travel, not before. A large packed one would hold this
-        # thread (the next step) for its whole gather, and the thread hand-over is a small part of
-        # its time: the hand-off thread does it all.
+        # This thread puts a hand-off on its way at once (written straight into the pools: a small one,
+        # or any over connection lanes, where its submission only queues the segments; gathered and
+        # written packed when small and a range of the staging area is free now): the hand-off thread
+        # then starts while the bytes travel, not before. A large packed one would hold this thread
+        # (the next step) for its whole gather, and the thread hand-over is a small part of its time:
+        # the hand-off thread does it all.
         started, segments = None, None
         try:
             segments = request_segments(self.cache, push.dest, src_blocks, push.dst_blocks, seq.num_computed,
                                         push.first_block, seq.slot, push.dst_slot)
             if self._direct(push, segments):
-                if sum(s.nbytes for s in segments) <= self.config.inline_start_bytes:
+                if self.transport.lanes or sum(s.nbytes for s in segments) <= self.config.inline_start_bytes:
                     started = self._start_direct(push, segments)
             else:
                 segments = None
@@ -395,12 +400,24 @@ class MooncakeConnector(KVConnector):
                 raise started.error
             writes = self.transport.finish(started.write, max(0.0, push.deadline - started.write.started),
                                            notice=_notice(push.notice, packed=started.packed))
+            written = time.monotonic()
             self._add("seconds_packing", started.gather_s)
-            self._add("seconds_writing", time.monotonic() - started.write.started - started.gather_s)
+            self._add("seconds_writing", written - started.write.started - started.gather_s)
+            if not started.packed:
+                self._time_direct(started.write, written)
         finally:
             if started.offset is not None:
                 self.staging.give_back(started.offset, started.size)
         return started.nbytes, writes
+
+    def _time_direct(self, write: ChunkedWrite, written: float) -> None:
+        """A direct hand-off's write by phase: the engine thread's submission of its batch, the batch on
+        the wire until the hand-off thread saw it complete (that thread's start included), then the
+        notice's own write."""
+        with self._lock:
+            self._totals["seconds_submitting"] += write.submitted - write.started
+            self._totals["seconds_transferring"] += write.completed - write.submitted
+            self._totals["seconds_notifying"] += written - write.completed
 
     def _time_from_prefill(self, report: dict, landing: Landing) -> None:
         """Decode side, on the prefill server's host only (one monotonic clock, `clock.py`): the

@@ -36,6 +36,17 @@ acknowledges a write only once its bytes are in the receiver's memory (Mooncake'
 "v2" framing, unless MC_TCP_PROTO=1 forces the legacy one), so a receiver that sees the notice
 has every byte of the hand-off.
 
+Connections: by default the engine's TCP transport opens a new connection for every segment of
+every write, resolving and connecting synchronously in the submitting thread (the engine thread for
+a hand-off it starts itself), and each connection starts cold (TCP slow start, an accept on the
+peer's one I/O thread): a hand-off pays that once per segment and once more for its notice's write.
+The engine's connection lanes (`MC_TCP_ENABLE_CONNECTION_POOL`) keep a few connections per peer
+open, connect them asynchronously and queue each write on one; the transport turns them on unless
+the variable is set (0 turns them off; docs/serving.md has the measurement). The raw writes that
+`bench/bench_serve_disagg.py` compares against go through this class too, so both sides of that
+ratio use the same connections. A lane whose peer died fails its write and is dropped; a restarted
+peer listens on a new port, hence is a new peer name.
+
 The engine logs through its bundled glog, which does not read GLOG_minloglevel from the
 environment: at INFO it writes a line for every handshake and every asynchronous batch.
 `quiet_engine_logs` sets glog's exported threshold itself: GLOG_minloglevel when set, else ERROR.
@@ -61,6 +72,7 @@ GLOG_MIN_LEVEL = "_ZN3fLI17FLAGS_minloglevelE"  # glog's `FLAGS_minloglevel` (C+
 GLOG_ERROR = 2
 NOTICE_NAME = "deltamoe-hand-off"  # the notify name of hand-off completion notices
 NOTICE_BYTES = 64  # what a notice's own write sends again after a chunked write
+CONNECTION_LANES = "MC_TCP_ENABLE_CONNECTION_POOL"  # read by the engine's constructor
 WAITER_PATIENCE_S = 0.05  # longest wait for the waiter lock before waiting without it
 
 
@@ -101,12 +113,15 @@ class ChunkedWrite:
     started: float  # time.monotonic() when its first chunk could go out
     batches: list[int] = field(default_factory=list)  # the engine's ids of the chunks in flight
     sent: int = 0  # leading bytes that the chunks carry
+    submitted: float = 0.0  # time.monotonic() once its last chunk was submitted
+    completed: float = 0.0  # ... once `finish` saw every chunk end (its notice's write follows)
 
 
 class MooncakeTransport:
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", timeout_s: float = 30.0):
         # Read by the engine's constructor: how long one synchronous write may wait.
         os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(MIN_ENGINE_TIMEOUT_S, math.ceil(timeout_s))))
+        os.environ.setdefault(CONNECTION_LANES, "1")  # persistent connections per peer (module docstring)
         try:
             from mooncake.engine import TransferEngine
         except ImportError as e:  # also a missing libibverbs.so.1 (apt-get install libibverbs1)
@@ -118,6 +133,9 @@ class MooncakeTransport:
             raise ConfigError(f"the Mooncake transfer engine cannot start on {host!r} over {protocol}",
                               field="kv_transfer_host")
         self.session = f"{host}:{self._engine.get_rpc_port()}"
+        # Whether a submission only queues its segments on open connections (else it connects once per
+        # segment in the submitting thread).
+        self.lanes = os.environ[CONNECTION_LANES].strip().lower() not in ("0", "false", "no")
         self._registered: list[int] = []
         self._waiter = threading.Lock()  # see "One waiter at a time" above
         try:
@@ -206,6 +224,7 @@ class MooncakeTransport:
         write). Returns the number of writes; raises TransferFailed as `write` does, only once no
         chunk is in flight."""
         failed = [status for status in self._wait_each(write.batches) if status != 0]
+        write.completed = time.monotonic()
         writes = len(write.batches)
         if not failed and (notice is not None or write.sent < write.nbytes):
             first = write.sent if write.sent < write.nbytes else max(0, write.nbytes - NOTICE_BYTES)
@@ -227,6 +246,7 @@ class MooncakeTransport:
         write.batches.append(self._submit(peer, [s.src for s in segments], [s.dst for s in segments],
                                           [s.nbytes for s in segments]))
         write.sent = last.nbytes
+        write.submitted = time.monotonic()
         return write
 
     def notices(self) -> list[str]:

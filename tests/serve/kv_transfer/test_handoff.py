@@ -148,6 +148,10 @@ def test_handoff_equals_colocated(k31_model, helpers, pool, num_prefill):
     # p0: each hand-off one batch of segments, started by the engine thread as the prefill ends, and the
     # completion notice's own write once it completed.
     assert prefills[0].stats().extra["kv_transfer_writes"] == 2 * prefills[0].stats().extra["kv_transfer_sent"]
+    # ... its write timed by phase: submission, the batch on the wire, the notice's write.
+    phases = [prefills[0].stats().extra[f"kv_transfer_seconds_{part}"]
+              for part in ("submitting", "transferring", "notifying")]
+    assert min(phases) > 0.0 and sum(phases) == pytest.approx(prefills[0].stats().extra["kv_transfer_seconds_writing"])
     if num_prefill == 2:  # p1: a write per pool, then the completion notice's own
         p1 = prefills[1].stats().extra
         assert p1["kv_transfer_writes"] == p1["kv_transfer_sent"] * (1 + sum(

@@ -11,6 +11,7 @@ import torch
 
 pytest.importorskip("mooncake.engine")
 
+import os  # noqa: E402
 import time  # noqa: E402
 
 from deltamoe.serve.kv_transfer.mooncake_transport import (  # noqa: E402
@@ -130,3 +131,30 @@ def test_engine_logs_follow_glog_minloglevel_default_error(peers, monkeypatch):
     assert level.value == 1
     monkeypatch.delenv("GLOG_minloglevel")
     quiet_engine_logs()
+
+
+@pytest.mark.parametrize("lanes", [None, "0"])
+def test_segments_land_in_place_over_connection_lanes_or_a_connection_each(peers, monkeypatch, lanes):
+    """The transport turns the engine's connection lanes on unless the variable says otherwise, and a
+    batch of segments with a notice lands intact either way."""
+    from deltamoe.serve.kv_transfer.mooncake_transport import CONNECTION_LANES
+
+    _, receiver, src, dst = peers
+    receiver.notices()  # nothing left over from other tests
+    if lanes is None:
+        monkeypatch.delenv(CONNECTION_LANES, raising=False)
+    else:
+        monkeypatch.setenv(CONNECTION_LANES, lanes)
+    sender = MooncakeTransport(timeout_s=5.0)
+    try:
+        assert os.environ[CONNECTION_LANES] == (lanes or "1")
+        sender.register(src.data_ptr(), src.nbytes)
+        dst.zero_()
+        segments = [Segment(src.data_ptr() + i * 1024, dst.data_ptr() + i * 1024, 1024) for i in range(16)]
+        for _ in range(2):  # the second batch reuses the lanes the first one opened
+            dst.zero_()
+            sender.write(receiver.session, segments, 5.0, notice=f"lanes-{lanes}")
+            assert torch.equal(dst, src)
+            assert wait_for_notices(receiver, 1, timeout_s=2.0) == [f"lanes-{lanes}"]
+    finally:
+        sender.close()
