@@ -106,7 +106,8 @@ def main() -> None:
         report: dict = {"step": step, "seconds": round(time.perf_counter() - t0)}
         for kind, enc in encode.items():
             per_task = {name: acceptance(probe, tokenizer, to_answer_end(ps, enc), 2) for name, ps in held_out.items()}
-            report[kind] = {name: r["per_position"] for name, r in per_task.items()}
+            # None: no verification to count (a one-byte answer leaves no room for drafts).
+            report[kind] = {name: r["per_position"] if r["verifications"] else None for name, r in per_task.items()}
             report[kind]["(mix)"] = merged(list(per_task.values()))["per_position"]
         score = sum(sum(report[kind]["(mix)"]) / 2 for kind in encode) / len(encode)
         report["mix_mean_acceptance"] = round(score, 4)
