@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -71,11 +71,13 @@ def lr_at(step: int, lr: float, warmup: int, total: int | None, min_ratio: float
 
 
 def distill_mtp(model: DeltaMoEForCausalLM, batches: Iterable[torch.Tensor | DistillBatch], depth: int,
-                lr: float = 5e-4, warmup: int = 0, total_steps: int | None = None) -> list[float]:
+                lr: float = 5e-4, warmup: int = 0, total_steps: int | None = None,
+                on_step: Callable[[int, float], None] | None = None) -> list[float]:
     """One AdamW step per batch (input ids [B, T], or a DistillBatch) on the MTP layer's parameters
     only; the mean over depths 1..depth of the cross-entropy against `trunk_targets` (the batch's
     own `hidden`/`labels` when it carries them). The learning rate follows `lr_at(step, lr, warmup,
-    total_steps)`. Returns the loss per step."""
+    total_steps)`. `on_step(step, loss)` runs after each step (evaluation, checkpoints). Returns the
+    loss per step."""
     layers = model.model.mtp_layers
     if not layers:
         raise ValueError("the model has no MTP layer to distill (num_nextn_predict_layers = 0)")
@@ -103,6 +105,8 @@ def distill_mtp(model: DeltaMoEForCausalLM, batches: Iterable[torch.Tensor | Dis
             loss.backward()
             optimizer.step()
             losses.append(loss.item())
+            if on_step is not None:
+                on_step(step, losses[-1])
     finally:
         optimizer.zero_grad(set_to_none=True)
     return losses

@@ -1,23 +1,31 @@
-"""Distillation rows for the MTP layer from the model's own greedy continuations.
+"""Distillation rows for the MTP layer: the model's own greedy continuations, or fresh task answers.
 
 Drafts are verified against what the model writes, so the rows are prompts followed by the
 model's greedy continuation (the serving engine decodes them, EOS ignored, so each row also
 covers what the model writes after an answer), and only the continuation's positions are scored:
 label j counts from j = prompt length + 1 on, the first token a draft is ever made for (the
 engine drafts from the last prompt position once the first token is sampled).
+
+Fresh answer rows (`fresh_answer_batches`): a fixed set of continuations is memorised by the MTP
+layer (its keys and values are random bytes) instead of teaching it a rule such as "copy the
+token after the earlier occurrence". New task examples every step (prompt, true answer, EOS;
+scored from the first answer token, the labels still the trunk's argmax) leave no row to
+memorise, so only a rule lowers the loss.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
+from deltamoe.demo.serve_stage import HeldOutPrompt, answer_prompts
 from deltamoe.model.model import IGNORE_INDEX, DeltaMoEForCausalLM
 from deltamoe.serve.engine.llm_engine import LLMEngine
 from deltamoe.serve.engine.sampling import SamplingParams
+from deltamoe.train.data.tasks import Task
 from deltamoe.train.mtp_distill import DistillBatch, trunk_targets
 
 MIN_NEW_TOKENS = 8  # every depth up to 3 needs scored labels in every row
@@ -96,3 +104,29 @@ def frozen_trunk_batches(model: DeltaMoEForCausalLM, rows: list[Continuation], b
         index = torch.tensor(picked)
         yield DistillBatch(whole.input_ids[index, :width], whole.scored[index, :width],
                            all_hidden[index, :width], all_labels[index, :width])
+
+
+def answer_rows(prompts: list[HeldOutPrompt], encoders: list[Callable[[str], list[int]]],
+                answer_ids: Callable[[str], list[int]], eos_id: int) -> list[Continuation]:
+    """Each prompt through each encoder, then its true answer's tokens and `eos_id`; scored from the
+    first answer token on (`prompt_len` is one short of the prompt, see `padded`)."""
+    rows = []
+    for p in prompts:
+        answer = answer_ids(p.answer) + [eos_id]
+        for encode in encoders:
+            ids = encode(p.prompt)
+            rows.append(Continuation(ids + answer, len(ids) - 1))
+    return rows
+
+
+def fresh_answer_batches(tasks: dict[str, tuple[Task, int]], encoders: list[Callable[[str], list[int]]],
+                         answer_ids: Callable[[str], list[int]], eos_id: int, pad_id: int, steps: int,
+                         seed: int = 0, split: str = "train") -> Iterator[DistillBatch]:
+    """`steps` batches of new examples: for each task name, (task, examples per step) drawn from
+    `split` with a seed of their own per step (`answer_prompts`), each as `answer_rows` (one row per
+    encoder), right-padded with `pad_id`."""
+    if not tasks or any(n < 1 for _, n in tasks.values()):
+        raise ValueError("fresh answer rows need at least one task with >= 1 example per step")
+    for step in range(steps):
+        prompts = [p for task, n in tasks.values() for p in answer_prompts(task, n, seed * 1_000_003 + step, split)]
+        yield padded(answer_rows(prompts, encoders, answer_ids, eos_id), pad_id)

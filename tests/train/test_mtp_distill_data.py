@@ -73,3 +73,31 @@ def test_frozen_trunk_batches_carry_the_trunk_targets_of_the_same_batches():
     # The same steps either way: the MTP layer sees the same states and targets.
     losses = [distill_mtp(small_model(), batches, depth=2, lr=3e-3) for batches in (plain, frozen)]
     torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(losses[1]), atol=1e-4, rtol=1e-4)
+
+
+def test_fresh_answer_batches_draw_new_examples_every_step():
+    from deltamoe.train.data.tasks import make_task
+    from deltamoe.train.mtp_distill_data import fresh_answer_batches
+
+    tasks = {t.name: t for t in make_task("copy+repeat", string_len=6).tasks}
+    raw = lambda text: [256] + list(text.encode())  # noqa: E731
+    tagged = lambda text: [259] + list(text.encode()) + [260]  # noqa: E731
+    answer = lambda text: list(text.encode())  # noqa: E731
+    spec = {"copy": (tasks["copy"], 2), "repeat": (tasks["repeat"], 1)}
+    batches = list(fresh_answer_batches(spec, [raw, tagged], answer, 257, PAD, steps=3, seed=4))
+    again = list(fresh_answer_batches(spec, [raw, tagged], answer, 257, PAD, steps=3, seed=4))
+    assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(batches, again))  # seeded
+    assert all(b.input_ids.shape[0] == 3 * 2 for b in batches)
+    rows_per_step = [{tuple(r[r != PAD].tolist()) for r in b.input_ids} for b in batches]
+    assert not rows_per_step[0] & rows_per_step[1] and not rows_per_step[1] & rows_per_step[2]  # new every step
+    for ids, scored in zip(batches[0].input_ids, batches[0].scored):
+        row = ids[ids != PAD].tolist()
+        assert row[-1] == 257 and row[0] in (256, 259)
+        # The prompt ends at its last query mark (the tagged encoder's 260 after it); the answer, then
+        # EOS, follows and only it is scored, from the label of the first answer token on.
+        start = max(i for i, t in enumerate(row) if t in (ord("|"), 260)) + 1
+        answer_text = bytes(row[start:-1]).decode()
+        assert answer_text.isalpha() and answer_text.islower()
+        assert scored.tolist() == [start <= j < len(row) for j in range(len(ids))]
+    with pytest.raises(ValueError, match="task"):
+        next(fresh_answer_batches({"copy": (tasks["copy"], 0)}, [raw], answer, 257, PAD, steps=1))
