@@ -86,11 +86,13 @@ def kda_rows(d: dict) -> list[Row]:
             verdict(goals, d.get("note")) if goals else ""]]
     if "compiled_chunk_kda_s" in top:  # `--compiled`: ops/kda_compiled.py beside the eager op
         first_compile = max(r.get("compile_cpu_s", 0.0) for r in rows)  # the first T compiles; later ones reuse it
-        out.append([f"same, compiled_chunk_kda (torch.compile of the state-independent terms; compile "
+        compiled_goals = [(f">= {t[key]:g}x", top[f"compiled_{key}"] >= t[key])
+                          for key in ("speedup_vs_transformers", "speedup_vs_recurrent") if key in t]
+        out.append([f"same, compiled_chunk_kda (torch.compile of each group of chunk steps; compile "
                      f"{first_compile:.0f} CPU s on the first call)", f"{ms(top['compiled_chunk_kda_s'])} ms",
                     f"eager chunk_kda {ms(top['chunk_kda_s'])} ms (compiled at {times(top['compiled_vs_eager'])} its speed)",
                     f"{times(top['compiled_speedup_vs_transformers'])} / {times(top['compiled_speedup_vs_recurrent'])}",
-                    ""])
+                    verdict(compiled_goals) if compiled_goals else ""])
     if rest:
         def join(key: str) -> str:
             return " / ".join(ms(r[key]) for r in rest)

@@ -21,4 +21,5 @@ def test_compiled_results_add_a_row_and_name_their_flags() -> None:
     assert "--threads 1 --compiled --cpu-time`" in first[0] and "1 thread, CPU time" in first[0]
     assert compiled[1] == "150 ms" or compiled[1].startswith("150")
     assert "1.33x its speed" in compiled[2] or "1.3x its speed" in compiled[2]
-    assert "12 CPU s" in compiled[0]
+    assert "12 CPU s" in compiled[0] and "group of chunk steps" in compiled[0]
+    assert first[4] == ">= 20x (missed)" and compiled[4] == ">= 20x (met)"  # each row judged by its own ratio
