@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_spec_decode import RECIPE_FILE, TASK, acceptance, encoders, merged, task_prompts, to_answer_end  # noqa: E402
 
 from deltamoe.model.load import load_model  # noqa: E402
-from deltamoe.model.weights import save_checkpoint  # noqa: E402
+from deltamoe.model.weights import save_checkpoint, write_json_atomic  # noqa: E402
 from deltamoe.tokenizers.load import load_tokenizer  # noqa: E402
 from deltamoe.train.data.tasks import make_task  # noqa: E402
 from deltamoe.train.mtp_distill import distill_mtp  # noqa: E402
@@ -60,12 +59,6 @@ def deadline(text: str | None) -> float | None:
     hh, mm = (int(v) for v in text.split(":"))
     at = now.replace(hour=hh, minute=mm, second=0, microsecond=0)
     return at.timestamp()
-
-
-def write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
 
 
 def main() -> None:
@@ -118,7 +111,7 @@ def main() -> None:
             note = (f"then {step} steps of fresh task answers each step ({args.rows}, raw and chat, labels the "
                     f"trunk's greedy tokens at the answer positions), depths 1..{args.depth}, lr {args.lr:g} "
                     f"(warm-up {args.warmup}, cosine over {args.steps}), trunk frozen (bench/spec_distill_fresh.py)")
-            write_json(args.out / RECIPE_FILE, {**recipe, "continued_from": str(args.checkpoint),
+            write_json_atomic(args.out / RECIPE_FILE, {**recipe, "continued_from": str(args.checkpoint),
                                                 "mtp_distill_steps": (recipe.get("mtp_distill_steps") or 0) + step,
                                                 "mtp_distill_data": f"{recipe.get('mtp_distill_data', '')}; {note}",
                                                 "held_out_acceptance_k2": report})

@@ -261,10 +261,7 @@ def chunk_kda(
     ops/kda_compiled.py runs the same steps with each group of chunks one compiled call.
     Returns (o [B, T, H, V] in v.dtype, final state [B, H, K, V] or None).
     """
-    b, t, h, dk, dv = _check_inputs(q, k, v, g, beta, initial_state)
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size}")
-    scale = dk**-0.5 if scale is None else scale
+    (b, t, h, dk, dv), scale = _check_chunked_inputs(q, k, v, g, beta, initial_state, chunk_size, scale)
     dtype = _compute_dtype(q, k, v, g, beta)
     state = q.new_zeros(b * h, dk, dv, dtype=dtype) if initial_state is None else initial_state.to(dtype)
     state = state.reshape(b * h, dk, dv)
@@ -281,6 +278,17 @@ def chunk_kda(
         )
         _copy_to_tokens(chunk_o, o[:, part])
     return o.to(v.dtype), (state.view(b, h, dk, dv) if output_final_state else None)
+
+
+def _check_chunked_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                          initial_state: torch.Tensor | None, chunk_size: int, scale: float | None,
+                          ) -> tuple[tuple[int, int, int, int, int], float]:
+    """The checks and defaults a chunked form's arguments share (`chunk_kda`, `kda_compiled`):
+    ((B, T, H, K, V), scale)."""
+    sizes = _check_inputs(q, k, v, g, beta, initial_state)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size}")
+    return sizes, sizes[3] ** -0.5 if scale is None else scale
 
 
 def _copy_to_tokens(chunk_o: torch.Tensor, tokens: torch.Tensor) -> None:

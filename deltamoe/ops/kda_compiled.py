@@ -79,12 +79,9 @@ def compiled_chunk_kda(
 
     Returns (o [B, T, H, V] in v.dtype, final state [B, H, K, V] or None).
     """
-    b, t, h, dk, dv = kda._check_inputs(q, k, v, g, beta, initial_state)
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size}")
+    (b, t, h, dk, dv), scale = kda._check_chunked_inputs(q, k, v, g, beta, initial_state, chunk_size, scale)
     if group_chunks < 1:
         raise ValueError(f"group_chunks: expected a positive integer, got {group_chunks}")
-    scale = dk**-0.5 if scale is None else scale
     dtype, out_dtype = kda._compute_dtype(q, k, v, g, beta), v.dtype
     q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
     chunk = kda._pick_chunk_size(g, chunk_size)
