@@ -16,7 +16,9 @@ the hand-off landed (its completion notice, or that call's answer if it comes fi
 Prefill side (`PushTo` on a sequence): when the request finishes its N-1 tokens,
 `request_finished` starts the write (on the engine thread itself up to `inline_start_bytes`, and
 any direct one over connection lanes, see below; the rest on a hand-off thread) and keeps the
-blocks and slot pinned until the write ends.
+blocks and slot pinned until the write ends. Over connection lanes, a direct hand-off of up to
+`inline_write_bytes` is written whole by the engine thread, notice included, in one synchronous
+call of the transfer engine (`_write_inline`), unless another thread waits on the transport then.
 Prefix caching works as in any engine: cached blocks are not recomputed, and are sent like the rest
 (the decode side lacks them).
 
@@ -128,6 +130,10 @@ class HandOffConfig:
     write_chunk_bytes: int = 1 << 20  # a packed write goes out in chunks of this many bytes as they are gathered
     notice_poll_s: float = POLL_S  # decode side: sleep between polls for completion notices while one is awaited
     inline_start_bytes: int = 4 << 20  # prefill side: the engine thread starts hand-offs of up to this many bytes
+    # Prefill side, over connection lanes: the engine thread writes a direct hand-off of up to this many bytes
+    # itself, in one synchronous call that also sends its notice, when no other thread waits on the
+    # transport (it holds the next step for about a raw write of these bytes; 0: never).
+    inline_write_bytes: int = 8 << 20
     # Prefill side: a hand-off goes straight into the decode side's pools (no gather, no staging, no
     # scatter) when it is at most this many segments plus one per `direct_bytes_per_segment` of it (a
     # segment's fixed cost in the transfer engine against the copies a packed hand-off makes).
@@ -149,11 +155,13 @@ class MooncakeConnector(KVConnector):
                         "seconds_packing": 0.0, "seconds_writing": 0.0, "seconds_unpacking": 0.0,
                         "writes": 0, "seconds_queued": 0.0, "landed_on_notice": 0,
                         "timed": 0, "seconds_finish_to_cache": 0.0, "seconds_notice": 0.0,
-                        "seconds_submitting": 0.0, "seconds_transferring": 0.0, "seconds_notifying": 0.0}
+                        "seconds_submitting": 0.0, "seconds_transferring": 0.0, "seconds_notifying": 0.0,
+                        "written_inline": 0, "seconds_inline": 0.0}
         # Completion notices' keys: this connector's own prefix (a late notice meant for an earlier
         # server on the same address never matches) and a count.
         self._notice_prefix, self._landings = secrets.token_hex(4), 0
         self._busy = BusyTime(self.config.timeout_s)  # decode side: hand-offs' timed intervals, overlaps once
+        self._not_inline: set[str] = set()  # prefill side: peers a write inline failed to (see `_write_inline`)
 
     def bind(self, cache: HybridCache, model_config: ModelConfig) -> None:
         super().bind(cache, model_config)
@@ -212,6 +220,8 @@ class MooncakeConnector(KVConnector):
             segments = request_segments(self.cache, push.dest, src_blocks, push.dst_blocks, seq.num_computed,
                                         push.first_block, seq.slot, push.dst_slot)
             if self._direct(push, segments):
+                if self._write_inline(seq.request_id, push, segments):
+                    return True
                 if self.transport.lanes or sum(s.nbytes for s in segments) <= self.config.inline_start_bytes:
                     started = self._start_direct(push, segments)
             else:
@@ -343,15 +353,51 @@ class MooncakeConnector(KVConnector):
                 self._add("seconds_writing", time.monotonic() - writing)
                 nbytes, writes = sum(s.nbytes for s in segments), 1
         except Exception as e:
-            self._end(request_id, "sent", error=str(e))
-            push.done.set_exception(e if isinstance(e, TransferFailed) else TransferFailed(str(e)))
+            self._push_failed(request_id, push, e)
             return
+        self._pushed(request_id, push, nbytes, writes, packed, start=push.finished_at if started is not None else start)
+
+    def _pushed(self, request_id: str, push: PushTo, nbytes: int, writes: int, packed: bool, start: float) -> None:
+        """A push's every write completed (its notice sent): count it, answer the decode side's call."""
         written = time.monotonic()
-        seconds = written - push.finished_at if started is not None else written - start
         self._add("writes", writes)
-        self._end(request_id, "sent", nbytes=nbytes, seconds=seconds, unpacked=not packed)
-        push.done.set_result({"bytes": nbytes, "seconds": seconds, "segments": writes, "packed": packed,
+        self._end(request_id, "sent", nbytes=nbytes, seconds=written - start, unpacked=not packed)
+        push.done.set_result({"bytes": nbytes, "seconds": written - start, "segments": writes, "packed": packed,
                               "clock": monotonic_clock_id(), "finished_at": push.finished_at, "written_at": written})
+
+    def _push_failed(self, request_id: str, push: PushTo, error: Exception) -> None:
+        self._end(request_id, "sent", error=str(error))
+        push.done.set_exception(error if isinstance(error, TransferFailed) else TransferFailed(str(error)))
+
+    def _write_inline(self, request_id: str, push: PushTo, segments: list[Segment]) -> bool:
+        """On the engine thread as the prefill ends: write a direct hand-off and its notice in one
+        synchronous call of the transfer engine, which waits in C++ with the GIL released and sends the
+        notice as the batch completes: no thread hand-over, and no Python thread that must win the GIL
+        between the bytes and the notice (a hand-off thread waited for it beside the engine thread and
+        the event loop). Only over connection lanes (without them it would connect once per segment on
+        this thread), up to `inline_write_bytes`, when no other thread waits on the transport (then
+        False: the caller starts it as before), and to a peer no inline write failed to: a stalled peer
+        holds this thread for the engine's bound on a write once, never again. True: the hand-off ended
+        (written, or failed)."""
+        peer, nbytes = push.dest.session, sum(s.nbytes for s in segments)
+        if not self.transport.lanes or nbytes > self.config.inline_write_bytes or peer in self._not_inline:
+            return False
+        writing = time.monotonic()
+        try:
+            if not self.transport.write_unless_busy(peer, segments, push.deadline - writing,
+                                                    notice=_notice(push.notice, packed=False)):
+                return False
+        except Exception as e:
+            self._not_inline.add(peer)
+            self._push_failed(request_id, push, e)
+            return True
+        seconds = time.monotonic() - writing
+        with self._lock:
+            self._totals["written_inline"] += 1
+            self._totals["seconds_inline"] += seconds
+            self._totals["seconds_writing"] += seconds
+        self._pushed(request_id, push, nbytes, writes=1, packed=False, start=push.finished_at)
+        return True
 
     def _start_packed(self, push: PushTo, src_blocks: list[int], num_tokens: int, slot: int,
                       wait: bool) -> "StartedPush | None":

@@ -34,7 +34,14 @@ with `get_notifies`): a synchronous batch of all the hand-off's segments carries
 (`finish`). The engine's TCP framing
 acknowledges a write only once its bytes are in the receiver's memory (Mooncake's acknowledged
 "v2" framing, unless MC_TCP_PROTO=1 forces the legacy one), so a receiver that sees the notice
-has every byte of the hand-off.
+has every byte of the hand-off. The engine keeps a batch's notice until the thread waiting for
+that batch sees it complete, and that thread sends it then, on a connection of its own to the
+peer's handshake port (not on the data connections), before it returns: a synchronous write with
+a notice (`write`, `write_unless_busy`) sends it from C++ with no Python between the last byte
+and the notice; after asynchronous chunks, the notice waits for a Python thread to return from
+its wait and issue the notice's write. A marker written in the same batch instead would not do:
+the segments of one batch travel on several connections at once (lanes, below) and complete in
+any order.
 
 Connections: by default the engine's TCP transport opens a new connection for every segment of
 every write, resolving and connecting synchronously in the submitting thread (the engine thread for
@@ -162,17 +169,41 @@ class MooncakeTransport:
         if timeout_s <= 0:
             raise TransferFailed(f"no time left for the hand-off to {peer}")
         start = time.monotonic()
-        srcs, dsts, lengths = [s.src for s in segments], [s.dst for s in segments], [s.nbytes for s in segments]
         with self._one_waiter():
-            if notice is not None:  # the engine sends it once the whole batch completed
-                from mooncake.engine import TransferNotify, TransferOpcode
+            status = self._write_sync(peer, segments, notice)
+        self._check_write(peer, status, start, timeout_s)
 
-                status = self._engine.batch_transfer_sync(peer, srcs, dsts, lengths, TransferOpcode.Write,
-                                                          TransferNotify(NOTICE_NAME, notice))
-            elif len(segments) == 1:
-                status = self._engine.transfer_sync_write(peer, srcs[0], dsts[0], lengths[0])
-            else:
-                status = self._engine.batch_transfer_sync_write(peer, srcs, dsts, lengths)
+    def write_unless_busy(self, peer: str, segments: list[Segment], timeout_s: float, notice: str | None = None
+                          ) -> bool:
+        """`write`, unless another thread waits on the engine now: then False at once, nothing written
+        (never waits for the waiter lock: for a thread that must not stall, the prefill engine's)."""
+        if timeout_s <= 0:
+            raise TransferFailed(f"no time left for the hand-off to {peer}")
+        if not self._waiter.acquire(blocking=False):
+            return False
+        start = time.monotonic()
+        try:
+            status = self._write_sync(peer, segments, notice)
+        finally:
+            self._waiter.release()
+        self._check_write(peer, status, start, timeout_s)
+        return True
+
+    def _write_sync(self, peer: str, segments: list[Segment], notice: str | None) -> int:
+        """One synchronous call of the engine (its status): submission, the wait and `notice` all in C++
+        with the GIL released, so no Python thread stands between the batch's end and the notice."""
+        srcs, dsts, lengths = [s.src for s in segments], [s.dst for s in segments], [s.nbytes for s in segments]
+        if notice is not None:  # the engine sends it once the whole batch completed
+            from mooncake.engine import TransferNotify, TransferOpcode
+
+            return self._engine.batch_transfer_sync(peer, srcs, dsts, lengths, TransferOpcode.Write,
+                                                    TransferNotify(NOTICE_NAME, notice))
+        if len(segments) == 1:
+            return self._engine.transfer_sync_write(peer, srcs[0], dsts[0], lengths[0])
+        return self._engine.batch_transfer_sync_write(peer, srcs, dsts, lengths)
+
+    @staticmethod
+    def _check_write(peer: str, status: int, start: float, timeout_s: float) -> None:
         if status != 0:
             raise TransferFailed(f"the hand-off write to {peer} failed (status {status}: peer unreachable, or the "
                                  "engine's own timeout)")

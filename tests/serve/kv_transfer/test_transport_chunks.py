@@ -95,6 +95,25 @@ def test_a_notice_reaches_the_peer_after_the_last_chunk(peers):
     assert wait_for_notices(receiver, 1, timeout_s=0.2) == []  # no notice asked, none sent
 
 
+def test_write_unless_busy_writes_with_its_notice_or_leaves_everything_untouched(peers):
+    """The prefill engine thread's form: one synchronous batch carrying its notice, unless another thread
+    waits on the transport (then False at once, nothing written, no notice)."""
+    sender, receiver, src, dst = peers
+    receiver.notices()
+    segments = [Segment(src.data_ptr() + i, dst.data_ptr() + i, 4096) for i in (4096, 0, 12288, 8192)]
+    dst.zero_()
+    with sender._waiter:  # another thread waits on the engine now
+        start = time.monotonic()
+        assert not sender.write_unless_busy(receiver.session, segments, 5.0, notice="busy")
+        assert time.monotonic() - start < 0.04  # never waits for the lock (its patience is 50 ms)
+    assert wait_for_notices(receiver, 1, timeout_s=0.2) == [] and not dst.any()
+    assert sender.write_unless_busy(receiver.session, segments, 5.0, notice="t5")
+    assert wait_for_notices(receiver, 1) == ["t5"] and torch.equal(dst, src)
+    with pytest.raises(TransferFailed, match="127.0.0.1:1"):
+        sender.write_unless_busy("127.0.0.1:1", segments, 5.0, notice="never")
+    assert not sender._waiter.locked()
+
+
 def test_a_refused_chunk_fails_the_write_only_once_its_siblings_have_landed(peers):
     """The peer refuses the second chunk (it lies past its registered memory) while the first, large
     one is still on its way: the call raises only after that one landed, and sends no notice."""
