@@ -24,7 +24,10 @@ process into a receiver process, for one write of each idle size: back to back (
 reference) and isolated (after `ISOLATED_IDLE_S` of idle transport, as a hand-off's write follows a
 prefill); both over the engine's persistent connection lanes, as the servers write (the
 transport's default), and back to back once more over a new connection per write (the engine's
-own default: "no lanes").
+own default: "no lanes"); and isolated once more with a completion notice, timed until the receiver
+(polling for notices as a decode server does) has it ("raw + notice"): a bare write tells only its
+sender that the bytes arrived, a hand-off must also tell its receiver, so this is the transfer
+engine's floor for any hand-off (a row beside the goal's reference, not a new definition of it).
 
 Hand-off throughput = bytes handed off / the time from the prefill's finish (the prefill server's
 engine ends the request's N-1 tokens) to the decode side having the request's cache and state in
@@ -41,7 +44,8 @@ start: below zero when the notice overtakes that return) and how many hand-offs 
 notice rather than on the HTTP answer, and for a direct hand-off that the engine thread started,
 its write by phase (`kv_transfer_seconds_{submitting,transferring,notifying}`: the engine thread's
 submission, the batch on the wire until the hand-off thread saw it complete, the notice's own
-write; zero for the others);
+write; zero for the others), and the share of hand-offs the engine thread wrote itself in one
+synchronous call with their notice (`kv_transfer_written_inline`) with that call's time;
 goal: >= 50 % of raw (back to back) at every size. Then, sustained: `--in-flight` prompts of each
 `--idle-lens` length at once, `--idle-handoffs` rounds: bytes / the decode server's
 `kv_transfer_seconds_busy` (the seconds during which at least one hand-off was on its way, overlaps
@@ -218,7 +222,8 @@ def handoff_totals(p_url: str, d_url: str) -> dict[str, float]:
             "on_notice": metric(d_url, "deltamoe_engine_kv_transfer_landed_on_notice"),
             "scatter": metric(d_url, "deltamoe_engine_kv_transfer_seconds_unpacking"),
             **{part: metric_or_nan(p_url, f"deltamoe_engine_kv_transfer_seconds_{part}")
-               for part in ("submitting", "transferring", "notifying")}}
+               for part in ("submitting", "transferring", "notifying", "inline")},
+            "written_inline": metric_or_nan(p_url, "deltamoe_engine_kv_transfer_written_inline")}
 
 
 def serve_args(args, threads: int) -> list[str]:
@@ -300,9 +305,10 @@ def per_handoff(r: dict) -> dict:
     return {"prompt_tokens": r["prompt_tokens"], "bytes_per_handoff": r["bytes"] / r["count"],
             "seconds_per_handoff": r["seconds"] / r["count"], "unpacked": r["unpacked"],
             "writes_per_handoff": r["writes"] / r["count"], "landed_on_notice": r["on_notice"] / r["count"],
+            "written_inline": r["written_inline"] / r["count"],
             **{f"{part}_seconds": r[part] / r["count"]
                for part in ("copy", "queued", "gather", "write", "notice", "scatter", "submitting", "transferring",
-                            "notifying")},
+                            "notifying", "inline")},
             "gb_s": r["bytes"] / r["seconds"] / 1e9, "copy_gb_s": r["bytes"] / r["copy"] / 1e9}
 
 
@@ -366,16 +372,23 @@ def run_disaggregated(args) -> tuple[dict, dict]:
 
 
 RECEIVER = """
-import json, sys, time, torch
+import json, sys, threading, time, torch
 from deltamoe.serve.kv_transfer.mooncake_transport import MooncakeTransport
+from deltamoe.serve.kv_transfer.notices import POLL_S
 t = MooncakeTransport(); dst = torch.zeros(int(sys.argv[1]) // 4 + 1); t.register(dst.data_ptr(), dst.nbytes)
 print(json.dumps([t.session, dst.data_ptr()]), flush=True)
+def watch():  # as a decode server's notice watcher polls: each notice's arrival on this host's clock
+    while True:
+        for msg in t.notices():
+            print(msg, time.monotonic(), flush=True)
+        time.sleep(POLL_S)
+threading.Thread(target=watch, daemon=True).start()
 sys.stdin.read()
 """
 
 
 def raw_tcp_throughput(sizes: list[tuple[int, int]], repeats: int = 9, idle_s: float = 0.0,
-                       lanes: bool = True) -> list[float]:
+                       lanes: bool = True, notice: bool = False) -> list[float]:
     """Bytes per second of Mooncake TCP writes from this process into another's registered memory (a
     receiver process, as between two servers): for each (total bytes, segments), the total split
     into that many equal segments in one `MooncakeTransport.write` (the engine's own synchronous
@@ -383,7 +396,10 @@ def raw_tcp_throughput(sizes: list[tuple[int, int]], repeats: int = 9, idle_s: f
     `repeats`. `idle_s` > 0: each write after that long with the transport idle, as a hand-off's
     write is (it follows a prefill), instead of back to back with warm threads and caches. `lanes`:
     over the engine's persistent connections, as the servers write (the transport's default), else
-    a new connection per write (the engine's own default)."""
+    a new connection per write (the engine's own default). `notice`: each write carries a completion
+    notice (the engine sends it once the write completed, as a hand-off's last write does) and is timed
+    until the receiver, polling for notices as a decode server does, has it: what a receiver needs to
+    know that the bytes are there, which a bare write does not tell it."""
     import torch
 
     from deltamoe.serve.kv_transfer.mooncake_transport import MooncakeTransport
@@ -404,11 +420,17 @@ def raw_tcp_throughput(sizes: list[tuple[int, int]], repeats: int = 9, idle_s: f
             size = total // count
             segments = [Segment(src.data_ptr() + i * size, address + i * size, size) for i in range(count)]
             times = []
-            for _ in range(repeats):
+            for i in range(repeats):
                 time.sleep(idle_s)
-                t0 = time.perf_counter()
-                sender.write(session, segments, 30.0)
-                times.append(time.perf_counter() - t0)
+                t0, key = time.monotonic(), f"raw-{total}-{i}"
+                sender.write(session, segments, 30.0, notice=key if notice else None)
+                if notice:
+                    seen, at = receiver.stdout.readline().split()
+                    if seen != key:
+                        raise RuntimeError(f"the receiver saw notice {seen!r}, expected {key!r}")
+                    times.append(float(at) - t0)
+                else:
+                    times.append(time.monotonic() - t0)
             rates.append(size * count / statistics.median(times))
         sender.close()
     finally:
@@ -514,6 +536,7 @@ def main() -> None:
     rates = raw_tcp_throughput(sweep)
     isolated = raw_tcp_throughput(sweep[:len(hand_off["idle"])], idle_s=ISOLATED_IDLE_S)
     no_lanes = raw_tcp_throughput(sweep[:len(hand_off["idle"])], lanes=False)
+    noticed = raw_tcp_throughput(sweep[:len(hand_off["idle"])], idle_s=ISOLATED_IDLE_S, notice=True)
     transport = [{"bytes": total, "segments": count, "gb_s": round(rate / 1e9, 3)}
                  for (total, count), rate in zip(sweep, rates)]
     for r, raw, alone in zip(hand_off["idle"], rates, isolated):
@@ -522,6 +545,8 @@ def main() -> None:
         r["copy_over_raw_tcp"] = r["copy_gb_s"] * 1e9 / raw
     for r, fresh in zip(hand_off["idle"], no_lanes):
         r["raw_tcp_no_lanes_gb_s"], r["over_raw_tcp_no_lanes"] = fresh / 1e9, r["gb_s"] * 1e9 / fresh
+    for r, seen in zip(hand_off["idle"], noticed):
+        r["raw_tcp_noticed_gb_s"], r["over_raw_tcp_noticed"] = seen / 1e9, r["gb_s"] * 1e9 / seen
     for r, raw in zip(hand_off["sustained"], rates):  # the same sizes, in the same order
         r["raw_tcp_gb_s"], r["over_raw_tcp"] = raw / 1e9, r["gb_s"] * 1e9 / raw
     for r, base in zip(hand_off["idle"], hand_off.get("baseline_idle", [])):
@@ -533,6 +558,7 @@ def main() -> None:
     summary |= {"handoff_over_raw_tcp": round(min(r["over_raw_tcp"] for r in hand_off["idle"]), 2),
                 "copy_path_over_raw_tcp": round(min(r["copy_over_raw_tcp"] for r in hand_off["idle"]), 2),
                 "handoff_over_raw_tcp_isolated": round(min(r["over_raw_tcp_isolated"] for r in hand_off["idle"]), 2),
+                "handoff_over_raw_tcp_noticed": round(min(r["over_raw_tcp_noticed"] for r in hand_off["idle"]), 2),
                 "handoff_bytes_per_request": round(per_request),
                 **({"sustained_handoff_over_raw_tcp": round(min(r["over_raw_tcp"] for r in hand_off["sustained"]), 2)}
                    if hand_off["sustained"] else {}),
@@ -546,7 +572,9 @@ def main() -> None:
                           "raw TCP GB/s (back to back)", "hand-off / raw", "raw TCP GB/s (isolated)",
                           "hand-off / isolated raw", "copy path ms (gather / write / scatter)", "copy path / raw",
                           "queued / notice ms", "on notice", "direct write ms (submit / on wire / notice write)",
-                          "raw TCP GB/s (no lanes)", "hand-off / raw (no lanes)"],
+                          "raw TCP GB/s (no lanes)", "hand-off / raw (no lanes)",
+                          "written inline (share, ms)", "raw TCP + notice GB/s (isolated, until the receiver has it)",
+                          "hand-off / raw + notice"],
                          [[f"{r['prompt_tokens']} tokens", f"{r['bytes_per_handoff'] / 2**20:.2f}",
                            f"{r['writes_per_handoff']:.0f}", f"{r['seconds_per_handoff'] * 1e3:.2f}",
                            f"{r['gb_s']:.3f}", f"{r['raw_tcp_gb_s']:.3f}", f"{r['over_raw_tcp']:.2f}",
@@ -558,7 +586,9 @@ def main() -> None:
                            f"{r['landed_on_notice']:.0%}",
                            " / ".join(f"{r[f'{part}_seconds'] * 1e3:.2f}"
                                       for part in ("submitting", "transferring", "notifying")),
-                           f"{r['raw_tcp_no_lanes_gb_s']:.3f}", f"{r['over_raw_tcp_no_lanes']:.2f}"]
+                           f"{r['raw_tcp_no_lanes_gb_s']:.3f}", f"{r['over_raw_tcp_no_lanes']:.2f}",
+                           f"{r['written_inline']:.0%}, {r['inline_seconds'] * 1e3:.2f}",
+                           f"{r['raw_tcp_noticed_gb_s']:.3f}", f"{r['over_raw_tcp_noticed']:.2f}"]
                           for r in hand_off["idle"]]))
     if hand_off["sustained"]:
         print(markdown_table(["hand-offs in flight", "MiB each", "busy ms", "GB/s (bytes / busy)",

@@ -374,6 +374,14 @@ def serve_disagg_rows(d: dict) -> list[Row]:
                 " / ".join(bold(f"{r['over_raw_tcp']:.2f}") if r["over_raw_tcp"] == worst else f"{r['over_raw_tcp']:.2f}"
                            for r in idle),
                 verdict([(f">= {share:.0%} of raw at every size".replace("%", " %"), worst >= share)]) if share else ""])
+    if "raw_tcp_noticed_gb_s" in idle[0]:  # runs before it was measured have none
+        out.append(["same, one hand-off at a time vs a raw write that also tells its receiver (isolated, with a "
+                     "completion notice, until the receiver process has it) at "
+                     + " / ".join(f"{r['bytes_per_handoff'] / 2**20:.2f}" for r in idle) + " MiB",
+                     " / ".join(f"{r['gb_s']:.2f}" for r in idle) + " GB/s",
+                     "Mooncake raw TCP write + notice " + " / ".join(f"{r['raw_tcp_noticed_gb_s']:.2f}" for r in idle)
+                     + " GB/s", " / ".join(f"{r['over_raw_tcp_noticed']:.2f}" for r in idle),
+                     "(beside the goal's reference, not instead of it)"])
     sustained = d["hand_off"].get("sustained")  # runs before it was measured have none
     if sustained:
         low = min(r["over_raw_tcp"] for r in sustained)

@@ -184,6 +184,13 @@ def test_serve_disagg_rows_judge_both_goals_and_show_k3_bytes():
     assert sustained[0].startswith("same, 4 hand-offs in flight") and "1.00 / 4.00 MiB" in sustained[0]
     assert sustained[1:] == ["0.30 / 0.90 GB/s", "Mooncake raw TCP write 1.50 / 1.50 GB/s", "**0.20** / 0.60",
                              ">= 50 % of raw at every size (missed)"]
+    # A run that also timed a raw write with its notice: a row beside the goal's, which stays as it was.
+    for row, noticed in zip(d["hand_off"]["idle"], (1.2, 0.8)):
+        row["raw_tcp_noticed_gb_s"], row["over_raw_tcp_noticed"] = noticed, row["gb_s"] / noticed
+    tpot, handoff, noticed, sustained, sizes = serve_disagg_rows(d)
+    assert handoff[3:] == ["0.60 / **0.40**", ">= 50 % of raw at every size (missed)"]
+    assert "raw write that also tells its receiver" in noticed[0]
+    assert noticed[1:4] == ["0.90 / 0.60 GB/s", "Mooncake raw TCP write + notice 1.20 / 0.80 GB/s", "0.75 / 0.75"]
 
 
 @pytest.mark.parametrize("one_step, mode", [("eager", "eager, async scheduling"),
