@@ -49,9 +49,10 @@ synchronous call with their notice (`kv_transfer_written_inline`) with that call
 goal: >= 50 % of raw (back to back) at every size. Then, sustained: `--in-flight` prompts of each
 `--idle-lens` length at once, `--idle-handoffs` rounds: bytes / the decode server's
 `kv_transfer_seconds_busy` (the seconds during which at least one hand-off was on its way, overlaps
-counted once), next to the same raw write. `--baseline DIR|packed|no-lanes` starts a second 1P+1D
-stack (from another checkout of the code, or this one with every hand-off packed, or this one over a
-new Mooncake TCP connection per write instead of the connection lanes) and sends it every
+counted once), next to the same raw write. `--baseline DIR|packed|no-lanes|no-inline` starts a second
+1P+1D stack (from another checkout of the code, or this one with every hand-off packed, or this one
+over a new Mooncake TCP connection per write instead of the connection lanes, or this one with the
+prefill engine thread's own synchronous write turned off) and sends it every
 other one-at-a-time hand-off: this / baseline per size, under the same load.
 `--handoff-only` runs the idle hand-offs and
 the raw writes without the colocated server and the mixed load (a minute instead of several).
@@ -283,9 +284,12 @@ def start_stack(args, root: Path = ROOT, prefill_args: tuple[str, ...] = (), env
 
 def baseline_stack(args) -> tuple[list[subprocess.Popen], str, str, str]:
     """`--baseline`'s stack: this checkout with every hand-off packed (`packed`), or over a new Mooncake
-    connection per write (`no-lanes`), or the checkout in that directory."""
+    connection per write (`no-lanes`), or with every direct hand-off written from a hand-off thread
+    rather than by the prefill engine thread itself (`no-inline`), or the checkout in that directory."""
     if args.baseline == "packed":
         return start_stack(args, prefill_args=("--kv-transfer-direct-max-segments", "-1"))
+    if args.baseline == "no-inline":
+        return start_stack(args, prefill_args=("--kv-transfer-inline-write", "0"))
     if args.baseline == "no-lanes":
         from deltamoe.serve.kv_transfer.mooncake_transport import CONNECTION_LANES
 
@@ -510,7 +514,8 @@ def main() -> None:
                     "rounds of this many prompts at once: sustained throughput (1: none)")
     ap.add_argument("--baseline", default=None, help="a checkout of the code to compare with (e.g. `git worktree "
                     "add /tmp/base 712a24e`), or `packed` (this checkout, every hand-off packed), or `no-lanes` "
-                    "(this checkout, a new Mooncake TCP connection per write): a second 1P+1D stack from it takes "
+                    "(this checkout, a new Mooncake TCP connection per write), or `no-inline` (this checkout, "
+                    "--kv-transfer-inline-write 0 on the prefill server): a second 1P+1D stack from it takes "
                     "every other idle hand-off")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--async-scheduling", action="store_true", help="every server (colocated, prefill, decode) "

@@ -20,7 +20,7 @@ from deltamoe.errors import ConfigError
 from deltamoe.hf_config import load_config
 from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.multi_step_layouts import GENERATE_DEFAULT_STEPS, check_multi_step, resolve_generate_steps
-from deltamoe.serve.kv_transfer.role_config import DIRECT_MAX_SEGMENTS
+from deltamoe.serve.kv_transfer.role_config import DIRECT_MAX_SEGMENTS, INLINE_WRITE
 from deltamoe.threads import THREADS_HELP, choose_threads
 
 if TYPE_CHECKING:
@@ -385,6 +385,9 @@ def serve_command(
         DIRECT_MAX_SEGMENTS, min=-1, help="Prefill role: a hand-off of at most this many segments "
         "(runs of blocks per layer, state layers) plus one per 48 KiB goes straight into the decode server's pools; "
         "a more scattered one goes packed through the staging areas (-1: always packed when they fit)."),
+    kv_transfer_inline_write: str = typer.Option(
+        INLINE_WRITE, help="Prefill role: a direct hand-off up to this size is written by the engine thread "
+        "itself, its completion notice included, in one synchronous call (0: always from a hand-off thread)."),
     block_size: int = typer.Option(16, min=1, help="Tokens per cache block (equal on both sides of a P/D pair)."),
     tp: int = typer.Option(1, "--tp", help=TP_HELP),
     ep: int = typer.Option(1, "--ep", help=EP_HELP),
@@ -412,6 +415,7 @@ def serve_command(
     check_role(role, kv_transfer)
     compile_decode = resolve_compile(compile_decode, device, tp, ep, kv_cache_dtype, model)
     parse_bytes(kv_transfer_staging, "kv_transfer_staging")  # a bad size fails before the model loads
+    parse_bytes(kv_transfer_inline_write, "kv_transfer_inline_write")
     check_dtype(dtype)
     config = EngineConfig(cache_memory=cache_memory, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
@@ -449,7 +453,8 @@ def serve_command(
     try:
         connector = make_connector(role, kv_transfer_host, kv_transfer_timeout, api_key, min_hand_off_tokens,
                                    parse_bytes(kv_transfer_staging, "kv_transfer_staging"),
-                                   kv_transfer_direct_max_segments)
+                                   kv_transfer_direct_max_segments,
+                                   parse_bytes(kv_transfer_inline_write, "kv_transfer_inline_write"))
     except ConfigError:
         listener.close()
         raise

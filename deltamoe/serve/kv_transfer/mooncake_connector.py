@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from deltamoe.config import ModelConfig
 from deltamoe.errors import RequestError
 from deltamoe.serve.engine.cache import HybridCache
+from deltamoe.serve.engine.config import parse_bytes
 from deltamoe.serve.engine.sequence import Sequence
 from deltamoe.serve.kv_transfer.busy_time import BusyTime
 from deltamoe.serve.kv_transfer.clock import monotonic_clock_id
@@ -65,7 +66,7 @@ from deltamoe.serve.kv_transfer.mooncake_transport import ChunkedWrite, Mooncake
 from deltamoe.serve.kv_transfer.notices import POLL_S, NoticeWatcher
 from deltamoe.serve.kv_transfer.packing import TokenRows, message_bytes, pack_in_steps, payload_bytes, token_rows, unpack
 from deltamoe.serve.kv_transfer.pools import PoolDescriptor, Segment, describe, pool_tensors, request_segments
-from deltamoe.serve.kv_transfer.role_config import DIRECT_MAX_SEGMENTS
+from deltamoe.serve.kv_transfer.role_config import DIRECT_MAX_SEGMENTS, INLINE_WRITE
 from deltamoe.serve.kv_transfer.staging import StagingArea
 
 # Asks a prefill server (its URL) to compute a prompt and write it into this engine; returns its
@@ -133,7 +134,7 @@ class HandOffConfig:
     # Prefill side, over connection lanes: the engine thread writes a direct hand-off of up to this many bytes
     # itself, in one synchronous call that also sends its notice, when no other thread waits on the
     # transport (it holds the next step for about a raw write of these bytes; 0: never).
-    inline_write_bytes: int = 8 << 20
+    inline_write_bytes: int = parse_bytes(INLINE_WRITE, "kv_transfer_inline_write")
     # Prefill side: a hand-off goes straight into the decode side's pools (no gather, no staging, no
     # scatter) when it is at most this many segments plus one per `direct_bytes_per_segment` of it (a
     # segment's fixed cost in the transfer engine against the copies a packed hand-off makes).

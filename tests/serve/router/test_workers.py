@@ -64,6 +64,8 @@ def test_pick_prefers_the_least_loaded_available_worker(monkeypatch):
     (["--role", "both", "--kv-transfer", "mooncake"], "role: expected one of"),
     (["--role", "prefill", "--kv-transfer", "nixl"], "kv_transfer: expected one of ['mooncake']"),
     (["--role", "decode", "--kv-transfer", "mooncake", "--kv-transfer-staging", "lots"], "kv_transfer_staging: expected"),
+    (["--role", "prefill", "--kv-transfer", "mooncake", "--kv-transfer-inline-write", "8XB"],
+     "kv_transfer_inline_write: expected"),
 ])
 def test_serve_role_options_are_checked_first(capsys, args, message):
     assert main(["serve", "tiny", *args]) == 2
