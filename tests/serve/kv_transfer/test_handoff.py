@@ -289,27 +289,34 @@ def test_mismatched_block_size_is_refused_by_the_prefill_side(k31_model, helpers
 
 def test_unreachable_decode_side_fails_the_push_in_bounded_time(k31_model, pool):
     """The prefill side writes to a transfer address nobody listens on: a TransferFailed, and its
-    blocks and slot go back."""
+    blocks and slot go back. The first write is the engine thread's own; after it failed, that peer's
+    hand-offs go through a hand-off thread (a stalled peer holds the engine thread once at most)."""
     import time
 
     from deltamoe.serve.kv_transfer.mooncake_transport import TransferFailed
 
     prefill = pool.add("p0", k31_model)
     engine, connector = pool.engines["p0"]
+    inline_calls = []
+    write_unless_busy = connector.transport.write_unless_busy
+    connector.transport.write_unless_busy = lambda *args, **kw: inline_calls.append(args[0]) or write_unless_busy(
+        *args, **kw)
     dest = connector.descriptor.to_json() | {"session": "127.0.0.1:1"}
-    payload = {"transfer_id": "t1", "token_ids": list(range(10)), "first_block": 0, "dst_blocks": [0, 1, 2],
-               "dst_slot": 0, "dest": dest, "timeout_s": 5.0}
-    start = time.monotonic()
-    with pytest.raises(TransferFailed, match="127.0.0.1:1"):
-        pool.client("p0", payload, 10.0)
-    assert time.monotonic() - start < 5.0
+    for transfer_id in ("t1", "t2"):
+        payload = {"transfer_id": transfer_id, "token_ids": list(range(10)), "first_block": 0,
+                   "dst_blocks": [0, 1, 2], "dst_slot": 0, "dest": dest, "timeout_s": 5.0}
+        start = time.monotonic()
+        with pytest.raises(TransferFailed, match="127.0.0.1:1"):
+            pool.client("p0", payload, 10.0)
+        assert time.monotonic() - start < 5.0
+    assert inline_calls == ["127.0.0.1:1"]
 
     async def wait():
         await settle(prefill)
 
     asyncio.run(wait())
     assert_all_free(prefill)
-    assert connector.stats()["kv_transfer_failures"] == 1
+    assert connector.stats()["kv_transfer_failures"] == 2
 
 
 def test_a_transfers_end_wakes_the_decode_engine(k31_model, helpers, pool, monkeypatch):
