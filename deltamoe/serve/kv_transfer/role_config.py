@@ -7,7 +7,7 @@ from deltamoe.errors import ConfigError
 ROLES = ("colocated", "prefill", "decode")
 TRANSPORTS = ("mooncake",)
 DIRECT_MAX_SEGMENTS = 32  # `HandOffConfig.direct_max_segments`'s default, here for the CLI's torch-free options
-INLINE_WRITE = "8MiB"  # `HandOffConfig.inline_write_bytes`'s default, likewise
+INLINE_WRITE = "2MiB"  # `HandOffConfig.inline_write_bytes`'s default, likewise
 
 
 def check_role(role: str, kv_transfer: str | None) -> None:

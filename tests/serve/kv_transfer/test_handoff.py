@@ -116,7 +116,7 @@ def test_handoff_equals_colocated(k31_model, helpers, pool, num_prefill):
     # notice. p1 packs every hand-off and writes it a pool at a time as it gathers it, all of it on
     # its hand-off thread.
     prefills = [pool.add(f"p{i}", k31_model, HandOffConfig(write_chunk_bytes=1, direct_max_segments=-1) if i
-                         else HandOffConfig(inline_write_bytes=8 << 20 if num_prefill == 1 else 0))
+                         else None if num_prefill == 1 else HandOffConfig(inline_write_bytes=0))
                 for i in range(num_prefill)]
     if num_prefill == 2:
         p1 = pool.engines["p1"][1]
