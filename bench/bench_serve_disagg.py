@@ -564,6 +564,9 @@ def main() -> None:
                 "copy_path_over_raw_tcp": round(min(r["copy_over_raw_tcp"] for r in hand_off["idle"]), 2),
                 "handoff_over_raw_tcp_isolated": round(min(r["over_raw_tcp_isolated"] for r in hand_off["idle"]), 2),
                 "handoff_over_raw_tcp_noticed": round(min(r["over_raw_tcp_noticed"] for r in hand_off["idle"]), 2),
+                # The transport's own ceiling for a hand-off that tells its receiver, against the goal's reference.
+                "raw_tcp_noticed_over_raw_tcp": round(min(r["raw_tcp_noticed_gb_s"] / r["raw_tcp_gb_s"]
+                                                          for r in hand_off["idle"]), 2),
                 "handoff_bytes_per_request": round(per_request),
                 **({"sustained_handoff_over_raw_tcp": round(min(r["over_raw_tcp"] for r in hand_off["sustained"]), 2)}
                    if hand_off["sustained"] else {}),
