@@ -384,6 +384,9 @@ class MooncakeConnector(KVConnector):
         if not self.transport.lanes or nbytes > self.config.inline_write_bytes or peer in self._not_inline:
             return False
         writing = time.monotonic()
+        if push.deadline <= writing:  # not the peer's fault: it keeps its inline writes
+            self._push_failed(request_id, push, TransferFailed(f"no time left for the hand-off to {peer}"))
+            return True
         try:
             if not self.transport.write_unless_busy(peer, segments, push.deadline - writing,
                                                     notice=_notice(push.notice, packed=False)):
