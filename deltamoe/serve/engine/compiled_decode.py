@@ -37,7 +37,7 @@ What makes the decode forward compile (each branch tested against the eager form
 - DSA's top-k is one `torch.topk` over distinct keys (no flag read back to the host);
 - absorbed MLA reads the cache's own [latent | k_pe] rows (`mla_attention_absorbed_joined`).
 
-Graph classes. Batch and context length are dynamic, traced without duck shaping (`_compiled_call`);
+Graph classes. Batch and context length are dynamic, traced without duck shaping (`_trace_settings`);
 the forms the graph traces give every context and page layout one shape rule:
 - DSA's selection is top_k wide at every context (`causal_topk(pad_to_top_k=True)`, slots past
   the context invalid), so contexts under and over top-k share a graph;
@@ -162,7 +162,11 @@ class CompiledDecode:
         self._call = _decode_call if regional else _compiled_call()
 
     def __call__(self, input_ids: torch.Tensor, view: object) -> torch.Tensor:
-        return self._call(self._model, self._key, input_ids, view)
+        revert = _trace_settings()()  # once per call, not per region call
+        try:
+            return self._call(self._model, self._key, input_ids, view)
+        finally:
+            revert()
 
     def with_min_rows(self, call: CallT, ids: torch.Tensor) -> tuple[CallT, torch.Tensor]:
         """The runner's call (`runner.ModelCall`) and its ids [B, 1], each row repeated up to `min_rows`
@@ -281,30 +285,46 @@ def _compiled_call() -> Callable[..., torch.Tensor]:
 
 
 @functools.cache
-def _compile(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """`fn` compiled for decode, traced with every dynamic size its own symbol.
-
-    Torch's default "duck shaping" gives sizes that happen to be equal at trace time one symbol: a
-    block table two blocks wide next to two KDA heads came out as "width == 2", and every longer
-    context then compiled again, in the middle of traffic. The setting is read when a call
-    compiles, and torch.compile takes no option for it, so the patch wraps the compiled callable
-    (as torch's own `dynamic=True` patches its config around every call): set here, once, for this
-    callable only, not process-wide."""
+def _trace_settings() -> Callable[[], Callable[[], None]]:
+    """() -> revert(): sets the tracing settings of the compiled decode call, read when a call compiles; torch.compile
+    takes no option for them, so `CompiledDecode.__call__` sets them around each call (as torch's
+    own `dynamic=True` patches its config around every call), for the compiled decode only, not
+    process-wide:
+    - every dynamic size its own symbol: torch's default "duck shaping" gives sizes that happen to
+      be equal at trace time one symbol: a block table two blocks wide next to two KDA heads came
+      out as "width == 2", and every longer context then compiled again, in the middle of traffic;
+    - Python floats the code reads (the config's eps, betas, scales) are constants of the model:
+      traced as symbols by default, inductor then specialises them and dynamo traces the whole
+      graph again (a restart per graph, about a fifth of a first start's compile).
+    Torch's own low-overhead patchers (`_make_closure_patcher`, what `dynamic=True` uses): a
+    `config.patch` costs about a tenth of a millisecond per entry."""
     from torch.fx.experimental import _config as shape_config
 
+    set_shapes = shape_config._make_closure_patcher(use_duck_shape=False)
+    set_floats = torch._dynamo.config._make_closure_patcher(specialize_float=True)
+
+    def change() -> Callable[[], None]:
+        revert_shapes, revert_floats = set_shapes(), set_floats()
+
+        def revert() -> None:
+            revert_floats()
+            revert_shapes()
+        return revert
+    return change
+
+
+@functools.cache
+def _compile(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`fn` compiled for decode, every size dynamic; called under `_trace_settings`."""
     # cpp_wrapper: the graph's launcher is C++ too, not Python calling ~150 kernels and matmuls one
     # by one. The matvec pass turns one-sequence decode's [1, K] @ [K, N] calls into fused
     # reductions (decode_matvec_pass.py). cpp_wrapper_build_separate: the launcher (long, plain
     # calls) builds at -O1 and only the kernels at -O3, instead of both at -O3 in one file; the
     # C++ build was the largest part of a graph's compile, and the step stays the same.
-    compiled = torch.compile(fn, dynamic=True, recompile_limit=RECOMPILE_LIMIT,
-                             options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-                                      "cpp_wrapper": True, "cpp_wrapper_build_separate": True,
-                                      "post_grad_custom_post_pass": DecodeMatvecPass()})
-    # Python floats the code reads (the config's eps, betas, scales) are constants of the model:
-    # traced as symbols by default, inductor then specialises them and dynamo traces the whole
-    # region again (a restart per graph, about a fifth of a first start's compile).
-    return torch._dynamo.config.patch(specialize_float=True)(shape_config.patch(use_duck_shape=False)(compiled))
+    return torch.compile(fn, dynamic=True, recompile_limit=RECOMPILE_LIMIT,
+                         options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+                                  "cpp_wrapper": True, "cpp_wrapper_build_separate": True,
+                                  "post_grad_custom_post_pass": DecodeMatvecPass()})
 
 
 # ---------------------------------------------------------------------------- warm-up plan
