@@ -50,7 +50,8 @@ def main() -> None:
         if compiled:
             started = time.process_time()
             engine.warm_up()
-            print(f"{name}: warm-up {time.process_time() - started:.1f} CPU s", flush=True)
+            print(f"{name}: warm-up {time.process_time() - started:.1f} CPU s of this process (the C++ builds not counted)",
+                  flush=True)
         engines[name] = engine
 
     best = {name: {batch: float("inf") for batch in (1, 16, 64)} for name in engines}
