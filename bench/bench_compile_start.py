@@ -7,12 +7,12 @@ unless `--keep-cache DIR` names one (run twice with the same DIR to time a start
 cache). Then the decode step, wall and CPU ms per step, at batch 1 and `--batch`, through the
 compiled graphs and eagerly (the same model, a second engine without compile).
 
-    .venv/bin/python bench/bench_compile_start.py [--preset tiny] [--threads 2] [--form parts|layers|whole]
+    .venv/bin/python bench/bench_compile_start.py [--preset tiny] [--threads 2] [--form layers|parts|whole]
 
-`--form` picks the compiled form (`compiled_decode.FORMS`): attention and FFN regions (the
-default), whole-layer regions ("layers"), or the whole decode call as one graph per class
-("whole"; `--whole` is its short spelling). Writes bench/results/compile_start.json (other forms:
-compile_start_<form>.json; `--quick`: *_quick.json).
+`--form` picks the compiled form (`compiled_decode.FORMS`): whole-layer regions ("layers", the
+default), attention and FFN regions ("parts"), or the whole decode call as one graph per class
+("whole"; `--whole` is its short spelling). Writes bench/results/compile_start_<form>.json
+(form parts: compile_start.json; `--quick`: *_quick.json).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="the batched step's rows")
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed per batch size")
     parser.add_argument("--keep-cache", default=None, help="inductor cache directory (default: a fresh one)")
-    parser.add_argument("--form", default="parts", choices=("parts", "layers", "whole"),
+    parser.add_argument("--form", default="layers", choices=("layers", "parts", "whole"),
                         help="the compiled form (compiled_decode.FORMS; the default first)")
     parser.add_argument("--whole", action="store_true", help="--form whole")
     parser.add_argument("--quick", action="store_true", help="4 sequences at most, 4 timed steps (a smoke test)")
@@ -63,12 +63,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     model = load_model(args.preset).eval()
-    config = EngineConfig(compile_decode=True, max_num_seqs=args.max_num_seqs)
+    config = EngineConfig(compile_decode=True, max_num_seqs=args.max_num_seqs, compile_form=args.form)
     engine = LLMEngine(model, config=config)
-    if args.form != "parts":
-        from deltamoe.serve.engine.compiled_decode import CompiledDecode
-
-        engine.runner._compiled_decode = CompiledDecode(model, form=args.form)
     run_round = engine._run_warm_up_round
     rounds: list[dict] = []
 

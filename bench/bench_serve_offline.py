@@ -12,7 +12,7 @@ equal one step at a time's is reported), and with multi-step decode (`EngineConf
 `--num-scheduler-steps N`: windows of N decode steps between trips through the scheduler). Output tokens/s are compared with the better transformers mode, and each async
 mode with its one-step mode; `--whole` adds the decode call compiled as one graph
 (`CompiledDecode(model, form="whole")`) and `--forms` other forms of the compiled call (`compiled_decode.FORMS`:
-"layers", "parts"; the default is "parts"), timed in the same rounds beside the default, side by side (best of `--rounds` alternating rounds). The one-at-a-time mode is timed on the first `--serial-prompts` prompts: its
+"layers", "parts"; the default is "layers"), timed in the same rounds beside the default, side by side (best of `--rounds` alternating rounds). The one-at-a-time mode is timed on the first `--serial-prompts` prompts: its
 rate does not depend on how many prompts follow. `--clock cpu` times each mode by the process's CPU time
 instead of the wall clock (every side runs on one thread): on a loaded machine, time spent waiting for a
 core then counts for no side.
@@ -106,7 +106,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads for every side (1 keeps a shared machine's noise down)")
     parser.add_argument("--whole", action="store_true", help="also time the decode call compiled as one graph")
-    parser.add_argument("--forms", nargs="*", default=[], choices=("layers",),
+    parser.add_argument("--forms", nargs="*", default=[], choices=("parts", "layers"),
                         help="also time these forms of the compiled call (compiled_decode.FORMS)")
     parser.add_argument("--num-scheduler-steps", type=int, default=8,
                         help="decode steps per window in the multi-step rows")

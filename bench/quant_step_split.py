@@ -17,7 +17,7 @@ microsecond) and times by the wall clock, so the split is read as shares; the un
 CPU time is printed beside it. Op event counts include ops called inside other ops. A compiled
 step (`--compile`) is split by op kind only: its fused kernels count as the regions' own code.
 
-    OMP_NUM_THREADS=1 python bench/quant_step_split.py [--steps 16] [--compile [--form layers]]
+    OMP_NUM_THREADS=1 python bench/quant_step_split.py [--steps 16] [--compile [--form parts|whole]]
 """
 
 from __future__ import annotations

@@ -250,9 +250,10 @@ def compile_start_rows(d: dict) -> list[Row]:
     c, first, steps = d["config"], d["first_start"], d["step_ms"]
     target = d["target"]["first_start_s"]
     form = c.get("form", "parts" if c["mode"] == "regions" else "whole")  # older files name only the mode
-    mode = {"parts": "regions", "layers": "whole-layer regions", "whole": "whole call"}[form]
+    mode = {"parts": "attention + FFN regions", "layers": "whole-layer regions", "whole": "whole call"}[form]
     start = "first start (empty inductor cache)" if c.get("fresh_cache", True) else "start from inductor's disk cache"
-    how = command("compile_start") if form == "parts" else f"(`python bench/bench_compile_start.py --form {form}`)"
+    # `deltamoe bench compile_start` runs the default form, whole layers
+    how = command("compile_start") if form == "layers" else f"(`python bench/bench_compile_start.py --form {form}`)"
     b = str(c["batch"])
     compiled, eager = steps["compiled"], steps["eager"]
     return [
@@ -652,7 +653,7 @@ FORMATTERS: dict[str, Callable[[dict], list[Row]]] = {
     "serve_dsa_decode": serve_dsa_decode_rows,
     "compile_start": compile_start_rows,
     "compile_start_whole": compile_start_rows,
-    "compile_start_layers": compile_start_rows,  # bench_compile_start.py --form layers
+    "compile_start_layers": compile_start_rows,  # bench_compile_start.py (the default form, whole layers)
     "serve_cache_bytes": serve_cache_bytes_rows,
     "serve_online": serve_online_rows,
     "serve_online_compiled": serve_online_rows,

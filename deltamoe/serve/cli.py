@@ -105,8 +105,8 @@ def check_workers(model: str, tp: int, ep: int, compile_decode: bool):
     return workers
 
 
-COMPILE_HELP = ("Run decode steps through torch.compile: each layer kind's attention and FFN compile once and every "
-                "layer reuses them (faster steps for small models on a CPU; a first start compiles for up to a "
+COMPILE_HELP = ("Run decode steps through torch.compile: each kind of decoder layer compiles once and every "
+                "layer reuses its graph (faster steps for small models on a CPU; a first start compiles for up to a "
                 "minute, later ones load inductor's disk cache; needs a C++ compiler). Greedy tokens are the same as "
                 "--no-compile's (eager). --compile-decode: the same as --compile.")
 COMPILE_DEFAULT_HELP = (" Default: compiled where it can run (one process on a CPU, pages not fp8, a C++ compiler), "
@@ -114,9 +114,9 @@ COMPILE_DEFAULT_HELP = (" Default: compiled where it can run (one process on a C
 COMPILE_DECLS = ("--compile/--no-compile", "--compile-decode")
 COMPILE_FORM_OPTION = typer.Option(
     EngineConfig.compile_form, "--compile-form",
-    help="What one compiled graph covers, with --compile: parts (each layer kind's attention and FFN; starts "
-         "fastest), layers (whole decoder layers, norms and residuals inside: faster steps, about twice the "
-         "first start's compile) or whole (the whole decode call: fastest steps, the longest first start).")
+    help="What one compiled graph covers, with --compile: layers (whole decoder layers, norms and residuals "
+         "inside; the default), parts (each layer kind's attention and FFN, the glue between them eager: slower "
+         "steps) or whole (the whole decode call: fastest steps, the longest first start).")
 
 
 SPECULATIVE_HELP = ("Speculative decoding: mtp (the model's MTP head drafts --num-draft-tokens tokens a step, the model "

@@ -4,12 +4,13 @@ Forms (`FORMS`), the same results:
 - regions: compiled regions that every layer of the same kind shares (`compiled_regions.py`). The
   compile covers one layer of each kind, not every layer: it is what makes a first start (an
   empty inductor cache) short enough to compile by default. Two boundaries:
-  - "parts" (the default): each layer's attention and FFN, the norms, residuals and AttnRes
-    mixes eager between them;
-  - "layers": one region per whole layer, the AttnRes bank a fixed-size tensor
+  - "layers" (the default): one region per whole layer, the AttnRes bank a fixed-size tensor
     (`model/bank_slots.py`), only the embedding, the output mix and the LM head eager: half the
-    region calls and none of the glue, for about twice the compile (a layer kind's graph holds
-    its attention once per form of the experts, and the dense first layer is a kind of its own);
+    region calls of "parts" and none of the glue; a layer kind's graph holds its attention once
+    per form of the experts (where the expert stack is small, batch 1 runs in the all-experts
+    form: `rows_skipping_expert_gather`), and the dense first layer is a kind of its own;
+  - "parts": each layer's attention and FFN, the norms, residuals and AttnRes mixes eager between
+    them: smaller graphs, slower steps;
 - the whole call as one graph ("whole"): the same kernels without any eager glue or region
   entries, a faster step at the cost of compiling every layer's code.
 Not a third form: one guarded call over layer bodies marked `torch.compiler.nested_compile_region`
@@ -36,7 +37,7 @@ What makes the decode forward compile (each branch tested against the eager form
 - DSA's top-k is one `torch.topk` over distinct keys (no flag read back to the host);
 - absorbed MLA reads the cache's own [latent | k_pe] rows (`mla_attention_absorbed_joined`).
 
-Graph classes. Batch and context length are dynamic, traced without duck shaping (`_compiled_call`);
+Graph classes. Batch and context length are dynamic, traced without duck shaping (`_trace_settings`);
 the forms the graph traces give every context and page layout one shape rule:
 - DSA's selection is top_k wide at every context (`causal_topk(pad_to_top_k=True)`, slots past
   the context invalid), so contexts under and over top-k share a graph;
@@ -45,13 +46,14 @@ the forms the graph traces give every context and page layout one shape rule:
 One shape rule still splits the graphs, asked of its owner rather than copied here:
 - one graph per form of `ops.moe.gathers_expert_weights` (MoE regions only).
 Batch 1 is no class of its own in the regional form: it runs as two copies of its row
-(`CompiledDecode.with_min_rows`; torch would specialise size 1 into graphs of their own). Not for
+(`CompiledDecode.with_min_rows`; torch would specialise size 1 into graphs of their own), or in
+whole layers over a small expert stack as many as the experts' all-experts form needs. Not for
 a model with int4 expert stacks: their static form runs each row against every gathered expert,
 so a copy doubles the experts' gather and kernel reads (the two-row step is slower than eager
 int4, docs/serving.md); there batch 1 runs as one row through graphs of its own. Dense
-MLPs stay eager in the default form. For `tiny` that leaves four graphs: KDA and DSA attention,
-the MoE in both forms (whole layers: five, the dense first layer, KDA and DSA layers in the
-experts' two forms). The whole call as one graph keeps batch 1 as a class of its own, rewritten by
+MLPs stay eager in the "parts" form. For `tiny` that leaves three graphs in whole layers (the
+dense first layer, the KDA and the DSA layer, all experts at once) and four in "parts" (KDA and
+DSA attention, the MoE in both forms). The whole call as one graph keeps batch 1 as a class of its own, rewritten by
 the one-row matmul pass. Each class compiles once per process (its regions: seconds each on two
 cores; inductor caches them on disk). `LLMEngine.warm_up` sends the requests of `warm_up_rounds`
 through the scheduler so every class compiles before traffic. Prefill chunks stay eager: their
@@ -94,6 +96,10 @@ from deltamoe.serve.engine.decode_matvec_pass import DecodeMatvecPass
 
 # Graphs one process may hold for the decode call: the classes above, for a few models.
 RECOMPILE_LIMIT = 64
+# An expert stack (one layer's routed experts) up to this size runs batch 1 in its all-experts
+# form in the whole-layer regions, from up to this many copies of the row (`rows_skipping_expert_gather`).
+SMALL_EXPERT_STACK_BYTES = 4 << 20
+MAX_ROW_COPIES = 4
 # The forms of the compiled call (`CompiledDecode`), the default first.
 FORMS = COMPILE_FORMS
 # The per-row lists of a runner call (`runner.ModelCall`): what `CompiledDecode.with_min_rows` repeats.
@@ -126,11 +132,11 @@ class CompiledDecode:
     # slice_consecutive): one graph for both layouts, for a gather of the context's rows per step.
     slices_consecutive_pages = False
 
-    def __init__(self, model: torch.nn.Module, form: str = "parts"):
-        """`form` (one of FORMS): "parts", each layer's attention and FFN as regions shared by the
-        layers of their kind, the glue between them eager; "layers", each decoder layer as one
-        region shared by every layer of its kind (`compiled_regions.py`); "whole", the whole call as
-        one graph."""
+    def __init__(self, model: torch.nn.Module, form: str = FORMS[0]):
+        """`form` (one of FORMS): "layers" (the default), each decoder layer as one region shared by
+        every layer of its kind (`compiled_regions.py`); "parts", each layer's attention and FFN as
+        regions shared by the layers of their kind, the glue between them eager; "whole", the whole
+        call as one graph."""
         if form not in FORMS:
             raise ConfigError(f"expected one of {', '.join(FORMS)}, got {form!r}", field="form")
         if model.training:
@@ -150,11 +156,17 @@ class CompiledDecode:
         # The whole call keeps its batch-1 graph (the one-row matmul pass rewrites it), and so do
         # regions over int4 expert stacks (see the module docstring).
         self.min_rows = 2 if regional and not holds_int4_expert_stacks(model) else 1
+        if form == "layers" and self.min_rows > 1:
+            self.min_rows = max(self.min_rows, rows_skipping_expert_gather(model))
         self._model, self._key = decode_form(model, key if regional else None, form), key
         self._call = _decode_call if regional else _compiled_call()
 
     def __call__(self, input_ids: torch.Tensor, view: object) -> torch.Tensor:
-        return self._call(self._model, self._key, input_ids, view)
+        revert = _trace_settings()()  # once per call, not per region call
+        try:
+            return self._call(self._model, self._key, input_ids, view)
+        finally:
+            revert()
 
     def with_min_rows(self, call: CallT, ids: torch.Tensor) -> tuple[CallT, torch.Tensor]:
         """The runner's call (`runner.ModelCall`) and its ids [B, 1], each row repeated up to `min_rows`
@@ -167,6 +179,32 @@ class CompiledDecode:
         copies = -(-self.min_rows // rows)
         return (dataclasses.replace(call, **{name: getattr(call, name) * copies for name in _ROW_FIELDS}),
                 ids.repeat(copies, 1))
+
+
+def rows_skipping_expert_gather(model: torch.nn.Module) -> int:
+    """The fewest rows a whole-layer call runs so that every batch takes the experts' all-experts
+    form (`ops.moe.gathers_expert_weights`), or 1 where that form does not pay at small batches.
+
+    Each form of the experts is a graph of every MoE layer kind (`tiny`: the KDA and the DSA
+    layer, each twice), about a third of the first start. Running batch 1 as the first
+    all-experts batch's rows reads every expert's weights instead of gathering its top-k ones:
+    for a small stack that costs about what the gather's copy does (`tiny`: 16 experts of
+    64 x 96, 1.2 MB a layer; its batch-1 step stayed the same and batch 16 got faster), so the
+    gathered graphs are never built. A large stack (`small`: 64 experts of 256 x 256, 50 MB a
+    layer, the all-experts form from 8 rows) keeps the gathered form: reading all of it at
+    batch 1 would cost more than the graphs save once. So: stacks up to
+    `SMALL_EXPERT_STACK_BYTES`, and the all-experts form from at most `MAX_ROW_COPIES` rows
+    (beyond, the copies' attention work grows)."""
+    stacks = [m for m in model.modules() if isinstance(m, MoE)]
+    if not stacks:
+        return 1
+    stack_bytes = max(sum(t.numel() * t.element_size() for t in m.experts.parameters()) for m in stacks)
+    c = stacks[0].config
+    first_all = next(b for b in range(1, c.num_experts + 1)
+                     if not gathers_expert_weights(b, c.num_experts_per_token, c.num_experts))
+    if stack_bytes > SMALL_EXPERT_STACK_BYTES or first_all > MAX_ROW_COPIES:
+        return 1
+    return first_all
 
 
 def limit_compile_threads() -> None:
@@ -247,24 +285,46 @@ def _compiled_call() -> Callable[..., torch.Tensor]:
 
 
 @functools.cache
-def _compile(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """`fn` compiled for decode, traced with every dynamic size its own symbol.
-
-    Torch's default "duck shaping" gives sizes that happen to be equal at trace time one symbol: a
-    block table two blocks wide next to two KDA heads came out as "width == 2", and every longer
-    context then compiled again, in the middle of traffic. The setting is read when a call
-    compiles, and torch.compile takes no option for it, so the patch wraps the compiled callable
-    (as torch's own `dynamic=True` patches its config around every call): set here, once, for this
-    callable only, not process-wide."""
+def _trace_settings() -> Callable[[], Callable[[], None]]:
+    """() -> revert(): sets the tracing settings of the compiled decode call, read when a call compiles; torch.compile
+    takes no option for them, so `CompiledDecode.__call__` sets them around each call (as torch's
+    own `dynamic=True` patches its config around every call), for the compiled decode only, not
+    process-wide:
+    - every dynamic size its own symbol: torch's default "duck shaping" gives sizes that happen to
+      be equal at trace time one symbol: a block table two blocks wide next to two KDA heads came
+      out as "width == 2", and every longer context then compiled again, in the middle of traffic;
+    - Python floats the code reads (the config's eps, betas, scales) are constants of the model:
+      traced as symbols by default, inductor then specialises them and dynamo traces the whole
+      graph again (a restart per graph, about a fifth of a first start's compile).
+    Torch's own low-overhead patchers (`_make_closure_patcher`, what `dynamic=True` uses): a
+    `config.patch` costs about a tenth of a millisecond per entry."""
     from torch.fx.experimental import _config as shape_config
 
+    set_shapes = shape_config._make_closure_patcher(use_duck_shape=False)
+    set_floats = torch._dynamo.config._make_closure_patcher(specialize_float=True)
+
+    def change() -> Callable[[], None]:
+        revert_shapes, revert_floats = set_shapes(), set_floats()
+
+        def revert() -> None:
+            revert_floats()
+            revert_shapes()
+        return revert
+    return change
+
+
+@functools.cache
+def _compile(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`fn` compiled for decode, every size dynamic; called under `_trace_settings`."""
     # cpp_wrapper: the graph's launcher is C++ too, not Python calling ~150 kernels and matmuls one
     # by one. The matvec pass turns one-sequence decode's [1, K] @ [K, N] calls into fused
-    # reductions (decode_matvec_pass.py).
-    compiled = torch.compile(fn, dynamic=True, recompile_limit=RECOMPILE_LIMIT,
-                             options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-                                      "cpp_wrapper": True, "post_grad_custom_post_pass": DecodeMatvecPass()})
-    return shape_config.patch(use_duck_shape=False)(compiled)
+    # reductions (decode_matvec_pass.py). cpp_wrapper_build_separate: the launcher (long, plain
+    # calls) builds at -O1 and only the kernels at -O3, instead of both at -O3 in one file; the
+    # C++ build was the largest part of a graph's compile, and the step stays the same.
+    return torch.compile(fn, dynamic=True, recompile_limit=RECOMPILE_LIMIT,
+                         options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+                                  "cpp_wrapper": True, "cpp_wrapper_build_separate": True,
+                                  "post_grad_custom_post_pass": DecodeMatvecPass()})
 
 
 # ---------------------------------------------------------------------------- warm-up plan

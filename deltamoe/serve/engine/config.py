@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 from deltamoe.errors import ConfigError
 
-# The forms of the compiled decode call (serve/engine/compiled_decode.py), the default first: each
-# layer kind's attention and FFN as regions, whole decoder layers as regions, the whole call as one graph.
-COMPILE_FORMS = ("parts", "layers", "whole")
+# The forms of the compiled decode call (serve/engine/compiled_decode.py), the default first: whole
+# decoder layers as regions, each layer kind's attention and FFN as regions, the whole call as one graph.
+COMPILE_FORMS = ("layers", "parts", "whole")
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -45,7 +45,7 @@ class EngineConfig:
     max_state_fraction: float = 0.5  # at most this share of cache_memory goes to KDA state slots
     seed: int = 0  # seeds requests that give no seed of their own
     compile_decode: bool = False  # run decode steps through torch.compile, per-layer regions (serve/engine/compiled_decode.py)
-    compile_form: str = "parts"  # what one compiled graph covers (COMPILE_FORMS); read only with compile_decode
+    compile_form: str = COMPILE_FORMS[0]  # what one compiled graph covers (COMPILE_FORMS); read only with compile_decode
     kv_cache_dtype: str = "auto"  # latent-KV and indexer-key pages: "auto" (the model dtype) or "fp8" (e4m3 + scales)
     # Speculative decoding (serve/spec_decode/): None, or "mtp" (the model's MTP head drafts).
     speculative: str | None = None

@@ -70,7 +70,7 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model: DeltaMoEForCausalLM, cache: HybridCache, compiled_decode: bool = False,
-                 compile_form: str = "parts"):
+                 compile_form: str = "layers"):
         self.model = model
         self.cache = cache
         self.device = model.device

@@ -84,11 +84,13 @@ def test_traced_layers_hold_one_kernel_call_per_group_and_match_eager(int4_model
 
 def test_a_batch_of_one_runs_as_one_row_over_int4_experts(int4_model, helpers, monkeypatch):
     """Regions over int4 expert stacks run batch 1 as one row (two copies would double the experts'
-    gather and kernel reads), full-precision ones as two (batch 2's graphs); the int4 engine's
+    gather and kernel reads), full-precision ones as two or more (this small stack: as the first
+    all-experts batch's 4 rows, `rows_skipping_expert_gather`); the int4 engine's
     tokens through the regions' code (run eagerly here) equal the eager engine's."""
     monkeypatch.setattr(compiled_decode, "_compile", lambda fn: fn)
     float_model = build_model(int4_model.config, seed=6).eval()
-    assert compiled_decode.CompiledDecode(float_model).min_rows == 2
+    assert compiled_decode.CompiledDecode(float_model).min_rows == 4
+    assert compiled_decode.CompiledDecode(float_model, form="parts").min_rows == 2
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prompt = helpers.prompts(1, 5, 5, seed=8)
     outputs, rows = [], []

@@ -125,3 +125,25 @@ def test_engine_config_picks_the_compiled_form(helpers, monkeypatch):
     layers, got = run(compile_decode=True, compile_form="layers")
     assert layers.runner._compiled_decode.form == "layers"
     assert got == run()[1]
+
+
+def test_whole_layers_skip_the_expert_gather_only_for_small_stacks(helpers, monkeypatch):
+    """`CompiledDecode(form="layers")` runs batch 1 as the first all-experts batch's rows where the
+    expert stack is small (`tiny`: 16 experts of 64 x 96, all experts from 4 rows), so the
+    gathered-experts graphs are never built; a large stack (`small`'s 64 experts of 256 x 256, all
+    experts from 8 rows) and many small experts (64 experts, top-2: from 32 rows) keep two rows.
+    The attention + FFN form keeps two rows; a dense model one more copy is no use for."""
+    from deltamoe.config import load_preset
+
+    monkeypatch.setattr(compiled_decode, "probe_vector_isa_once", lambda: None)  # no compiles here
+
+    def min_rows(config, form="layers") -> int:
+        return compiled_decode.CompiledDecode(build_model(config, seed=0).eval(), form=form).min_rows
+
+    tiny = load_preset("tiny")
+    assert min_rows(tiny) == 4
+    assert min_rows(tiny, "parts") == 2
+    small_like = load_preset("small").replace(num_hidden_layers=2, layer_types=("kda", "kda"))
+    assert min_rows(small_like) == 2
+    assert min_rows(helpers.k31_tiny(num_experts=64, num_experts_per_token=2)) == 2
+    assert min_rows(helpers.k31_tiny(num_experts=0, first_k_dense_replace=4)) == 2

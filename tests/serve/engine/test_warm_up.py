@@ -57,12 +57,16 @@ def engine_state(engine: LLMEngine) -> tuple:
             dict(cache.slots.snapshots), probe.request_id, probe.generator.initial_seed())
 
 
-def test_warm_up_reaches_every_class_and_leaves_no_trace(model, monkeypatch):
-    engine, seen = engine_recording_decodes(model, monkeypatch)
-    fresh, _ = engine_recording_decodes(model, monkeypatch)
+# The classes a form's decode calls meet: attention + FFN regions run batches on both sides of the
+# experts' switch (batch 1 as two rows); whole layers over this small expert stack run batch 1 as
+# four rows, so every call takes the all-experts form.
+@pytest.mark.parametrize("form, classes", [("parts", {("batch", True), ("batch", False)}),
+                                           ("layers", {("batch", False)})])
+def test_warm_up_reaches_every_class_and_leaves_no_trace(form, classes, model, monkeypatch):
+    engine, seen = engine_recording_decodes(model, monkeypatch, compile_form=form)
+    fresh, _ = engine_recording_decodes(model, monkeypatch, compile_form=form)
     engine.warm_up()
-    # Every class: batches on both sides of the experts' switch (batch 1 runs as two rows).
-    assert set(seen) == {("batch", True), ("batch", False)}
+    assert set(seen) == classes
     assert engine_state(engine) == engine_state(fresh)
     assert not engine.has_unfinished()
     # And the engine serves as a fresh one does.
@@ -72,11 +76,12 @@ def test_warm_up_reaches_every_class_and_leaves_no_trace(model, monkeypatch):
             == [c.token_ids for c in fresh.generate(prompts, params, progress=False)])
 
 
-def test_warm_up_plans_only_classes_the_limits_allow(model, monkeypatch):
-    """One sequence at a time: no batches."""
-    engine, seen = engine_recording_decodes(model, monkeypatch, max_num_seqs=1)
+@pytest.mark.parametrize("form, classes", [("parts", {("batch", True)}), ("layers", {("batch", False)})])
+def test_warm_up_plans_only_classes_the_limits_allow(form, classes, model, monkeypatch):
+    """One sequence at a time: no batches, only batch 1's class (two rows in parts, four in layers)."""
+    engine, seen = engine_recording_decodes(model, monkeypatch, max_num_seqs=1, compile_form=form)
     engine.warm_up()
-    assert set(seen) == {("batch", True)}
+    assert set(seen) == classes
 
 
 def test_warm_up_refuses_a_busy_engine(model, monkeypatch):
