@@ -30,6 +30,7 @@ from deltamoe.serve.engine.scheduler import ScheduledBatch
 from deltamoe.serve.engine.sequence import Sequence
 from deltamoe.serve.spec_decode.acceptance import accept_greedy, greedy_targets, rejection_sample, target_probs
 from deltamoe.serve.spec_decode.checkpoint_view import CheckpointView
+from deltamoe.serve.spec_decode.compiled_verify import CompiledVerify
 from deltamoe.serve.spec_decode.mtp_drafter import CatchUp, MTPDrafter
 from deltamoe.serve.spec_decode.step_result import SpeculativeStepResult
 from deltamoe.serve.spec_decode.tracker import AcceptanceTracker
@@ -42,6 +43,9 @@ class SpeculativeRunner(ModelRunner):
         self.max_len = max_len  # tokens a sequence may hold (context limit and cache size)
         self.drafter = MTPDrafter(model, cache, self.k)
         self.tracker = AcceptanceTracker(self.k, config.spec_min_acceptance)
+        # With --compile the verification runs through compiled regions too (T = K + 1).
+        self._compiled_verify = (CompiledVerify(model, self._compiled_decode, self.k)
+                                 if self._compiled_decode is not None else None)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[StepResult]:
@@ -107,10 +111,11 @@ class SpeculativeRunner(ModelRunner):
         k = self.k
         drafts = [self.tracker.state(seq).drafts for seq in seqs]
         ids = torch.tensor([[seq.token_ids[-1]] + d.tokens for seq, d in zip(seqs, drafts)], device=self.device)
+        compiled = self._compiled_verify
         view = CheckpointView(self.cache, [s.block_table for s in seqs], [s.num_computed for s in seqs],
-                              [s.slot for s in seqs], k + 1)
-        forward = self.model(ids, cache=view, logits_to_keep=k + 1)
-        logits = forward.logits.float()  # [B, K+1, V]
+                              [s.slot for s in seqs], k + 1, slice_consecutive=compiled is None,
+                              min_table_width=1 if compiled is None else compiled.min_table_width)
+        logits, hidden = self.verify_forward(ids, view)
         out: list[tuple[StepResult, CatchUp]] = []
         for b, (seq, d) in enumerate(zip(seqs, drafts)):
             p = seq.params
@@ -128,8 +133,16 @@ class SpeculativeRunner(ModelRunner):
             result = SpeculativeStepResult(seq, accepted + 1, tokens[0], logprobs[0], tokens=tokens, logprobs=logprobs,
                                            restore=lambda j, row=b: view.restore(row, j),
                                            block_size=self.cache.block_size, num_drafts=k)
-            out.append((result, CatchUp(seq, n, forward.hidden_states[b, :accepted + 1], tokens, draft=True)))
+            out.append((result, CatchUp(seq, n, hidden[b, :accepted + 1], tokens, draft=True)))
         return out
+
+    def verify_forward(self, ids: torch.Tensor, view: CheckpointView) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target over each row's pending token and drafts, ids [B, K+1] -> logits [B, K+1, V] fp32
+        and hidden states [B, K+1, D]."""
+        if self._compiled_verify is not None:
+            return self._compiled_verify(ids, view)
+        forward = self.model(ids, cache=view, logits_to_keep=self.k + 1)
+        return forward.logits.float(), forward.hidden_states
 
 
 def speculative_runner(model: DeltaMoEForCausalLM, cache: HybridCache, config: EngineConfig, max_len: int,

@@ -183,6 +183,30 @@ def test_compiled_decode_for_switched_off_rows(mtp_model, batch, helpers):
     assert eng.runner.tracker.switched_off == 3
 
 
+@pytest.mark.slow
+def test_compiled_verification_equals_plain(mtp_model, batch, monkeypatch):
+    """With --compile, verifications run through their compiled regions (T = K + 1): greedy output
+    equals plain decoding alone and in a batch, with every accepted length and its rollback."""
+    from deltamoe.serve.engine.compiled_decode import compiler_available
+
+    if not compiler_available():
+        pytest.skip("no C++ compiler for torch.compile's CPU kernels")
+    ps, refs = batch
+    from deltamoe.serve.spec_decode.compiled_verify import CompiledVerify
+
+    calls: list[tuple[int, ...]] = []
+    original = CompiledVerify.__call__
+    monkeypatch.setattr(CompiledVerify, "__call__",
+                        lambda self, ids, view: calls.append(tuple(ids.shape)) or original(self, ids, view))
+    eng = engine(mtp_model, 2, oracle=refs, compile_decode=True)
+    alone = eng.generate(ps[:1], greedy(), progress=False)
+    together = eng.generate(ps[1:4], greedy(), progress=False)
+    assert [c.token_ids for c in alone + together] == [refs[tuple(p)] for p in ps[:4]]
+    assert {shape[0] for shape in calls} >= {1, 3} and {shape[1] for shape in calls} == {3}
+    rates = eng.runner.tracker.acceptance_rates()
+    assert all(0 < r < 1 for r in rates)
+
+
 @torch.inference_mode()
 def test_drafts_are_the_trained_mtp_predictions(mtp_model, batch):
     """Draft 1 is the argmax of the MTP head as training computes it over the whole sequence (h_i
