@@ -3,7 +3,9 @@
 Same setting as `spec_step_ops.py` (random-weight preset, drafts replaced by the plain greedy
 continuation: every draft right). Each mode's engine runs `--rounds` rounds of `--steps` steps,
 the modes interleaved so that a load change hits them all; per part the median over rounds of
-the mean per step. Parts of a speculative step:
+the mean per step; the first four steps' time (prefill, first drafts, and with `--compile` the
+graphs batch 1 needs: on an empty inductor cache, `TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)`, that is
+a first start's compile). Parts of a speculative step:
 - verify forward: the target model over the pending token and the K drafts (T = K + 1), the
   KDA checkpoints included;
 - verify host: acceptance, logprobs, block trimming, results (`_verify` less its forward);
@@ -62,7 +64,7 @@ def spec_engine(model, k: int, continuation: list[int], compile_decode: bool, ti
     eng = LLMEngine(model, config=config)
     runner = eng.runner
     if k:
-        runner.drafter = RightDrafter(model, eng.cache, k, continuation)
+        runner.drafter = RightDrafter(model, eng.cache, k, continuation, runner.drafter.compiled)
         timer.wrap(runner, "_verify", "verify")
         timer.wrap(runner, "verify_forward", "verify forward")
         timer.wrap(runner.drafter, "run", "draft")
@@ -89,10 +91,13 @@ def main() -> None:
     modes = [0, *args.k]
     timers = {k: PartTimer() for k in modes}
     engines = {k: spec_engine(model, k, continuation, args.compile, timers[k]) for k in modes}
-    for eng in engines.values():
+    starts = {}
+    for k, eng in engines.items():
         eng.add_request(PROMPT, greedy)
+        t0 = time.perf_counter()
         for _ in range(4):  # prefill, first drafts, first compiles
             eng.step()
+        starts[k] = time.perf_counter() - t0
     rounds: dict[int, list[dict[str, float]]] = {k: [] for k in modes}
     for _ in range(args.rounds):
         for k, eng in engines.items():
@@ -108,7 +113,8 @@ def main() -> None:
     med = {k: {name: statistics.median(r[name] for r in rounds[k]) for name in rounds[k][0]} for k in modes}
     plain = med[0]["step"]
     print(f"plain: {plain * 1e3:.2f} ms/step (forward {med[0]['forward'] * 1e3:.2f}, rest "
-          f"{(plain - med[0]['forward']) * 1e3:.2f})")
+          f"{(plain - med[0]['forward']) * 1e3:.2f}); first 4 steps (compiles included) "
+          + ", ".join(f"{'plain' if k == 0 else f'K={k}'} {s:.1f} s" for k, s in starts.items()))
     for k in args.k:
         m = med[k]
         parts = {"verify forward": m["verify forward"], "verify host": m["verify"] - m["verify forward"],

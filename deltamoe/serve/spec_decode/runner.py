@@ -30,6 +30,7 @@ from deltamoe.serve.engine.scheduler import ScheduledBatch
 from deltamoe.serve.engine.sequence import Sequence
 from deltamoe.serve.spec_decode.acceptance import accept_greedy, greedy_targets, rejection_sample, target_probs
 from deltamoe.serve.spec_decode.checkpoint_view import CheckpointView
+from deltamoe.serve.spec_decode.compiled_draft import CompiledDraft
 from deltamoe.serve.spec_decode.compiled_verify import CompiledVerify
 from deltamoe.serve.spec_decode.mtp_drafter import CatchUp, MTPDrafter
 from deltamoe.serve.spec_decode.step_result import SpeculativeStepResult
@@ -41,11 +42,11 @@ class SpeculativeRunner(ModelRunner):
         super().__init__(model, cache, compiled_decode=config.compile_decode)
         self.k = config.num_draft_tokens
         self.max_len = max_len  # tokens a sequence may hold (context limit and cache size)
-        self.drafter = MTPDrafter(model, cache, self.k)
+        # With --compile the verification (T = K + 1) and the MTP layer's calls run through compiled regions too.
+        decode = self._compiled_decode
+        self._compiled_verify = CompiledVerify(model, decode, self.k) if decode is not None else None
+        self.drafter = MTPDrafter(model, cache, self.k, CompiledDraft(model, decode) if decode is not None else None)
         self.tracker = AcceptanceTracker(self.k, config.spec_min_acceptance)
-        # With --compile the verification runs through compiled regions too (T = K + 1).
-        self._compiled_verify = (CompiledVerify(model, self._compiled_decode, self.k)
-                                 if self._compiled_decode is not None else None)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[StepResult]:

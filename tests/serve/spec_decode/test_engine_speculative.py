@@ -30,8 +30,8 @@ class OracleDrafter(MTPDrafter):
     """The MTP drafter's work, then its draft tokens replaced by the reference continuation, wrong
     at a fixed pseudo-random 30 % of positions: accepted lengths vary over 0..K."""
 
-    def __init__(self, model, cache, k: int, references: dict[tuple[int, ...], list[int]]):
-        super().__init__(model, cache, k)
+    def __init__(self, model, cache, k: int, references: dict[tuple[int, ...], list[int]], compiled=None):
+        super().__init__(model, cache, k, compiled)
         self.references = references
 
     def run(self, rows):
@@ -53,7 +53,7 @@ def engine(model, k: int, oracle: dict | None = None, **overrides) -> LLMEngine:
     config.update(overrides)
     eng = LLMEngine(model, config=EngineConfig(**config))
     if oracle is not None:
-        eng.runner.drafter = OracleDrafter(model, eng.cache, k, oracle)
+        eng.runner.drafter = OracleDrafter(model, eng.cache, k, oracle, eng.runner.drafter.compiled)
     return eng
 
 
@@ -186,7 +186,8 @@ def test_compiled_decode_for_switched_off_rows(mtp_model, batch, helpers):
 @pytest.mark.slow
 def test_compiled_verification_equals_plain(mtp_model, batch, monkeypatch):
     """With --compile, verifications run through their compiled regions (T = K + 1): greedy output
-    equals plain decoding alone and in a batch, with every accepted length and its rollback."""
+    equals plain decoding alone and in a batch, with every accepted length and its rollback; the MTP
+    layer's compiled calls draft what its eager calls draft."""
     from deltamoe.serve.engine.compiled_decode import compiler_available
 
     if not compiler_available():
@@ -205,6 +206,20 @@ def test_compiled_verification_equals_plain(mtp_model, batch, monkeypatch):
     assert {shape[0] for shape in calls} >= {1, 3} and {shape[1] for shape in calls} == {3}
     rates = eng.runner.tracker.acceptance_rates()
     assert all(0 < r < 1 for r in rates)
+
+    # The MTP layer's own drafts through its compiled regions: the same acceptance, step by step.
+    from deltamoe.serve.spec_decode.compiled_draft import CompiledDraft
+
+    compiled_calls: list[bool] = []
+    runs = CompiledDraft.runs
+    monkeypatch.setattr(CompiledDraft, "runs", staticmethod(
+        lambda starts, counts: compiled_calls.append(runs(starts, counts)) or compiled_calls[-1]))
+    compiled, eager = engine(mtp_model, 2, compile_decode=True), engine(mtp_model, 2)
+    for eng in (compiled, eager):
+        assert [c.token_ids for c in eng.generate(ps[:3], greedy(), progress=False)] == [refs[tuple(p)] for p in ps[:3]]
+    assert True in compiled_calls and False in compiled_calls  # prompt catch-ups stay eager
+    assert compiled.runner.tracker.accepted_at == eager.runner.tracker.accepted_at
+    assert compiled.runner.tracker.verifications == eager.runner.tracker.verifications > 0
 
 
 @torch.inference_mode()
