@@ -17,12 +17,15 @@ positions need (none when the pool is empty: the row then decodes plainly next s
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from deltamoe.errors import ConfigError
 from deltamoe.model.model import DeltaMoEForCausalLM
 from deltamoe.serve.engine.cache import HybridCache
 from deltamoe.serve.engine.cache_view import PagedBatchView
+from deltamoe.serve.engine.compiled_decode import WarmUpRound
 from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.runner import ModelCall, ModelRunner, StepResult, pack_calls
 from deltamoe.serve.engine.sampling import sample, token_logprobs
@@ -164,3 +167,31 @@ def speculative_runner(model: DeltaMoEForCausalLM, cache: HybridCache, config: E
 def speculation_stats(runner: ModelRunner) -> dict[str, float]:
     """Acceptance statistics for /metrics (empty without speculation)."""
     return runner.tracker.stats() if isinstance(runner, SpeculativeRunner) else {}
+
+
+def verification_warm_up_rounds(runner: ModelRunner, max_context: int) -> list[WarmUpRound]:
+    """Made-up requests that reach the compiled speculative graphs (`compiled_verify.py`,
+    `compiled_draft.py`) through the scheduler, for `LLMEngine.warm_up` (none without them): one
+    request alone, then two together, each long enough for several verifications and drafts.
+    What the drafts keep decides which catch-up length a round meets; a batch whose K + 1 tokens
+    per row change the MoE's form (`ops.moe.gathers_expert_weights`) compiles on first use."""
+    if not isinstance(runner, SpeculativeRunner) or runner._compiled_verify is None:
+        return []
+    tokens = 3 * (runner.k + 1) + 2  # (prompt, max_tokens): room for three verifications, whatever they keep
+    alone, lead, follower = (2, tokens), (2, 2 * tokens), (2, tokens)
+    if sum(lead) + runner.k > max_context:
+        return []
+    return [WarmUpRound("verification, batch 1", alone), WarmUpRound("verification, batch 2", lead, (follower,))]
+
+
+def acceptance_restorer(runner: ModelRunner) -> Callable[[], None]:
+    """A callable that puts the acceptance statistics back as they are now (after a warm-up)."""
+    if not isinstance(runner, SpeculativeRunner):
+        return lambda: None
+    tracker = runner.tracker
+    saved = (tracker.verifications, list(tracker.accepted_at), tracker.switched_off)
+
+    def restore() -> None:
+        tracker.verifications, tracker.accepted_at, tracker.switched_off = saved[0], list(saved[1]), saved[2]
+
+    return restore

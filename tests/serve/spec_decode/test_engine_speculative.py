@@ -222,6 +222,27 @@ def test_compiled_verification_equals_plain(mtp_model, batch, monkeypatch):
     assert compiled.runner.tracker.verifications == eager.runner.tracker.verifications > 0
 
 
+@pytest.mark.slow
+def test_warm_up_reaches_compiled_verification_and_leaves_no_stats(mtp_model, batch, monkeypatch):
+    from deltamoe.serve.engine.compiled_decode import compiler_available
+    from deltamoe.serve.spec_decode.compiled_verify import CompiledVerify
+
+    if not compiler_available():
+        pytest.skip("no C++ compiler for torch.compile's CPU kernels")
+    batches: list[int] = []
+    original = CompiledVerify.__call__
+    monkeypatch.setattr(CompiledVerify, "__call__",
+                        lambda self, ids, view: batches.append(ids.shape[0]) or original(self, ids, view))
+    ps, refs = batch
+    eng = engine(mtp_model, 2, compile_decode=True, max_model_len=64)
+    eng.warm_up()
+    assert {1, 2} <= set(batches)
+    assert eng.runner.tracker.verifications == 0 and eng.runner.tracker.accepted_at == [0, 0]
+    assert eng.stats().generation_tokens_total == 0
+    out = eng.generate(ps[:2], greedy(), progress=False)
+    assert [c.token_ids for c in out] == [refs[tuple(p)] for p in ps[:2]]
+
+
 @torch.inference_mode()
 def test_drafts_are_the_trained_mtp_predictions(mtp_model, batch):
     """Draft 1 is the argmax of the MTP head as training computes it over the whole sequence (h_i
