@@ -90,7 +90,7 @@ class MTPDrafter:
         view = PagedBatchView(self.cache, [s.block_table for s in seqs], starts, [s.slot for s in seqs], counts,
                               min_table_width=1 if compiled is None else compiled.min_table_width,
                               slice_consecutive=compiled is None)
-        return (self.mtp if compiled is None else compiled.layer)(hidden, self.embed(next_ids), view)
+        return (self.mtp if compiled is None else compiled)(hidden, self.embed(next_ids), view)
 
     def _pick(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[torch.Tensor | None]]:
         """One draft per row: the argmax for greedy requests, else a draw from the request's distribution."""
