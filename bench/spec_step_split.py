@@ -3,7 +3,8 @@
 Same setting as `spec_step_ops.py` (random-weight preset, drafts replaced by the plain greedy
 continuation: every draft right). Times are the thread's CPU time (`decode_step_split.PhaseClock`:
 what a busy machine's other jobs take is not counted). Each mode's engine runs `--rounds` rounds
-of `--steps` steps, the modes interleaved; per part the median over rounds of the mean per step.
+of `--steps` steps, the modes interleaved; per part its mean per step in the mode's fastest round
+(the round least disturbed by other jobs; on a quiet machine every round is about the same).
 Also printed: the first four steps' wall time (prefill, first drafts, and when compiled the graphs
 batch 1 needs: on an empty inductor cache, `TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)`, a first start's
 compile). Parts of a speculative step:
@@ -29,7 +30,6 @@ Settings (`--settings`, each a plain engine and one per K, all interleaved in on
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from pathlib import Path
 import sys
@@ -108,16 +108,15 @@ def main() -> None:
             parts["step"] = (time.thread_time() - t0) / args.steps
             parts["tokens"] = tokens / args.steps
             rounds[mode].append(parts)
-    med = {mode: {name: statistics.median(r[name] for r in rounds[mode]) for name in rounds[mode][0]}
-           for mode in modes}
+    best = {mode: min(rounds[mode], key=lambda r: r["step"]) for mode in modes}
     for setting in args.settings:
-        p = med[(setting, 0)]
+        p = best[(setting, 0)]
         plain = p["step"]
         print(f"[{setting}] plain: {plain * 1e3:.2f} ms/step (forward {p['forward'] * 1e3:.2f}, rest "
               f"{(plain - p['forward']) * 1e3:.2f}); first 4 steps (compiles included) "
               + ", ".join(f"{'plain' if k == 0 else f'K={k}'} {starts[(setting, k)]:.1f} s" for k in [0, *args.k]))
         for k in args.k:
-            m = med[(setting, k)]
+            m = best[(setting, k)]
             parts = {"verify forward": m["verify forward"], "verify host": m["verify"] - m["verify forward"],
                      "draft MTP layer": m["draft MTP layer"], "draft host": m["draft"] - m["draft MTP layer"],
                      "rest": m["step"] - m["verify"] - m["draft"]}
