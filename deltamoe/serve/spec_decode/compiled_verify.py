@@ -67,8 +67,8 @@ class CompiledVerify:
     """(ids [B, K+1], CheckpointView) -> logits [B, K+1, V] fp32 and hidden states [B, K+1, D], the
     trunk's attention and MoE through compiled regions. Compiles on first use of each region kind
     and batch class: batch 1 and batch >= 2 (torch specialises size 1). A lone row is not repeated
-    into two as the decode step's regions do: at T = K + 1 the copy would double the rows every
-    region computes, for graphs compiled once.
+    into two as the decode step's regions do: that saves one graph class per region kind at the
+    price of doubling, at every step, the K + 1 rows each region computes.
 
     The view must gather its pages (`slice_consecutive=False`) with tables at least
     `min_table_width` wide."""

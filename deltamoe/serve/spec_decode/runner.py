@@ -4,11 +4,13 @@ Per step, the scheduled items split three ways:
 - requests whose speculation is off (their acceptance fell below the threshold) run exactly as
   in `ModelRunner` (the compiled decode graph included, with `compile_decode`);
 - speculating decodes with drafts ready: one verification call for all of them, each row
-  appending its pending token and its K drafts (T = K + 1, eager), logits at every position;
+  appending its pending token and its K drafts (T = K + 1), logits at every position: eager, or
+  with `compile_decode` through compiled regions of its own (`compiled_verify.py`);
 - other speculating items (prefill chunks, decodes without drafts: no room for K more tokens,
   or too close to the length limit) run eagerly like `ModelRunner`'s calls, keeping the hidden
   states the MTP catch-up needs.
-Then one MTP pass catches up every speculating row and drafts for the next step.
+Then one MTP pass catches up every speculating row and drafts for the next step (with
+`compile_decode`, its calls over rows with a past through a compiled region, `compiled_draft.py`).
 
 Blocks: a verifying row holds blocks for its K extra positions during the call only; after it,
 blocks past its kept tokens go back to the pool, and drafting takes what its provisional MTP
