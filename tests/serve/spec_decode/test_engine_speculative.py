@@ -189,12 +189,12 @@ def test_compiled_verification_equals_plain(mtp_model, batch, monkeypatch):
     equals plain decoding alone and in a batch, with every accepted length and its rollback; the MTP
     layer's compiled calls draft what its eager calls draft."""
     from deltamoe.serve.engine.compiled_decode import compiler_available
+    from deltamoe.serve.spec_decode.compiled_draft import CompiledDraft
+    from deltamoe.serve.spec_decode.compiled_verify import CompiledVerify
 
     if not compiler_available():
         pytest.skip("no C++ compiler for torch.compile's CPU kernels")
     ps, refs = batch
-    from deltamoe.serve.spec_decode.compiled_verify import CompiledVerify
-
     calls: list[tuple[int, ...]] = []
     original = CompiledVerify.__call__
     monkeypatch.setattr(CompiledVerify, "__call__",
@@ -207,9 +207,7 @@ def test_compiled_verification_equals_plain(mtp_model, batch, monkeypatch):
     rates = eng.runner.tracker.acceptance_rates()
     assert all(0 < r < 1 for r in rates)
 
-    # The MTP layer's own drafts through its compiled regions: the same acceptance, step by step.
-    from deltamoe.serve.spec_decode.compiled_draft import CompiledDraft
-
+    # The MTP layer's own drafts through its compiled region: the same acceptance, step by step.
     compiled_calls: list[bool] = []
     runs = CompiledDraft.runs
     monkeypatch.setattr(CompiledDraft, "runs", staticmethod(
@@ -224,6 +222,8 @@ def test_compiled_verification_equals_plain(mtp_model, batch, monkeypatch):
 
 @pytest.mark.slow
 def test_warm_up_reaches_compiled_verification_and_leaves_no_stats(mtp_model, batch, monkeypatch):
+    """A server's warm-up verifies at batch 1 and 2 (compiling those graphs before traffic) and puts
+    the acceptance statistics back."""
     from deltamoe.serve.engine.compiled_decode import compiler_available
     from deltamoe.serve.spec_decode.compiled_verify import CompiledVerify
 
