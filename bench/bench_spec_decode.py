@@ -25,8 +25,8 @@ template. Everything is greedy. Workloads:
   whatever the model writes after it: the measure of earlier runs).
 Decode tokens/s counts the tokens after each request's first one over the time after every
 request of a group of `batch` has its first token, best of `--rounds` alternating rounds over the
-modes (eager, one torch thread, unless --compile: then plain decodes run the compiled graph, and
-verification stays eager). The goal (>= 1.6x at batch 1, K = 2) applies to a workload whose K = 2
+modes (eager, one torch thread, unless --compile: then plain decodes, verifications and the MTP
+layer's drafting calls run through compiled regions, `serve/spec_decode/compiled_verify.py`). The goal (>= 1.6x at batch 1, K = 2) applies to a workload whose K = 2
 acceptance is >= 0.7; `goal_met` is null for one below it.
 
 Rollback: the cost per verification of the two ways to undo rejected drafts in the KDA state,
@@ -286,7 +286,7 @@ def main() -> None:
                     help="peak learning rate of the MTP self-distillation (warm-up, then a cosine to a tenth)")
     ap.add_argument("--mtp-distill-tasks", type=lambda v: v.split(","),
                     help="comma-separated tasks whose prompts the distillation continues (default: every task)")
-    ap.add_argument("--compile", action="store_true", help="plain decodes through the compiled graph")
+    ap.add_argument("--compile", action="store_true", help="plain decodes, verifications and drafts through compiled regions")
     ap.add_argument("--acceptance-only", action="store_true",
                     help="acceptance per position alone: no tokens/s and no rollback timing (a loaded machine)")
     args = ap.parse_args()

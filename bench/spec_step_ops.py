@@ -46,8 +46,8 @@ class OpCount(TorchDispatchMode):
 class RightDrafter(MTPDrafter):
     """The MTP drafter's work, its draft tokens then replaced by the plain greedy continuation."""
 
-    def __init__(self, model, cache, k: int, continuation: list[int]):
-        super().__init__(model, cache, k)
+    def __init__(self, model, cache, k: int, continuation: list[int], compiled=None):
+        super().__init__(model, cache, k, compiled)
         self.continuation = continuation
 
     def run(self, rows):

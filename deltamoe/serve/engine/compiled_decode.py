@@ -37,7 +37,7 @@ What makes the decode forward compile (each branch tested against the eager form
 - DSA's top-k is one `torch.topk` over distinct keys (no flag read back to the host);
 - absorbed MLA reads the cache's own [latent | k_pe] rows (`mla_attention_absorbed_joined`).
 
-Graph classes. Batch and context length are dynamic, traced without duck shaping (`_trace_settings`);
+Graph classes. Batch and context length are dynamic, traced without duck shaping (`trace_settings`);
 the forms the graph traces give every context and page layout one shape rule:
 - DSA's selection is top_k wide at every context (`causal_topk(pad_to_top_k=True)`, slots past
   the context invalid), so contexts under and over top-k share a graph;
@@ -162,7 +162,7 @@ class CompiledDecode:
         self._call = _decode_call if regional else _compiled_call()
 
     def __call__(self, input_ids: torch.Tensor, view: object) -> torch.Tensor:
-        revert = _trace_settings()()  # once per call, not per region call
+        revert = trace_settings()()  # once per call, not per region call
         try:
             return self._call(self._model, self._key, input_ids, view)
         finally:
@@ -248,13 +248,13 @@ def decode_form(module: torch.nn.Module, regions_key: str | None = None, form: s
     twin._modules = {name: decode_form(child, regions_key, form) if child is not None else None
                      for name, child in module._modules.items()}
     if regions_key is not None and form == "layers" and isinstance(twin, DeltaMoEModel):
-        twin.forward = LayerRegionTrunk(twin, regions_key, _compile)
+        twin.forward = LayerRegionTrunk(twin, regions_key, compile_for_decode)
     if regions_key is not None and form == "parts" and isinstance(twin, DecoderLayer):
-        twin.self_attn.forward = AttentionRegion(twin.self_attn, regions_key, _compile)
+        twin.self_attn.forward = AttentionRegion(twin.self_attn, regions_key, compile_for_decode)
         # A dense MLP (three matmuls and an activation: a dozen ops) stays eager: fusing its
         # activation saves microseconds a step, its own graph costs seconds on a first start.
         if twin.is_moe:
-            twin.block_sparse_moe.forward = FFNRegion(twin.block_sparse_moe, regions_key, _compile)
+            twin.block_sparse_moe.forward = FFNRegion(twin.block_sparse_moe, regions_key, compile_for_decode)
     if isinstance(twin, MoE) and twin.dispatcher is packed_local_experts:
         twin.dispatcher = packed_experts_static_dispatcher(twin.experts)
     elif isinstance(twin, MoE):
@@ -280,14 +280,15 @@ def _decode_call(model: torch.nn.Module, model_key: str, input_ids: torch.Tensor
 
 @functools.cache
 def _compiled_call() -> Callable[..., torch.Tensor]:
-    """The compiled `_decode_call` (see `_compile`)."""
-    return _compile(_decode_call)
+    """The compiled `_decode_call` (see `compile_for_decode`)."""
+    return compile_for_decode(_decode_call)
 
 
 @functools.cache
-def _trace_settings() -> Callable[[], Callable[[], None]]:
+def trace_settings() -> Callable[[], Callable[[], None]]:
     """() -> revert(): sets the tracing settings of the compiled decode call, read when a call compiles; torch.compile
-    takes no option for them, so `CompiledDecode.__call__` sets them around each call (as torch's
+    takes no option for them, so `CompiledDecode.__call__` (and the speculative calls,
+    `spec_decode/compiled_verify.py`, `compiled_draft.py`) set them around each call (as torch's
     own `dynamic=True` patches its config around every call), for the compiled decode only, not
     process-wide:
     - every dynamic size its own symbol: torch's default "duck shaping" gives sizes that happen to
@@ -314,8 +315,8 @@ def _trace_settings() -> Callable[[], Callable[[], None]]:
 
 
 @functools.cache
-def _compile(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """`fn` compiled for decode, every size dynamic; called under `_trace_settings`."""
+def compile_for_decode(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`fn` compiled for decode, every size dynamic; called under `trace_settings`."""
     # cpp_wrapper: the graph's launcher is C++ too, not Python calling ~150 kernels and matmuls one
     # by one. The matvec pass turns one-sequence decode's [1, K] @ [K, N] calls into fused
     # reductions (decode_matvec_pass.py). cpp_wrapper_build_separate: the launcher (long, plain

@@ -37,7 +37,8 @@ from deltamoe.serve.executor.multiproc import MultiprocExecutor
 from deltamoe.serve.executor.overlap import OverlappedSteps
 from deltamoe.serve.executor.uniproc import UniprocExecutor
 from deltamoe.serve.engine.sequence import Sequence
-from deltamoe.serve.spec_decode.runner import speculation_stats, speculative_runner
+from deltamoe.serve.spec_decode.runner import (acceptance_restorer, speculation_stats, speculative_runner,
+                                               verification_warm_up_rounds)
 from deltamoe.serve.spec_decode.step_result import SpeculativeStepResult, emit_speculative
 from deltamoe.tokenizers.base import Tokenizer
 from deltamoe.tokenizers.load import load_tokenizer
@@ -357,7 +358,9 @@ class LLMEngine:
             raise RuntimeError("warm_up: expected an idle engine (call it at startup, before requests arrive)")
         limit = min(self.max_model_len, self.cache.max_tokens_per_sequence())
         rounds = warm_up_rounds(self.model_config, self.config.max_num_seqs, limit)
+        rounds += verification_warm_up_rounds(self.runner, limit)
         totals, preemptions = dict(self._totals), self.scheduler.num_preemptions
+        restore_acceptance = acceptance_restorer(self.runner)
         try:
             for round_ in rounds:
                 with self.cache.leaving_no_trace():
@@ -367,6 +370,7 @@ class LLMEngine:
                         self.abort_all()  # nothing left behind, even when a compile fails
         finally:
             self._totals, self.scheduler.num_preemptions = totals, preemptions
+            restore_acceptance()
 
     def _run_warm_up_round(self, round_: WarmUpRound) -> None:
         def request(name: str, prompt_len: int, max_tokens: int) -> Sequence:

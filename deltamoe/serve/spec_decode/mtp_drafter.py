@@ -26,6 +26,7 @@ from deltamoe.serve.engine.cache import HybridCache
 from deltamoe.serve.engine.cache_view import PagedBatchView
 from deltamoe.serve.engine.sequence import Sequence
 from deltamoe.serve.spec_decode.acceptance import draft_probs
+from deltamoe.serve.spec_decode.compiled_draft import CompiledDraft
 from deltamoe.serve.spec_decode.tracker import Drafts
 
 
@@ -39,11 +40,14 @@ class CatchUp:
 
 
 class MTPDrafter:
-    def __init__(self, model: DeltaMoEForCausalLM, cache: HybridCache, num_draft_tokens: int):
+    def __init__(self, model: DeltaMoEForCausalLM, cache: HybridCache, num_draft_tokens: int,
+                 compiled: CompiledDraft | None = None):
+        """`compiled`: the MTP layer through compiled regions, for the calls it runs (`--compile`)."""
         self.mtp = model.model.mtp_layers[0]
         self.embed = model.model.embed_tokens
         self.cache = cache
         self.k = num_draft_tokens
+        self.compiled = compiled
 
     @torch.inference_mode()
     def run(self, rows: list[CatchUp]) -> list[Drafts | None]:
@@ -82,8 +86,11 @@ class MTPDrafter:
     def _call(self, hidden: torch.Tensor, next_ids: torch.Tensor, seqs: list[Sequence], starts: list[int],
               counts: list[int]) -> torch.Tensor:
         """The MTP layer over new positions starts[b] .. starts[b]+counts[b]-1 of each row -> [B, T, D]."""
-        view = PagedBatchView(self.cache, [s.block_table for s in seqs], starts, [s.slot for s in seqs], counts)
-        return self.mtp(hidden, self.embed(next_ids), view)
+        compiled = self.compiled if self.compiled is not None and self.compiled.runs(starts, counts) else None
+        view = PagedBatchView(self.cache, [s.block_table for s in seqs], starts, [s.slot for s in seqs], counts,
+                              min_table_width=1 if compiled is None else compiled.min_table_width,
+                              slice_consecutive=compiled is None)
+        return (self.mtp if compiled is None else compiled)(hidden, self.embed(next_ids), view)
 
     def _pick(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[torch.Tensor | None]]:
         """One draft per row: the argmax for greedy requests, else a draw from the request's distribution."""

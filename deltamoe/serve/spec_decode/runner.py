@@ -4,11 +4,13 @@ Per step, the scheduled items split three ways:
 - requests whose speculation is off (their acceptance fell below the threshold) run exactly as
   in `ModelRunner` (the compiled decode graph included, with `compile_decode`);
 - speculating decodes with drafts ready: one verification call for all of them, each row
-  appending its pending token and its K drafts (T = K + 1, eager), logits at every position;
+  appending its pending token and its K drafts (T = K + 1), logits at every position: eager, or
+  with `compile_decode` through compiled regions of its own (`compiled_verify.py`);
 - other speculating items (prefill chunks, decodes without drafts: no room for K more tokens,
   or too close to the length limit) run eagerly like `ModelRunner`'s calls, keeping the hidden
   states the MTP catch-up needs.
-Then one MTP pass catches up every speculating row and drafts for the next step.
+Then one MTP pass catches up every speculating row and drafts for the next step (with
+`compile_decode`, its calls over rows with a past through a compiled region, `compiled_draft.py`).
 
 Blocks: a verifying row holds blocks for its K extra positions during the call only; after it,
 blocks past its kept tokens go back to the pool, and drafting takes what its provisional MTP
@@ -17,12 +19,15 @@ positions need (none when the pool is empty: the row then decodes plainly next s
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from deltamoe.errors import ConfigError
 from deltamoe.model.model import DeltaMoEForCausalLM
 from deltamoe.serve.engine.cache import HybridCache
 from deltamoe.serve.engine.cache_view import PagedBatchView
+from deltamoe.serve.engine.compiled_decode import WarmUpRound
 from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.runner import ModelCall, ModelRunner, StepResult, pack_calls
 from deltamoe.serve.engine.sampling import sample, token_logprobs
@@ -30,6 +35,8 @@ from deltamoe.serve.engine.scheduler import ScheduledBatch
 from deltamoe.serve.engine.sequence import Sequence
 from deltamoe.serve.spec_decode.acceptance import accept_greedy, greedy_targets, rejection_sample, target_probs
 from deltamoe.serve.spec_decode.checkpoint_view import CheckpointView
+from deltamoe.serve.spec_decode.compiled_draft import CompiledDraft
+from deltamoe.serve.spec_decode.compiled_verify import CompiledVerify
 from deltamoe.serve.spec_decode.mtp_drafter import CatchUp, MTPDrafter
 from deltamoe.serve.spec_decode.step_result import SpeculativeStepResult
 from deltamoe.serve.spec_decode.tracker import AcceptanceTracker
@@ -37,10 +44,13 @@ from deltamoe.serve.spec_decode.tracker import AcceptanceTracker
 
 class SpeculativeRunner(ModelRunner):
     def __init__(self, model: DeltaMoEForCausalLM, cache: HybridCache, config: EngineConfig, max_len: int):
-        super().__init__(model, cache, compiled_decode=config.compile_decode)
+        super().__init__(model, cache, compiled_decode=config.compile_decode, compile_form=config.compile_form)
         self.k = config.num_draft_tokens
         self.max_len = max_len  # tokens a sequence may hold (context limit and cache size)
-        self.drafter = MTPDrafter(model, cache, self.k)
+        # With --compile the verification (T = K + 1) and the MTP layer's calls run through compiled regions too.
+        decode = self._compiled_decode
+        self._compiled_verify = CompiledVerify(model, decode, self.k) if decode is not None else None
+        self.drafter = MTPDrafter(model, cache, self.k, CompiledDraft(model, decode) if decode is not None else None)
         self.tracker = AcceptanceTracker(self.k, config.spec_min_acceptance)
 
     @torch.inference_mode()
@@ -107,10 +117,11 @@ class SpeculativeRunner(ModelRunner):
         k = self.k
         drafts = [self.tracker.state(seq).drafts for seq in seqs]
         ids = torch.tensor([[seq.token_ids[-1]] + d.tokens for seq, d in zip(seqs, drafts)], device=self.device)
+        compiled = self._compiled_verify
         view = CheckpointView(self.cache, [s.block_table for s in seqs], [s.num_computed for s in seqs],
-                              [s.slot for s in seqs], k + 1)
-        forward = self.model(ids, cache=view, logits_to_keep=k + 1)
-        logits = forward.logits.float()  # [B, K+1, V]
+                              [s.slot for s in seqs], k + 1, slice_consecutive=compiled is None,
+                              min_table_width=1 if compiled is None else compiled.min_table_width)
+        logits, hidden = self.verify_forward(ids, view)
         out: list[tuple[StepResult, CatchUp]] = []
         for b, (seq, d) in enumerate(zip(seqs, drafts)):
             p = seq.params
@@ -128,8 +139,16 @@ class SpeculativeRunner(ModelRunner):
             result = SpeculativeStepResult(seq, accepted + 1, tokens[0], logprobs[0], tokens=tokens, logprobs=logprobs,
                                            restore=lambda j, row=b: view.restore(row, j),
                                            block_size=self.cache.block_size, num_drafts=k)
-            out.append((result, CatchUp(seq, n, forward.hidden_states[b, :accepted + 1], tokens, draft=True)))
+            out.append((result, CatchUp(seq, n, hidden[b, :accepted + 1], tokens, draft=True)))
         return out
+
+    def verify_forward(self, ids: torch.Tensor, view: CheckpointView) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target over each row's pending token and drafts, ids [B, K+1] -> logits [B, K+1, V] fp32
+        and hidden states [B, K+1, D]."""
+        if self._compiled_verify is not None:
+            return self._compiled_verify(ids, view)
+        forward = self.model(ids, cache=view, logits_to_keep=self.k + 1)
+        return forward.logits.float(), forward.hidden_states
 
 
 def speculative_runner(model: DeltaMoEForCausalLM, cache: HybridCache, config: EngineConfig, max_len: int,
@@ -150,3 +169,31 @@ def speculative_runner(model: DeltaMoEForCausalLM, cache: HybridCache, config: E
 def speculation_stats(runner: ModelRunner) -> dict[str, float]:
     """Acceptance statistics for /metrics (empty without speculation)."""
     return runner.tracker.stats() if isinstance(runner, SpeculativeRunner) else {}
+
+
+def verification_warm_up_rounds(runner: ModelRunner, max_context: int) -> list[WarmUpRound]:
+    """Made-up requests that reach the compiled speculative graphs (`compiled_verify.py`,
+    `compiled_draft.py`) through the scheduler, for `LLMEngine.warm_up` (none without them): one
+    request alone, then two together, each long enough for several verifications and drafts.
+    What the drafts keep decides which catch-up length a round meets; a batch whose K + 1 tokens
+    per row change the MoE's form (`ops.moe.gathers_expert_weights`) compiles on first use."""
+    if not isinstance(runner, SpeculativeRunner) or runner._compiled_verify is None:
+        return []
+    tokens = 3 * (runner.k + 1) + 2  # (prompt, max_tokens): room for three verifications, whatever they keep
+    alone, lead, follower = (2, tokens), (2, 2 * tokens), (2, tokens)
+    if sum(lead) + runner.k > max_context:
+        return []
+    return [WarmUpRound("verification, batch 1", alone), WarmUpRound("verification, batch 2", lead, (follower,))]
+
+
+def acceptance_restorer(runner: ModelRunner) -> Callable[[], None]:
+    """A callable that puts the acceptance statistics back as they are now (after a warm-up)."""
+    if not isinstance(runner, SpeculativeRunner):
+        return lambda: None
+    tracker = runner.tracker
+    saved = (tracker.verifications, list(tracker.accepted_at), tracker.switched_off)
+
+    def restore() -> None:
+        tracker.verifications, tracker.accepted_at, tracker.switched_off = saved[0], list(saved[1]), saved[2]
+
+    return restore

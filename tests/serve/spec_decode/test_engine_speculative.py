@@ -30,8 +30,8 @@ class OracleDrafter(MTPDrafter):
     """The MTP drafter's work, then its draft tokens replaced by the reference continuation, wrong
     at a fixed pseudo-random 30 % of positions: accepted lengths vary over 0..K."""
 
-    def __init__(self, model, cache, k: int, references: dict[tuple[int, ...], list[int]]):
-        super().__init__(model, cache, k)
+    def __init__(self, model, cache, k: int, references: dict[tuple[int, ...], list[int]], compiled=None):
+        super().__init__(model, cache, k, compiled)
         self.references = references
 
     def run(self, rows):
@@ -53,7 +53,7 @@ def engine(model, k: int, oracle: dict | None = None, **overrides) -> LLMEngine:
     config.update(overrides)
     eng = LLMEngine(model, config=EngineConfig(**config))
     if oracle is not None:
-        eng.runner.drafter = OracleDrafter(model, eng.cache, k, oracle)
+        eng.runner.drafter = OracleDrafter(model, eng.cache, k, oracle, eng.runner.drafter.compiled)
     return eng
 
 
@@ -181,6 +181,66 @@ def test_compiled_decode_for_switched_off_rows(mtp_model, batch, helpers):
     out = eng.generate(ps[:3], greedy(max_tokens=30), progress=False)
     assert [c.token_ids for c in out] == [helpers.reference_greedy(mtp_model, p, 30) for p in ps[:3]]
     assert eng.runner.tracker.switched_off == 3
+
+
+@pytest.mark.slow
+def test_compiled_verification_equals_plain(mtp_model, batch, monkeypatch):
+    """With --compile, verifications run through their compiled regions (T = K + 1): greedy output
+    equals plain decoding alone and in a batch, with every accepted length and its rollback; the MTP
+    layer's compiled calls draft what its eager calls draft."""
+    from deltamoe.serve.engine.compiled_decode import compiler_available
+    from deltamoe.serve.spec_decode.compiled_draft import CompiledDraft
+    from deltamoe.serve.spec_decode.compiled_verify import CompiledVerify
+
+    if not compiler_available():
+        pytest.skip("no C++ compiler for torch.compile's CPU kernels")
+    ps, refs = batch
+    calls: list[tuple[int, ...]] = []
+    original = CompiledVerify.__call__
+    monkeypatch.setattr(CompiledVerify, "__call__",
+                        lambda self, ids, view: calls.append(tuple(ids.shape)) or original(self, ids, view))
+    eng = engine(mtp_model, 2, oracle=refs, compile_decode=True)
+    alone = eng.generate(ps[:1], greedy(), progress=False)
+    together = eng.generate(ps[1:4], greedy(), progress=False)
+    assert [c.token_ids for c in alone + together] == [refs[tuple(p)] for p in ps[:4]]
+    assert {shape[0] for shape in calls} >= {1, 3} and {shape[1] for shape in calls} == {3}
+    rates = eng.runner.tracker.acceptance_rates()
+    assert all(0 < r < 1 for r in rates)
+
+    # The MTP layer's own drafts through its compiled region: the same acceptance, step by step.
+    compiled_calls: list[bool] = []
+    runs = CompiledDraft.runs
+    monkeypatch.setattr(CompiledDraft, "runs", staticmethod(
+        lambda starts, counts: compiled_calls.append(runs(starts, counts)) or compiled_calls[-1]))
+    compiled, eager = engine(mtp_model, 2, compile_decode=True), engine(mtp_model, 2)
+    for eng in (compiled, eager):
+        assert [c.token_ids for c in eng.generate(ps[:3], greedy(), progress=False)] == [refs[tuple(p)] for p in ps[:3]]
+    assert True in compiled_calls and False in compiled_calls  # prompt catch-ups stay eager
+    assert compiled.runner.tracker.accepted_at == eager.runner.tracker.accepted_at
+    assert compiled.runner.tracker.verifications == eager.runner.tracker.verifications > 0
+
+
+@pytest.mark.slow
+def test_warm_up_reaches_compiled_verification_and_leaves_no_stats(mtp_model, batch, monkeypatch):
+    """A server's warm-up verifies at batch 1 and 2 (compiling those graphs before traffic) and puts
+    the acceptance statistics back."""
+    from deltamoe.serve.engine.compiled_decode import compiler_available
+    from deltamoe.serve.spec_decode.compiled_verify import CompiledVerify
+
+    if not compiler_available():
+        pytest.skip("no C++ compiler for torch.compile's CPU kernels")
+    batches: list[int] = []
+    original = CompiledVerify.__call__
+    monkeypatch.setattr(CompiledVerify, "__call__",
+                        lambda self, ids, view: batches.append(ids.shape[0]) or original(self, ids, view))
+    ps, refs = batch
+    eng = engine(mtp_model, 2, compile_decode=True, max_model_len=64)
+    eng.warm_up()
+    assert {1, 2} <= set(batches)
+    assert eng.runner.tracker.verifications == 0 and eng.runner.tracker.accepted_at == [0, 0]
+    assert eng.stats().generation_tokens_total == 0
+    out = eng.generate(ps[:2], greedy(), progress=False)
+    assert [c.token_ids for c in out] == [refs[tuple(p)] for p in ps[:2]]
 
 
 @torch.inference_mode()
