@@ -6,17 +6,23 @@ With `--compiled` also `compiled_chunk_kda` (ops/kda_compiled.py: each group of 
 and state pass, one torch.compile call); its first call, which compiles, is the warm-up, its CPU
 seconds recorded as `compile_cpu_s`. `bench/kda_compiled_groups.py` compares its group sizes.
 
-    .venv/bin/python bench/bench_kda.py [--quick] [--gate softplus|lower_bound] [--repeats 3] [--head-dim 128] [--threads 1] [--compiled] [--cpu-time]
+    .venv/bin/python bench/bench_kda.py [--quick] [--gate softplus|lower_bound] [--repeats 3] [--head-dim 128] [--threads 1] [--compiled] [--cpu-time] [--allocator steady|default]
 
 fp32, B=1, H=8, K=V=32 (`--head-dim 128`: K=V=128, K3's head size, written to kda_k128.json), qk l2norm in kernel (as the model calls it); g comes from `kda_gate`
 with transformers' KimiLinear init of A_log and dt_bias and f ~ N(0, 1). Every path is timed at
 every T (no extrapolation). Prints a markdown table and writes bench/results/kda.json atomically.
-Times are medians of interleaved rounds on this machine's CPU (ms columns), with 2 threads unless
-`--threads N` (then written to kda*_tN.json); the ratios are given for the medians and for the best
-round of each path, since load from other processes on a shared machine only ever adds time.
-`--cpu-time` times each run by the process's CPU seconds instead of the wall clock: on a loaded
-machine with `--threads 1` that leaves out the time spent waiting for a core. Read the ratios
-(DESIGN.md, "Performance").
+Each path runs twice before the timed rounds (the first call compiles the compiled form; the
+second is its first run on a warm graph and memory). Times are medians of interleaved rounds on
+this machine's CPU (ms columns), with 2 threads unless `--threads N` (then written to
+kda*_tN.json); the ratios are given for the medians and for the best round of each path, since
+load from other processes on a shared machine only ever adds time. Every round records each
+path's wall and CPU seconds and its minor page faults. `--cpu-time` reports the CPU seconds
+instead of the wall clock: on a loaded machine with `--threads 1` that leaves out the time spent
+waiting for a core. By default glibc malloc keeps freed memory in the process
+(`process_memory.keep_freed_memory`): under its defaults the recurrence's time at K = 128
+depends on what the process allocated before (transformers' temporaries, a compile), through
+the pages it faults in afresh (`--allocator default` measures that; `kda_bench_agreement.py`
+shows it). Read the ratios (DESIGN.md, "Performance").
 """
 
 from __future__ import annotations
@@ -27,12 +33,13 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import markdown_table, result_name, write_result  # noqa: E402
+from process_memory import ALLOCATORS, keep_freed_memory, minor_faults  # noqa: E402
 
 from deltamoe.ops.kda import chunk_kda, recurrent_kda  # noqa: E402
 from deltamoe.ops.kda_compiled import compiled_chunk_kda  # noqa: E402
@@ -68,21 +75,41 @@ def make_inputs(seq_len: int, gate: str, seed: int = 0, head_dim: int = HEAD_DIM
     }
 
 
-def interleaved_times(paths: dict[str, KdaFn], repeats: int,
-                      clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
-    """Seconds per run of each path, timing the paths in turn each round, so that load from other
+class Run(NamedTuple):
+    """One timed call of a path."""
+
+    cpu_s: float  # process CPU seconds (all threads)
+    wall_s: float
+    faults: int  # minor page faults: fresh pages the call touched
+
+
+def timed_run(fn: KdaFn) -> tuple[tuple[torch.Tensor, torch.Tensor | None], Run]:
+    """(result, Run) of one call."""
+    faults, cpu, wall = minor_faults(), time.process_time(), time.perf_counter()
+    result = fn()
+    return result, Run(time.process_time() - cpu, time.perf_counter() - wall, minor_faults() - faults)
+
+
+def interleaved_runs(paths: dict[str, KdaFn], repeats: int) -> dict[str, list[Run]]:
+    """Each path's timed calls, timing the paths in turn each round, so that load from other
     processes on a shared machine lands on all of them alike (the ratios are what we report)."""
-    times: dict[str, list[float]] = {name: [] for name in paths}
+    runs: dict[str, list[Run]] = {name: [] for name in paths}
     for _ in range(repeats):
         for name, fn in paths.items():
-            start = clock()
-            fn()
-            times[name].append(clock() - start)
-    return times
+            runs[name].append(timed_run(fn)[1])
+    return runs
+
+
+def warm_up(paths: dict[str, KdaFn]) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor | None]], dict[str, Run]]:
+    """Call every path twice, in turn: (the first results, the first calls' Runs: a compile's cost)."""
+    first = {name: timed_run(fn) for name, fn in paths.items()}
+    for fn in paths.values():
+        fn()
+    return {name: result for name, (result, _) in first.items()}, {name: run for name, (_, run) in first.items()}
 
 
 def bench_one(seq_len: int, gate: str, repeats: int, head_dim: int = HEAD_DIM, compiled: bool = False,
-              clock: Callable[[], float] = time.perf_counter) -> dict:
+              cpu_time: bool = False) -> dict:
     x = make_inputs(seq_len, gate, head_dim=head_dim)
     hf_chunk = transformers_chunk_kda()
     paths: dict[str, KdaFn] = {
@@ -95,14 +122,11 @@ def bench_one(seq_len: int, gate: str, repeats: int, head_dim: int = HEAD_DIM, c
     if compiled:
         paths["compiled_chunk_kda"] = lambda: compiled_chunk_kda(**x, output_final_state=True, use_qk_l2norm=True)
     with torch.no_grad():
-        outputs, first_s = {}, {}
-        for name, fn in paths.items():  # also the warm-up (and the compile)
-            start = time.process_time()
-            outputs[name] = fn()
-            first_s[name] = time.process_time() - start
-        runs = interleaved_times(paths, repeats, clock)
-    times = {name: statistics.median(ts) for name, ts in runs.items()}
-    best = {name: min(ts) for name, ts in runs.items()}  # load from other processes only ever adds time
+        outputs, first = warm_up(paths)  # also the compile
+        runs = interleaved_runs(paths, repeats)
+    seconds = {name: [r.cpu_s if cpu_time else r.wall_s for r in rs] for name, rs in runs.items()}
+    times = {name: statistics.median(ts) for name, ts in seconds.items()}
+    best = {name: min(ts) for name, ts in seconds.items()}  # load from other processes only ever adds time
     o_ref, s_ref = outputs["recurrent_kda"]
     row: dict = {"T": seq_len, **{f"{name}_s": t for name, t in times.items()}}
     row["speedup_vs_transformers"] = times["transformers"] / times["chunk_kda"]
@@ -114,23 +138,29 @@ def bench_one(seq_len: int, gate: str, repeats: int, head_dim: int = HEAD_DIM, c
             row[f"compiled_speedup_{key}"] = times[ref] / times["compiled_chunk_kda"]
             row[f"best_compiled_speedup_{key}"] = best[ref] / best["compiled_chunk_kda"]
         row["compiled_vs_eager"] = times["chunk_kda"] / times["compiled_chunk_kda"]
-        row["compile_cpu_s"] = first_s["compiled_chunk_kda"]  # the first call: compile + one run
+        row["compile_cpu_s"] = first["compiled_chunk_kda"].cpu_s  # the first call: compile + one run
     for name in ("chunk_kda", "transformers", *(["compiled_chunk_kda"] if compiled else [])):  # sanity: all agree
         o, s = outputs[name]
         row[f"{name}_max_rel_err"] = max(
             ((o - o_ref).abs().max() / o_ref.abs().max()).item(), ((s - s_ref).abs().max() / s_ref.abs().max()).item()
         )
-    row["runs_s"] = runs
+    for name, rs in runs.items():  # both clocks and the page faults, whichever clock the ratios use
+        row[f"{name}_cpu_s"] = statistics.median(r.cpu_s for r in rs)
+        row[f"{name}_wall_s"] = statistics.median(r.wall_s for r in rs)
+        row[f"{name}_faults"] = statistics.median(r.faults for r in rs)
+    row["runs"] = {name: [r._asdict() for r in rs] for name, rs in runs.items()}
     return row
 
 
 def table(rows: list[dict]) -> str:
     headers = ["T", "chunk_kda (ms)", "transformers chunk (ms)", "recurrent_kda (ms)",
-               "vs transformers (median / best)", "vs recurrence (median / best)"]
+               "vs transformers (median / best)", "vs recurrence (median / best)",
+               "page faults per run (chunk / transformers / recurrence)"]
     cells = [
         [r["T"], f"{r['chunk_kda_s'] * 1e3:.1f}", f"{r['transformers_s'] * 1e3:.1f}", f"{r['recurrent_kda_s'] * 1e3:.1f}",
          f"{r['speedup_vs_transformers']:.1f}x / {r['best_speedup_vs_transformers']:.1f}x",
-         f"{r['speedup_vs_recurrent']:.1f}x / {r['best_speedup_vs_recurrent']:.1f}x"]
+         f"{r['speedup_vs_recurrent']:.1f}x / {r['best_speedup_vs_recurrent']:.1f}x",
+         " / ".join(f"{r[f'{name}_faults']:.0f}" for name in ("chunk_kda", "transformers", "recurrent_kda"))]
         for r in rows
     ]
     if "compiled_chunk_kda_s" in rows[0]:
@@ -151,24 +181,28 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=THREADS, help=f"torch CPU threads (default {THREADS})")
     parser.add_argument("--compiled", action="store_true", help="also time compiled_chunk_kda (ops/kda_compiled.py)")
     parser.add_argument("--cpu-time", action="store_true", help="time runs by process CPU seconds, not wall time")
+    parser.add_argument("--allocator", choices=ALLOCATORS, default="steady",
+                        help="steady: glibc keeps freed memory (default); default: glibc's own thresholds")
     args = parser.parse_args()
     if args.threads < 1:
         parser.error(f"--threads: expected a positive integer, got {args.threads}")
+    allocator = keep_freed_memory() if args.allocator == "steady" else "default"
     torch.set_num_threads(args.threads)
     seq_lens = [512, 2048] if args.quick else [512, 2048, 8192]
     repeats = args.repeats or (3 if args.quick else 5)
 
     rows = []
     for seq_len in seq_lens:
-        rows.append(bench_one(seq_len, args.gate, repeats, args.head_dim, args.compiled,
-                              time.process_time if args.cpu_time else time.perf_counter))
+        rows.append(bench_one(seq_len, args.gate, repeats, args.head_dim, args.compiled, args.cpu_time))
         print(f"T={seq_len}: done", flush=True)
     print(table(rows))
     config = {"B": 1, "H": HEADS, "K": args.head_dim, "V": args.head_dim, "dtype": "float32", "gate": args.gate,
               "qk_l2norm": True, "repeats": repeats, "statistic": "median of interleaved rounds",
-              "threads": args.threads, "clock": "process CPU time" if args.cpu_time else "wall"}
+              "threads": args.threads, "clock": "process CPU time" if args.cpu_time else "wall",
+              "warm_up_calls": 2, "allocator": allocator}
     name = "kda" if args.head_dim == HEAD_DIM else f"kda_k{args.head_dim}"
     name += "" if args.threads == THREADS else f"_t{args.threads}"
+    name += "" if args.allocator == "steady" else "_default_malloc"
     path = write_result(result_name(name, args.quick), {"config": config, "rows": rows, "target": TARGET})
     print(f"wrote {path}")
 

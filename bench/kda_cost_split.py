@@ -3,10 +3,11 @@ triangular solve, U and W; batched over all chunks of a group) against the seque
 (one chunk after another), each split further into matmuls, the triangular solve and the rest
 (elementwise products, exp, layout copies, tril), and the copies of o into token order.
 
-    .venv/bin/python bench/kda_cost_split.py [--seq-len 8192] [--head-dim 128] [--chunk-size 64 32] [--threads 2] [--decay-scale 0.25]
+    .venv/bin/python bench/kda_cost_split.py [--seq-len 8192] [--head-dim 128] [--chunk-size 64 32] [--threads 2] [--decay-scale 0.25] [--allocator steady|default]
 
-Inputs as `bench_kda.py` (B=1, H=8, fp32, qk l2norm in kernel, the softplus gate with KimiLinear's
-init). A chunk size is the longest chunk: `chunk_kda` halves it where a chunk's decay span would
+Inputs and allocator as `bench_kda.py` (B=1, H=8, fp32, qk l2norm in kernel, the softplus gate with
+KimiLinear's init; glibc malloc keeps freed memory unless `--allocator default`, where the
+intermediates' fresh pages land in the ops that first write them). A chunk size is the longest chunk: `chunk_kda` halves it where a chunk's decay span would
 exceed MAX_CHUNK_SPAN (the table gives the length it used). `--decay-scale 0.25` multiplies the
 log-decays so that chunks of 64 keep their length at K = 128: the plain 64-token form's time, a
 lower bound for any form that reaches 64 with the softplus gate by splitting a chunk into
@@ -35,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_kda import make_inputs  # noqa: E402
 from common import markdown_table  # noqa: E402
+from process_memory import ALLOCATORS, keep_freed_memory  # noqa: E402
 
 from deltamoe.ops import kda  # noqa: E402
 
@@ -151,6 +153,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--decay-scale", type=float, default=1.0, help="multiply the log-decays g (0.25: chunks of 64 fit)")
+    parser.add_argument("--allocator", choices=ALLOCATORS, default="steady",
+                        help="steady: glibc keeps freed memory (default); default: glibc's own thresholds")
     args = parser.parse_args()
     for name in ("seq_len", "head_dim", "repeats", "threads"):
         if getattr(args, name) < 1:
@@ -159,6 +163,8 @@ def main() -> None:
         parser.error(f"--decay-scale: expected a positive number, got {args.decay_scale}")
     if min(args.chunk_size) < 1:
         parser.error(f"--chunk-size: expected positive integers, got {args.chunk_size}")
+    if args.allocator == "steady":
+        keep_freed_memory()
     torch.set_num_threads(args.threads)
     x = make_inputs(args.seq_len, args.gate, head_dim=args.head_dim)
     x["g"] = x["g"] * args.decay_scale

@@ -111,6 +111,7 @@ def kda_k128_rows(d: dict) -> list[Row]:
     flags = "--head-dim 128" + ("" if threads == 2 else f" --threads {threads}")
     flags += " --compiled" if "compiled_chunk_kda_s" in d["rows"][0] else ""
     flags += " --cpu-time" if d["config"].get("clock") == "process CPU time" else ""
+    flags += " --allocator default" if d["config"].get("allocator") == "default" else ""
     rows[0][0] = rows[0][0].replace(command("kda"), f"(`python bench/bench_kda.py {flags}`)")
     return rows
 
@@ -646,6 +647,7 @@ FORMATTERS: dict[str, Callable[[dict], list[Row]]] = {
     "kda": kda_rows,
     "kda_k128": kda_k128_rows,
     "kda_k128_t1": kda_k128_rows,
+    "kda_k128_default_malloc": kda_k128_rows,  # bench_kda.py --head-dim 128 --allocator default
     "model_forward": model_forward_rows,
     "train_throughput": train_throughput_rows,
     "train_quality": train_quality_rows,

@@ -23,3 +23,12 @@ def test_compiled_results_add_a_row_and_name_their_flags() -> None:
     assert "1.33x its speed" in compiled[2] or "1.3x its speed" in compiled[2]
     assert "12 CPU s" in compiled[0] and "group of chunk steps" in compiled[0]
     assert first[4] == ">= 20x (missed)" and compiled[4] == ">= 20x (met)"  # each row judged by its own ratio
+
+
+def test_a_run_under_glibc_default_thresholds_names_its_flag() -> None:
+    results = _results(False)
+    results["config"]["allocator"] = "default"
+    (row,) = FORMATTERS["kda_k128_default_malloc"](results)
+    assert "--threads 1 --allocator default`" in row[0]
+    results["config"]["allocator"] = "steady"
+    assert "--allocator" not in FORMATTERS["kda_k128"](results)[0][0]
