@@ -568,7 +568,9 @@ def spec_decode_rows(d: dict) -> list[Row]:
     trained = f", MTP layer trained at depths 1..{depth}" if depth > 1 else ""
     distilled = d["model"].get("mtp_distill_steps") or 0
     trained += f", self-distilled {distilled} steps" if distilled else ""
-    label = (f"speculative decoding (MTP drafts), `tiny` trained {d['model']['train_steps'] or '?'} steps on "
+    # --compile: plain decodes, verifications and drafts through compiled regions; else all eager.
+    mode = "compiled" if d.get("workload", {}).get("compile_decode") else "eager"
+    label = (f"speculative decoding (MTP drafts, {mode}), `tiny` trained {d['model']['train_steps'] or '?'} steps on "
              f"{d['model']['task']}{trained}, batch 1, K = 2 {command('spec_decode')}")
     per_k = " / ".join(f"K={k}" for k in (1, 2, 3))
     # Other workloads of the same run (the repeat task's long answers, open-ended decoding), batch 1, K = 2.

@@ -87,7 +87,7 @@ def test_a_batch_of_one_runs_as_one_row_over_int4_experts(int4_model, helpers, m
     gather and kernel reads), full-precision ones as two or more (this small stack: as the first
     all-experts batch's 4 rows, `rows_skipping_expert_gather`); the int4 engine's
     tokens through the regions' code (run eagerly here) equal the eager engine's."""
-    monkeypatch.setattr(compiled_decode, "_compile", lambda fn: fn)
+    monkeypatch.setattr(compiled_decode, "compile_for_decode", lambda fn: fn)
     float_model = build_model(int4_model.config, seed=6).eval()
     assert compiled_decode.CompiledDecode(float_model).min_rows == 4
     assert compiled_decode.CompiledDecode(float_model, form="parts").min_rows == 2

@@ -34,7 +34,7 @@ def test_layer_views_give_the_batch_views_logits_and_cache(form, helpers, monkey
     cache = engine.cache
     tensors = (cache.conv, cache.recurrent, cache.latent, cache.index_keys)
     saved = [t.clone() for t in tensors]
-    monkeypatch.setattr(compiled_decode, "_compile", lambda fn: fn)
+    monkeypatch.setattr(compiled_decode, "compile_for_decode", lambda fn: fn)
     regions = compiled_decode.decode_form(model, "key", form)
 
     @torch.inference_mode()
@@ -114,7 +114,7 @@ def test_engine_config_picks_the_compiled_form(helpers, monkeypatch):
     assert err.value.field == "compile_form"
     config = helpers.k31_tiny(num_hidden_layers=2, layer_types=("kda", "dsa"))
     model = build_model(config, seed=7).eval()
-    monkeypatch.setattr(compiled_decode, "_compile", lambda fn: fn)
+    monkeypatch.setattr(compiled_decode, "compile_for_decode", lambda fn: fn)
     prompts = helpers.prompts(3, 5, 30, seed=4)
 
     def run(**kw) -> tuple[LLMEngine, list[list[int]]]:

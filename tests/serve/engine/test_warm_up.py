@@ -32,7 +32,7 @@ def engine_recording_decodes(model, monkeypatch, **config) -> tuple[LLMEngine, l
     """An engine whose compiled regions run eagerly and whose decode calls are recorded as graph
     classes: the experts' form of the rows a call runs (a batch of one runs as `min_rows` rows;
     contexts and page layouts share a graph)."""
-    monkeypatch.setattr(compiled_decode, "_compile", lambda fn: fn)
+    monkeypatch.setattr(compiled_decode, "compile_for_decode", lambda fn: fn)
     engine = LLMEngine(model, config=EngineConfig(cache_memory="16MiB", compile_decode=True, **config))
     runner, cfg = engine.runner, model.config
     seen: list[tuple] = []
