@@ -67,6 +67,25 @@ def command(suite: str) -> str:
 # --- one formatter per results file ---------------------------------------------------------
 
 
+def vs_recurrence(row: dict, prefix: str) -> float:
+    """The ratio to the recurrence a goal is judged by: the lower of the medians' ratio and the
+    fastest runs' ratio. The recurrence's time varies with the page faults its per-token states
+    take (what the process allocated before it; docs/model.md, "Measuring the KDA ops"), so a
+    median over faulting rounds alone would flatter the chunked op."""
+    best = row.get(f"best_{prefix}speedup_vs_recurrent")
+    median = row[f"{prefix}speedup_vs_recurrent"]
+    return median if best is None else min(median, best)
+
+
+def fastest_runs(row: dict, prefix: str) -> str:
+    """' (fastest runs: Nx)' where the bench recorded them and they differ from the medians' ratio."""
+    best = row.get(f"best_{prefix}speedup_vs_recurrent")
+    faults = row.get("recurrent_kda_faults")
+    if best is None or abs(best - row[f"{prefix}speedup_vs_recurrent"]) < 0.05 * best:
+        return ""
+    return f" (fastest runs {times(best)}" + (f"; recurrence median run {faults:,} page faults)" if faults else ")")
+
+
 def kda_rows(d: dict) -> list[Row]:
     rows = sorted(d["rows"], key=lambda r: r["T"], reverse=True)
     top, rest = rows[0], rows[1:]
@@ -75,23 +94,26 @@ def kda_rows(d: dict) -> list[Row]:
     if "speedup_vs_transformers" in t:
         goals.append((f">= {t['speedup_vs_transformers']:g}x", top["speedup_vs_transformers"] >= t["speedup_vs_transformers"]))
     if "speedup_vs_recurrent" in t:
-        goals.append((f">= {t['speedup_vs_recurrent']:g}x", top["speedup_vs_recurrent"] >= t["speedup_vs_recurrent"]))
+        goals.append((f">= {t['speedup_vs_recurrent']:g}x", vs_recurrence(top, "") >= t["speedup_vs_recurrent"]))
     threads = f", {c['threads']} thread{'s' if c['threads'] != 1 else ''}" if "threads" in c else ""
     threads += ", CPU time" if c.get("clock") == "process CPU time" else ""
     out = [[f"KDA prefill, {c['dtype'].replace('float', 'fp')}, B={c['B']} H={c['H']} K=V={c['K']}, T={top['T']}{threads} "
             + command("kda"),
             f"{ms(top['chunk_kda_s'])} ms",
             f"transformers torch chunk KDA {ms(top['transformers_s'])} ms; plain recurrence {ms(top['recurrent_kda_s'])} ms",
-            f"{bold(times(top['speedup_vs_transformers']))} / {bold(times(top['speedup_vs_recurrent']))}",
+            f"{bold(times(top['speedup_vs_transformers']))} / {bold(times(top['speedup_vs_recurrent']))}"
+            + fastest_runs(top, ""),
             verdict(goals, d.get("note")) if goals else ""]]
     if "compiled_chunk_kda_s" in top:  # `--compiled`: ops/kda_compiled.py beside the eager op
         first_compile = max(r.get("compile_cpu_s", 0.0) for r in rows)  # the first T compiles; later ones reuse it
-        compiled_goals = [(f">= {t[key]:g}x", top[f"compiled_{key}"] >= t[key])
+        compiled_goals = [(f">= {t[key]:g}x", (vs_recurrence(top, "compiled_") if key == "speedup_vs_recurrent"
+                                                else top[f"compiled_{key}"]) >= t[key])
                           for key in ("speedup_vs_transformers", "speedup_vs_recurrent") if key in t]
         out.append([f"same, compiled_chunk_kda (torch.compile of each group of chunk steps; compile "
                      f"{first_compile:.0f} CPU s on the first call)", f"{ms(top['compiled_chunk_kda_s'])} ms",
                     f"eager chunk_kda {ms(top['chunk_kda_s'])} ms (compiled at {times(top['compiled_vs_eager'])} its speed)",
-                    f"{times(top['compiled_speedup_vs_transformers'])} / {times(top['compiled_speedup_vs_recurrent'])}",
+                    f"{times(top['compiled_speedup_vs_transformers'])} / {times(top['compiled_speedup_vs_recurrent'])}"
+                    + fastest_runs(top, "compiled_"),
                     verdict(compiled_goals) if compiled_goals else ""])
     if rest:
         def join(key: str) -> str:
