@@ -319,12 +319,12 @@ def compile_for_decode(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.T
     """`fn` compiled for decode, every size dynamic; called under `trace_settings`."""
     # cpp_wrapper: the graph's launcher is C++ too, not Python calling ~150 kernels and matmuls one
     # by one. The matvec pass turns one-sequence decode's [1, K] @ [K, N] calls into fused
-    # reductions (decode_matvec_pass.py). cpp_wrapper_build_separate: the launcher (long, plain
-    # calls) builds at -O1 and only the kernels at -O3, instead of both at -O3 in one file; the
-    # C++ build was the largest part of a graph's compile, and the step stays the same.
+    # reductions (decode_matvec_pass.py). Not `cpp_wrapper_build_separate` (the launcher at -O1
+    # apart from the kernels): it shortens a first start, but the multi-step, attention + FFN and
+    # whole-call graphs decode 20-30 % slower with it (docs/serving.md).
     return torch.compile(fn, dynamic=True, recompile_limit=RECOMPILE_LIMIT,
                          options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-                                  "cpp_wrapper": True, "cpp_wrapper_build_separate": True,
+                                  "cpp_wrapper": True,
                                   "post_grad_custom_post_pass": DecodeMatvecPass()})
 
 
