@@ -591,9 +591,13 @@ def spec_decode_rows(d: dict) -> list[Row]:
     distilled = d["model"].get("mtp_distill_steps") or 0
     trained += f", self-distilled {distilled} steps" if distilled else ""
     # --compile: plain decodes, verifications and drafts through compiled regions; else all eager.
-    mode = "compiled" if d.get("workload", {}).get("compile_decode") else "eager"
+    compiled = d.get("workload", {}).get("compile_decode")
+    mode = "compiled" if compiled else "eager"
+    # A given checkpoint or --compile: the exact command, which `deltamoe bench spec_decode` is not.
+    flags = (f" --checkpoint {d['model']['checkpoint']}" if d["model"].get("given") else "") + (" --compile" if compiled else "")
+    how = f"(`python bench/bench_spec_decode.py{flags}`)" if flags else command("spec_decode")
     label = (f"speculative decoding (MTP drafts, {mode}), `tiny` trained {d['model']['train_steps'] or '?'} steps on "
-             f"{d['model']['task']}{trained}, batch 1, K = 2 {command('spec_decode')}")
+             f"{d['model']['task']}{trained}, batch 1, K = 2 {how}")
     per_k = " / ".join(f"K={k}" for k in (1, 2, 3))
     # Other workloads of the same run (the repeat task's long answers, open-ended decoding), batch 1, K = 2.
     workloads = [[f"same, {name.replace('_', '-')} prompts, batch 1, K = 2",

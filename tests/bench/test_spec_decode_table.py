@@ -44,3 +44,12 @@ def test_other_workloads_get_a_row_each_with_their_own_goal_verdict():
     assert "not reached" in rows[0][4] and len(rows) == 4
     assert rows[3][0] == "same, repeat prompts, batch 1, K = 2" and rows[3][1] == "180 tok/s; acceptance raw 0.90"
     assert rows[3][3] == "1.8x" and rows[3][4] == ">= 1.6x at acceptance >= 0.7 (met)"
+
+
+def test_label_gives_the_exact_command_for_a_given_checkpoint_compiled():
+    d = result(0.8, 1.7)
+    assert "(`deltamoe bench spec_decode`)" in spec_decode_rows(d)[0][0] and "eager" in spec_decode_rows(d)[0][0]
+    d["model"].update(given=True, checkpoint="/ckpt/spec")
+    d.setdefault("workload", {})["compile_decode"] = True
+    label = spec_decode_rows(d)[0][0]
+    assert "(`python bench/bench_spec_decode.py --checkpoint /ckpt/spec --compile`)" in label and "compiled" in label
