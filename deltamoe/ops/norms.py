@@ -32,9 +32,7 @@ def attn_res_mix(current: torch.Tensor, bank: list[torch.Tensor], u: torch.Tenso
     raw candidates (not the normalised keys), all in fp32, cast back to the input dtype.
     """
     values = torch.stack([b.float() for b in bank] + [current.float()], dim=-2)  # [..., n+1, D]
-    keys = F.rms_norm(values, (values.shape[-1],), None, eps)
-    probs = torch.softmax(keys @ u.float().reshape(-1, 1), dim=-2)  # [..., n+1, 1]
-    return (probs * values).sum(-2).to(current.dtype)
+    return _mix(values, None, u, eps).to(current.dtype)
 
 
 def attn_res_mix_slots(current: torch.Tensor, bank: torch.Tensor, live: torch.Tensor, u: torch.Tensor,
@@ -45,7 +43,14 @@ def attn_res_mix_slots(current: torch.Tensor, bank: torch.Tensor, live: torch.Te
     is `attn_res_mix(current, [bank[..., j, :] for live j], u, eps)`; the shapes are those of every
     layer, whatever its bank holds (one compiled graph serves them all)."""
     values = torch.cat([bank.float(), current.float().unsqueeze(-2)], dim=-2)  # [..., S+1, D]
+    return _mix(values, live, u, eps).to(current.dtype)
+
+
+def _mix(values: torch.Tensor, live: torch.Tensor | None, u: torch.Tensor, eps: float) -> torch.Tensor:
+    """values [..., n, D] fp32 -> their softmax(<RMSNorm(v), u>)-weighted sum [..., D]; candidates
+    where `live` [n] is False score -inf (weigh exactly 0)."""
     keys = F.rms_norm(values, (values.shape[-1],), None, eps)
-    scores = (keys @ u.float().reshape(-1, 1)).masked_fill(~live.reshape(-1, 1), float("-inf"))
-    probs = torch.softmax(scores, dim=-2)  # [..., S+1, 1]
-    return (probs * values).sum(-2).to(current.dtype)
+    scores = keys @ u.float().reshape(-1, 1)  # [..., n, 1]
+    if live is not None:
+        scores = scores.masked_fill(~live.reshape(-1, 1), float("-inf"))
+    return (torch.softmax(scores, dim=-2) * values).sum(-2)

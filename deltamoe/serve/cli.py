@@ -414,8 +414,9 @@ def serve_command(
 
     check_role(role, kv_transfer)
     compile_decode = resolve_compile(compile_decode, device, tp, ep, kv_cache_dtype, model)
-    parse_bytes(kv_transfer_staging, "kv_transfer_staging")  # a bad size fails before the model loads
-    parse_bytes(kv_transfer_inline_write, "kv_transfer_inline_write")
+    # A bad size fails before the model loads.
+    staging_bytes = parse_bytes(kv_transfer_staging, "kv_transfer_staging")
+    inline_write_bytes = parse_bytes(kv_transfer_inline_write, "kv_transfer_inline_write")
     check_dtype(dtype)
     config = EngineConfig(cache_memory=cache_memory, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
@@ -452,9 +453,7 @@ def serve_command(
     torch.set_num_threads(chosen)
     try:
         connector = make_connector(role, kv_transfer_host, kv_transfer_timeout, api_key, min_hand_off_tokens,
-                                   parse_bytes(kv_transfer_staging, "kv_transfer_staging"),
-                                   kv_transfer_direct_max_segments,
-                                   parse_bytes(kv_transfer_inline_write, "kv_transfer_inline_write"))
+                                   staging_bytes, kv_transfer_direct_max_segments, inline_write_bytes)
     except ConfigError:
         listener.close()
         raise

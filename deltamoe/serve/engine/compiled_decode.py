@@ -37,7 +37,7 @@ What makes the decode forward compile (each branch tested against the eager form
 - DSA's top-k is one `torch.topk` over distinct keys (no flag read back to the host);
 - absorbed MLA reads the cache's own [latent | k_pe] rows (`mla_attention_absorbed_joined`).
 
-Graph classes. Batch and context length are dynamic, traced without duck shaping (`trace_settings`);
+Graph classes. Batch and context length are dynamic, traced without duck shaping (`decode_tracing`);
 the forms the graph traces give every context and page layout one shape rule:
 - DSA's selection is top_k wide at every context (`causal_topk(pad_to_top_k=True)`, slots past
   the context invalid), so contexts under and over top-k share a graph;
@@ -70,6 +70,7 @@ sync does, are read afresh every call).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -77,7 +78,7 @@ import os
 import platform
 import uuid
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 import torch
 
@@ -162,11 +163,8 @@ class CompiledDecode:
         self._call = _decode_call if regional else _compiled_call()
 
     def __call__(self, input_ids: torch.Tensor, view: object) -> torch.Tensor:
-        revert = trace_settings()()  # once per call, not per region call
-        try:
+        with decode_tracing():  # once per call, not per region call
             return self._call(self._model, self._key, input_ids, view)
-        finally:
-            revert()
 
     def with_min_rows(self, call: CallT, ids: torch.Tensor) -> tuple[CallT, torch.Tensor]:
         """The runner's call (`runner.ModelCall`) and its ids [B, 1], each row repeated up to `min_rows`
@@ -284,9 +282,9 @@ def _compiled_call() -> Callable[..., torch.Tensor]:
     return compile_for_decode(_decode_call)
 
 
-@functools.cache
-def trace_settings() -> Callable[[], Callable[[], None]]:
-    """() -> revert(): sets the tracing settings of the compiled decode call, read when a call compiles; torch.compile
+@contextlib.contextmanager
+def decode_tracing() -> Iterator[None]:
+    """The tracing settings of the compiled decode call, read when a call compiles; torch.compile
     takes no option for them, so `CompiledDecode.__call__` (and the speculative calls,
     `spec_decode/compiled_verify.py`, `compiled_draft.py`) set them around each call (as torch's
     own `dynamic=True` patches its config around every call), for the compiled decode only, not
@@ -299,24 +297,26 @@ def trace_settings() -> Callable[[], Callable[[], None]]:
       graph again (a restart per graph, about a fifth of a first start's compile).
     Torch's own low-overhead patchers (`_make_closure_patcher`, what `dynamic=True` uses): a
     `config.patch` costs about a tenth of a millisecond per entry."""
+    set_shapes, set_floats = _tracing_patchers()
+    revert_shapes, revert_floats = set_shapes(), set_floats()
+    try:
+        yield
+    finally:
+        revert_floats()
+        revert_shapes()
+
+
+@functools.cache
+def _tracing_patchers() -> tuple[Callable[[], Callable[[], None]], Callable[[], Callable[[], None]]]:
     from torch.fx.experimental import _config as shape_config
 
-    set_shapes = shape_config._make_closure_patcher(use_duck_shape=False)
-    set_floats = torch._dynamo.config._make_closure_patcher(specialize_float=True)
-
-    def change() -> Callable[[], None]:
-        revert_shapes, revert_floats = set_shapes(), set_floats()
-
-        def revert() -> None:
-            revert_floats()
-            revert_shapes()
-        return revert
-    return change
+    return (shape_config._make_closure_patcher(use_duck_shape=False),
+            torch._dynamo.config._make_closure_patcher(specialize_float=True))
 
 
 @functools.cache
 def compile_for_decode(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """`fn` compiled for decode, every size dynamic; called under `trace_settings`."""
+    """`fn` compiled for decode, every size dynamic; called under `decode_tracing`."""
     # cpp_wrapper: the graph's launcher is C++ too, not Python calling ~150 kernels and matmuls one
     # by one. The matvec pass turns one-sequence decode's [1, K] @ [K, N] calls into fused
     # reductions (decode_matvec_pass.py). Not `cpp_wrapper_build_separate` (the launcher at -O1

@@ -46,15 +46,20 @@ def region_key(model_key: str, module: nn.Module) -> str:
     return "|".join(parts)
 
 
-def _attention_call(module: nn.Module, key: str, x: torch.Tensor, cache: LayerCacheView) -> torch.Tensor:
-    if not key:  # reading the key makes torch guard the graph on it
+def check_region_key(key: str) -> None:
+    """Called first in every compiled region's function: reading the key makes torch guard the
+    graph on it (`region_key`), so layers of another kind or model never share it."""
+    if not key:
         raise ValueError("key: expected a non-empty region key")
+
+
+def _attention_call(module: nn.Module, key: str, x: torch.Tensor, cache: LayerCacheView) -> torch.Tensor:
+    check_region_key(key)
     return type(module).forward(module, x, cache)
 
 
 def _ffn_call(module: nn.Module, key: str, x: torch.Tensor) -> torch.Tensor:
-    if not key:
-        raise ValueError("key: expected a non-empty region key")
+    check_region_key(key)
     return type(module).forward(module, x)
 
 
@@ -81,8 +86,7 @@ class FFNRegion:
 
 def _layer_call(layer: nn.Module, key: str, h: torch.Tensor, bank: torch.Tensor | None, slots: LayerSlots | None,
                 cache: LayerCacheView) -> torch.Tensor:
-    if not key:
-        raise ValueError("key: expected a non-empty region key")
+    check_region_key(key)
     if bank is None:  # plain residuals: the layer's own forward (its bank stays empty)
         return type(layer).forward(layer, h, [], cache)[0]
     return decoder_layer_slots(layer, h, bank, slots, cache)

@@ -20,15 +20,14 @@ from torch import nn
 
 from deltamoe.model.mtp import MTPLayer
 from deltamoe.serve.engine.cache_view import PagedBatchView
-from deltamoe.serve.engine.compiled_decode import CompiledDecode, compile_for_decode, decode_form, trace_settings
-from deltamoe.serve.engine.compiled_regions import region_key
+from deltamoe.serve.engine.compiled_decode import CompiledDecode, compile_for_decode, decode_form, decode_tracing
+from deltamoe.serve.engine.compiled_regions import check_region_key, region_key
 from deltamoe.serve.engine.layer_cache_view import LayerCacheView
 
 
 def _mtp_layer_call(layer: nn.Module, key: str, hidden: torch.Tensor, next_embeds: torch.Tensor,
                     cache: LayerCacheView) -> torch.Tensor:
-    if not key:  # reading the key makes torch guard the graph on it (compiled_regions.region_key)
-        raise ValueError("key: expected a non-empty region key")
+    check_region_key(key)
     return type(layer).forward(layer, hidden, next_embeds, cache)
 
 
@@ -42,11 +41,8 @@ class CompiledDraft:
         self.min_table_width = decode.min_table_width
 
     def __call__(self, hidden: torch.Tensor, next_embeds: torch.Tensor, view: PagedBatchView) -> torch.Tensor:
-        revert = trace_settings()()  # the decode graphs' tracing settings, as `CompiledDecode` sets them
-        try:
+        with decode_tracing():  # the decode graphs' tracing settings, as `CompiledDecode` sets them
             return self.call(self.layer, self.key, hidden, next_embeds, LayerCacheView(view, self.layer.layer_idx))
-        finally:
-            revert()
 
     @staticmethod
     def runs(starts: list[int], counts: list[int]) -> bool:

@@ -21,8 +21,8 @@ from torch import nn
 
 from deltamoe.model.decoder import DecoderLayer
 from deltamoe.model.kda_layer import KimiDeltaAttention
-from deltamoe.serve.engine.compiled_decode import CompiledDecode, compile_for_decode, decode_form, trace_settings
-from deltamoe.serve.engine.compiled_regions import FFNRegion, region_key
+from deltamoe.serve.engine.compiled_decode import CompiledDecode, compile_for_decode, decode_form, decode_tracing
+from deltamoe.serve.engine.compiled_regions import FFNRegion, check_region_key, region_key
 from deltamoe.serve.engine.layer_cache_view import LayerCacheView
 from deltamoe.serve.spec_decode.checkpoint_view import CheckpointView
 
@@ -42,8 +42,7 @@ class CheckpointLayerView(LayerCacheView):
 
 def _verify_attention_call(module: nn.Module, key: str, x: torch.Tensor, cache: CheckpointLayerView
                            ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-    if not key:  # reading the key makes torch guard the graph on it (compiled_regions.region_key)
-        raise ValueError("key: expected a non-empty region key")
+    check_region_key(key)
     out = type(module).forward(module, x, cache)
     return out, cache.checkpoints
 
@@ -82,11 +81,8 @@ class CompiledVerify:
             _with_verify_regions(layer, key)
 
     def __call__(self, ids: torch.Tensor, view: CheckpointView) -> tuple[torch.Tensor, torch.Tensor]:
-        revert = trace_settings()()  # the decode graphs' tracing settings, as `CompiledDecode` sets them
-        try:
+        with decode_tracing():  # the decode graphs' tracing settings, as `CompiledDecode` sets them
             forward = self._model(ids, cache=view, logits_to_keep=self.k + 1)
-        finally:
-            revert()
         return forward.logits.float(), forward.hidden_states
 
 
