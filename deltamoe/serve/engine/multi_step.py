@@ -102,9 +102,14 @@ class MultiStepDecode:
         snapshots = self._snapshots_inside(seqs, steps)
         kept: dict[int, dict[int, SlotState]] = {row: {} for rows in snapshots.values() for row in rows}
         ids = None
+        # The tables and slots are the window's for every step (its blocks are allocated up front):
+        # the cache view is built once and continued, not rebuilt from the host lists each step.
+        view = self.runner.batch_view(call)
         sampled: list[torch.Tensor] = []
         for step in range(steps):
-            logits = self.runner.forward(call, ids)
+            if step:
+                view = view.next_decode_view() if view.gathers_pages else self.runner.batch_view(call)
+            logits = self.runner.forward(call, ids, view=view)
             tokens = draw_tokens(logits, params, no_outputs, generators)
             sampled.append(tokens)
             for row in snapshots.get(step, ()):

@@ -160,21 +160,33 @@ class ModelRunner:
             return None, []
         return (parts[0] if len(parts) == 1 else torch.cat(parts)), to_sample
 
+    def batch_view(self, call: ModelCall) -> PagedBatchView:
+        """The cache view a forward of `call` reads and writes (over the rows the compiled call runs:
+        `CompiledDecode.with_min_rows`)."""
+        compiled = self._compiled_decode if call.compiled else None
+        if compiled is not None:
+            call = compiled.with_min_rows(call)[0]
+        return PagedBatchView(self.cache, call.block_tables, call.past_lengths, call.slots, call.counts,
+                              min_table_width=compiled.min_table_width if compiled is not None else 1,
+                              slice_consecutive=compiled is None or compiled.slices_consecutive_pages)
+
     @torch.inference_mode()
-    def forward(self, call: ModelCall, ids: torch.Tensor | None = None, with_hidden: bool = False):
+    def forward(self, call: ModelCall, ids: torch.Tensor | None = None, with_hidden: bool = False,
+                view: PagedBatchView | None = None):
         """One model call appending counts[i] tokens to row i (right-padded to the longest with token
         0, which the cache view keeps out of every state) -> each row's last-token logits [B, V] fp32
         (`with_hidden`, eager calls only: and the hidden states [B, T, D], for prompt logprobs).
-        `ids`: the call's token ids [B, T] already on the device (default: from `call.token_ids`)."""
+        `ids`: the call's token ids [B, T] already on the device (default: from `call.token_ids`).
+        `view`: the call's cache view when the caller holds it (`batch_view`, or a multi-step
+        window's `PagedBatchView.next_decode_view`); default: built from the call."""
         if ids is None:
             ids = torch.tensor(call.token_ids, device=self.device).view(len(call.counts), -1)
         compiled = self._compiled_decode if call.compiled else None
         rows = len(call.counts)
+        if view is None:
+            view = self.batch_view(call)
         if compiled is not None:
             call, ids = compiled.with_min_rows(call, ids)
-        view = PagedBatchView(self.cache, call.block_tables, call.past_lengths, call.slots, call.counts,
-                              min_table_width=compiled.min_table_width if compiled is not None else 1,
-                              slice_consecutive=compiled is None or compiled.slices_consecutive_pages)
         # Norm + LM head on the last real position only: prefill chunks need no other logits.
         if compiled is not None:
             logits = compiled(ids, view)[:rows, -1].float()
