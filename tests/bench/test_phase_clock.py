@@ -4,23 +4,11 @@ tokens) counts once, in time and in calls."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
+import importlib
 import time
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def load_script():
-    sys.path.insert(0, str(BENCH))  # the script imports common beside it
-    try:
-        spec = importlib.util.spec_from_file_location("decode_step_split", BENCH / "decode_step_split.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
 
 
 def busy(seconds: float) -> None:
@@ -29,8 +17,9 @@ def busy(seconds: float) -> None:
         pass
 
 
-def test_a_phase_entered_from_itself_counts_once() -> None:
-    clock = load_script().PhaseClock()
+def test_a_phase_entered_from_itself_counts_once(monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCH))  # the script imports common beside it
+    clock = importlib.import_module("decode_step_split").PhaseClock()
 
     def outer(depth: int) -> int:
         busy(0.01)
