@@ -133,7 +133,7 @@ class ModelRunner:
             return [StepResult(seq, n, None, None) for seq, n in batch.items]
         logits = last_logits[0] if len(last_logits) == 1 else torch.cat(last_logits)
         allowed = [s.grammar.allowed() if s.grammar is not None else None for s in to_sample]
-        picks = sample(logits, [s.params for s in to_sample], [s.output_ids for s in to_sample],
+        picks = sample(logits, [s.params for s in to_sample], [penalised_outputs(s) for s in to_sample],
                        [s.generator for s in to_sample], allowed)
         if any(s.forks for s in to_sample):
             return with_fork_picks(batch, to_sample, picks, sample_first_tokens(logits, to_sample))
@@ -198,6 +198,13 @@ class ModelRunner:
         if self.expert_load is not None:
             take_expert_load(self._moe_rows, self.expert_load)
         return (logits, out.hidden_states) if with_hidden else logits
+
+
+def penalised_outputs(seq: Sequence) -> list[int]:
+    """The output ids sampling reads for `seq`: only presence/frequency penalties read them, so a row
+    without penalties passes none instead of a copy of its whole output each step."""
+    p = seq.params
+    return seq.output_ids if p.presence_penalty or p.frequency_penalty else []
 
 
 def with_prompt_logprobs(results: list[StepResult], scored: dict[int, list[TokenLogprob]]) -> list[StepResult]:
