@@ -46,19 +46,26 @@ PHASES = ("schedule", "input prep", "region calls", "eager glue", "sampling", "p
 
 
 class PhaseClock:
-    """Thread CPU seconds per phase; `wrap` times a callable into a phase (nested phases are
-    subtracted by the caller's arithmetic in `split`)."""
+    """Thread CPU seconds and calls per phase; `wrap` times a callable into a phase (nested phases
+    are subtracted by the caller's arithmetic in `split`; a phase entered again from inside itself,
+    as `_postprocess` is for a multi-step window's tokens, counts once)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._depth: dict[str, int] = defaultdict(int)
 
     def wrap(self, phase: str, fn):
         def timed(*args, **kwargs):
+            self._depth[phase] += 1
             start = time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds[phase] += time.thread_time() - start
+                self._depth[phase] -= 1
+                if not self._depth[phase]:
+                    self.seconds[phase] += time.thread_time() - start
+                    self.calls[phase] += 1
         return timed
 
 

@@ -13,6 +13,8 @@ itself reads. The KDA states are gathered from the rows' slots and written back.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from deltamoe.ops.quant import dequantize_fp8_act, quantize_fp8_act
@@ -132,6 +134,28 @@ class PagedBatchView:
 
     def advance(self, num_tokens: int) -> None:
         self.past_lengths = self.past_lengths + (num_tokens if self.new_lengths is None else self.new_lengths)
+
+    @property
+    def gathers_pages(self) -> bool:
+        """Whether every row reads its pages by gathering them (no one-slice read of consecutive blocks)."""
+        return self._first_row is None
+
+    def next_decode_view(self) -> "PagedBatchView":
+        """The view of the decode step after this one, over the same block tables and slots, once a
+        forward over this view advanced its past lengths (`advance`): a multi-step window's steps
+        (`multi_step.py`) build their tables and slots once instead of once per step. The tables
+        must already hold every block the next step writes; a view that reads one slice of
+        consecutive blocks is not continued (the next step's block may not be consecutive)."""
+        if self._num_new != 1 or self._real is not None:
+            raise ValueError("next_decode_view: expected a decode view (one new token per row)")
+        if not self.gathers_pages:
+            raise ValueError("next_decode_view: expected a view that gathers its pages (slice_consecutive off)")
+        if self._total + 1 > self._table.shape[1] * self._cache.block_size:
+            raise ValueError("next_decode_view: the block tables do not hold the next step's block")
+        view = copy.copy(self)
+        view._total, view._fresh = self._total + 1, False
+        view._write_rows = view._read_rows = None  # built again on first use, for the new positions
+        return view
 
 
 def _put(store: torch.Tensor, layer: int, index: torch.Tensor, values: torch.Tensor) -> None:

@@ -166,17 +166,17 @@ class CompiledDecode:
         with decode_tracing():  # once per call, not per region call
             return self._call(self._model, self._key, input_ids, view)
 
-    def with_min_rows(self, call: CallT, ids: torch.Tensor) -> tuple[CallT, torch.Tensor]:
-        """The runner's call (`runner.ModelCall`) and its ids [B, 1], each row repeated up to `min_rows`
-        rows. The copy of a row writes the same values to the same pages and state slot as the row
-        itself, so the cache ends as the row alone leaves it; the caller keeps the first B rows'
-        logits."""
+    def with_min_rows(self, call: CallT, ids: torch.Tensor | None = None) -> tuple[CallT, torch.Tensor | None]:
+        """The runner's call (`runner.ModelCall`) and its ids [B, 1] (when given), each row repeated up
+        to `min_rows` rows. The copy of a row writes the same values to the same pages and state slot
+        as the row itself, so the cache ends as the row alone leaves it; the caller keeps the first B
+        rows' logits."""
         rows = len(call.counts)
         if rows >= self.min_rows:
             return call, ids
         copies = -(-self.min_rows // rows)
         return (dataclasses.replace(call, **{name: getattr(call, name) * copies for name in _ROW_FIELDS}),
-                ids.repeat(copies, 1))
+                None if ids is None else ids.repeat(copies, 1))
 
 
 def rows_skipping_expert_gather(model: torch.nn.Module) -> int:

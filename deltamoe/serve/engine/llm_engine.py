@@ -24,7 +24,7 @@ from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.detokenizer import IncrementalDetokenizer
 from deltamoe.serve.engine.forks import ForkBook, start_forks
 from deltamoe.serve.engine.image_inputs import place_images
-from deltamoe.serve.engine.multi_step import multi_step_decode
+from deltamoe.serve.engine.multi_step import MultiStepResult, emit_window, multi_step_decode
 from deltamoe.serve.engine.outputs import Completion, EngineStats, RequestOutput
 from deltamoe.serve.engine.runner import ModelRunner, StepResult
 from deltamoe.serve.engine.sampling import SamplingParams
@@ -270,6 +270,8 @@ class LLMEngine:
         return self._output(seq, [], "", None)
 
     def _postprocess(self, r: StepResult) -> RequestOutput | None:
+        if isinstance(r, MultiStepResult) and r.restore is None:  # a window's tokens, one output (multi_step.py)
+            return emit_window(self._take_token, self.cache, r)
         if isinstance(r, SpeculativeStepResult):  # several tokens from one verification (serve/spec_decode/)
             return emit_speculative(self._postprocess, r)
         seq = r.seq

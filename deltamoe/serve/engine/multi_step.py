@@ -39,6 +39,7 @@ import torch
 from deltamoe.serve.engine.cache import HybridCache
 from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.multi_step_layouts import check_multi_step
+from deltamoe.serve.engine.outputs import RequestOutput
 from deltamoe.serve.engine.runner import ModelRunner, StepResult
 from deltamoe.serve.engine.sampling import draw_tokens
 from deltamoe.serve.engine.scheduler import ScheduledBatch
@@ -102,9 +103,14 @@ class MultiStepDecode:
         snapshots = self._snapshots_inside(seqs, steps)
         kept: dict[int, dict[int, SlotState]] = {row: {} for rows in snapshots.values() for row in rows}
         ids = None
+        # The tables and slots are the window's for every step (its blocks are allocated up front):
+        # the cache view is built once and continued, not rebuilt from the host lists each step.
+        view = self.runner.batch_view(call)
         sampled: list[torch.Tensor] = []
         for step in range(steps):
-            logits = self.runner.forward(call, ids)
+            if step:
+                view = view.next_decode_view() if view.gathers_pages else self.runner.batch_view(call)
+            logits = self.runner.forward(call, ids, view=view)
             tokens = draw_tokens(logits, params, no_outputs, generators)
             sampled.append(tokens)
             for row in snapshots.get(step, ()):
@@ -142,6 +148,34 @@ class MultiStepDecode:
                 put_slot_state(self.cache, slot, kept[j])
 
         return restore
+
+
+def emit_window(take_token: Callable[[Sequence, int, None], RequestOutput], cache: HybridCache,
+                r: MultiStepResult) -> RequestOutput | None:
+    """A window's tokens for one row, taken as the engine takes each decode step's token
+    (`LLMEngine._postprocess`: computed, committed, appended, `take_token`'s stop checks), with one
+    output for the window instead of one per token merged afterwards (`emit_speculative`). The tokens
+    after a finish are dropped. For a row without a KDA snapshot inside the window (`r.restore` None;
+    the engine sends the others through `emit_speculative`, which puts each kept state back): the
+    cache's commit runs where a block fills, the only positions where it publishes a block or takes
+    a snapshot (in between it does nothing)."""
+    seq, block_size = r.seq, cache.block_size
+    taken: list[int] = []
+    deltas: list[str] = []
+    out = None
+    for token in r.tokens:
+        if seq.finished:  # a stop or max_tokens ended it: the remaining tokens are dropped
+            break
+        seq.num_computed += 1
+        if seq.num_computed % block_size == 0:
+            cache.commit(seq)
+        seq.token_ids.append(token)
+        out = take_token(seq, token, None)
+        taken.append(token)
+        deltas.append(out.delta_text)
+    if out is None:
+        return None
+    return dataclasses.replace(out, delta_text="".join(deltas), delta_token_ids=taken)
 
 
 def slot_state(cache: HybridCache, slot: int) -> SlotState:

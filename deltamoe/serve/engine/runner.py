@@ -133,7 +133,7 @@ class ModelRunner:
             return [StepResult(seq, n, None, None) for seq, n in batch.items]
         logits = last_logits[0] if len(last_logits) == 1 else torch.cat(last_logits)
         allowed = [s.grammar.allowed() if s.grammar is not None else None for s in to_sample]
-        picks = sample(logits, [s.params for s in to_sample], [s.output_ids for s in to_sample],
+        picks = sample(logits, [s.params for s in to_sample], [penalised_outputs(s) for s in to_sample],
                        [s.generator for s in to_sample], allowed)
         if any(s.forks for s in to_sample):
             return with_fork_picks(batch, to_sample, picks, sample_first_tokens(logits, to_sample))
@@ -160,21 +160,33 @@ class ModelRunner:
             return None, []
         return (parts[0] if len(parts) == 1 else torch.cat(parts)), to_sample
 
+    def batch_view(self, call: ModelCall) -> PagedBatchView:
+        """The cache view a forward of `call` reads and writes (over the rows the compiled call runs:
+        `CompiledDecode.with_min_rows`)."""
+        compiled = self._compiled_decode if call.compiled else None
+        if compiled is not None:
+            call = compiled.with_min_rows(call)[0]
+        return PagedBatchView(self.cache, call.block_tables, call.past_lengths, call.slots, call.counts,
+                              min_table_width=compiled.min_table_width if compiled is not None else 1,
+                              slice_consecutive=compiled is None or compiled.slices_consecutive_pages)
+
     @torch.inference_mode()
-    def forward(self, call: ModelCall, ids: torch.Tensor | None = None, with_hidden: bool = False):
+    def forward(self, call: ModelCall, ids: torch.Tensor | None = None, with_hidden: bool = False,
+                view: PagedBatchView | None = None):
         """One model call appending counts[i] tokens to row i (right-padded to the longest with token
         0, which the cache view keeps out of every state) -> each row's last-token logits [B, V] fp32
         (`with_hidden`, eager calls only: and the hidden states [B, T, D], for prompt logprobs).
-        `ids`: the call's token ids [B, T] already on the device (default: from `call.token_ids`)."""
+        `ids`: the call's token ids [B, T] already on the device (default: from `call.token_ids`).
+        `view`: the call's cache view when the caller holds it (`batch_view`, or a multi-step
+        window's `PagedBatchView.next_decode_view`); default: built from the call."""
         if ids is None:
             ids = torch.tensor(call.token_ids, device=self.device).view(len(call.counts), -1)
         compiled = self._compiled_decode if call.compiled else None
         rows = len(call.counts)
+        if view is None:
+            view = self.batch_view(call)
         if compiled is not None:
             call, ids = compiled.with_min_rows(call, ids)
-        view = PagedBatchView(self.cache, call.block_tables, call.past_lengths, call.slots, call.counts,
-                              min_table_width=compiled.min_table_width if compiled is not None else 1,
-                              slice_consecutive=compiled is None or compiled.slices_consecutive_pages)
         # Norm + LM head on the last real position only: prefill chunks need no other logits.
         if compiled is not None:
             logits = compiled(ids, view)[:rows, -1].float()
@@ -186,6 +198,13 @@ class ModelRunner:
         if self.expert_load is not None:
             take_expert_load(self._moe_rows, self.expert_load)
         return (logits, out.hidden_states) if with_hidden else logits
+
+
+def penalised_outputs(seq: Sequence) -> list[int]:
+    """The output ids sampling reads for `seq`: only presence/frequency penalties read them, so a row
+    without penalties passes none instead of a copy of its whole output each step."""
+    p = seq.params
+    return seq.output_ids if p.presence_penalty or p.frequency_penalty else []
 
 
 def with_prompt_logprobs(results: list[StepResult], scored: dict[int, list[TokenLogprob]]) -> list[StepResult]:

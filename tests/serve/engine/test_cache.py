@@ -146,3 +146,32 @@ def test_latent_rows_read_only_the_asked_positions_from_scattered_pages():
     fresh = torch.randn(2, 2, cache.latent.shape[-1], generator=gen)
     store_view.store_latent(layer, fresh)
     assert torch.equal(store_view.latent_rows(layer, torch.tensor([[13], [10]]))[:, 0], torch.stack([fresh[0, 0], fresh[1, 1]]))
+
+
+def test_next_decode_view_is_the_view_built_for_the_next_step():
+    """A multi-step window continues its step's cache view (`next_decode_view`) instead of building one
+    from the host lists: after a step's `advance` it must be the view built for the next step, page
+    rows written and read included, and it refuses what it cannot continue."""
+    from deltamoe.serve.engine.cache_view import PagedBatchView
+
+    cache = HybridCache(load_preset("tiny"), EngineConfig(cache_memory="4MiB", max_num_seqs=4, block_size=4),
+                        max_model_len=256)
+    tables, past = [[7, 2, 9], [5, 11, 3]], [5, 9]  # room for two more tokens in row 1, the longer
+    view = PagedBatchView(cache, tables, past, slots=[0, 1], num_new_tokens=1, slice_consecutive=False)
+    for step in range(1, 3):
+        view._write, view._read  # built for this step, then the forward advances the view
+        view.advance(1)
+        view = view.next_decode_view()
+        built = PagedBatchView(cache, tables, [p + step for p in past], slots=[0, 1], num_new_tokens=1,
+                               slice_consecutive=False)
+        for name in ("past_lengths", "_table", "_slots", "_write", "_read"):
+            assert torch.equal(getattr(view, name), getattr(built, name)), (step, name)
+        assert view._total == built._total and not view._fresh
+    view.advance(1)
+    with pytest.raises(ValueError, match="block tables"):  # position 12 needs a fourth block
+        view.next_decode_view()
+    sliced = PagedBatchView(cache, [[4, 5]], [3], slots=[0], num_new_tokens=1)
+    with pytest.raises(ValueError, match="gathers its pages"):
+        sliced.next_decode_view()
+    with pytest.raises(ValueError, match="decode view"):
+        PagedBatchView(cache, tables, past, slots=[0, 1], num_new_tokens=[1, 2]).next_decode_view()

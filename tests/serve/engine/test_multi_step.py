@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 
 from deltamoe.errors import ConfigError
-from deltamoe.serve.engine import multi_step, multi_step_layouts
+from deltamoe.serve.engine import llm_engine, multi_step, multi_step_layouts
 from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.llm_engine import LLMEngine
 from deltamoe.serve.engine.sampling import SamplingParams
+from deltamoe.serve.spec_decode.step_result import emit_speculative
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -141,3 +142,32 @@ def test_generate_default_windows_only_where_they_run():
     for workers, async_scheduling, speculative in ((True, False, False), (False, True, False), (False, False, True)):
         assert multi_step_layouts.resolve_generate_steps(None, workers, async_scheduling, speculative) == 1
     assert multi_step_layouts.resolve_generate_steps(3, False, False, False) == 3
+
+
+def test_window_emission_equals_token_by_token(k31_model, helpers, monkeypatch):
+    """A window's row without a snapshot inside is emitted at once (`multi_step.emit_window`): every
+    output (deltas, finish, stop reason, counts), every published block and snapshot must be what
+    handing its tokens over one at a time (`emit_speculative`, the engine's path before) gives, with stop
+    tokens, stop strings and max_tokens ending rows inside windows."""
+    ps = helpers.prompts(8, 3, 30, seed=5)
+    text = LLMEngine(k31_model, config=EngineConfig(cache_memory="16MiB")).generate(
+        ps[:1], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), progress=False)[0].text
+    params = [SamplingParams(max_tokens=20 + i, temperature=0.9, seed=i, stop_token_ids=[i % 7],
+                             stop=[text[2:4]] if i % 2 else []) for i in range(8)]
+
+    def run(one_by_one: bool):
+        engine = LLMEngine(k31_model, config=EngineConfig(cache_memory="16MiB", block_size=4, num_scheduler_steps=8))
+        if one_by_one:  # every row token by token, as rows with a snapshot inside still go
+            monkeypatch.setattr(llm_engine, "emit_window", lambda take, cache, r: emit_speculative(engine._postprocess, r))
+        for p, sp in zip(ps, params):
+            engine.add_request(p, sp)
+        outputs = []
+        while engine.has_unfinished():
+            outputs += [(o.request_id, o.delta_text, o.delta_token_ids, o.text, o.finished, o.finish_reason,
+                         o.stop_reason, o.num_output_tokens) for o in engine.step()]
+        return outputs, list(engine.cache.blocks.hashes), engine.stats().num_snapshots, engine.multi_step.windows
+
+    at_once, one_by_one = run(False), run(True)
+    assert at_once == one_by_one
+    assert at_once[3] > 0 and any(len(o[2]) > 1 for o in at_once[0])  # windows ran, several tokens an output
+    assert {o[5] for o in at_once[0] if o[4]} >= {"stop"}

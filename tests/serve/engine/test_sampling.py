@@ -181,3 +181,18 @@ def test_logit_bias_is_validated_and_shifts_the_logits():
     gen = torch.Generator().manual_seed(0)
     assert sample_row(logits, SamplingParams(temperature=0, logit_bias={3: 100}), [], gen)[0] == 3
     assert sample_row(logits, SamplingParams(temperature=1.0, logit_bias={1: -100, 3: 100}), [], gen)[0] == 3
+
+
+def test_engine_penalties_read_the_outputs_so_far(k31_model, helpers):
+    """The runner hands sampling a row's output ids only where penalties read them
+    (`runner.penalised_outputs`); a penalised row must still see every token it produced: greedy with the
+    largest penalties never repeats a token (the tiny model's logits differ by far less than 4), where
+    the same prompt unpenalised does."""
+    engine = LLMEngine(k31_model, config=EngineConfig(cache_memory="8MiB"))
+    prompt = helpers.prompts(1, 4, 4, seed=7)[0]
+    plain, penalised = (engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                                                 frequency_penalty=f, presence_penalty=f),
+                                                  progress=False)[0].token_ids
+                        for f in (0.0, 2.0))
+    assert len(set(plain)) < len(plain)  # the unpenalised greedy run repeats itself
+    assert len(set(penalised)) == len(penalised) == 24
