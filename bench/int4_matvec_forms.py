@@ -18,7 +18,8 @@ Which form runs a batch-1 int4 step's weight reads is chosen by this measurement
   dequantise-and-reduce loops, no [k, 2I, D] copy, no kernel call).
 
 Every layer's weights are distinct (as many as `small` has), so the weight reads come from memory
-as they do in a decode step, not from a cache that one repeated matrix stays in. Times are this
+as they do in a decode step, not from a cache that one repeated matrix stays in; a compiled form
+runs every layer in one graph, as a compiled decode step holds them (no per-call entry cost). Times are this
 process's CPU time (one torch thread), median of alternating rounds.
 
     OMP_NUM_THREADS=1 python bench/int4_matvec_forms.py [--rounds 5] [--layers 15] [--experts-only]
@@ -118,15 +119,22 @@ def bench_dense(c, layers: int, rounds: int, group: int) -> list[dict]:
         col_w = [(columns_layout(p, group), s.float().t().contiguous()) for p, s in mats]
         x = torch.randn(1, k, generator=gen).bfloat16()
         xg = x.float().view(-1, 2, group // 2)
-        mv_rows = torch.compile(matvec_rows, dynamic=False)
-        mv_cols = torch.compile(matvec_columns, dynamic=False)
         ref = int4_matmul_reference(x, *mats[0], group)[0]
-        errs = {"kernel": rel_err(int4_matmul(x, *kernel_ops[0], n, group)[0], ref),
-                "compiled, rows": rel_err(mv_rows(xg, *row_w[0]), ref),
-                "compiled, columns": rel_err(mv_cols(xg, *col_w[0]), ref)}
-        forms = {"kernel": lambda: [int4_matmul(x, w, s, n, group) for w, s in kernel_ops],
-                 "compiled, rows": lambda: [mv_rows(xg, w, s) for w, s in row_w],
-                 "compiled, columns": lambda: [mv_cols(xg, w, s) for w, s in col_w]}
+
+        def kernel_layers(x):
+            return [int4_matmul(x, w, s, n, group) for w, s in kernel_ops]
+
+        def rows_layers(xg):
+            return [matvec_rows(xg, w, s) for w, s in row_w]
+
+        def columns_layers(xg):
+            return [matvec_columns(xg, w, s) for w, s in col_w]
+
+        compiled = {name: torch.compile(fn, dynamic=False) for name, fn in
+                    (("kernel", kernel_layers), ("rows", rows_layers), ("columns", columns_layers))}
+        forms = {"kernel": lambda: kernel_layers(x), "compiled: kernel": lambda: compiled["kernel"](x),
+                 "compiled: rows": lambda: compiled["rows"](xg), "compiled: columns": lambda: compiled["columns"](xg)}
+        errs = {name: rel_err(fn()[0].reshape(-1), ref) for name, fn in forms.items()}
         us = {f: t / layers for f, t in compare(forms, rounds, 20).items()}
         rows.append({"shape": f"{name} [{n}, {k}]", "us": us, "err": errs})
     return rows
