@@ -10,7 +10,8 @@ Which form runs a batch-1 int4 step's weight reads is chosen by this measurement
   along the row) and "columns" (input-major: the loop vectorises along the output rows, as the
   kernel's own blocked layout does). Both fold the code offset out of the loop: with u = q + 8,
   sum_k x_k s (u_k - 8) = s (sum_k x_k u_k - 8 sum_k x_k) per group.
-- routed experts (one token, top-k), each layer's experts in one `ExpertOperands` stack: the eager
+- routed experts (one token, top-k; and a few rows, `--expert-rows`), each layer's experts in
+  one `ExpertOperands` stack: the eager
   step (`ops.int4_experts.int4_experts_one_token`: the k experts' operands gathered, two kernel
   calls), and the two forms a compiled graph can hold, every layer in one graph: the same gather
   and kernel calls (`int4_experts_static(in_place=False)`), and the experts read in place
@@ -19,10 +20,11 @@ Which form runs a batch-1 int4 step's weight reads is chosen by this measurement
 
 Every layer's weights are distinct (as many as `small` has), so the weight reads come from memory
 as they do in a decode step, not from a cache that one repeated matrix stays in; a compiled form
-runs every layer in one graph, as a compiled decode step holds them (no per-call entry cost). Times are this
-process's CPU time (one torch thread), median of alternating rounds.
+runs every layer in one graph, as a compiled decode step holds them (no per-call entry cost).
+Times are this process's CPU time (one torch thread), median of alternating rounds.
 
     OMP_NUM_THREADS=1 python bench/int4_matvec_forms.py [--rounds 5] [--layers 15] [--experts-only]
+                                                        [--expert-rows 1 4]
 """
 
 from __future__ import annotations
@@ -140,7 +142,7 @@ def bench_dense(c, layers: int, rounds: int, group: int) -> list[dict]:
     return rows
 
 
-def bench_experts(c, layers: int, rounds: int, group: int) -> dict:
+def bench_experts(c, layers: int, rounds: int, group: int, rows: int = 1) -> dict:
     gen = torch.Generator().manual_seed(1)
     e, i, d, k = c.num_experts, c.moe_intermediate_size, c.expert_dim, c.num_experts_per_token
 
@@ -153,9 +155,9 @@ def bench_experts(c, layers: int, rounds: int, group: int) -> dict:
         stacks.append(ie.ExpertOperands.stack([ie.gate_up_operand(a, b, group) for a, b in zip(w1, w3)],
                                               [ie.down_operand(w, group) for w in w2], ie.kernel_block_rows()))
         first = first or (w1, w3, w2)
-    x = torch.randn(1, d, generator=gen)
-    idx = torch.randperm(e, generator=gen)[:k].view(1, k)
-    weights = torch.rand(1, k, generator=gen)
+    x = torch.randn(rows, d, generator=gen)
+    idx = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(rows)])
+    weights = torch.rand(rows, k, generator=gen)
 
     def one_token():
         return [ie.int4_experts_one_token(x, weights, idx, ops, i, d, group, "situ") for ops in stacks]
@@ -165,16 +167,16 @@ def bench_experts(c, layers: int, rounds: int, group: int) -> dict:
 
     gathered = torch.compile(functools.partial(static_layers, in_place=False), dynamic=False)
     in_place = torch.compile(functools.partial(static_layers, in_place=True), dynamic=False)
-    forms = {"eager: gather + 2 kernel calls": one_token,
-             "compiled: gather + 2 kernel calls": lambda: gathered(x, weights, idx),
-             "compiled: in place": lambda: in_place(x, weights, idx)}
+    forms = {"eager: gather + 2 kernel calls": one_token} if rows == 1 else {}
+    forms.update({"compiled: gather + 2 kernel calls": lambda: gathered(x, weights, idx),
+                  "compiled: in place": lambda: in_place(x, weights, idx)})
     deq = [torch.stack([dequantize_int4(p, s, group, dtype=torch.float32) for p, s in ws]) for ws in first]
     xb = x.bfloat16().float()
-    ref = sum(weights[0, j] * (situ(xb @ deq[0][idx[0, j]].t(), xb @ deq[1][idx[0, j]].t()) @ deq[2][idx[0, j]].t())
-              for j in range(k))
-    errs = {name: rel_err(fn()[0], ref) for name, fn in forms.items()}
+    ref = sum(weights[0, j] * (situ(xb[:1] @ deq[0][idx[0, j]].t(), xb[:1] @ deq[1][idx[0, j]].t())
+                               @ deq[2][idx[0, j]].t()) for j in range(k))
+    errs = {name: rel_err(fn()[0][:1], ref) for name, fn in forms.items()}
     us = {f: t / layers for f, t in compare(forms, rounds, 5).items()}
-    return {"shape": f"top-{k} of {e} experts, [{2 * i}, {d}] + [{d}, {i}]", "us": us, "err": errs}
+    return {"shape": f"{rows} row(s), top-{k} of {e} experts, [{2 * i}, {d}] + [{d}, {i}]", "us": us, "err": errs}
 
 
 def show(row: dict) -> None:
@@ -189,13 +191,16 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=15, help="distinct weights per shape (small: 15 MoE layers)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--experts-only", action="store_true", help="skip the dense projections")
+    ap.add_argument("--expert-rows", type=int, nargs="+", default=[1, 4],
+                    help="batch rows of the experts' comparison (rows gathering their experts: rows * k < experts)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     c = load_preset(args.preset)
     print("per call, CPU time; (x): the kernel form's time over this form's (> 1: faster than the kernel form)")
     for row in [] if args.experts_only else bench_dense(c, args.layers, args.rounds, INT4_GROUP):
         show(row)
-    show(bench_experts(c, args.layers, args.rounds, INT4_GROUP))
+    for rows in args.expert_rows:
+        show(bench_experts(c, args.layers, args.rounds, INT4_GROUP, rows))
 
 
 if __name__ == "__main__":
