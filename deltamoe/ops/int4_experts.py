@@ -25,7 +25,8 @@ are held to `experts_forward_reference` on the dequantised weights.
 In a compiled decode graph a few rows need no gather at all: `int4_experts_in_place` reads the
 selected experts' operands where they lie in the stack, the expert index turned into indirect
 indexing inside Inductor's generated dequantise-and-reduce loops (`kernel_codes` is the readable
-form of the layout it reads). There it replaces the gather and both kernel calls (bench/int4_matvec_forms.py).
+form of the layout it reads). There it replaces the gather and both kernel calls
+(bench/int4_matvec_forms.py measures the forms).
 """
 
 from __future__ import annotations
@@ -176,8 +177,9 @@ def int4_experts_one_token(x: torch.Tensor, weights: torch.Tensor, indices: torc
 @functools.cache
 def kernel_layout_readable() -> bool:
     """Whether `kernel_codes` reads this build's kernel operand back to the codes it was made from
-    (what `int4_experts_in_place` relies on): blocks of `kernel_block_rows` output rows, each stored
-    K-major, byte j of a row of the block holding row j (low nibble) and row j + B/2 (high nibble)."""
+    (what `int4_experts_in_place` relies on): blocks of B = `kernel_block_rows` output rows, each
+    stored K-major as B/2 bytes per input position, byte j holding the block's row j (low nibble)
+    and row j + B/2 (high nibble)."""
     rows = kernel_block_rows()
     if rows is None:
         return False
@@ -213,22 +215,23 @@ def _blocked_matvec(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) 
 
 
 def int4_experts_in_place(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, ops: ExpertOperands,
-                          intermediate: int, out_features: int, group_size: int, act: str,
-                          situ_beta: float = 4.0, situ_linear_beta: float = 25.0) -> torch.Tensor:
+                          intermediate: int, out_features: int, act: str, situ_beta: float = 4.0,
+                          situ_linear_beta: float = 25.0) -> torch.Tensor:
     """The weighted sum of each row's k experts, read in place from the stack -> fp32 [N, D].
 
     x [N, D]; weights, indices [N, k]; `ops` stacked with the block size `kernel_block_rows` reports
-    (a layout `kernel_layout_readable` confirms). The form a compiled decode graph holds where the
-    experts' operands would be gathered: the expert index becomes indirect indexing inside the
-    generated dequantise-and-reduce loops (`_blocked_matvec`), so the selected experts' nibbles are
-    read where they lie (no gathered copy, no kernel call) and each row meets only its own k experts.
+    (a layout `kernel_layout_readable` confirms; the group size is read off the scales). The form a
+    compiled decode graph holds where the experts' operands would be gathered: the expert index
+    becomes indirect indexing inside the generated dequantise-and-reduce loops (`_blocked_matvec`),
+    so the selected experts' nibbles are read where they lie (no gathered copy, no kernel call) and
+    each row meets only its own k experts.
     The contract is the kernel form's: bf16 activations into each projection, fp32 accumulation,
     gate|up rounded to bf16, the weighted hidden rows rounded to bf16, the routed sum rounded to
-    bf16 once. Eagerly it is
-    correct but slow (it materialises the unpacked weights); `int4_experts_one_token` is the eager form.
+    bf16 once. Eagerly it is correct but slow (it materialises the unpacked weights):
+    `int4_experts_one_token` is the eager form.
     """
     num_experts, rows13, half_in = ops.w13.shape
-    blocks, _, k_in, half_b = ops.w2.shape
+    half_b = ops.w2.shape[3]  # B/2: the w2 stack is block-major [D'/B, E, I, B/2]
     block = 2 * half_b
     xb = x.to(torch.bfloat16).float().unsqueeze(1)  # [N, 1, D]
     gate_up_w = ops.w13.view(num_experts, rows13 // block, 2 * half_in, half_b)[indices]  # [N, k, N13/B, D, B/2]
@@ -264,8 +267,8 @@ def int4_experts_static(x: torch.Tensor, weights: torch.Tensor, indices: torch.T
     num_experts, rows13 = ops.w13.shape[0], ops.w13.shape[1]
     gather = gathers_expert_weights(n, top_k, num_experts)
     if gather and in_place:
-        return int4_experts_in_place(x, weights, indices, ops, intermediate, out_features, group_size, act,
-                                     situ_beta, situ_linear_beta)
+        return int4_experts_in_place(x, weights, indices, ops, intermediate, out_features, act, situ_beta,
+                                     situ_linear_beta)
     blocks, _, k_in, half_b = ops.w2.shape
     xb = (x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)).contiguous()
     if gather:

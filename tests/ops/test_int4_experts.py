@@ -154,7 +154,7 @@ def test_in_place_form_matches_the_reference_and_the_kernel_forms(e, k, d, i, gr
     unused = [j for j in range(e) if j not in set(indices.flatten().tolist())]
     sz13, sz2 = ops.sz13.clone(), ops.sz2.clone()
     sz13[:, unused], sz2[unused] = float("nan"), float("nan")
-    got = ie.int4_experts_in_place(x, weights, indices, ie.ExpertOperands(ops.w13, sz13, ops.w2, sz2), i, d, group, act)
+    got = ie.int4_experts_in_place(x, weights, indices, ie.ExpertOperands(ops.w13, sz13, ops.w2, sz2), i, d, act)
     assert got.shape == (rows, d) and got.dtype == torch.float32 and torch.isfinite(got).all()
     assert _rel_err(got, _reference(x, weights, indices, dense, act)) < 2**-7
     gathered = ie.int4_experts_static(x, weights, indices, ops, i, d, group, act, in_place=False)
