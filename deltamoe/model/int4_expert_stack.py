@@ -3,8 +3,10 @@
 Every expert's gate|up operand and down operand (`ops.int4_experts`) sit in one tensor each
 (`ExpertOperands`, in the order a one-token gather reads them),
 so a one-token decode step gathers its k experts and runs them in two kernel calls, and
-any other batch runs expert by expert in two calls each. The checkpoint's per-expert tensors
-(`experts.E.w1.weight_packed`, ...) are converted as soon as all of one expert's are here.
+any other batch runs expert by expert in two calls each. A compiled decode graph's few rows
+read their experts in place instead (`forward_static`: `ops.int4_experts.int4_experts_in_place`).
+The checkpoint's per-expert tensors (`experts.E.w1.weight_packed`, ...) are converted as soon as
+all of one expert's are here.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class Int4ExpertStack(nn.Module):
         self.num_experts = config.num_experts
         self.intermediate, self.dim = config.moe_intermediate_size, config.expert_dim
         self.block_rows = ie.kernel_block_rows()  # None: no one-token gather, experts run one at a time
+        self.in_place = ie.kernel_layout_readable()  # a compiled graph's few rows read their experts in place
         # A plain attribute (kernel layouts a model-wide `.to(dtype)` must not touch), allocated
         # when the first expert is converted.
         self.ops: ie.ExpertOperands | None = None
@@ -78,7 +81,7 @@ class Int4ExpertStack(nn.Module):
         if self.ops is None:
             raise RuntimeError("Int4ExpertStack: no experts loaded")
         return ie.int4_experts_static(x, weights, indices, self.ops, self.intermediate, self.dim, self.group_size,
-                                      *self._act())
+                                      *self._act(), in_place=self.in_place)
 
     def resident_bytes(self) -> int:
         return 0 if self.ops is None else self.ops.resident_bytes()

@@ -21,6 +21,12 @@ happens inside the kernel's fp32 accumulation and is rounded to bf16 once, where
 expert-by-expert form rounds each expert output to bf16 before the fp32 sum (and rounds
 the weighted hidden rows to bf16 for the kernel): the two agree to bf16 rounding, and both
 are held to `experts_forward_reference` on the dequantised weights.
+
+In a compiled decode graph a few rows need no gather at all: `int4_experts_in_place` reads the
+selected experts' operands where they lie in the stack, the expert index turned into indirect
+indexing inside Inductor's generated dequantise-and-reduce loops (`kernel_codes` is the readable
+form of the layout it reads). There it replaces the gather and both kernel calls
+(bench/int4_matvec_forms.py measures the forms).
 """
 
 from __future__ import annotations
@@ -168,26 +174,104 @@ def int4_experts_one_token(x: torch.Tensor, weights: torch.Tensor, indices: torc
     return y[:, :out_features].float()
 
 
+@functools.cache
+def kernel_layout_readable() -> bool:
+    """Whether `kernel_codes` reads this build's kernel operand back to the codes it was made from
+    (what `int4_experts_in_place` relies on): blocks of B = `kernel_block_rows` output rows, each
+    stored K-major as B/2 bytes per input position, byte j holding the block's row j (low nibble)
+    and row j + B/2 (high nibble)."""
+    rows = kernel_block_rows()
+    if rows is None:
+        return False
+    codes = torch.randint(0, 16, (2 * rows, 64), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
+    return torch.equal(kernel_codes(_convert(codes), rows), codes)
+
+
+def kernel_codes(weight: torch.Tensor, block_rows: int) -> torch.Tensor:
+    """The kernel's u8 operand [N, K/2] -> the unsigned codes int32 [N, K] (q + 8) it holds: the
+    readable form of the layout `int4_experts_in_place` reads."""
+    n, k = weight.shape[0], 2 * weight.shape[1]
+    blocks = weight.view(n // block_rows, k, block_rows // 2)
+    halves = torch.stack([blocks & 15, blocks >> 4], dim=1)  # [N/B, 2, K, B/2]
+    return halves.permute(0, 1, 3, 2).reshape(n, k).to(torch.int32)
+
+
+def _blocked_matvec(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., K] fp32 times the int4 matrix whose kernel-layout codes are `weight` u8 [..., N/B, K, B/2]
+    and whose group scales are `scale` fp32 [..., K/g, N] -> fp32 [..., N].
+
+    Written as one expression for a compiled graph: the nibbles are unpacked inside the generated
+    reduction loop, and the code offset leaves the loop: per group, sum_k x_k s (u_k - 8) =
+    s (sum_k x_k u_k - 8 sum_k x_k)."""
+    groups, rows = scale.shape[-2], scale.shape[-1]
+    blocks, k_in, half = weight.shape[-3:]
+    w = weight.view(*weight.shape[:-2], groups, k_in // groups, half)  # [..., N/B, G, g, B/2]
+    xg = x.view(*x.shape[:-1], 1, groups, k_in // groups, 1)
+    offset = 8 * xg.sum(-2)  # [..., 1, G, 1]
+    s = scale.view(*scale.shape[:-1], blocks, 2, half).movedim(-4, -2)  # [..., N/B, 2, G, B/2]
+    low = (((w & 15).float() * xg).sum(-2) - offset) * s[..., 0, :, :]
+    high = (((w >> 4).float() * xg).sum(-2) - offset) * s[..., 1, :, :]
+    return torch.stack([low.sum(-2), high.sum(-2)], dim=-2).reshape(*low.shape[:-3], rows)
+
+
+def int4_experts_in_place(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, ops: ExpertOperands,
+                          intermediate: int, out_features: int, act: str, situ_beta: float = 4.0,
+                          situ_linear_beta: float = 25.0) -> torch.Tensor:
+    """The weighted sum of each row's k experts, read in place from the stack -> fp32 [N, D].
+
+    x [N, D]; weights, indices [N, k]; `ops` stacked with the block size `kernel_block_rows` reports
+    (a layout `kernel_layout_readable` confirms; the group size is read off the scales). The form a
+    compiled decode graph holds where the experts' operands would be gathered: the expert index
+    becomes indirect indexing inside the generated dequantise-and-reduce loops (`_blocked_matvec`),
+    so the selected experts' nibbles are read where they lie (no gathered copy, no kernel call) and
+    each row meets only its own k experts.
+    The contract is the kernel form's: bf16 activations into each projection, fp32 accumulation,
+    gate|up rounded to bf16, the weighted hidden rows rounded to bf16, the routed sum rounded to
+    bf16 once. Eagerly it is correct but slow (it materialises the unpacked weights):
+    `int4_experts_one_token` is the eager form.
+    """
+    num_experts, rows13, half_in = ops.w13.shape
+    half_b = ops.w2.shape[3]  # B/2: the w2 stack is block-major [D'/B, E, I, B/2]
+    block = 2 * half_b
+    xb = x.to(torch.bfloat16).float().unsqueeze(1)  # [N, 1, D]
+    gate_up_w = ops.w13.view(num_experts, rows13 // block, 2 * half_in, half_b)[indices]  # [N, k, N13/B, D, B/2]
+    gate_up = _blocked_matvec(xb, gate_up_w, ops.sz13[..., 0][:, indices].movedim(0, -2).float())
+    gate_up = gate_up.to(torch.bfloat16).float()
+    hidden = glu(gate_up[..., :intermediate], gate_up[..., intermediate:2 * intermediate], act, situ_beta,
+                 situ_linear_beta)
+    hidden = (hidden * weights.float().unsqueeze(-1)).to(torch.bfloat16).float()  # [N, k, I]
+    down_w = ops.w2[:, indices].movedim(0, -3)  # [N, k, D'/B, I, B/2]
+    y = _blocked_matvec(hidden, down_w, ops.sz2[..., 0][indices].float()).sum(1)
+    return y[:, :out_features].to(torch.bfloat16).float()
+
+
 def int4_experts_static(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, ops: ExpertOperands,
                         intermediate: int, out_features: int, group_size: int, act: str,
-                        situ_beta: float = 4.0, situ_linear_beta: float = 25.0) -> torch.Tensor:
-    """The weighted sum of each row's k experts in two kernel calls, with shapes that never depend
-    on the routing (no per-expert row counts read back to the host) -> fp32 [N, D].
+                        situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
+                        in_place: bool = False) -> torch.Tensor:
+    """The weighted sum of each row's k experts, with shapes that never depend on the routing (no
+    per-expert row counts read back to the host) -> fp32 [N, D].
 
     x [N, D]; weights, indices [N, k]; `ops` stacked with the block size `kernel_block_rows` reports.
-    The two forms follow `ops.moe.gathers_expert_weights` (the rule compiled decode plans its graph
+    The forms follow `ops.moe.gathers_expert_weights` (the rule compiled decode plans its graph
     classes by):
-    - gather: the N*k selected experts' operands are gathered and joined as in
-      `int4_experts_one_token`; every row runs against all N*k of them, and each row's hidden
-      vector is kept only in its own k experts' columns (zeros elsewhere) for the down call;
-    - all experts: the stacks are the joint operands as they lie (no copy); each row's hidden
-      vector is kept only where its router chose the expert, scaled by the routing weight.
+    - few rows, in place (`in_place`, for a stack whose layout `kernel_layout_readable` confirms):
+      `int4_experts_in_place`, each row's own k experts read where they lie;
+    - few rows, gather: the N*k selected experts' operands are gathered and joined as in
+      `int4_experts_one_token`, two kernel calls; every row runs against all N*k of them, and each
+      row's hidden vector is kept only in its own k experts' columns (zeros elsewhere) for the down call;
+    - all experts: two kernel calls on the stacks as the joint operands as they lie (no copy); each
+      row's hidden vector is kept only where its router chose the expert, scaled by the routing weight.
     """
     n, top_k = indices.shape
     num_experts, rows13 = ops.w13.shape[0], ops.w13.shape[1]
+    gather = gathers_expert_weights(n, top_k, num_experts)
+    if gather and in_place:
+        return int4_experts_in_place(x, weights, indices, ops, intermediate, out_features, act, situ_beta,
+                                     situ_linear_beta)
     blocks, _, k_in, half_b = ops.w2.shape
     xb = (x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)).contiguous()
-    if gathers_expert_weights(n, top_k, num_experts):
+    if gather:
         idx = indices.reshape(-1)
         used = idx.shape[0]
         gate_up_w = ops.w13.index_select(0, idx).reshape(used * rows13, ops.w13.shape[2])

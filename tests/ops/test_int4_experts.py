@@ -116,18 +116,48 @@ def test_one_token_step_reads_only_the_selected_experts():
 
 @pytest.mark.parametrize("e,k,d,i,group,act", SHAPES[:3])
 @pytest.mark.parametrize("rows", [1, 2, 3, 12])
-def test_static_form_matches_the_reference_in_both_forms(e, k, d, i, group, act, rows):
-    """Few rows gather their experts, many run every expert (`gathers_expert_weights`); both forms
-    against the reference and the one-token step, repeated rows included (compiled decode runs a
-    batch of one as two copies of its row)."""
+@pytest.mark.parametrize("in_place", [True, False])
+def test_static_form_matches_the_reference_in_both_forms(e, k, d, i, group, act, rows, in_place):
+    """Few rows read their experts in place or gather them, many run every expert
+    (`gathers_expert_weights`); every form against the reference and the one-token step, repeated
+    rows included (compiled decode runs a batch of one as two copies of its row)."""
     ops, dense = _experts(e, d, i, group, seed=e + rows)
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, d, generator=gen)
     weights, indices = route_tokens(torch.randn(rows, e, generator=gen), None, k)
-    got = ie.int4_experts_static(x, weights, indices, ops, i, d, group, act)
+    got = ie.int4_experts_static(x, weights, indices, ops, i, d, group, act, in_place=in_place)
     assert got.shape == (rows, d) and got.dtype == torch.float32
     assert _rel_err(got, _reference(x, weights, indices, dense, act)) < 2**-7
     one = ie.int4_experts_one_token(x[:1], weights[:1], indices[:1], ops, i, d, group, act)
     twice = ie.int4_experts_static(x[:1].repeat(2, 1), weights[:1].repeat(2, 1), indices[:1].repeat(2, 1), ops, i, d,
-                                   group, act)
+                                   group, act, in_place=in_place)
     assert torch.equal(twice[0], twice[1]) and _rel_err(twice[:1], one) < 2**-7
+
+
+def test_kernel_codes_read_the_converted_operand_back():
+    """The layout the in-place form reads, written out, against torch's own converter (two blocks)."""
+    rows = ie.kernel_block_rows()
+    assert ie.kernel_layout_readable()
+    codes = torch.randint(0, 16, (2 * rows, 96), generator=torch.Generator().manual_seed(5), dtype=torch.int32)
+    assert torch.equal(ie.kernel_codes(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), rows), codes)
+
+
+@pytest.mark.parametrize("e,k,d,i,group,act", SHAPES)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_in_place_form_matches_the_reference_and_the_kernel_forms(e, k, d, i, group, act, rows):
+    """Fresh inputs and routings; padded operand rows (d = 96, 2i = 192) included. Experts outside
+    the selection hold NaN scales: the in-place form reads only the selected experts."""
+    ops, dense = _experts(e, d, i, group, seed=3 * e + rows)
+    gen = torch.Generator().manual_seed(11 * rows + e)
+    x = torch.randn(rows, d, generator=gen)
+    weights, indices = route_tokens(torch.randn(rows, e, generator=gen), None, k)
+    unused = [j for j in range(e) if j not in set(indices.flatten().tolist())]
+    sz13, sz2 = ops.sz13.clone(), ops.sz2.clone()
+    sz13[:, unused], sz2[unused] = float("nan"), float("nan")
+    got = ie.int4_experts_in_place(x, weights, indices, ie.ExpertOperands(ops.w13, sz13, ops.w2, sz2), i, d, act)
+    assert got.shape == (rows, d) and got.dtype == torch.float32 and torch.isfinite(got).all()
+    assert _rel_err(got, _reference(x, weights, indices, dense, act)) < 2**-7
+    gathered = ie.int4_experts_static(x, weights, indices, ops, i, d, group, act, in_place=False)
+    assert _rel_err(got, gathered) < 2**-7
+    if rows == 1:
+        assert _rel_err(got, ie.int4_experts_one_token(x, weights, indices, ops, i, d, group, act)) < 2**-7
