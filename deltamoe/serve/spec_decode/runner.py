@@ -11,6 +11,8 @@ Per step, the scheduled items split three ways:
   states the MTP catch-up needs.
 Then one MTP pass catches up every speculating row and drafts for the next step (with
 `compile_decode`, its calls over rows with a past through a compiled region, `compiled_draft.py`).
+A step whose running batch reaches `spec_max_batch` runs as plain decode for every row instead
+(`batch_rule.py`): it keeps the speculating rows' hidden states for a later MTP catch-up.
 
 Blocks: a verifying row holds blocks for its K extra positions during the call only; after it,
 blocks past its kept tokens go back to the pool, and drafting takes what its provisional MTP
@@ -34,10 +36,11 @@ from deltamoe.serve.engine.sampling import sample, token_logprobs
 from deltamoe.serve.engine.scheduler import ScheduledBatch
 from deltamoe.serve.engine.sequence import Sequence
 from deltamoe.serve.spec_decode.acceptance import accept_greedy, greedy_targets, rejection_sample, target_probs
+from deltamoe.serve.spec_decode.batch_rule import PendingCatchUp, run_plain_keeping_hidden, runs_plain
 from deltamoe.serve.spec_decode.checkpoint_view import CheckpointView
 from deltamoe.serve.spec_decode.compiled_draft import CompiledDraft
 from deltamoe.serve.spec_decode.compiled_verify import CompiledVerify
-from deltamoe.serve.spec_decode.mtp_drafter import CatchUp, MTPDrafter
+from deltamoe.serve.spec_decode.mtp_drafter import CatchUp, MTPDrafter, following_tokens
 from deltamoe.serve.spec_decode.step_result import SpeculativeStepResult
 from deltamoe.serve.spec_decode.tracker import AcceptanceTracker
 
@@ -52,9 +55,12 @@ class SpeculativeRunner(ModelRunner):
         self._compiled_verify = CompiledVerify(model, decode, self.k) if decode is not None else None
         self.drafter = MTPDrafter(model, cache, self.k, CompiledDraft(model, decode) if decode is not None else None)
         self.tracker = AcceptanceTracker(self.k, config.spec_min_acceptance)
+        self.max_batch = config.spec_max_batch
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[StepResult]:
+        if runs_plain(len(batch.items), self.max_batch):
+            return self._execute_plain(batch)
         results: dict[int, StepResult] = {}
         plain = [item for item in batch.items if not self.tracker.speculates(item[0])]
         if plain:
@@ -70,6 +76,7 @@ class SpeculativeRunner(ModelRunner):
         for r, catch_up in self._verify(verifying):
             results[id(r.seq)] = r
             catch_ups.append(catch_up)
+        catch_ups = [self._after_pending(catch_up) for catch_up in catch_ups]
         for catch_up in catch_ups:  # room for the provisional MTP positions of drafts 2..K
             if catch_up.draft:
                 seq, end = catch_up.seq, catch_up.start + len(catch_up.next_tokens)
@@ -79,6 +86,36 @@ class SpeculativeRunner(ModelRunner):
             if self.tracker.speculates(catch_up.seq):
                 self.tracker.state(catch_up.seq).drafts = drafts
         return [results[id(seq)] for seq, _ in batch.items]
+
+    def _execute_plain(self, batch: ScheduledBatch) -> list[StepResult]:
+        """A step at the batch limit: plain decode for every row; each speculating row's hidden states
+        wait for the MTP layer (`PendingCatchUp`) until it drafts again or a block of them fills."""
+        self.tracker.plain_by_rule_steps += 1
+        results, hidden = run_plain_keeping_hidden(self, batch)
+        block_size = self.cache.block_size
+        filled: list[CatchUp] = []
+        for r in results:
+            seq, n = r.seq, r.num_computed
+            if not self.tracker.speculates(seq):
+                continue
+            state, start = self.tracker.state(seq), seq.num_computed
+            state.drafts = None  # made for a position this step computes plainly
+            if (start + n) // block_size > start // block_size:  # a block fills: its MTP latents before it is published
+                filled.append(self._after_pending(CatchUp(seq, start, hidden[id(seq)], following_tokens(seq, n, r.token),
+                                                          draft=False)))
+                continue
+            if state.pending is None or state.pending.end != start:
+                state.pending = PendingCatchUp(start)
+            state.pending.add(hidden[id(seq)])
+        self.drafter.run(filled)
+        return results
+
+    def _after_pending(self, catch_up: CatchUp) -> CatchUp:
+        """`catch_up` with the row's pending positions first, when they end where it starts (a
+        preempted row computes again from an earlier position: its pending states are dropped)."""
+        state = self.tracker.state(catch_up.seq)
+        pending, state.pending = state.pending, None
+        return pending.before(catch_up) if pending is not None and pending.end == catch_up.start else catch_up
 
     def _reserve_verification(self, seq: Sequence) -> bool:
         """Whether `seq` verifies drafts this step: drafts made for exactly this position, room for
@@ -104,10 +141,9 @@ class SpeculativeRunner(ModelRunner):
                                           [group[b][0].generator for b in ends]))) if ends else {}
             for b, (seq, n) in enumerate(group):
                 token, logprob = picks.get(b, (None, None))
-                start = seq.num_computed
-                following = seq.token_ids[start + 1:start + n] + [token if token is not None else seq.token_ids[start + n]]
                 out.append((StepResult(seq, n, token, logprob),
-                            CatchUp(seq, start, forward.hidden_states[b, :n], following, draft=token is not None)))
+                            CatchUp(seq, seq.num_computed, forward.hidden_states[b, :n], following_tokens(seq, n, token),
+                                    draft=token is not None)))
         return out
 
     def _verify(self, seqs: list[Sequence]) -> list[tuple[StepResult, CatchUp]]:
@@ -191,9 +227,10 @@ def acceptance_restorer(runner: ModelRunner) -> Callable[[], None]:
     if not isinstance(runner, SpeculativeRunner):
         return lambda: None
     tracker = runner.tracker
-    saved = (tracker.verifications, list(tracker.accepted_at), tracker.switched_off)
+    saved = (tracker.verifications, list(tracker.accepted_at), tracker.switched_off, tracker.plain_by_rule_steps)
 
     def restore() -> None:
         tracker.verifications, tracker.accepted_at, tracker.switched_off = saved[0], list(saved[1]), saved[2]
+        tracker.plain_by_rule_steps = saved[3]
 
     return restore

@@ -10,10 +10,14 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from deltamoe.serve.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from deltamoe.serve.spec_decode.batch_rule import PendingCatchUp
 
 WINDOW = 8  # verifications a request's acceptance is judged over
 
@@ -30,6 +34,7 @@ class RequestSpeculation:
     on: bool = True
     drafts: Drafts | None = None
     recent: deque[int] = field(default_factory=lambda: deque(maxlen=WINDOW))  # kept drafts per verification
+    pending: PendingCatchUp | None = None  # positions plain steps computed that the MTP layer has yet to read
 
 
 class AcceptanceTracker:
@@ -40,6 +45,7 @@ class AcceptanceTracker:
         self.verifications = 0
         self.accepted_at = [0] * num_draft_tokens  # verifications that kept draft j (j = 0 .. K-1)
         self.switched_off = 0
+        self.plain_by_rule_steps = 0  # steps run as plain decode by the batch-size rule (batch_rule.py)
 
     def state(self, seq: Sequence) -> RequestSpeculation:
         state = self._requests.get(seq)
@@ -73,7 +79,8 @@ class AcceptanceTracker:
                    spec_decode_draft_tokens=float(self.verifications * self.k),
                    spec_decode_accepted_tokens=float(sum(self.accepted_at)),
                    spec_decode_mean_accepted_drafts=sum(rates),
-                   spec_decode_requests_switched_off=float(self.switched_off))
+                   spec_decode_requests_switched_off=float(self.switched_off),
+                   spec_decode_plain_by_rule_steps=float(self.plain_by_rule_steps))
         return out
 
 
@@ -82,4 +89,5 @@ def summary_line(tracker: AcceptanceTracker) -> str:
     rates = " ".join(f"{r:.2f}" for r in tracker.acceptance_rates())
     return (f"speculative (mtp, {tracker.k} drafts): acceptance per draft position {rates}; "
             f"{sum(tracker.acceptance_rates()):.2f} drafts kept per verification over {tracker.verifications} "
-            f"verifications; {tracker.switched_off} requests switched speculation off")
+            f"verifications; {tracker.switched_off} requests switched speculation off; "
+            f"{tracker.plain_by_rule_steps} steps ran plain by the batch-size rule")
