@@ -123,7 +123,8 @@ SPECULATIVE_HELP = ("Speculative decoding: mtp (the model's MTP head drafts --nu
                     "verifies them in one forward; greedy output is unchanged, sampling keeps its distribution).")
 NUM_DRAFT_TOKENS_HELP = "Tokens drafted per step with --speculative (1..3)."
 SPEC_MIN_ACCEPTANCE_HELP = ("With --speculative: a request whose last 8 verifications kept fewer than this share of "
-                            "their drafts decodes plainly from then on (0 = never).")
+                            "their drafts decodes plainly, trying again after 64 plain tokens, the wait doubling "
+                            "each time (0 = never switch off).")
 ASYNC_SCHEDULING_HELP = ("Schedule step N+1 while step N runs, with placeholders for the tokens it has yet to "
                          "sample (vLLM's async scheduling): the same tokens, outputs one step later. Also with "
                          "--tp/--ep, and with serve's --role on one process.")

@@ -91,7 +91,8 @@ class EngineConfig:
             raise ConfigError("async scheduling and speculative decoding do not combine yet (a verification step "
                               "needs its drafts on the host)", field="async_scheduling",
                               hint="drop --async-scheduling or --speculative")
-        if self.speculative is not None and self.spec_max_batch and self.compile_decode and self.compile_form == "whole":
+        whole_graph = self.compile_decode and self.compile_form == "whole"
+        if self.speculative is not None and self.spec_max_batch and whole_graph:
             raise ConfigError("the whole-call decode graph hands back no hidden states, which the MTP layer needs "
                               "after steps run plainly by --spec-max-batch", field="compile_form",
                               hint="use --compile-form layers or parts, or --spec-max-batch 0")

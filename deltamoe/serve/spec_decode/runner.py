@@ -1,8 +1,9 @@
 """SpeculativeRunner: the engine's runner with MTP drafting and one-forward verification.
 
 Per step, the scheduled items split three ways:
-- requests whose speculation is off (their acceptance fell below the threshold) run exactly as
-  in `ModelRunner` (the compiled decode graph included, with `compile_decode`);
+- requests whose speculation is off (their acceptance fell below the threshold) run as in
+  `ModelRunner` (the compiled decode regions included, with `compile_decode`), keeping their
+  hidden states for the MTP layer so that they can try again later (`tracker.py`);
 - speculating decodes with drafts ready: one verification call for all of them, each row
   appending its pending token and its K drafts (T = K + 1), logits at every position: eager, or
   with `compile_decode` through compiled regions of its own (`compiled_verify.py`);
@@ -56,6 +57,8 @@ class SpeculativeRunner(ModelRunner):
         self.drafter = MTPDrafter(model, cache, self.k, CompiledDraft(model, decode) if decode is not None else None)
         self.tracker = AcceptanceTracker(self.k, config.spec_min_acceptance)
         self.max_batch = config.spec_max_batch
+        # Plain rows hand back their hidden states (for the MTP catch-up) in every form but the whole-call graph.
+        self._keeps_hidden = decode is None or decode.form != "whole"
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[StepResult]:
@@ -63,10 +66,14 @@ class SpeculativeRunner(ModelRunner):
             return self._execute_plain(batch)
         results: dict[int, StepResult] = {}
         plain = [item for item in batch.items if not self.tracker.speculates(item[0])]
-        if plain:
+        speculating = [item for item in batch.items if self.tracker.speculates(item[0])]
+        filled: list[CatchUp] = []
+        if plain and self._keeps_hidden:  # switched-off rows keep the MTP layer current, to try again later
+            plain_results, filled = self._run_plain(ScheduledBatch(plain))
+            results.update((id(r.seq), r) for r in plain_results)
+        elif plain:
             sub = ScheduledBatch(plain)
             results.update((id(r.seq), r) for r in self.run(sub, self.plan(sub)))
-        speculating = [item for item in batch.items if self.tracker.speculates(item[0])]
         verifying = [seq for seq, n in speculating if n == 1 and self._reserve_verification(seq)]
         chosen = {id(seq) for seq in verifying}
         catch_ups: list[CatchUp] = []
@@ -76,7 +83,7 @@ class SpeculativeRunner(ModelRunner):
         for r, catch_up in self._verify(verifying):
             results[id(r.seq)] = r
             catch_ups.append(catch_up)
-        catch_ups = [self._after_pending(catch_up) for catch_up in catch_ups]
+        catch_ups = [self._after_pending(catch_up) for catch_up in catch_ups] + filled
         for catch_up in catch_ups:  # room for the provisional MTP positions of drafts 2..K
             if catch_up.draft:
                 seq, end = catch_up.seq, catch_up.start + len(catch_up.next_tokens)
@@ -88,27 +95,34 @@ class SpeculativeRunner(ModelRunner):
         return [results[id(seq)] for seq, _ in batch.items]
 
     def _execute_plain(self, batch: ScheduledBatch) -> list[StepResult]:
-        """A step at the batch limit: plain decode for every row; each speculating row's hidden states
-        wait for the MTP layer (`PendingCatchUp`) until it drafts again or a block of them fills."""
-        self.tracker.plain_by_rule_steps += 1
+        """A step at the batch limit: plain decode for every row."""
+        self.tracker.plain_by_rule_steps += 1  # never with the whole-call graph (EngineConfig refuses it)
+        results, filled = self._run_plain(batch)
+        self.drafter.run(filled)
+        return results
+
+    def _run_plain(self, batch: ScheduledBatch) -> tuple[list[StepResult], list[CatchUp]]:
+        """Plain decode for the batch's rows; each row's hidden states wait for the MTP layer
+        (`PendingCatchUp`) until it drafts again or a block of them fills -> the results and the
+        catch-ups of the rows whose block filled (the caller runs them, drafting nothing). A
+        switched-off row's plain tokens count toward trying speculation again (`tracker.count_plain`)."""
         results, hidden = run_plain_keeping_hidden(self, batch)
         block_size = self.cache.block_size
         filled: list[CatchUp] = []
         for r in results:
             seq, n = r.seq, r.num_computed
             if not self.tracker.speculates(seq):
-                continue
+                self.tracker.count_plain(seq, int(r.token is not None))
             state, start = self.tracker.state(seq), seq.num_computed
             state.drafts = None  # made for a position this step computes plainly
             if (start + n) // block_size > start // block_size:  # a block fills: its MTP latents before it is published
-                filled.append(self._after_pending(CatchUp(seq, start, hidden[id(seq)], following_tokens(seq, n, r.token),
-                                                          draft=False)))
+                row = CatchUp(seq, start, hidden[id(seq)], following_tokens(seq, n, r.token), draft=False)
+                filled.append(self._after_pending(row))
                 continue
             if state.pending is None or state.pending.end != start:
                 state.pending = PendingCatchUp(start)
             state.pending.add(hidden[id(seq)])
-        self.drafter.run(filled)
-        return results
+        return results, filled
 
     def _after_pending(self, catch_up: CatchUp) -> CatchUp:
         """`catch_up` with the row's pending positions first, when they end where it starts (a
@@ -142,8 +156,8 @@ class SpeculativeRunner(ModelRunner):
             for b, (seq, n) in enumerate(group):
                 token, logprob = picks.get(b, (None, None))
                 out.append((StepResult(seq, n, token, logprob),
-                            CatchUp(seq, seq.num_computed, forward.hidden_states[b, :n], following_tokens(seq, n, token),
-                                    draft=token is not None)))
+                            CatchUp(seq, seq.num_computed, forward.hidden_states[b, :n],
+                                    following_tokens(seq, n, token), draft=token is not None)))
         return out
 
     def _verify(self, seqs: list[Sequence]) -> list[tuple[StepResult, CatchUp]]:
@@ -227,10 +241,11 @@ def acceptance_restorer(runner: ModelRunner) -> Callable[[], None]:
     if not isinstance(runner, SpeculativeRunner):
         return lambda: None
     tracker = runner.tracker
-    saved = (tracker.verifications, list(tracker.accepted_at), tracker.switched_off, tracker.plain_by_rule_steps)
+    saved = (tracker.verifications, list(tracker.accepted_at), tracker.switched_off, tracker.plain_by_rule_steps,
+             tracker.retries)
 
     def restore() -> None:
         tracker.verifications, tracker.accepted_at, tracker.switched_off = saved[0], list(saved[1]), saved[2]
-        tracker.plain_by_rule_steps = saved[3]
+        tracker.plain_by_rule_steps, tracker.retries = saved[3], saved[4]
 
     return restore

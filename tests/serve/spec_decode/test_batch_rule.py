@@ -1,5 +1,6 @@
 """The batch-size rule (`spec_max_batch`): steps at the limit run plainly, drafting resumes when the
-batch shrinks with the MTP layer caught up over the plain steps' positions, greedy output unchanged."""
+batch shrinks with the MTP layer caught up over the plain steps' positions, greedy output unchanged.
+The same catch-up lets a request switched off by low acceptance try again after a wait."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.llm_engine import LLMEngine
 from deltamoe.serve.engine.sampling import SamplingParams
 from deltamoe.serve.spec_decode.batch_rule import runs_plain
-from deltamoe.serve.spec_decode.tracker import summary_line
+from deltamoe.serve.spec_decode.tracker import RETRY_AFTER, WINDOW, AcceptanceTracker, summary_line
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +112,46 @@ def test_compiled_plain_steps_keep_the_drafter_current(mtp_model, helpers):
     a, b = run_crossing(eng, mtp_model, pa, pb, atol=1e-5)
     assert a.output_ids == helpers.reference_greedy(mtp_model, pa, 36)
     assert b.output_ids == helpers.reference_greedy(mtp_model, pb, 10)
+
+
+def test_a_switched_off_request_tries_again_after_a_doubling_wait():
+    class Seq:  # the tracker keys its state by sequence object
+        pass
+
+    tracker, seq = AcceptanceTracker(2, min_acceptance=0.5), Seq()
+    waits = []
+    for _ in range(3):
+        for _ in range(WINDOW):
+            tracker.record(seq, 0)
+        assert not tracker.speculates(seq)
+        plain = 0
+        while not tracker.speculates(seq):
+            tracker.count_plain(seq, 1)
+            plain += 1
+        waits.append(plain)
+    assert waits == [RETRY_AFTER, 2 * RETRY_AFTER, 4 * RETRY_AFTER]
+    assert tracker.switched_off == 3 and tracker.retries == 3
+
+
+def test_retry_drafts_over_a_current_mtp_layer_and_output_stays_plain(mtp_model, helpers):
+    (p,) = helpers.prompts(1, 5, 9, seed=22)
+    max_tokens = 8 + RETRY_AFTER + 12
+    eng = LLMEngine(mtp_model, config=EngineConfig(cache_memory="8MiB", speculative="mtp", num_draft_tokens=2,
+                                                   spec_min_acceptance=1.0))  # random MTP weights: drafts fail
+    tracker = eng.runner.tracker
+    seq = eng.make_sequence(p, greedy(max_tokens))
+    eng.add_sequence(seq)
+    while tracker.retries == 0:
+        eng.step()
+    assert tracker.switched_off == 1 and tracker.verifications == WINDOW
+    picked: list[torch.Tensor] = []
+    pick = eng.runner.drafter._pick
+    eng.runner.drafter._pick = lambda logits, seqs: picked.append(logits[0].clone()) or pick(logits, seqs)
+    eng.step()  # drafts again: the MTP layer over the positions decoded plainly since the switch-off
+    eng.runner.drafter._pick = pick
+    torch.testing.assert_close(picked[0], mtp_logits(mtp_model, seq.token_ids), atol=1e-6, rtol=0)
+    while eng.has_unfinished():
+        eng.step()
+    assert tracker.verifications > WINDOW
+    assert seq.output_ids == helpers.reference_greedy(mtp_model, p, max_tokens)
+    assert eng.stats().extra["spec_decode_requests_retried"] == 1.0
