@@ -614,7 +614,7 @@ def spec_decode_rows(d: dict) -> list[Row]:
     batch8_rule = [[f"same, batch 8, {per_k}, with the batch-size rule (`--spec-max-batch {max_batch}`, the default)",
                     " / ".join(rate(_spec_rate(b8, m)) for m in rule) + " tok/s",
                     f"plain decode {rate(_spec_rate(b8, 'plain'))} tok/s",
-                    " / ".join(_spec_times(b8, m) for m in rule),
+                    _spec_times_per_k(b8, rule),
                     verdict([(f">= {floor8:g}x plain", min(_spec_speedup(b8, m) for m in rule) >= floor8)])
                     if floor8 else ""]] if ruled else []
     return [
@@ -622,11 +622,11 @@ def spec_decode_rows(d: dict) -> list[Row]:
                 f"{k2['chat']['mean_acceptance']:.2f}", f"plain decode {rate(_spec_rate(b1, 'plain'))} tok/s",
          _spec_times(b1, "K=2", bold), target(accept, speedup)],
         [f"same, batch 1, {per_k}", " / ".join(rate(_spec_rate(b1, m)) for m in ks) + " tok/s",
-         "", " / ".join(_spec_times(b1, m) for m in ks), ""],
+         "", _spec_times_per_k(b1, ks), ""],
         [f"same, batch 8, {per_k}" + (", speculation forced (`--spec-max-batch 0`)" if ruled else ""),
          " / ".join(rate(_spec_rate(b8, m)) for m in ks) + " tok/s",
          f"plain decode {rate(_spec_rate(b8, 'plain'))} tok/s",
-         " / ".join(_spec_times(b8, m) for m in ks), ""],
+         _spec_times_per_k(b8, ks), ""],
         *batch8_rule,
         *workloads,
     ]
@@ -643,12 +643,17 @@ def _spec_speedup(s: dict, mode: str) -> float:
 
 
 def _spec_times(s: dict, mode: str, style=lambda text: text) -> str:
-    """'1.6x', and with rounds kept '1.6x (median of 5 rounds: 1.4-1.8x)'."""
-    text = style(times(_spec_speedup(s, mode)))
+    """'1.6x', and with rounds kept '1.6x (median of 5 rounds: 1.41-1.83x)'."""
+    return _spec_times_per_k(s, [mode], style)
+
+
+def _spec_times_per_k(s: dict, modes: list[str], style=lambda text: text) -> str:
+    """'1.3x / 1.6x', and with rounds kept '1.3x / 1.6x (median of 5 rounds: 1.20-1.40x / 1.41-1.83x)'."""
+    text = " / ".join(style(times(_spec_speedup(s, m))) for m in modes)
     if "speedup_spread" not in s:
         return text
-    lo, hi = s["speedup_spread"][mode]
-    return f"{text} (median of {s['rounds']} rounds: {lo:.2f}-{hi:.2f}x)"
+    spreads = " / ".join(f"{lo:.2f}-{hi:.2f}x" for lo, hi in (s["speedup_spread"][m] for m in modes))
+    return f"{text} (median of {s['rounds']} round{'s' if s['rounds'] > 1 else ''}: {spreads})"
 
 
 def vision_rows(d: dict) -> list[Row]:
