@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 import torch
 
 from deltamoe.serve.engine.cache_view import PagedBatchView
-from deltamoe.serve.engine.compiled_decode import decode_tracing
 from deltamoe.serve.engine.runner import ModelCall, ModelRunner, StepResult, sampled_rows
 from deltamoe.serve.engine.scheduler import ScheduledBatch
 from deltamoe.serve.engine.sequence import Sequence
@@ -85,9 +84,8 @@ def run_plain_keeping_hidden(runner: ModelRunner, batch: ScheduledBatch
 
 def _forward_keeping_hidden(runner: ModelRunner, call: ModelCall) -> tuple[torch.Tensor, torch.Tensor]:
     """`runner.forward(call)` -> last-position logits [B, V] fp32 and hidden states [B, T, D]. A compiled
-    call runs the regional decode form (`CompiledDecode`'s module tree, layers or parts), whose
-    output carries the hidden states; the whole-call graph returns logits only (`EngineConfig`
-    refuses it with this rule)."""
+    call runs the regional decode form (`CompiledDecode.with_hidden_states`: layers or parts); the
+    whole-call graph returns logits only (`EngineConfig` refuses it with this rule)."""
     if not call.compiled:
         return runner.forward(call, with_hidden=True)
     decode = runner._compiled_decode
@@ -96,6 +94,5 @@ def _forward_keeping_hidden(runner: ModelRunner, call: ModelCall) -> tuple[torch
     call, ids = decode.with_min_rows(call, ids)
     view = PagedBatchView(runner.cache, call.block_tables, call.past_lengths, call.slots, call.counts,
                           min_table_width=decode.min_table_width, slice_consecutive=decode.slices_consecutive_pages)
-    with decode_tracing():
-        out = decode._model(ids, cache=view, logits_to_keep=1)
-    return out.logits[:rows, -1].float(), out.hidden_states[:rows]
+    logits, hidden = decode.with_hidden_states(ids, view)
+    return logits[:rows, -1].float(), hidden[:rows]
