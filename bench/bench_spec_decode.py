@@ -24,10 +24,20 @@ template. Everything is greedy. Workloads:
 - open_ended: the mixture's prompts, `--new-tokens` tokens each with EOS ignored (the answer and
   whatever the model writes after it: the measure of earlier runs).
 Decode tokens/s counts the tokens after each request's first one over the time after every
-request of a group of `batch` has its first token, best of `--rounds` alternating rounds over the
-modes (eager, one torch thread, unless --compile: then plain decodes, verifications and the MTP
-layer's drafting calls run through compiled regions, `serve/spec_decode/compiled_verify.py`). The goal (>= 1.6x at batch 1, K = 2) applies to a workload whose K = 2
-acceptance is >= 0.7; `goal_met` is null for one below it.
+request of a group of `batch` has its first token (eager, one torch thread, unless --compile: then
+plain decodes, verifications and the MTP layer's drafting calls run through compiled regions,
+`serve/spec_decode/compiled_verify.py`). The modes take turns within a round, each round starting
+one mode further on: `--batch1-rounds` rounds at batch 1, `--rounds` at batch 8. Per mode:
+`tokens_per_s` the best round (the README's figure until now), `tokens_per_s_median` and
+`tokens_per_s_spread` (slowest, fastest round); per K, `speedup` from the best rounds and
+`speedup_median` / `speedup_spread` from each round's ratio to the plain run of the same round (so
+one noisy round shows as spread, not as the figure). The speculative modes "K=1".."K=3" speculate
+at every batch size (`spec_max_batch=0`: forced speculation, the rows' meaning before the
+batch-size rule); at batch 8 the modes "K=1 (rule)".."K=3 (rule)" run with the engine's default
+`spec_max_batch` (`serve/spec_decode/batch_rule.py`): steps of that many requests decode plainly,
+a group's last requests speculate once the others finished. The goal (>= 1.6x at batch 1, K = 2)
+applies to a workload whose K = 2 acceptance is >= 0.7; `goal_met` (the best rounds' speedup) and
+`goal_met_median` (the median round's) are null for one below it.
 
 Rollback: the cost per verification of the two ways to undo rejected drafts in the KDA state,
 measured on the same model at batch 1: per-position checkpoints kept during the verification
@@ -35,7 +45,7 @@ forward (what the engine does), against restoring the state from before the step
 replaying the kept tokens through the model whenever a draft is rejected (weighted by the
 measured acceptance).
 
-    .venv/bin/python bench/bench_spec_decode.py [--quick] [--train-steps N] [--compile]
+    .venv/bin/python bench/bench_spec_decode.py [--quick] [--train-steps N] [--compile] [--batch1-rounds N]
         [--save-checkpoint DIR | --checkpoint DIR [--mtp-distill-steps N --save-checkpoint DIR2]]
 """
 
@@ -46,6 +56,7 @@ import dataclasses
 import hashlib
 import json
 import shutil
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -70,7 +81,8 @@ from deltamoe.train.data.tasks import make_task  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TASK = "recall+arithmetic+copy+repeat"
-TARGET = {"speedup_batch1_k2": 1.6, "min_acceptance": 0.7}
+# rule_batch8_vs_plain: batch 8 under the default batch-size rule, each K against plain decoding.
+TARGET = {"speedup_batch1_k2": 1.6, "min_acceptance": 0.7, "rule_batch8_vs_plain": 0.95}
 RECIPE_FILE = "bench_spec_decode_recipe.json"  # beside a --save-checkpoint copy: its training steps
 DISTILL_PROMPTS_PER_TASK = 64  # training-split prompts per task, each raw and chat-templated
 DISTILL_NEW_TOKENS = 48  # greedy tokens the model writes after each (the answer and beyond)
@@ -170,9 +182,12 @@ def open_ended(prompts: list[HeldOutPrompt], encode: Callable[[str], list[int]],
                     [SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True) for _ in prompts])
 
 
-def engine(model, tokenizer, k: int | None, compile_decode: bool) -> LLMEngine:
+def engine(model, tokenizer, k: int | None, compile_decode: bool, rule: bool = False) -> LLMEngine:
+    """`rule`: the batch-size rule at its default (`EngineConfig.spec_max_batch`); else speculation at
+    every batch size."""
     config = EngineConfig(cache_memory="256MiB", max_num_seqs=64, compile_decode=compile_decode,
-                          speculative="mtp" if k else None, num_draft_tokens=k or 2, spec_min_acceptance=0.0)
+                          speculative="mtp" if k else None, num_draft_tokens=k or 2, spec_min_acceptance=0.0,
+                          spec_max_batch=EngineConfig.spec_max_batch if rule else 0)
     return LLMEngine(model, tokenizer, config)
 
 
@@ -203,22 +218,34 @@ def decode_time(eng: LLMEngine, work: Workload, batch: int) -> tuple[int, float]
 
 
 def speed(model, tokenizer, work: Workload, batch: int, rounds: int, compile_decode: bool) -> dict:
-    """Decode tokens/s of the workload with K = 0 (plain), 1, 2, 3: best of `rounds` alternating rounds."""
-    modes = {"plain": None, "K=1": 1, "K=2": 2, "K=3": 3}
-    engines = {name: engine(model, tokenizer, k, compile_decode) for name, k in modes.items()}
+    """Decode tokens/s of the workload with K = 0 (plain), 1, 2, 3 (and at a batch the rule turns plain,
+    K = 1, 2, 3 under the rule): `rounds` rounds, the modes taking turns."""
+    modes: dict[str, tuple[int | None, bool]] = {"plain": (None, False), "K=1": (1, False), "K=2": (2, False),
+                                                 "K=3": (3, False)}
+    if batch >= EngineConfig.spec_max_batch:
+        modes.update({f"K={k} (rule)": (k, True) for k in (1, 2, 3)})
+    engines = {name: engine(model, tokenizer, k, compile_decode, rule) for name, (k, rule) in modes.items()}
     warm = Workload(work.prompts[:batch], [dataclasses.replace(p, max_tokens=min(8, p.max_tokens))
                                            for p in work.params[:batch]])
     for eng in engines.values():  # warm-up: compiles (with --compile) and first-call costs
         eng.warm_up()
         decode_time(eng, warm, batch)
-    best = {name: 0.0 for name in modes}
+    names = list(modes)
+    rates: dict[str, list[float]] = {name: [] for name in names}
     tokens = 0
-    for _ in range(rounds):
-        for name, eng in engines.items():
-            tokens, seconds = decode_time(eng, work, batch)
-            best[name] = max(best[name], tokens / seconds)
-    return {"batch": batch, "decode_tokens": tokens, "tokens_per_s": {n: round(v, 1) for n, v in best.items()},
-            "speedup": {n: round(best[n] / best["plain"], 3) for n in modes if n != "plain"}}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:  # each round starts one mode further on
+            tokens, seconds = decode_time(engines[name], work, batch)
+            rates[name].append(tokens / seconds)
+    best = {name: max(v) for name, v in rates.items()}
+    ratios = {name: [x / p for x, p in zip(rates[name], rates["plain"])] for name in names if name != "plain"}
+    return {"batch": batch, "decode_tokens": tokens, "rounds": rounds,
+            "tokens_per_s": {n: round(v, 1) for n, v in best.items()},
+            "tokens_per_s_median": {n: round(statistics.median(v), 1) for n, v in rates.items()},
+            "tokens_per_s_spread": {n: [round(min(v), 1), round(max(v), 1)] for n, v in rates.items()},
+            "speedup": {n: round(best[n] / best["plain"], 3) for n in names if n != "plain"},
+            "speedup_median": {n: round(statistics.median(v), 3) for n, v in ratios.items()},
+            "speedup_spread": {n: [round(min(v), 3), round(max(v), 3)] for n, v in ratios.items()}}
 
 
 def goal_met(accept_k2: float, speedup_k2: float) -> bool | None:
@@ -274,7 +301,8 @@ def main() -> None:
     ap.add_argument("--train-steps", type=int, default=600)
     ap.add_argument("--new-tokens", type=int, default=64, help="tokens per prompt of the open-ended workload")
     ap.add_argument("--prompts-per-task", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the batch-8 speed runs")
+    ap.add_argument("--batch1-rounds", type=int, default=5, help="rounds of the batch-1 speed runs")
     ap.add_argument("--threads", type=int, default=1, help="torch threads while decoding")
     ap.add_argument("--train-threads", type=int, default=2)
     ap.add_argument("--mtp-train-depth", type=int, default=3,
@@ -296,7 +324,7 @@ def main() -> None:
     steps = 10 if args.quick else args.train_steps
     new_tokens = 12 if args.quick else args.new_tokens
     per_task = 2 if args.quick else args.prompts_per_task
-    rounds = 1 if args.quick else args.rounds
+    rounds = {1: 1 if args.quick else args.batch1_rounds, 8: 1 if args.quick else args.rounds}
     distill_steps = args.mtp_distill_steps if args.mtp_distill_steps is not None else (
         0 if args.checkpoint is not None else 300)
     distill = 5 if args.quick and distill_steps else distill_steps
@@ -357,10 +385,12 @@ def main() -> None:
     workloads = {"mix": (to_answer_end(mix, encode["raw"]), accept["raw"]),
                  "repeat": (to_answer_end(by_task["repeat"], encode["raw"]), per_task_accept["raw"]["repeat"]),
                  "open_ended": (open_ended(mix, encode["raw"], new_tokens), accept_open["raw"])}
-    speeds = {name: [speed(model, tokenizer, work, b, rounds, args.compile) for b in (1, 8)]
+    speeds = {name: [speed(model, tokenizer, work, b, rounds[b], args.compile) for b in (1, 8)]
               for name, (work, _) in workloads.items()}
     goals = {name: goal_met(acc[1]["mean_acceptance"], speeds[name][0]["speedup"]["K=2"])
              for name, (_, acc) in workloads.items()}
+    goals_median = {name: goal_met(acc[1]["mean_acceptance"], speeds[name][0]["speedup_median"]["K=2"])
+                    for name, (_, acc) in workloads.items()}
     rollback = rollback_costs(model, tokenizer, workloads["mix"][0].prompts[0], 2, accept["raw"][1]["per_position"],
                               5 if args.quick else 50)
 
@@ -369,17 +399,30 @@ def main() -> None:
         "model": {"preset": "tiny", "task": TASK, **trained, "checkpoint": str(checkpoint), "reused": reused,
                   "given": args.checkpoint is not None},
         "workload": {"prompts_per_task": per_task, "tasks": list(by_task), "open_ended_new_tokens": new_tokens,
-                     "rounds": rounds, "threads": args.threads, "compile_decode": args.compile},
+                     "rounds": {f"batch_{b}": n for b, n in rounds.items()}, "threads": args.threads,
+                     "compile_decode": args.compile, "spec_max_batch_default": EngineConfig.spec_max_batch},
         # "acceptance" and "speed": the mixture's prompts, each decoded to the end of its answer (EOS).
         "acceptance": accept, "acceptance_per_task": per_task_accept, "acceptance_open_ended": accept_open,
         "speed": speeds["mix"], "speed_by_workload": speeds, "rollback": rollback,
         "acceptance_k2_by_workload": {name: acc[1]["mean_acceptance"] for name, (_, acc) in workloads.items()},
         "goal_met": goals["mix"], "goal_met_by_workload": goals,
+        "goal_met_median": goals_median["mix"], "goal_met_median_by_workload": goals_median,
     }
     path = write_result(result_name("spec_decode", args.quick), data)
-    print(markdown_table(["workload", "batch", *speeds["mix"][0]["tokens_per_s"], "K=2 speedup", "goal"],
-                         [[name, s["batch"], *(f"{v:,.1f}" for v in s["tokens_per_s"].values()),
+    modes = list(speeds["mix"][1]["tokens_per_s"])  # batch 8's: the rule's modes too
+    print(markdown_table(["workload", "batch", *modes, "K=2 speedup", "goal"],
+                         [[name, s["batch"], *(f"{s['tokens_per_s'][m]:,.1f}" if m in s["tokens_per_s"] else ""
+                                               for m in modes),
                            f"{s['speedup']['K=2']:.2f}x", goals[name] if s["batch"] == 1 else ""]
+                          for name, ss in speeds.items() for s in ss]))
+    print("speedup over plain per round, median (slowest - fastest round); K=n forced: speculation at every "
+          f"batch size; K=n (rule): --spec-max-batch {EngineConfig.spec_max_batch}")
+    columns = modes[1:]
+    print(markdown_table(["workload", "batch", "rounds", *columns, "goal (median)"],
+                         [[name, s["batch"], s["rounds"],
+                           *(f"{s['speedup_median'][c]:.2f}x ({s['speedup_spread'][c][0]:.2f}-"
+                             f"{s['speedup_spread'][c][1]:.2f})" if c in s["speedup_median"] else "" for c in columns),
+                           goals_median[name] if s["batch"] == 1 else ""]
                           for name, ss in speeds.items() for s in ss]))
     print(f"rollback at K=2: checkpoints {rollback['checkpoints_ms']} ms vs replay {rollback['replay_expected_ms']} "
           f"ms per verification -> {rollback['chosen']}")

@@ -577,7 +577,7 @@ def spec_decode_rows(d: dict) -> list[Row]:
     b1, b8 = d["speed"][0], d["speed"][1]
     t = d.get("target", {})
     k2 = {kind: rs[1] for kind, rs in d["acceptance"].items()}  # K = 2
-    speedup, accept = b1["speedup"]["K=2"], k2["raw"]["mean_acceptance"]
+    speedup, accept = _spec_speedup(b1, "K=2"), k2["raw"]["mean_acceptance"]
     goal, floor = t.get("speedup_batch1_k2"), t.get("min_acceptance", 0.0)
 
     def target(accept: float, speedup: float) -> str:
@@ -601,22 +601,61 @@ def spec_decode_rows(d: dict) -> list[Row]:
     per_k = " / ".join(f"K={k}" for k in (1, 2, 3))
     # Other workloads of the same run (the repeat task's long answers, open-ended decoding), batch 1, K = 2.
     workloads = [[f"same, {name.replace('_', '-')} prompts, batch 1, K = 2",
-                  f"{rate(s[0]['tokens_per_s']['K=2'])} tok/s; acceptance raw {d['acceptance_k2_by_workload'][name]:.2f}",
-                  f"plain decode {rate(s[0]['tokens_per_s']['plain'])} tok/s", times(s[0]["speedup"]["K=2"]),
-                  target(d["acceptance_k2_by_workload"][name], s[0]["speedup"]["K=2"])]
+                  f"{rate(_spec_rate(s[0], 'K=2'))} tok/s; acceptance raw {d['acceptance_k2_by_workload'][name]:.2f}",
+                  f"plain decode {rate(_spec_rate(s[0], 'plain'))} tok/s", _spec_times(s[0], "K=2"),
+                  target(d["acceptance_k2_by_workload"][name], _spec_speedup(s[0], "K=2"))]
                  for name, s in d.get("speed_by_workload", {}).items()
                  if name != "mix" and name in d.get("acceptance_k2_by_workload", {})]
+    ks = [f"K={k}" for k in (1, 2, 3)]
+    rule = [f"K={k} (rule)" for k in (1, 2, 3)]
+    ruled = all(m in b8["tokens_per_s"] for m in rule)  # results written before the batch-size rule: none
+    max_batch = d.get("workload", {}).get("spec_max_batch_default")
+    floor8 = t.get("rule_batch8_vs_plain")
+    batch8_rule = [[f"same, batch 8, {per_k}, with the batch-size rule (`--spec-max-batch {max_batch}`, the default)",
+                    " / ".join(rate(_spec_rate(b8, m)) for m in rule) + " tok/s",
+                    f"plain decode {rate(_spec_rate(b8, 'plain'))} tok/s",
+                    _spec_times_per_k(b8, rule),
+                    verdict([(f">= {floor8:g}x plain", min(_spec_speedup(b8, m) for m in rule) >= floor8)])
+                    if floor8 else ""]] if ruled else []
     return [
-        [label, f"{rate(b1['tokens_per_s']['K=2'])} tok/s; acceptance raw {accept:.2f}, chat "
-                f"{k2['chat']['mean_acceptance']:.2f}", f"plain decode {rate(b1['tokens_per_s']['plain'])} tok/s",
-         bold(times(speedup)), target(accept, speedup)],
-        [f"same, batch 1, {per_k}", " / ".join(rate(b1["tokens_per_s"][f"K={k}"]) for k in (1, 2, 3)) + " tok/s",
-         "", " / ".join(times(b1["speedup"][f"K={k}"]) for k in (1, 2, 3)), ""],
-        [f"same, batch 8, {per_k}", " / ".join(rate(b8["tokens_per_s"][f"K={k}"]) for k in (1, 2, 3)) + " tok/s",
-         f"plain decode {rate(b8['tokens_per_s']['plain'])} tok/s",
-         " / ".join(times(b8["speedup"][f"K={k}"]) for k in (1, 2, 3)), ""],
+        [label, f"{rate(_spec_rate(b1, 'K=2'))} tok/s; acceptance raw {accept:.2f}, chat "
+                f"{k2['chat']['mean_acceptance']:.2f}", f"plain decode {rate(_spec_rate(b1, 'plain'))} tok/s",
+         _spec_times(b1, "K=2", bold), target(accept, speedup)],
+        [f"same, batch 1, {per_k}", " / ".join(rate(_spec_rate(b1, m)) for m in ks) + " tok/s",
+         "", _spec_times_per_k(b1, ks), ""],
+        [f"same, batch 8, {per_k}" + (", speculation forced (`--spec-max-batch 0`)" if ruled else ""),
+         " / ".join(rate(_spec_rate(b8, m)) for m in ks) + " tok/s",
+         f"plain decode {rate(_spec_rate(b8, 'plain'))} tok/s",
+         _spec_times_per_k(b8, ks), ""],
+        *batch8_rule,
         *workloads,
     ]
+
+
+def _spec_rate(s: dict, mode: str) -> float:
+    """A mode's tokens/s: the median round where the run kept every round, else its best."""
+    return s.get("tokens_per_s_median", s["tokens_per_s"])[mode]
+
+
+def _spec_speedup(s: dict, mode: str) -> float:
+    """A mode's speedup over plain: the median of the rounds' ratios where kept, else the best rounds' ratio."""
+    return s.get("speedup_median", s["speedup"])[mode]
+
+
+def _spec_times(s: dict, mode: str, style=lambda text: text) -> str:
+    """'1.6x', and with rounds kept '1.6x (median of 5 rounds: 1.41-1.83x)'."""
+    return _spec_times_per_k(s, [mode], style)
+
+
+def _spec_times_per_k(s: dict, modes: list[str], style=lambda text: text) -> str:
+    """'1.3x / 1.6x', and with rounds kept '1.3x / 1.6x (median of 5 rounds: 1.20-1.40x / 1.41-1.83x)'."""
+    text = " / ".join(style(times(_spec_speedup(s, m))) for m in modes)
+    if "speedup_spread" not in s:
+        return text
+    spreads = " / ".join(f"{lo:.2f}-{hi:.2f}x" for lo, hi in (s["speedup_spread"][m] for m in modes))
+    return f"{text} (median of {s['rounds']} round{'s' if s['rounds'] > 1 else ''}: {spreads})"
+
+
 def vision_rows(d: dict) -> list[Row]:
     enc, t = d["encoder"], d["ttft"]
     out: list[Row] = []

@@ -123,7 +123,8 @@ SPECULATIVE_HELP = ("Speculative decoding: mtp (the model's MTP head drafts --nu
                     "verifies them in one forward; greedy output is unchanged, sampling keeps its distribution).")
 NUM_DRAFT_TOKENS_HELP = "Tokens drafted per step with --speculative (1..3)."
 SPEC_MIN_ACCEPTANCE_HELP = ("With --speculative: a request whose last 8 verifications kept fewer than this share of "
-                            "their drafts decodes plainly from then on (0 = never).")
+                            "their drafts decodes plainly, trying again after 64 plain tokens, the wait doubling "
+                            "each time (0 = never switch off).")
 ASYNC_SCHEDULING_HELP = ("Schedule step N+1 while step N runs, with placeholders for the tokens it has yet to "
                          "sample (vLLM's async scheduling): the same tokens, outputs one step later. Also with "
                          "--tp/--ep, and with serve's --role on one process.")
@@ -133,6 +134,9 @@ SPECULATIVE_OPTION = typer.Option(None, "--speculative", help=SPECULATIVE_HELP)
 NUM_DRAFT_TOKENS_OPTION = typer.Option(EngineConfig.num_draft_tokens, "--num-draft-tokens", help=NUM_DRAFT_TOKENS_HELP)
 SPEC_MIN_ACCEPTANCE_OPTION = typer.Option(EngineConfig.spec_min_acceptance, "--spec-min-acceptance",
                                           help=SPEC_MIN_ACCEPTANCE_HELP)
+SPEC_MAX_BATCH_OPTION = typer.Option(EngineConfig.spec_max_batch, "--spec-max-batch", help=(
+    "With --speculative: a step of at least this many running requests decodes plainly (the plain step is "
+    "cheaper per token there); drafting resumes when the batch shrinks. 0 = speculate at any batch size."))
 ASYNC_SCHEDULING_OPTION = typer.Option(False, *ASYNC_SCHEDULING_DECLS, help=ASYNC_SCHEDULING_HELP)
 NUM_SCHEDULER_STEPS_HELP = ("Decode steps run back to back, scheduling once per window, when every scheduled "
                             "request is decoding and needs no host work per token (no grammar, penalties or "
@@ -154,7 +158,7 @@ def build_engine(model: str, tokenizer: Optional[str], cache_memory: str, max_nu
                  speculative: Optional[str] = None, num_draft_tokens: int = EngineConfig.num_draft_tokens,
                  spec_min_acceptance: float = EngineConfig.spec_min_acceptance, async_scheduling: bool = False,
                  num_scheduler_steps: int = EngineConfig.num_scheduler_steps,
-                 compile_form: str = EngineConfig.compile_form):
+                 compile_form: str = EngineConfig.compile_form, spec_max_batch: int = EngineConfig.spec_max_batch):
     from deltamoe.serve.engine.config import EngineConfig
 
     check_dtype(dtype)
@@ -164,7 +168,7 @@ def build_engine(model: str, tokenizer: Optional[str], cache_memory: str, max_nu
                           compile_form=compile_form,
                           kv_cache_dtype=kv_cache_dtype, speculative=speculative, num_draft_tokens=num_draft_tokens,
                           spec_min_acceptance=spec_min_acceptance, async_scheduling=async_scheduling,
-                          num_scheduler_steps=num_scheduler_steps)
+                          num_scheduler_steps=num_scheduler_steps, spec_max_batch=spec_max_batch)
     load_config(model)  # an unknown model fails here, from its config alone
     workers = check_workers(model, tp, ep, compile_decode)
     check_multi_step(num_scheduler_steps, workers=workers is not None, transfers=False)
@@ -203,6 +207,7 @@ def generate_command(
     speculative: Optional[str] = SPECULATIVE_OPTION,
     num_draft_tokens: int = NUM_DRAFT_TOKENS_OPTION,
     spec_min_acceptance: float = SPEC_MIN_ACCEPTANCE_OPTION,
+    spec_max_batch: int = SPEC_MAX_BATCH_OPTION,
     image: list[str] = typer.Option([], "--image", help="Image file shown with every prompt, before its text; "
                                     "repeatable (models with a vision tower)."),
     async_scheduling: bool = ASYNC_SCHEDULING_OPTION,
@@ -222,7 +227,8 @@ def generate_command(
                           compile_decode, tp=tp, ep=ep, kv_cache_dtype=kv_cache_dtype, threads=threads,
                           speculative=speculative, num_draft_tokens=num_draft_tokens,
                           spec_min_acceptance=spec_min_acceptance, async_scheduling=async_scheduling,
-                          num_scheduler_steps=num_scheduler_steps, compile_form=compile_form)
+                          num_scheduler_steps=num_scheduler_steps, compile_form=compile_form,
+                          spec_max_batch=spec_max_batch)
     from deltamoe.serve.api.chat_template import ChatTemplate
     from deltamoe.serve.engine.sampling import SamplingParams
 
@@ -395,6 +401,7 @@ def serve_command(
     speculative: Optional[str] = SPECULATIVE_OPTION,
     num_draft_tokens: int = NUM_DRAFT_TOKENS_OPTION,
     spec_min_acceptance: float = SPEC_MIN_ACCEPTANCE_OPTION,
+    spec_max_batch: int = SPEC_MAX_BATCH_OPTION,
     allow_image_urls: bool = typer.Option(False, "--allow-image-urls", help="Fetch http(s) image_url parts "
                                           "(default: data: URLs only; the server makes requests on clients' behalf)."),
     image_fetch_timeout: float = typer.Option(10.0, min=0.1, help="Seconds one image download may take."),
@@ -424,7 +431,7 @@ def serve_command(
                           kv_cache_dtype=kv_cache_dtype,
                           speculative=speculative, num_draft_tokens=num_draft_tokens,
                           spec_min_acceptance=spec_min_acceptance, async_scheduling=async_scheduling,
-                          num_scheduler_steps=num_scheduler_steps)
+                          num_scheduler_steps=num_scheduler_steps, spec_max_batch=spec_max_batch)
     chosen = engine_threads(threads)
     load_config(model)  # an unknown model fails here, from its config alone
     workers = check_workers(model, tp, ep, compile_decode)

@@ -53,3 +53,29 @@ def test_label_gives_the_exact_command_for_a_given_checkpoint_compiled():
     d.setdefault("workload", {})["compile_decode"] = True
     label = spec_decode_rows(d)[0][0]
     assert "(`python bench/bench_spec_decode.py --checkpoint /ckpt/spec --compile`)" in label and "compiled" in label
+
+
+def test_rounds_give_the_median_and_spread_and_batch_8_shows_the_rule_beside_forced_speculation():
+    d = result(0.8, 1.7)
+    b1, b8 = d["speed"]
+    b1.update(rounds=5, tokens_per_s_median={"plain": 90.0, "K=1": 110.0, "K=2": 150.0, "K=3": 130.0},
+              speedup_median={"K=1": 1.2, "K=2": 1.62, "K=3": 1.4},
+              speedup_spread={"K=1": [1.1, 1.3], "K=2": [1.41, 1.83], "K=3": [1.3, 1.5]})
+    rule = {f"K={k} (rule)": 1.0 for k in (1, 2, 3)}
+    b8["tokens_per_s"].update({m: 396.0 for m in rule})
+    b8.update(rounds=3, tokens_per_s_median={**b8["tokens_per_s"], "K=3 (rule)": 372.0},
+              speedup_median={"K=1": 0.55, "K=2": 0.56, "K=3": 0.5, "K=1 (rule)": 0.99, "K=2 (rule)": 0.98,
+                              "K=3 (rule)": 0.93},
+              speedup_spread={m: [0.9, 1.0] for m in ("K=1", "K=2", "K=3", *rule)})
+    d["target"]["rule_batch8_vs_plain"] = 0.95
+    d["workload"] = {"spec_max_batch_default": 4}
+    rows = spec_decode_rows(d)
+    # The headline is the median round, not the best one, with the rounds' spread beside it.
+    assert rows[0][1].startswith("150 tok/s") and rows[0][2] == "plain decode 90 tok/s"
+    assert rows[0][3] == "**1.6x** (median of 5 rounds: 1.41-1.83x)"
+    assert rows[0][4] == ">= 1.6x at acceptance >= 0.7 (met)"
+    assert rows[2][0].endswith("speculation forced (`--spec-max-batch 0`)")
+    assert rows[3][0] == "same, batch 8, K=1 / K=2 / K=3, with the batch-size rule (`--spec-max-batch 4`, the default)"
+    assert rows[3][1] == "396 / 396 / 372 tok/s"
+    assert rows[3][3] == "0.99x / 0.98x / 0.93x (median of 3 rounds: 0.90-1.00x / 0.90-1.00x / 0.90-1.00x)"
+    assert rows[3][4] == ">= 0.95x plain (missed)"  # K=3 under the rule at 0.93x

@@ -178,6 +178,16 @@ class CompiledDecode:
         return (dataclasses.replace(call, **{name: getattr(call, name) * copies for name in _ROW_FIELDS}),
                 None if ids is None else ids.repeat(copies, 1))
 
+    def with_hidden_states(self, input_ids: torch.Tensor, view: object) -> tuple[torch.Tensor, torch.Tensor]:
+        """The call's logits [B, 1, V] and the trunk's hidden states [B, 1, D] (the speculative MTP
+        catch-up reads them after plain steps, `spec_decode/batch_rule.py`); regional forms only:
+        the whole-call graph returns logits alone."""
+        if self._call is not _decode_call:
+            raise ConfigError("the whole-call graph returns logits only", field="compile_form")
+        with decode_tracing():
+            out = self._model(input_ids, cache=view, logits_to_keep=1)
+        return out.logits, out.hidden_states
+
 
 def rows_skipping_expert_gather(model: torch.nn.Module) -> int:
     """The fewest rows a whole-layer call runs so that every batch takes the experts' all-experts

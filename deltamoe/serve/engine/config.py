@@ -51,6 +51,9 @@ class EngineConfig:
     speculative: str | None = None
     num_draft_tokens: int = 1  # tokens the MTP head proposes per step (1..3), verified in one forward
     spec_min_acceptance: float = 0.2  # a request whose recent drafts are accepted less often stops speculating
+    # A step whose running batch is at least this many sequences runs as plain decode (0: speculate at any
+    # batch); drafting resumes when the batch shrinks (serve/spec_decode/batch_rule.py says why 4).
+    spec_max_batch: int = 4
     # Schedule step N+1 while step N runs, its not-yet-sampled tokens as placeholders (serve/executor/overlap.py).
     async_scheduling: bool = False
     # Decode steps run back to back when a batch is all decodes, scheduling once per window (serve/engine/multi_step.py).
@@ -73,6 +76,8 @@ class EngineConfig:
             ("num_draft_tokens", isinstance(self.num_draft_tokens, int) and 1 <= self.num_draft_tokens <= 3,
              "an integer in [1, 3]"),
             ("spec_min_acceptance", 0 <= self.spec_min_acceptance <= 1, "a number in [0, 1]"),
+            ("spec_max_batch", isinstance(self.spec_max_batch, int) and not isinstance(self.spec_max_batch, bool)
+             and self.spec_max_batch >= 0, "an integer >= 0 (0: speculate at any batch size)"),
             ("num_scheduler_steps", isinstance(self.num_scheduler_steps, int) and not isinstance(
                 self.num_scheduler_steps, bool) and self.num_scheduler_steps >= 1, "a positive integer"),
         ]
@@ -86,6 +91,11 @@ class EngineConfig:
             raise ConfigError("async scheduling and speculative decoding do not combine yet (a verification step "
                               "needs its drafts on the host)", field="async_scheduling",
                               hint="drop --async-scheduling or --speculative")
+        whole_graph = self.compile_decode and self.compile_form == "whole"
+        if self.speculative is not None and self.spec_max_batch and whole_graph:
+            raise ConfigError("the whole-call decode graph hands back no hidden states, which the MTP layer needs "
+                              "after steps run plainly by --spec-max-batch", field="compile_form",
+                              hint="use --compile-form layers or parts, or --spec-max-batch 0")
         if self.num_scheduler_steps > 1 and (self.async_scheduling or self.speculative is not None):
             raise ConfigError("multi-step decode combines with neither async scheduling nor speculative decoding "
                               "yet", field="num_scheduler_steps",

@@ -7,7 +7,9 @@ back to the last kept position from per-position checkpoints taken during that f
 (`checkpoint_view`). The MTP head then catches up over the positions computed this step and
 drafts K tokens for the next one (`mtp_drafter`). `runner.SpeculativeRunner` drives it;
 `step_result` turns one verification into the engine's usual one-token results; `tracker` keeps
-acceptance per draft position and switches a request off when its drafts keep failing. With
+acceptance per draft position and switches a request off when its drafts keep failing (trying
+again after a doubling wait); `batch_rule` runs a step of `spec_max_batch` or more requests as
+plain decode, keeping the MTP layer current for when drafting resumes. With
 compiled decode, the verification and the MTP layer's calls run through compiled regions of their
 own (`compiled_verify`, `compiled_draft`).
 """

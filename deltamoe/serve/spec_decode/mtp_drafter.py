@@ -39,6 +39,13 @@ class CatchUp:
     draft: bool  # propose drafts from the last position (its next token is the pending one)
 
 
+def following_tokens(seq: Sequence, n: int, token: int | None) -> list[int]:
+    """The next tokens of the n positions a step computed from `seq.num_computed` on: the sequence's
+    own tokens, then `token`, the one it sampled (None for a prefill chunk short of the prompt's end)."""
+    start = seq.num_computed
+    return seq.token_ids[start + 1:start + n] + [token if token is not None else seq.token_ids[start + n]]
+
+
 class MTPDrafter:
     def __init__(self, model: DeltaMoEForCausalLM, cache: HybridCache, num_draft_tokens: int,
                  compiled: CompiledDraft | None = None):

@@ -1,8 +1,9 @@
 """SpeculativeRunner: the engine's runner with MTP drafting and one-forward verification.
 
 Per step, the scheduled items split three ways:
-- requests whose speculation is off (their acceptance fell below the threshold) run exactly as
-  in `ModelRunner` (the compiled decode graph included, with `compile_decode`);
+- requests whose speculation is off (their acceptance fell below the threshold) run as in
+  `ModelRunner` (the compiled decode regions included, with `compile_decode`), keeping their
+  hidden states for the MTP layer so that they can try again later (`tracker.py`);
 - speculating decodes with drafts ready: one verification call for all of them, each row
   appending its pending token and its K drafts (T = K + 1), logits at every position: eager, or
   with `compile_decode` through compiled regions of its own (`compiled_verify.py`);
@@ -11,6 +12,8 @@ Per step, the scheduled items split three ways:
   states the MTP catch-up needs.
 Then one MTP pass catches up every speculating row and drafts for the next step (with
 `compile_decode`, its calls over rows with a past through a compiled region, `compiled_draft.py`).
+A step whose running batch reaches `spec_max_batch` runs as plain decode for every row instead
+(`batch_rule.py`): it keeps the speculating rows' hidden states for a later MTP catch-up.
 
 Blocks: a verifying row holds blocks for its K extra positions during the call only; after it,
 blocks past its kept tokens go back to the pool, and drafting takes what its provisional MTP
@@ -34,10 +37,11 @@ from deltamoe.serve.engine.sampling import sample, token_logprobs
 from deltamoe.serve.engine.scheduler import ScheduledBatch
 from deltamoe.serve.engine.sequence import Sequence
 from deltamoe.serve.spec_decode.acceptance import accept_greedy, greedy_targets, rejection_sample, target_probs
+from deltamoe.serve.spec_decode.batch_rule import PendingCatchUp, run_plain_keeping_hidden, runs_plain
 from deltamoe.serve.spec_decode.checkpoint_view import CheckpointView
 from deltamoe.serve.spec_decode.compiled_draft import CompiledDraft
 from deltamoe.serve.spec_decode.compiled_verify import CompiledVerify
-from deltamoe.serve.spec_decode.mtp_drafter import CatchUp, MTPDrafter
+from deltamoe.serve.spec_decode.mtp_drafter import CatchUp, MTPDrafter, following_tokens
 from deltamoe.serve.spec_decode.step_result import SpeculativeStepResult
 from deltamoe.serve.spec_decode.tracker import AcceptanceTracker
 
@@ -52,15 +56,24 @@ class SpeculativeRunner(ModelRunner):
         self._compiled_verify = CompiledVerify(model, decode, self.k) if decode is not None else None
         self.drafter = MTPDrafter(model, cache, self.k, CompiledDraft(model, decode) if decode is not None else None)
         self.tracker = AcceptanceTracker(self.k, config.spec_min_acceptance)
+        self.max_batch = config.spec_max_batch
+        # Plain rows hand back their hidden states (for the MTP catch-up) in every form but the whole-call graph.
+        self._keeps_hidden = decode is None or decode.form != "whole"
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[StepResult]:
+        if runs_plain(len(batch.items), self.max_batch):
+            return self._execute_plain(batch)
         results: dict[int, StepResult] = {}
         plain = [item for item in batch.items if not self.tracker.speculates(item[0])]
-        if plain:
+        speculating = [item for item in batch.items if self.tracker.speculates(item[0])]
+        filled: list[CatchUp] = []
+        if plain and self._keeps_hidden:  # switched-off rows keep the MTP layer current, to try again later
+            plain_results, filled = self._run_plain(ScheduledBatch(plain))
+            results.update((id(r.seq), r) for r in plain_results)
+        elif plain:
             sub = ScheduledBatch(plain)
             results.update((id(r.seq), r) for r in self.run(sub, self.plan(sub)))
-        speculating = [item for item in batch.items if self.tracker.speculates(item[0])]
         verifying = [seq for seq, n in speculating if n == 1 and self._reserve_verification(seq)]
         chosen = {id(seq) for seq in verifying}
         catch_ups: list[CatchUp] = []
@@ -70,6 +83,7 @@ class SpeculativeRunner(ModelRunner):
         for r, catch_up in self._verify(verifying):
             results[id(r.seq)] = r
             catch_ups.append(catch_up)
+        catch_ups = [self._after_pending(catch_up) for catch_up in catch_ups] + filled
         for catch_up in catch_ups:  # room for the provisional MTP positions of drafts 2..K
             if catch_up.draft:
                 seq, end = catch_up.seq, catch_up.start + len(catch_up.next_tokens)
@@ -79,6 +93,43 @@ class SpeculativeRunner(ModelRunner):
             if self.tracker.speculates(catch_up.seq):
                 self.tracker.state(catch_up.seq).drafts = drafts
         return [results[id(seq)] for seq, _ in batch.items]
+
+    def _execute_plain(self, batch: ScheduledBatch) -> list[StepResult]:
+        """A step at the batch limit: plain decode for every row."""
+        self.tracker.plain_by_rule_steps += 1  # never with the whole-call graph (EngineConfig refuses it)
+        results, filled = self._run_plain(batch)
+        self.drafter.run(filled)
+        return results
+
+    def _run_plain(self, batch: ScheduledBatch) -> tuple[list[StepResult], list[CatchUp]]:
+        """Plain decode for the batch's rows; each row's hidden states wait for the MTP layer
+        (`PendingCatchUp`) until it drafts again or a block of them fills -> the results and the
+        catch-ups of the rows whose block filled (the caller runs them, drafting nothing). A
+        switched-off row's plain tokens count toward trying speculation again (`tracker.count_plain`)."""
+        results, hidden = run_plain_keeping_hidden(self, batch)
+        block_size = self.cache.block_size
+        filled: list[CatchUp] = []
+        for r in results:
+            seq, n = r.seq, r.num_computed
+            if not self.tracker.speculates(seq):
+                self.tracker.count_plain(seq, int(r.token is not None))
+            state, start = self.tracker.state(seq), seq.num_computed
+            state.drafts = None  # made for a position this step computes plainly
+            if (start + n) // block_size > start // block_size:  # a block fills: its MTP latents before it is published
+                row = CatchUp(seq, start, hidden[id(seq)], following_tokens(seq, n, r.token), draft=False)
+                filled.append(self._after_pending(row))
+                continue
+            if state.pending is None or state.pending.end != start:
+                state.pending = PendingCatchUp(start)
+            state.pending.add(hidden[id(seq)])
+        return results, filled
+
+    def _after_pending(self, catch_up: CatchUp) -> CatchUp:
+        """`catch_up` with the row's pending positions first, when they end where it starts (a
+        preempted row computes again from an earlier position: its pending states are dropped)."""
+        state = self.tracker.state(catch_up.seq)
+        pending, state.pending = state.pending, None
+        return pending.before(catch_up) if pending is not None and pending.end == catch_up.start else catch_up
 
     def _reserve_verification(self, seq: Sequence) -> bool:
         """Whether `seq` verifies drafts this step: drafts made for exactly this position, room for
@@ -104,10 +155,9 @@ class SpeculativeRunner(ModelRunner):
                                           [group[b][0].generator for b in ends]))) if ends else {}
             for b, (seq, n) in enumerate(group):
                 token, logprob = picks.get(b, (None, None))
-                start = seq.num_computed
-                following = seq.token_ids[start + 1:start + n] + [token if token is not None else seq.token_ids[start + n]]
                 out.append((StepResult(seq, n, token, logprob),
-                            CatchUp(seq, start, forward.hidden_states[b, :n], following, draft=token is not None)))
+                            CatchUp(seq, seq.num_computed, forward.hidden_states[b, :n],
+                                    following_tokens(seq, n, token), draft=token is not None)))
         return out
 
     def _verify(self, seqs: list[Sequence]) -> list[tuple[StepResult, CatchUp]]:
@@ -191,9 +241,11 @@ def acceptance_restorer(runner: ModelRunner) -> Callable[[], None]:
     if not isinstance(runner, SpeculativeRunner):
         return lambda: None
     tracker = runner.tracker
-    saved = (tracker.verifications, list(tracker.accepted_at), tracker.switched_off)
+    saved = (tracker.verifications, list(tracker.accepted_at), tracker.switched_off, tracker.plain_by_rule_steps,
+             tracker.retries)
 
     def restore() -> None:
         tracker.verifications, tracker.accepted_at, tracker.switched_off = saved[0], list(saved[1]), saved[2]
+        tracker.plain_by_rule_steps, tracker.retries = saved[3], saved[4]
 
     return restore

@@ -1,8 +1,13 @@
 """Per-request speculation state and the acceptance statistics /metrics and `generate` report.
 
 A request speculates until its drafts keep failing: once the last `WINDOW` verifications kept
-fewer than `min_acceptance` of their drafts, it decodes plainly from then on (the drafts cost an
-MTP pass and K extra positions per step, worth it only when enough of them land).
+fewer than `min_acceptance` of their drafts, it decodes plainly (the drafts cost an MTP pass and
+K extra positions per step, worth it only when enough of them land). After `RETRY_AFTER` plain
+tokens it tries again (what it writes may have turned predictable), over a fresh window; each
+switch-off doubles the wait, so a request whose drafts never land spends a shrinking share of
+its steps on them. Trying again needs the MTP layer current over the plain tokens: the runner
+keeps it so where its plain calls hand back hidden states (every form but the whole-call
+graph); there a switch-off is for good.
 """
 
 from __future__ import annotations
@@ -10,12 +15,17 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from deltamoe.serve.engine.sequence import Sequence
 
+if TYPE_CHECKING:
+    from deltamoe.serve.spec_decode.batch_rule import PendingCatchUp
+
 WINDOW = 8  # verifications a request's acceptance is judged over
+RETRY_AFTER = 64  # plain tokens after a first switch-off before speculating again (doubled per switch-off)
 
 
 @dataclass
@@ -30,6 +40,9 @@ class RequestSpeculation:
     on: bool = True
     drafts: Drafts | None = None
     recent: deque[int] = field(default_factory=lambda: deque(maxlen=WINDOW))  # kept drafts per verification
+    pending: PendingCatchUp | None = None  # positions plain steps computed that the MTP layer has yet to read
+    times_off: int = 0  # switch-offs so far
+    plain_tokens: int = 0  # tokens decoded plainly since the last switch-off
 
 
 class AcceptanceTracker:
@@ -40,6 +53,8 @@ class AcceptanceTracker:
         self.verifications = 0
         self.accepted_at = [0] * num_draft_tokens  # verifications that kept draft j (j = 0 .. K-1)
         self.switched_off = 0
+        self.plain_by_rule_steps = 0  # steps run as plain decode by the batch-size rule (batch_rule.py)
+        self.retries = 0  # switched-off requests that speculated again after their wait
 
     def state(self, seq: Sequence) -> RequestSpeculation:
         state = self._requests.get(seq)
@@ -59,8 +74,19 @@ class AcceptanceTracker:
         state = self.state(seq)
         state.recent.append(accepted)
         if len(state.recent) == WINDOW and sum(state.recent) < self.min_acceptance * WINDOW * self.k:
-            state.on, state.drafts = False, None
+            state.on, state.drafts, state.plain_tokens = False, None, 0
+            state.times_off += 1
             self.switched_off += 1
+
+    def count_plain(self, seq: Sequence, tokens: int) -> None:
+        """A switched-off request decoded `tokens` more plainly (its MTP layer kept current): after
+        RETRY_AFTER * 2^(switch-offs - 1) of them it speculates again, judged over a fresh window."""
+        state = self.state(seq)
+        state.plain_tokens += tokens
+        if state.plain_tokens >= RETRY_AFTER << (state.times_off - 1):
+            state.on = True
+            state.recent.clear()
+            self.retries += 1
 
     def acceptance_rates(self) -> list[float]:
         """Per draft position: the share of verifications that kept it."""
@@ -73,7 +99,9 @@ class AcceptanceTracker:
                    spec_decode_draft_tokens=float(self.verifications * self.k),
                    spec_decode_accepted_tokens=float(sum(self.accepted_at)),
                    spec_decode_mean_accepted_drafts=sum(rates),
-                   spec_decode_requests_switched_off=float(self.switched_off))
+                   spec_decode_requests_switched_off=float(self.switched_off),
+                   spec_decode_plain_by_rule_steps=float(self.plain_by_rule_steps),
+                   spec_decode_requests_retried=float(self.retries))
         return out
 
 
@@ -82,4 +110,5 @@ def summary_line(tracker: AcceptanceTracker) -> str:
     rates = " ".join(f"{r:.2f}" for r in tracker.acceptance_rates())
     return (f"speculative (mtp, {tracker.k} drafts): acceptance per draft position {rates}; "
             f"{sum(tracker.acceptance_rates()):.2f} drafts kept per verification over {tracker.verifications} "
-            f"verifications; {tracker.switched_off} requests switched speculation off")
+            f"verifications; {tracker.switched_off} requests switched speculation off ({tracker.retries} tried again); "
+            f"{tracker.plain_by_rule_steps} steps ran plain by the batch-size rule")

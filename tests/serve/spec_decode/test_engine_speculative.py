@@ -49,7 +49,8 @@ class OracleDrafter(MTPDrafter):
 
 
 def engine(model, k: int, oracle: dict | None = None, **overrides) -> LLMEngine:
-    config = dict(cache_memory="8MiB", speculative="mtp", num_draft_tokens=k, spec_min_acceptance=0.0)
+    # spec_max_batch=0: every batch speculates (the batch-size rule has tests of its own, test_batch_rule.py)
+    config = dict(cache_memory="8MiB", speculative="mtp", num_draft_tokens=k, spec_min_acceptance=0.0, spec_max_batch=0)
     config.update(overrides)
     eng = LLMEngine(model, config=EngineConfig(**config))
     if oracle is not None:
