@@ -125,10 +125,13 @@ class ModelRunner:
             if seq.images is not None:
                 seq.images.release_before(seq.num_computed + n)
         if scored:
-            return with_prompt_logprobs(self._sample(batch, last_logits, to_sample), scored)
-        return self._sample(batch, last_logits, to_sample)
+            return with_prompt_logprobs(self.sample_rows(batch, last_logits, to_sample), scored)
+        return self.sample_rows(batch, last_logits, to_sample)
 
-    def _sample(self, batch: ScheduledBatch, last_logits: list[torch.Tensor], to_sample: list[Sequence]) -> list[StepResult]:
+    def sample_rows(self, batch: ScheduledBatch, last_logits: list[torch.Tensor], to_sample: list[Sequence]
+                    ) -> list[StepResult]:
+        """The step's results: a token drawn for each row of `to_sample` from its logits in `last_logits`
+        (in order), the other rows of `batch` (prefill chunks that end before the prompt does) without one."""
         if not to_sample:
             return [StepResult(seq, n, None, None) for seq, n in batch.items]
         logits = last_logits[0] if len(last_logits) == 1 else torch.cat(last_logits)
@@ -175,7 +178,8 @@ class ModelRunner:
                 view: PagedBatchView | None = None):
         """One model call appending counts[i] tokens to row i (right-padded to the longest with token
         0, which the cache view keeps out of every state) -> each row's last-token logits [B, V] fp32
-        (`with_hidden`, eager calls only: and the hidden states [B, T, D], for prompt logprobs).
+        (`with_hidden`: and the hidden states [B, T, D], for prompt logprobs and the speculative MTP
+        catch-up; compiled calls in the regional forms only, `CompiledDecode.with_hidden_states`).
         `ids`: the call's token ids [B, T] already on the device (default: from `call.token_ids`).
         `view`: the call's cache view when the caller holds it (`batch_view`, or a multi-step
         window's `PagedBatchView.next_decode_view`); default: built from the call."""
@@ -188,16 +192,19 @@ class ModelRunner:
         if compiled is not None:
             call, ids = compiled.with_min_rows(call, ids)
         # Norm + LM head on the last real position only: prefill chunks need no other logits.
-        if compiled is not None:
+        if compiled is not None and with_hidden:  # regional forms only (speculative MTP catch-up)
+            logits, hidden = compiled.with_hidden_states(ids, view)
+            logits, hidden = logits[:rows, -1].float(), hidden[:rows]
+        elif compiled is not None:
             logits = compiled(ids, view)[:rows, -1].float()
         else:
             embeds = None if call.images is None else self.model.embed(
                 ids, call.images.embeds, call.images.mask(*ids.shape, ids.device))
             out = self.model(ids, cache=view, logits_to_keep=1, inputs_embeds=embeds)
-            logits = out.logits[:, -1].float()
+            logits, hidden = out.logits[:, -1].float(), out.hidden_states
         if self.expert_load is not None:
             take_expert_load(self._moe_rows, self.expert_load)
-        return (logits, out.hidden_states) if with_hidden else logits
+        return (logits, hidden) if with_hidden else logits
 
 
 def penalised_outputs(seq: Sequence) -> list[int]:

@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deltamoe.serve.engine.cache_view import PagedBatchView
-from deltamoe.serve.engine.runner import ModelCall, ModelRunner, StepResult, sampled_rows
+from deltamoe.serve.engine.runner import ModelRunner, StepResult, sampled_rows
 from deltamoe.serve.engine.scheduler import ScheduledBatch
 from deltamoe.serve.engine.sequence import Sequence
 from deltamoe.serve.spec_decode.mtp_drafter import CatchUp
@@ -72,27 +71,11 @@ def run_plain_keeping_hidden(runner: ModelRunner, batch: ScheduledBatch
     to_sample: list[Sequence] = []
     hidden_by_seq: dict[int, torch.Tensor] = {}
     for group, call in runner.plan(batch):
-        logits, hidden = _forward_keeping_hidden(runner, call)
+        logits, hidden = runner.forward(call, with_hidden=True)
         for b, (seq, n) in enumerate(group):
             hidden_by_seq[id(seq)] = hidden[b, :n]
         rows = sampled_rows(group)
         if rows:
             last_logits.append(logits if len(rows) == len(group) else logits[rows])
             to_sample.extend(group[row][0] for row in rows)
-    return runner._sample(batch, last_logits, to_sample), hidden_by_seq
-
-
-def _forward_keeping_hidden(runner: ModelRunner, call: ModelCall) -> tuple[torch.Tensor, torch.Tensor]:
-    """`runner.forward(call)` -> last-position logits [B, V] fp32 and hidden states [B, T, D]. A compiled
-    call runs the regional decode form (`CompiledDecode.with_hidden_states`: layers or parts); the
-    whole-call graph returns logits only (`EngineConfig` refuses it with this rule)."""
-    if not call.compiled:
-        return runner.forward(call, with_hidden=True)
-    decode = runner._compiled_decode
-    rows = len(call.counts)
-    ids = torch.tensor(call.token_ids, device=runner.device).view(rows, -1)
-    call, ids = decode.with_min_rows(call, ids)
-    view = PagedBatchView(runner.cache, call.block_tables, call.past_lengths, call.slots, call.counts,
-                          min_table_width=decode.min_table_width, slice_consecutive=decode.slices_consecutive_pages)
-    logits, hidden = decode.with_hidden_states(ids, view)
-    return logits[:rows, -1].float(), hidden[:rows]
+    return runner.sample_rows(batch, last_logits, to_sample), hidden_by_seq
