@@ -375,9 +375,12 @@ def _chunk_terms(
         """factor * x (l2-normalized if asked) in chunk layout, in one pass over x: the per-token
         factor is laid out in chunks first, and an elementwise product takes its memory order from
         its first operand."""
-        row = x.new_full((*x.shape[:-1], 1), factor)
         if use_qk_l2norm:  # as `l2_normalize`: x / sqrt(sum x^2 + eps)
-            row = row / torch.sqrt(torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() + L2NORM_EPS)
+            # square().sum() keeps x's memory order (the model's q and k are strided views whose
+            # head dim is not the innermost), where vector_norm reduces element by element.
+            row = torch.rsqrt(x.square().sum(-1, keepdim=True) + L2NORM_EPS) * factor
+        else:
+            row = x.new_full((*x.shape[:-1], 1), factor)
         return (to_chunks(row).view(n_chunks, b, h, chunk, 1) * chunk_view(x)).flatten(1, 2)
 
     q, k = normalized_chunks(q, scale), normalized_chunks(k, 1.0)  # scale folds into q
@@ -396,8 +399,9 @@ def _chunk_terms(
     # hold garbage that may overflow (e^{H_i - H_j} >= 1 there), so both are cut with tril, not
     # with a 0/1 product, and before beta multiplies L: beta's gradient sums over whole rows, and
     # 0 * inf would be NaN. (The unit lower-triangular solve never reads L's diagonal.)
-    m_scores = (q_to_half @ k_from_half.mT).tril()
-    lower = (k_to_half @ k_from_half.mT).tril(-1) * beta
+    # (tril_ in place: a product's backward never reads the product itself.)
+    m_scores = (q_to_half @ k_from_half.mT).tril_()
+    lower = (k_to_half @ k_from_half.mT).tril_(-1) * beta
     eye = torch.eye(chunk, dtype=dtype)
     inverse = torch.linalg.solve_triangular(lower, eye, upper=False, unitriangular=True)  # (I + L)^-1
     solve_beta = inverse * beta.mT  # (I + L)^-1 Diag(beta)
