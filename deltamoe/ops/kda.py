@@ -40,6 +40,17 @@ MAX_CHUNK_SPAN = 120.0
 # [B, H, T, K] tensor (1 MiB in fp32), e.g. 1024 tokens at B=1, H=8, K=32.
 GROUP_ELEMENTS = 1 << 18
 
+# Bounds of the default chunk length. A token's share of the C x C scores and of the triangular
+# solve grows with C, its share of the K- and V-wide products with K, and the loop over chunks
+# runs T / C steps: a chunk about as long as a head is wide balances them (bench/kda_cost_split.py).
+MIN_DEFAULT_CHUNK, MAX_DEFAULT_CHUNK = 16, 64
+
+
+def default_chunk_size(head_dim: int) -> int:
+    """The chunked forms' longest chunk when the caller names none: the key head size, within
+    [MIN_DEFAULT_CHUNK, MAX_DEFAULT_CHUNK] (16 for `tiny`'s K = 16, 64 for K3's K = 128)."""
+    return min(MAX_DEFAULT_CHUNK, max(MIN_DEFAULT_CHUNK, head_dim))
+
 
 def l2_normalize(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim: fla's in-kernel l2norm (not F.normalize's max)."""
@@ -252,16 +263,16 @@ def chunk_kda(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     use_qk_l2norm: bool = False,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA for prefill and training: same result as `recurrent_kda`, any T, differentiable.
 
-    `chunk_size` is the longest chunk; a group of chunks halves it while one of its chunks would
+    `chunk_size` is the longest chunk (None: `default_chunk_size` of K); a group of chunks halves it while one of its chunks would
     decay by more than e^-MAX_CHUNK_SPAN (see the notes above). g must be <= 0 (a log-decay).
     ops/kda_compiled.py runs the same steps with each group of chunks one compiled call.
     Returns (o [B, T, H, V] in v.dtype, final state [B, H, K, V] or None).
     """
-    (b, t, h, dk, dv), scale = _check_chunked_inputs(q, k, v, g, beta, initial_state, chunk_size, scale)
+    (b, t, h, dk, dv), scale, chunk_size = _check_chunked_inputs(q, k, v, g, beta, initial_state, chunk_size, scale)
     dtype = _compute_dtype(q, k, v, g, beta)
     state = q.new_zeros(b * h, dk, dv, dtype=dtype) if initial_state is None else initial_state.to(dtype)
     state = state.reshape(b * h, dk, dv)
@@ -281,14 +292,15 @@ def chunk_kda(
 
 
 def _check_chunked_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                          initial_state: torch.Tensor | None, chunk_size: int, scale: float | None,
-                          ) -> tuple[tuple[int, int, int, int, int], float]:
+                          initial_state: torch.Tensor | None, chunk_size: int | None, scale: float | None,
+                          ) -> tuple[tuple[int, int, int, int, int], float, int]:
     """The checks and defaults a chunked form's arguments share (`chunk_kda`, `kda_compiled`):
-    ((B, T, H, K, V), scale)."""
+    ((B, T, H, K, V), scale, chunk_size)."""
     sizes = _check_inputs(q, k, v, g, beta, initial_state)
+    chunk_size = default_chunk_size(sizes[3]) if chunk_size is None else chunk_size
     if chunk_size < 1:
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size}")
-    return sizes, sizes[3] ** -0.5 if scale is None else scale
+    return sizes, sizes[3] ** -0.5 if scale is None else scale, chunk_size
 
 
 def _copy_to_tokens(chunk_o: torch.Tensor, tokens: torch.Tensor) -> None:

@@ -92,6 +92,17 @@ def test_chunk_size_does_not_change_the_result(chunk_size: int) -> None:
     assert_rel_close(s, s_ref, 1e-5)
 
 
+def test_default_chunk_length_follows_the_head_size() -> None:
+    """Without a chunk_size the chunk is as long as the head is wide, within [16, 64], and the
+    result is the recurrence's."""
+    assert [kda_module.default_chunk_size(k) for k in (8, 16, 32, 128)] == [16, 16, 32, 64]
+    x = make_inputs(2, 37, 2, 32, 16, seed=4)
+    o_ref, s_ref = recurrent_kda(**x, output_final_state=True, use_qk_l2norm=True)
+    o, s = chunk_kda(**x, output_final_state=True, use_qk_l2norm=True)
+    assert_rel_close(o, o_ref, 1e-5)
+    assert_rel_close(s, s_ref, 1e-5)
+
+
 def test_chunk_survives_huge_decays() -> None:
     """A softplus gate with a_h up to e^6 (g down to ~ -1e3 per step) must not overflow: the
     factorized scores fall back to smaller blocks instead of computing exp of a large number."""
