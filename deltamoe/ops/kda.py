@@ -406,8 +406,9 @@ def _chunk_terms(
     first = g[..., :1, :]  # g_0 of each chunk
     # Here and below `_times` writes into its first operand when no gradient is recorded: each
     # such operand is a temporary of this function that nothing reads afterwards.
-    k_to_half = k * to_half
-    q_to_half, k_from_half = _times(q, to_half, in_place), _times(k, from_half, in_place)
+    q_to_half = _times(q, to_half, in_place)
+    k_to_half = _times(to_half, k, in_place)  # after q's product: to_half is read no more
+    k_from_half = _times(k, from_half, in_place)
 
     # M (scale is folded into q) and L (beta scales its rows). Above the diagonal both products
     # hold garbage that may overflow (e^{H_i - H_j} >= 1 there), so both are cut with tril, not
