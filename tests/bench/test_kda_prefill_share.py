@@ -4,29 +4,13 @@ must be restored after."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import tempfile
-from pathlib import Path
 
 from deltamoe.model import kda_layer
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 
-
-def load_script():
-    sys.path.insert(0, str(BENCH))  # the script imports bench_serve_offline and common beside it
-    try:
-        spec = importlib.util.spec_from_file_location("kda_prefill_share", BENCH / "kda_prefill_share.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
-
-
-def test_pieces_are_timed_inside_the_prefill_and_restored() -> None:
-    script = load_script()
+def test_pieces_are_timed_inside_the_prefill_and_restored(bench_script) -> None:
+    script = bench_script("kda_prefill_share")
     with tempfile.TemporaryDirectory() as tmp:
         script.hf_model().save_pretrained(tmp)
         model = script.load_model(tmp)
