@@ -111,7 +111,8 @@ def main() -> None:
 
     default = best[None]
     names = [n for n in (*BLOCKS, *KDA_PIECES) if n in default]
-    print(f"eager prefill of {args.prompts} prompts (16..64 tokens), tiny Kimi Linear, 1 thread, best of {args.rounds}:")
+    print(f"eager prefill of {args.prompts} prompts (16..64 tokens), tiny Kimi Linear, 1 thread, "
+          f"best of {args.rounds}:")
     print(markdown_table(["piece", "ms", "share of the prefill"],
                          [[n, f"{default[n] * 1e3:.1f}", f"{default[n] / default['total']:.1%}"] for n in names]
                          + [["prefill", f"{default['total'] * 1e3:.1f}", "100%"]]))

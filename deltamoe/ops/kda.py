@@ -267,8 +267,9 @@ def chunk_kda(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA for prefill and training: same result as `recurrent_kda`, any T, differentiable.
 
-    `chunk_size` is the longest chunk (None: `default_chunk_size` of K); a group of chunks halves it while one of its chunks would
-    decay by more than e^-MAX_CHUNK_SPAN (see the notes above). g must be <= 0 (a log-decay).
+    `chunk_size` is the longest chunk (None: `default_chunk_size` of K); a group of chunks halves
+    it while one of its chunks would decay by more than e^-MAX_CHUNK_SPAN (see the notes above).
+    g must be <= 0 (a log-decay).
     ops/kda_compiled.py runs the same steps with each group of chunks one compiled call.
     Returns (o [B, T, H, V] in v.dtype, final state [B, H, K, V] or None).
     """
@@ -435,7 +436,7 @@ def _chunk_terms(
 def _squared_norms(x: torch.Tensor) -> torch.Tensor:
     """sum(x^2) over the last dim, keepdim. vector_norm reduces a contiguous row fastest; on a
     strided last dim (the model's q and k: views of the short conv's [B, C, T] output) it goes
-    element by element, where square().sum() keeps x's memory order and runs ~10x faster."""
+    element by element, where square().sum() keeps x's memory order (bench/kda_prefill_share.py)."""
     if x.stride(-1) == 1:
         return torch.linalg.vector_norm(x, dim=-1, keepdim=True).square()
     return x.square().sum(-1, keepdim=True)
