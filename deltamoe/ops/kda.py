@@ -40,6 +40,17 @@ MAX_CHUNK_SPAN = 120.0
 # [B, H, T, K] tensor (1 MiB in fp32), e.g. 1024 tokens at B=1, H=8, K=32.
 GROUP_ELEMENTS = 1 << 18
 
+# Bounds of the default chunk length. A token's share of the C x C scores and of the triangular
+# solve grows with C, its share of the K- and V-wide products with K, and the loop over chunks
+# runs T / C steps: a chunk about as long as a head is wide balances them (bench/kda_cost_split.py).
+MIN_DEFAULT_CHUNK, MAX_DEFAULT_CHUNK = 16, 64
+
+
+def default_chunk_size(head_dim: int) -> int:
+    """The chunked forms' longest chunk when the caller names none: the key head size, within
+    [MIN_DEFAULT_CHUNK, MAX_DEFAULT_CHUNK] (16 for `tiny`'s K = 16, 64 for K3's K = 128)."""
+    return min(MAX_DEFAULT_CHUNK, max(MIN_DEFAULT_CHUNK, head_dim))
+
 
 def l2_normalize(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim: fla's in-kernel l2norm (not F.normalize's max)."""
@@ -252,16 +263,17 @@ def chunk_kda(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     use_qk_l2norm: bool = False,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA for prefill and training: same result as `recurrent_kda`, any T, differentiable.
 
-    `chunk_size` is the longest chunk; a group of chunks halves it while one of its chunks would
-    decay by more than e^-MAX_CHUNK_SPAN (see the notes above). g must be <= 0 (a log-decay).
+    `chunk_size` is the longest chunk (None: `default_chunk_size` of K); a group of chunks halves
+    it while one of its chunks would decay by more than e^-MAX_CHUNK_SPAN (see the notes above).
+    g must be <= 0 (a log-decay).
     ops/kda_compiled.py runs the same steps with each group of chunks one compiled call.
     Returns (o [B, T, H, V] in v.dtype, final state [B, H, K, V] or None).
     """
-    (b, t, h, dk, dv), scale = _check_chunked_inputs(q, k, v, g, beta, initial_state, chunk_size, scale)
+    (b, t, h, dk, dv), scale, chunk_size = _check_chunked_inputs(q, k, v, g, beta, initial_state, chunk_size, scale)
     dtype = _compute_dtype(q, k, v, g, beta)
     state = q.new_zeros(b * h, dk, dv, dtype=dtype) if initial_state is None else initial_state.to(dtype)
     state = state.reshape(b * h, dk, dv)
@@ -281,14 +293,15 @@ def chunk_kda(
 
 
 def _check_chunked_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                          initial_state: torch.Tensor | None, chunk_size: int, scale: float | None,
-                          ) -> tuple[tuple[int, int, int, int, int], float]:
+                          initial_state: torch.Tensor | None, chunk_size: int | None, scale: float | None,
+                          ) -> tuple[tuple[int, int, int, int, int], float, int]:
     """The checks and defaults a chunked form's arguments share (`chunk_kda`, `kda_compiled`):
-    ((B, T, H, K, V), scale)."""
+    ((B, T, H, K, V), scale, chunk_size)."""
     sizes = _check_inputs(q, k, v, g, beta, initial_state)
+    chunk_size = default_chunk_size(sizes[3]) if chunk_size is None else chunk_size
     if chunk_size < 1:
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size}")
-    return sizes, sizes[3] ** -0.5 if scale is None else scale
+    return sizes, sizes[3] ** -0.5 if scale is None else scale, chunk_size
 
 
 def _copy_to_tokens(chunk_o: torch.Tensor, tokens: torch.Tensor) -> None:
@@ -375,42 +388,65 @@ def _chunk_terms(
         """factor * x (l2-normalized if asked) in chunk layout, in one pass over x: the per-token
         factor is laid out in chunks first, and an elementwise product takes its memory order from
         its first operand."""
-        row = x.new_full((*x.shape[:-1], 1), factor)
         if use_qk_l2norm:  # as `l2_normalize`: x / sqrt(sum x^2 + eps)
-            row = row / torch.sqrt(torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() + L2NORM_EPS)
+            row = torch.rsqrt(_squared_norms(x) + L2NORM_EPS) * factor
+        else:
+            row = x.new_full((*x.shape[:-1], 1), factor)
         return (to_chunks(row).view(n_chunks, b, h, chunk, 1) * chunk_view(x)).flatten(1, 2)
 
     q, k = normalized_chunks(q, scale), normalized_chunks(k, 1.0)  # scale folds into q
+    in_place = not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta)))
     v, g, beta = to_chunks(v), to_chunks(g), to_chunks(beta).unsqueeze(-1)
 
     # H_i - r by one matmul; r - H_j is its negation (exact), so the matmul runs once. (Not
     # 1 / e^{H_i - r}: the reciprocal's gradient, -1 / x^2, overflows near the largest span.)
     exponents = _centering_matrix(chunk, dtype) @ g  # [N, BH, C, K]
     half = -exponents[..., :1, :]  # r - H_0 = r = H_last / 2
-    to_half, from_half = torch.exp(exponents), torch.exp(-exponents)  # e^{H_i - r}, e^{r - H_j}
+    to_half = torch.exp(exponents)  # e^{H_i - r}
+    from_half = exponents.neg_().exp_()  # e^{r - H_j}, in place: exp's backward reads its result only
     first = g[..., :1, :]  # g_0 of each chunk
-    q_to_half, k_to_half = q * to_half, k * to_half
-    k_from_half = k * from_half
+    # Here and below `_times` writes into its first operand when no gradient is recorded: each
+    # such operand is a temporary of this function that nothing reads afterwards.
+    q_to_half = _times(q, to_half, in_place)
+    k_to_half = _times(to_half, k, in_place)  # after q's product: to_half is read no more
+    k_from_half = _times(k, from_half, in_place)
 
     # M (scale is folded into q) and L (beta scales its rows). Above the diagonal both products
     # hold garbage that may overflow (e^{H_i - H_j} >= 1 there), so both are cut with tril, not
     # with a 0/1 product, and before beta multiplies L: beta's gradient sums over whole rows, and
     # 0 * inf would be NaN. (The unit lower-triangular solve never reads L's diagonal.)
-    m_scores = (q_to_half @ k_from_half.mT).tril()
-    lower = (k_to_half @ k_from_half.mT).tril(-1) * beta
+    # (tril_ in place: a product's backward never reads the product itself.)
+    m_scores = (q_to_half @ k_from_half.mT).tril_()
+    lower = _times((k_to_half @ k_from_half.mT).tril_(-1), beta, in_place)
     eye = torch.eye(chunk, dtype=dtype)
     inverse = torch.linalg.solve_triangular(lower, eye, upper=False, unitriangular=True)  # (I + L)^-1
-    solve_beta = inverse * beta.mT  # (I + L)^-1 Diag(beta)
+    solve_beta = _times(inverse, beta.mT, in_place)  # (I + L)^-1 Diag(beta)
 
     # e^{G_i} = e^{g_0 + r} e^{H_i - r}: the per-channel e^{g_0 + r} commutes with (I + L)^-1.
     start = torch.exp(first + half)
     u = solve_beta @ v
-    w = (solve_beta @ k_to_half) * start
-    q_decayed = q_to_half * start  # scale q e^G
-    k_to_end = (k_from_half * torch.exp(half)).mT  # Kd^T: e^{G_last - G_j} = e^{r - H_j} e^{r}
+    w = _times(solve_beta @ k_to_half, start, in_place)
+    q_decayed = _times(q_to_half, start, in_place)  # scale q e^G
+    k_to_end = _times(k_from_half, torch.exp(half), in_place).mT  # Kd^T: e^{G_last - G_j} = e^{r - H_j} e^{r}
     chunk_decay = torch.exp(first + 2 * half).mT  # e^{G_last} [N, BH, K, 1]
 
     return _ChunkTerms(u, w, m_scores, q_decayed, k_to_end, chunk_decay)
+
+
+def _squared_norms(x: torch.Tensor) -> torch.Tensor:
+    """sum(x^2) over the last dim, keepdim. vector_norm reduces a contiguous row fastest; on a
+    strided last dim (the model's q and k: views of the short conv's [B, C, T] output) it goes
+    element by element, where square().sum() keeps x's memory order (bench/kda_prefill_share.py)."""
+    if x.stride(-1) == 1:
+        return torch.linalg.vector_norm(x, dim=-1, keepdim=True).square()
+    return x.square().sum(-1, keepdim=True)
+
+
+def _times(x: torch.Tensor, factor: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """x * factor, written into x if `in_place` (no gradient recorded: one temporary less); under
+    autograd a new tensor, since the product's backward reads x. The caller owns x and reads it
+    no more."""
+    return x.mul_(factor) if in_place else x * factor
 
 
 def _state_pass(terms: _ChunkTerms, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -72,14 +72,15 @@ def compiled_chunk_kda(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     use_qk_l2norm: bool = False,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
     group_chunks: int = GROUP_CHUNKS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`kda.chunk_kda`, same arguments and result, with every `group_chunks` chunks one compiled call.
 
     Returns (o [B, T, H, V] in v.dtype, final state [B, H, K, V] or None).
     """
-    (b, t, h, dk, dv), scale = kda._check_chunked_inputs(q, k, v, g, beta, initial_state, chunk_size, scale)
+    (b, t, h, dk, dv), scale, chunk_size = kda._check_chunked_inputs(q, k, v, g, beta, initial_state, chunk_size,
+                                                                     scale)
     if group_chunks < 1:
         raise ValueError(f"group_chunks: expected a positive integer, got {group_chunks}")
     dtype, out_dtype = kda._compute_dtype(q, k, v, g, beta), v.dtype

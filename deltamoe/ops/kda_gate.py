@@ -103,9 +103,11 @@ def causal_conv1d(
     if t == 1:
         y = (win * weight).sum(-1, keepdim=True)
     else:
+        # Accumulated in place (addcmul_): one [B, C, T] buffer instead of two temporaries per tap;
+        # no product's backward reads the sum.
         y = win[..., :t] * weight[:, :1]
         for w in range(1, width):
-            y = y + win[..., w:w + t] * weight[:, w:w + 1]
+            y.addcmul_(win[..., w:w + t], weight[:, w:w + 1])
     if activation == "silu":
         y = F.silu(y)
     if lengths is None:

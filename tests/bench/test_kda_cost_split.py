@@ -3,31 +3,14 @@ wrappers must see every group, and the op's result must not change under them.""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from deltamoe.ops import kda
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 
-
-def load_script():
-    sys.path.insert(0, str(BENCH))  # the script imports bench_kda and common beside it
-    try:
-        spec = importlib.util.spec_from_file_location("kda_cost_split", BENCH / "kda_cost_split.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
-
-
-def test_stages_add_up_and_the_op_is_restored(monkeypatch) -> None:
-    script = load_script()
+def test_stages_add_up_and_the_op_is_restored(monkeypatch, bench_script) -> None:
+    script = bench_script("kda_cost_split")
     monkeypatch.setattr(kda, "GROUP_ELEMENTS", 1)  # one group per chunk: four groups of 16
     x = script.make_inputs(64, "softplus", head_dim=8)
     terms, state_pass = kda._chunk_terms, kda._state_pass
@@ -46,8 +29,8 @@ def test_stages_add_up_and_the_op_is_restored(monkeypatch) -> None:
 
 
 @pytest.mark.slow
-def test_op_kinds_of_one_run() -> None:
-    script = load_script()
+def test_op_kinds_of_one_run(bench_script) -> None:
+    script = bench_script("kda_cost_split")
     x = script.make_inputs(64, "softplus", head_dim=8)
     with torch.no_grad():
         ops, matmuls = script.op_split(lambda: kda.chunk_kda(**x, use_qk_l2norm=True, chunk_size=16))

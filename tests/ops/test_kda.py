@@ -92,6 +92,17 @@ def test_chunk_size_does_not_change_the_result(chunk_size: int) -> None:
     assert_rel_close(s, s_ref, 1e-5)
 
 
+def test_default_chunk_length_follows_the_head_size() -> None:
+    """Without a chunk_size the chunk is as long as the head is wide, within [16, 64], and the
+    result is the recurrence's."""
+    assert [kda_module.default_chunk_size(k) for k in (8, 16, 32, 128)] == [16, 16, 32, 64]
+    x = make_inputs(2, 37, 2, 32, 16, seed=4)
+    o_ref, s_ref = recurrent_kda(**x, output_final_state=True, use_qk_l2norm=True)
+    o, s = chunk_kda(**x, output_final_state=True, use_qk_l2norm=True)
+    assert_rel_close(o, o_ref, 1e-5)
+    assert_rel_close(s, s_ref, 1e-5)
+
+
 def test_chunk_survives_huge_decays() -> None:
     """A softplus gate with a_h up to e^6 (g down to ~ -1e3 per step) must not overflow: the
     factorized scores fall back to smaller blocks instead of computing exp of a large number."""
@@ -141,10 +152,10 @@ def test_chunk_matches_recurrent_at_the_real_head_size(gate: str) -> None:
 def test_inference_and_autograd_state_passes_agree_and_leave_the_state_alone() -> None:
     """Without autograd the state pass writes into buffers and updates the state in place; with
     it every product is a new tensor. Both equal the recurrence at K = V = 128, and neither
-    touches the initial state it was given."""
+    touches the initial state or the inputs it was given (the terms are scaled in place too)."""
     x = make_inputs(1, 100, 2, 128, 128, seed=53, a_log_range=(-4.0, -2.0))
     state = torch.randn(1, 2, 128, 128, generator=torch.Generator().manual_seed(54))
-    given = state.clone()
+    given, given_inputs = state.clone(), {n: t.clone() for n, t in x.items()}
     o_ref, s_ref = recurrent_kda(**x, initial_state=state, output_final_state=True, use_qk_l2norm=True)
     with torch.no_grad():
         o_in_place, s_in_place = chunk_kda(**x, initial_state=state, output_final_state=True, use_qk_l2norm=True)
@@ -155,6 +166,7 @@ def test_inference_and_autograd_state_passes_agree_and_leave_the_state_alone() -
         assert_rel_close(o, o_ref, 1e-5)
         assert_rel_close(s, s_ref, 1e-5)
     assert torch.equal(state, given)
+    assert all(torch.equal(x[n], given_inputs[n]) for n in x)
 
 
 def test_gates_near_zero_over_a_long_sequence() -> None:
