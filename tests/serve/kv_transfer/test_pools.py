@@ -1,8 +1,10 @@
 """Hand-off segments: tokens up to num_tokens of every latent / indexer layer (runs of blocks
-consecutive on both sides merged), one state slot per KDA layer, nothing else; the packed
+consecutive on both sides merged), a state slot of every KDA layer as one run, nothing else; the packed
 message carries the same bytes and lands in exactly the receiver's rows and slot."""
 
 from __future__ import annotations
+
+import ctypes
 
 import pytest
 import torch
@@ -10,7 +12,9 @@ import torch
 from deltamoe.serve.engine.cache import HybridCache
 from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.kv_transfer.packing import message_bytes, pack, payload_bytes, token_rows, unpack
-from deltamoe.serve.kv_transfer.pools import PAGED_POOLS, POOLS, PoolDescriptor, _runs, pool_tensors, request_segments
+from deltamoe.serve.engine.state_storage import slot_run_bytes
+from deltamoe.serve.kv_transfer.pools import (PAGED_POOLS, POOLS, PoolDescriptor, _runs, describe, pool_tensors,
+                                              registered_areas, request_segments)
 from deltamoe.serve.kv_transfer.staging import StagingArea
 
 
@@ -28,15 +32,41 @@ def test_segments_cover_exactly_the_tokens_and_the_state(helpers):
     layout = cache.layout
     assert sum(s.nbytes for s in segments) == 15 * layout.bytes_per_token + layout.bytes_per_state_slot
     n_paged = len(layout.latent_layers) + len(layout.index_layers)
-    assert len(segments) == 2 * n_paged + 2 * len(layout.kda_layers)
+    # Here the remote recurrent and conv pools lie far apart: one segment each, every layer of the slot.
+    assert len(segments) == 2 * n_paged + 2
     row = cache.latent.stride(1) * cache.latent.element_size()
     first = segments[0]  # latent layer 0, blocks 0-2 -> 3-5
     assert (first.src, first.dst, first.nbytes) == (cache.latent.data_ptr(), remote.addresses["latent"] + 12 * row,
                                                     12 * row)
-    slot = cache.recurrent.stride(1) * cache.recurrent.element_size()
-    kda = segments[2 * n_paged]  # recurrent state of KDA layer 0, slot 1 -> 2
+    slot = slot_run_bytes(cache.recurrent)
+    kda = segments[2 * n_paged]  # recurrent state of every KDA layer, slot 1 -> 2
     assert (kda.src, kda.dst, kda.nbytes) == (cache.recurrent.data_ptr() + slot, remote.addresses["recurrent"] + 2 * slot,
-                                              slot)
+                                              cache.recurrent[:, 0].numel() * 4)
+
+
+def test_a_state_slot_is_one_segment_between_real_caches(helpers):
+    config = EngineConfig(cache_memory="2MiB", block_size=4)
+    src, dst = HybridCache(helpers.k31_tiny(), config, 256), HybridCache(helpers.k31_tiny(), config, 256)
+    remote = describe(dst, "peer:1", helpers.k31_tiny())
+    segments = request_segments(src, remote, [7], [5], num_tokens=3, first_block=0, src_slot=1, dst_slot=2)
+    n_paged = len(src.layout.latent_layers) + len(src.layout.index_layers)
+    state = segments[n_paged:]
+    assert len(state) == 1 and state[0].nbytes == src.layout.bytes_per_state_slot
+    assert (state[0].src, state[0].dst) == (src.recurrent[0, 1].data_ptr(), dst.recurrent[0, 2].data_ptr())
+    # The state moved as those bytes lands in exactly slot 2's recurrent and conv state of every layer.
+    for pool in (src.recurrent, src.conv):
+        pool.view(torch.uint8).random_(0, 120, generator=torch.Generator().manual_seed(0))
+    raw = torch.frombuffer(bytearray(state[0].nbytes), dtype=torch.uint8)
+    ctypes.memmove(raw.data_ptr(), state[0].src, state[0].nbytes)
+    ctypes.memmove(dst.recurrent[0, 2].data_ptr(), raw.data_ptr(), state[0].nbytes)
+    assert torch.equal(dst.recurrent[:, 2], src.recurrent[:, 1]) and torch.equal(dst.conv[:, 2], src.conv[:, 1])
+    assert not dst.recurrent[:, [0, 1, 3]].any() and not dst.conv[:, [0, 1, 3]].any()
+    # The transport registers the memory under the pools, each buffer once, covering every pool.
+    areas = registered_areas(src)
+    assert len(areas) == len(pool_tensors(src)) - 1  # recurrent and conv share one buffer
+    for pool in pool_tensors(src).values():
+        last = pool.data_ptr() + (sum((n - 1) * st for n, st in zip(pool.shape, pool.stride())) + 1) * pool.element_size()
+        assert any(a <= pool.data_ptr() and last <= a + n for a, n in areas)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
