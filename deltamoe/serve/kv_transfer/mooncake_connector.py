@@ -65,7 +65,7 @@ from deltamoe.serve.kv_transfer.connector import FinishedTransfers, KVConnector
 from deltamoe.serve.kv_transfer.mooncake_transport import ChunkedWrite, MooncakeTransport, TransferFailed
 from deltamoe.serve.kv_transfer.notices import POLL_S, NoticeWatcher
 from deltamoe.serve.kv_transfer.packing import TokenRows, message_bytes, pack_in_steps, payload_bytes, token_rows, unpack
-from deltamoe.serve.kv_transfer.pools import PoolDescriptor, Segment, describe, registered_areas, request_segments
+from deltamoe.serve.kv_transfer.pools import PoolDescriptor, Segment, describe, pool_tensors, request_segments
 from deltamoe.serve.kv_transfer.role_config import DIRECT_MAX_SEGMENTS, INLINE_WRITE
 from deltamoe.serve.kv_transfer.staging import StagingArea
 
@@ -168,8 +168,8 @@ class MooncakeConnector(KVConnector):
         super().bind(cache, model_config)
         self.transport = MooncakeTransport(self.config.host, timeout_s=self.config.timeout_s)
         self.staging = StagingArea(self.config.staging_bytes)
-        for address, nbytes in [*registered_areas(cache), (self.staging.address, self.staging.nbytes)]:
-            self.transport.register(address, nbytes)  # once: never per request
+        for tensor in [*pool_tensors(cache).values(), self.staging.buffer]:  # once: never per request
+            self.transport.register(tensor.data_ptr(), tensor.numel() * tensor.element_size())
         self.descriptor = describe(cache, self.transport.session, model_config)
         self.notices = NoticeWatcher(self.transport.notices, self.config.notice_poll_s)
 

@@ -4,8 +4,8 @@ A HybridCache holds its pools as tensors allocated once: paged ones, latent page
 indexer-key pages [layers, blocks * block_size, dim] (a block of a layer is one contiguous run
 of block_size rows) and, with an fp8 KV cache, their fp32 scales [layers, blocks * block_size,
 tiles]; and state ones, recurrent [layers, slots, H, K, V] and conv [layers, slots, 3P, W-1],
-views of one slot-major buffer (`engine/state_storage.py`: a slot's state of every layer, both
-kinds, is one contiguous run). A transport registers the memory under them once and moves a
+slot-major (`engine/state_storage.py`: a slot's recurrent state of every layer is one contiguous
+run, and so is its conv state). A transport registers the tensors once and moves a
 request either packed (`packing.py`) or as a list of (source address, destination address,
 bytes) segments straight between the pools; the destination's base addresses travel in the
 hand-off request (`PoolDescriptor`).
@@ -56,16 +56,6 @@ def pool_tensors(cache: HybridCache) -> dict[str, torch.Tensor]:
     return {name: getattr(cache, name) for name in POOLS if getattr(cache, name) is not None}
 
 
-def registered_areas(cache: HybridCache) -> list[tuple[int, int]]:
-    """(address, bytes) of the memory under the cache's pools, each once (the state pools share one buffer):
-    what a transport registers."""
-    areas = {}
-    for pool in pool_tensors(cache).values():
-        storage = pool.untyped_storage()
-        areas[storage.data_ptr()] = storage.nbytes()
-    return list(areas.items())
-
-
 def cache_signature(model_config: ModelConfig, cache: HybridCache) -> str:
     """Everything that must agree for raw bytes to mean the same on both sides (not the pool sizes)."""
     shapes = {name: [t.shape[0], *t.shape[2:]] for name, t in pool_tensors(cache).items()}
@@ -90,7 +80,7 @@ def request_segments(cache: HybridCache, remote: PoolDescriptor, src_blocks: lis
     `src_blocks` / `dst_blocks`: the blocks holding those tokens, in order, on each side. The last
     block is copied only up to `num_tokens`; runs of consecutive blocks on both sides are merged
     into one segment, and so are segments that follow each other in memory on both sides (a slot's
-    state of every layer: one segment, `engine/state_storage.py`).
+    recurrent state of every layer: one segment, its conv state another, `engine/state_storage.py`).
     """
     bs = cache.block_size
     if len(src_blocks) != len(dst_blocks):

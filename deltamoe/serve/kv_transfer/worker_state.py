@@ -32,7 +32,7 @@ import torch.distributed as dist
 from deltamoe.serve.engine.cache import HybridCache
 from deltamoe.serve.engine.scheduler import ScheduledBatch
 from deltamoe.serve.engine.sequence import Sequence
-from deltamoe.serve.engine.state_storage import slot_major_states
+from deltamoe.serve.engine.state_storage import slot_major
 from deltamoe.serve.kv_transfer.mooncake_connector import PushTo, RemotePrefill
 from deltamoe.serve.kv_transfer.packing import message_bytes, pack, token_rows, unpack
 
@@ -56,10 +56,9 @@ def whole_head_pools(cache: HybridCache, tp: int, slots: int) -> HandOffPools:
     """`cache`'s pages with `slots` whole-head state slots (zeroed) beside them."""
     layers, _, heads, k, v = cache.recurrent.shape
     channels, width = cache.conv.shape[2:]
-    recurrent, conv = slot_major_states(layers, slots, (heads * tp, k, v), (channels * tp, width), cache.recurrent.dtype,
-                                        cache.conv.dtype, cache.recurrent.device)
     return HandOffPools(cache.block_size, cache.latent, cache.index_keys, cache.latent_scale, cache.index_key_scale,
-                        recurrent, conv)
+                        slot_major(layers, slots, (heads * tp, k, v), cache.recurrent.dtype, cache.recurrent.device),
+                        slot_major(layers, slots, (channels * tp, width), cache.conv.dtype, cache.conv.device))
 
 
 def hand_off_pools(cache: HybridCache, tp: int) -> HybridCache | HandOffPools:
