@@ -157,7 +157,7 @@ class MooncakeConnector(KVConnector):
                         "writes": 0, "seconds_queued": 0.0, "landed_on_notice": 0,
                         "timed": 0, "seconds_finish_to_cache": 0.0, "seconds_notice": 0.0,
                         "seconds_submitting": 0.0, "seconds_transferring": 0.0, "seconds_notifying": 0.0,
-                        "written_inline": 0, "seconds_inline": 0.0}
+                        "written_inline": 0, "seconds_inline": 0.0, "segments_direct": 0}
         # Completion notices' keys: this connector's own prefix (a late notice meant for an earlier
         # server on the same address never matches) and a count.
         self._notice_prefix, self._landings = secrets.token_hex(4), 0
@@ -221,6 +221,7 @@ class MooncakeConnector(KVConnector):
             segments = request_segments(self.cache, push.dest, src_blocks, push.dst_blocks, seq.num_computed,
                                         push.first_block, seq.slot, push.dst_slot)
             if self._direct(push, segments):
+                self._add("segments_direct", len(segments))
                 if self._write_inline(seq.request_id, push, segments):
                     return True
                 if self.transport.lanes or sum(s.nbytes for s in segments) <= self.config.inline_start_bytes:
