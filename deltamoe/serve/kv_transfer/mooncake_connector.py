@@ -163,6 +163,7 @@ class MooncakeConnector(KVConnector):
         self._notice_prefix, self._landings = secrets.token_hex(4), 0
         self._busy = BusyTime(self.config.timeout_s)  # decode side: hand-offs' timed intervals, overlaps once
         self._not_inline: set[str] = set()  # prefill side: peers a write inline failed to (see `_write_inline`)
+        self._step_pushes: list[PendingPush] = []  # prefill side: inline candidates of the running step
 
     def bind(self, cache: HybridCache, model_config: ModelConfig) -> None:
         super().bind(cache, model_config)
@@ -222,7 +223,9 @@ class MooncakeConnector(KVConnector):
                                         push.first_block, seq.slot, push.dst_slot)
             if self._direct(push, segments):
                 self._add("segments_direct", len(segments))
-                if self._write_inline(seq.request_id, push, segments):
+                if self._inline_candidate(push, segments):  # written or started once the step ends (`step_ended`)
+                    self._step_pushes.append(PendingPush(seq.request_id, push, src_blocks, seq.num_computed, seq.slot,
+                                                         segments))
                     return True
                 if self.transport.lanes or sum(s.nbytes for s in segments) <= self.config.inline_start_bytes:
                     started = self._start_direct(push, segments)
@@ -235,6 +238,22 @@ class MooncakeConnector(KVConnector):
         self._threads.submit(self._push, seq.request_id, push, src_blocks, seq.num_computed, seq.slot, segments,
                              started)
         return True
+
+    def step_ended(self) -> None:
+        """The direct hand-offs small enough to write inline that the step finished: one alone, the engine
+        thread writes whole, notice included (`_write_inline`); several, it puts every one on its way as
+        an asynchronous batch at once, and the hand-off threads send each notice as its batch completes:
+        written inline one after the other, each would wait for the one before it, notice included."""
+        pending, self._step_pushes = self._step_pushes, []
+        if len(pending) == 1 and self._write_inline(pending[0].request_id, pending[0].push, pending[0].segments):
+            return
+        for p in pending:
+            try:
+                started = self._start_direct(p.push, p.segments)
+            except Exception as e:  # fails this hand-off only, on its thread
+                started = StartedPush(None, 0, 0, error=e)
+            self._threads.submit(self._push, p.request_id, p.push, p.src_blocks, p.num_tokens, p.slot, p.segments,
+                                 started)
 
     def _direct(self, push: PushTo, segments: list[Segment]) -> bool:
         """Write straight into the decode side's pools (else packed, through the staging areas): always
@@ -371,6 +390,11 @@ class MooncakeConnector(KVConnector):
         self._end(request_id, "sent", error=str(error))
         push.done.set_exception(error if isinstance(error, TransferFailed) else TransferFailed(str(error)))
 
+    def _inline_candidate(self, push: PushTo, segments: list[Segment]) -> bool:
+        """Whether `_write_inline` may write this direct hand-off (see there)."""
+        return (self.transport.lanes and sum(s.nbytes for s in segments) <= self.config.inline_write_bytes
+                and push.dest.session not in self._not_inline)
+
     def _write_inline(self, request_id: str, push: PushTo, segments: list[Segment]) -> bool:
         """On the engine thread as the prefill ends: write a direct hand-off and its notice in one
         synchronous call of the transfer engine, which waits in C++ with the GIL released and sends the
@@ -382,8 +406,6 @@ class MooncakeConnector(KVConnector):
         holds this thread for the engine's bound on a write once, never again. True: the hand-off ended
         (written, or failed)."""
         peer, nbytes = push.dest.session, sum(s.nbytes for s in segments)
-        if not self.transport.lanes or nbytes > self.config.inline_write_bytes or peer in self._not_inline:
-            return False
         writing = time.monotonic()
         if push.deadline <= writing:  # not the peer's fault: it keeps its inline writes
             self._push_failed(request_id, push, TransferFailed(f"no time left for the hand-off to {peer}"))
@@ -502,6 +524,18 @@ class MooncakeConnector(KVConnector):
                 self._totals["unpacked"] += unpacked
         if self.on_transfer_end is not None:
             self.on_transfer_end()
+
+
+@dataclass
+class PendingPush:
+    """Prefill side: a direct hand-off whose prefill the running step finished, written once the step ends."""
+
+    request_id: str
+    push: PushTo
+    src_blocks: list[int]
+    num_tokens: int
+    slot: int
+    segments: list[Segment]
 
 
 @dataclass
