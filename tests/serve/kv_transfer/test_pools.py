@@ -53,8 +53,9 @@ def test_a_state_slot_is_two_segments_between_real_caches(helpers):
     n_paged = len(src.layout.latent_layers) + len(src.layout.index_layers)
     state = segments[n_paged:]  # recurrent, then conv, each every layer of the slot
     assert len(state) == 2 and sum(s.nbytes for s in state) == src.layout.bytes_per_state_slot
-    assert [(s.src, s.dst) for s in state] == [(pool[0, 1].data_ptr(), remote.addresses[name] + 2 * slot_run_bytes(pool))
-                                               for name, pool in (("recurrent", src.recurrent), ("conv", src.conv))]
+    assert [(s.src, s.dst) for s in state] == [
+        (pool[0, 1].data_ptr(), remote.addresses[name] + 2 * slot_run_bytes(pool))
+        for name, pool in (("recurrent", src.recurrent), ("conv", src.conv))]
     # Those bytes, copied, land in exactly slot 2's recurrent and conv state of every layer.
     for pool in (src.recurrent, src.conv):
         pool.view(torch.uint8).random_(0, 120, generator=torch.Generator().manual_seed(0))
