@@ -18,13 +18,14 @@ Prefill side (`PushTo` on a sequence): when the request finishes its N-1 tokens,
 any direct one over connection lanes, see below; the rest on a hand-off thread) and keeps the
 blocks and slot pinned until the write ends. Over connection lanes, a direct hand-off of up to
 `inline_write_bytes` is written whole by the engine thread, notice included, in one synchronous
-call of the transfer engine (`_write_inline`), unless another thread waits on the transport then.
+call of the transfer engine (`_write_inline`), unless another thread waits on the transport then,
+or the step finished several such hand-offs: those all start at once as the step ends (`step_ended`).
 Prefix caching works as in any engine: cached blocks are not recomputed, and are sent like the rest
 (the decode side lacks them).
 
 The write goes straight into the decode side's pools (zero-copy: no gather, no staging, no
-scatter) as one batch of segments, one per run of blocks per layer of each paged pool and one per
-state layer, when the request is few segments for its size (`HandOffConfig.direct_max_segments`:
+scatter) as one batch of segments, one per run of blocks per layer of each paged pool and two for
+the state slot (recurrent, conv: each one run of every layer, `engine/state_storage.py`), when the request is few segments for its size (`HandOffConfig.direct_max_segments`:
 each segment pays the transport's fixed cost, a packed write pays a gather and a scatter). A more
 scattered request fitting both servers' staging areas (`staging.py`) is packed: the decode side
 lends a range of its area, the prefill side gathers the request into a range of its own, a pool at
