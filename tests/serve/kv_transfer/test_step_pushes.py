@@ -1,6 +1,7 @@
-"""The prefill side's small direct hand-offs of one step: one alone is written inline (one synchronous
-call with its notice); several are all put on their way before any of their notices is sent, each
-still answered with its own report (a fake transport records the calls)."""
+"""The prefill side's small direct hand-offs of one step: those to one peer are written inline together
+(one synchronous call, one notice naming each, up to `inline_write_bytes` a call); when the transport
+is busy they are all put on their way before any of their notices is sent; each is answered with its
+own report, and one that cannot start fails alone (a fake transport records the calls)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 
 import pytest
 
-from deltamoe.serve.kv_transfer.mooncake_connector import MooncakeConnector, PendingPush, PushTo
+from deltamoe.serve.kv_transfer.mooncake_connector import HandOffConfig, MooncakeConnector, PendingPush, PushTo
 from deltamoe.serve.kv_transfer.mooncake_transport import ChunkedWrite, TransferFailed
 from deltamoe.serve.kv_transfer.pools import PoolDescriptor, Segment
 
@@ -21,14 +22,16 @@ class RecordingTransport:
 
     lanes = True
 
-    def __init__(self, starts: int = 1, fail_peer: str | None = None):
+    def __init__(self, starts: int = 1, fail_peer: str | None = None, busy: bool = False):
         self.calls: list[tuple[str, str | None]] = []
-        self.starts, self.fail_peer = starts, fail_peer
+        self.starts, self.fail_peer, self.busy = starts, fail_peer, busy
         self.changed = threading.Condition()
 
     def write_unless_busy(self, peer, segments, timeout_s, notice=None) -> bool:
+        if self.busy:
+            return False
         with self.changed:
-            self.calls.append(("inline", notice))
+            self.calls.append(("inline", f"{len(segments)} segments: {notice}"))
         return True
 
     def start_segments(self, peer, segments) -> ChunkedWrite:
@@ -55,8 +58,8 @@ def pending(i: int, peer: str = "peer:1") -> PendingPush:
     return PendingPush(f"r{i}", push, [i], 3, i, [Segment(1000 * i, 2000 * i, 64)])
 
 
-def connector_with(transport: RecordingTransport) -> MooncakeConnector:
-    connector = MooncakeConnector()
+def connector_with(transport: RecordingTransport, inline_write_bytes: int = 2 << 20) -> MooncakeConnector:
+    connector = MooncakeConnector(HandOffConfig(inline_write_bytes=inline_write_bytes))
     connector.transport = transport
     return connector
 
@@ -67,13 +70,28 @@ def test_one_handoff_of_a_step_is_written_inline():
     alone = pending(0)
     connector._step_pushes = [alone]
     connector.step_ended()
-    assert transport.calls == [("inline", "key-0 unpacked")] and connector._step_pushes == []
+    assert transport.calls == [("inline", "1 segments: key-0 unpacked")] and connector._step_pushes == []
     assert alone.push.done.result(timeout=10.0)["segments"] == 1  # one synchronous call, notice included
     assert connector.get_finished().sent == {"r0"}
 
 
-def test_several_handoffs_of_a_step_all_start_before_any_notice():
-    transport = RecordingTransport(starts=4)
+def test_a_steps_handoffs_to_one_peer_are_one_call_with_one_notice_naming_each():
+    transport = RecordingTransport()
+    connector = connector_with(transport, inline_write_bytes=3 * 64)  # three hand-offs of 64 bytes a call
+    pushes = [pending(i, peer=f"peer:{i % 2}") for i in range(8)]  # even ones to peer:0, odd ones to peer:1
+    connector._step_pushes = list(pushes)
+    connector.step_ended()
+    notices = lambda ids: "\n".join(f"key-{i} unpacked" for i in ids)  # noqa: E731
+    assert transport.calls == [("inline", f"3 segments: {notices([0, 2, 4])}"),
+                               ("inline", f"3 segments: {notices([1, 3, 5])}"),
+                               ("inline", f"1 segments: {notices([6])}"), ("inline", f"1 segments: {notices([7])}")]
+    assert all(p.push.done.result(timeout=10.0)["bytes"] == 64 for p in pushes)
+    stats = connector.stats()
+    assert stats["kv_transfer_written_inline"] == stats["kv_transfer_sent"] == 8
+
+
+def test_busy_transport_several_handoffs_all_start_before_any_notice():
+    transport = RecordingTransport(starts=4, busy=True)
     connector = connector_with(transport)
     pushes = [pending(i) for i in range(4)]
     connector._step_pushes = list(pushes)
@@ -87,7 +105,7 @@ def test_several_handoffs_of_a_step_all_start_before_any_notice():
 
 
 def test_a_handoff_that_cannot_start_fails_alone():
-    transport = RecordingTransport(starts=1, fail_peer="dead:1")
+    transport = RecordingTransport(starts=1, fail_peer="dead:1", busy=True)
     connector = connector_with(transport)
     good, bad = pending(0), pending(1, peer="dead:1")
     connector._step_pushes = [good, bad]
