@@ -25,11 +25,11 @@ Prefix caching works as in any engine: cached blocks are not recomputed, and are
 
 The write goes straight into the decode side's pools (zero-copy: no gather, no staging, no
 scatter) as one batch of segments, one per run of blocks per layer of each paged pool and two for
-the state slot (recurrent, conv: each one run of every layer, `engine/state_storage.py`), when the request is few segments for its size (`HandOffConfig.direct_max_segments`:
-each segment pays the transport's fixed cost, a packed write pays a gather and a scatter). A more
-scattered request fitting both servers' staging areas (`staging.py`) is packed: the decode side
-lends a range of its area, the prefill side gathers the request into a range of its own, a pool at
-a time, and writes each `write_chunk_bytes` of it as soon as they are gathered (the transfer engine
+the state slot (recurrent, conv: each one run of every layer, `engine/state_storage.py`), when the
+request is few segments for its size (`HandOffConfig.direct_max_segments`: each segment pays the
+transport's fixed cost, a packed write pays a gather and a scatter). A more scattered request
+fitting both servers' staging areas (`staging.py`) is packed: the decode side lends a range of its
+area, the prefill side gathers the request into a range of its own, a pool at a time, and writes each `write_chunk_bytes` of it as soon as they are gathered (the transfer engine
 sends a chunk while this thread gathers the next). The engine thread submits a hand-off of up to
 `inline_start_bytes` itself (a packed one when a range is free at once), and any direct one when
 the transport has connection lanes (its submission then only queues the segments, whatever their
@@ -249,7 +249,7 @@ class MooncakeConnector(KVConnector):
         hand-off threads send each notice as its batch completes."""
         pending, self._step_pushes = self._step_pushes, []
         for group in inline_groups(pending, self.config.inline_write_bytes):
-            if self._write_inline(group):
+            if group[0].push.dest.session not in self._not_inline and self._write_inline(group):
                 continue
             for p in group:
                 try:

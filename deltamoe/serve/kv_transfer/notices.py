@@ -12,9 +12,10 @@ decode side cannot tell when the prefill ends); each poll is one short C++ call,
 the thread sleeps without the GIL. The poll period trades the notice's delay (half of it on
 average) against the CPU the polls take beside the engine thread (a few percent of a core at the
 default). A notice is lines "<key> <detail>", one per hand-off that its write completed: the key
-names one hand-off (`expect`), and its callback runs on this thread with the detail. Whoever claims a hand-off first handles it: this thread when its notice arrives,
-or the hand-off's own thread when the HTTP answer comes first (`claim`: the notice was queued
-but not yet polled, or the hand-off failed); a notice nobody expects any more is dropped.
+names one hand-off (`expect`), and its callback runs on this thread with the detail. Whoever claims
+a hand-off first handles it: this thread when its notice arrives, or the hand-off's own thread when
+the HTTP answer comes first (`claim`: the notice was queued but not yet polled, or the hand-off
+failed); a notice nobody expects any more is dropped.
 """
 
 from __future__ import annotations
