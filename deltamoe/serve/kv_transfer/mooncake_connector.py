@@ -23,22 +23,22 @@ once the step ends (`step_ended`), with the others of that step to the same peer
 Prefix caching works as in any engine: cached blocks are not recomputed, and are sent like the rest
 (the decode side lacks them).
 
-The write goes straight into the decode side's pools (zero-copy: no gather, no staging, no
-scatter) as one batch of segments, one per run of blocks per layer of each paged pool and two for
-the state slot (recurrent, conv: each one run of every layer, `engine/state_storage.py`), when the
-request is few segments for its size (`HandOffConfig.direct_max_segments`: each segment pays the
-transport's fixed cost, a packed write pays a gather and a scatter). A more scattered request
-fitting both servers' staging areas (`staging.py`) is packed: the decode side lends a range of its
-area, the prefill side gathers the request into a range of its own, a pool at a time, and writes each `write_chunk_bytes` of it as soon as they are gathered (the transfer engine
-sends a chunk while this thread gathers the next). The engine thread submits a hand-off of up to
-`inline_start_bytes` itself (a packed one when a range is free at once), and any direct one when
-the transport has connection lanes (its submission then only queues the segments, whatever their
-size; without lanes it connects once per segment), every byte as asynchronous writes, so that
-the hand-off thread, which waits for them and sends the notice, wakes up while they travel.
-Either way a completion notice (`notices.py`) follows once every write completed: the decode side
-scatters the message into its blocks and slot (packed) and lets the request run as soon as the
-notice arrives, without waiting for the prefill call's answer, which still reports errors and
-timings.
+The write goes straight into the decode side's pools (zero-copy: no gather, no staging, no scatter)
+as one batch of segments, one per run of blocks per layer of each paged pool and two for the state
+slot (recurrent, conv: each one run of every layer, `engine/state_storage.py`), when the request is
+few segments for its size (`HandOffConfig.direct_max_segments`: each segment pays the transport's
+fixed cost, a packed write pays a gather and a scatter). A more scattered request fitting both
+servers' staging areas (`staging.py`) is packed: the decode side lends a range of its area, the
+prefill side gathers the request into a range of its own, a pool at a time, and writes each
+`write_chunk_bytes` of it as soon as they are gathered (the transfer engine sends a chunk while this
+thread gathers the next). The engine thread submits a hand-off of up to `inline_start_bytes` itself
+(a packed one when a range is free at once), and any direct one when the transport has connection
+lanes (its submission then only queues the segments, whatever their size; without lanes it connects
+once per segment), every byte as asynchronous writes, so that the hand-off thread, which waits for
+them and sends the notice, wakes up while they travel. Either way a completion notice (`notices.py`)
+follows once every write completed: the decode side scatters the message into its blocks and slot
+(packed) and lets the request run as soon as the notice arrives, without waiting for the prefill
+call's answer, which still reports errors and timings.
 
 A staging range is lent for as long as a write may still land in it: the prefill side answers
 only once each of its writes completed or failed (`MooncakeTransport.write_as_ready`), and when
