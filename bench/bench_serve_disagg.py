@@ -46,10 +46,13 @@ its write by phase (`kv_transfer_seconds_{submitting,transferring,notifying}`: t
 submission, the batch on the wire until the hand-off thread saw it complete, the notice's own
 write; zero for the others), and the share of hand-offs the engine thread wrote itself in one
 synchronous call with their notice (`kv_transfer_written_inline`) with that call's time;
-goal: >= 50 % of raw (back to back) at every size. Then, sustained: `--in-flight` prompts of each
-`--idle-lens` length at once, `--idle-handoffs` rounds: bytes / the decode server's
-`kv_transfer_seconds_busy` (the seconds during which at least one hand-off was on its way, overlaps
-counted once), next to the same raw write. `--baseline DIR|packed|no-lanes|no-inline` starts a second
+goal: >= 50 % of raw (back to back) at every size. Then, sustained: for each `--in-flight` count N
+(default 4 and 8), N prompts of each `--idle-lens` length at once, `--idle-handoffs` rounds: bytes /
+the decode server's `kv_transfer_seconds_busy` (the seconds during which at least one hand-off was on
+its way, overlaps counted once), next to the same raw write, and next to N raw writes of one hand-off's
+size each, back to back and timed together (the same total bytes: "N in flight vs raw back to back").
+The idle table also shows the segments of a direct hand-off (`kv_transfer_segments_direct` / hand-offs).
+`--baseline DIR|packed|no-lanes|no-inline` starts a second
 1P+1D stack (from another checkout of the code, or this one with every hand-off packed, or this one
 over a new Mooncake TCP connection per write instead of the connection lanes, or this one with the
 prefill engine thread's own synchronous write turned off) and sends it every
@@ -208,7 +211,8 @@ def handoff_totals(p_url: str, d_url: str) -> dict[str, float]:
         busy = metric(d_url, "deltamoe_engine_kv_transfer_seconds_busy")
     except KeyError:
         busy = float("nan")
-    return {"busy": busy,"count": metric(p_url, "deltamoe_engine_kv_transfer_sent"),
+    return {"busy": busy, "count": metric(p_url, "deltamoe_engine_kv_transfer_sent"),
+            "segments": metric_or_nan(p_url, "deltamoe_engine_kv_transfer_segments_direct"),
             "bytes": metric(p_url, "deltamoe_engine_kv_transfer_bytes_sent"),
             "unpacked": metric(p_url, "deltamoe_engine_kv_transfer_unpacked"),
             "writes": metric(p_url, "deltamoe_engine_kv_transfer_writes"),
@@ -309,6 +313,7 @@ def per_handoff(r: dict) -> dict:
     return {"prompt_tokens": r["prompt_tokens"], "bytes_per_handoff": r["bytes"] / r["count"],
             "seconds_per_handoff": r["seconds"] / r["count"], "unpacked": r["unpacked"],
             "writes_per_handoff": r["writes"] / r["count"], "landed_on_notice": r["on_notice"] / r["count"],
+            "segments_per_handoff": r["segments"] / r["unpacked"] if r["unpacked"] else float("nan"),
             "written_inline": r["written_inline"] / r["count"],
             **{f"{part}_seconds": r[part] / r["count"]
                for part in ("copy", "queued", "gather", "write", "notice", "scatter", "submitting", "transferring",
@@ -350,12 +355,12 @@ def run_disaggregated(args) -> tuple[dict, dict]:
         # Several in flight: `--in-flight` prompts at once, `--idle-handoffs` times; bytes over the seconds
         # during which at least one of them was on its way (this checkout's stack only).
         sustained = []
-        for length in args.idle_lens if args.in_flight > 1 else []:
+        for in_flight, length in ((n, length) for n in args.in_flight if n > 1 for length in args.idle_lens):
             before = handoff_totals(p_url, d_url)
-            asyncio.run(idle_handoffs(r_url, args, length, in_flight=args.in_flight))
+            asyncio.run(idle_handoffs(r_url, args, length, in_flight=in_flight))
             after = handoff_totals(p_url, d_url)
             d = {k: after[k] - before[k] for k in after}
-            sustained.append({"prompt_tokens": length, "in_flight": args.in_flight, "handoffs": d["count"],
+            sustained.append({"prompt_tokens": length, "in_flight": in_flight, "handoffs": d["count"],
                               "bytes": d["bytes"], "busy_seconds": d["busy"], "gb_s": d["bytes"] / d["busy"] / 1e9,
                               "one_at_a_time_gb_s": d["bytes"] / d["seconds"] / 1e9})
         sent = metric(p_url, "deltamoe_engine_kv_transfer_sent")
@@ -392,7 +397,7 @@ sys.stdin.read()
 
 
 def raw_tcp_throughput(sizes: list[tuple[int, int]], repeats: int = 9, idle_s: float = 0.0,
-                       lanes: bool = True, notice: bool = False) -> list[float]:
+                       lanes: bool = True, notice: bool = False, writes: int = 1) -> list[float]:
     """Bytes per second of Mooncake TCP writes from this process into another's registered memory (a
     receiver process, as between two servers): for each (total bytes, segments), the total split
     into that many equal segments in one `MooncakeTransport.write` (the engine's own synchronous
@@ -403,7 +408,8 @@ def raw_tcp_throughput(sizes: list[tuple[int, int]], repeats: int = 9, idle_s: f
     a new connection per write (the engine's own default). `notice`: each write carries a completion
     notice (the engine sends it once the write completed, as a hand-off's last write does) and is timed
     until the receiver, polling for notices as a decode server does, has it: what a receiver needs to
-    know that the bytes are there, which a bare write does not tell it."""
+    know that the bytes are there, which a bare write does not tell it. `writes` > 1: each sample is that
+    many such writes back to back, timed together (bytes: `writes` x the total)."""
     import torch
 
     from deltamoe.serve.kv_transfer.mooncake_transport import MooncakeTransport
@@ -427,6 +433,8 @@ def raw_tcp_throughput(sizes: list[tuple[int, int]], repeats: int = 9, idle_s: f
             for i in range(repeats):
                 time.sleep(idle_s)
                 t0, key = time.monotonic(), f"raw-{total}-{i}"
+                for _ in range(writes - 1):
+                    sender.write(session, segments, 30.0)
                 sender.write(session, segments, 30.0, notice=key if notice else None)
                 if notice:
                     seen, at = receiver.stdout.readline().split()
@@ -435,7 +443,7 @@ def raw_tcp_throughput(sizes: list[tuple[int, int]], repeats: int = 9, idle_s: f
                     times.append(float(at) - t0)
                 else:
                     times.append(time.monotonic() - t0)
-            rates.append(size * count / statistics.median(times))
+            rates.append(writes * size * count / statistics.median(times))
         sender.close()
     finally:
         receiver.stdin.close()
@@ -479,7 +487,7 @@ def bytes_per_handoff(args, disagg: dict, measured_total: float) -> list[dict]:
     longs = disagg["longs_ok"] + 1  # and the warm-up's long prompt (its chat stays on the decode server)
     rows.append({"model": f"{args.model} (fp32; engine layout)", "prompt_tokens": args.long_len,
                  "bytes": one[args.long_len], "measured": None})
-    each = args.idle_handoffs * (1 + args.in_flight if args.in_flight > 1 else 1)  # one at a time, then in flight
+    each = args.idle_handoffs * (1 + sum(n for n in args.in_flight if n > 1))  # one at a time, then in flight
     idle = " + ".join(f"{each} x {n}" for n in args.idle_lens)
     rows.append({"model": f"{args.model}, this run: {chats} x {args.chat_len} + {longs} x {args.long_len} + {idle} "
                           "tokens",
@@ -510,8 +518,10 @@ def main() -> None:
                     "at a time after the load")
     ap.add_argument("--idle-lens", type=lambda s: [int(x) for x in s.split(",")], default=[256, 1536, 6144, 8192],
                     help="prompt lengths of the idle hand-offs (tiny: 0.5 KiB a token)")
-    ap.add_argument("--in-flight", type=int, default=4, help="then, for each --idle-lens length, --idle-handoffs "
-                    "rounds of this many prompts at once: sustained throughput (1: none)")
+    ap.add_argument("--in-flight", type=lambda s: [int(x) for x in s.split(",")], default=[4, 8],
+                    help="then, for each of these counts and each --idle-lens length, --idle-handoffs rounds of "
+                    "that many prompts at once: sustained throughput, also against as many raw writes back to "
+                    "back (1: none)")
     ap.add_argument("--baseline", default=None, help="a checkout of the code to compare with (e.g. `git worktree "
                     "add /tmp/base 712a24e`), or `packed` (this checkout, every hand-off packed), or `no-lanes` "
                     "(this checkout, a new Mooncake TCP connection per write), or `no-inline` (this checkout, "
@@ -552,8 +562,13 @@ def main() -> None:
         r["raw_tcp_no_lanes_gb_s"], r["over_raw_tcp_no_lanes"] = fresh / 1e9, r["gb_s"] * 1e9 / fresh
     for r, seen in zip(hand_off["idle"], noticed):
         r["raw_tcp_noticed_gb_s"], r["over_raw_tcp_noticed"] = seen / 1e9, r["gb_s"] * 1e9 / seen
-    for r, raw in zip(hand_off["sustained"], rates):  # the same sizes, in the same order
+    for i, r in enumerate(hand_off["sustained"]):  # the idle sizes again, for each in-flight count
+        raw = rates[i % len(hand_off["idle"])]
         r["raw_tcp_gb_s"], r["over_raw_tcp"] = raw / 1e9, r["gb_s"] * 1e9 / raw
+    for n in sorted({r["in_flight"] for r in hand_off["sustained"]}):  # N raw writes of a hand-off's size
+        rows = [r for r in hand_off["sustained"] if r["in_flight"] == n]
+        for r, raw in zip(rows, raw_tcp_throughput([(round(r["bytes"] / r["handoffs"]), 1) for r in rows], writes=n)):
+            r["raw_tcp_same_bytes_gb_s"], r["over_raw_tcp_same_bytes"] = raw / 1e9, r["gb_s"] * 1e9 / raw
     for r, base in zip(hand_off["idle"], hand_off.get("baseline_idle", [])):
         r["baseline_gb_s"], r["over_baseline"] = base["gb_s"], r["gb_s"] / base["gb_s"]
     summary = {} if colocated is None else {
@@ -568,7 +583,9 @@ def main() -> None:
                 "raw_tcp_noticed_over_raw_tcp": round(min(r["raw_tcp_noticed_gb_s"] / r["raw_tcp_gb_s"]
                                                           for r in hand_off["idle"]), 2),
                 "handoff_bytes_per_request": round(per_request),
-                **({"sustained_handoff_over_raw_tcp": round(min(r["over_raw_tcp"] for r in hand_off["sustained"]), 2)}
+                **({"sustained_handoff_over_raw_tcp": round(min(r["over_raw_tcp"] for r in hand_off["sustained"]), 2),
+                    "in_flight_handoff_over_raw_tcp_same_bytes": round(min(r["over_raw_tcp_same_bytes"]
+                                                                           for r in hand_off["sustained"]), 2)}
                    if hand_off["sustained"] else {}),
                 **({"handoff_over_baseline": round(min(r["over_baseline"] for r in hand_off["idle"]), 2)}
                    if "baseline_idle" in hand_off else {}),
@@ -576,7 +593,7 @@ def main() -> None:
     sizes = bytes_per_handoff(args, disagg, hand_off["bytes_total"])
     print(markdown_table(["write (this process -> receiver process)", "GB/s"],
                          [[f"{t['bytes'] / 2**20:.2f} MiB in {t['segments']} segment(s)", t["gb_s"]] for t in transport]))
-    print(markdown_table(["idle hand-off", "MiB", "writes", "finish -> in cache ms", "GB/s",
+    print(markdown_table(["idle hand-off", "MiB", "writes", "segments (direct)", "finish -> in cache ms", "GB/s",
                           "raw TCP GB/s (back to back)", "hand-off / raw", "raw TCP GB/s (isolated)",
                           "hand-off / isolated raw", "copy path ms (gather / write / scatter)", "copy path / raw",
                           "queued / notice ms", "on notice", "direct write ms (submit / on wire / notice write)",
@@ -584,7 +601,8 @@ def main() -> None:
                           "written inline (share, ms)", "raw TCP + notice GB/s (isolated, until the receiver has it)",
                           "hand-off / raw + notice"],
                          [[f"{r['prompt_tokens']} tokens", f"{r['bytes_per_handoff'] / 2**20:.2f}",
-                           f"{r['writes_per_handoff']:.0f}", f"{r['seconds_per_handoff'] * 1e3:.2f}",
+                           f"{r['writes_per_handoff']:.0f}", f"{r['segments_per_handoff']:.1f}",
+                           f"{r['seconds_per_handoff'] * 1e3:.2f}",
                            f"{r['gb_s']:.3f}", f"{r['raw_tcp_gb_s']:.3f}", f"{r['over_raw_tcp']:.2f}",
                            f"{r['raw_tcp_isolated_gb_s']:.3f}", f"{r['over_raw_tcp_isolated']:.2f}",
                            f"{r['copy_seconds'] * 1e3:.2f} ("
@@ -605,6 +623,13 @@ def main() -> None:
                                f"{r['bytes'] / r['handoffs'] / 2**20:.2f}",
                                f"{r['busy_seconds'] * 1e3:.1f}", f"{r['gb_s']:.3f}", f"{r['one_at_a_time_gb_s']:.3f}",
                                f"{r['raw_tcp_gb_s']:.3f}", f"{r['over_raw_tcp']:.2f}"] for r in hand_off["sustained"]]))
+        print(markdown_table(["N hand-offs in flight at once vs N raw writes back to back (same total bytes)",
+                              "MiB in all", "hand-offs GB/s (bytes / busy)", "raw TCP GB/s (N writes back to back)",
+                              "in flight / raw"],
+                             [[f"{r['in_flight']} x {r['prompt_tokens']} tokens",
+                               f"{r['bytes'] / r['handoffs'] * r['in_flight'] / 2**20:.2f}", f"{r['gb_s']:.3f}",
+                               f"{r['raw_tcp_same_bytes_gb_s']:.3f}",
+                               f"{r['over_raw_tcp_same_bytes']:.2f}"] for r in hand_off["sustained"]]))
     if "baseline_idle" in hand_off:
         print(markdown_table(["idle hand-off", "this checkout GB/s", f"baseline ({args.baseline}) GB/s",
                               "this / baseline", "baseline finish -> in cache ms"],

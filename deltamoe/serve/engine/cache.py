@@ -6,6 +6,7 @@ Tensors (allocated once from the byte budget):
   (`kv_cache_dtype="fp8"`: e4m3 pages plus fp32 scales per tile of each row, `latent_scale` /
   `index_key_scale`: about half the bytes of bf16 pages)
 - recurrent     [n_kda_layers, num_slots, H, K, V] fp32 and conv [n_kda_layers, num_slots, 3P, W-1]
+  (slot-major, `state_storage.py`: a slot's recurrent state of every layer is one run, so is its conv)
 
 Prefix caching needs two things at a block boundary: the latent/index blocks up to it (hash
 chain, `BlockManager`) and the KDA state there (a snapshot slot, `StatePool`). A recurrent state
@@ -36,6 +37,7 @@ from deltamoe.serve.engine.cache_layout import CacheLayout, fp8_tile, plan_capac
 from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.sequence import Sequence
 from deltamoe.serve.engine.state_pool import StatePool
+from deltamoe.serve.engine.state_storage import slot_major
 
 
 class HybridCache:
@@ -65,8 +67,8 @@ class HybridCache:
                                             device=device)
             self.index_key_scale = torch.zeros(*self.index_keys.shape[:2], layout.index_dim // fp8_tile(layout.index_dim),
                                                device=device)
-        self.recurrent = torch.zeros(len(layout.kda_layers), ns, *layout.recurrent_shape, device=device)
-        self.conv = torch.zeros(len(layout.kda_layers), ns, *layout.conv_shape, dtype=dtype, device=device)
+        self.recurrent = slot_major(len(layout.kda_layers), ns, layout.recurrent_shape, torch.float32, device)
+        self.conv = slot_major(len(layout.kda_layers), ns, layout.conv_shape, dtype, device)
         max_snapshots = min(config.max_snapshots or 0, ns - 1) if layout.kda_layers else 0
         self.slots = StatePool(ns, max_snapshots)
         self.blocks = BlockManager(nb, bs, on_evict=self.slots.drop)

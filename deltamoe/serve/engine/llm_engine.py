@@ -253,7 +253,7 @@ class LLMEngine:
         self.last_batch_size = len(batch.items)
         if self.overlap is not None:
             self._totals["steps"] += 1
-            return failed + self.overlap.step(batch)
+            return failed + self._step_ended(self.overlap.step(batch))
         if self.connector is not None:
             self.connector.start_load_kv()
         results = (self.multi_step or self.executor).execute(batch) if batch else []
@@ -261,7 +261,14 @@ class LLMEngine:
             self.connector.wait_for_save()
         self._totals["steps"] += 1
         outputs = [out for r in results if (out := self._postprocess(r)) is not None]
-        return failed + outputs + [out for r in start_forks(self, results) if (out := self._postprocess(r)) is not None]
+        return failed + self._step_ended(outputs + [out for r in start_forks(self, results)
+                                                    if (out := self._postprocess(r)) is not None])
+
+    def _step_ended(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """A step's outputs, once the connector knows every request the step finished (`step_ended`)."""
+        if self.connector is not None:
+            self.connector.step_ended()
+        return outputs
 
     def _fail(self, seq: Sequence, reason: str) -> RequestOutput:
         """A request the scheduler finished with 'error' (its cache never arrived); `errors` says why."""

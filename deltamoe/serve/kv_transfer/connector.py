@@ -5,7 +5,8 @@ The shape of vLLM's V1 KV connector, in two halves on one object:
 - scheduler side (policy, engine thread): `get_num_new_matched_tokens` (how many more prompt
   tokens another engine will provide), `update_state_after_alloc` (blocks and the state slot are
   reserved: start bringing the data in), `request_finished` (True keeps the request's blocks and
-  slot pinned until `get_finished` lists it: a transfer still reads or writes them);
+  slot pinned until `get_finished` lists it: a transfer still reads or writes them), `step_ended`
+  (the step's finished requests are all known);
 - worker side (device): `start_load_kv` before a step, `wait_for_layer_load` / `save_kv_layer`
   per layer, `wait_for_save` after the step, and `get_finished` (which transfers ended, and which
   of them failed).
@@ -60,6 +61,10 @@ class KVConnector(ABC):
     @abstractmethod
     def request_finished(self, seq: Sequence, reason: str) -> bool:
         """`seq` leaves the engine; True: a transfer still uses its blocks and slot (free them later)."""
+
+    def step_ended(self) -> None:
+        """After a step's outputs: every request the step finished has had `request_finished` (a
+        connector may start their transfers together)."""
 
     # ------------------------------------------------------------------ worker side
     def start_load_kv(self) -> None:

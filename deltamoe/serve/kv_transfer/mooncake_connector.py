@@ -18,26 +18,27 @@ Prefill side (`PushTo` on a sequence): when the request finishes its N-1 tokens,
 any direct one over connection lanes, see below; the rest on a hand-off thread) and keeps the
 blocks and slot pinned until the write ends. Over connection lanes, a direct hand-off of up to
 `inline_write_bytes` is written whole by the engine thread, notice included, in one synchronous
-call of the transfer engine (`_write_inline`), unless another thread waits on the transport then.
+call of the transfer engine (`_write_inline`), unless another thread waits on the transport then;
+once the step ends (`step_ended`), with the others of that step to the same peer, one notice for all.
 Prefix caching works as in any engine: cached blocks are not recomputed, and are sent like the rest
 (the decode side lacks them).
 
-The write goes straight into the decode side's pools (zero-copy: no gather, no staging, no
-scatter) as one batch of segments, one per run of blocks per layer of each paged pool and one per
-state layer, when the request is few segments for its size (`HandOffConfig.direct_max_segments`:
-each segment pays the transport's fixed cost, a packed write pays a gather and a scatter). A more
-scattered request fitting both servers' staging areas (`staging.py`) is packed: the decode side
-lends a range of its area, the prefill side gathers the request into a range of its own, a pool at
-a time, and writes each `write_chunk_bytes` of it as soon as they are gathered (the transfer engine
-sends a chunk while this thread gathers the next). The engine thread submits a hand-off of up to
-`inline_start_bytes` itself (a packed one when a range is free at once), and any direct one when
-the transport has connection lanes (its submission then only queues the segments, whatever their
-size; without lanes it connects once per segment), every byte as asynchronous writes, so that
-the hand-off thread, which waits for them and sends the notice, wakes up while they travel.
-Either way a completion notice (`notices.py`) follows once every write completed: the decode side
-scatters the message into its blocks and slot (packed) and lets the request run as soon as the
-notice arrives, without waiting for the prefill call's answer, which still reports errors and
-timings.
+The write goes straight into the decode side's pools (zero-copy: no gather, no staging, no scatter)
+as one batch of segments, one per run of blocks per layer of each paged pool and two for the state
+slot (recurrent, conv: each one run of every layer, `engine/state_storage.py`), when the request is
+few segments for its size (`HandOffConfig.direct_max_segments`: each segment pays the transport's
+fixed cost, a packed write pays a gather and a scatter). A more scattered request fitting both
+servers' staging areas (`staging.py`) is packed: the decode side lends a range of its area, the
+prefill side gathers the request into a range of its own, a pool at a time, and writes each
+`write_chunk_bytes` of it as soon as they are gathered (the transfer engine sends a chunk while this
+thread gathers the next). The engine thread submits a hand-off of up to `inline_start_bytes` itself
+(a packed one when a range is free at once), and any direct one when the transport has connection
+lanes (its submission then only queues the segments, whatever their size; without lanes it connects
+once per segment), every byte as asynchronous writes, so that the hand-off thread, which waits for
+them and sends the notice, wakes up while they travel. Either way a completion notice (`notices.py`)
+follows once every write completed: the decode side scatters the message into its blocks and slot
+(packed) and lets the request run as soon as the notice arrives, without waiting for the prefill
+call's answer, which still reports errors and timings.
 
 A staging range is lent for as long as a write may still land in it: the prefill side answers
 only once each of its writes completed or failed (`MooncakeTransport.write_as_ready`), and when
@@ -157,12 +158,13 @@ class MooncakeConnector(KVConnector):
                         "writes": 0, "seconds_queued": 0.0, "landed_on_notice": 0,
                         "timed": 0, "seconds_finish_to_cache": 0.0, "seconds_notice": 0.0,
                         "seconds_submitting": 0.0, "seconds_transferring": 0.0, "seconds_notifying": 0.0,
-                        "written_inline": 0, "seconds_inline": 0.0}
+                        "written_inline": 0, "seconds_inline": 0.0, "segments_direct": 0}
         # Completion notices' keys: this connector's own prefix (a late notice meant for an earlier
         # server on the same address never matches) and a count.
         self._notice_prefix, self._landings = secrets.token_hex(4), 0
         self._busy = BusyTime(self.config.timeout_s)  # decode side: hand-offs' timed intervals, overlaps once
         self._not_inline: set[str] = set()  # prefill side: peers a write inline failed to (see `_write_inline`)
+        self._step_pushes: list[PendingPush] = []  # prefill side: inline candidates of the running step
 
     def bind(self, cache: HybridCache, model_config: ModelConfig) -> None:
         super().bind(cache, model_config)
@@ -221,7 +223,10 @@ class MooncakeConnector(KVConnector):
             segments = request_segments(self.cache, push.dest, src_blocks, push.dst_blocks, seq.num_computed,
                                         push.first_block, seq.slot, push.dst_slot)
             if self._direct(push, segments):
-                if self._write_inline(seq.request_id, push, segments):
+                self._add("segments_direct", len(segments))
+                if self._inline_candidate(push, segments):  # written or started once the step ends (`step_ended`)
+                    self._step_pushes.append(PendingPush(seq.request_id, push, src_blocks, seq.num_computed, seq.slot,
+                                                         segments))
                     return True
                 if self.transport.lanes or sum(s.nbytes for s in segments) <= self.config.inline_start_bytes:
                     started = self._start_direct(push, segments)
@@ -234,6 +239,25 @@ class MooncakeConnector(KVConnector):
         self._threads.submit(self._push, seq.request_id, push, src_blocks, seq.num_computed, seq.slot, segments,
                              started)
         return True
+
+    def step_ended(self) -> None:
+        """Write the direct hand-offs small enough to write inline that the step finished, once it knows
+        them all: those to one peer together, in one synchronous call whose one notice names every one
+        of them (`_write_inline`), up to `inline_write_bytes` a call; written one after the other, each
+        would wait for the one before it, notice included. A group the engine thread cannot write (another
+        thread waits on the transport) goes out as an asynchronous batch per hand-off, at once, and the
+        hand-off threads send each notice as its batch completes."""
+        pending, self._step_pushes = self._step_pushes, []
+        for group in inline_groups(pending, self.config.inline_write_bytes):
+            if group[0].push.dest.session not in self._not_inline and self._write_inline(group):
+                continue
+            for p in group:
+                try:
+                    started = self._start_direct(p.push, p.segments)
+                except Exception as e:  # fails this hand-off only, on its thread
+                    started = StartedPush(None, 0, 0, error=e)
+                self._threads.submit(self._push, p.request_id, p.push, p.src_blocks, p.num_tokens, p.slot,
+                                     p.segments, started)
 
     def _direct(self, push: PushTo, segments: list[Segment]) -> bool:
         """Write straight into the decode side's pools (else packed, through the staging areas): always
@@ -370,37 +394,48 @@ class MooncakeConnector(KVConnector):
         self._end(request_id, "sent", error=str(error))
         push.done.set_exception(error if isinstance(error, TransferFailed) else TransferFailed(str(error)))
 
-    def _write_inline(self, request_id: str, push: PushTo, segments: list[Segment]) -> bool:
-        """On the engine thread as the prefill ends: write a direct hand-off and its notice in one
-        synchronous call of the transfer engine, which waits in C++ with the GIL released and sends the
-        notice as the batch completes: no thread hand-over, and no Python thread that must win the GIL
-        between the bytes and the notice (a hand-off thread waited for it beside the engine thread and
-        the event loop). Only over connection lanes (without them it would connect once per segment on
-        this thread), up to `inline_write_bytes`, when no other thread waits on the transport (then
-        False: the caller starts it as before), and to a peer no inline write failed to: a stalled peer
-        holds this thread for the engine's bound on a write once, never again. True: the hand-off ended
-        (written, or failed)."""
-        peer, nbytes = push.dest.session, sum(s.nbytes for s in segments)
-        if not self.transport.lanes or nbytes > self.config.inline_write_bytes or peer in self._not_inline:
-            return False
-        writing = time.monotonic()
-        if push.deadline <= writing:  # not the peer's fault: it keeps its inline writes
-            self._push_failed(request_id, push, TransferFailed(f"no time left for the hand-off to {peer}"))
+    def _inline_candidate(self, push: PushTo, segments: list[Segment]) -> bool:
+        """Whether `_write_inline` may write this direct hand-off (see there)."""
+        return (self.transport.lanes and sum(s.nbytes for s in segments) <= self.config.inline_write_bytes
+                and push.dest.session not in self._not_inline)
+
+    def _write_inline(self, group: list["PendingPush"]) -> bool:
+        """On the engine thread as the step ends: write direct hand-offs to one peer and their notice in
+        one synchronous call of the transfer engine, which waits in C++ with the GIL released and sends
+        the notice as the batch completes: no thread hand-over, and no Python thread that must win the
+        GIL between the bytes and the notice (a hand-off thread waited for it beside the engine thread
+        and the event loop). The one notice names every hand-off of the call, one line each: the decode
+        side has all their bytes once it arrives. Only over connection lanes (without them it would
+        connect once per segment on this thread), up to `inline_write_bytes` a call, when no other thread
+        waits on the transport (then False: the caller starts them as before), and to a peer no inline
+        write failed to: a stalled peer holds this thread for the engine's bound on a write once, never
+        again. True: the hand-offs ended (written, or failed)."""
+        peer, writing = group[0].push.dest.session, time.monotonic()
+        for p in group:
+            if p.push.deadline <= writing:  # not the peer's fault: it keeps its inline writes
+                self._push_failed(p.request_id, p.push, TransferFailed(f"no time left for the hand-off to {peer}"))
+        group = [p for p in group if p.push.deadline > writing]
+        if not group:
             return True
+        segments = [s for p in group for s in p.segments]
+        notice = "\n".join(n for p in group if (n := _notice(p.push.notice, packed=False)) is not None) or None
         try:
-            if not self.transport.write_unless_busy(peer, segments, push.deadline - writing,
-                                                    notice=_notice(push.notice, packed=False)):
+            if not self.transport.write_unless_busy(peer, segments, min(p.push.deadline for p in group) - writing,
+                                                    notice=notice):
                 return False
         except Exception as e:
             self._not_inline.add(peer)
-            self._push_failed(request_id, push, e)
+            for p in group:
+                self._push_failed(p.request_id, p.push, e)
             return True
         seconds = time.monotonic() - writing
-        with self._lock:
-            self._totals["written_inline"] += 1
-            self._totals["seconds_inline"] += seconds
-            self._totals["seconds_writing"] += seconds
-        self._pushed(request_id, push, nbytes, writes=1, packed=False, start=push.finished_at)
+        with self._lock:  # per hand-off: the time of the call that wrote it
+            self._totals["written_inline"] += len(group)
+            self._totals["seconds_inline"] += seconds * len(group)
+            self._totals["seconds_writing"] += seconds * len(group)
+        for p in group:
+            self._pushed(p.request_id, p.push, sum(s.nbytes for s in p.segments), writes=1, packed=False,
+                         start=p.push.finished_at)
         return True
 
     def _start_packed(self, push: PushTo, src_blocks: list[int], num_tokens: int, slot: int,
@@ -504,6 +539,18 @@ class MooncakeConnector(KVConnector):
 
 
 @dataclass
+class PendingPush:
+    """Prefill side: a direct hand-off whose prefill the running step finished, written once the step ends."""
+
+    request_id: str
+    push: PushTo
+    src_blocks: list[int]
+    num_tokens: int
+    slot: int
+    segments: list[Segment]
+
+
+@dataclass
 class StartedPush:
     """Prefill side: a hand-off on its way: packed (gathered into this side's staging area, its chunks
     on their way) or direct (its segments on their way into the decode side's pools)."""
@@ -515,6 +562,21 @@ class StartedPush:
     gather_s: float = 0.0
     error: Exception | None = None  # why it could not start (raised on the hand-off thread)
     packed: bool = True  # False: its segments go straight into the decode side's pools
+
+
+def inline_groups(pending: list[PendingPush], max_bytes: int) -> list[list[PendingPush]]:
+    """`pending` by peer, in order, each peer's split into runs of at most `max_bytes` (one write each)."""
+    groups: list[list[PendingPush]] = []
+    open_group: dict[str, tuple[list[PendingPush], int]] = {}  # peer -> its last group and that group's bytes
+    for p in pending:
+        peer, nbytes = p.push.dest.session, sum(s.nbytes for s in p.segments)
+        group, total = open_group.get(peer, (None, 0))
+        if group is None or total + nbytes > max_bytes:
+            group, total = [], 0
+            groups.append(group)
+        group.append(p)
+        open_group[peer] = (group, total + nbytes)
+    return groups
 
 
 def _notice(key: str | None, packed: bool) -> str | None:

@@ -11,10 +11,11 @@ only while some hand-off awaits its notice (also while its prompt is still being
 decode side cannot tell when the prefill ends); each poll is one short C++ call, and between polls
 the thread sleeps without the GIL. The poll period trades the notice's delay (half of it on
 average) against the CPU the polls take beside the engine thread (a few percent of a core at the
-default). A notice is "<key> <detail>": the key names one hand-off
-(`expect`), and its callback runs on this thread with the detail. Whoever claims a hand-off first handles it: this thread when its notice arrives,
-or the hand-off's own thread when the HTTP answer comes first (`claim`: the notice was queued
-but not yet polled, or the hand-off failed); a notice nobody expects any more is dropped.
+default). A notice is lines "<key> <detail>", one per hand-off that its write completed: the key
+names one hand-off (`expect`), and its callback runs on this thread with the detail. Whoever claims
+a hand-off first handles it: this thread when its notice arrives, or the hand-off's own thread when
+the HTTP answer comes first (`claim`: the notice was queued but not yet polled, or the hand-off
+failed); a notice nobody expects any more is dropped.
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ class NoticeWatcher:
                     self._changed.wait()
                 if self._closed:
                     return
-            for notice in self._poll():
-                key, _, detail = notice.partition(" ")
+            for line in (line for notice in self._poll() for line in notice.split("\n")):
+                key, _, detail = line.partition(" ")
                 with self._changed:
                     on_notice = self._expected.pop(key, None)
                 if on_notice is not None:

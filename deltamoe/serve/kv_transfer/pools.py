@@ -3,8 +3,9 @@
 A HybridCache holds its pools as tensors allocated once: paged ones, latent pages and
 indexer-key pages [layers, blocks * block_size, dim] (a block of a layer is one contiguous run
 of block_size rows) and, with an fp8 KV cache, their fp32 scales [layers, blocks * block_size,
-tiles]; and state ones, recurrent [layers, slots, H, K, V] and conv [layers, slots, 3P, W-1] (a
-slot of a layer is one contiguous run). A transport registers the tensors once and moves a
+tiles]; and state ones, recurrent [layers, slots, H, K, V] and conv [layers, slots, 3P, W-1],
+slot-major (`engine/state_storage.py`: a slot's recurrent state of every layer is one contiguous
+run, and so is its conv state). A transport registers the tensors once and moves a
 request either packed (`packing.py`) or as a list of (source address, destination address,
 bytes) segments straight between the pools; the destination's base addresses travel in the
 hand-off request (`PoolDescriptor`).
@@ -59,8 +60,10 @@ def cache_signature(model_config: ModelConfig, cache: HybridCache) -> str:
     """Everything that must agree for raw bytes to mean the same on both sides (not the pool sizes)."""
     shapes = {name: [t.shape[0], *t.shape[2:]] for name, t in pool_tensors(cache).items()}
     dtypes = {name: str(t.dtype) for name, t in pool_tensors(cache).items()}
+    # A state slot's layout inside its run (neither stride depends on the number of slots).
+    state_strides = {name: list(pool_tensors(cache)[name].stride()) for name in STATE_POOLS}
     blob = json.dumps({"model": model_config.to_dict(), "block_size": cache.block_size, "shapes": shapes,
-                       "dtypes": dtypes}, sort_keys=True, default=str)
+                       "dtypes": dtypes, "state_strides": state_strides}, sort_keys=True, default=str)
     return hashlib.blake2b(blob.encode(), digest_size=8).hexdigest()
 
 
@@ -76,7 +79,8 @@ def request_segments(cache: HybridCache, remote: PoolDescriptor, src_blocks: lis
 
     `src_blocks` / `dst_blocks`: the blocks holding those tokens, in order, on each side. The last
     block is copied only up to `num_tokens`; runs of consecutive blocks on both sides are merged
-    into one segment.
+    into one segment, and so are segments that follow each other in memory on both sides (a slot's
+    recurrent state of every layer: one segment, its conv state another, `engine/state_storage.py`).
     """
     bs = cache.block_size
     if len(src_blocks) != len(dst_blocks):
@@ -100,11 +104,23 @@ def request_segments(cache: HybridCache, remote: PoolDescriptor, src_blocks: lis
         if pool.numel() == 0:
             continue
         layer_bytes, slot_bytes = pool.stride(0) * pool.element_size(), pool.stride(1) * pool.element_size()
+        state_bytes = pool[0, 0].numel() * pool.element_size()
         for layer in range(pool.shape[0]):
             segments.append(Segment(pool.data_ptr() + layer * layer_bytes + src_slot * slot_bytes,
                                     remote.addresses[name] + layer * layer_bytes + dst_slot * slot_bytes,
-                                    slot_bytes))
-    return segments
+                                    state_bytes))
+    return merge_adjacent(segments)
+
+
+def merge_adjacent(segments: list[Segment]) -> list[Segment]:
+    """`segments` with each one that starts where the one before it ends, on both sides, joined to it."""
+    merged: list[Segment] = []
+    for s in segments:
+        if merged and (last := merged[-1]).src + last.nbytes == s.src and last.dst + last.nbytes == s.dst:
+            merged[-1] = Segment(last.src, last.dst, last.nbytes + s.nbytes)
+        else:
+            merged.append(s)
+    return merged
 
 
 def _runs(src: list[int], dst: list[int], rows: list[int], bs: int) -> list[tuple[int, int, int]]:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from deltamoe.serve.engine.cache import HybridCache
 from deltamoe.serve.engine.scheduler import ScheduledBatch
 from deltamoe.serve.engine.sequence import Sequence
+from deltamoe.serve.engine.state_storage import slot_major
 from deltamoe.serve.kv_transfer.mooncake_connector import PushTo, RemotePrefill
 from deltamoe.serve.kv_transfer.packing import message_bytes, pack, token_rows, unpack
 
@@ -39,7 +40,8 @@ from deltamoe.serve.kv_transfer.packing import message_bytes, pack, token_rows, 
 @dataclass
 class HandOffPools:
     """The pools a connector sees in place of a `--tp` rank's cache: the rank's pages (replicated, shared
-    with the cache) and whole-head state slots [layers, slots, ...] in the one-process layout."""
+    with the cache) and whole-head state slots [layers, slots, ...] in the one-process layout (slot-major,
+    as a cache's: `state_storage.py`)."""
 
     block_size: int
     latent: torch.Tensor
@@ -55,8 +57,8 @@ def whole_head_pools(cache: HybridCache, tp: int, slots: int) -> HandOffPools:
     layers, _, heads, k, v = cache.recurrent.shape
     channels, width = cache.conv.shape[2:]
     return HandOffPools(cache.block_size, cache.latent, cache.index_keys, cache.latent_scale, cache.index_key_scale,
-                        cache.recurrent.new_zeros(layers, slots, heads * tp, k, v),
-                        cache.conv.new_zeros(layers, slots, channels * tp, width))
+                        slot_major(layers, slots, (heads * tp, k, v), cache.recurrent.dtype, cache.recurrent.device),
+                        slot_major(layers, slots, (channels * tp, width), cache.conv.dtype, cache.conv.device))
 
 
 def hand_off_pools(cache: HybridCache, tp: int) -> HybridCache | HandOffPools:

@@ -156,6 +156,10 @@ def test_handoff_equals_colocated(k31_model, helpers, pool, num_prefill):
     else:  # beside p1: one batch started by the engine thread, then the completion notice's own write
         assert inline == 0 and p0["kv_transfer_writes"] == 2 * p0["kv_transfer_sent"]
     assert p0["kv_transfer_writes"] == inline + 2 * (p0["kv_transfer_sent"] - inline)
+    # Segments: at least a run per paged layer and at most one per block, plus the state slot's two.
+    n_paged = len(layout.latent_layers) + len(layout.index_layers)
+    assert p0["kv_transfer_sent"] * (n_paged + 2) <= p0["kv_transfer_segments_direct"] <= sum(
+        n_paged * -(-(len(p) - 1) // 4) + 2 for p in prompts if len(p) > 1)
     # ... a started write timed by phase: submission, the batch on the wire, the notice's write.
     phases = [p0[f"kv_transfer_seconds_{part}"] for part in ("submitting", "transferring", "notifying")]
     assert num_prefill == 1 or min(phases) > 0.0

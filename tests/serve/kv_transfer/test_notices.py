@@ -43,3 +43,19 @@ def test_notices_run_their_callback_once_and_claims_win_over_late_notices():
         assert seen == [("a", "packed"), ("c", "unpacked")] and not queued
     finally:
         watcher.close()
+
+
+def test_one_notice_can_name_several_handoffs():
+    queued = ["k1 unpacked\nk2 packed\nstranger unpacked"]
+    seen: list[tuple[str, str]] = []
+    watcher = NoticeWatcher(lambda: [queued.pop()] if queued else [], poll_s=1e-4)
+    try:
+        for key in ("k1", "k2"):
+            watcher.expect(key, lambda detail, key=key: seen.append((key, detail)))
+        deadline = time.monotonic() + 5.0
+        while len(seen) < 2 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert seen == [("k1", "unpacked"), ("k2", "packed")]
+        assert not watcher.claim("k1") and not watcher.claim("k2")
+    finally:
+        watcher.close()

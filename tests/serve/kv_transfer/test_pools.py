@@ -1,8 +1,11 @@
 """Hand-off segments: tokens up to num_tokens of every latent / indexer layer (runs of blocks
-consecutive on both sides merged), one state slot per KDA layer, nothing else; the packed
+consecutive on both sides merged), a state slot's recurrent and conv state of every KDA layer as a
+run each, nothing else; the packed
 message carries the same bytes and lands in exactly the receiver's rows and slot."""
 
 from __future__ import annotations
+
+import ctypes
 
 import pytest
 import torch
@@ -10,7 +13,9 @@ import torch
 from deltamoe.serve.engine.cache import HybridCache
 from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.kv_transfer.packing import message_bytes, pack, payload_bytes, token_rows, unpack
-from deltamoe.serve.kv_transfer.pools import PAGED_POOLS, POOLS, PoolDescriptor, _runs, pool_tensors, request_segments
+from deltamoe.serve.engine.state_storage import slot_run_bytes
+from deltamoe.serve.kv_transfer.pools import (PAGED_POOLS, POOLS, PoolDescriptor, _runs, describe, pool_tensors,
+                                              request_segments)
 from deltamoe.serve.kv_transfer.staging import StagingArea
 
 
@@ -28,15 +33,37 @@ def test_segments_cover_exactly_the_tokens_and_the_state(helpers):
     layout = cache.layout
     assert sum(s.nbytes for s in segments) == 15 * layout.bytes_per_token + layout.bytes_per_state_slot
     n_paged = len(layout.latent_layers) + len(layout.index_layers)
-    assert len(segments) == 2 * n_paged + 2 * len(layout.kda_layers)
+    # Here the remote recurrent and conv pools lie far apart: one segment each, every layer of the slot.
+    assert len(segments) == 2 * n_paged + 2
     row = cache.latent.stride(1) * cache.latent.element_size()
     first = segments[0]  # latent layer 0, blocks 0-2 -> 3-5
     assert (first.src, first.dst, first.nbytes) == (cache.latent.data_ptr(), remote.addresses["latent"] + 12 * row,
                                                     12 * row)
-    slot = cache.recurrent.stride(1) * cache.recurrent.element_size()
-    kda = segments[2 * n_paged]  # recurrent state of KDA layer 0, slot 1 -> 2
+    slot = slot_run_bytes(cache.recurrent)
+    kda = segments[2 * n_paged]  # recurrent state of every KDA layer, slot 1 -> 2
     assert (kda.src, kda.dst, kda.nbytes) == (cache.recurrent.data_ptr() + slot, remote.addresses["recurrent"] + 2 * slot,
-                                              slot)
+                                              cache.recurrent[:, 0].numel() * 4)
+
+
+def test_a_state_slot_is_two_segments_between_real_caches(helpers):
+    config = EngineConfig(cache_memory="2MiB", block_size=4)
+    src, dst = HybridCache(helpers.k31_tiny(), config, 256), HybridCache(helpers.k31_tiny(), config, 256)
+    remote = describe(dst, "peer:1", helpers.k31_tiny())  # the real addresses: segments land in dst
+    segments = request_segments(src, remote, [7], [5], num_tokens=3, first_block=0, src_slot=1, dst_slot=2)
+    n_paged = len(src.layout.latent_layers) + len(src.layout.index_layers)
+    state = segments[n_paged:]  # recurrent, then conv, each every layer of the slot
+    assert len(state) == 2 and sum(s.nbytes for s in state) == src.layout.bytes_per_state_slot
+    assert [(s.src, s.dst) for s in state] == [
+        (pool[0, 1].data_ptr(), remote.addresses[name] + 2 * slot_run_bytes(pool))
+        for name, pool in (("recurrent", src.recurrent), ("conv", src.conv))]
+    # Those bytes, copied, land in exactly slot 2's recurrent and conv state of every layer.
+    for pool in (src.recurrent, src.conv):
+        pool.view(torch.uint8).random_(0, 120, generator=torch.Generator().manual_seed(0))
+    for s in state:
+        ctypes.memmove(s.dst, s.src, s.nbytes)
+    assert torch.equal(dst.recurrent[:, 2], src.recurrent[:, 1]) and torch.equal(dst.conv[:, 2], src.conv[:, 1])
+    assert not dst.recurrent[:, [0, 1, 3]].any() and not dst.conv[:, [0, 1, 3]].any()
+
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])

@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("mooncake.engine")
 
 import os  # noqa: E402
+import secrets  # noqa: E402
 import time  # noqa: E402
 
 from deltamoe.serve.kv_transfer.mooncake_transport import (  # noqa: E402
@@ -109,6 +110,10 @@ def test_write_unless_busy_writes_with_its_notice_or_leaves_everything_untouched
     assert wait_for_notices(receiver, 1, timeout_s=0.2) == [] and not dst.any()
     assert sender.write_unless_busy(receiver.session, segments, 5.0, notice="t5")
     assert wait_for_notices(receiver, 1) == ["t5"] and torch.equal(dst, src)
+    # A step's hand-offs to one peer in one call: its one notice names each of them, a line each.
+    many = "\n".join(f"{secrets.token_hex(4)}-{i} unpacked" for i in range(16))
+    assert sender.write_unless_busy(receiver.session, segments, 5.0, notice=many)
+    assert wait_for_notices(receiver, 1) == [many]
     with pytest.raises(TransferFailed, match="127.0.0.1:1"):
         sender.write_unless_busy("127.0.0.1:1", segments, 5.0, notice="never")
     assert not sender._waiter.locked()
