@@ -103,11 +103,12 @@ def causal_conv1d(
     if t == 1:
         y = (win * weight).sum(-1, keepdim=True)
     else:
-        # Accumulated in place (addcmul_): one [B, C, T] buffer instead of two temporaries per tap;
-        # no product's backward reads the sum.
+        # Accumulated in place: one temporary per tap instead of two; no product's backward reads the
+        # sum. A product then a sum, not addcmul_: its fused multiply-add rounds differently on
+        # vectorised and strided inputs, and the result must not depend on the input's layout.
         y = win[..., :t] * weight[:, :1]
         for w in range(1, width):
-            y.addcmul_(win[..., w:w + t], weight[:, w:w + 1])
+            y.add_(win[..., w:w + t] * weight[:, w:w + 1])
     if activation == "silu":
         y = F.silu(y)
     if lengths is None:
