@@ -407,14 +407,19 @@ def serve_disagg_rows(d: dict) -> list[Row]:
                      + " GB/s", " / ".join(f"{r['over_raw_tcp_noticed']:.2f}" for r in idle),
                      "(beside the goal's reference, not instead of it)"])
     sustained = d["hand_off"].get("sustained")  # runs before it was measured have none
-    if sustained:
-        low = min(r["over_raw_tcp"] for r in sustained)
-        out.append([f"same, {sustained[0]['in_flight']} hand-offs in flight (bytes / seconds with one on its way) at "
-                    + " / ".join(f"{r['bytes'] / r['handoffs'] / 2**20:.2f}" for r in sustained) + " MiB",
-                    " / ".join(f"{r['gb_s']:.2f}" for r in sustained) + " GB/s",
-                    "Mooncake raw TCP write " + " / ".join(f"{r['raw_tcp_gb_s']:.2f}" for r in sustained) + " GB/s",
-                    " / ".join(bold(f"{r['over_raw_tcp']:.2f}") if r["over_raw_tcp"] == low
-                               else f"{r['over_raw_tcp']:.2f}" for r in sustained),
+    for count in dict.fromkeys(r["in_flight"] for r in sustained or []):  # `--in-flight 4,8`: a row each
+        rows = [r for r in sustained if r["in_flight"] == count]
+        same_bytes = all("raw_tcp_same_bytes_gb_s" in r for r in rows)  # N raw writes back to back
+        raw_key, ratio_key = (("raw_tcp_same_bytes_gb_s", "over_raw_tcp_same_bytes") if same_bytes
+                              else ("raw_tcp_gb_s", "over_raw_tcp"))
+        low = min(r[ratio_key] for r in rows)
+        out.append([f"same, {count} hand-offs in flight (bytes / seconds with one on its way) at "
+                    + " / ".join(f"{r['bytes'] / r['handoffs'] / 2**20:.2f}" for r in rows) + " MiB",
+                    " / ".join(f"{r['gb_s']:.2f}" for r in rows) + " GB/s",
+                    ("Mooncake raw TCP, the same bytes as " + str(count) + " writes back to back " if same_bytes
+                     else "Mooncake raw TCP write ") + " / ".join(f"{r[raw_key]:.2f}" for r in rows) + " GB/s",
+                    " / ".join(bold(f"{r[ratio_key]:.2f}") if r[ratio_key] == low else f"{r[ratio_key]:.2f}"
+                               for r in rows),
                     verdict([(f">= {share:.0%} of raw at every size".replace("%", " %"), low >= share)]) if share
                     else ""])
     k3 = [r for r in d["bytes_per_handoff"] if r["model"].startswith("kimi-k3")]

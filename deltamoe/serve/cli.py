@@ -467,7 +467,7 @@ def serve_command(
     engine = AsyncLLMEngine(LLMEngine.from_pretrained(model, config, tokenizer, parse_dtype(dtype), device,
                                                       workers, connector=connector))
     if config.compile_decode:
-        typer.echo("compiling the decode step (once per process; four small graphs for the tiny preset, up to a "
+        typer.echo("compiling the decode step (once per process; three graphs for the tiny preset, up to a "
                    "minute on a first start on two cores, seconds from inductor's disk cache; --no-compile decodes "
                    "eagerly)...", err=True)
         engine.engine.warm_up()

@@ -1,7 +1,7 @@
 """Whether `generate` and `serve` compile their decode step: `--compile`, `--no-compile`, or the default.
 
-The default compiles (serve/engine/compiled_decode.py, per-layer regions: a first start of the
-`tiny` preset compiles four small graphs, 54-58 s expected on two quiet cores; a later one loads
+The default compiles (serve/engine/compiled_decode.py, whole decoder layers as regions: a first start
+of the `tiny` preset compiles three graphs, about 50 s on two quiet cores; a later one loads
 inductor's disk cache) wherever the compiled path serves the launch: one process, a CPU
 (inductor's GPU kernels need Triton, which deltamoe does not install), pages in the model's
 dtype (not fp8), full-precision or int4 W4A16 weights and a C++ compiler on the machine. Other
