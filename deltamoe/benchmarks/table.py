@@ -654,11 +654,18 @@ def _spec_times(s: dict, mode: str, style=lambda text: text) -> str:
 
 def _spec_times_per_k(s: dict, modes: list[str], style=lambda text: text) -> str:
     """'1.3x / 1.6x', and with rounds kept '1.3x / 1.6x (median of 5 rounds: 1.20-1.40x / 1.41-1.83x)'."""
-    text = " / ".join(style(times(_spec_speedup(s, m))) for m in modes)
+    text = " / ".join(style(_times_not_rounded_up(_spec_speedup(s, m))) for m in modes)
     if "speedup_spread" not in s:
         return text
     spreads = " / ".join(f"{lo:.2f}-{hi:.2f}x" for lo, hi in (s["speedup_spread"][m] for m in modes))
     return f"{text} (median of {s['rounds']} round{'s' if s['rounds'] > 1 else ''}: {spreads})"
+
+
+def _times_not_rounded_up(x: float) -> str:
+    """`times`, with two decimals where one would round the ratio up (1.57x must not read 1.6x beside
+    a missed >= 1.6x)."""
+    text = times(x)
+    return f"{x:.2f}x" if float(text[:-1]) > x else text
 
 
 def vision_rows(d: dict) -> list[Row]:
