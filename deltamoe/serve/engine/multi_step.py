@@ -39,7 +39,7 @@ import torch
 from deltamoe.serve.engine.cache import HybridCache
 from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.multi_step_layouts import check_multi_step
-from deltamoe.serve.engine.outputs import RequestOutput
+from deltamoe.serve.engine.outputs import RequestOutput, merge_outputs
 from deltamoe.serve.engine.runner import ModelRunner, StepResult
 from deltamoe.serve.engine.sampling import draw_tokens
 from deltamoe.serve.engine.scheduler import ScheduledBatch
@@ -154,15 +154,13 @@ def emit_window(take_token: Callable[[Sequence, int, None], RequestOutput], cach
                 r: MultiStepResult) -> RequestOutput | None:
     """A window's tokens for one row, taken as the engine takes each decode step's token
     (`LLMEngine._postprocess`: computed, committed, appended, `take_token`'s stop checks), with one
-    output for the window instead of one per token merged afterwards (`emit_speculative`). The tokens
+    output for the window (`outputs.merge_outputs`) instead of one per token. The tokens
     after a finish are dropped. For a row without a KDA snapshot inside the window (`r.restore` None;
     the engine sends the others through `emit_speculative`, which puts each kept state back): the
     cache's commit runs where a block fills, the only positions where it publishes a block or takes
     a snapshot (in between it does nothing)."""
     seq, block_size = r.seq, cache.block_size
-    taken: list[int] = []
-    deltas: list[str] = []
-    out = None
+    outputs: list[RequestOutput] = []
     for token in r.tokens:
         if seq.finished:  # a stop or max_tokens ended it: the remaining tokens are dropped
             break
@@ -170,12 +168,8 @@ def emit_window(take_token: Callable[[Sequence, int, None], RequestOutput], cach
         if seq.num_computed % block_size == 0:
             cache.commit(seq)
         seq.token_ids.append(token)
-        out = take_token(seq, token, None)
-        taken.append(token)
-        deltas.append(out.delta_text)
-    if out is None:
-        return None
-    return dataclasses.replace(out, delta_text="".join(deltas), delta_token_ids=taken)
+        outputs.append(take_token(seq, token, None))
+    return merge_outputs(outputs)
 
 
 def slot_state(cache: HybridCache, slot: int) -> SlotState:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from deltamoe.serve.engine.sampling import TokenLogprob
@@ -64,3 +65,14 @@ class EngineStats:
     def as_dict(self) -> dict[str, float]:
         d = {k: v for k, v in self.__dict__.items() if k != "extra"}
         return {**d, **self.extra}
+
+
+def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput | None:
+    """Several consecutive outputs of one request as one (deltas joined, the rest from the last)."""
+    if not outputs:
+        return None
+    last = outputs[-1]
+    logprobs = None if last.delta_logprobs is None else [lp for o in outputs for lp in o.delta_logprobs or []]
+    return dataclasses.replace(last, delta_text="".join(o.delta_text for o in outputs),
+                               delta_token_ids=[t for o in outputs for t in o.delta_token_ids],
+                               delta_logprobs=logprobs)

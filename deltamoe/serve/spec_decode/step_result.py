@@ -11,11 +11,10 @@ part puts the state after the last kept draft there: the rollback.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
-from deltamoe.serve.engine.outputs import RequestOutput
+from deltamoe.serve.engine.outputs import RequestOutput, merge_outputs
 from deltamoe.serve.engine.runner import StepResult
 from deltamoe.serve.engine.sampling import TokenLogprob
 
@@ -48,14 +47,3 @@ def emit_speculative(postprocess: Callable[[StepResult], RequestOutput | None],
         if out is not None:
             outputs.append(out)
     return merge_outputs(outputs)
-
-
-def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput | None:
-    """Several consecutive outputs of one request as one (deltas joined, the rest from the last)."""
-    if not outputs:
-        return None
-    last = outputs[-1]
-    logprobs = None if last.delta_logprobs is None else [lp for o in outputs for lp in o.delta_logprobs or []]
-    return dataclasses.replace(last, delta_text="".join(o.delta_text for o in outputs),
-                               delta_token_ids=[t for o in outputs for t in o.delta_token_ids],
-                               delta_logprobs=logprobs)
