@@ -49,6 +49,7 @@ the decode side keeps the range out of use for as long as the transfer engine le
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import secrets
 import threading
 import time
@@ -63,6 +64,7 @@ from deltamoe.serve.engine.sequence import Sequence
 from deltamoe.serve.kv_transfer.busy_time import BusyTime
 from deltamoe.serve.kv_transfer.clock import monotonic_clock_id
 from deltamoe.serve.kv_transfer.connector import FinishedTransfers, KVConnector
+from deltamoe.serve.kv_transfer.markers import MarkerBoard, MarkerSources
 from deltamoe.serve.kv_transfer.mooncake_transport import ChunkedWrite, MooncakeTransport, TransferFailed
 from deltamoe.serve.kv_transfer.notices import POLL_S, NoticeWatcher
 from deltamoe.serve.kv_transfer.packing import TokenRows, message_bytes, pack_in_steps, payload_bytes, token_rows, unpack
@@ -102,6 +104,7 @@ class PushTo:
     staging: tuple[int, int] | None = None  # (address, bytes) of the decode side's range for a packed write
     deadline: float = 0.0  # time.monotonic() by which the write ends, one way or the other
     notice: str | None = None  # the decode side's key for the completion notice
+    marker: tuple[int, int] | None = None  # (address, value) of the decode side's completion marker (`markers.py`)
     done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
@@ -116,6 +119,7 @@ class Landing:
     nbytes: int  # the request's bytes (`payload_bytes`)
     start: float  # time.monotonic() when the load was asked for
     staging: tuple[int, int] | None = None  # (offset, bytes) of the range lent to it
+    marker: int | None = None  # the address of its completion marker's word (`markers.py`), if one was armed
     unpacking: float = 0.0  # time.monotonic() when its scatter started (or would have)
     cached: float = 0.0  # ... and when the cache was in the pools
     landed: threading.Event = field(default_factory=threading.Event)
@@ -131,6 +135,8 @@ class HandOffConfig:
     staging_bytes: int = 64 << 20  # registered area for packed hand-offs (larger requests go unpacked)
     write_chunk_bytes: int = 1 << 20  # a packed write goes out in chunks of this many bytes as they are gathered
     notice_poll_s: float = POLL_S  # decode side: sleep between polls for completion notices while one is awaited
+    # Decode side: ask for a completion marker (`markers.py`) rather than the transfer engine's notice.
+    markers: bool = True
     inline_start_bytes: int = 4 << 20  # prefill side: the engine thread starts hand-offs of up to this many bytes
     # Prefill side, over connection lanes: the engine thread writes a direct hand-off of up to this many bytes
     # itself, in one synchronous call that also sends its notice, when no other thread waits on the
@@ -165,15 +171,19 @@ class MooncakeConnector(KVConnector):
         self._busy = BusyTime(self.config.timeout_s)  # decode side: hand-offs' timed intervals, overlaps once
         self._not_inline: set[str] = set()  # prefill side: peers a write inline failed to (see `_write_inline`)
         self._step_pushes: list[PendingPush] = []  # prefill side: inline candidates of the running step
+        self.markers, self.marker_sources = MarkerBoard(), MarkerSources()  # registered by `bind`
 
     def bind(self, cache: HybridCache, model_config: ModelConfig) -> None:
         super().bind(cache, model_config)
         self.transport = MooncakeTransport(self.config.host, timeout_s=self.config.timeout_s)
         self.staging = StagingArea(self.config.staging_bytes)
-        for tensor in [*pool_tensors(cache).values(), self.staging.buffer]:  # once: never per request
+        for tensor in [*pool_tensors(cache).values(), self.staging.buffer, self.markers.buffer,
+                       self.marker_sources.buffer]:  # once: never per request
             self.transport.register(tensor.data_ptr(), tensor.numel() * tensor.element_size())
         self.descriptor = describe(cache, self.transport.session, model_config)
-        self.notices = NoticeWatcher(self.transport.notices, self.config.notice_poll_s)
+        # A hand-off's end: its completion marker in this side's memory, or the transfer engine's notice.
+        self.notices = NoticeWatcher(lambda: [*self.transport.notices(), *self.markers.arrived()],
+                                     self.config.notice_poll_s)
 
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, seq: Sequence, num_computed: int) -> int:
@@ -309,6 +319,9 @@ class MooncakeConnector(KVConnector):
                 landing.staging = (offset, size)
                 payload["staging"] = [self.staging.address + offset, size]
             payload["notice"] = key
+            if self.config.markers and (marker := self.markers.arm(key)) is not None:
+                landing.marker = marker[0]
+                payload["marker"] = list(marker)
             self.notices.expect(key, lambda detail: self._land(landing, detail == "packed", on_notice=True))
             expected = True
             left = deadline - time.monotonic()
@@ -316,6 +329,8 @@ class MooncakeConnector(KVConnector):
             report = self.prefill_client(url, payload, left)
         except Exception as e:  # any failure fails this request only, with the reason
             if not expected or self.notices.claim(key):  # no notice came: the hand-off failed
+                if landing.marker is not None:  # a late marker cannot match the word's next value
+                    self.markers.disarm(landing.marker)
                 self._give_back(landing, answered=isinstance(e, TransferFailed) and not isinstance(e, PrefillUnanswered))
                 self._end(request_id, "received", error=f"prefill hand-off from {url} failed: {e}")
             # else the notice came first: every byte arrived, whatever the prefill server says since
@@ -323,6 +338,8 @@ class MooncakeConnector(KVConnector):
         if self.notices.claim(key):  # the answer came before the notice was polled
             self._land(landing, bool(report.get("packed")), on_notice=False)
         landing.landed.wait()
+        if landing.marker is not None:  # freed already when its marker was seen
+            self.markers.disarm(landing.marker)
         self._time_from_prefill(report, landing)
 
     def _land(self, landing: Landing, packed: bool, on_notice: bool) -> None:
@@ -373,10 +390,11 @@ class MooncakeConnector(KVConnector):
                     push, started or self._start_packed(push, src_blocks, num_tokens, slot, wait=True))
             else:
                 writing = time.monotonic()
-                self.transport.write(push.dest.session, segments, max(0.0, push.deadline - time.monotonic()),
-                                     notice=_notice(push.notice, packed=False))
+                with self._completion([push], packed=False) as (notice, markers):
+                    self.transport.write(push.dest.session, segments, max(0.0, push.deadline - time.monotonic()),
+                                         notice=notice, markers=markers)
                 self._add("seconds_writing", time.monotonic() - writing)
-                nbytes, writes = sum(s.nbytes for s in segments), 1
+                nbytes, writes = sum(s.nbytes for s in segments), 1 + bool(markers)
         except Exception as e:
             self._push_failed(request_id, push, e)
             return
@@ -418,11 +436,11 @@ class MooncakeConnector(KVConnector):
         if not group:
             return True
         segments = [s for p in group for s in p.segments]
-        notice = "\n".join(n for p in group if (n := _notice(p.push.notice, packed=False)) is not None) or None
         try:
-            if not self.transport.write_unless_busy(peer, segments, min(p.push.deadline for p in group) - writing,
-                                                    notice=notice):
-                return False
+            with self._completion([p.push for p in group], packed=False) as (notice, markers):
+                if not self.transport.write_unless_busy(peer, segments, min(p.push.deadline for p in group) - writing,
+                                                        notice=notice, markers=markers):
+                    return False
         except Exception as e:
             self._not_inline.add(peer)
             for p in group:
@@ -434,8 +452,8 @@ class MooncakeConnector(KVConnector):
             self._totals["seconds_inline"] += seconds * len(group)
             self._totals["seconds_writing"] += seconds * len(group)
         for p in group:
-            self._pushed(p.request_id, p.push, sum(s.nbytes for s in p.segments), writes=1, packed=False,
-                         start=p.push.finished_at)
+            self._pushed(p.request_id, p.push, sum(s.nbytes for s in p.segments), writes=1 + bool(markers),
+                         packed=False, start=p.push.finished_at)
         return True
 
     def _start_packed(self, push: PushTo, src_blocks: list[int], num_tokens: int, slot: int,
@@ -483,8 +501,9 @@ class MooncakeConnector(KVConnector):
         try:
             if started.error is not None:
                 raise started.error
-            writes = self.transport.finish(started.write, max(0.0, push.deadline - started.write.started),
-                                           notice=_notice(push.notice, packed=started.packed))
+            with self._completion([push], packed=started.packed) as (notice, markers):
+                writes = self.transport.finish(started.write, max(0.0, push.deadline - started.write.started),
+                                               notice=notice, markers=markers)
             written = time.monotonic()
             self._add("seconds_packing", started.gather_s)
             self._add("seconds_writing", written - started.write.started - started.gather_s)
@@ -494,6 +513,17 @@ class MooncakeConnector(KVConnector):
             if started.offset is not None:
                 self.staging.give_back(started.offset, started.size)
         return started.nbytes, writes
+
+    @contextlib.contextmanager
+    def _completion(self, pushes: list[PushTo], packed: bool) -> Iterator[tuple[str | None, list[Segment] | None]]:
+        """How the decode side learns that these hand-offs' bytes are all in: (the transfer engine's
+        notice, naming each hand-off whose decode side armed no marker; the completion markers of the
+        others, `markers.py`), valid inside the block. A marker is one 8-byte write on a connection lane
+        the data took, where the engine's notice opens a connection of its own to the peer each time."""
+        marked = [p.marker for p in pushes if p.marker is not None]
+        with self.marker_sources.segments(marked, packed) as markers:
+            noticed = pushes if markers is None else [p for p in pushes if p.marker is None]
+            yield "\n".join(n for p in noticed if (n := _notice(p.notice, packed)) is not None) or None, markers or None
 
     def _time_direct(self, write: ChunkedWrite, written: float) -> None:
         """A direct hand-off's write by phase: the engine thread's submission of its batch, the batch on
@@ -608,6 +638,7 @@ def push_target(connector: MooncakeConnector, payload: dict) -> tuple[list[int],
         dst_slot, timeout_s = int(payload["dst_slot"]), float(payload["timeout_s"])
         staging = (int(payload["staging"][0]), int(payload["staging"][1])) if payload.get("staging") else None
         notice = str(payload["notice"]) if payload.get("notice") is not None else None
+        marker = (int(payload["marker"][0]), int(payload["marker"][1])) if payload.get("marker") else None
     except (KeyError, TypeError, ValueError) as e:
         raise RequestError(f"malformed hand-off request ({e!r})", field="kv_transfer") from e
     if dest.signature != connector.descriptor.signature:
@@ -619,4 +650,5 @@ def push_target(connector: MooncakeConnector, payload: dict) -> tuple[list[int],
         raise RequestError(f"{len(dst_blocks)} destination blocks for {len(token_ids) - 1} tokens from block "
                            f"{first_block} (expected {need})", field="kv_transfer")
     return token_ids, PushTo(dest=dest, first_block=first_block, dst_blocks=dst_blocks, dst_slot=dst_slot,
-                             timeout_s=timeout_s, staging=staging, deadline=time.monotonic() + timeout_s, notice=notice)
+                             timeout_s=timeout_s, staging=staging, deadline=time.monotonic() + timeout_s, notice=notice,
+                             marker=marker)

@@ -162,19 +162,20 @@ class MooncakeTransport:
             raise ConfigError(f"cannot register {nbytes} bytes with the Mooncake transfer engine", field="kv_transfer")
         self._registered.append(address)
 
-    def write(self, peer: str, segments: list[Segment], timeout_s: float, notice: str | None = None) -> None:
-        """Copy every segment into `peer`'s registered memory (the last one after the others, with
-        `notice` when given); raises TransferFailed (an engine error, or the write ended after
-        `timeout_s`)."""
+    def write(self, peer: str, segments: list[Segment], timeout_s: float, notice: str | None = None,
+              markers: list[Segment] | None = None) -> None:
+        """Copy every segment into `peer`'s registered memory (with `notice` when given; `markers`, the
+        completion markers of `markers.py`, once every segment completed); raises TransferFailed (an
+        engine error, or the write ended after `timeout_s`)."""
         if timeout_s <= 0:
             raise TransferFailed(f"no time left for the hand-off to {peer}")
         start = time.monotonic()
         with self._one_waiter():
-            status = self._write_sync(peer, segments, notice)
+            status = self._write_sync(peer, segments, notice, markers)
         self._check_write(peer, status, start, timeout_s)
 
-    def write_unless_busy(self, peer: str, segments: list[Segment], timeout_s: float, notice: str | None = None
-                          ) -> bool:
+    def write_unless_busy(self, peer: str, segments: list[Segment], timeout_s: float, notice: str | None = None,
+                          markers: list[Segment] | None = None) -> bool:
         """`write`, unless another thread waits on the engine now: then False at once, nothing written
         (never waits for the waiter lock: for a thread that must not stall, the prefill engine's)."""
         if timeout_s <= 0:
@@ -183,15 +184,23 @@ class MooncakeTransport:
             return False
         start = time.monotonic()
         try:
-            status = self._write_sync(peer, segments, notice)
+            status = self._write_sync(peer, segments, notice, markers)
         finally:
             self._waiter.release()
         self._check_write(peer, status, start, timeout_s)
         return True
 
-    def _write_sync(self, peer: str, segments: list[Segment], notice: str | None) -> int:
+    def _write_sync(self, peer: str, segments: list[Segment], notice: str | None,
+                    markers: list[Segment] | None = None) -> int:
         """One synchronous call of the engine (its status): submission, the wait and `notice` all in C++
-        with the GIL released, so no Python thread stands between the batch's end and the notice."""
+        with the GIL released, so no Python thread stands between the batch's end and the notice; with
+        `markers`, a second one writes them once the first completed (the GIL is taken only in between)."""
+        status = self._write_batch(peer, segments, notice)
+        if status == 0 and markers:
+            status = self._write_batch(peer, markers, None)
+        return status
+
+    def _write_batch(self, peer: str, segments: list[Segment], notice: str | None) -> int:
         srcs, dsts, lengths = [s.src for s in segments], [s.dst for s in segments], [s.nbytes for s in segments]
         if notice is not None:  # the engine sends it once the whole batch completed
             from mooncake.engine import TransferNotify, TransferOpcode
@@ -247,19 +256,25 @@ class MooncakeTransport:
             raise
         return write
 
-    def finish(self, write: ChunkedWrite, timeout_s: float, notice: str | None = None) -> int:
+    def finish(self, write: ChunkedWrite, timeout_s: float, notice: str | None = None,
+               markers: list[Segment] | None = None) -> int:
         """Wait for every chunk of `write`, each until it completed or failed; then write what no
         chunk carried (synchronously), and `notice` for the peer when given: it rides on that
         write, or on a write of the last `NOTICE_BYTES` again (a notice needs a write, and a chunk
         written after the others completed, rather than beside them, costs more than a short
-        write). Returns the number of writes; raises TransferFailed as `write` does, only once no
-        chunk is in flight."""
+        write); `markers` instead of a notice: written once all of that completed. Returns the
+        number of writes; raises TransferFailed as `write` does, only once no chunk is in flight."""
         failed = [status for status in self._wait_each(write.batches) if status != 0]
         write.completed = time.monotonic()
         writes = len(write.batches)
-        if not failed and (notice is not None or write.sent < write.nbytes):
+        if not failed and ((notice is not None and not markers) or write.sent < write.nbytes):
             first = write.sent if write.sent < write.nbytes else max(0, write.nbytes - NOTICE_BYTES)
-            status = self._write_one(write.peer, write.src + first, write.dst + first, write.nbytes - first, notice)
+            status = self._write_one(write.peer, write.src + first, write.dst + first, write.nbytes - first,
+                                     None if markers else notice)
+            failed, writes = [status] if status != 0 else [], writes + 1
+        if not failed and markers:
+            with self._one_waiter():
+                status = self._write_batch(write.peer, markers, None)
             failed, writes = [status] if status != 0 else [], writes + 1
         if failed:
             raise TransferFailed(f"the hand-off write to {write.peer} failed (status {min(failed)}: peer "

@@ -5,6 +5,7 @@ own report, and one that cannot start fails alone (a fake transport records the 
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 
@@ -27,11 +28,11 @@ class RecordingTransport:
         self.starts, self.fail_peer, self.busy = starts, fail_peer, busy
         self.changed = threading.Condition()
 
-    def write_unless_busy(self, peer, segments, timeout_s, notice=None) -> bool:
+    def write_unless_busy(self, peer, segments, timeout_s, notice=None, markers=None) -> bool:
         if self.busy:
             return False
         with self.changed:
-            self.calls.append(("inline", f"{len(segments)} segments: {notice}"))
+            self.calls.append(("inline", f"{len(segments)} segments: {notice}" + _markers(markers)))
         return True
 
     def start_segments(self, peer, segments) -> ChunkedWrite:
@@ -44,17 +45,24 @@ class RecordingTransport:
         write.submitted = write.completed = time.monotonic()
         return write
 
-    def finish(self, write, timeout_s, notice=None) -> int:
+    def finish(self, write, timeout_s, notice=None, markers=None) -> int:
         with self.changed:
             if not self.changed.wait_for(lambda: sum(k == "start" for k, _ in self.calls) >= self.starts, 5.0):
                 raise TransferFailed("a notice waited for batches that were not started")
-            self.calls.append(("notice", notice))
+            self.calls.append(("notice", notice + _markers(markers) if notice else _markers(markers)))
         return 2
 
 
-def pending(i: int, peer: str = "peer:1") -> PendingPush:
+def _markers(markers: list[Segment] | None) -> str:
+    """The markers' values as the transport would write them (read from their registered source words)."""
+    if not markers:
+        return ""
+    return " + markers " + ",".join(f"{ctypes.c_int64.from_address(m.src).value}@{m.dst}" for m in markers)
+
+
+def pending(i: int, peer: str = "peer:1", marker: tuple[int, int] | None = None) -> PendingPush:
     push = PushTo(dest=PoolDescriptor(peer, {}, "sig"), first_block=0, dst_blocks=[i], dst_slot=i, timeout_s=30.0,
-                  deadline=time.monotonic() + 30.0, notice=f"key-{i}", finished_at=time.monotonic())
+                  deadline=time.monotonic() + 30.0, notice=f"key-{i}", finished_at=time.monotonic(), marker=marker)
     return PendingPush(f"r{i}", push, [i], 3, i, [Segment(1000 * i, 2000 * i, 64)])
 
 
@@ -116,3 +124,27 @@ def test_a_handoff_that_cannot_start_fails_alone():
     connector._threads.shutdown(wait=True)
     finished = connector.get_finished()
     assert finished.sent == {"r0"} and set(finished.failed) == {"r1"}
+
+
+def test_handoffs_with_a_marker_are_told_by_it_the_others_by_the_notice():
+    """A decode side that armed a completion marker gets it written after the step's batch (value, at
+    its address); one that did not is named in the engine's notice, as before; both in one call."""
+    transport = RecordingTransport()
+    connector = connector_with(transport)
+    marked, plain = pending(0, marker=(4096, 12)), pending(1)
+    connector._step_pushes = [marked, plain]
+    connector.step_ended()
+    assert transport.calls == [("inline", "2 segments: key-1 unpacked + markers 12@4096")]
+    assert marked.push.done.result(timeout=10.0)["segments"] == 2  # the batch, then the marker's write
+
+
+def test_a_started_handoffs_marker_says_packed_with_its_value_plus_one():
+    transport = RecordingTransport(busy=True)
+    connector = connector_with(transport)
+    marked = pending(0, marker=(4096, 12))
+    connector._step_pushes = [marked]
+    connector.step_ended()
+    marked.push.done.result(timeout=10.0)
+    assert transport.calls == [("start", None), ("notice", " + markers 12@4096")]  # a direct one: unpacked
+    with connector._completion([marked.push], packed=True) as (notice, markers):
+        assert notice is None and _markers(markers) == " + markers 13@4096"
