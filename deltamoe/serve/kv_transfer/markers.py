@@ -51,6 +51,7 @@ class MarkerBoard:
         self._armed: dict[int, tuple[str, int]] = {}  # word -> (notice key, expected value)
         self._values = itertools.count(2, 2)  # even: +1 marks a packed hand-off
         self._lock = threading.Lock()
+        self.seen = 0  # markers that arrived while armed
 
     def arm(self, key: str) -> tuple[int, int] | None:
         """A word for the hand-off `key`: (its address, the value to write there), or None when every
@@ -83,6 +84,7 @@ class MarkerBoard:
                 if value in (expected, expected + 1):
                     del self._armed[word]
                     self._free.append(word)
+                    self.seen += 1
                     lines.append(f"{key} {'packed' if value == expected + 1 else 'unpacked'}")
         return lines
 

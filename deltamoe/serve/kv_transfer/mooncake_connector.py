@@ -288,7 +288,8 @@ class MooncakeConnector(KVConnector):
 
     def stats(self) -> dict[str, float]:
         with self._lock:
-            totals = self._totals | {"seconds_busy": self._busy.seconds(), "in_flight": len(self._in_flight)}
+            totals = self._totals | {"seconds_busy": self._busy.seconds(), "in_flight": len(self._in_flight),
+                                     "markers_seen": self.markers.seen}
         return {f"kv_transfer_{k}": float(v) for k, v in totals.items()}
 
     def close(self) -> None:
