@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -385,11 +386,16 @@ import json, sys, threading, time, torch
 from deltamoe.serve.kv_transfer.mooncake_transport import MooncakeTransport
 from deltamoe.serve.kv_transfer.notices import POLL_S
 t = MooncakeTransport(); dst = torch.zeros(int(sys.argv[1]) // 4 + 1); t.register(dst.data_ptr(), dst.nbytes)
-print(json.dumps([t.session, dst.data_ptr()]), flush=True)
-def watch():  # as a decode server's notice watcher polls: each notice's arrival on this host's clock
+board = torch.zeros(1, dtype=torch.int64); t.register(board.data_ptr(), board.nbytes)  # a completion marker's word
+print(json.dumps([t.session, dst.data_ptr(), board.data_ptr()]), flush=True)
+def watch():  # as a decode server's watcher polls: each notice's or marker's arrival on this host's clock
+    last = 0
     while True:
         for msg in t.notices():
             print(msg, time.monotonic(), flush=True)
+        if (value := int(board[0])) != last:
+            last = value
+            print(f"marker-{value}", time.monotonic(), flush=True)
         time.sleep(POLL_S)
 threading.Thread(target=watch, daemon=True).start()
 sys.stdin.read()
@@ -397,7 +403,7 @@ sys.stdin.read()
 
 
 def raw_tcp_throughput(sizes: list[tuple[int, int]], repeats: int = 9, idle_s: float = 0.0,
-                       lanes: bool = True, notice: bool = False, writes: int = 1) -> list[float]:
+                       lanes: bool = True, notice: bool = False, writes: int = 1, marker: bool = False) -> list[float]:
     """Bytes per second of Mooncake TCP writes from this process into another's registered memory (a
     receiver process, as between two servers): for each (total bytes, segments), the total split
     into that many equal segments in one `MooncakeTransport.write` (the engine's own synchronous
@@ -408,10 +414,13 @@ def raw_tcp_throughput(sizes: list[tuple[int, int]], repeats: int = 9, idle_s: f
     a new connection per write (the engine's own default). `notice`: each write carries a completion
     notice (the engine sends it once the write completed, as a hand-off's last write does) and is timed
     until the receiver, polling for notices as a decode server does, has it: what a receiver needs to
-    know that the bytes are there, which a bare write does not tell it. `writes` > 1: each sample is that
-    many such writes back to back, timed together (bytes: `writes` x the total)."""
+    know that the bytes are there, which a bare write does not tell it. `marker`: the same, told by a
+    completion marker instead (`markers.py`: an 8-byte write into the receiver's memory once the write
+    completed, which it polls), as hand-offs are. `writes` > 1: each sample is that many such writes back
+    to back, timed together (bytes: `writes` x the total)."""
     import torch
 
+    from deltamoe.serve.kv_transfer.markers import MarkerSources
     from deltamoe.serve.kv_transfer.mooncake_transport import MooncakeTransport
     from deltamoe.serve.kv_transfer.pools import Segment
 
@@ -421,10 +430,11 @@ def raw_tcp_throughput(sizes: list[tuple[int, int]], repeats: int = 9, idle_s: f
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
     rates = []
     try:
-        session, address = json.loads(receiver.stdout.readline())
+        session, address, board = json.loads(receiver.stdout.readline())
         sender = with_lanes(lanes, MooncakeTransport)
-        src = torch.rand(largest // 4 + 1)
+        src, sources, values = torch.rand(largest // 4 + 1), MarkerSources(1), itertools.count(1)
         sender.register(src.data_ptr(), src.nbytes)
+        sender.register(sources.buffer.data_ptr(), sources.buffer.nbytes)
         sender.write(session, [Segment(src.data_ptr(), address, 64)], 30.0)  # the handshake, not timed
         for total, count in sizes:
             size = total // count
@@ -435,8 +445,14 @@ def raw_tcp_throughput(sizes: list[tuple[int, int]], repeats: int = 9, idle_s: f
                 t0, key = time.monotonic(), f"raw-{total}-{i}"
                 for _ in range(writes - 1):
                     sender.write(session, segments, 30.0)
-                sender.write(session, segments, 30.0, notice=key if notice else None)
-                if notice:
+                if marker:
+                    value = next(values)
+                    key = f"marker-{value}"
+                    with sources.segments([(board, value)], packed=False) as markers:
+                        sender.write(session, segments, 30.0, markers=markers)
+                else:
+                    sender.write(session, segments, 30.0, notice=key if notice else None)
+                if notice or marker:
                     seen, at = receiver.stdout.readline().split()
                     if seen != key:
                         raise RuntimeError(f"the receiver saw notice {seen!r}, expected {key!r}")
@@ -552,6 +568,7 @@ def main() -> None:
     isolated = raw_tcp_throughput(sweep[:len(hand_off["idle"])], idle_s=ISOLATED_IDLE_S)
     no_lanes = raw_tcp_throughput(sweep[:len(hand_off["idle"])], lanes=False)
     noticed = raw_tcp_throughput(sweep[:len(hand_off["idle"])], idle_s=ISOLATED_IDLE_S, notice=True)
+    marked = raw_tcp_throughput(sweep[:len(hand_off["idle"])], idle_s=ISOLATED_IDLE_S, marker=True)
     transport = [{"bytes": total, "segments": count, "gb_s": round(rate / 1e9, 3)}
                  for (total, count), rate in zip(sweep, rates)]
     for r, raw, alone in zip(hand_off["idle"], rates, isolated):
@@ -562,6 +579,8 @@ def main() -> None:
         r["raw_tcp_no_lanes_gb_s"], r["over_raw_tcp_no_lanes"] = fresh / 1e9, r["gb_s"] * 1e9 / fresh
     for r, seen in zip(hand_off["idle"], noticed):
         r["raw_tcp_noticed_gb_s"], r["over_raw_tcp_noticed"] = seen / 1e9, r["gb_s"] * 1e9 / seen
+    for r, seen in zip(hand_off["idle"], marked):
+        r["raw_tcp_marked_gb_s"], r["over_raw_tcp_marked"] = seen / 1e9, r["gb_s"] * 1e9 / seen
     for i, r in enumerate(hand_off["sustained"]):  # the idle sizes again, for each in-flight count
         raw = rates[i % len(hand_off["idle"])]
         r["raw_tcp_gb_s"], r["over_raw_tcp"] = raw / 1e9, r["gb_s"] * 1e9 / raw
@@ -582,6 +601,10 @@ def main() -> None:
                 # The transport's own ceiling for a hand-off that tells its receiver, against the goal's reference.
                 "raw_tcp_noticed_over_raw_tcp": round(min(r["raw_tcp_noticed_gb_s"] / r["raw_tcp_gb_s"]
                                                           for r in hand_off["idle"]), 2),
+                # ... and for one told by a completion marker, as hand-offs are now.
+                "handoff_over_raw_tcp_marked": round(min(r["over_raw_tcp_marked"] for r in hand_off["idle"]), 2),
+                "raw_tcp_marked_over_raw_tcp": round(min(r["raw_tcp_marked_gb_s"] / r["raw_tcp_gb_s"]
+                                                         for r in hand_off["idle"]), 2),
                 "handoff_bytes_per_request": round(per_request),
                 **({"sustained_handoff_over_raw_tcp": round(min(r["over_raw_tcp"] for r in hand_off["sustained"]), 2),
                     "in_flight_handoff_over_raw_tcp_same_bytes": round(min(r["over_raw_tcp_same_bytes"]
@@ -599,7 +622,8 @@ def main() -> None:
                           "queued / notice ms", "on notice", "direct write ms (submit / on wire / notice write)",
                           "raw TCP GB/s (no lanes)", "hand-off / raw (no lanes)",
                           "written inline (share, ms)", "raw TCP + notice GB/s (isolated, until the receiver has it)",
-                          "hand-off / raw + notice"],
+                          "hand-off / raw + notice", "raw TCP + marker GB/s (isolated, until the receiver has it)",
+                          "hand-off / raw + marker"],
                          [[f"{r['prompt_tokens']} tokens", f"{r['bytes_per_handoff'] / 2**20:.2f}",
                            f"{r['writes_per_handoff']:.0f}", f"{r['segments_per_handoff']:.1f}",
                            f"{r['seconds_per_handoff'] * 1e3:.2f}",
@@ -614,7 +638,8 @@ def main() -> None:
                                       for part in ("submitting", "transferring", "notifying")),
                            f"{r['raw_tcp_no_lanes_gb_s']:.3f}", f"{r['over_raw_tcp_no_lanes']:.2f}",
                            f"{r['written_inline']:.0%}, {r['inline_seconds'] * 1e3:.2f}",
-                           f"{r['raw_tcp_noticed_gb_s']:.3f}", f"{r['over_raw_tcp_noticed']:.2f}"]
+                           f"{r['raw_tcp_noticed_gb_s']:.3f}", f"{r['over_raw_tcp_noticed']:.2f}",
+                           f"{r['raw_tcp_marked_gb_s']:.3f}", f"{r['over_raw_tcp_marked']:.2f}"]
                           for r in hand_off["idle"]]))
     if hand_off["sustained"]:
         print(markdown_table(["hand-offs in flight", "MiB each", "busy ms", "GB/s (bytes / busy)",
