@@ -6,6 +6,10 @@ memory. The decode side learns of it here, not from the prefill server's HTTP an
 takes two more thread hand-overs (the prefill server's event loop, then this server's HTTP
 client) and an HTTP response on the way: the answer stays the control path (errors, timings).
 
+A completion marker (`markers.py`: 8 bytes the prefill side writes into this side's memory once the
+hand-off's writes completed) is reported by the same poll, as a notice line of its own; the
+connector's poll returns both.
+
 The engine offers no blocking wait for notices, only `get_notifies`, so this thread polls it, and
 only while some hand-off awaits its notice (also while its prompt is still being computed: the
 decode side cannot tell when the prefill ends); each poll is one short C++ call, and between polls
