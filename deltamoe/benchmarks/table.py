@@ -398,13 +398,15 @@ def serve_disagg_rows(d: dict) -> list[Row]:
                 " / ".join(bold(f"{r['over_raw_tcp']:.2f}") if r["over_raw_tcp"] == worst else f"{r['over_raw_tcp']:.2f}"
                            for r in idle),
                 verdict([(f">= {share:.0%} of raw at every size".replace("%", " %"), worst >= share)]) if share else ""])
-    if "raw_tcp_noticed_gb_s" in idle[0]:  # runs before it was measured have none
+    for told, how in (("noticed", "notice"), ("marked", "marker")):  # runs before each was measured have none
+        if f"raw_tcp_{told}_gb_s" not in idle[0]:
+            continue
         out.append(["same, one hand-off at a time vs a raw write that also tells its receiver (isolated, with a "
-                     "completion notice, until the receiver process has it) at "
+                     f"completion {how}, until the receiver process has it) at "
                      + " / ".join(f"{r['bytes_per_handoff'] / 2**20:.2f}" for r in idle) + " MiB",
                      " / ".join(f"{r['gb_s']:.2f}" for r in idle) + " GB/s",
-                     "Mooncake raw TCP write + notice " + " / ".join(f"{r['raw_tcp_noticed_gb_s']:.2f}" for r in idle)
-                     + " GB/s", " / ".join(f"{r['over_raw_tcp_noticed']:.2f}" for r in idle),
+                     f"Mooncake raw TCP write + {how} " + " / ".join(f"{r[f'raw_tcp_{told}_gb_s']:.2f}" for r in idle)
+                     + " GB/s", " / ".join(f"{r[f'over_raw_tcp_{told}']:.2f}" for r in idle),
                      "(beside the goal's reference, not instead of it)"])
     sustained = d["hand_off"].get("sustained")  # runs before it was measured have none
     for count in dict.fromkeys(r["in_flight"] for r in sustained or []):  # `--in-flight 4,8`: a row each
