@@ -37,9 +37,9 @@ lanes (its submission then only queues the segments, whatever their size; withou
 once per segment), every byte as asynchronous writes, so that the hand-off thread, which waits for
 them and sends the notice, wakes up while they travel. Either way a completion notice (`notices.py`)
 follows once every write completed (a completion marker written into the decode side's memory,
-`markers.py`, when the decode side armed one; else the transfer engine's notice): the decode side scatters the message into its blocks and slot
-(packed) and lets the request run as soon as the notice arrives, without waiting for the prefill
-call's answer, which still reports errors and timings.
+`markers.py`, when the decode side armed one; else the transfer engine's notice): the decode side
+scatters the message into its blocks and slot (packed) and lets the request run as soon as the
+notice arrives, without waiting for the prefill call's answer, which still reports errors and timings.
 
 A staging range is lent for as long as a write may still land in it: the prefill side answers
 only once each of its writes completed or failed (`MooncakeTransport.write_as_ready`), and when
