@@ -237,7 +237,7 @@ def serve_args(args, threads: int) -> list[str]:
     overlap = ["--async-scheduling"] if args.async_scheduling else []
     return ["serve", args.model, "--served-model-name", MODEL_NAME, "--threads", str(threads), "--cache-memory",
             args.cache_memory, *chunk, "--max-model-len", str(max(args.long_len, *args.idle_lens) + args.long_output + 8),
-            *overlap]
+            *overlap, *(["--no-compile"] if args.no_compile else [])]
 
 
 async def warm_up(url: str, args) -> float:
@@ -549,6 +549,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="15 s per setup; writes serve_disagg_quick.json")
     ap.add_argument("--handoff-only", action="store_true", help="only the idle hand-offs against raw TCP (no "
                     "colocated server, no mixed load); writes serve_disagg_handoff_quick.json (no README row)")
+    ap.add_argument("--no-compile", action="store_true", help="every server decodes eagerly (a loaded machine's "
+                    "first start may compile past the health check's bound; hand-offs do not depend on it)")
     args = ap.parse_args()
     if args.quick:
         args.duration = 15.0
