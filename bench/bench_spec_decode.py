@@ -14,6 +14,13 @@ and reused by later runs with the same recipe. `--save-checkpoint DIR` copies th
 machine); `--checkpoint DIR --mtp-distill-steps N --save-checkpoint DIR2` distills DIR's MTP
 layer N steps further (trunk frozen), saves DIR2 and measures it.
 
+Getting a checkpoint worth measuring: the training here (a few hundred steps, then self-distillation
+on the model's own continuations) leaves drafts well short of the 0.7 acceptance the goal needs.
+`python bench/spec_train_recipe.py DIR [--seed S] [--until HH:MM]` rebuilds the bench checkpoint
+from nothing in one command (this file's trunk training, then `spec_distill_fresh.py`'s
+distillation on fresh task answers, the best kept; its recipe in DIR/spec_recipe.json); then
+`--checkpoint DIR` (with `--acceptance-only` on a loaded machine).
+
 Prompts are held-out examples of each task cut before an answer (as the demo's serve stage draws
 them); the chat-templated kind wraps the same text as one user message with the model's chat
 template. Everything is greedy. Workloads:
