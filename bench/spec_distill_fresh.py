@@ -12,8 +12,14 @@ that `bench/bench_spec_decode.py --checkpoint OUT` measures.
 The learning rate warms up, then follows a cosine to a tenth over `--steps`; `--until HH:MM`
 (UTC) stops earlier, keeping the best checkpoint so far.
 
+`--eval-seed` picks which held-out prompts choose the best (1, the default, is the bench's own set;
+`spec_train_recipe.py` uses 2 so the bench's figures are not the ones the pick was made on);
+`--soft` fits the trunk's next-token distribution instead of its greedy token. `distill_fresh` is
+the run as a function (`spec_train_recipe.py`'s second stage).
+
     python bench/spec_distill_fresh.py CHECKPOINT OUT [--steps N] [--lr LR] [--until HH:MM]
-        [--rows copy=3,repeat=3,recall=1,arithmetic=1] [--every N] [--eval-prompts N]
+        [--rows copy=3,repeat=3,recall=1,arithmetic=1] [--every N] [--eval-prompts N] [--eval-seed S]
+        [--soft] [--seed S]
 """
 
 from __future__ import annotations

@@ -57,6 +57,7 @@ def build(out: Path, recipe: SpecRecipe, stop_at: float | None, command: str,
     before it, the distillation until it. A build cut short says so ("complete": false) and still
     leaves a usable checkpoint; the same command later resumes the trunk from its last checkpoint
     (the same schedule, so the same trunk) and redoes the distillation on it."""
+    recipe = dataclasses.replace(recipe, distill=dataclasses.replace(recipe.distill, seed=recipe.seed))  # one seed
     out.mkdir(parents=True, exist_ok=True)
     record: dict = {"command": command, "recipe": dataclasses.asdict(recipe), "stages": {}, "complete": False}
     write_json_atomic(out / RECIPE_JSON, record)
@@ -75,7 +76,7 @@ def build(out: Path, recipe: SpecRecipe, stop_at: float | None, command: str,
     print(f"trunk: {trunk} ({'reused' if reused else 'trained'}, {trunk_steps}/{recipe.trunk_steps} steps, "
           f"{record['stages']['trunk']['seconds']} s)", flush=True)
     t1 = time.perf_counter()
-    best = distill_fresh(trunk, out, dataclasses.replace(recipe.distill, seed=recipe.seed), stop_at,
+    best = distill_fresh(trunk, out, recipe.distill, stop_at,
                          threads=recipe.train_threads)
     record["stages"]["distill"] = {"seconds": round(time.perf_counter() - t1), "steps_run": best["last_step"],
                                    "best_step": best["step"], "best_mix_mean_acceptance": round(best["score"], 4),

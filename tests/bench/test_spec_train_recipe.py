@@ -4,11 +4,23 @@ pieces; the whole build (two trunk steps, two distillation steps), twice from th
 
 from __future__ import annotations
 
+import importlib
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture
+def bench_script(monkeypatch):
+    """Imported by name (not conftest's file loader): these scripts define dataclasses, which need their
+    module in sys.modules, and import each other the same way."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    return importlib.import_module
 
 
 def test_bad_until_and_rows_name_the_flag(bench_script):
