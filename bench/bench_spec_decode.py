@@ -14,6 +14,13 @@ and reused by later runs with the same recipe. `--save-checkpoint DIR` copies th
 machine); `--checkpoint DIR --mtp-distill-steps N --save-checkpoint DIR2` distills DIR's MTP
 layer N steps further (trunk frozen), saves DIR2 and measures it.
 
+Getting a checkpoint worth measuring: the training here (a few hundred steps, then self-distillation
+on the model's own continuations) leaves drafts well short of the 0.7 acceptance the goal needs.
+`python bench/spec_train_recipe.py DIR [--seed S] [--until HH:MM]` rebuilds the bench checkpoint
+from nothing in one command (this file's trunk training, then `spec_distill_fresh.py`'s
+distillation on fresh task answers, the best kept; its recipe in DIR/spec_recipe.json); then
+`--checkpoint DIR` (with `--acceptance-only` on a loaded machine).
+
 Prompts are held-out examples of each task cut before an answer (as the demo's serve stage draws
 them); the chat-templated kind wraps the same text as one user message with the model's chat
 template. Everything is greedy. Workloads:
@@ -90,29 +97,48 @@ DISTILL_LR = 1e-3
 DISTILL_WARMUP = 20  # steps of linear warm-up, then a cosine to a tenth of the rate
 
 
-def recipe(steps: int, threads: int, mtp_depth: int) -> dict:
+def recipe(steps: int, threads: int, mtp_depth: int, seed: int = 0) -> dict:
     model = {"preset": "tiny", "overrides": {"mtp_train_depth": mtp_depth}} if mtp_depth > 1 else {"preset": "tiny"}
     return {"model": model,
             "data": {"task": TASK, "num_pairs": 8, "num_queries": 8, "digits": 2, "string_len": 8, "seq_len": 64,
                      "batch_size": 32,
                      "eval_rows": 64},
             "optim": {"lr": 1e-3, "warmup_steps": min(20, steps // 5), "min_lr_ratio": 0.1},
-            "run": {"steps": steps, "eval_every": steps, "threads": threads}}
+            "run": {"steps": steps, "eval_every": steps, "threads": threads, "seed": seed}}
 
 
-def trained_checkpoint(steps: int, threads: int, mtp_depth: int) -> tuple[Path, bool]:
-    """The tiny MTP model trained with `recipe(steps)`: from runs/ when an earlier run made it."""
+def trained_checkpoint(steps: int, threads: int, mtp_depth: int, seed: int = 0, out: Path | None = None,
+                       max_minutes: float | None = None) -> tuple[Path, bool]:
+    """The tiny MTP model trained with `recipe(steps)` into `out` (default: under runs/, keyed by the
+    recipe): from there when an earlier run made it. `max_minutes` stops the training early (the
+    trainer exports what it has); the same call later resumes from its last checkpoint and finishes
+    the same schedule. `trunk_steps_run` tells how far a run got."""
+    from deltamoe.train import checkpoint as train_checkpoints
     from deltamoe.train.config import TrainConfig
     from deltamoe.train.trainer import train
 
-    settings = recipe(steps, threads, mtp_depth)
-    key = hashlib.sha256(json.dumps({**settings, "run": {"steps": steps}}, sort_keys=True).encode()).hexdigest()[:10]
-    out = ROOT / "runs" / "bench_spec_decode" / f"tiny-{steps}-{key}"
-    if (out / "model" / "config.json").exists():
+    settings = recipe(steps, threads, mtp_depth, seed)
+    if out is None:
+        # the key leaves threads out (they do not change what is trained) and seed 0 out (older runs' keys)
+        run_key = {"steps": steps, "seed": seed} if seed else {"steps": steps}
+        key = hashlib.sha256(json.dumps({**settings, "run": run_key}, sort_keys=True).encode()).hexdigest()[:10]
+        out = ROOT / "runs" / "bench_spec_decode" / f"tiny-{steps}-{key}"
+    if (out / "model" / "config.json").exists() and trunk_steps_run(out) >= steps:
         return out / "model", True
-    settings["run"]["out"] = str(out)
+    settings["run"].update(out=str(out), max_minutes=max_minutes,
+                           resume=train_checkpoints.latest_checkpoint(out) is not None)
     train(TrainConfig.from_dict(settings).validate())
     return out / "model", False
+
+
+def trunk_steps_run(run_dir: Path) -> int:
+    """The last step a training run in `run_dir` logged (0: none); older runs without a metrics log
+    count as finished."""
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.exists():
+        return 0 if not (run_dir / "model" / "config.json").exists() else sys.maxsize
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"step"' in line]
+    return max(steps, default=0)
 
 
 def distilled_checkpoint(checkpoint: Path, steps: int, threads: int, mtp_depth: int,
@@ -156,10 +182,11 @@ class Workload:
     params: list[SamplingParams]
 
 
-def task_prompts(per_task: int, split: str = "eval") -> dict[str, list[HeldOutPrompt]]:
-    """Examples of each task of the mixture (held-out ones by default), cut before an answer."""
+def task_prompts(per_task: int, split: str = "eval", seed: int = 1) -> dict[str, list[HeldOutPrompt]]:
+    """Examples of each task of the mixture (held-out ones by default), cut before an answer; seed 1
+    draws the prompts this bench reports on."""
     task = make_task(TASK, digits=2, num_pairs=8, num_queries=8, string_len=8)
-    return {t.name: answer_prompts(t, per_task, 1, split) for t in task.tasks}
+    return {t.name: answer_prompts(t, per_task, seed, split) for t in task.tasks}
 
 
 def encoders(checkpoint: Path, tokenizer) -> dict[str, Callable[[str], list[int]]]:

@@ -12,17 +12,25 @@ that `bench/bench_spec_decode.py --checkpoint OUT` measures.
 The learning rate warms up, then follows a cosine to a tenth over `--steps`; `--until HH:MM`
 (UTC) stops earlier, keeping the best checkpoint so far.
 
+`--eval-seed` picks which held-out prompts choose the best (1, the default, is the bench's own set;
+`spec_train_recipe.py` uses 2 so the bench's figures are not the ones the pick was made on);
+`--soft` fits the trunk's next-token distribution instead of its greedy token. `distill_fresh` is
+the run as a function (`spec_train_recipe.py`'s second stage).
+
     python bench/spec_distill_fresh.py CHECKPOINT OUT [--steps N] [--lr LR] [--until HH:MM]
-        [--rows copy=3,repeat=3,recall=1,arithmetic=1] [--every N] [--eval-prompts N]
+        [--rows copy=3,repeat=3,recall=1,arithmetic=1] [--every N] [--eval-prompts N] [--eval-seed S]
+        [--soft] [--seed S]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,6 +50,24 @@ class StopAt(Exception):
     """Raised by the step hook at the --until deadline."""
 
 
+@dataclass
+class FreshDistill:
+    """One run of this script: the MTP layer distilled on fresh task answers, trunk frozen."""
+
+    steps: int = 2000
+    lr: float = 2e-3
+    warmup: int = 20
+    depth: int = 2  # MTP depths trained (1..depth, chained as it drafts)
+    soft: bool = False  # fit the trunk's whole next-token distribution, not only its greedy token
+    rows: str = "copy=3,repeat=3,recall=1,arithmetic=1"  # new examples per task per step, each raw and chat
+    every: int = 100  # steps between acceptance evaluations (and saves)
+    eval_prompts: int = 6  # held-out prompts per task for the acceptance log
+    # Which held-out prompts pick the best checkpoint: 1 is the bench's own set (the figures it reports
+    # then flatter the pick); any other draws a separate set, so the bench measures prompts never used.
+    eval_seed: int = 1
+    seed: int = 0
+
+
 def parse_rows(text: str) -> dict[str, int]:
     rows = {}
     for part in text.split(","):
@@ -53,43 +79,37 @@ def parse_rows(text: str) -> dict[str, int]:
 
 
 def deadline(text: str | None) -> float | None:
+    """`HH:MM` (UTC, today) as a time.time() value; None stays None."""
     if text is None:
         return None
+    hh, _, mm = text.partition(":")
+    if not (hh.isdigit() and mm.isdigit() and int(hh) < 24 and int(mm) < 60):
+        raise SystemExit(f"--until: {text!r} is not a UTC time HH:MM")
     now = datetime.datetime.now(datetime.timezone.utc)
-    hh, mm = (int(v) for v in text.split(":"))
-    at = now.replace(hour=hh, minute=mm, second=0, microsecond=0)
-    return at.timestamp()
+    return now.replace(hour=int(hh), minute=int(mm), second=0, microsecond=0).timestamp()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("checkpoint", type=Path)
-    ap.add_argument("out", type=Path)
-    ap.add_argument("--steps", type=int, default=2000)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--depth", type=int, default=2, help="MTP depths trained (1..depth, chained as it drafts)")
-    ap.add_argument("--rows", default="copy=3,repeat=3,recall=1,arithmetic=1",
-                    help="new examples per task per step (each raw and chat-templated)")
-    ap.add_argument("--every", type=int, default=100)
-    ap.add_argument("--eval-prompts", type=int, default=6, help="held-out prompts per task for the acceptance log")
-    ap.add_argument("--until", help="UTC HH:MM: stop there (the best checkpoint so far stays in OUT)")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
-    rows, stop_at = parse_rows(args.rows), deadline(args.until)
-    torch.set_num_threads(1)
-    model = load_model(args.checkpoint)
-    tokenizer = load_tokenizer(args.checkpoint, model.config.vocab_size)
-    encode = encoders(args.checkpoint, tokenizer)
+def distill_fresh(checkpoint: Path, out: Path, run: FreshDistill, stop_at: float | None = None,
+                  threads: int = 1) -> dict:
+    """Distill `checkpoint`'s MTP layer as `run` says, keeping the best checkpoint (mean K = 2 mix
+    acceptance, raw and chat) in `out` and the latest in out/latest; stops at `stop_at`
+    (time.time()). Returns {"score", "step", "report"} of the best evaluation and "last_step", the
+    last step run."""
+    rows = parse_rows(run.rows)
+    torch.set_num_threads(threads)
+    torch.manual_seed(run.seed)
+    model = load_model(checkpoint)
+    tokenizer = load_tokenizer(checkpoint, model.config.vocab_size)
+    encode = encoders(checkpoint, tokenizer)
     tasks = {t.name: t for t in make_task(TASK, digits=2, num_pairs=8, num_queries=8, string_len=8).tasks}
     batches = fresh_answer_batches({name: (tasks[name], n) for name, n in rows.items()}, list(encode.values()),
                                    lambda text: tokenizer.encode(text, add_bos=False), tokenizer.eos_token_id,
-                                   model.config.pad_token_id, args.steps, seed=args.seed)
-    held_out = task_prompts(args.eval_prompts)
-    given = args.checkpoint / RECIPE_FILE
+                                   model.config.pad_token_id, run.steps, seed=run.seed)
+    held_out = task_prompts(run.eval_prompts, seed=run.eval_seed)
+    given = checkpoint / RECIPE_FILE
     recipe = json.loads(given.read_text()) if given.exists() else {}
-    latest = args.out / "latest"
-    best = {"score": -1.0}
+    latest = out / "latest"
+    best: dict = {"score": -1.0, "last_step": 0}
     t0 = time.perf_counter()
     window: list[float] = []
 
@@ -106,35 +126,57 @@ def main() -> None:
         report["mix_mean_acceptance"] = round(score, 4)
         print(json.dumps(report), flush=True)
         if score > best["score"]:
-            best.update(score=score, step=step)
-            save_checkpoint(model, args.out)
-            note = (f"then {step} steps of fresh task answers each step ({args.rows}, raw and chat, labels the "
-                    f"trunk's greedy tokens at the answer positions), depths 1..{args.depth}, lr {args.lr:g} "
-                    f"(warm-up {args.warmup}, cosine over {args.steps}), trunk frozen (bench/spec_distill_fresh.py)")
-            write_json_atomic(args.out / RECIPE_FILE, {**recipe, "continued_from": str(args.checkpoint),
-                                                "mtp_distill_steps": (recipe.get("mtp_distill_steps") or 0) + step,
-                                                "mtp_distill_data": f"{recipe.get('mtp_distill_data', '')}; {note}",
-                                                "held_out_acceptance_k2": report})
+            best.update(score=score, step=step, report=report)
+            save_checkpoint(model, out)
+            target = "next-token distribution" if run.soft else "greedy tokens"
+            note = (f"then {step} steps of fresh task answers each step ({run.rows}, raw and chat, labels the "
+                    f"trunk's {target} at the answer positions), depths 1..{run.depth}, lr {run.lr:g} "
+                    f"(warm-up {run.warmup}, cosine over {run.steps}), seed {run.seed}, trunk frozen "
+                    f"(bench/spec_distill_fresh.py)")
+            write_json_atomic(out / RECIPE_FILE, {**recipe, "continued_from": str(checkpoint),
+                                                  "mtp_distill_steps": (recipe.get("mtp_distill_steps") or 0) + step,
+                                                  "mtp_distill_data": f"{recipe.get('mtp_distill_data') or ''}; {note}",
+                                                  "held_out_acceptance_k2": report})
 
     def on_step(step: int, loss: float) -> None:
+        best["last_step"] = step
         window.append(loss)
-        if step % args.every == 0 or step == args.steps:
+        if step % run.every == 0 or step == run.steps:
             print(f"step {step} loss {sum(window) / len(window):.3f} "
                   f"{(time.perf_counter() - t0) / step:.2f} s/step", flush=True)
             window.clear()
             evaluate(step)
         if stop_at is not None and time.time() >= stop_at:
-            if step % args.every:
+            if step % run.every:
                 evaluate(step)
             raise StopAt
 
     evaluate(0)
     try:
-        distill_mtp(model, batches, args.depth, lr=args.lr, warmup=args.warmup, total_steps=args.steps,
-                    on_step=on_step)
+        distill_mtp(model, batches, run.depth, lr=run.lr, warmup=run.warmup, total_steps=run.steps,
+                    on_step=on_step, soft=run.soft)
     except StopAt:
         print("stopped at --until", flush=True)
-    print(f"best: step {best['step']} mix acceptance {best['score']:.4f} in {args.out}", flush=True)
+    print(f"best: step {best['step']} mix acceptance {best['score']:.4f} in {out}", flush=True)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("checkpoint", type=Path)
+    ap.add_argument("out", type=Path)
+    defaults = FreshDistill()
+    for f in dataclasses.fields(FreshDistill):
+        flag, default = f"--{f.name.replace('_', '-')}", getattr(defaults, f.name)
+        if isinstance(default, bool):
+            ap.add_argument(flag, action="store_true")
+        else:
+            ap.add_argument(flag, type=type(default), default=default)
+    ap.add_argument("--until", help="UTC HH:MM: stop there (the best checkpoint so far stays in OUT)")
+    args = ap.parse_args()
+    run = FreshDistill(**{f.name: getattr(args, f.name) for f in dataclasses.fields(FreshDistill)})
+    parse_rows(run.rows)  # a bad --rows fails before the model loads
+    distill_fresh(args.checkpoint, args.out, run, deadline(args.until))
 
 
 if __name__ == "__main__":

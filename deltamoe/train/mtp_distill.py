@@ -70,14 +70,29 @@ def lr_at(step: int, lr: float, warmup: int, total: int | None, min_ratio: float
     return lr * scale
 
 
+def depth_loss(logits: torch.Tensor, labels: torch.Tensor, k: int, teacher: torch.Tensor | None = None) -> torch.Tensor:
+    """Loss of draft depth k + 1 (k from 0): `logits` [B, T-k-1, V], chain i predicting token i+k+2;
+    `labels` [B, T] from `trunk_targets`. With `teacher` [B, T, V] (the trunk's next-token
+    probabilities, position j predicting token j+1) the cross-entropy against that distribution
+    (KL to the trunk plus its entropy, a constant) at the positions `labels` scores; else against
+    the greedy labels."""
+    if teacher is None:
+        return shifted_cross_entropy(logits, labels[:, k + 1:], shift=1)
+    keep = labels[:, k + 2:] != IGNORE_INDEX
+    target = teacher[:, k + 1:-1][keep]
+    return -(target * torch.log_softmax(logits[:, :-1][keep].float(), dim=-1)).sum(-1).mean()
+
+
 def distill_mtp(model: DeltaMoEForCausalLM, batches: Iterable[torch.Tensor | DistillBatch], depth: int,
                 lr: float = 5e-4, warmup: int = 0, total_steps: int | None = None,
-                on_step: Callable[[int, float], None] | None = None) -> list[float]:
+                on_step: Callable[[int, float], None] | None = None, soft: bool = False) -> list[float]:
     """One AdamW step per batch (input ids [B, T], or a DistillBatch) on the MTP layer's parameters
     only; the mean over depths 1..depth of the cross-entropy against `trunk_targets` (the batch's
-    own `hidden`/`labels` when it carries them). The learning rate follows `lr_at(step, lr, warmup,
-    total_steps)`. `on_step(step, loss)` runs after each step (evaluation, checkpoints). Returns the
-    loss per step."""
+    own `hidden`/`labels` when it carries them): the trunk's greedy tokens, or with `soft` its whole
+    next-token distribution at the same positions (`depth_loss`: more signal per row where the trunk
+    is unsure, the same target where it is sure). The learning rate follows `lr_at(step, lr,
+    warmup, total_steps)`. `on_step(step, loss)` runs after each step (evaluation, checkpoints).
+    Returns the loss per step."""
     layers = model.model.mtp_layers
     if not layers:
         raise ValueError("the model has no MTP layer to distill (num_nextn_predict_layers = 0)")
@@ -97,8 +112,9 @@ def distill_mtp(model: DeltaMoEForCausalLM, batches: Iterable[torch.Tensor | Dis
                 group["lr"] = lr_at(step, lr, warmup, total_steps)
             with torch.no_grad():
                 embeds = model.model.embed_tokens(ids)
+                teacher = torch.softmax(model.lm_head(model.model.norm(h)).float(), dim=-1) if soft else None
             states = mtp_states(layers, h, embeds, depth)
-            per_depth = [shifted_cross_entropy(layers[min(k, len(layers) - 1)].logits(s), labels[:, k + 1:], shift=1)
+            per_depth = [depth_loss(layers[min(k, len(layers) - 1)].logits(s), labels, k, teacher)
                          for k, s in enumerate(states)]
             loss = torch.stack(per_depth).mean()
             optimizer.zero_grad(set_to_none=True)
