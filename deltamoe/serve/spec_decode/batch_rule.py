@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deltamoe.serve.engine.runner import ModelRunner, StepResult, sampled_rows
+from deltamoe.serve.engine.runner import ModelCall, ModelRunner, StepResult, pack_calls, sampled_rows
 from deltamoe.serve.engine.scheduler import ScheduledBatch
 from deltamoe.serve.engine.sequence import Sequence
 from deltamoe.serve.spec_decode.mtp_drafter import CatchUp
@@ -61,16 +61,18 @@ class PendingCatchUp:
                        seq.token_ids[self.start + 1:self.end + 1] + catch_up.next_tokens, catch_up.draft)
 
 
-def run_plain_keeping_hidden(runner: ModelRunner, batch: ScheduledBatch
+def run_plain_keeping_hidden(runner: ModelRunner, batch: ScheduledBatch, compiled: bool = True
                              ) -> tuple[list[StepResult], dict[int, torch.Tensor]]:
-    """The step as `ModelRunner` runs it (decodes through the compiled regions when it compiles,
-    prefill chunks eager) -> its results and each row's hidden states [n, D] by `id(seq)`.
+    """The step as `ModelRunner` runs it (decodes through the compiled regions when it compiles and
+    `compiled`, prefill chunks eager) -> its results and each row's hidden states [n, D] by
+    `id(seq)`. `compiled` False: every call eager (the whole-call graph returns no hidden states).
     Features the speculative runner's own calls leave out (prompt logprobs, images) are left out
     here too."""
     last_logits: list[torch.Tensor] = []
     to_sample: list[Sequence] = []
     hidden_by_seq: dict[int, torch.Tensor] = {}
-    for group, call in runner.plan(batch):
+    calls = [(group, ModelCall.of(group, compiled and runner.compiles_decode)) for group in pack_calls(batch.items)]
+    for group, call in calls:
         logits, hidden = runner.forward(call, with_hidden=True)
         for b, (seq, n) in enumerate(group):
             hidden_by_seq[id(seq)] = hidden[b, :n]
