@@ -61,10 +61,10 @@ class OracleDrafter(MTPDrafter):
     def run(self, rows):
         drafts = super().run(rows)
         for row, d in zip(rows, drafts):
-            if d is None:
-                continue
             seq = row.seq
-            full = self.continuations[tuple(seq.token_ids[:seq.num_prompt_tokens])]
+            full = self.continuations.get(tuple(seq.token_ids[:seq.num_prompt_tokens]))
+            if d is None or full is None:  # no draft, or a warm-up's made-up request
+                continue
             rng = torch.Generator().manual_seed(hash((seq.num_prompt_tokens, d.position)) & 0xFFFFFFFF)
             right = True
             for j in range(len(d.tokens)):

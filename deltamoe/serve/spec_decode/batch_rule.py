@@ -8,8 +8,11 @@ overhead, so those extra positions cost little (a verification whose drafts all 
 1.15 / 1.34 / 1.83 plain steps for K = 1 / 2 / 3, `bench/spec_step_split.py`) and the kept drafts
 pay for it. As the batch grows the step turns bound by arithmetic and the extra positions cost
 nearly their share: at batch 8 speculation decodes at about half the plain rate
-(`bench/bench_spec_decode.py`). The default, 4, keeps speculation for batches 1..3, where the
-step still costs well under K + 1 plain rows' worth.
+(`bench/bench_spec_decode.py`). The default, 4, keeps speculation for batches 1..3 at most.
+Under the limit the cost rule (`EngineConfig.spec_batch_rule = "cost"`, `step_costs.py`) decides
+per batch size from step times the engine measures: a batch of 2 or 3 whose verification costs
+more than the plain steps emitting the same tokens (at the acceptance its rows get) decodes
+plainly too; "size" speculates at every batch size under the limit.
 
 What a plain step owes the drafter: the MTP layer reads the trunk's hidden state at every
 computed position (its attention latents are paged like a trunk layer's). The plain step keeps

@@ -7,13 +7,16 @@ Per step, the scheduled items split three ways:
 - speculating decodes with drafts ready: one verification call for all of them, each row
   appending its pending token and its K drafts (T = K + 1), logits at every position: eager, or
   with `compile_decode` through compiled regions of its own (`compiled_verify.py`);
-- other speculating items (prefill chunks, decodes without drafts: no room for K more tokens,
-  or too close to the length limit) run eagerly like `ModelRunner`'s calls, keeping the hidden
-  states the MTP catch-up needs.
+- other speculating items (prefill chunks, decodes without drafts: the first step after plain
+  ones, no room for K more tokens, or too close to the length limit) run as `ModelRunner`'s
+  calls (decodes through its compiled regions with `compile_decode`), keeping the hidden states
+  the MTP catch-up needs.
 Then one MTP pass catches up every speculating row and drafts for the next step (with
 `compile_decode`, its calls over rows with a past through a compiled region, `compiled_draft.py`).
 A step whose running batch reaches `spec_max_batch` runs as plain decode for every row instead
-(`batch_rule.py`): it keeps the speculating rows' hidden states for a later MTP catch-up.
+(`batch_rule.py`): it keeps the speculating rows' hidden states for a later MTP catch-up. So does a
+smaller decode step where the measured costs say speculation does not pay (`step_costs.py`): the
+runner times its decode steps under the limit for that.
 
 Blocks: a verifying row holds blocks for its K extra positions during the call only; after it,
 blocks past its kept tokens go back to the pool, and drafting takes what its provisional MTP
