@@ -42,7 +42,8 @@ one noisy round shows as spread, not as the figure). The speculative modes "K=1"
 at every batch size (`spec_max_batch=0`: forced speculation, the rows' meaning before the
 batch-size rule); at batch 8 the modes "K=1 (rule)".."K=3 (rule)" run with the engine's default
 `spec_max_batch` (`serve/spec_decode/batch_rule.py`): steps of that many requests decode plainly,
-a group's last requests speculate once the others finished. The goal (>= 1.6x at batch 1, K = 2)
+and under it the default cost rule (`spec_decode/step_costs.py`) lets a group's last requests
+speculate, once the others finished, only at batch sizes where the engine measured that it pays. The goal (>= 1.6x at batch 1, K = 2)
 applies to a workload whose K = 2 acceptance is >= 0.7; `goal_met` (the best rounds' speedup) and
 `goal_met_median` (the median round's) are null for one below it.
 
@@ -427,7 +428,8 @@ def main() -> None:
                   "given": args.checkpoint is not None},
         "workload": {"prompts_per_task": per_task, "tasks": list(by_task), "open_ended_new_tokens": new_tokens,
                      "rounds": {f"batch_{b}": n for b, n in rounds.items()}, "threads": args.threads,
-                     "compile_decode": args.compile, "spec_max_batch_default": EngineConfig.spec_max_batch},
+                     "compile_decode": args.compile, "spec_max_batch_default": EngineConfig.spec_max_batch,
+                     "spec_batch_rule_default": EngineConfig.spec_batch_rule},
         # "acceptance" and "speed": the mixture's prompts, each decoded to the end of its answer (EOS).
         "acceptance": accept, "acceptance_per_task": per_task_accept, "acceptance_open_ended": accept_open,
         "speed": speeds["mix"], "speed_by_workload": speeds, "rollback": rollback,

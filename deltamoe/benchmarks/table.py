@@ -618,7 +618,11 @@ def spec_decode_rows(d: dict) -> list[Row]:
     ruled = all(m in b8["tokens_per_s"] for m in rule)  # results written before the batch-size rule: none
     max_batch = d.get("workload", {}).get("spec_max_batch_default")
     floor8 = t.get("rule_batch8_vs_plain")
-    batch8_rule = [[f"same, batch 8, {per_k}, with the batch-size rule (`--spec-max-batch {max_batch}`, the default)",
+    # Results from before the cost rule under the limit carry no spec_batch_rule_default.
+    under = {"cost": ", speculating under it only where the measured step costs say it pays"}.get(
+        d.get("workload", {}).get("spec_batch_rule_default"), "")
+    batch8_rule = [[f"same, batch 8, {per_k}, with the batch-size rule (`--spec-max-batch {max_batch}`, the default"
+                    f"{under})",
                     " / ".join(rate(_spec_rate(b8, m)) for m in rule) + " tok/s",
                     f"plain decode {rate(_spec_rate(b8, 'plain'))} tok/s",
                     _spec_times_per_k(b8, rule),

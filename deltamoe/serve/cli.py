@@ -136,7 +136,9 @@ SPEC_MIN_ACCEPTANCE_OPTION = typer.Option(EngineConfig.spec_min_acceptance, "--s
                                           help=SPEC_MIN_ACCEPTANCE_HELP)
 SPEC_MAX_BATCH_OPTION = typer.Option(EngineConfig.spec_max_batch, "--spec-max-batch", help=(
     "With --speculative: a step of at least this many running requests decodes plainly (the plain step is "
-    "cheaper per token there); drafting resumes when the batch shrinks. 0 = speculate at any batch size."))
+    "cheaper per token there); below it, a batch size speculates only where the engine measured that a "
+    "speculative step costs less than the plain steps emitting the same tokens (at the acceptance seen). "
+    "0 = speculate at any batch size."))
 ASYNC_SCHEDULING_OPTION = typer.Option(False, *ASYNC_SCHEDULING_DECLS, help=ASYNC_SCHEDULING_HELP)
 NUM_SCHEDULER_STEPS_HELP = ("Decode steps run back to back, scheduling once per window, when every scheduled "
                             "request is decoding and needs no host work per token (no grammar, penalties or "

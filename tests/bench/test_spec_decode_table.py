@@ -79,3 +79,7 @@ def test_rounds_give_the_median_and_spread_and_batch_8_shows_the_rule_beside_for
     assert rows[3][1] == "396 / 396 / 372 tok/s"
     assert rows[3][3] == "0.99x / 0.98x / 0.93x (median of 3 rounds: 0.90-1.00x / 0.90-1.00x / 0.90-1.00x)"
     assert rows[3][4] == ">= 0.95x plain (missed)"  # K=3 under the rule at 0.93x
+    d["workload"]["spec_batch_rule_default"] = "cost"  # results with the cost rule under the limit
+    assert spec_decode_rows(d)[3][0] == ("same, batch 8, K=1 / K=2 / K=3, with the batch-size rule (`--spec-max-batch "
+                                         "4`, the default, speculating under it only where the measured step costs "
+                                         "say it pays)")

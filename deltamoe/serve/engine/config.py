@@ -54,6 +54,9 @@ class EngineConfig:
     # A step whose running batch is at least this many sequences runs as plain decode (0: speculate at any
     # batch); drafting resumes when the batch shrinks (serve/spec_decode/batch_rule.py says why 4).
     spec_max_batch: int = 4
+    # Below spec_max_batch: "cost" speculates at a batch size only where the engine measured that it pays
+    # (serve/spec_decode/step_costs.py); "size" speculates at every batch size under the limit.
+    spec_batch_rule: str = "cost"
     # Schedule step N+1 while step N runs, its not-yet-sampled tokens as placeholders (serve/executor/overlap.py).
     async_scheduling: bool = False
     # Decode steps run back to back when a batch is all decodes, scheduling once per window (serve/engine/multi_step.py).
@@ -78,6 +81,7 @@ class EngineConfig:
             ("spec_min_acceptance", 0 <= self.spec_min_acceptance <= 1, "a number in [0, 1]"),
             ("spec_max_batch", isinstance(self.spec_max_batch, int) and not isinstance(self.spec_max_batch, bool)
              and self.spec_max_batch >= 0, "an integer >= 0 (0: speculate at any batch size)"),
+            ("spec_batch_rule", self.spec_batch_rule in ("cost", "size"), "cost or size"),
             ("num_scheduler_steps", isinstance(self.num_scheduler_steps, int) and not isinstance(
                 self.num_scheduler_steps, bool) and self.num_scheduler_steps >= 1, "a positive integer"),
         ]

@@ -9,7 +9,8 @@ drafts K tokens for the next one (`mtp_drafter`). `runner.SpeculativeRunner` dri
 `step_result` turns one verification into the engine's usual one-token results; `tracker` keeps
 acceptance per draft position and switches a request off when its drafts keep failing (trying
 again after a doubling wait); `batch_rule` runs a step of `spec_max_batch` or more requests as
-plain decode, keeping the MTP layer current for when drafting resumes. With
+plain decode, keeping the MTP layer current for when drafting resumes, and `step_costs` runs a
+smaller batch plainly too where the engine measured that speculating there costs more. With
 compiled decode, the verification and the MTP layer's calls run through compiled regions of their
 own (`compiled_verify`, `compiled_draft`).
 """

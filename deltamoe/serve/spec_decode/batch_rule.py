@@ -8,8 +8,11 @@ overhead, so those extra positions cost little (a verification whose drafts all 
 1.15 / 1.34 / 1.83 plain steps for K = 1 / 2 / 3, `bench/spec_step_split.py`) and the kept drafts
 pay for it. As the batch grows the step turns bound by arithmetic and the extra positions cost
 nearly their share: at batch 8 speculation decodes at about half the plain rate
-(`bench/bench_spec_decode.py`). The default, 4, keeps speculation for batches 1..3, where the
-step still costs well under K + 1 plain rows' worth.
+(`bench/bench_spec_decode.py`). The default, 4, keeps speculation for batches 1..3 at most.
+Under the limit the cost rule (`EngineConfig.spec_batch_rule = "cost"`, `step_costs.py`) decides
+per batch size from step times the engine measures: a batch of 2 or 3 whose verification costs
+more than the plain steps emitting the same tokens (at the acceptance its rows get) decodes
+plainly too; "size" speculates at every batch size under the limit.
 
 What a plain step owes the drafter: the MTP layer reads the trunk's hidden state at every
 computed position (its attention latents are paged like a trunk layer's). The plain step keeps
@@ -26,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deltamoe.serve.engine.runner import ModelRunner, StepResult, sampled_rows
+from deltamoe.serve.engine.runner import ModelCall, ModelRunner, StepResult, pack_calls, sampled_rows
 from deltamoe.serve.engine.scheduler import ScheduledBatch
 from deltamoe.serve.engine.sequence import Sequence
 from deltamoe.serve.spec_decode.mtp_drafter import CatchUp
@@ -61,16 +64,18 @@ class PendingCatchUp:
                        seq.token_ids[self.start + 1:self.end + 1] + catch_up.next_tokens, catch_up.draft)
 
 
-def run_plain_keeping_hidden(runner: ModelRunner, batch: ScheduledBatch
+def run_plain_keeping_hidden(runner: ModelRunner, batch: ScheduledBatch, compiled: bool = True
                              ) -> tuple[list[StepResult], dict[int, torch.Tensor]]:
-    """The step as `ModelRunner` runs it (decodes through the compiled regions when it compiles,
-    prefill chunks eager) -> its results and each row's hidden states [n, D] by `id(seq)`.
+    """The step as `ModelRunner` runs it (decodes through the compiled regions when it compiles and
+    `compiled`, prefill chunks eager) -> its results and each row's hidden states [n, D] by
+    `id(seq)`. `compiled` False: every call eager (the whole-call graph returns no hidden states).
     Features the speculative runner's own calls leave out (prompt logprobs, images) are left out
     here too."""
     last_logits: list[torch.Tensor] = []
     to_sample: list[Sequence] = []
     hidden_by_seq: dict[int, torch.Tensor] = {}
-    for group, call in runner.plan(batch):
+    calls = [(group, ModelCall.of(group, compiled and runner.compiles_decode)) for group in pack_calls(batch.items)]
+    for group, call in calls:
         logits, hidden = runner.forward(call, with_hidden=True)
         for b, (seq, n) in enumerate(group):
             hidden_by_seq[id(seq)] = hidden[b, :n]

@@ -7,13 +7,16 @@ Per step, the scheduled items split three ways:
 - speculating decodes with drafts ready: one verification call for all of them, each row
   appending its pending token and its K drafts (T = K + 1), logits at every position: eager, or
   with `compile_decode` through compiled regions of its own (`compiled_verify.py`);
-- other speculating items (prefill chunks, decodes without drafts: no room for K more tokens,
-  or too close to the length limit) run eagerly like `ModelRunner`'s calls, keeping the hidden
-  states the MTP catch-up needs.
+- other speculating items (prefill chunks, decodes without drafts: the first step after plain
+  ones, no room for K more tokens, or too close to the length limit) run as `ModelRunner`'s
+  calls (decodes through its compiled regions with `compile_decode`), keeping the hidden states
+  the MTP catch-up needs.
 Then one MTP pass catches up every speculating row and drafts for the next step (with
 `compile_decode`, its calls over rows with a past through a compiled region, `compiled_draft.py`).
 A step whose running batch reaches `spec_max_batch` runs as plain decode for every row instead
-(`batch_rule.py`): it keeps the speculating rows' hidden states for a later MTP catch-up.
+(`batch_rule.py`): it keeps the speculating rows' hidden states for a later MTP catch-up. So does a
+smaller decode step where the measured costs say speculation does not pay (`step_costs.py`): the
+runner times its decode steps under the limit for that.
 
 Blocks: a verifying row holds blocks for its K extra positions during the call only; after it,
 blocks past its kept tokens go back to the pool, and drafting takes what its provisional MTP
@@ -22,6 +25,7 @@ positions need (none when the pool is empty: the row then decodes plainly next s
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -29,11 +33,10 @@ import torch
 from deltamoe.errors import ConfigError
 from deltamoe.model.model import DeltaMoEForCausalLM
 from deltamoe.serve.engine.cache import HybridCache
-from deltamoe.serve.engine.cache_view import PagedBatchView
 from deltamoe.serve.engine.compiled_decode import WarmUpRound
 from deltamoe.serve.engine.config import EngineConfig
-from deltamoe.serve.engine.runner import ModelCall, ModelRunner, StepResult, pack_calls
-from deltamoe.serve.engine.sampling import sample, token_logprobs
+from deltamoe.serve.engine.runner import ModelRunner, StepResult
+from deltamoe.serve.engine.sampling import token_logprobs
 from deltamoe.serve.engine.scheduler import ScheduledBatch
 from deltamoe.serve.engine.sequence import Sequence
 from deltamoe.serve.spec_decode.acceptance import accept_greedy, greedy_targets, rejection_sample, target_probs
@@ -42,6 +45,7 @@ from deltamoe.serve.spec_decode.checkpoint_view import CheckpointView
 from deltamoe.serve.spec_decode.compiled_draft import CompiledDraft
 from deltamoe.serve.spec_decode.compiled_verify import CompiledVerify
 from deltamoe.serve.spec_decode.mtp_drafter import CatchUp, MTPDrafter, following_tokens
+from deltamoe.serve.spec_decode.step_costs import StepCosts
 from deltamoe.serve.spec_decode.step_result import SpeculativeStepResult
 from deltamoe.serve.spec_decode.tracker import AcceptanceTracker
 
@@ -57,13 +61,36 @@ class SpeculativeRunner(ModelRunner):
         self.drafter = MTPDrafter(model, cache, self.k, CompiledDraft(model, decode) if decode is not None else None)
         self.tracker = AcceptanceTracker(self.k, config.spec_min_acceptance)
         self.max_batch = config.spec_max_batch
+        self.costs = StepCosts()  # plain and speculative step times by batch size, under max_batch
+        self.by_cost = config.spec_max_batch > 0 and config.spec_batch_rule == "cost"
         # Plain rows hand back their hidden states (for the MTP catch-up) in every form but the whole-call graph.
         self._keeps_hidden = decode is None or decode.form != "whole"
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[StepResult]:
-        if runs_plain(len(batch.items), self.max_batch):
+        rows = len(batch.items)
+        # A step of decoding rows under the limit is timed for the cost rule (`step_costs.py`).
+        timed = self.by_cost and rows < self.max_batch and all(n == 1 for _, n in batch.items)
+        start = time.perf_counter()
+        if runs_plain(rows, self.max_batch):
+            self.tracker.plain_by_rule_steps += 1  # never with the whole-call graph (EngineConfig refuses it)
             return self._execute_plain(batch)
+        if timed and not self._speculation_pays(batch):
+            self.tracker.plain_by_cost_steps += 1
+            results = self._execute_plain(batch)
+            self.costs.record(False, rows, time.perf_counter() - start)
+            return results
+        results, verified = self._execute_speculative(batch)
+        if timed and verified == rows:
+            self.costs.record(True, rows, time.perf_counter() - start)
+        return results
+
+    def _speculation_pays(self, batch: ScheduledBatch) -> bool:
+        seqs = [seq for seq, _ in batch.items if self.tracker.speculates(seq)]
+        return not seqs or self.costs.speculation_pays(len(batch.items), self.tracker.tokens_per_verification(seqs))
+
+    def _execute_speculative(self, batch: ScheduledBatch) -> tuple[list[StepResult], int]:
+        """The step with drafting and verification -> its results and how many rows verified drafts."""
         results: dict[int, StepResult] = {}
         plain = [item for item in batch.items if not self.tracker.speculates(item[0])]
         speculating = [item for item in batch.items if self.tracker.speculates(item[0])]
@@ -77,7 +104,7 @@ class SpeculativeRunner(ModelRunner):
         verifying = [seq for seq, n in speculating if n == 1 and self._reserve_verification(seq)]
         chosen = {id(seq) for seq in verifying}
         catch_ups: list[CatchUp] = []
-        for r, catch_up in self._run_eager([item for item in speculating if id(item[0]) not in chosen]):
+        for r, catch_up in self._run_undrafted([item for item in speculating if id(item[0]) not in chosen]):
             results[id(r.seq)] = r
             catch_ups.append(catch_up)
         for r, catch_up in self._verify(verifying):
@@ -92,11 +119,10 @@ class SpeculativeRunner(ModelRunner):
         for catch_up, drafts in zip(catch_ups, self.drafter.run(catch_ups)):
             if self.tracker.speculates(catch_up.seq):
                 self.tracker.state(catch_up.seq).drafts = drafts
-        return [results[id(seq)] for seq, _ in batch.items]
+        return [results[id(seq)] for seq, _ in batch.items], len(verifying)
 
     def _execute_plain(self, batch: ScheduledBatch) -> list[StepResult]:
-        """A step at the batch limit: plain decode for every row."""
-        self.tracker.plain_by_rule_steps += 1  # never with the whole-call graph (EngineConfig refuses it)
+        """A step the batch rule runs plainly: plain decode for every row."""
         results, filled = self._run_plain(batch)
         self.drafter.run(filled)
         return results
@@ -140,25 +166,17 @@ class SpeculativeRunner(ModelRunner):
                 and n + self.k + 1 <= self.max_len and seq.max_tokens - seq.num_output_tokens >= 2
                 and self.cache.grow(seq, n + self.k + 1))
 
-    def _run_eager(self, items: list[tuple[Sequence, int]]) -> list[tuple[StepResult, CatchUp]]:
-        """ModelRunner's calls, eager, keeping each row's hidden states for the MTP catch-up."""
-        out: list[tuple[StepResult, CatchUp]] = []
-        for group in pack_calls(items):
-            call = ModelCall.of(group, compiled_decode=False)
-            ids = torch.tensor(call.token_ids, device=self.device).view(len(group), -1)
-            view = PagedBatchView(self.cache, call.block_tables, call.past_lengths, call.slots, call.counts)
-            forward = self.model(ids, cache=view, logits_to_keep=1)
-            logits = forward.logits[:, -1].float()
-            ends = [b for b, (seq, n) in enumerate(group) if seq.num_computed + n == len(seq.token_ids)]
-            picks = dict(zip(ends, sample(logits[ends], [group[b][0].params for b in ends],
-                                          [group[b][0].output_ids for b in ends],
-                                          [group[b][0].generator for b in ends]))) if ends else {}
-            for b, (seq, n) in enumerate(group):
-                token, logprob = picks.get(b, (None, None))
-                out.append((StepResult(seq, n, token, logprob),
-                            CatchUp(seq, seq.num_computed, forward.hidden_states[b, :n],
-                                    following_tokens(seq, n, token), draft=token is not None)))
-        return out
+    def _run_undrafted(self, items: list[tuple[Sequence, int]]) -> list[tuple[StepResult, CatchUp]]:
+        """Speculating rows that verify nothing this step (prefill chunks, decodes without drafts):
+        ModelRunner's calls, decodes through the compiled regions where the engine compiles (the
+        first step after plain ones is such a step for every row: eager, it cost up to twice a
+        compiled one), keeping each row's hidden states for the MTP catch-up."""
+        if not items:
+            return []
+        results, hidden = run_plain_keeping_hidden(self, ScheduledBatch(items), compiled=self._keeps_hidden)
+        return [(r, CatchUp(r.seq, r.seq.num_computed, hidden[id(r.seq)],
+                            following_tokens(r.seq, r.num_computed, r.token), draft=r.token is not None))
+                for r in results]
 
     def _verify(self, seqs: list[Sequence]) -> list[tuple[StepResult, CatchUp]]:
         """One call over each row's pending token and drafts; keep what the target agrees with."""
@@ -217,8 +235,8 @@ def speculative_runner(model: DeltaMoEForCausalLM, cache: HybridCache, config: E
 
 
 def speculation_stats(runner: ModelRunner) -> dict[str, float]:
-    """Acceptance statistics for /metrics (empty without speculation)."""
-    return runner.tracker.stats() if isinstance(runner, SpeculativeRunner) else {}
+    """Acceptance statistics and the measured step costs for /metrics (empty without speculation)."""
+    return {**runner.tracker.stats(), **runner.costs.table()} if isinstance(runner, SpeculativeRunner) else {}
 
 
 def verification_warm_up_rounds(runner: ModelRunner, max_context: int) -> list[WarmUpRound]:
@@ -237,15 +255,19 @@ def verification_warm_up_rounds(runner: ModelRunner, max_context: int) -> list[W
 
 
 def acceptance_restorer(runner: ModelRunner) -> Callable[[], None]:
-    """A callable that puts the acceptance statistics back as they are now (after a warm-up)."""
+    """A callable that puts the acceptance statistics and the measured step costs back as they are
+    now (after a warm-up). Until then steps are timed into a scratch table: a warm-up's steps
+    include the compiles, which would misstate what a step costs."""
     if not isinstance(runner, SpeculativeRunner):
         return lambda: None
     tracker = runner.tracker
     saved = (tracker.verifications, list(tracker.accepted_at), tracker.switched_off, tracker.plain_by_rule_steps,
-             tracker.retries)
+             tracker.retries, tracker.plain_by_cost_steps)
+    costs, runner.costs = runner.costs, StepCosts()
 
     def restore() -> None:
         tracker.verifications, tracker.accepted_at, tracker.switched_off = saved[0], list(saved[1]), saved[2]
-        tracker.plain_by_rule_steps, tracker.retries = saved[3], saved[4]
+        tracker.plain_by_rule_steps, tracker.retries, tracker.plain_by_cost_steps = saved[3], saved[4], saved[5]
+        runner.costs = costs
 
     return restore

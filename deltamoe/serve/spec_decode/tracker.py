@@ -53,7 +53,8 @@ class AcceptanceTracker:
         self.verifications = 0
         self.accepted_at = [0] * num_draft_tokens  # verifications that kept draft j (j = 0 .. K-1)
         self.switched_off = 0
-        self.plain_by_rule_steps = 0  # steps run as plain decode by the batch-size rule (batch_rule.py)
+        self.plain_by_rule_steps = 0  # steps run as plain decode by the batch-size limit (batch_rule.py)
+        self.plain_by_cost_steps = 0  # steps below the limit run plainly because speculation cost more there
         self.retries = 0  # switched-off requests that speculated again after their wait
 
     def state(self, seq: Sequence) -> RequestSpeculation:
@@ -88,6 +89,20 @@ class AcceptanceTracker:
             state.recent.clear()
             self.retries += 1
 
+    def tokens_per_verification(self, seqs: list[Sequence]) -> float | None:
+        """What a verification of these rows is expected to emit per row: the pending token plus the
+        drafts kept, from each row's recent verifications where it has some, else from every
+        verification so far (None before the first)."""
+        overall = 1 + sum(self.acceptance_rates()) if self.verifications else None
+        per_row = []
+        for seq in seqs:
+            state = self._requests.get(seq)
+            if state is not None and state.recent:
+                per_row.append(1 + sum(state.recent) / len(state.recent))
+            elif overall is not None:
+                per_row.append(overall)
+        return sum(per_row) / len(per_row) if per_row else None
+
     def acceptance_rates(self) -> list[float]:
         """Per draft position: the share of verifications that kept it."""
         return [n / self.verifications if self.verifications else 0.0 for n in self.accepted_at]
@@ -101,6 +116,7 @@ class AcceptanceTracker:
                    spec_decode_mean_accepted_drafts=sum(rates),
                    spec_decode_requests_switched_off=float(self.switched_off),
                    spec_decode_plain_by_rule_steps=float(self.plain_by_rule_steps),
+                   spec_decode_plain_by_cost_steps=float(self.plain_by_cost_steps),
                    spec_decode_requests_retried=float(self.retries))
         return out
 
@@ -111,4 +127,5 @@ def summary_line(tracker: AcceptanceTracker) -> str:
     return (f"speculative (mtp, {tracker.k} drafts): acceptance per draft position {rates}; "
             f"{sum(tracker.acceptance_rates()):.2f} drafts kept per verification over {tracker.verifications} "
             f"verifications; {tracker.switched_off} requests switched speculation off ({tracker.retries} tried again); "
-            f"{tracker.plain_by_rule_steps} steps ran plain by the batch-size rule")
+            f"{tracker.plain_by_rule_steps} steps ran plain by the batch-size rule, "
+            f"{tracker.plain_by_cost_steps} below it where speculation cost more")

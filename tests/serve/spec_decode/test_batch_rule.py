@@ -85,7 +85,8 @@ def run_crossing(eng: LLMEngine, model, pa: list[int], pb: list[int], atol: floa
 def test_greedy_equals_plain_across_the_limit_and_drafting_resumes(mtp_model, helpers):
     pa, pb = helpers.prompts(2, 5, 9, seed=21)
     eng = LLMEngine(mtp_model, config=EngineConfig(cache_memory="8MiB", speculative="mtp", num_draft_tokens=2,
-                                                   spec_min_acceptance=0.0, spec_max_batch=2, block_size=4))
+                                                   spec_min_acceptance=0.0, spec_max_batch=2, block_size=4,
+                                                   spec_batch_rule="size"))
     a, b = run_crossing(eng, mtp_model, pa, pb, atol=1e-6)
     assert a.output_ids == helpers.reference_greedy(mtp_model, pa, 36)
     assert b.output_ids == helpers.reference_greedy(mtp_model, pb, 10)
@@ -108,7 +109,7 @@ def test_compiled_plain_steps_keep_the_drafter_current(mtp_model, helpers):
     pa, pb = helpers.prompts(2, 5, 9, seed=21)
     eng = LLMEngine(mtp_model, config=EngineConfig(cache_memory="8MiB", speculative="mtp", num_draft_tokens=2,
                                                    spec_min_acceptance=0.0, spec_max_batch=2, block_size=4,
-                                                   compile_decode=True))
+                                                   compile_decode=True, spec_batch_rule="size"))
     a, b = run_crossing(eng, mtp_model, pa, pb, atol=1e-5)
     assert a.output_ids == helpers.reference_greedy(mtp_model, pa, 36)
     assert b.output_ids == helpers.reference_greedy(mtp_model, pb, 10)
@@ -137,7 +138,8 @@ def test_retry_drafts_over_a_current_mtp_layer_and_output_stays_plain(mtp_model,
     (p,) = helpers.prompts(1, 5, 9, seed=22)
     max_tokens = 8 + RETRY_AFTER + 12
     eng = LLMEngine(mtp_model, config=EngineConfig(cache_memory="8MiB", speculative="mtp", num_draft_tokens=2,
-                                                   spec_min_acceptance=1.0))  # random MTP weights: drafts fail
+                                                   spec_min_acceptance=1.0, spec_batch_rule="size"))
+    # random MTP weights: drafts fail ("size": the cost rule would stop speculating before the switch-off)
     tracker = eng.runner.tracker
     seq = eng.make_sequence(p, greedy(max_tokens))
     eng.add_sequence(seq)
