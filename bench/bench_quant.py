@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import markdown_table, result_name, write_result  # noqa: E402
+from common import RESULTS, markdown_table, result_name, write_result  # noqa: E402
 
 from deltamoe.model.load import load_model  # noqa: E402
 from deltamoe.model.quant_scheme import make_scheme  # noqa: E402
@@ -202,6 +202,16 @@ def accuracy(checkpoint: Path, train_config: Path, tmp: Path) -> list[dict]:
     return out
 
 
+def kept_accuracy(name: str) -> tuple[list[dict], str | None]:
+    """The accuracy rows and their source from the results file `name` (`--skip-accuracy`: a speed
+    rerun does not retrain tiny, nor drop the figures an earlier run measured); none without one."""
+    path = RESULTS / f"{name}.json"
+    if not path.exists():
+        return [], None
+    data = json.loads(path.read_text())
+    return data.get("accuracy", []), data.get("accuracy_source")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="tiny preset, few tokens (a smoke run)")
@@ -212,7 +222,8 @@ def main() -> None:
     ap.add_argument("--checkpoint", type=Path, default=None, help="trained checkpoint for the accuracy part")
     ap.add_argument("--train-config", type=Path, default=None, help="the train_config.json of that run")
     ap.add_argument("--train-steps", type=int, default=300, help="without --checkpoint: train tiny this long")
-    ap.add_argument("--skip-accuracy", action="store_true")
+    ap.add_argument("--skip-accuracy", action="store_true",
+                    help="no accuracy part: the accuracy rows (and their source) of the existing results file are kept")
     ap.add_argument("--speed-only", action="store_true",
                     help="only the decode speed and memory rows (no accuracy, no KV cache table): quant_speed.json")
     # One thread: on a shared machine, OpenMP barriers of a 2-thread run wait on descheduled
@@ -236,8 +247,7 @@ def main() -> None:
         clock = time.process_time if args.clock == "cpu" else time.perf_counter
         speed_rows = speed(preset, new_tokens, 1 if args.quick else args.rounds, tmp, keys, clock,
                            COMPILED_FORMATS if args.compile else ())
-        acc_rows = []
-        source = None
+        acc_rows, source = kept_accuracy(result_name("quant", args.quick)) if args.skip_accuracy else ([], None)
         if not (args.skip_accuracy or args.speed_only):
             if args.checkpoint is None:
                 ckpt, tcfg = train_tiny(20 if args.quick else args.train_steps, tmp / "train")
