@@ -236,7 +236,8 @@ def test_a_large_expert_stack_decodes_batch_one_as_one_row(helpers, monkeypatch)
         for t, s in zip(tensors, saved):
             t.copy_(s)
         view = PagedBatchView(cache, [seq.block_table], [seq.num_computed], [seq.slot], 1,
-                              min_table_width=compiled_decode.CompiledDecode.min_table_width)
+                              min_table_width=compiled_decode.CompiledDecode.min_table_width,
+                              slice_consecutive=compiled_decode.CompiledDecode.slices_consecutive_pages)
         return fn(torch.tensor([[seq.token_ids[-1]]]), view)[:, -1]
 
     torch.testing.assert_close(logits(compiled), logits(lambda i, v: model(i, cache=v, logits_to_keep=1).logits),
