@@ -202,9 +202,9 @@ def test_warm_up_compiles_every_graph_traffic_meets(form, graphs, helpers):
 def test_a_large_expert_stack_decodes_batch_one_as_one_row(helpers, monkeypatch):
     """Over an expert stack counted as large (`compiled_decode.copies_reread_experts`; the threshold
     lowered so that a two-layer model's stack is over it) the compiled regions run a lone sequence
-    as one row, through batch-1 graphs of their own: its greedy tokens, alone and beside a batch,
-    equal plain greedy decoding of the prompt alone, and one step's logits equal eager ones from
-    the same cache contents."""
+    as one row, through batch-1 graphs of their own: its greedy tokens equal plain greedy decoding
+    of the prompt alone, and one step's logits equal eager ones from the same cache contents.
+    (Batches of two or more run the graphs they always did: the rule changes batch 1 only.)"""
     from deltamoe.serve.engine.cache_view import PagedBatchView
 
     monkeypatch.setattr(compiled_decode, "SMALL_EXPERT_STACK_BYTES", 0)
@@ -216,13 +216,12 @@ def test_a_large_expert_stack_decodes_batch_one_as_one_row(helpers, monkeypatch)
     rows = []
     call = compiled._call
     compiled._call = lambda m, key, ids, view: rows.append(ids.shape[0]) or call(m, key, ids, view)
-    prompts = helpers.prompts(3, 2, 30, seed=34)
+    prompts = helpers.prompts(2, 2, 30, seed=34)
     alone = [c.token_ids for c in engine.generate(prompts[:1], GREEDY, progress=False)]
     assert set(rows) == {1}
     assert_greedy_matches(model, prompts[:1], alone)
-    assert_greedy_matches(model, prompts, [c.token_ids for c in engine.generate(prompts, GREEDY, progress=False)])
 
-    engine.add_request(prompts[2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    engine.add_request(prompts[1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     seq = engine.scheduler.running[0] if engine.scheduler.running else None
     while seq is None or seq.num_computed < len(seq.token_ids) - 1:
         engine.step()
