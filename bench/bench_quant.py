@@ -13,10 +13,10 @@ matmuls runs it faster); both are compared with fp32 and with bf16, and the goal
 faster of the two. `--compile` adds the same rows decoded through the compiled regions
 (`EngineConfig.compile_decode`, the default of `generate`/`serve`) for the formats that have a
 compiled form (fp32, bf16, int4 W4A16), each compared with the compiled fp32 and bf16 rows. The
-compiled engine runs a full-precision model's batch 1 as two copies of its row and an int4
-model's as one row (serve/engine/compiled_decode.py), so fp32 and bf16 are also timed compiled
-with batch 1 as one row (`compiled, one row`): a compiled int4 row is read against both, and
-every row against eager fp32.
+compiled engine runs batch 1 of `small` (fp32, bf16 and int4 alike) as one row through graphs of
+its own (serve/engine/compiled_decode.py, `batch_one_rows`); fp32 and bf16 are also timed with
+batch 1 as two copies of its row (`compiled, two rows`: how the engine ran them before), and
+every row is read against eager fp32 too.
 
 Accuracy: a trained checkpoint (`--checkpoint`, with the `--train-config` of its run; default:
 the tiny model trained here for `--train-steps` steps on the recall task) is quantized per
@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import markdown_table, result_name, write_result  # noqa: E402
+from common import RESULTS, markdown_table, result_name, write_result  # noqa: E402
 
 from deltamoe.model.load import load_model  # noqa: E402
 from deltamoe.model.quant_scheme import make_scheme  # noqa: E402
@@ -66,23 +66,23 @@ SPEED_FORMATS = {
 }
 BASELINES = ("fp32", "bf16")  # always timed
 COMPILED_FORMATS = ("fp32", "bf16", "int4", "int4-rest-fp32")  # the formats compiled decode runs
-ONE_ROW = "compiled, one row"  # the baselines' compiled batch 1 as one row (`decode_rate`'s one_row)
+TWO_ROWS = "compiled, two rows"  # the baselines' compiled batch 1 as two copies of its row (`decode_rate`)
 ACCURACY_FORMATS = [("int4", ("int4", 32, None)), ("w4a8 fp8", ("w4a8", 32, "fp8")),
                     ("w4a8 int8", ("w4a8", 32, "int8")), ("mxfp4 experts", ("mxfp4", None, None))]
 
 
 def decode_rate(model, new_tokens: int, rounds: int, clock=time.perf_counter, compiled: bool = False,
-                one_row: bool = False) -> float:
+                two_rows: bool = False) -> float:
     """Batch-1 greedy decode tokens/s: (new_tokens - 1) over the time a `new_tokens` run takes
     beyond a 1-token run (prefill and first token), best of `rounds`. `clock`: wall time, or
     `time.process_time` (this process's CPU time: on a loaded machine it leaves out the time
     other processes hold the core). `compiled`: through the compiled decode regions (compiled
-    by the warm-up run; a process keeps them for later engines on the same model). `one_row`: a
-    compiled full-precision model's batch 1 through graphs of its own, as int4 models run it,
-    instead of two copies of the row (`CompiledDecode.min_rows`): the like-with-like reference."""
+    by the warm-up run; a process keeps them for later engines on the same model). `two_rows`: the
+    compiled batch 1 as two copies of its row (`CompiledDecode.min_rows` = 2, sharing the batches'
+    graphs) instead of the one row the engine runs: the form before, for comparison."""
     engine = LLMEngine(model, config=EngineConfig(cache_memory="64MiB", max_num_seqs=1, compile_decode=compiled))
-    if one_row:
-        engine.runner._compiled_decode.min_rows = 1
+    if two_rows:
+        engine.runner._compiled_decode.min_rows = 2
     prompt = [256] + list(range(65, 65 + 15))
 
     def run(n: int) -> float:
@@ -108,16 +108,16 @@ def speed(preset: str, new_tokens: int, rounds: int, tmp: Path, keys: list[str],
             path = tmp / key
             quantize_checkpoint(preset, path, make_scheme(*fmt), dtype=dtype)
             models[label] = load_model(path, dtype=dtype)
-    # Decode modes: eager; compiled (batch 1 as the engine runs it: two copies of the row for a
-    # full-precision model, one row for int4); compiled with batch 1 as one row for the baselines too.
+    # Decode modes: eager; compiled (batch 1 as the engine runs it); the baselines compiled with
+    # batch 1 as two copies of its row (the form before `batch_one_rows`).
     runs = [(label, "eager") for label in models] + [(SPEED_FORMATS[k][0], "compiled") for k in keys
                                                      if k in compiled_keys]
     if compiled_keys:
-        runs += [(SPEED_FORMATS[k][0], ONE_ROW) for k in BASELINES]
+        runs += [(SPEED_FORMATS[k][0], TWO_ROWS) for k in BASELINES]
     best = {run: 0.0 for run in runs}
     for r in range(rounds):
         for label, mode in runs:
-            rate = decode_rate(models[label], new_tokens, 1, clock, mode != "eager", mode == ONE_ROW)
+            rate = decode_rate(models[label], new_tokens, 1, clock, mode != "eager", mode == TWO_ROWS)
             best[label, mode] = max(best[label, mode], rate)
             print(f"round {r}: {label} {mode} {best[label, mode]:.2f} tok/s", flush=True)
     dtypes = {label: dtype for label, _, dtype in formats}
@@ -128,8 +128,6 @@ def speed(preset: str, new_tokens: int, rounds: int, tmp: Path, keys: list[str],
     for r in rows:
         r["speedup_vs_bf16"] = round(r["decode_tok_s"] / base["bf16", r["decode"]]["decode_tok_s"], 2)
         r["speedup_vs_fp32"] = round(r["decode_tok_s"] / base["fp32", r["decode"]]["decode_tok_s"], 2)
-        if r["decode"] == "compiled":  # like with like: the baselines' batch 1 as one row too
-            r["speedup_vs_fp32_one_row"] = round(r["decode_tok_s"] / base["fp32", ONE_ROW]["decode_tok_s"], 2)
         r["speedup_vs_fp32_eager"] = round(r["decode_tok_s"] / base["fp32", "eager"]["decode_tok_s"], 2)
         r["memory_vs_bf16"] = round(r["weight_bytes"] / base["bf16", "eager"]["weight_bytes"], 3)
     return rows
@@ -204,6 +202,16 @@ def accuracy(checkpoint: Path, train_config: Path, tmp: Path) -> list[dict]:
     return out
 
 
+def kept_accuracy(name: str) -> tuple[list[dict], str | None]:
+    """The accuracy rows and their source from the results file `name` (`--skip-accuracy`: a speed
+    rerun does not retrain tiny, nor drop the figures an earlier run measured); none without one."""
+    path = RESULTS / f"{name}.json"
+    if not path.exists():
+        return [], None
+    data = json.loads(path.read_text())
+    return data.get("accuracy", []), data.get("accuracy_source")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="tiny preset, few tokens (a smoke run)")
@@ -214,7 +222,8 @@ def main() -> None:
     ap.add_argument("--checkpoint", type=Path, default=None, help="trained checkpoint for the accuracy part")
     ap.add_argument("--train-config", type=Path, default=None, help="the train_config.json of that run")
     ap.add_argument("--train-steps", type=int, default=300, help="without --checkpoint: train tiny this long")
-    ap.add_argument("--skip-accuracy", action="store_true")
+    ap.add_argument("--skip-accuracy", action="store_true",
+                    help="no accuracy part: the accuracy rows (and their source) of the existing results file are kept")
     ap.add_argument("--speed-only", action="store_true",
                     help="only the decode speed and memory rows (no accuracy, no KV cache table): quant_speed.json")
     # One thread: on a shared machine, OpenMP barriers of a 2-thread run wait on descheduled
@@ -238,8 +247,7 @@ def main() -> None:
         clock = time.process_time if args.clock == "cpu" else time.perf_counter
         speed_rows = speed(preset, new_tokens, 1 if args.quick else args.rounds, tmp, keys, clock,
                            COMPILED_FORMATS if args.compile else ())
-        acc_rows = []
-        source = None
+        acc_rows, source = kept_accuracy(result_name("quant", args.quick)) if args.skip_accuracy else ([], None)
         if not (args.skip_accuracy or args.speed_only):
             if args.checkpoint is None:
                 ckpt, tcfg = train_tiny(20 if args.quick else args.train_steps, tmp / "train")
@@ -249,9 +257,9 @@ def main() -> None:
                 source = str(args.checkpoint)
             acc_rows = accuracy(ckpt, tcfg, tmp)
     print(markdown_table(["format", "rest", "decode", "decode tok/s (batch 1)", "x bf16", "x fp32",
-                          "x fp32 compiled one row", "x fp32 eager", "weight MiB", "x bf16 bytes"],
+                          "x fp32 eager", "weight MiB", "x bf16 bytes"],
                          [[r["format"], r["rest_dtype"], r["decode"], r["decode_tok_s"], r["speedup_vs_bf16"],
-                           r["speedup_vs_fp32"], r.get("speedup_vs_fp32_one_row", ""), r["speedup_vs_fp32_eager"],
+                           r["speedup_vs_fp32"], r["speedup_vs_fp32_eager"],
                            round(r["weight_bytes"] / 2**20, 1), r["memory_vs_bf16"]] for r in speed_rows]))
     if acc_rows:
         print(markdown_table(["format", "eval loss", "ppl", "ppl delta", "task acc", "acc delta", "logit max err",

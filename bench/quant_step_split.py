@@ -1,4 +1,4 @@
-"""Where one batch-1 decode step's time goes, fp32 against int4 (W4A16, rest fp32), on `small`.
+"""Where one batch-1 decode step's time goes, fp32 against int4 (W4A16, rest fp32), on `small` (`--dtype bf16`: bf16 against int4 with the rest bf16).
 
 Each model decodes one prompt through `LLMEngine` (eager, batch 1) under `torch.profiler`; the
 decode steps' CPU time is split two ways:
@@ -17,7 +17,7 @@ microsecond) and times by the wall clock, so the split is read as shares; the un
 CPU time is printed beside it. Op event counts include ops called inside other ops. A compiled
 step (`--compile`) is split by op kind only: its fused kernels count as the regions' own code.
 
-    OMP_NUM_THREADS=1 python bench/quant_step_split.py [--steps 16] [--compile [--form parts|whole]]
+    OMP_NUM_THREADS=1 python bench/quant_step_split.py [--steps 16] [--compile [--form parts|whole]] [--dtype bf16]
 """
 
 from __future__ import annotations
@@ -186,13 +186,16 @@ def main() -> None:
     ap.add_argument("--preset", default="small")
     ap.add_argument("--compile", action="store_true", help="profile the compiled decode step instead")
     ap.add_argument("--form", default=FORMS[0], choices=FORMS, help="the compiled call's form (with --compile)")
+    ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
+                    help="the float model's dtype and the int4 model's unquantized rest")
     args = ap.parse_args()
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "int4"
-        quantize_checkpoint(args.preset, path, make_scheme("int4"), dtype=torch.float32)
-        models = {"fp32": load_model(args.preset, dtype=torch.float32),
-                  "int4 (rest fp32)": load_model(path, dtype=torch.float32)}
+        quantize_checkpoint(args.preset, path, make_scheme("int4"), dtype=dtype)
+        models = {args.dtype: load_model(args.preset, dtype=dtype),
+                  f"int4 (rest {args.dtype})": load_model(path, dtype=dtype)}
         for name, model in models.items():
             show(name + (f" compiled ({args.form})" if args.compile else " eager"),
                  split(model, args.steps, args.compile, args.form))

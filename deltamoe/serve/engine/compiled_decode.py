@@ -45,13 +45,13 @@ the forms the graph traces give every context and page layout one shape rule:
   slice_consecutive off), so a sequence's page layout does not split the graph.
 One shape rule still splits the graphs, asked of its owner rather than copied here:
 - one graph per form of `ops.moe.gathers_expert_weights` (MoE regions only).
-Batch 1 is no class of its own in the regional form: it runs as two copies of its row
-(`CompiledDecode.with_min_rows`; torch would specialise size 1 into graphs of their own), or in
-whole layers over a small expert stack as many as the experts' all-experts form needs. Not for
-a model with int4 expert stacks: their static form runs each row against every gathered expert,
-so a copy doubles the experts' gather and kernel reads (the two-row step is slower than eager
-int4, docs/serving.md); there batch 1 runs as one row through graphs of its own. Dense
-MLPs stay eager in the "parts" form. For `tiny` that leaves three graphs in whole layers (the
+Batch 1 is a class of its own only where that pays (`batch_one_rows`; torch would specialise
+size 1 into graphs of their own): over a small expert stack the regions run it as two copies of
+its row (`CompiledDecode.with_min_rows`), in whole layers as many as the experts' all-experts
+form needs, sharing the batches' graphs. Over a large expert stack (`small`: 50 MB a layer) or
+int4 stacks a copy would read the gathered experts a second time (the two-row step of `small`
+ran at 0.6-0.8x the one-row one, docs/serving.md); there batch 1 runs as one row through graphs
+of its own. Dense MLPs stay eager in the "parts" form. For `tiny` that leaves three graphs in whole layers (the
 dense first layer, the KDA and the DSA layer, all experts at once) and four in "parts" (KDA and
 DSA attention, the MoE in both forms). The whole call as one graph keeps batch 1 as a class of its own, rewritten by
 the one-row matmul pass. Each class compiles once per process (its regions: seconds each on two
@@ -152,13 +152,7 @@ class CompiledDecode:
             key = model._compiled_decode_key = uuid.uuid4().hex
         self.form = form
         regional = form != "whole"
-        # Regions run a call of one row as two copies of it (`with_min_rows`): torch specialises
-        # size 1, so batch 1 would be graph classes of its own, compiled at start like the others.
-        # The whole call keeps its batch-1 graph (the one-row matmul pass rewrites it), and so do
-        # regions over int4 expert stacks (see the module docstring).
-        self.min_rows = 2 if regional and not holds_int4_expert_stacks(model) else 1
-        if form == "layers" and self.min_rows > 1:
-            self.min_rows = max(self.min_rows, rows_skipping_expert_gather(model))
+        self.min_rows = batch_one_rows(model, form)
         self._model, self._key = decode_form(model, key if regional else None, form), key
         self._call = _decode_call if regional else _compiled_call()
 
@@ -189,6 +183,41 @@ class CompiledDecode:
         return out.logits, out.hidden_states
 
 
+def batch_one_rows(model: torch.nn.Module, form: str) -> int:
+    """The rows a compiled call of one sequence runs as (`CompiledDecode.min_rows`, `with_min_rows`).
+
+    Torch specialises size 1, so a call of one row is graph classes of its own, compiled at start
+    like the others; regions run it as copies of the row instead, sharing the batches' graphs,
+    unless a copy costs more than those graphs save once:
+    - the whole call keeps its batch-1 graph (the one-row matmul pass rewrites it);
+    - a copy reads the gathered experts again (`copies_reread_experts`): one row, graphs of its own;
+    - whole layers over a small stack: as many rows as the all-experts form needs
+      (`rows_skipping_expert_gather`), so the gathered-experts graphs are never built;
+    - else two rows."""
+    if form == "whole" or copies_reread_experts(model):
+        return 1
+    if form == "layers":
+        return max(2, rows_skipping_expert_gather(model))
+    return 2
+
+
+def copies_reread_experts(model: torch.nn.Module) -> bool:
+    """Whether a copy of a row makes the batch-1 step read its experts' weights twice, for more
+    than the batch-1 graphs cost once: an expert stack over `SMALL_EXPERT_STACK_BYTES` (`small`:
+    64 experts of 256 x 256, 50 MB a layer: the step is memory-bound, and the static form
+    gathers each row's top-k experts, a copy's too), or int4 stacks (their static form runs
+    every row against every gathered expert, so a copy doubles the gather and kernel reads).
+    A small stack (`tiny`: 1.2 MB a layer) stays in cache: its copies cost less than the
+    graphs' compile at a first start (docs/serving.md, Compiled decode)."""
+    return holds_int4_expert_stacks(model) or largest_expert_stack_bytes(model) > SMALL_EXPERT_STACK_BYTES
+
+
+def largest_expert_stack_bytes(model: torch.nn.Module) -> int:
+    """The weight bytes of the model's largest routed-expert stack (one layer's experts); 0 without MoE."""
+    return max((sum(t.numel() * t.element_size() for t in m.experts.parameters())
+                for m in model.modules() if isinstance(m, MoE)), default=0)
+
+
 def rows_skipping_expert_gather(model: torch.nn.Module) -> int:
     """The fewest rows a whole-layer call runs so that every batch takes the experts' all-experts
     form (`ops.moe.gathers_expert_weights`), or 1 where that form does not pay at small batches.
@@ -206,11 +235,10 @@ def rows_skipping_expert_gather(model: torch.nn.Module) -> int:
     stacks = [m for m in model.modules() if isinstance(m, MoE)]
     if not stacks:
         return 1
-    stack_bytes = max(sum(t.numel() * t.element_size() for t in m.experts.parameters()) for m in stacks)
     c = stacks[0].config
     first_all = next(b for b in range(1, c.num_experts + 1)
                      if not gathers_expert_weights(b, c.num_experts_per_token, c.num_experts))
-    if stack_bytes > SMALL_EXPERT_STACK_BYTES or first_all > MAX_ROW_COPIES:
+    if largest_expert_stack_bytes(model) > SMALL_EXPERT_STACK_BYTES or first_all > MAX_ROW_COPIES:
         return 1
     return first_all
 
@@ -357,9 +385,9 @@ def warm_up_rounds(config: ModelConfig, max_num_seqs: int, max_context: int) -> 
     Contexts are one class (DSA's selection is top_k wide at every context in the compiled form)
     and so are page layouts (every batch gathers its pages); batches split where an op's shape
     rule changes form:
-    - batch 1: the lead alone decodes once (with regions over full-precision experts it runs as
-      two rows, the graphs of batch 2: its round then compiles them and batch 2's round compiles
-      nothing);
+    - batch 1: the lead alone decodes once (where regions run it as copies of its row,
+      `batch_one_rows`, it reaches the graphs of those rows: its round then compiles them and
+      that batch's round compiles nothing);
     - batch B >= 2: B - 1 followers join the lead, and all decode together once (the followers
       are admitted in one step while the token budget holds 2 per follower).
     `max_context`: the longest sequence the engine admits (prompt + output)."""

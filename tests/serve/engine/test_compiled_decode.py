@@ -197,3 +197,47 @@ def test_warm_up_compiles_every_graph_traffic_meets(form, graphs, helpers):
         outs.append(engine.generate([list(range(40, 80))], params, progress=False))  # 40 + 12 tokens, 4 blocks
     assert all(len(c.token_ids) == 12 for batch in outs for c in batch)
     assert_greedy_matches(model, [[i, i + 1, 9] for i in range(6)], [c.token_ids for c in outs[2]])
+
+
+def test_a_large_expert_stack_decodes_batch_one_as_one_row(helpers, monkeypatch):
+    """Over an expert stack counted as large (`compiled_decode.copies_reread_experts`; the threshold
+    lowered so that a two-layer model's stack is over it) the compiled regions run a lone sequence
+    as one row, through batch-1 graphs of their own: its greedy tokens equal plain greedy decoding
+    of the prompt alone, and one step's logits equal eager ones from the same cache contents.
+    (Batches of two or more run the graphs they always did: the rule changes batch 1 only.)"""
+    from deltamoe.serve.engine.cache_view import PagedBatchView
+
+    monkeypatch.setattr(compiled_decode, "SMALL_EXPERT_STACK_BYTES", 0)
+    config = helpers.k31_tiny(num_hidden_layers=2, layer_types=("kda", "dsa"))
+    model = build_model(config, seed=11).eval()
+    engine = LLMEngine(model, config=EngineConfig(cache_memory="16MiB", compile_decode=True))
+    compiled = engine.runner._compiled_decode
+    assert compiled.min_rows == 1
+    rows = []
+    call = compiled._call
+    compiled._call = lambda m, key, ids, view: rows.append(ids.shape[0]) or call(m, key, ids, view)
+    prompts = helpers.prompts(2, 2, 30, seed=34)
+    alone = [c.token_ids for c in engine.generate(prompts[:1], GREEDY, progress=False)]
+    assert set(rows) == {1}
+    assert_greedy_matches(model, prompts[:1], alone)
+
+    engine.add_request(prompts[1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    seq = engine.scheduler.running[0] if engine.scheduler.running else None
+    while seq is None or seq.num_computed < len(seq.token_ids) - 1:
+        engine.step()
+        seq = engine.scheduler.running[0]
+    cache = engine.cache
+    tensors = (cache.conv, cache.recurrent, cache.latent, cache.index_keys)
+    saved = [t.clone() for t in tensors]
+
+    @torch.inference_mode()
+    def logits(fn):
+        for t, s in zip(tensors, saved):
+            t.copy_(s)
+        view = PagedBatchView(cache, [seq.block_table], [seq.num_computed], [seq.slot], 1,
+                              min_table_width=compiled_decode.CompiledDecode.min_table_width,
+                              slice_consecutive=compiled_decode.CompiledDecode.slices_consecutive_pages)
+        return fn(torch.tensor([[seq.token_ids[-1]]]), view)[:, -1]
+
+    torch.testing.assert_close(logits(compiled), logits(lambda i, v: model(i, cache=v, logits_to_keep=1).logits),
+                               rtol=1e-4, atol=1e-5)

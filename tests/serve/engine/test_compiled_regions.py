@@ -127,12 +127,13 @@ def test_engine_config_picks_the_compiled_form(helpers, monkeypatch):
     assert got == run()[1]
 
 
-def test_whole_layers_skip_the_expert_gather_only_for_small_stacks(helpers, monkeypatch):
+def test_batch_one_rows_follow_the_expert_stack(helpers, monkeypatch):
     """`CompiledDecode(form="layers")` runs batch 1 as the first all-experts batch's rows where the
     expert stack is small (`tiny`: 16 experts of 64 x 96, all experts from 4 rows), so the
-    gathered-experts graphs are never built; a large stack (`small`'s 64 experts of 256 x 256, all
-    experts from 8 rows) and many small experts (64 experts, top-2: from 32 rows) keep two rows.
-    The attention + FFN form keeps two rows; a dense model one more copy is no use for."""
+    gathered-experts graphs are never built; many small experts (64 experts, top-2: from 32 rows)
+    keep two rows, and so does a dense model. A large stack (`small`'s 64 experts of 256 x 256)
+    runs batch 1 as one row in every form (a copy would gather its experts again). The attention +
+    FFN form keeps two rows for small stacks; the whole call always one."""
     from deltamoe.config import load_preset
 
     monkeypatch.setattr(compiled_decode, "probe_vector_isa_once", lambda: None)  # no compiles here
@@ -144,6 +145,9 @@ def test_whole_layers_skip_the_expert_gather_only_for_small_stacks(helpers, monk
     assert min_rows(tiny) == 4
     assert min_rows(tiny, "parts") == 2
     small_like = load_preset("small").replace(num_hidden_layers=2, layer_types=("kda", "kda"))
-    assert min_rows(small_like) == 2
+    assert min_rows(small_like) == min_rows(small_like, "parts") == min_rows(small_like, "whole") == 1
+    assert compiled_decode.largest_expert_stack_bytes(build_model(small_like, seed=0)) > \
+        compiled_decode.SMALL_EXPERT_STACK_BYTES
+    assert min_rows(tiny, "whole") == 1
     assert min_rows(helpers.k31_tiny(num_experts=64, num_experts_per_token=2)) == 2
     assert min_rows(helpers.k31_tiny(num_experts=0, first_k_dense_replace=4)) == 2
