@@ -32,7 +32,7 @@ from deltamoe.ops.autocast import full_precision
 
 # Chunk steps per compiled call: enough to fuse across chunks and amortize the call (with its guard
 # checks and buffer plan) over K = 128 heads' chunk steps, few enough that a group's terms stay in
-# cache and its graph compiles in seconds (docs/model.md, "The compiled chunked op").
+# cache and its graph compiles in seconds (docs/model.md, "The compiled chunked op and autocast").
 GROUP_CHUNKS = 16
 
 GroupFn = Callable[..., torch.Tensor]
