@@ -2,7 +2,7 @@
 (ops/kda_compiled.py) at several chunk steps per compiled call, in one run, as ratios vs the
 recurrence by CPU time and by wall time.
 
-    .venv/bin/python bench/kda_compiled_groups.py [--seq-len 8192] [--head-dim 128] [--group-chunks 4 8 16] [--threads 2] [--repeats 5] [--quick] [--allocator steady|default]
+    .venv/bin/python bench/kda_compiled_groups.py [--seq-len 8192] [--head-dim 128] [--group-chunks 8 16 32] [--threads 2] [--repeats 5] [--quick] [--allocator steady|default]
 
 Inputs, warm-up, timing and allocator as `bench_kda.py` (B=1, H=8, fp32, qk l2norm in kernel, the
 softplus gate with KimiLinear's init; two calls of every path before the timed rounds, which time
@@ -65,7 +65,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--head-dim", type=int, default=128, help="K = V per head (K3: 128)")
-    parser.add_argument("--group-chunks", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--group-chunks", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds (median); default 5, quick 3")
     parser.add_argument("--quick", action="store_true", help="T = 2048, 3 repeats, writes *_quick.json")

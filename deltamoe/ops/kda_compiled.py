@@ -30,9 +30,10 @@ import torch
 from deltamoe.ops import kda
 from deltamoe.ops.autocast import full_precision
 
-# Chunk steps per compiled call: enough to fuse across chunks and amortize the call, few enough
-# that a group's terms stay in cache.
-GROUP_CHUNKS = 8
+# Chunk steps per compiled call: enough to fuse across chunks and amortize the call (with its guard
+# checks and buffer plan) over K = 128 heads' chunk steps, few enough that a group's terms stay in
+# cache and its graph compiles in seconds (docs/model.md, "The compiled chunked op and autocast").
+GROUP_CHUNKS = 16
 
 GroupFn = Callable[..., torch.Tensor]
 

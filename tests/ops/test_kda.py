@@ -394,3 +394,28 @@ def test_matches_transformers_torch_kda(hf_kda: ModuleType, t: int) -> None:
     for o_want, s_want in ((o_hf_chunk, s_hf_chunk), (o_hf_rec, s_hf_rec)):
         assert_rel_close(o, o_want, 1e-5)
         assert_rel_close(s, s_want, 1e-5)
+
+
+def reference_chunk_pick(g: torch.Tensor, chunk_size: int) -> int:
+    """`_pick_chunk_size` by its definition: halve C until every chunk of C tokens (the last one
+    shorter) has span -(g_1 + ... + g_{C-1}) <= MAX_CHUNK_SPAN in every (batch, head, channel)."""
+    chunk = min(chunk_size, g.shape[1])
+    while chunk > 1:
+        spans = [-g[:, start + 1 : start + chunk].sum(1) for start in range(0, g.shape[1], chunk)]
+        if max(s.max().item() for s in spans) <= kda_module.MAX_CHUNK_SPAN:
+            return chunk
+        chunk //= 2
+    return 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_chunk_pick_matches_its_definition(seed: int) -> None:
+    """The one-pass pick (a chunk and both its halves per matmul) against the per-chunk loop, on
+    fresh random log-decays from tiny to huge, odd and even chunk sizes, padded tails."""
+    gen = torch.Generator().manual_seed(100 + seed)
+    for _ in range(40):
+        b, t, h, dk = (int(torch.randint(lo, hi, (1,), generator=gen)) for lo, hi in ((1, 3), (1, 200), (1, 3), (1, 6)))
+        g = -torch.rand(b, t, h, dk, generator=gen) ** 3 * float(torch.rand(1, generator=gen)) * 40
+        g[:, int(torch.randint(0, t, (1,), generator=gen))] *= 50  # one token's decay may need short chunks
+        chunk_size = int(torch.randint(1, 80, (1,), generator=gen))
+        assert kda_module._pick_chunk_size(g, chunk_size) == reference_chunk_pick(g, chunk_size), (g.shape, chunk_size)
