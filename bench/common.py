@@ -27,8 +27,22 @@ def median_seconds(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) 
     return statistics.median(times)
 
 
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux), else the platform's processor string."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine() -> dict:
+    # The vector ISA torch's CPU kernels use (AVX2 vs AVX-512 changes most of these figures, and the
+    # project's VMs have been either): recorded so rows measured on different hosts can be told apart.
     return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+            "cpu_model": cpu_model(), "vector_isa": torch.backends.cpu.get_cpu_capability(),
             "python": platform.python_version()}
 
 
