@@ -90,7 +90,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_serve_online import free_port, wait_healthy  # noqa: E402
-from common import markdown_table, result_name, write_result  # noqa: E402
+from common import exit_on_sigterm, markdown_table, result_name, write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_NAME = "bench"
@@ -686,4 +686,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()
     main()

@@ -51,7 +51,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import markdown_table, result_name, write_result  # noqa: E402
+from common import exit_on_sigterm, markdown_table, result_name, write_result  # noqa: E402
 
 # What `deltamoe serve` picks without --threads once OMP_NUM_THREADS is removed from its environment.
 SERVER_DEFAULT_THREADS = max(1, (os.cpu_count() or 1) - 1)
@@ -318,4 +318,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()
     main()

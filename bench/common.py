@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -44,6 +46,12 @@ def machine() -> dict:
     return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
             "cpu_model": cpu_model(), "vector_isa": torch.backends.cpu.get_cpu_capability(),
             "python": platform.python_version()}
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit, so a bench that spawned servers stops them in its `finally`
+    blocks when it is terminated (by default SIGTERM ends Python at once and orphans them)."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def result_name(name: str, quick: bool) -> str:
