@@ -80,6 +80,18 @@ def openai_server(folder, config, seed: int = 2, model_name: str = "tiny"):
         yield openai.OpenAI(base_url=f"{thread.url}/v1", api_key="none", max_retries=0, timeout=60)
 
 
+def step_until_decode(engine) -> tuple[object, tuple[torch.Tensor, ...], list[torch.Tensor]]:
+    """Step `engine` until its first running request has only its last token left to compute (its
+    next step is a decode step): (that sequence, the cache's tensors, a copy of them now)."""
+    seq = engine.scheduler.running[0] if engine.scheduler.running else None
+    while seq is None or seq.num_computed < len(seq.token_ids) - 1:
+        engine.step()
+        seq = engine.scheduler.running[0]
+    cache = engine.cache
+    tensors = (cache.conv, cache.recurrent, cache.latent, cache.index_keys)
+    return seq, tensors, [t.clone() for t in tensors]
+
+
 # With --import-mode=importlib test files cannot import this module; they take these as fixtures.
 @pytest.fixture(scope="session")
 def helpers():
@@ -88,5 +100,5 @@ def helpers():
 
     h = Helpers()
     h.prompts, h.reference_greedy, h.k31_tiny, h.kimi_linear_tiny = prompts, reference_greedy, k31_tiny, kimi_linear_tiny
-    h.openai_server = openai_server
+    h.openai_server, h.step_until_decode = openai_server, step_until_decode
     return h

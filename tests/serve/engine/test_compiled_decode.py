@@ -222,19 +222,13 @@ def test_a_large_expert_stack_decodes_batch_one_as_one_row(helpers, monkeypatch)
     assert_greedy_matches(model, prompts[:1], alone)
 
     engine.add_request(prompts[1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    seq = engine.scheduler.running[0] if engine.scheduler.running else None
-    while seq is None or seq.num_computed < len(seq.token_ids) - 1:
-        engine.step()
-        seq = engine.scheduler.running[0]
-    cache = engine.cache
-    tensors = (cache.conv, cache.recurrent, cache.latent, cache.index_keys)
-    saved = [t.clone() for t in tensors]
+    seq, tensors, saved = helpers.step_until_decode(engine)
 
     @torch.inference_mode()
     def logits(fn):
         for t, s in zip(tensors, saved):
             t.copy_(s)
-        view = PagedBatchView(cache, [seq.block_table], [seq.num_computed], [seq.slot], 1,
+        view = PagedBatchView(engine.cache, [seq.block_table], [seq.num_computed], [seq.slot], 1,
                               min_table_width=compiled_decode.CompiledDecode.min_table_width,
                               slice_consecutive=compiled_decode.CompiledDecode.slices_consecutive_pages)
         return fn(torch.tensor([[seq.token_ids[-1]]]), view)[:, -1]

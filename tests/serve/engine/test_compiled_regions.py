@@ -77,13 +77,7 @@ def test_a_row_run_twice_leaves_the_cache_and_logits_of_the_row_alone(helpers):
     runner._compiled_decode = compiled_decode.CompiledDecode(model, form="whole")
     runner._compiled_decode._call = compiled_decode._decode_call
     engine.add_request(helpers.prompts(1, 30, 30, seed=3)[0], SamplingParams(max_tokens=4, temperature=0.0))
-    seq = engine.scheduler.running[0] if engine.scheduler.running else None
-    while seq is None or seq.num_computed < len(seq.token_ids) - 1:
-        engine.step()
-        seq = engine.scheduler.running[0]
-    cache = engine.cache
-    tensors = (cache.conv, cache.recurrent, cache.latent, cache.index_keys)
-    saved = [t.clone() for t in tensors]
+    seq, tensors, saved = helpers.step_until_decode(engine)
     (_, call), = runner.plan(engine.scheduler.schedule())
     assert call.compiled and len(call.counts) == 1
 
