@@ -52,10 +52,11 @@ the decode server's `kv_transfer_seconds_busy` (the seconds during which at leas
 its way, overlaps counted once), next to the same raw write, and next to N raw writes of one hand-off's
 size each, back to back and timed together (the same total bytes: "N in flight vs raw back to back").
 The idle table also shows the segments of a direct hand-off (`kv_transfer_segments_direct` / hand-offs).
-`--baseline DIR|packed|no-lanes|no-inline` starts a second
+`--baseline DIR|packed|no-lanes|no-inline|no-markers` starts a second
 1P+1D stack (from another checkout of the code, or this one with every hand-off packed, or this one
 over a new Mooncake TCP connection per write instead of the connection lanes, or this one with the
-prefill engine thread's own synchronous write turned off) and sends it every
+prefill engine thread's own synchronous write turned off, or this one with the transfer engine's
+notice instead of completion markers) and sends it every
 other one-at-a-time hand-off: this / baseline per size, under the same load.
 `--handoff-only` runs the idle hand-offs and
 the raw writes without the colocated server and the mixed load (a minute instead of several).
@@ -264,15 +265,17 @@ def run_colocated(args) -> dict:
         proc.wait(30)
 
 
-def start_stack(args, root: Path = ROOT, prefill_args: tuple[str, ...] = (), env_extra: dict[str, str] | None = None
-                ) -> tuple[list[subprocess.Popen], str, str, str]:
-    """1 prefill + 1 decode server and a router, from the code in `root`, the prefill server with
-    `prefill_args` added, both servers with `env_extra`: (processes, prefill, decode and router URLs)."""
+def start_stack(args, root: Path = ROOT, prefill_args: tuple[str, ...] = (), env_extra: dict[str, str] | None = None,
+                decode_args: tuple[str, ...] = ()) -> tuple[list[subprocess.Popen], str, str, str]:
+    """1 prefill + 1 decode server and a router, from the code in `root`, the prefill and decode servers
+    with `prefill_args` and `decode_args` added, both with `env_extra`: (processes, prefill, decode and
+    router URLs)."""
     role = ["--kv-transfer", "mooncake", "--kv-transfer-timeout", "600"]  # a long prompt queues behind others
     prefill, p_url = start(serve_args(args, 1) + ["--role", "prefill", *role, *prefill_args], free_port(), root,
                            env_extra)
     decode, d_url = start(serve_args(args, 1) + ["--role", "decode", *role, "--min-hand-off-tokens",
-                                                  str(args.min_hand_off_tokens)], free_port(), root, env_extra)
+                                                  str(args.min_hand_off_tokens), *decode_args], free_port(), root,
+                           env_extra)
     procs = [prefill, decode]
     try:
         wait_healthy(prefill, p_url)
@@ -290,11 +293,15 @@ def start_stack(args, root: Path = ROOT, prefill_args: tuple[str, ...] = (), env
 def baseline_stack(args) -> tuple[list[subprocess.Popen], str, str, str]:
     """`--baseline`'s stack: this checkout with every hand-off packed (`packed`), or over a new Mooncake
     connection per write (`no-lanes`), or with every direct hand-off written from a hand-off thread
-    rather than by the prefill engine thread itself (`no-inline`), or the checkout in that directory."""
+    rather than by the prefill engine thread itself (`no-inline`), or with the decode server told of each
+    hand-off's end by the transfer engine's notice instead of a completion marker (`no-markers`), or the
+    checkout in that directory."""
     if args.baseline == "packed":
         return start_stack(args, prefill_args=("--kv-transfer-direct-max-segments", "-1"))
     if args.baseline == "no-inline":
         return start_stack(args, prefill_args=("--kv-transfer-inline-write", "0"))
+    if args.baseline == "no-markers":
+        return start_stack(args, decode_args=("--no-kv-transfer-markers",))
     if args.baseline == "no-lanes":
         from deltamoe.serve.kv_transfer.mooncake_transport import CONNECTION_LANES
 
@@ -541,7 +548,8 @@ def main() -> None:
     ap.add_argument("--baseline", default=None, help="a checkout of the code to compare with (e.g. `git worktree "
                     "add /tmp/base 712a24e`), or `packed` (this checkout, every hand-off packed), or `no-lanes` "
                     "(this checkout, a new Mooncake TCP connection per write), or `no-inline` (this checkout, "
-                    "--kv-transfer-inline-write 0 on the prefill server): a second 1P+1D stack from it takes "
+                    "--kv-transfer-inline-write 0 on the prefill server), or `no-markers` (this checkout, "
+                    "--no-kv-transfer-markers on the decode server): a second 1P+1D stack from it takes "
                     "every other idle hand-off")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--async-scheduling", action="store_true", help="every server (colocated, prefill, decode) "

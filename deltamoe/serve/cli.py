@@ -20,7 +20,7 @@ from deltamoe.errors import ConfigError
 from deltamoe.hf_config import load_config
 from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.multi_step_layouts import GENERATE_DEFAULT_STEPS, check_multi_step, resolve_generate_steps
-from deltamoe.serve.kv_transfer.role_config import DIRECT_MAX_SEGMENTS, INLINE_WRITE
+from deltamoe.serve.kv_transfer.role_config import DIRECT_MAX_SEGMENTS, INLINE_WRITE, MARKERS
 from deltamoe.threads import THREADS_HELP, choose_threads
 
 if TYPE_CHECKING:
@@ -396,6 +396,10 @@ def serve_command(
     kv_transfer_inline_write: str = typer.Option(
         INLINE_WRITE, help="Prefill role: a direct hand-off up to this size is written by the engine thread "
         "itself, its completion notice included, in one synchronous call (0: always from a hand-off thread)."),
+    kv_transfer_markers: bool = typer.Option(
+        MARKERS, "--kv-transfer-markers/--no-kv-transfer-markers",
+        help="Decode role: a hand-off's end is told by an 8-byte completion marker the prefill server writes "
+        "into this server's memory after the data (else by the transfer engine's own notice)."),
     block_size: int = typer.Option(16, min=1, help="Tokens per cache block (equal on both sides of a P/D pair)."),
     tp: int = typer.Option(1, "--tp", help=TP_HELP),
     ep: int = typer.Option(1, "--ep", help=EP_HELP),
@@ -462,7 +466,8 @@ def serve_command(
     torch.set_num_threads(chosen)
     try:
         connector = make_connector(role, kv_transfer_host, kv_transfer_timeout, api_key, min_hand_off_tokens,
-                                   staging_bytes, kv_transfer_direct_max_segments, inline_write_bytes)
+                                   staging_bytes, kv_transfer_direct_max_segments, inline_write_bytes,
+                                   kv_transfer_markers)
     except ConfigError:
         listener.close()
         raise

@@ -70,7 +70,7 @@ from deltamoe.serve.kv_transfer.mooncake_transport import ChunkedWrite, Mooncake
 from deltamoe.serve.kv_transfer.notices import POLL_S, NoticeWatcher
 from deltamoe.serve.kv_transfer.packing import TokenRows, message_bytes, pack_in_steps, payload_bytes, token_rows, unpack
 from deltamoe.serve.kv_transfer.pools import PoolDescriptor, Segment, describe, pool_tensors, request_segments
-from deltamoe.serve.kv_transfer.role_config import DIRECT_MAX_SEGMENTS, INLINE_WRITE
+from deltamoe.serve.kv_transfer.role_config import DIRECT_MAX_SEGMENTS, INLINE_WRITE, MARKERS
 from deltamoe.serve.kv_transfer.staging import StagingArea
 
 # Asks a prefill server (its URL) to compute a prompt and write it into this engine; returns its
@@ -136,8 +136,9 @@ class HandOffConfig:
     staging_bytes: int = 64 << 20  # registered area for packed hand-offs (larger requests go unpacked)
     write_chunk_bytes: int = 1 << 20  # a packed write goes out in chunks of this many bytes as they are gathered
     notice_poll_s: float = POLL_S  # decode side: sleep between polls for completion notices while one is awaited
-    # Decode side: ask for a completion marker (`markers.py`) rather than the transfer engine's notice.
-    markers: bool = True
+    # Decode side: ask for a completion marker (`markers.py`) rather than the transfer engine's notice
+    # (`--kv-transfer-markers`).
+    markers: bool = MARKERS
     inline_start_bytes: int = 4 << 20  # prefill side: the engine thread starts hand-offs of up to this many bytes
     # Prefill side, over connection lanes: the engine thread writes a direct hand-off of up to this many bytes
     # itself, in one synchronous call that also sends its notice, when no other thread waits on the

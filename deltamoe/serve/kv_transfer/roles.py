@@ -59,13 +59,14 @@ class HttpPrefillClient:
 def make_connector(role: str, host: str, timeout_s: float, api_key: str | None = None,
                    min_prompt_tokens: int = 2, staging_bytes: int = HandOffConfig.staging_bytes,
                    direct_max_segments: int = HandOffConfig.direct_max_segments,
-                   inline_write_bytes: int = HandOffConfig.inline_write_bytes) -> MooncakeConnector | None:
+                   inline_write_bytes: int = HandOffConfig.inline_write_bytes,
+                   markers: bool = HandOffConfig.markers) -> MooncakeConnector | None:
     if role == "colocated":
         return None
     client = HttpPrefillClient(api_key) if role == "decode" else None
     config = HandOffConfig(host=host, timeout_s=timeout_s, min_prompt_tokens=min_prompt_tokens,
                            staging_bytes=staging_bytes, direct_max_segments=direct_max_segments,
-                           inline_write_bytes=inline_write_bytes)
+                           inline_write_bytes=inline_write_bytes, markers=markers)
     return MooncakeConnector(config, prefill_client=client)
 
 

@@ -65,8 +65,10 @@ def pool():
 
 
 def decode_engine(model, pool: PrefillPool, timeout_s: float = 30.0, min_prompt_tokens: int = 2,
-                  staging_bytes: int = 64 << 20, client=None, **config) -> tuple[AsyncLLMEngine, MooncakeConnector]:
-    hand_off = HandOffConfig(timeout_s=timeout_s, min_prompt_tokens=min_prompt_tokens, staging_bytes=staging_bytes)
+                  staging_bytes: int = 64 << 20, client=None, markers: bool = HandOffConfig.markers,
+                  **config) -> tuple[AsyncLLMEngine, MooncakeConnector]:
+    hand_off = HandOffConfig(timeout_s=timeout_s, min_prompt_tokens=min_prompt_tokens, staging_bytes=staging_bytes,
+                             markers=markers)
     connector = MooncakeConnector(hand_off, prefill_client=client or pool.client)
     return AsyncLLMEngine(LLMEngine(model, config=EngineConfig(**(CONFIG | config)), connector=connector)), connector
 
@@ -121,7 +123,7 @@ def test_handoff_equals_colocated(k31_model, helpers, pool, num_prefill):
     if num_prefill == 2:
         p1 = pool.engines["p1"][1]
         p1._start_packed = lambda *args, wait: MooncakeConnector._start_packed(p1, *args, wait=True) if wait else None
-    decode, connector = decode_engine(k31_model, pool)
+    decode, connector = decode_engine(k31_model, pool, markers=True)  # `--kv-transfer-markers`
 
     async def main():
         got = await asyncio.gather(*(collect(decode, p, f"p{i % num_prefill}")
@@ -173,6 +175,29 @@ def test_handoff_equals_colocated(k31_model, helpers, pool, num_prefill):
     # One host, one clock: the decode side timed every hand-off from the prefill's finish to its cache.
     assert moved["kv_transfer_timed"] == handed_off
     assert moved["kv_transfer_seconds_finish_to_cache"] > max(0.0, moved["kv_transfer_seconds_notice"])
+
+
+def test_handoff_on_notices(k31_model, helpers, pool):
+    """A decode side that arms no completion markers (the default) learns of each hand-off's end from
+    the transfer engine's notice, sent with the data's write: same tokens."""
+    prompts = helpers.prompts(3, 6, 30, seed=11)
+    expected = [c.token_ids for c in LLMEngine(k31_model, config=EngineConfig(**CONFIG)).generate(
+        prompts, GREEDY, progress=False)]
+    prefill = pool.add("p0", k31_model)
+    decode, connector = decode_engine(k31_model, pool, markers=False)
+
+    async def main():
+        got = [await collect(decode, p, "p0") for p in prompts]  # one at a time: each written inline
+        await settle(decode.engine, prefill)
+        return got
+
+    assert run_then_close(decode, connector, main) == expected
+    assert_all_free(decode.engine)
+    assert_all_free(prefill)
+    moved, sent = connector.stats(), prefill.stats().extra
+    assert moved["kv_transfer_received"] == sent["kv_transfer_sent"] == len(prompts)
+    assert moved["kv_transfer_markers_seen"] == 0 and moved["kv_transfer_landed_on_notice"] > 0
+    assert sent["kv_transfer_writes"] == sent["kv_transfer_sent"]  # the notice rides on the batch: one write each
     # Concurrent hand-offs overlap: the seconds with one on its way count each shared second once.
     assert 0.0 < moved["kv_transfer_seconds_busy"] <= moved["kv_transfer_seconds_finish_to_cache"] + 1e-9
 
