@@ -73,7 +73,7 @@ def instrument(engine: LLMEngine, clock: PhaseClock) -> None:
     runner, compiled = engine.runner, engine.runner._compiled_decode
     engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
     runner.forward = clock.wrap("forward", runner.forward)
-    runner._sample = clock.wrap("sampling", runner._sample)
+    runner.sample_rows = clock.wrap("sampling", runner.sample_rows)
     engine._postprocess = clock.wrap("postprocess", engine._postprocess)
     compiled._call = clock.wrap("compiled call", compiled._call)
     if compiled.form == "whole":
