@@ -5,7 +5,7 @@ Tensors (allocated once from the byte budget):
 - index pages   [n_dsa_layers,    num_blocks * block_size, index_head_dim]
   (`kv_cache_dtype="fp8"`: e4m3 pages plus fp32 scales per tile of each row, `latent_scale` /
   `index_key_scale`: about half the bytes of bf16 pages)
-- recurrent     [n_kda_layers, num_slots, H, K, V] fp32 and conv [n_kda_layers, num_slots, 3P, W-1]
+- recurrent     [n_kda_layers, num_slots, H, K, V] fp32 and conv [n_kda_layers, num_slots, W-1, 3P]
   (slot-major, `state_storage.py`: a slot's recurrent state of every layer is one run, so is its conv)
 
 Prefix caching needs two things at a block boundary: the latent/index blocks up to it (hash

@@ -2,8 +2,8 @@
 
 Per token of context (paged, `block_size` tokens per block): the MLA latent (kv_lora + rope
 dims) of every MLA/DSA layer and the indexer key of every DSA layer. Per sequence (fixed, one
-state slot): the KDA recurrent state [H, K, V] fp32 and the short-conv state [3P, W-1] of every
-KDA layer. Computed from the config alone, so the byte counts need no allocation. Under tensor
+state slot): the KDA recurrent state [H, K, V] fp32 and the short-conv state [W-1, 3P] of every
+KDA layer (channels last: see `conv_shape`). Computed from the config alone, so the byte counts need no allocation. Under tensor
 parallelism (`tp_size`) a rank holds the state of its kda_num_heads / tp_size heads only; latents
 and indexer keys are per token, shared by all heads, so every rank keeps them whole.
 """
@@ -27,7 +27,11 @@ class CacheLayout:
     latent_dim: int
     index_dim: int
     recurrent_shape: tuple[int, int, int]  # [H, K, V], always fp32
-    conv_shape: tuple[int, int]  # [3P, W-1], in the cache dtype
+    # [W-1, 3P], in the cache dtype: channels last, the transpose of the [B, 3P, W-1] state the conv op
+    # takes and returns (the cache views swap the two axes). A compiled decode step writes a row of
+    # 3P channels per tap as whole vectors; stored [3P, W-1] its loops ran along the 3 taps, one
+    # masked vector each (bench/offline_step_split.py).
+    conv_shape: tuple[int, int]
     dtype: torch.dtype
     kv_fp8: bool = False  # latent / index pages in e4m3 with one fp32 scale per `fp8_tile` values
 
@@ -47,7 +51,7 @@ class CacheLayout:
             latent_dim=config.latent_cache_dim,
             index_dim=config.index_head_dim,
             recurrent_shape=(heads, config.kda_head_dim, config.kda_head_dim),
-            conv_shape=(3 * heads * config.kda_head_dim, config.kda_conv_size - 1),
+            conv_shape=(config.kda_conv_size - 1, 3 * heads * config.kda_head_dim),
             dtype=dtype,
             kv_fp8=kv_fp8,
         )
@@ -71,7 +75,7 @@ class CacheLayout:
     @property
     def bytes_per_state_slot(self) -> int:
         h, k, v = self.recurrent_shape
-        c, w = self.conv_shape
+        w, c = self.conv_shape
         return len(self.kda_layers) * (h * k * v * 4 + c * w * self.element_bytes)
 
 

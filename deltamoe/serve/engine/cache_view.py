@@ -84,11 +84,12 @@ class PagedBatchView:
         if self._fresh:  # the model's own zero-state path, exactly as a lone prefill takes it
             return None, None
         i = self._cache.kda_index[layer]
-        return self._cache.conv[i].index_select(0, self._slots), self._cache.recurrent[i].index_select(0, self._slots)
+        conv = self._cache.conv[i].index_select(0, self._slots).transpose(1, 2)  # stored [W-1, 3P]
+        return conv, self._cache.recurrent[i].index_select(0, self._slots)
 
     def set_kda_state(self, layer: int, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> None:
         i = self._cache.kda_index[layer]
-        _put(self._cache.conv, i, self._slots, conv_state)
+        _put(self._cache.conv, i, self._slots, conv_state.transpose(1, 2))
         _put(self._cache.recurrent, i, self._slots, recurrent_state)
 
     def _store(self, store: torch.Tensor, scales: torch.Tensor | None, layer: int, new: torch.Tensor) -> None:

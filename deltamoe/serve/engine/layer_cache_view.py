@@ -39,10 +39,11 @@ class LayerCacheView:
             self._index_keys = cache.index_keys[cache.index_key_index[layer]]
 
     def kda_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._conv.index_select(0, self._slots), self._recurrent.index_select(0, self._slots)
+        conv = self._conv.index_select(0, self._slots).transpose(1, 2)  # stored [W-1, 3P]
+        return conv, self._recurrent.index_select(0, self._slots)
 
     def set_kda_state(self, layer: int, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> None:
-        self._conv.index_put_((self._slots,), conv_state.to(self._conv.dtype))
+        self._conv.index_put_((self._slots,), conv_state.transpose(1, 2).to(self._conv.dtype))
         self._recurrent.index_put_((self._slots,), recurrent_state.to(self._recurrent.dtype))
 
     def _store(self, pages: torch.Tensor, new: torch.Tensor) -> None:

@@ -3,7 +3,7 @@
 A HybridCache holds its pools as tensors allocated once: paged ones, latent pages and
 indexer-key pages [layers, blocks * block_size, dim] (a block of a layer is one contiguous run
 of block_size rows) and, with an fp8 KV cache, their fp32 scales [layers, blocks * block_size,
-tiles]; and state ones, recurrent [layers, slots, H, K, V] and conv [layers, slots, 3P, W-1],
+tiles]; and state ones, recurrent [layers, slots, H, K, V] and conv [layers, slots, W-1, 3P],
 slot-major (`engine/state_storage.py`: a slot's recurrent state of every layer is one contiguous
 run, and so is its conv state). A transport registers the tensors once and moves a
 request either packed (`packing.py`) or as a list of (source address, destination address,

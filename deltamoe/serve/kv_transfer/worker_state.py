@@ -55,10 +55,10 @@ class HandOffPools:
 def whole_head_pools(cache: HybridCache, tp: int, slots: int) -> HandOffPools:
     """`cache`'s pages with `slots` whole-head state slots (zeroed) beside them."""
     layers, _, heads, k, v = cache.recurrent.shape
-    channels, width = cache.conv.shape[2:]
+    width, channels = cache.conv.shape[2:]  # [W-1, 3P]: channels last
     return HandOffPools(cache.block_size, cache.latent, cache.index_keys, cache.latent_scale, cache.index_key_scale,
                         slot_major(layers, slots, (heads * tp, k, v), cache.recurrent.dtype, cache.recurrent.device),
-                        slot_major(layers, slots, (channels * tp, width), cache.conv.dtype, cache.conv.device))
+                        slot_major(layers, slots, (width, channels * tp), cache.conv.dtype, cache.conv.device))
 
 
 def hand_off_pools(cache: HybridCache, tp: int) -> HybridCache | HandOffPools:
@@ -69,12 +69,12 @@ def hand_off_pools(cache: HybridCache, tp: int) -> HybridCache | HandOffPools:
 
 def take_heads(cache: HybridCache, slot: int, recurrent: torch.Tensor, conv: torch.Tensor, tp_rank: int,
                tp: int) -> None:
-    """Keep this rank's heads of whole-head states (recurrent [layers, H, K, V], conv [layers, 3P, W-1],
+    """Keep this rank's heads of whole-head states (recurrent [layers, H, K, V], conv [layers, W-1, 3P],
     whose channels are q, k, v of every head) in `slot`: contiguous heads per rank, as the TP plan splits them."""
     heads = cache.recurrent.shape[2]
     cache.recurrent[:, slot] = recurrent[:, tp_rank * heads:(tp_rank + 1) * heads]
-    per = cache.conv.shape[2] // 3  # this rank's channels of each of q, k, v
-    cache.conv[:, slot] = conv.unflatten(1, (3, tp * per))[:, :, tp_rank * per:(tp_rank + 1) * per].flatten(1, 2)
+    per = cache.conv.shape[3] // 3  # this rank's channels of each of q, k, v
+    cache.conv[:, slot] = conv.unflatten(2, (3, tp * per))[..., tp_rank * per:(tp_rank + 1) * per].flatten(2, 3)
 
 
 def first_step_after_load(seq: Sequence) -> bool:
@@ -177,8 +177,8 @@ def gather_heads(cache: HybridCache, pools: HandOffPools, slots: list[int], tp: 
     recurrent = [part[:split].view(cache.recurrent[:, slots].shape) for part in parts[:tp]]
     conv = [part[split:].view(cache.conv[:, slots].shape).to(cache.conv.dtype) for part in parts[:tp]]
     pools.recurrent[:, slots] = torch.cat(recurrent, dim=2)  # [layers, slots, heads, K, V]: heads in rank order
-    per = cache.conv.shape[2] // 3  # [layers, slots, 3P, W-1]: q, k, v channels, each in rank order
-    pools.conv[:, slots] = torch.cat([c.unflatten(2, (3, per)) for c in conv], dim=3).flatten(2, 3)
+    per = cache.conv.shape[3] // 3  # [layers, slots, W-1, 3P]: q, k, v channels, each in rank order
+    pools.conv[:, slots] = torch.cat([c.unflatten(3, (3, per)) for c in conv], dim=4).flatten(3, 4)
 
 
 class RankZeroHandOffs:

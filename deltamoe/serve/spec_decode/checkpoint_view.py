@@ -35,5 +35,5 @@ class CheckpointView(PagedBatchView):
         cache, slot = self._cache, self.slots[row]
         for layer, (conv, recurrent) in self._checkpoints.items():
             i = cache.kda_index[layer]
-            cache.conv[i, slot] = conv[row, position]
+            cache.conv[i, slot] = conv[row, position].transpose(0, 1)  # the cache keeps it [W-1, 3P]
             cache.recurrent[i, slot] = recurrent[row, position]

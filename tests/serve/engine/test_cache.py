@@ -84,7 +84,7 @@ def test_hybrid_cache_tensors_match_the_layout():
     nb, ns = cache.capacity.num_blocks, cache.capacity.num_state_slots
     assert cache.latent.shape == (2, nb * 16, 48) and cache.index_keys.shape == (2, nb * 16, 16)
     assert cache.recurrent.shape == (6, ns, 4, 32, 32) and cache.recurrent.dtype == torch.float32
-    assert cache.conv.shape == (6, ns, 384, 3)
+    assert cache.conv.shape == (6, ns, 3, 384)  # channels last
     used = sum(t.numel() * t.element_size() for t in (cache.latent, cache.index_keys, cache.recurrent, cache.conv))
     assert used <= 4 * 2**20
     assert nb <= 4 * 256 // 16  # never more blocks than max_num_seqs sequences can use
