@@ -3,9 +3,10 @@
 Per token of context (paged, `block_size` tokens per block): the MLA latent (kv_lora + rope
 dims) of every MLA/DSA layer and the indexer key of every DSA layer. Per sequence (fixed, one
 state slot): the KDA recurrent state [H, K, V] fp32 and the short-conv state [W-1, 3P] of every
-KDA layer (channels last: see `conv_shape`). Computed from the config alone, so the byte counts need no allocation. Under tensor
-parallelism (`tp_size`) a rank holds the state of its kda_num_heads / tp_size heads only; latents
-and indexer keys are per token, shared by all heads, so every rank keeps them whole.
+KDA layer (channels last: see `conv_shape`). Computed from the config alone, so the byte counts
+need no allocation. Under tensor parallelism (`tp_size`) a rank holds the state of its
+kda_num_heads / tp_size heads only; latents and indexer keys are per token, shared by all heads,
+so every rank keeps them whole.
 """
 
 from __future__ import annotations
