@@ -34,6 +34,7 @@ KV cache: latent-KV + indexer-key bytes per token, bf16 pages vs `--kv-cache-dty
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -49,6 +50,7 @@ from common import RESULTS, markdown_table, result_name, write_result  # noqa: E
 from deltamoe.model.load import load_model  # noqa: E402
 from deltamoe.model.quant_scheme import make_scheme  # noqa: E402
 from deltamoe.model.quantize_modules import resident_weight_bytes  # noqa: E402
+from deltamoe.ops import int4_matvec  # noqa: E402
 from deltamoe.quantize.checkpoint import quantize_checkpoint  # noqa: E402
 from deltamoe.serve.engine.config import EngineConfig  # noqa: E402
 from deltamoe.serve.engine.llm_engine import LLMEngine  # noqa: E402
@@ -60,12 +62,16 @@ SPEED_FORMATS = {
     "bf16": ("bf16", None, torch.bfloat16),
     "int4": ("int4 (W4A16)", ("int4", None, None), torch.bfloat16),
     "int4-rest-fp32": ("int4 (W4A16), rest fp32", ("int4", None, None), torch.float32),
+    # The same int4 model with one-row matmuls on torch's kernel (ops.int4_matvec turned off): the
+    # form before our one-row kernel, timed beside it.
+    "int4-torch-kernel": ("int4 (W4A16), torch's kernel", ("int4", None, None), torch.bfloat16),
     "w4a8-fp8": ("w4a8 fp8", ("w4a8", None, "fp8"), torch.bfloat16),
     "w4a8-int8": ("w4a8 int8", ("w4a8", None, "int8"), torch.bfloat16),
     "mxfp4": ("mxfp4 experts", ("mxfp4", None, None), torch.bfloat16),
 }
 BASELINES = ("fp32", "bf16")  # always timed
-COMPILED_FORMATS = ("fp32", "bf16", "int4", "int4-rest-fp32")  # the formats compiled decode runs
+COMPILED_FORMATS = ("fp32", "bf16", "int4", "int4-rest-fp32", "int4-torch-kernel")
+TORCH_KERNEL = SPEED_FORMATS["int4-torch-kernel"][0]  # the formats compiled decode runs
 TWO_ROWS = "compiled, two rows"  # the baselines' compiled batch 1 as two copies of its row (`decode_rate`)
 ACCURACY_FORMATS = [("int4", ("int4", 32, None)), ("w4a8 fp8", ("w4a8", 32, "fp8")),
                     ("w4a8 int8", ("w4a8", 32, "int8")), ("mxfp4 experts", ("mxfp4", None, None))]
@@ -117,7 +123,9 @@ def speed(preset: str, new_tokens: int, rounds: int, tmp: Path, keys: list[str],
     best = {run: 0.0 for run in runs}
     for r in range(rounds):
         for label, mode in runs:
-            rate = decode_rate(models[label], new_tokens, 1, clock, mode != "eager", mode == TWO_ROWS)
+            # (a compiled graph keeps the form it was traced with: this model's graphs are its own)
+            with int4_matvec.turned_off() if label == TORCH_KERNEL else contextlib.nullcontext():
+                rate = decode_rate(models[label], new_tokens, 1, clock, mode != "eager", mode == TWO_ROWS)
             best[label, mode] = max(best[label, mode], rate)
             print(f"round {r}: {label} {mode} {best[label, mode]:.2f} tok/s", flush=True)
     dtypes = {label: dtype for label, _, dtype in formats}

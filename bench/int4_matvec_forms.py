@@ -1,19 +1,22 @@
-"""One-row int4 (W4A16) matmul forms on the CPU, side by side: torch's kernel against Inductor-compiled
-dequantise-and-reduce expressions, for the shapes of a `small` decode step.
+"""One-row int4 (W4A16) matmul forms on the CPU, side by side: torch's kernel, our one-row kernel
+(`ops.int4_matvec`) and Inductor-compiled dequantise-and-reduce expressions, for the shapes of a
+`small` decode step.
 
 Which form runs a batch-1 int4 step's weight reads is chosen by this measurement (docs/model.md,
 "Where a batch-1 int4 decode step's time goes"). Two questions, each answered as a ratio in one run:
 
-- dense projections: `aten._weight_int4pack_mm_for_cpu` at one row (`ops.int4_matmul.int4_matmul`)
-  against a compiled expression that reads the same 0.5 byte a weight and unpacks the nibbles inside
+- dense projections: `aten._weight_int4pack_mm_for_cpu` at one row (`ops.int4_matmul.int4_matmul`
+  with `int4_matvec.turned_off()`), our kernel on the same operand (what `int4_matmul` runs at one
+  row), and a compiled expression that reads the same 0.5 byte a weight and unpacks the nibbles inside
   the generated loop. Two layouts: "rows" (each output row's groups contiguous: the reduction runs
   along the row) and "columns" (input-major: the loop vectorises along the output rows, as the
   kernel's own blocked layout does). Both fold the code offset out of the loop: with u = q + 8,
   sum_k x_k s (u_k - 8) = s (sum_k x_k u_k - 8 sum_k x_k) per group.
 - routed experts (one token, top-k; and a few rows, `--expert-rows`), each layer's experts in
   one `ExpertOperands` stack: the eager
-  step (`ops.int4_experts.int4_experts_one_token`: the k experts' operands gathered, two kernel
-  calls), and the two forms a compiled graph can hold, every layer in one graph: the same gather
+  step on torch's kernel (`ops.int4_experts.int4_experts_one_token` turned off: the k experts' operands
+  gathered, two kernel calls), our kernel reading them in place (two calls, `int4_experts_by_matvec`,
+  eager and compiled), and the two forms a compiled graph holds without it, every layer in one graph: the same gather
   and kernel calls (`int4_experts_static(in_place=False)`), and the experts read in place
   (`int4_experts_in_place`: the expert index as indirect indexing inside the generated
   dequantise-and-reduce loops, no [k, 2I, D] copy, no kernel call).
@@ -38,6 +41,7 @@ import torch
 
 from deltamoe.config import load_preset
 from deltamoe.ops import int4_experts as ie
+from deltamoe.ops import int4_matvec
 from deltamoe.ops.activations import situ
 from deltamoe.ops.int4_matmul import int4_kernel_weight, int4_matmul, int4_matmul_reference
 from deltamoe.ops.quant import INT4_GROUP, dequantize_int4, quantize_int4, unpack_nibbles
@@ -98,6 +102,14 @@ def compare(forms: dict, rounds: int, reps: int) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def torch_kernel(fn):
+    """`fn` run with one-row int4 matmuls on torch's kernel (and compiled graphs traced so)."""
+    def run():
+        with int4_matvec.turned_off():
+            return fn()
+    return run
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
@@ -116,7 +128,7 @@ def bench_dense(c, layers: int, rounds: int, group: int) -> list[dict]:
     rows = []
     for name, n, k in dense_shapes(c):
         mats = [quantize_int4(torch.randn(n, k, generator=gen) * 0.05, group) for _ in range(layers)]
-        kernel_ops = [int4_kernel_weight(p, s, group) for p, s in mats]
+        kernel_ops = [int4_kernel_weight(p, s, group, row_multiple=64) for p, s in mats]  # as the model pads
         row_w = [(rows_layout(p, group), s.float()) for p, s in mats]
         col_w = [(columns_layout(p, group), s.float().t().contiguous()) for p, s in mats]
         x = torch.randn(1, k, generator=gen).bfloat16()
@@ -133,8 +145,9 @@ def bench_dense(c, layers: int, rounds: int, group: int) -> list[dict]:
             return [matvec_columns(xg, w, s) for w, s in col_w]
 
         compiled = {name: torch.compile(fn, dynamic=False) for name, fn in
-                    (("kernel", kernel_layers), ("rows", rows_layers), ("columns", columns_layers))}
-        forms = {"kernel": lambda: kernel_layers(x), "compiled: kernel": lambda: compiled["kernel"](x),
+                    (("ours", kernel_layers), ("rows", rows_layers), ("columns", columns_layers))}
+        forms = {"torch's kernel": torch_kernel(lambda: kernel_layers(x)), "our kernel": lambda: kernel_layers(x),
+                 "compiled: our kernel": lambda: compiled["ours"](x),
                  "compiled: rows": lambda: compiled["rows"](xg), "compiled: columns": lambda: compiled["columns"](xg)}
         errs = {name: rel_err(fn()[0].reshape(-1), ref) for name, fn in forms.items()}
         us = {f: t / layers for f, t in compare(forms, rounds, 20).items()}
@@ -167,9 +180,15 @@ def bench_experts(c, layers: int, rounds: int, group: int, rows: int = 1) -> dic
 
     gathered = torch.compile(functools.partial(static_layers, in_place=False), dynamic=False)
     in_place = torch.compile(functools.partial(static_layers, in_place=True), dynamic=False)
-    forms = {"eager: gather + 2 kernel calls": one_token} if rows == 1 else {}
-    forms.update({"compiled: gather + 2 kernel calls": lambda: gathered(x, weights, idx),
-                  "compiled: in place": lambda: in_place(x, weights, idx)})
+    def our_layers(x, weights, idx):  # its own code object: Dynamo's cache is per code object, and the
+        return static_layers(x, weights, idx, in_place=True)  # kernel switch is read at trace time only
+
+    ours = torch.compile(our_layers, dynamic=False)
+    forms = {"eager: gather + 2 torch kernel calls": torch_kernel(one_token),
+             "eager: our kernel in place": one_token} if rows == 1 else {}
+    forms.update({"compiled: gather + 2 torch kernel calls": torch_kernel(lambda: gathered(x, weights, idx)),
+                  "compiled: in-place expressions": torch_kernel(lambda: in_place(x, weights, idx)),
+                  "compiled: our kernel in place": lambda: ours(x, weights, idx)})
     deq = [torch.stack([dequantize_int4(p, s, group, dtype=torch.float32) for p, s in ws]) for ws in first]
     xb = x.bfloat16().float()
     ref = sum(weights[0, j] * (situ(xb[:1] @ deq[0][idx[0, j]].t(), xb[:1] @ deq[1][idx[0, j]].t())
@@ -196,7 +215,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     c = load_preset(args.preset)
-    print("per call, CPU time; (x): the kernel form's time over this form's (> 1: faster than the kernel form)")
+    print("per call, CPU time; (x): the first form's time over this form's (> 1: faster than the first form)")
     for row in [] if args.experts_only else bench_dense(c, args.layers, args.rounds, INT4_GROUP):
         show(row)
     for rows in args.expert_rows:

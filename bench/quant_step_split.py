@@ -42,7 +42,7 @@ from deltamoe.serve.engine.sampling import SamplingParams
 
 PROMPT = [256] + list(range(65, 65 + 15))
 STEP = "decode_step"
-INT4_OPS = ("aten::_weight_int4pack_mm_for_cpu",)
+INT4_OPS = ("aten::_weight_int4pack_mm_for_cpu", "deltamoe_int4::matvec")
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::mv", "aten::dot")
 GATHER_OPS = ("aten::index_select",)
 # Model parts by module class name (and, for a MoE's children, the attribute that holds them).

@@ -20,6 +20,14 @@ if [ ${#missing[@]} -gt 0 ]; then
     echo "warning: the P/D hand-off needs ${missing[*]} (apt-get install -y ${missing[*]})" >&2
   fi
 fi
+# A C++ compiler: Inductor's compiled decode and the int4 kernel (deltamoe/ops/csrc) build with it.
+if ! command -v g++ >/dev/null && ! command -v c++ >/dev/null; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q g++ >/dev/null
+  else
+    echo "warning: no C++ compiler: compiled decode and the int4 kernel need one (apt-get install -y g++)" >&2
+  fi
+fi
 python3 -m venv .venv
 # torch first, pinned to the CPU build: a bare `torch` requirement would pull a multi-GB CUDA build.
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q torch==2.13.0
@@ -32,3 +40,5 @@ if .venv/bin/python -c "import triton" 2>/dev/null; then
   echo "error: triton is installed in .venv; transformers would route KimiLinear to triton kernels that fail on CPU" >&2
   exit 1
 fi
+# Build the one-row int4 kernel now (about a minute; cached), not in the first int4 decode step.
+.venv/bin/python -c "from deltamoe.ops import int4_matvec as m; print('int4 one-row kernel:', m.status())"

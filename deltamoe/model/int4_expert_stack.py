@@ -18,6 +18,7 @@ from deltamoe.config import ModelConfig
 from deltamoe.errors import CheckpointError
 from deltamoe.model.quant_scheme import PARTS, QuantScheme, int4_parts
 from deltamoe.ops import int4_experts as ie
+from deltamoe.ops import int4_matvec
 from deltamoe.ops.packed_experts import experts_forward_by_expert
 
 PROJECTIONS = ("w1", "w3", "w2")  # gate, up [I, D']; down [D', I]
@@ -34,6 +35,7 @@ class Int4ExpertStack(nn.Module):
         self.intermediate, self.dim = config.moe_intermediate_size, config.expert_dim
         self.block_rows = ie.kernel_block_rows()  # None: no one-token gather, experts run one at a time
         self.in_place = ie.kernel_layout_readable()  # a compiled graph's few rows read their experts in place
+        int4_matvec.one_row_block()  # decided (and built) now, not inside a compiled graph
         # A plain attribute (kernel layouts a model-wide `.to(dtype)` must not touch), allocated
         # when the first expert is converted.
         self.ops: ie.ExpertOperands | None = None

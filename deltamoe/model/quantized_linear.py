@@ -17,6 +17,7 @@ from torch import nn
 from deltamoe.errors import CheckpointError
 from deltamoe.model.quant_scheme import PARTS, QuantScheme, int4_parts
 from deltamoe.ops import int4_matmul as q4
+from deltamoe.ops import int4_matvec
 from deltamoe.ops.int4_experts import STACK_ROW_MULTIPLE
 
 if TYPE_CHECKING:
@@ -66,6 +67,7 @@ class Int4Linear(nn.Module):
             # Rows padded to the stack multiple, so the operand can join a projection group.
             self.qweight, self.scales_and_zeros = q4.int4_kernel_weight(packed, scale, self.group_size,
                                                                         row_multiple=STACK_ROW_MULTIPLE)
+            int4_matvec.one_row_block()  # decided (and built) now, not inside a compiled graph
 
     @property
     def is_loaded(self) -> bool:

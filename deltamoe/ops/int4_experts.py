@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deltamoe.ops import int4_matvec
 from deltamoe.ops.activations import glu
 from deltamoe.ops.int4_matmul import has_int4_cpu_kernel, int4_kernel_weight, int4_matmul
 from deltamoe.ops.moe import gathers_expert_weights
@@ -156,6 +157,9 @@ def int4_experts_one_token(x: torch.Tensor, weights: torch.Tensor, indices: torc
     x [1, D]; weights, indices [1, k]; `ops` stacked with the block size `kernel_block_rows`
     reports. Only the k selected experts' operands are read (gathered into one operand each).
     """
+    if int4_matvec.one_row_block():
+        return int4_experts_by_matvec(x, weights, indices, ops, intermediate, out_features, act, situ_beta,
+                                      situ_linear_beta)
     # index_select, not advanced indexing: it copies whole rows (several times faster on u8).
     idx = indices[0]
     k, rows13 = idx.numel(), ops.w13.shape[1]
@@ -230,6 +234,9 @@ def int4_experts_in_place(x: torch.Tensor, weights: torch.Tensor, indices: torch
     bf16 once. Eagerly it is correct but slow (it materialises the unpacked weights):
     `int4_experts_one_token` is the eager form.
     """
+    if int4_matvec.one_row_block():
+        return int4_experts_by_matvec(x, weights, indices, ops, intermediate, out_features, act, situ_beta,
+                                      situ_linear_beta)
     num_experts, rows13, half_in = ops.w13.shape
     half_b = ops.w2.shape[3]  # B/2: the w2 stack is block-major [D'/B, E, I, B/2]
     block = 2 * half_b
@@ -243,6 +250,35 @@ def int4_experts_in_place(x: torch.Tensor, weights: torch.Tensor, indices: torch
     down_w = ops.w2[:, indices].movedim(0, -3)  # [N, k, D'/B, I, B/2]
     y = _blocked_matvec(hidden, down_w, ops.sz2[..., 0][indices].float()).sum(1)
     return y[:, :out_features].to(torch.bfloat16).float()
+
+
+def int4_experts_by_matvec(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, ops: ExpertOperands,
+                           intermediate: int, out_features: int, act: str, situ_beta: float = 4.0,
+                           situ_linear_beta: float = 25.0) -> torch.Tensor:
+    """The weighted sum of each row's k experts through the one-row kernel (`ops.int4_matvec`), each
+    selected expert read where it lies in the stack -> fp32 [N, D]. Two kernel calls: gate|up for
+    every (row, expert) selection, then down on each selection's own weighted hidden row; the
+    contract is `int4_experts_in_place`'s (and so torch's kernel's).
+    x [N, D]; weights, indices [N, k]; `ops` stacked with the block size `kernel_block_rows` reports."""
+    n, top_k = indices.shape
+    num_experts, rows13, half_in = ops.w13.shape
+    blocks, _, k_in, half_b = ops.w2.shape  # down: block-major [D'/B, E, I, B/2]
+    block = 2 * half_b
+    idx = indices.reshape(-1)
+    xb = x.to(torch.bfloat16)
+    if n > 1:
+        xb = xb.repeat_interleave(top_k, dim=0)  # one row per selection; one row is shared by all
+    gate_up = int4_matvec.expert_matvec(
+        xb, ops.w13, ops.sz13, idx, 2 * intermediate, block, 2 * half_in // ops.sz13.shape[0],
+        w_strides=(rows13 * half_in, half_in * block), s_strides=(2 * rows13, 2 * num_experts * rows13, 2))
+    gate_up = gate_up.to(torch.bfloat16).float()
+    hidden = glu(gate_up[:, :intermediate], gate_up[:, intermediate:], act, situ_beta, situ_linear_beta)
+    hidden = (hidden * weights.reshape(-1, 1).float()).to(torch.bfloat16)  # [N*k, I]
+    groups2, rows2 = ops.sz2.shape[1], ops.sz2.shape[2]
+    y = int4_matvec.expert_matvec(
+        hidden, ops.w2, ops.sz2, idx, out_features, block, k_in // groups2,
+        w_strides=(k_in * half_b, num_experts * k_in * half_b), s_strides=(2 * groups2 * rows2, 2 * rows2, 2))
+    return y.view(n, top_k, out_features).sum(1).to(torch.bfloat16).float()
 
 
 def int4_experts_static(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, ops: ExpertOperands,

@@ -8,6 +8,8 @@ u8 [N, K/2], two's-complement nibbles, the even element in the low nibble; bf16 
   `aten._convert_weight_to_int4pack_for_cpu` makes (`int4_kernel_weight`). Its vectorised
   path takes bf16 activations; fp32 activations fall to a scalar loop ~30x slower, so the
   activations are cast to bf16 for it (the W4A16 contract) and the result is cast back.
+  One row (a batch-1 decode step) runs our own kernel on the same operand instead
+  (`ops.int4_matvec`, same contract), where it is built.
 - `w4a8_int8_matmul`: `aten._dyn_quant_matmul_4bit`, which quantises each activation row to
   int8 (asymmetric, one scale and zero point per row) and accumulates the int8 x int4
   products per group. Arm builds run KleidiAI kernels; x86 builds run ATen's scalar loop.
@@ -25,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from deltamoe.ops import int4_matvec
 from deltamoe.ops.quant import FP8_DTYPE, FP8_MAX, INT4_GROUP, dequantize_int4, unpack_nibbles
 
 # The kernel reads unsigned nibbles q + 8 (its dequantisation is (u - 8) * scale + zero).
@@ -85,7 +88,12 @@ def int4_matmul(x: torch.Tensor, weight: torch.Tensor, scales_and_zeros: torch.T
     flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if flat.dtype != torch.bfloat16:
         flat = flat.to(torch.bfloat16)
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.contiguous(), weight, group_size, scales_and_zeros)
+    block = int4_matvec.one_row_block()
+    # The one-row kernel reads whole blocks (the model's operands are padded to them).
+    if flat.shape[0] == 1 and block and weight.shape[0] % block == 0:
+        y = int4_matvec.matvec(flat, weight, scales_and_zeros, out_features, block, group_size).to(torch.bfloat16)
+    else:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.contiguous(), weight, group_size, scales_and_zeros)
     if y.shape[1] != out_features:
         y = y[:, :out_features]
     if x.dtype != torch.bfloat16:

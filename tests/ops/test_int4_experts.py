@@ -7,12 +7,26 @@ import pytest
 import torch
 
 from deltamoe.ops import int4_experts as ie
+from deltamoe.ops import int4_matvec
 from deltamoe.ops.int4_matmul import has_int4_cpu_kernel
 from deltamoe.ops.moe import experts_forward_reference, route_tokens
 from deltamoe.ops.packed_experts import experts_forward_by_expert
 from deltamoe.ops.quant import dequantize_int4, quantize_int4
 
 pytestmark = pytest.mark.skipif(not has_int4_cpu_kernel(), reason="torch build lacks the CPU int4 kernel")
+
+
+@pytest.fixture(autouse=True, params=["one-row kernel", "torch kernel"])
+def one_row_form(request):
+    """Every test runs twice: one-row steps through our kernel (`ops.int4_matvec`, where it is
+    built), and through torch's kernel and the in-place expressions (as without it)."""
+    if request.param == "one-row kernel":
+        if not int4_matvec.one_row_block():
+            pytest.skip(f"one-row int4 kernel: {int4_matvec.status()}")
+        yield
+    else:
+        with int4_matvec.turned_off():
+            yield
 
 
 def _operands(e: int, d: int, i: int, group: int, seed: int):
