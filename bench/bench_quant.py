@@ -52,7 +52,7 @@ from deltamoe.model.quant_scheme import make_scheme  # noqa: E402
 from deltamoe.model.quantize_modules import resident_weight_bytes  # noqa: E402
 from deltamoe.ops import int4_matvec  # noqa: E402
 from deltamoe.quantize.checkpoint import quantize_checkpoint  # noqa: E402
-from deltamoe.serve.engine.config import EngineConfig  # noqa: E402
+from deltamoe.serve.engine.config import COMPILE_FORMS, EngineConfig  # noqa: E402
 from deltamoe.serve.engine.llm_engine import LLMEngine  # noqa: E402
 from deltamoe.serve.engine.sampling import SamplingParams  # noqa: E402
 
@@ -78,7 +78,7 @@ ACCURACY_FORMATS = [("int4", ("int4", 32, None)), ("w4a8 fp8", ("w4a8", 32, "fp8
 
 
 def decode_rate(model, new_tokens: int, rounds: int, clock=time.perf_counter, compiled: bool = False,
-                two_rows: bool = False) -> float:
+                two_rows: bool = False, form: str = COMPILE_FORMS[0]) -> float:
     """Batch-1 greedy decode tokens/s: (new_tokens - 1) over the time a `new_tokens` run takes
     beyond a 1-token run (prefill and first token), best of `rounds`. `clock`: wall time, or
     `time.process_time` (this process's CPU time: on a loaded machine it leaves out the time
@@ -86,7 +86,8 @@ def decode_rate(model, new_tokens: int, rounds: int, clock=time.perf_counter, co
     by the warm-up run; a process keeps them for later engines on the same model). `two_rows`: the
     compiled batch 1 as two copies of its row (`CompiledDecode.min_rows` = 2, sharing the batches'
     graphs) instead of the one row the engine runs: the form before, for comparison."""
-    engine = LLMEngine(model, config=EngineConfig(cache_memory="64MiB", max_num_seqs=1, compile_decode=compiled))
+    engine = LLMEngine(model, config=EngineConfig(cache_memory="64MiB", max_num_seqs=1, compile_decode=compiled,
+                                                  compile_form=form))
     if two_rows:
         engine.runner._compiled_decode.min_rows = 2
     prompt = [256] + list(range(65, 65 + 15))
@@ -101,7 +102,7 @@ def decode_rate(model, new_tokens: int, rounds: int, clock=time.perf_counter, co
 
 
 def speed(preset: str, new_tokens: int, rounds: int, tmp: Path, keys: list[str], clock=time.perf_counter,
-          compiled_keys: tuple[str, ...] = ()) -> list[dict]:
+          compiled_keys: tuple[str, ...] = (), form: str = COMPILE_FORMS[0]) -> list[dict]:
     """The formats `keys` names loaded side by side, then timed in alternating rounds (best of
     `rounds` each), so a shared machine's load swings reach every format alike; `compiled_keys`
     are timed again through the compiled decode regions, compared with the compiled baselines."""
@@ -125,7 +126,7 @@ def speed(preset: str, new_tokens: int, rounds: int, tmp: Path, keys: list[str],
         for label, mode in runs:
             # (a compiled graph keeps the form it was traced with: this model's graphs are its own)
             with int4_matvec.turned_off() if label == TORCH_KERNEL else contextlib.nullcontext():
-                rate = decode_rate(models[label], new_tokens, 1, clock, mode != "eager", mode == TWO_ROWS)
+                rate = decode_rate(models[label], new_tokens, 1, clock, mode != "eager", mode == TWO_ROWS, form)
             best[label, mode] = max(best[label, mode], rate)
             print(f"round {r}: {label} {mode} {best[label, mode]:.2f} tok/s", flush=True)
     dtypes = {label: dtype for label, _, dtype in formats}
@@ -241,6 +242,8 @@ def main() -> None:
                     help="time decode by the wall clock, or by this process's CPU time (a loaded machine)")
     ap.add_argument("--compile", action="store_true",
                     help=f"also time {', '.join(COMPILED_FORMATS)} through the compiled decode regions")
+    ap.add_argument("--compile-form", default=COMPILE_FORMS[0], choices=COMPILE_FORMS,
+                    help="what one compiled graph covers (EngineConfig.compile_form; 'whole': the step in one call)")
     args = ap.parse_args()
     keys = [k for k in args.formats.split(",") if k]
     unknown = sorted(set(keys) - set(SPEED_FORMATS))
@@ -254,7 +257,7 @@ def main() -> None:
         tmp = Path(tmp_name)
         clock = time.process_time if args.clock == "cpu" else time.perf_counter
         speed_rows = speed(preset, new_tokens, 1 if args.quick else args.rounds, tmp, keys, clock,
-                           COMPILED_FORMATS if args.compile else ())
+                           COMPILED_FORMATS if args.compile else (), args.compile_form)
         acc_rows, source = kept_accuracy(result_name("quant", args.quick)) if args.skip_accuracy else ([], None)
         if not (args.skip_accuracy or args.speed_only):
             if args.checkpoint is None:
@@ -282,7 +285,7 @@ def main() -> None:
                               for r in cache_rows]))
     write_result(result_name("quant_speed" if args.speed_only else "quant", args.quick), {
         "preset": preset, "new_tokens": new_tokens, "threads": args.threads, "clock": args.clock,
-        "compiled": args.compile, "speed": speed_rows,
+        "compiled": args.compile, "compile_form": args.compile_form, "speed": speed_rows,
         "accuracy_source": source, "accuracy": acc_rows, "kv_cache": cache_rows,
         "target": {"int4_decode_vs_bf16": 2.0, "int4_decode_vs_fp32": 2.0, "accuracy_delta_abs": 0.02,
                    "fp8_kv_vs_bf16": 0.56}})
