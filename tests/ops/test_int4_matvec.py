@@ -53,12 +53,17 @@ def test_dense_matches_the_reference_and_torch_kernel(n, k, group, m, vector):
         assert _rel_err(got.bfloat16(), torch_out) < 2**-7
 
 
-def test_int4_matmul_runs_the_kernel_at_one_row_and_torch_otherwise():
-    gen = torch.Generator().manual_seed(3)
-    n, k, group = 128, 256, 128
+def _dense_operand(n: int, k: int, group: int, seed: int):
+    """A random int4 weight as the model holds it (rows padded to 64) and one fp32 input row."""
+    gen = torch.Generator().manual_seed(seed)
     packed, scale = quantize_int4(torch.randn(n, k, generator=gen), group)
     weight, sz = int4_kernel_weight(packed, scale, group, row_multiple=64)
-    x = torch.randn(1, k, generator=gen)
+    return weight, sz, torch.randn(1, k, generator=gen)
+
+
+def test_int4_matmul_runs_the_kernel_at_one_row_and_torch_otherwise():
+    n, k, group = 128, 256, 128
+    weight, sz, x = _dense_operand(n, k, group, seed=3)
     on = int4_matmul(x, weight, sz, n, group)
     with mv.turned_off():
         off = int4_matmul(x, weight, sz, n, group)
@@ -124,11 +129,8 @@ def test_routed_experts_by_the_kernel_match_the_other_forms(rows):
 
 
 def test_the_compiled_graph_calls_the_kernel_and_agrees_with_eager():
-    gen = torch.Generator().manual_seed(9)
     n, k, group = 64, 256, 64
-    packed, scale = quantize_int4(torch.randn(n, k, generator=gen), group)
-    weight, sz = int4_kernel_weight(packed, scale, group, row_multiple=64)
-    x = torch.randn(1, k, generator=gen)
+    weight, sz, x = _dense_operand(n, k, group, seed=9)
 
     def f(x):
         return torch.relu(int4_matmul(x * 2, weight, sz, n, group))

@@ -21,6 +21,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -190,7 +191,10 @@ at::Tensor int4_matvec(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const c10::BFloat16* sp = s.data_ptr<c10::BFloat16>();
   const BlockFn fn = pick(block, vector);
-  at::parallel_for(0, r_out * nblocks, 1, [&](int64_t begin, int64_t end) {
+  // Threads only for calls with work enough to pay a parallel region's start (~tens of us of
+  // codes per chunk): most of a small model's calls are one thread's work.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / (block * k));
+  at::parallel_for(0, r_out * nblocks, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> tail(block);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / nblocks, b = i % nblocks, xr = x_rows == 1 ? 0 : r;
