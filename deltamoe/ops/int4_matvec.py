@@ -141,6 +141,8 @@ def matvec(x: torch.Tensor, weight: torch.Tensor, scales_and_zeros: torch.Tensor
     layout (u8 [N', K/2] with N' >= rows a multiple of `block`; scales_and_zeros bf16 [K/g, N', 2]).
     `vector=False` runs the kernel's plain C++ path (the tests compare both)."""
     n_op, m = weight.shape[0], x.shape[0]
+    if x.shape[-1] != 2 * weight.shape[1]:
+        raise ValueError(f"x: expected {2 * weight.shape[1]} columns (the operand's input width), got {x.shape[-1]}")
     # One selection per row of x: the "expert" is the one operand, stride 0.
     experts = _ONE_SELECTION if m == 1 else torch.zeros(m, dtype=torch.long)
     return _call(x, weight, scales_and_zeros, experts, rows, block, group, (0, weight.shape[1] * block),

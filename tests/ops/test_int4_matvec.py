@@ -159,5 +159,7 @@ def test_bad_operands_are_refused_with_the_tensor_named():
         mv.matvec(x, weight[: weight.shape[0] // 2], sz, 64, block, 32)
     with pytest.raises(RuntimeError, match="group: expected an even divisor"):
         mv.matvec(x, weight, sz, 64, block, 48)
+    with pytest.raises(ValueError, match="x: expected 128 columns"):
+        mv.matvec(torch.randn(1, 64), weight, sz, 64, block, 32)
     with pytest.raises(RuntimeError, match="experts: negative"):
         mv.expert_matvec(x, weight, sz, torch.tensor([-1]), 64, block, 32, (0, 64 * block), (0, 128, 2))
