@@ -5,27 +5,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
-# The Mooncake transfer engine (prefill/decode hand-off) loads libibverbs.so.1 (absent on a fresh
-# Debian/Ubuntu machine), libnuma.so.1 and libcurl.so.4: install them when missing (quick when
-# present; needs root, as in CI).
+# System packages, installed when missing in one apt step (quick when present; needs root, as in
+# CI). The Mooncake transfer engine (prefill/decode hand-off) loads libibverbs.so.1 (absent on a
+# fresh Debian/Ubuntu machine), libnuma.so.1 and libcurl.so.4; Inductor's compiled decode and the
+# int4 kernel (deltamoe/ops/csrc) build with a C++ compiler.
 missing=()
 for lib in "libibverbs.so.1:libibverbs1" "libnuma.so.1:libnuma1" "libcurl.so.4:libcurl4"; do
   ldconfig -p 2>/dev/null | grep -q "${lib%%:*} " || missing+=("${lib##*:}")
 done
+command -v g++ >/dev/null || command -v c++ >/dev/null || missing+=(g++)
 if [ ${#missing[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
     # a fresh machine has no package lists yet: update first, then install
     apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >/dev/null
   else
-    echo "warning: the P/D hand-off needs ${missing[*]} (apt-get install -y ${missing[*]})" >&2
-  fi
-fi
-# A C++ compiler: Inductor's compiled decode and the int4 kernel (deltamoe/ops/csrc) build with it.
-if ! command -v g++ >/dev/null && ! command -v c++ >/dev/null; then
-  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
-    apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q g++ >/dev/null
-  else
-    echo "warning: no C++ compiler: compiled decode and the int4 kernel need one (apt-get install -y g++)" >&2
+    echo "warning: missing ${missing[*]} (the P/D hand-off needs the libraries, compiled decode and the int4 kernel a C++ compiler): apt-get install -y ${missing[*]}" >&2
   fi
 fi
 python3 -m venv .venv
