@@ -53,6 +53,29 @@ def test_dense_matches_the_reference_and_torch_kernel(n, k, group, m, vector):
         assert _rel_err(got.bfloat16(), torch_out) < 2**-7
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("x_form", ["bf16", "fp32 of bf16 values", "fp32"])
+def test_every_input_form_and_thread_count_matches_the_reference(x_form, threads):
+    """bf16 x (and fp32 x holding bf16 values) take the bf16 dot-product path where the CPU has
+    AVX512-BF16; other fp32 x the fp32 one. A call of 64 blocks splits over the threads, whose
+    chunks must read the calling thread's x and group sums."""
+    assert mv.build()
+    n, k, group = 4096, 1024, 128
+    gen = torch.Generator().manual_seed(7)
+    packed, scale = quantize_int4(torch.randn(n, k, generator=gen), group)
+    weight, sz = int4_kernel_weight(packed, scale, group, row_multiple=64)
+    x = torch.randn(1, k, generator=gen)
+    x = {"bf16": x.bfloat16(), "fp32 of bf16 values": x.bfloat16().float(), "fp32": x}[x_form]
+    block = ie.kernel_block_rows()
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = mv.matvec(x, weight, sz, n, block, group)
+    finally:
+        torch.set_num_threads(saved)
+    assert _rel_err(got, mv.matvec_reference(x, weight, sz, n, block, group)) < 1e-5
+
+
 def _dense_operand(n: int, k: int, group: int, seed: int):
     """A random int4 weight as the model holds it (rows padded to 64) and one fp32 input row."""
     gen = torch.Generator().manual_seed(seed)

@@ -29,6 +29,9 @@
 #include <immintrin.h>
 #define DELTAMOE_INT4_AVX2 1
 #endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#define DELTAMOE_INT4_AVX512BF16 1
+#endif
 
 namespace {
 
@@ -121,6 +124,88 @@ void block_avx2(const float* x, const float* xsum, const uint8_t* w, const c10::
 }
 #endif
 
+#ifdef DELTAMOE_INT4_AVX512BF16
+// Where x holds bf16 values (the W4A16 contract) and the CPU has AVX512-BF16: `vdpbf16ps` takes
+// 32 bf16 products per instruction, and the codes 0..15 are exact in bf16, so each product is
+// what the fp32 path computes; only the order of the fp32 sums differs. Two input positions
+// k, k+1 of a block of 64 rows are 64 adjacent bytes (32 each); one byte permute (`vpermb`,
+// zeroing the odd bytes) gives 16 32-bit lanes, lane l holding row r's byte at k (bits 0-7) and
+// at k+1 (bits 16-23); one `vpermw` from a 32-entry table (entry i = bf16(i & 15): an index reads
+// 5 bits, the 5th is the other nibble's) turns the low nibbles into the bf16 pair (code_k,
+// code_k+1) that `vdpbf16ps` multiplies with the pair (x_k, x_k+1); a 4-bit shift first gives the
+// high nibbles' rows (r + 32).
+//
+// Output vector v (0..3) holds rows kDotRowOf(v, 0..15): 16 consecutive rows.
+constexpr int kDotRowOf(int v, int l) { return (v % 2) * 32 + (v / 2) * 16 + l; }
+
+void block_avx512bf16(const c10::BFloat16* xb, const float* xsum, const uint8_t* w, const c10::BFloat16* s,
+                      const Layout& L, int64_t e, int64_t b, float* out) {
+  constexpr int kStride = 32;  // bytes per input position (64 rows)
+  alignas(64) static const uint16_t table[32] = {
+      0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
+      0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
+      0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
+      0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+  // Byte 4l of lane l <- byte l (+16 for the second vector) of k; byte 4l + 2 <- the same of k+1.
+  alignas(64) static const uint8_t spread[2][64] = {
+      {0, 0, 32, 0, 1, 0, 33, 0, 2, 0, 34, 0, 3, 0, 35, 0, 4, 0, 36, 0, 5, 0, 37, 0, 6, 0, 38, 0, 7, 0, 39, 0,
+       8, 0, 40, 0, 9, 0, 41, 0, 10, 0, 42, 0, 11, 0, 43, 0, 12, 0, 44, 0, 13, 0, 45, 0, 14, 0, 46, 0, 15, 0, 47, 0},
+      {16, 0, 48, 0, 17, 0, 49, 0, 18, 0, 50, 0, 19, 0, 51, 0, 20, 0, 52, 0, 21, 0, 53, 0, 22, 0, 54, 0, 23, 0, 55, 0,
+       24, 0, 56, 0, 25, 0, 57, 0, 26, 0, 58, 0, 27, 0, 59, 0, 28, 0, 60, 0, 29, 0, 61, 0, 30, 0, 62, 0, 31, 0, 63, 0}};
+  const __mmask64 even_bytes = 0x5555555555555555ULL;
+  const __m512i spread0 = _mm512_load_si512(spread[0]), spread1 = _mm512_load_si512(spread[1]);
+  const __m512i lut = _mm512_load_si512(table);
+  const int64_t groups = L.k / L.group;
+  __m512 tot[4];
+  for (int v = 0; v < 4; ++v) tot[v] = _mm512_setzero_ps();
+  alignas(64) float sc[16];
+  for (int64_t g = 0; g < groups; ++g) {
+    // Two accumulator sets (even and odd position pairs) so the dot-product chains overlap.
+    __m512 acc0[4], acc1[4];
+    for (int v = 0; v < 4; ++v) acc0[v] = acc1[v] = _mm512_setzero_ps();
+    const int64_t k0 = g * L.group;
+    const uint8_t* p = w + k0 * kStride;
+    const c10::BFloat16* xg = xb + k0;
+    auto pair = [&](int64_t kk, __m512* acc) {
+      const __m512i bytes = _mm512_loadu_si512(p + kk * kStride);  // positions kk and kk+1
+      const __m512i lo = _mm512_maskz_permutexvar_epi8(even_bytes, spread0, bytes);  // rows 0-15
+      const __m512i hi = _mm512_maskz_permutexvar_epi8(even_bytes, spread1, bytes);  // rows 16-31
+      int32_t xk;  // the bf16 pair (x_k, x_k+1) as one 32-bit lane
+      std::memcpy(&xk, xg + kk, 4);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(xk);
+      acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_permutexvar_epi16(lo, lut), xv);
+      acc[1] = _mm512_dpbf16_ps(acc[1], (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi32(lo, 4), lut), xv);
+      acc[2] = _mm512_dpbf16_ps(acc[2], (__m512bh)_mm512_permutexvar_epi16(hi, lut), xv);
+      acc[3] = _mm512_dpbf16_ps(acc[3], (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi32(hi, 4), lut), xv);
+    };
+    int64_t kk = 0;
+    for (; kk + 4 <= L.group; kk += 4) {
+      pair(kk, acc0);
+      pair(kk + 2, acc1);
+    }
+    for (; kk < L.group; kk += 2) pair(kk, acc0);
+    const __m512 offset = _mm512_set1_ps(8.f * xsum[g]);
+    for (int v = 0; v < 4; ++v) {
+      __m512 scale;
+      if (L.s_row == 2) {  // (scale, zero) bf16 pairs of consecutive rows: a pair's dword << 16 is the scale
+        const c10::BFloat16* s0 = s + e * L.s_expert + g * L.s_group + (b * L.block + kDotRowOf(v, 0)) * 2;
+        scale = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(s0), 16));  // 16 rows
+      } else {
+        for (int l = 0; l < 16; ++l) sc[l] = scale_of(s, L, e, g, b * L.block + kDotRowOf(v, l));
+        scale = _mm512_load_ps(sc);
+      }
+      const __m512 a = _mm512_sub_ps(_mm512_add_ps(acc0[v], acc1[v]), offset);
+      tot[v] = _mm512_fmadd_ps(a, scale, tot[v]);
+    }
+  }
+  alignas(64) float lanes[16];
+  for (int v = 0; v < 4; ++v) {
+    _mm512_store_ps(lanes, tot[v]);
+    for (int l = 0; l < 16; ++l) out[kDotRowOf(v, l)] = lanes[l];
+  }
+}
+#endif
+
 using BlockFn = void (*)(const float*, const float*, const uint8_t*, const c10::BFloat16*, const Layout&, int64_t,
                          int64_t, float*);
 
@@ -165,17 +250,21 @@ at::Tensor int4_matvec(const at::Tensor& x, const at::Tensor& w, const at::Tenso
         "s: too small for its strides");
 
   // x as fp32 in a buffer this thread keeps (no tensor allocated per call: a decode step makes
-  // ~100 of these calls), with its group sums.
+  // ~100 of these calls), with its group sums; and as bf16 where every value is one (the
+  // W4A16 contract) and the bf16 dot-product path is built.
   const int64_t x_rows = x.size(0);
   thread_local std::vector<float> xbuf, xsum;
+  thread_local std::vector<c10::BFloat16> xbf;
   xbuf.resize(x_rows * k);
   xsum.resize(x_rows * groups);
   const auto xc = x.contiguous();
+  bool x_is_bf16 = false;
   if (xc.scalar_type() == at::kFloat) {
     std::memcpy(xbuf.data(), xc.data_ptr<float>(), x_rows * k * sizeof(float));
   } else if (xc.scalar_type() == at::kBFloat16) {
     const c10::BFloat16* xb = xc.data_ptr<c10::BFloat16>();
     for (int64_t i = 0; i < x_rows * k; ++i) xbuf[i] = static_cast<float>(xb[i]);
+    x_is_bf16 = true;
   } else {
     check(false, "x: expected float32 or bfloat16");
   }
@@ -191,6 +280,31 @@ at::Tensor int4_matvec(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const c10::BFloat16* sp = s.data_ptr<c10::BFloat16>();
   const BlockFn fn = pick(block, vector);
+  bool dot = false;
+#ifdef DELTAMOE_INT4_AVX512BF16
+  if (vector && block == 64) {
+    if (!x_is_bf16) {  // fp32 x: the dot path only when rounding to bf16 changes no value
+      x_is_bf16 = true;
+      uint32_t bits;
+      for (int64_t i = 0; i < x_rows * k && x_is_bf16; ++i) {
+        std::memcpy(&bits, xp + i, 4);
+        x_is_bf16 = (bits & 0xffffu) == 0;
+      }
+    }
+    dot = x_is_bf16;
+  }
+  if (dot) {
+    xbf.resize(x_rows * k);
+    if (xc.scalar_type() == at::kBFloat16)
+      std::memcpy(xbf.data(), xc.data_ptr<c10::BFloat16>(), x_rows * k * sizeof(c10::BFloat16));
+    else
+      for (int64_t i = 0; i < x_rows * k; ++i) xbf[i] = c10::BFloat16(xp[i]);
+  }
+#endif
+  // Plain pointers for the worker threads: inside the lambda a thread_local name would be the
+  // worker's own (empty) buffer, not this thread's.
+  const float* xs = xsum.data();
+  const c10::BFloat16* xh = xbf.data();
   // Threads only for calls with work enough to pay a parallel region's start (~tens of us of
   // codes per chunk): most of a small model's calls are one thread's work.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / (block * k));
@@ -201,10 +315,17 @@ at::Tensor int4_matvec(const at::Tensor& x, const at::Tensor& w, const at::Tenso
       const uint8_t* wb = wp + id[r] * L.w_expert + b * L.w_block;
       float* out = yp + r * rows + b * block;
       const bool whole = (b + 1) * block <= rows;
-      fn(xp + xr * k, xsum.data() + xr * groups, wb, sp, L, id[r], b, whole ? out : tail.data());
+      float* dst = whole ? out : tail.data();
+#ifdef DELTAMOE_INT4_AVX512BF16
+      if (dot)
+        block_avx512bf16(xh + xr * k, xs + xr * groups, wb, sp, L, id[r], b, dst);
+      else
+#endif
+        fn(xp + xr * k, xs + xr * groups, wb, sp, L, id[r], b, dst);
       if (!whole) std::memcpy(out, tail.data(), (rows - b * block) * sizeof(float));
     }
   });
+  (void)dot;
   return y;
 }
 
