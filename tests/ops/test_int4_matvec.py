@@ -56,9 +56,9 @@ def test_dense_matches_the_reference_and_torch_kernel(n, k, group, m, vector):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("x_form", ["bf16", "fp32 of bf16 values", "fp32"])
 def test_every_input_form_and_thread_count_matches_the_reference(x_form, threads):
-    """bf16 x (and fp32 x holding bf16 values) take the bf16 dot-product path where the CPU has
-    AVX512-BF16; other fp32 x the fp32 one. A call of 64 blocks splits over the threads, whose
-    chunks must read the calling thread's x and group sums."""
+    """bf16 x takes the bf16 dot-product path where the CPU has AVX512-BF16, fp32 x (holding bf16
+    values or not) the fp32 one. A call of 64 blocks splits over the threads, whose chunks must
+    read the calling thread's x and group sums."""
     assert mv.build()
     n, k, group = 4096, 1024, 128
     gen = torch.Generator().manual_seed(7)

@@ -250,21 +250,17 @@ at::Tensor int4_matvec(const at::Tensor& x, const at::Tensor& w, const at::Tenso
         "s: too small for its strides");
 
   // x as fp32 in a buffer this thread keeps (no tensor allocated per call: a decode step makes
-  // ~100 of these calls), with its group sums; and as bf16 where every value is one (the
-  // W4A16 contract) and the bf16 dot-product path is built.
+  // ~100 of these calls), with its group sums.
   const int64_t x_rows = x.size(0);
   thread_local std::vector<float> xbuf, xsum;
-  thread_local std::vector<c10::BFloat16> xbf;
   xbuf.resize(x_rows * k);
   xsum.resize(x_rows * groups);
   const auto xc = x.contiguous();
-  bool x_is_bf16 = false;
   if (xc.scalar_type() == at::kFloat) {
     std::memcpy(xbuf.data(), xc.data_ptr<float>(), x_rows * k * sizeof(float));
   } else if (xc.scalar_type() == at::kBFloat16) {
     const c10::BFloat16* xb = xc.data_ptr<c10::BFloat16>();
     for (int64_t i = 0; i < x_rows * k; ++i) xbuf[i] = static_cast<float>(xb[i]);
-    x_is_bf16 = true;
   } else {
     check(false, "x: expected float32 or bfloat16");
   }
@@ -280,31 +276,15 @@ at::Tensor int4_matvec(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const c10::BFloat16* sp = s.data_ptr<c10::BFloat16>();
   const BlockFn fn = pick(block, vector);
-  bool dot = false;
+  // bf16 x (the W4A16 contract: the model's callers pass it) takes the bf16 dot-product path
+  // where it is built, read where it lies; fp32 x the fp32 path.
+  const c10::BFloat16* xh = nullptr;
 #ifdef DELTAMOE_INT4_AVX512BF16
-  if (vector && block == 64) {
-    if (!x_is_bf16) {  // fp32 x: the dot path only when rounding to bf16 changes no value
-      x_is_bf16 = true;
-      uint32_t bits;
-      for (int64_t i = 0; i < x_rows * k && x_is_bf16; ++i) {
-        std::memcpy(&bits, xp + i, 4);
-        x_is_bf16 = (bits & 0xffffu) == 0;
-      }
-    }
-    dot = x_is_bf16;
-  }
-  if (dot) {
-    xbf.resize(x_rows * k);
-    if (xc.scalar_type() == at::kBFloat16)
-      std::memcpy(xbf.data(), xc.data_ptr<c10::BFloat16>(), x_rows * k * sizeof(c10::BFloat16));
-    else
-      for (int64_t i = 0; i < x_rows * k; ++i) xbf[i] = c10::BFloat16(xp[i]);
-  }
+  if (vector && block == 64 && xc.scalar_type() == at::kBFloat16) xh = xc.data_ptr<c10::BFloat16>();
 #endif
-  // Plain pointers for the worker threads: inside the lambda a thread_local name would be the
+  // A plain pointer for the worker threads: inside the lambda a thread_local name would be the
   // worker's own (empty) buffer, not this thread's.
   const float* xs = xsum.data();
-  const c10::BFloat16* xh = xbf.data();
   // Threads only for calls with work enough to pay a parallel region's start (~tens of us of
   // codes per chunk): most of a small model's calls are one thread's work.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / (block * k));
@@ -317,7 +297,7 @@ at::Tensor int4_matvec(const at::Tensor& x, const at::Tensor& w, const at::Tenso
       const bool whole = (b + 1) * block <= rows;
       float* dst = whole ? out : tail.data();
 #ifdef DELTAMOE_INT4_AVX512BF16
-      if (dot)
+      if (xh)
         block_avx512bf16(xh + xr * k, xs + xr * groups, wb, sp, L, id[r], b, dst);
       else
 #endif
@@ -325,7 +305,6 @@ at::Tensor int4_matvec(const at::Tensor& x, const at::Tensor& w, const at::Tenso
       if (!whole) std::memcpy(out, tail.data(), (rows - b * block) * sizeof(float));
     }
   });
-  (void)dot;
   return y;
 }
 
