@@ -7,7 +7,7 @@ from deltamoe.errors import ConfigError
 ROLES = ("colocated", "prefill", "decode")
 TRANSPORTS = ("mooncake",)
 DIRECT_MAX_SEGMENTS = 32  # `HandOffConfig.direct_max_segments`'s default, here for the CLI's torch-free options
-INLINE_WRITE = "2MiB"  # `HandOffConfig.inline_write_bytes`'s default, likewise
+INLINE_WRITE = "8MiB"  # `HandOffConfig.inline_write_bytes`'s default, likewise
 # `HandOffConfig.markers`'s default, likewise: off, since on a quiet machine the transfer engine's notice
 # (one write carrying it) landed small and mid-sized hand-offs sooner than a marker's second write did
 # (docs/serving.md, "Completion markers").
