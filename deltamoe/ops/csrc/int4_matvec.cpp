@@ -126,8 +126,8 @@ void block_avx2(const float* x, const float* xsum, const uint8_t* w, const c10::
 
 #ifdef DELTAMOE_INT4_AVX512BF16
 // Where x holds bf16 values (the W4A16 contract) and the CPU has AVX512-BF16: `vdpbf16ps` takes
-// 32 bf16 products per instruction, and the codes 0..15 are exact in bf16, so each product is
-// what the fp32 path computes; only the order of the fp32 sums differs. Two input positions
+// 32 bf16 products per instruction, and the codes (below) are exact in bf16, so each product is
+// exact in fp32 as the fp32 path's are; only the order of the fp32 sums differs. Two input positions
 // k, k+1 of a block of 64 rows are 64 adjacent bytes (32 each); one byte permute (`vpermb`)
 // gives 16 32-bit lanes, lane l holding row r's byte at k (bits 0-7) and
 // at k+1 (bits 16-23); a shift and one bitwise select (`vpternlogd`) per nibble then make the
