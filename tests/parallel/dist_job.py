@@ -10,6 +10,7 @@ parameter names that no rank checked.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import socket
@@ -183,6 +184,7 @@ def _float(t: torch.Tensor | None) -> float | None:
 
 
 def _worker(rank: int, world: int, port: int, out: str, cases: list[str]) -> None:
+    faulthandler.enable()  # a rank that crashes prints its Python stack into the job's stderr (the test shows it)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
