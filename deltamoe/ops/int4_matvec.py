@@ -40,22 +40,19 @@ def _cpu_has_avx2() -> bool:
 
 
 @functools.cache
-def _cpu_flags() -> frozenset[str]:
-    """The CPU flags the kernel reports (Linux's /proc/cpuinfo; empty elsewhere)."""
+def _cpu_has_avx512_bf16() -> bool:
+    """Whether this CPU runs AVX512-BF16 (`vdpbf16ps`) and VBMI (`vpermb`), read from the kernel's CPU flags (Linux)."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return False
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+                    flags = set(line.split(":", 1)[1].split())
+                    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512vbmi"} <= flags
     except OSError:
         pass
-    return frozenset()
-
-
-def _cpu_has_avx512_bf16() -> bool:
-    """Whether this CPU runs AVX512-BF16 (`vdpbf16ps`) and VBMI (`vpermb`)."""
-    return (torch.backends.cpu.get_cpu_capability() == "AVX512"
-            and {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512vbmi"} <= _cpu_flags())
+    return False
 
 
 @functools.cache

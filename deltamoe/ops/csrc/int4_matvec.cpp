@@ -145,80 +145,44 @@ void block_avx2(const float* x, const float* xsum, const uint8_t* w, const c10::
 // Output vector v (0..3) holds rows kDotRowOf(v, 0..15): 16 consecutive rows.
 constexpr int kDotRowOf(int v, int l) { return (v % 2) * 32 + (v / 2) * 16 + l; }
 
-// The bf16 code pairs of two input positions of a 64-row block (see above): codes[v] holds rows
-// kDotRowOf(v, 0..15), each 32-bit lane (16 + u_k, 16 + u_k+1) of one row.
-struct PairDecoder {
-  static constexpr int kStride = 32;  // bytes per input position (64 rows)
-  __m512i spread0, spread1, nibble_bits, code_base;
-
-  PairDecoder() {
-    // Byte 4l of lane l <- byte l (+16 for the second vector) of k; byte 4l + 2 <- the same of k+1
-    // (bytes 4l + 1 and 4l + 3 take any byte: the select below masks them out).
-    alignas(64) static const uint8_t spread[2][64] = {
-        {0, 0, 32, 0, 1, 0, 33, 0, 2, 0, 34, 0, 3, 0, 35, 0, 4, 0, 36, 0, 5, 0, 37, 0, 6, 0, 38, 0, 7, 0, 39, 0,
-         8, 0, 40, 0, 9, 0, 41, 0, 10, 0, 42, 0, 11, 0, 43, 0, 12, 0, 44, 0, 13, 0, 45, 0, 14, 0, 46, 0, 15, 0, 47, 0},
-        {16, 0, 48, 0, 17, 0, 49, 0, 18, 0, 50, 0, 19, 0, 51, 0, 20, 0, 52, 0, 21, 0, 53, 0, 22, 0, 54, 0, 23, 0, 55, 0,
-         24, 0, 56, 0, 25, 0, 57, 0, 26, 0, 58, 0, 27, 0, 59, 0, 28, 0, 60, 0, 29, 0, 61, 0, 30, 0, 62, 0, 31, 0, 63, 0}};
-    spread0 = _mm512_load_si512(spread[0]);
-    spread1 = _mm512_load_si512(spread[1]);
-    nibble_bits = _mm512_set1_epi32(0x00780078);
-    code_base = _mm512_set1_epi32(0x41804180);
-  }
-
-  // vpternlogd (a & b) | c: the shifted nibble's bits 3-6 under the code's constant bits.
-  __m512i select(__m512i shifted) const { return _mm512_ternarylogic_epi32(shifted, nibble_bits, code_base, 0xEA); }
-
-  // p: the 64 bytes of positions k and k+1.
-  void decode(const uint8_t* p, __m512i codes[4]) const {
-    const __m512i bytes = _mm512_loadu_si512(p);
-    const __m512i lo = _mm512_permutexvar_epi8(spread0, bytes);  // rows 0-15 (low nibbles), 32-47 (high)
-    const __m512i hi = _mm512_permutexvar_epi8(spread1, bytes);  // rows 16-31, 48-63
-    codes[0] = select(_mm512_slli_epi32(lo, 3));  // low nibble: bits 0-3 -> 3-6
-    codes[1] = select(_mm512_srli_epi32(lo, 1));  // high nibble: bits 4-7 -> 3-6
-    codes[2] = select(_mm512_slli_epi32(hi, 3));
-    codes[3] = select(_mm512_srli_epi32(hi, 1));
-  }
-};
-
-// The scales of group g for output vector v's 16 rows.
-inline __m512 dot_scales(const c10::BFloat16* s, const Layout& L, int64_t e, int64_t g, int64_t b, int v) {
-  if (L.s_row == 2) {  // (scale, zero) bf16 pairs of consecutive rows: a pair's dword << 16 is the scale
-    const c10::BFloat16* s0 = s + e * L.s_expert + g * L.s_group + (b * L.block + kDotRowOf(v, 0)) * 2;
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(s0), 16));  // 16 rows
-  }
-  alignas(64) float sc[16];
-  for (int l = 0; l < 16; ++l) sc[l] = scale_of(s, L, e, g, b * L.block + kDotRowOf(v, l));
-  return _mm512_load_ps(sc);
-}
-
-inline void store_dot_rows(const __m512 tot[4], float* out) {
-  alignas(64) float lanes[16];
-  for (int v = 0; v < 4; ++v) {
-    _mm512_store_ps(lanes, tot[v]);
-    for (int l = 0; l < 16; ++l) out[kDotRowOf(v, l)] = lanes[l];
-  }
-}
-
 void block_avx512bf16(const c10::BFloat16* xb, const float* xsum, const uint8_t* w, const c10::BFloat16* s,
                       const Layout& L, int64_t e, int64_t b, float* out) {
-  const PairDecoder dec;
+  constexpr int kStride = 32;  // bytes per input position (64 rows)
+  // Byte 4l of lane l <- byte l (+16 for the second vector) of k; byte 4l + 2 <- the same of k+1
+  // (bytes 4l + 1 and 4l + 3 take any byte: the select below masks them out).
+  alignas(64) static const uint8_t spread[2][64] = {
+      {0, 0, 32, 0, 1, 0, 33, 0, 2, 0, 34, 0, 3, 0, 35, 0, 4, 0, 36, 0, 5, 0, 37, 0, 6, 0, 38, 0, 7, 0, 39, 0,
+       8, 0, 40, 0, 9, 0, 41, 0, 10, 0, 42, 0, 11, 0, 43, 0, 12, 0, 44, 0, 13, 0, 45, 0, 14, 0, 46, 0, 15, 0, 47, 0},
+      {16, 0, 48, 0, 17, 0, 49, 0, 18, 0, 50, 0, 19, 0, 51, 0, 20, 0, 52, 0, 21, 0, 53, 0, 22, 0, 54, 0, 23, 0, 55, 0,
+       24, 0, 56, 0, 25, 0, 57, 0, 26, 0, 58, 0, 27, 0, 59, 0, 28, 0, 60, 0, 29, 0, 61, 0, 30, 0, 62, 0, 31, 0, 63, 0}};
+  const __m512i spread0 = _mm512_load_si512(spread[0]), spread1 = _mm512_load_si512(spread[1]);
+  const __m512i nibble_bits = _mm512_set1_epi32(0x00780078), code_base = _mm512_set1_epi32(0x41804180);
+  constexpr int kSelect = 0xEA;  // vpternlogd: (a & b) | c
   const int64_t groups = L.k / L.group;
   __m512 tot[4];
   for (int v = 0; v < 4; ++v) tot[v] = _mm512_setzero_ps();
+  alignas(64) float sc[16];
   for (int64_t g = 0; g < groups; ++g) {
     // Two accumulator sets (even and odd position pairs) so the dot-product chains overlap.
     __m512 acc0[4], acc1[4];
     for (int v = 0; v < 4; ++v) acc0[v] = acc1[v] = _mm512_setzero_ps();
     const int64_t k0 = g * L.group;
-    const uint8_t* p = w + k0 * PairDecoder::kStride;
+    const uint8_t* p = w + k0 * kStride;
     const c10::BFloat16* xg = xb + k0;
     auto pair = [&](int64_t kk, __m512* acc) {
-      __m512i codes[4];
-      dec.decode(p + kk * PairDecoder::kStride, codes);
+      const __m512i bytes = _mm512_loadu_si512(p + kk * kStride);  // positions kk and kk+1
+      const __m512i lo = _mm512_permutexvar_epi8(spread0, bytes);  // rows 0-15 (low nibbles), 32-47 (high)
+      const __m512i hi = _mm512_permutexvar_epi8(spread1, bytes);  // rows 16-31, 48-63
       int32_t xk;  // the bf16 pair (x_k, x_k+1) as one 32-bit lane
       std::memcpy(&xk, xg + kk, 4);
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(xk);
-      for (int v = 0; v < 4; ++v) acc[v] = _mm512_dpbf16_ps(acc[v], (__m512bh)codes[v], xv);
+      auto codes = [&](__m512i shifted) {
+        return (__m512bh)_mm512_ternarylogic_epi32(shifted, nibble_bits, code_base, kSelect);
+      };
+      acc[0] = _mm512_dpbf16_ps(acc[0], codes(_mm512_slli_epi32(lo, 3)), xv);  // low nibble: bits 0-3 -> 3-6
+      acc[1] = _mm512_dpbf16_ps(acc[1], codes(_mm512_srli_epi32(lo, 1)), xv);  // high nibble: bits 4-7 -> 3-6
+      acc[2] = _mm512_dpbf16_ps(acc[2], codes(_mm512_slli_epi32(hi, 3)), xv);
+      acc[3] = _mm512_dpbf16_ps(acc[3], codes(_mm512_srli_epi32(hi, 1)), xv);
     };
     int64_t kk = 0;
     for (; kk + 4 <= L.group; kk += 4) {
@@ -228,11 +192,23 @@ void block_avx512bf16(const c10::BFloat16* xb, const float* xsum, const uint8_t*
     for (; kk < L.group; kk += 2) pair(kk, acc0);
     const __m512 offset = _mm512_set1_ps(24.f * xsum[g]);  // codes 16 + u, u = q + 8
     for (int v = 0; v < 4; ++v) {
+      __m512 scale;
+      if (L.s_row == 2) {  // (scale, zero) bf16 pairs of consecutive rows: a pair's dword << 16 is the scale
+        const c10::BFloat16* s0 = s + e * L.s_expert + g * L.s_group + (b * L.block + kDotRowOf(v, 0)) * 2;
+        scale = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(s0), 16));  // 16 rows
+      } else {
+        for (int l = 0; l < 16; ++l) sc[l] = scale_of(s, L, e, g, b * L.block + kDotRowOf(v, l));
+        scale = _mm512_load_ps(sc);
+      }
       const __m512 a = _mm512_sub_ps(_mm512_add_ps(acc0[v], acc1[v]), offset);
-      tot[v] = _mm512_fmadd_ps(a, dot_scales(s, L, e, g, b, v), tot[v]);
+      tot[v] = _mm512_fmadd_ps(a, scale, tot[v]);
     }
   }
-  store_dot_rows(tot, out);
+  alignas(64) float lanes[16];
+  for (int v = 0; v < 4; ++v) {
+    _mm512_store_ps(lanes, tot[v]);
+    for (int l = 0; l < 16; ++l) out[kDotRowOf(v, l)] = lanes[l];
+  }
 }
 #endif
 
