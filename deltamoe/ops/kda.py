@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from deltamoe.ops import kda_fused
 from deltamoe.ops.autocast import full_precision
 from deltamoe.ops.shapes import check_shape
 
@@ -296,6 +297,14 @@ def chunk_kda(
     # intermediates stay in cache and reuse freed memory (instead of fresh pages from the OS), and
     # inference memory is bounded by one group instead of growing with T.
     group = chunk_size * max(1, GROUP_ELEMENTS // (b * h * chunk_size * max(dk, dv)))
+    if dtype == torch.float32 and kda_fused.usable(q, k, v, g, beta, state):
+        # The fused kernel (ops/kda_fused.py) over the same groups and chunk lengths, in a copy of
+        # the state (it writes the final state into the tensor it is given).
+        segments = [(start, min(start + group, t), _pick_chunk_size(g[:, start : start + group].to(dtype), chunk_size))
+                    for start in range(0, t, group)]
+        state = state.contiguous().clone()
+        o = kda_fused.chunk_forward(q, k, v, g, beta, state, segments, scale, use_qk_l2norm, L2NORM_EPS)
+        return o.to(v.dtype), (state.view(b, h, dk, dv) if output_final_state else None)
     o = v.new_empty(b, t, h, dv, dtype=dtype)  # each group's chunks are copied into their tokens
     for start in range(0, t, group):
         part = slice(start, start + group)

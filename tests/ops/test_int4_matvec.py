@@ -17,13 +17,13 @@ from deltamoe.ops.quant import quantize_int4
 pytestmark = pytest.mark.skipif(not has_int4_cpu_kernel() or not ie.kernel_layout_readable(),
                                 reason="torch build lacks the CPU int4 kernel whose operand this reads")
 
-VECTOR = [True, False] if mv._cpu_has_avx2() else [False]
+VECTOR = [True, False] if mv.cpu_has_avx2() else [False]
 
 
 def test_the_kernel_builds_and_is_on_where_the_cpu_has_avx2():
     """Setup installs the compiler and ninja: a build failure is a failure here, not a quiet fallback."""
     assert mv.build(), mv._build()
-    if mv._cpu_has_avx2():
+    if mv.cpu_has_avx2():
         assert mv.status() == "on" and mv.one_row_block() == ie.kernel_block_rows()
 
 

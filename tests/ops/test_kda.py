@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deltamoe.ops import kda as kda_module
+from deltamoe.ops import kda_fused
 from deltamoe.ops.kda import chunk_kda, kda_step, kda_steps, l2_normalize, recurrent_kda
 from deltamoe.ops.kda_gate import kda_gate
 
@@ -45,6 +46,17 @@ def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, tol: float) -
     err = (actual.double() - expected.double()).abs().max().item()
     scale = expected.double().abs().max().item()
     assert err <= tol * max(scale, 1e-30), f"max abs err {err:.3g} vs {tol:g} * {scale:.3g}"
+
+
+@pytest.fixture(autouse=True, params=["kernel", "torch"])
+def chunk_path(request: pytest.FixtureRequest):
+    """Every test here runs twice: with `chunk_kda`'s fused kernel where a call may take it
+    (ops/kda_fused.py: no gradient recorded, fp32, CPU) and with its torch path everywhere."""
+    if request.param == "kernel":
+        yield request.param
+    else:
+        with kda_fused.turned_off():
+            yield request.param
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,91 @@
+"""Chunked KDA prefill through a fused C++ kernel of our own (`csrc/kda_chunk.cpp`), for inference.
+
+`chunk_kda` (ops/kda.py) runs its steps as torch ops over groups of chunks: at K = V = 128 every
+intermediate of a group is a megabyte that leaves the cache between ops, and the products are
+small batched matmuls. The kernel does the same steps, in the same order, one (batch, head) at a
+time and one chunk after another, every intermediate in per-thread tiles, each product one MKL
+sgemm; threads split the (batch, head) pairs. It computes in fp32 with no autograd, so
+`chunk_kda` sends it only calls that record no gradient, in fp32 (not fp64), on the CPU, and
+keeps its own path for the rest; the chunk lengths are `chunk_kda`'s own (the same groups, each
+with `_pick_chunk_size`'s length), so both walk the same chunks and differ only in the order of
+fp32 sums (tests/ops/test_kda_fused.py holds both to `recurrent_kda`).
+
+Built on first use (`cpp_build`; g++ and ninja) with the vector exps of glibc's libmvec. Without
+a compiler or AVX2, or with `DELTAMOE_KDA_KERNEL=0`, `chunk_kda` keeps its torch path;
+`status()` says which and why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from deltamoe.ops.cpp_build import cpu_has_avx2, load_cpp_extension
+
+SOURCE = Path(__file__).parent / "csrc" / "kda_chunk.cpp"
+ENV_SWITCH = "DELTAMOE_KDA_KERNEL"  # "0" turns the kernel off (A/B runs, a suspect build)
+
+_turned_off = False  # `turned_off()`: the tests and benchmarks time and compare both paths
+
+
+@functools.cache
+def _build() -> str | None:
+    flags = ["-O3", "-fno-math-errno", "-fopenmp-simd"]
+    if torch.backends.cpu.get_cpu_capability() == "AVX512":
+        flags += ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma", "-mprefer-vector-width=512"]
+    else:
+        flags += ["-mavx2", "-mfma"]
+    return load_cpp_extension("deltamoe_kda_chunk", SOURCE, flags, ["-lmvec"])
+
+
+@functools.cache
+def status() -> str:
+    """'on', or why the kernel is not used here."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return f"off ({ENV_SWITCH}=0)"
+    if not cpu_has_avx2():
+        return f"off (CPU capability {torch.backends.cpu.get_cpu_capability()}, no AVX2)"
+    why = _build()
+    if why is not None:
+        warnings.warn(f"deltamoe KDA chunk kernel {why}; chunk_kda's torch path runs instead", stacklevel=2)
+        return f"off ({why})"
+    return "on"
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether a `chunk_kda` call over these inputs runs the kernel: CPU, fp32 compute (no fp64
+    input), no gradient recorded, not inside a compiled graph, and the kernel built."""
+    if _turned_off or torch.compiler.is_compiling():
+        return False
+    if any(t.device.type != "cpu" or t.dtype == torch.float64 for t in tensors):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return status() == "on"
+
+
+@contextlib.contextmanager
+def turned_off():
+    """Inside the block `chunk_kda` runs its torch path: tests compare both, benchmarks time both."""
+    global _turned_off
+    saved, _turned_off = _turned_off, True
+    try:
+        yield
+    finally:
+        _turned_off = saved
+
+
+def chunk_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  state: torch.Tensor, segments: list[tuple[int, int, int]], scale: float, use_qk_l2norm: bool,
+                  eps: float) -> torch.Tensor:
+    """o [B, T, H, V] fp32 of the chunked form over q, k, g [B, T, H, K], v [B, T, H, V], beta
+    [B, T, H]; `state` [B*H, K, V] fp32 enters token 0 and holds the final state afterwards.
+    `segments`: (first token, end token, chunk length) runs covering [0, T) in order."""
+    args = [x.float().contiguous() for x in (q, k, v, g, beta)]
+    flat = [n for run in segments for n in run]
+    return torch.ops.deltamoe_kda.chunk_forward(*args, state, flat, float(scale), bool(use_qk_l2norm), float(eps))
