@@ -282,14 +282,19 @@ def chunk_kda(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA for prefill and training: same result as `recurrent_kda`, any T, differentiable.
 
-    `chunk_size` is the longest chunk (None: `default_chunk_size` of K); a group of chunks halves
-    it while one of its chunks would decay by more than e^-MAX_CHUNK_SPAN (see the notes above).
-    g must be <= 0 (a log-decay).
+    `chunk_size` is the longest chunk (None: `default_chunk_size` of K, or where the fused kernel
+    runs its own `kda_fused.DEFAULT_CHUNK`); a group of chunks halves it while one of its chunks
+    would decay by more than e^-MAX_CHUNK_SPAN (see the notes above). g must be <= 0 (a log-decay).
+    Calls that record no gradient, in fp32 on the CPU, run the fused C++ kernel (ops/kda_fused.py:
+    the same chunks and steps, one (batch, head) at a time); the rest run the torch ops below.
     ops/kda_compiled.py runs the same steps with each group of chunks one compiled call.
     Returns (o [B, T, H, V] in v.dtype, final state [B, H, K, V] or None).
     """
-    (b, t, h, dk, dv), scale, chunk_size = _check_chunked_inputs(q, k, v, g, beta, initial_state, chunk_size, scale)
+    (b, t, h, dk, dv), scale, checked_chunk = _check_chunked_inputs(q, k, v, g, beta, initial_state, chunk_size, scale)
     dtype = _compute_dtype(q, k, v, g, beta)
+    fused = dtype == torch.float32 and kda_fused.usable(q, k, v, g, beta,
+                                                         *(() if initial_state is None else (initial_state,)))
+    chunk_size = kda_fused.DEFAULT_CHUNK if fused and chunk_size is None else checked_chunk
     state = q.new_zeros(b * h, dk, dv, dtype=dtype) if initial_state is None else initial_state.to(dtype)
     state = state.reshape(b * h, dk, dv)
 
@@ -297,7 +302,7 @@ def chunk_kda(
     # intermediates stay in cache and reuse freed memory (instead of fresh pages from the OS), and
     # inference memory is bounded by one group instead of growing with T.
     group = chunk_size * max(1, GROUP_ELEMENTS // (b * h * chunk_size * max(dk, dv)))
-    if dtype == torch.float32 and kda_fused.usable(q, k, v, g, beta, state):
+    if fused:
         # The fused kernel (ops/kda_fused.py) over the same groups and chunk lengths, in a copy of
         # the state (it writes the final state into the tensor it is given).
         segments = [(start, min(start + group, t), _pick_chunk_size(g[:, start : start + group].to(dtype), chunk_size))

@@ -17,6 +17,7 @@
 // All in fp32. The contract is `chunk_kda`'s: only the order of fp32 sums differs.
 
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <immintrin.h>
 #include <math.h>
 #include <torch/extension.h>
@@ -47,10 +48,17 @@ void gemm(bool trans_a, bool trans_b, int m, int n, int k, const float* a, int l
   sgemm_(trans_b ? "T" : "N", trans_a ? "T" : "N", &n, &m, &k, &one, b, &ldb, a, &lda, &beta, c, &ldc);
 }
 
+// Row-major C[m, n] (+)= A[m, k] B[k, n] through oneDNN's batch-reduce gemm micro-kernel.
+void gemm_nn(int m, int n, int k, const float* a, int lda, const float* b, int ldb, bool accumulate, float* c,
+             int ldc) {
+  if (m == 0 || n == 0) return;
+  at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, accumulate, a, b, c, false);
+}
+
 // Per-thread working memory for one (batch, head): chunk-sized tiles, row-major.
 struct Tiles {
   std::vector<float> q_k;       // [2C, K]: rows 0..n-1 qh, n..2n-1 kh
-  std::vector<float> kf;        // [C, K]: kf, then kd in place
+  std::vector<float> kf;        // [K, C]: kf^T, then kd^T in place
   std::vector<float> exponent;  // [C, K]: e_i
   std::vector<float> scores;    // [2C, C]: rows 0..n-1 M, n..2n-1 L
   std::vector<float> solve;     // [C, C]: Tb
@@ -58,9 +66,10 @@ struct Tiles {
   std::vector<float> w_qd;      // [2C, K]: rows 0..n-1 w, n..2n-1 qd
   std::vector<float> products;  // [2C, V]: [w; qd] S
   std::vector<float> factors;   // [4, K]: e^{g_0 + r}, e^{r}, e^{g_0 + 2r}, r
+  std::vector<float> row;       // [K]
   Tiles(int C, int K, int V)
       : q_k(2 * C * K), kf(C * K), exponent(C * K), scores(2 * C * C), solve(C * C), u(C * V), w_qd(2 * C * K),
-        products(2 * C * V), factors(4 * K) {}
+        products(2 * C * V), factors(4 * K), row(K) {}
 };
 
 struct Shapes {
@@ -103,6 +112,35 @@ struct NextRows {
     }
   }
 };
+
+#ifdef __AVX512F__
+// row -= sum_{m<i} l_row[m] solve[m] over NB vectors of 16, the row held in registers, in two
+// running sums (even and odd m) so that consecutive updates do not wait on each other's FMA.
+template <int NB>
+inline void substitute_row(float* row, const float* solve, int ld, const float* l_row, int i) {
+  __m512 even[NB], odd[NB];
+  for (int x = 0; x < NB; ++x) {
+    even[x] = _mm512_loadu_ps(row + 16 * x);
+    odd[x] = _mm512_setzero_ps();
+  }
+  int m = 0;
+  for (; m + 1 < i; m += 2) {
+    const __m512 f0 = _mm512_set1_ps(l_row[m]), f1 = _mm512_set1_ps(l_row[m + 1]);
+    const float* s0 = solve + static_cast<int64_t>(m) * ld;
+    const float* s1 = s0 + ld;
+    for (int x = 0; x < NB; ++x) {
+      even[x] = _mm512_fnmadd_ps(f0, _mm512_loadu_ps(s0 + 16 * x), even[x]);
+      odd[x] = _mm512_fnmadd_ps(f1, _mm512_loadu_ps(s1 + 16 * x), odd[x]);
+    }
+  }
+  if (m < i) {
+    const __m512 f0 = _mm512_set1_ps(l_row[m]);
+    const float* s0 = solve + static_cast<int64_t>(m) * ld;
+    for (int x = 0; x < NB; ++x) even[x] = _mm512_fnmadd_ps(f0, _mm512_loadu_ps(s0 + 16 * x), even[x]);
+  }
+  for (int x = 0; x < NB; ++x) _mm512_storeu_ps(row + 16 * x, _mm512_add_ps(even[x], odd[x]));
+}
+#endif
 
 // dst = a + b over one row of n. dst is an output row the kernel never reads back, written with
 // streaming stores where AVX-512 and its alignment allow: no read of the line before the write,
@@ -160,24 +198,26 @@ void chunk_step(const float* q, const float* k, const float* v, const float* g, 
     decay[d] = expf(g0[d] + 2.0f * half[d]);
   }
   // e_i = H_i - r; kf = k e^{-e}, then qh, kh times e^{e} (both factors within e^{+-span/2}).
+  float* kf_row = t.row.data();
   for (int i = 0; i < n; ++i) {
     float* ei = e + i * K;
     float* qi = qh + i * K;
     float* ki = kh + i * K;
-    float* fi = kf + i * K;
+    float* down = kf_row;  // e^{-e} of row i, then kf^T column i
 #pragma omp simd
     for (int d = 0; d < K; ++d) {
       const float x = ei[d] - half[d];
-      const float up = expf(x), down = expf(-x);
-      fi[d] = ki[d] * down;
+      const float up = expf(x);
+      down[d] = ki[d] * expf(-x);
       qi[d] *= up;
       ki[d] *= up;
     }
+    for (int d = 0; d < K; ++d) kf[d * C + i] = down[d];
   }
 
   // [qh; kh] kf^T -> M (lower with the diagonal), L (strictly lower, rows times beta).
   float* scores = t.scores.data();
-  gemm(false, true, 2 * n, n, K, qh, K, kf, K, 0.0f, scores, C);
+  gemm_nn(2 * n, n, K, qh, K, kf, C, false, scores, C);
   const int64_t quarter = (next.count + 3) / 4;
   next.fetch(0, quarter);
   const float* beta_row = beta + first;  // beta [B, T, H]: token i of the pair at first + i H
@@ -197,6 +237,17 @@ void chunk_step(const float* q, const float* k, const float* v, const float* g, 
     std::fill(row, row + C, 0.0f);
     row[i] = 1.0f;
     const float* l_row = scores + (n + i) * C;
+#ifdef __AVX512F__
+    if (C % 16 == 0) {
+      switch (width / 16) {
+        case 1: substitute_row<1>(row, solve, C, l_row, i); continue;
+        case 2: substitute_row<2>(row, solve, C, l_row, i); continue;
+        case 3: substitute_row<3>(row, solve, C, l_row, i); continue;
+        case 4: substitute_row<4>(row, solve, C, l_row, i); continue;
+        default: break;
+      }
+    }
+#endif
     for (int m = 0; m < i; ++m) {
       const float f = l_row[m];
       const float* src = solve + m * C;
@@ -213,25 +264,29 @@ void chunk_step(const float* q, const float* k, const float* v, const float* g, 
   float* u = t.u.data();
   float* w = t.w_qd.data();
   float* qd = w + static_cast<int64_t>(n) * K;
-  gemm(false, false, n, V, n, solve, C, v + first * V, static_cast<int>(row_v), 0.0f, u, V);
-  gemm(false, false, n, K, n, solve, C, kh, K, 0.0f, w, K);
+  gemm_nn(n, V, n, solve, C, v + first * V, static_cast<int>(row_v), false, u, V);
+  gemm_nn(n, K, n, solve, C, kh, K, false, w, K);
   next.fetch(quarter, 2 * quarter);
   for (int i = 0; i < n; ++i) {
     float* wi = w + i * K;
     float* di = qd + i * K;
     const float* qi = qh + i * K;
-    float* fi = kf + i * K;
 #pragma omp simd
     for (int d = 0; d < K; ++d) {
       wi[d] *= start[d];
       di[d] = qi[d] * start[d];
-      fi[d] *= to_end[d];
     }
+  }
+  for (int d = 0; d < K; ++d) {
+    float* fd = kf + d * C;
+    const float f = to_end[d];
+#pragma omp simd
+    for (int i = 0; i < n; ++i) fd[i] *= f;
   }
 
   // The state pass: [w; qd] S; delta = u - w S; o = qd S + M delta; S = S e^{g_0 + 2r} + kd^T delta.
   float* products = t.products.data();
-  gemm(false, false, 2 * n, V, K, w, K, state, V, 0.0f, products, V);
+  gemm_nn(2 * n, V, K, w, K, state, V, false, products, V);
   next.fetch(2 * quarter, 3 * quarter);
   for (int i = 0; i < n; ++i) {
     float* ui = u + i * V;
@@ -240,7 +295,7 @@ void chunk_step(const float* q, const float* k, const float* v, const float* g, 
     for (int d = 0; d < V; ++d) ui[d] -= ws[d];
   }
   // M delta into the rows w S held; o = qd S + M delta goes out once, past the cache.
-  gemm(false, false, n, V, n, scores, C, u, V, 0.0f, products, V);
+  gemm_nn(n, V, n, scores, C, u, V, false, products, V);
   float* o = out + first * V;
   for (int i = 0; i < n; ++i) {
     store_sum(o + i * row_v, products + (n + i) * V, products + i * V, V);
@@ -252,7 +307,7 @@ void chunk_step(const float* q, const float* k, const float* v, const float* g, 
 #pragma omp simd
     for (int j = 0; j < V; ++j) sd[j] *= f;
   }
-  gemm(true, false, K, V, n, kf, K, u, V, 1.0f, state, V);
+  gemm_nn(K, V, n, kf, C, u, V, true, state, V);
 }
 
 // q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H] fp32 contiguous; state [B*H, K, V] fp32
@@ -316,6 +371,7 @@ torch::Tensor chunk_forward(const torch::Tensor& q, const torch::Tensor& k, cons
       }
     }
     _mm_sfence();  // the streaming stores of the output are visible before the call returns
+    at::native::cpublas::brgemm_release(false);  // (a no-op unless a micro-kernel configured AMX tiles)
   });
   return out;
 }
