@@ -1,4 +1,5 @@
-"""Where `chunk_kda`'s time goes: the state-independent part (layout, decay factors, M and L, the
+"""Where `chunk_kda`'s torch path spends its time (the fused kernel, `ops/kda_fused.py`, which
+inference calls take by default, is turned off here: it has no stages to split): the state-independent part (layout, decay factors, M and L, the
 triangular solve, U and W; batched over all chunks of a group) against the sequential state pass
 (one chunk after another), each split further into matmuls, the triangular solve and the rest
 (elementwise products, exp, layout copies, tril), and the copies of o into token order.
@@ -38,7 +39,7 @@ from bench_kda import make_inputs  # noqa: E402
 from common import markdown_table  # noqa: E402
 from process_memory import ALLOCATORS, keep_freed_memory  # noqa: E402
 
-from deltamoe.ops import kda  # noqa: E402
+from deltamoe.ops import kda, kda_fused  # noqa: E402
 
 MATMULS = {"aten::bmm", "aten::baddbmm", "aten::baddbmm_", "aten::mm", "aten::addmm"}
 SOLVE = "aten::linalg_solve_triangular"
@@ -124,7 +125,7 @@ def measure(x: dict[str, torch.Tensor], chunk_size: int, repeats: int, split_ops
         def run() -> object:
             return kda.chunk_kda(**x, output_final_state=True, use_qk_l2norm=True, chunk_size=chunk_size)
 
-        with torch.no_grad():
+        with torch.no_grad(), kda_fused.turned_off():
             run()  # warm-up
             totals, stages = [], defaultdict(list)
             for _ in range(repeats):
