@@ -36,6 +36,7 @@ ENV_SWITCH = "DELTAMOE_KDA_KERNEL"  # "0" turns the kernel off (A/B runs, a susp
 # with C, and the small per-chunk products stay efficient in the tiles: at K = V = 128, T = 8192,
 # 2 threads it measured 48.6 / 50.3 / 59.6 ms at C = 16 / 32 / 64, at K = 32 9.3 / 10.1 / 13.3 ms.
 DEFAULT_CHUNK = 16
+MAX_CHUNK = 256  # longer chunks (a caller's `chunk_size`) keep the torch path: the kernel's tiles are C x C
 
 _turned_off = False  # `turned_off()`: the tests and benchmarks time and compare both paths
 
