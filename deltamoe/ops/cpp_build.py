@@ -9,7 +9,9 @@ count (the soname matches torch's bundled libgomp: one OpenMP runtime in the pro
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -36,3 +38,22 @@ def load_cpp_extension(name: str, source: Path, cflags: list[str], ldflags: list
     except Exception as e:  # a missing compiler surfaces as several exception types
         return f"build failed: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
     return None
+
+
+def kernel_status(kernel: str, env_switch: str, build: Callable[[], str | None], fallback: str,
+                  unsupported: Callable[[], str | None] = lambda: None) -> str:
+    """'on', or why `kernel` is not used here: turned off by `env_switch`="0", no AVX2, what
+    `unsupported` reports, or its build (`build`: None when it loaded) failed; a failed build
+    warns that `fallback` runs instead."""
+    if os.environ.get(env_switch, "1") == "0":
+        return f"off ({env_switch}=0)"
+    if not cpu_has_avx2():
+        return f"off (CPU capability {torch.backends.cpu.get_cpu_capability()}, no AVX2)"
+    why = unsupported()
+    if why is not None:
+        return f"off ({why})"
+    why = build()
+    if why is not None:
+        warnings.warn(f"deltamoe {kernel} {why}; {fallback} runs instead", stacklevel=3)
+        return f"off ({why})"
+    return "on"

@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
-import warnings
 from pathlib import Path
 
 import torch
 
-from deltamoe.ops.cpp_build import cpu_has_avx2, load_cpp_extension
+from deltamoe.ops.cpp_build import cpu_has_avx2, kernel_status, load_cpp_extension
 from deltamoe.ops.quant import dequantize_int4
 
 SOURCE = Path(__file__).parent / "csrc" / "int4_matvec.cpp"
@@ -75,19 +73,14 @@ def status() -> str:
     """'on', or why the kernel is not used here."""
     from deltamoe.ops.int4_experts import kernel_block_rows, kernel_layout_readable
 
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        return f"off ({ENV_SWITCH}=0)"
-    if not cpu_has_avx2():
-        return f"off (CPU capability {torch.backends.cpu.get_cpu_capability()}, no AVX2)"
-    if not kernel_layout_readable():
-        return "off (torch's int4 operand layout is not the one this kernel reads)"
-    if kernel_block_rows() not in (32, 64):
-        return f"off (block of {kernel_block_rows()} rows)"
-    why = _build()
-    if why is not None:
-        warnings.warn(f"deltamoe int4 matvec kernel {why}; torch's int4 kernel runs instead", stacklevel=2)
-        return f"off ({why})"
-    return "on"
+    def unsupported() -> str | None:
+        if not kernel_layout_readable():
+            return "torch's int4 operand layout is not the one this kernel reads"
+        if kernel_block_rows() not in (32, 64):
+            return f"block of {kernel_block_rows()} rows"
+        return None
+
+    return kernel_status("int4 matvec kernel", ENV_SWITCH, _build, "torch's int4 kernel", unsupported)
 
 
 def available() -> bool:

@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
-import warnings
 from pathlib import Path
 
 import torch
 
-from deltamoe.ops.cpp_build import cpu_has_avx2, load_cpp_extension
+from deltamoe.ops.cpp_build import kernel_status, load_cpp_extension
 
 SOURCE = Path(__file__).parent / "csrc" / "kda_chunk.cpp"
 ENV_SWITCH = "DELTAMOE_KDA_KERNEL"  # "0" turns the kernel off (A/B runs, a suspect build)
@@ -54,15 +52,7 @@ def _build() -> str | None:
 @functools.cache
 def status() -> str:
     """'on', or why the kernel is not used here."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        return f"off ({ENV_SWITCH}=0)"
-    if not cpu_has_avx2():
-        return f"off (CPU capability {torch.backends.cpu.get_cpu_capability()}, no AVX2)"
-    why = _build()
-    if why is not None:
-        warnings.warn(f"deltamoe KDA chunk kernel {why}; chunk_kda's torch path runs instead", stacklevel=2)
-        return f"off ({why})"
-    return "on"
+    return kernel_status("KDA chunk kernel", ENV_SWITCH, _build, "chunk_kda's torch path")
 
 
 def usable(*tensors: torch.Tensor) -> bool:
