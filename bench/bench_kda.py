@@ -1,6 +1,8 @@
 """KDA prefill: deltamoe `chunk_kda` side by side with transformers' torch chunk KDA
 (`chunk_kimi_delta_attention`, the fallback KimiLinear uses without FLA kernels) and the plain
-token-by-token recurrence `recurrent_kda`, in one run.
+token-by-token recurrence `recurrent_kda`, in one run. `chunk_kda` runs its fused C++ kernel
+(`ops/kda_fused.py`: these calls record no gradient); its torch path (the kernel turned off, what
+training runs) is timed beside it.
 
 With `--compiled` also `compiled_chunk_kda` (ops/kda_compiled.py: each group of chunk steps, terms
 and state pass, one torch.compile call); its first call, which compiles, is the warm-up, its CPU
@@ -41,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import markdown_table, result_name, write_result  # noqa: E402
 from process_memory import ALLOCATORS, keep_freed_memory, minor_faults  # noqa: E402
 
+from deltamoe.ops import kda_fused  # noqa: E402
 from deltamoe.ops.kda import chunk_kda, recurrent_kda  # noqa: E402
 from deltamoe.ops.kda_compiled import compiled_chunk_kda  # noqa: E402
 from deltamoe.ops.kda_gate import kda_gate  # noqa: E402
@@ -112,12 +115,18 @@ def bench_one(seq_len: int, gate: str, repeats: int, head_dim: int = HEAD_DIM, c
               cpu_time: bool = False) -> dict:
     x = make_inputs(seq_len, gate, head_dim=head_dim)
     hf_chunk = transformers_chunk_kda()
+
+    def torch_path():
+        """`chunk_kda` with its fused kernel turned off: training's path (and any call with a gradient)."""
+        with kda_fused.turned_off():
+            return chunk_kda(**x, output_final_state=True, use_qk_l2norm=True)
     paths: dict[str, KdaFn] = {
         "chunk_kda": lambda: chunk_kda(**x, output_final_state=True, use_qk_l2norm=True),
         "transformers": lambda: hf_chunk(
             x["q"], x["k"], x["v"], x["g"], x["beta"], output_final_state=True, use_qk_l2norm_in_kernel=True
         ),
         "recurrent_kda": lambda: recurrent_kda(**x, output_final_state=True, use_qk_l2norm=True),
+        "chunk_kda_torch_path": torch_path,
     }
     if compiled:
         paths["compiled_chunk_kda"] = lambda: compiled_chunk_kda(**x, output_final_state=True, use_qk_l2norm=True)
@@ -139,7 +148,9 @@ def bench_one(seq_len: int, gate: str, repeats: int, head_dim: int = HEAD_DIM, c
             row[f"best_compiled_speedup_{key}"] = best[ref] / best["compiled_chunk_kda"]
         row["compiled_vs_eager"] = times["chunk_kda"] / times["compiled_chunk_kda"]
         row["compile_cpu_s"] = first["compiled_chunk_kda"].cpu_s  # the first call: compile + one run
-    for name in ("chunk_kda", "transformers", *(["compiled_chunk_kda"] if compiled else [])):  # sanity: all agree
+    row["kernel_vs_torch_path"] = times["chunk_kda_torch_path"] / times["chunk_kda"]
+    for name in ("chunk_kda", "chunk_kda_torch_path", "transformers",
+                 *(["compiled_chunk_kda"] if compiled else [])):  # sanity: all agree
         o, s = outputs[name]
         row[f"{name}_max_rel_err"] = max(
             ((o - o_ref).abs().max() / o_ref.abs().max()).item(), ((s - s_ref).abs().max() / s_ref.abs().max()).item()

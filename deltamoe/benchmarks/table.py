@@ -104,6 +104,10 @@ def kda_rows(d: dict) -> list[Row]:
             f"{bold(times(top['speedup_vs_transformers']))} / {bold(times(top['speedup_vs_recurrent']))}"
             + fastest_runs(top, ""),
             verdict(goals, d.get("note")) if goals else ""]]
+    if "chunk_kda_torch_path_s" in top:  # the fused kernel (ops/kda_fused.py) beside the torch path
+        out.append(["same, chunk_kda's torch path (its fused kernel off: `DELTAMOE_KDA_KERNEL=0`, what training runs)",
+                    f"{ms(top['chunk_kda_torch_path_s'])} ms", f"the fused kernel {ms(top['chunk_kda_s'])} ms",
+                    f"kernel {times(top['kernel_vs_torch_path'])} the torch path", ""])
     if "compiled_chunk_kda_s" in top:  # `--compiled`: ops/kda_compiled.py beside the eager op
         first_compile = max(r.get("compile_cpu_s", 0.0) for r in rows)  # the first T compiles; later ones reuse it
         compiled_goals = [(f">= {t[key]:g}x", (vs_recurrence(top, "compiled_") if key == "speedup_vs_recurrent"
