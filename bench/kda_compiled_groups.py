@@ -1,6 +1,8 @@
 """KDA prefill at one T: the plain recurrence, the eager `chunk_kda` and `compiled_chunk_kda`
 (ops/kda_compiled.py) at several chunk steps per compiled call, in one run, as ratios vs the
-recurrence by CPU time and by wall time.
+recurrence by CPU time and by wall time. The eager `chunk_kda` runs its fused C++ kernel here (these
+calls record no gradient; ops/kda_fused.py); `DELTAMOE_KDA_KERNEL=0` times its torch path instead,
+the steps `compiled_chunk_kda` compiles.
 
     .venv/bin/python bench/kda_compiled_groups.py [--seq-len 8192] [--head-dim 128] [--group-chunks 8 16 32] [--threads 2] [--repeats 5] [--quick] [--allocator steady|default]
 

@@ -7,7 +7,8 @@ the model's other blocks in it.
 
 Times are the thread's CPU seconds (one torch thread: a loaded machine's waits count for nothing),
 the best round of each setting. `--chunk-size` runs the KDA chunked op with each fixed longest
-chunk besides its default (`kda.default_chunk_size`), rounds interleaved: 64 is the chunk length
+chunk besides its default (`kda.default_chunk_size`; where the fused kernel runs, as it does
+here, `kda_fused.DEFAULT_CHUNK`), rounds interleaved: 64 is the chunk length
 the model ran before the default followed the head size. Writes bench/results/kda_prefill_share.json.
 """
 
