@@ -3,8 +3,8 @@
 `chunk_kda` (ops/kda.py) runs its steps as torch ops over groups of chunks: at K = V = 128 every
 intermediate of a group is a megabyte that leaves the cache between ops, and the products are
 small batched matmuls. The kernel does the same steps, in the same order, one (batch, head) at a
-time and one chunk after another, every intermediate in per-thread tiles, each product one MKL
-sgemm; threads split the (batch, head) pairs. It computes in fp32 with no autograd, so
+time and one chunk after another, every intermediate in per-thread tiles, each product one call
+of oneDNN's gemm micro-kernel; threads split the (batch, head) pairs. It computes in fp32 with no autograd, so
 `chunk_kda` sends it only calls that record no gradient, in fp32 (not fp64), on the CPU, and
 keeps its own path for the rest; the chunk lengths are `chunk_kda`'s own (the same groups, each
 with `_pick_chunk_size`'s length), so both walk the same chunks and differ only in the order of
@@ -41,6 +41,7 @@ _turned_off = False  # `turned_off()`: the tests and benchmarks time and compare
 
 @functools.cache
 def _build() -> str | None:
+    """Compile and load the extension; None when it loaded, else why not."""
     flags = ["-O3", "-fno-math-errno", "-fopenmp-simd"]
     if torch.backends.cpu.get_cpu_capability() == "AVX512":
         flags += ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma", "-mprefer-vector-width=512"]

@@ -94,7 +94,7 @@ def test_bf16_inputs_compute_in_fp32():
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_one_sequence_one_head_and_thread_counts(threads):
-    """One (batch, head) pair: the call runs on the caller's thread and MKL threads its products."""
+    """One (batch, head) pair (the whole call on one thread), several of one sequence or of one head."""
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -4,9 +4,10 @@
 // UT transform, the state pass), in the same order of operations, but each (batch, head) walks
 // its chunks start to end with every intermediate in a few per-thread buffers (L1/L2 resident),
 // instead of torch ops over whole groups of chunks, whose tensors leave the cache between ops.
-// Threads split the (batch, head) pairs (`at::parallel_for`); inside a thread every product is
-// one single-threaded MKL `sgemm` call (the symbol libtorch_cpu exports). With one pair only,
-// the call runs on the caller's thread and MKL threads its products itself.
+// Threads split the (batch, head) pairs (`at::parallel_for`; one pair runs on one thread); every
+// product is one call of oneDNN's batch-reduce gemm micro-kernel through torch's
+// `at::native::cpublas::brgemm` (which falls back to torch's gemm where oneDNN has none): it packs
+// nothing, where a BLAS sgemm call packs both operands of these small products every time.
 //
 // Per chunk of n tokens (C at most), with H_i = g_1 + ... + g_i, r = H_{n-1} / 2, e_i = H_i - r:
 //   qh = scale q e^{e}, kh = k e^{e}, kf = k e^{-e}            (q, k l2-normalised if asked)
@@ -31,22 +32,7 @@
 #pragma omp declare simd notinbranch
 extern "C" float expf(float);
 
-// Fortran BLAS sgemm, as MKL in libtorch_cpu exports it (column-major).
-extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
-                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
-                       const float* beta, float* c, const int* ldc);
-
 namespace {
-
-// Row-major C[m, n] = op(A)[m, k] op(B)[k, n] + beta C. op(A) = A (stored [m, k]) or, with
-// `trans_a`, A^T (stored [k, m]); same for B. A row-major matrix is its transpose column-major,
-// so this asks BLAS for C^T = op(B)^T op(A)^T.
-void gemm(bool trans_a, bool trans_b, int m, int n, int k, const float* a, int lda, const float* b, int ldb,
-          float beta, float* c, int ldc) {
-  if (m == 0 || n == 0) return;
-  const float one = 1.0f;
-  sgemm_(trans_b ? "T" : "N", trans_a ? "T" : "N", &n, &m, &k, &one, b, &ldb, a, &lda, &beta, c, &ldc);
-}
 
 // Row-major C[m, n] (+)= A[m, k] B[k, n] through oneDNN's batch-reduce gemm micro-kernel.
 void gemm_nn(int m, int n, int k, const float* a, int lda, const float* b, int ldb, bool accumulate, float* c,
@@ -160,8 +146,8 @@ inline void store_sum(float* dst, const float* a, const float* b, int n) {
 
 // One chunk of n tokens starting at token t0 of pair (b, h); its `state` [K, V] is updated in place.
 void chunk_step(const float* q, const float* k, const float* v, const float* g, const float* beta, float* out,
-                float* state, const Shapes& s, int64_t b, int64_t h, int64_t t0, int n, int C, float scale, bool l2norm, float eps,
-                Tiles& t, const NextRows& next) {
+                float* state, const Shapes& s, int64_t b, int64_t h, int64_t t0, int n, int C, float scale,
+                bool l2norm, float eps, Tiles& t, const NextRows& next) {
   const int K = static_cast<int>(s.K), V = static_cast<int>(s.V);
   const int64_t row_k = s.H * s.K, row_v = s.H * s.V;  // strides of one token in [B, T, H, *]
   const int64_t first = (b * s.T + t0) * s.H + h;       // the chunk's first row (in units of a head row)
