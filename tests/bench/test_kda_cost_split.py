@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltamoe.ops import kda
+from deltamoe.ops import kda, kda_fused
 
 
 def test_stages_add_up_and_the_op_is_restored(monkeypatch, bench_script) -> None:
@@ -32,7 +32,7 @@ def test_stages_add_up_and_the_op_is_restored(monkeypatch, bench_script) -> None
 def test_op_kinds_of_one_run(bench_script) -> None:
     script = bench_script("kda_cost_split")
     x = script.make_inputs(64, "softplus", head_dim=8)
-    with torch.no_grad():
+    with torch.no_grad(), kda_fused.turned_off():  # the torch path's ops (the fused kernel has none to split)
         ops, matmuls = script.op_split(lambda: kda.chunk_kda(**x, use_qk_l2norm=True, chunk_size=16))
     assert set(ops) == {"matmul", "solve", "allocation", "rest"}
     assert ops["matmul"] > 0 and ops["solve"] > 0 and ops["rest"] > 0
