@@ -8,7 +8,7 @@ extras="${1:-}"
 # System packages, installed when missing in one apt step (quick when present; needs root, as in
 # CI). The Mooncake transfer engine (prefill/decode hand-off) loads libibverbs.so.1 (absent on a
 # fresh Debian/Ubuntu machine), libnuma.so.1 and libcurl.so.4; Inductor's compiled decode and the
-# int4 kernel (deltamoe/ops/csrc) build with a C++ compiler.
+# C++ kernels (deltamoe/ops/csrc: one-row int4, fused KDA chunks) build with a C++ compiler.
 missing=()
 for lib in "libibverbs.so.1:libibverbs1" "libnuma.so.1:libnuma1" "libcurl.so.4:libcurl4"; do
   ldconfig -p 2>/dev/null | grep -q "${lib%%:*} " || missing+=("${lib##*:}")
@@ -19,7 +19,7 @@ if [ ${#missing[@]} -gt 0 ]; then
     # a fresh machine has no package lists yet: update first, then install
     apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >/dev/null
   else
-    echo "warning: missing ${missing[*]} (the P/D hand-off needs the libraries, compiled decode and the int4 kernel a C++ compiler): apt-get install -y ${missing[*]}" >&2
+    echo "warning: missing ${missing[*]} (the P/D hand-off needs the libraries, compiled decode and the C++ kernels a C++ compiler): apt-get install -y ${missing[*]}" >&2
   fi
 fi
 python3 -m venv .venv
@@ -34,5 +34,8 @@ if .venv/bin/python -c "import triton" 2>/dev/null; then
   echo "error: triton is installed in .venv; transformers would route KimiLinear to triton kernels that fail on CPU" >&2
   exit 1
 fi
-# Build the one-row int4 kernel now (about a minute; cached), not in the first int4 decode step.
+# Build the C++ kernels now (cached under torch's extensions folder), not in the first int4 decode
+# step or the first prefill: the one-row int4 kernel (about a minute) and the fused KDA chunk kernel
+# (~10 s), which every prefill, evaluation and server start would otherwise wait for once.
 .venv/bin/python -c "from deltamoe.ops import int4_matvec as m; print('int4 one-row kernel:', m.status())"
+.venv/bin/python -c "from deltamoe.ops import kda_fused as k; print('KDA chunk kernel:', k.status())"

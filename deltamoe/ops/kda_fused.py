@@ -10,7 +10,8 @@ keeps its own path for the rest; the chunk lengths are `chunk_kda`'s own (the sa
 with `_pick_chunk_size`'s length), so both walk the same chunks and differ only in the order of
 fp32 sums (tests/ops/test_kda_fused.py holds both to `recurrent_kda`).
 
-Built on first use (`cpp_build`; g++ and ninja) with the vector exps of glibc's libmvec. Without
+Built by `scripts/bootstrap.sh` at setup, else on first use (`cpp_build`; g++ and ninja; ~10 s,
+cached), with the vector exps of glibc's libmvec. Without
 a compiler or AVX2, or with `DELTAMOE_KDA_KERNEL=0`, `chunk_kda` keeps its torch path;
 `status()` says which and why.
 """

@@ -17,11 +17,12 @@
 //   [w; qd] S -> delta = u - w S,  o = qd S + M delta,  S = S e^{g_0 + 2r} + kd^T delta
 // All in fp32. The contract is `chunk_kda`'s: only the order of fp32 sums differs.
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <immintrin.h>
 #include <math.h>
-#include <torch/extension.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -301,11 +302,11 @@ void chunk_step(const float* q, const float* k, const float* v, const float* g, 
 // `segments`: (first token, end token, chunk length) triples covering [0, T) in order, each run
 // cut into chunks of its own length (`chunk_kda`'s groups, each with its `_pick_chunk_size`).
 // Returns o [B, T, H, V] fp32.
-torch::Tensor chunk_forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                            const torch::Tensor& g, const torch::Tensor& beta, torch::Tensor state,
+at::Tensor chunk_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& g, const at::Tensor& beta, at::Tensor state,
                             at::IntArrayRef segments, double scale, bool l2norm, double eps) {
-  for (const torch::Tensor* x : {&q, &k, &v, &g, &beta, const_cast<const torch::Tensor*>(&state)}) {
-    TORCH_CHECK(x->device().is_cpu() && x->scalar_type() == torch::kFloat32 && x->is_contiguous(),
+  for (const at::Tensor* x : {&q, &k, &v, &g, &beta, const_cast<const at::Tensor*>(&state)}) {
+    TORCH_CHECK(x->device().is_cpu() && x->scalar_type() == at::kFloat && x->is_contiguous(),
                 "kda chunk kernel: expected contiguous fp32 CPU tensors");
   }
   TORCH_CHECK(q.dim() == 4 && v.dim() == 4 && beta.dim() == 3, "kda chunk kernel: expected q [B, T, H, K]");
@@ -324,7 +325,7 @@ torch::Tensor chunk_forward(const torch::Tensor& q, const torch::Tensor& k, cons
     longest = std::max(longest, segments[i + 2]);
   }
   TORCH_CHECK(covered == s.T, "kda chunk kernel: segments must end at T");
-  auto out = torch::empty({s.B, s.T, s.H, s.V}, v.options());
+  auto out = at::empty({s.B, s.T, s.H, s.V}, v.options());
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
@@ -367,5 +368,5 @@ torch::Tensor chunk_forward(const torch::Tensor& q, const torch::Tensor& k, cons
 TORCH_LIBRARY(deltamoe_kda, m) {
   m.def("chunk_forward(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, int[] segments, "
         "float scale, bool l2norm, float eps) -> Tensor");
-  m.impl("chunk_forward", torch::kCPU, &chunk_forward);
+  m.impl("chunk_forward", c10::DispatchKey::CPU, &chunk_forward);
 }
