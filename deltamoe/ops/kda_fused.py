@@ -11,9 +11,8 @@ with `_pick_chunk_size`'s length), so both walk the same chunks and differ only 
 fp32 sums (tests/ops/test_kda_fused.py holds both to `recurrent_kda`).
 
 Built by `scripts/bootstrap.sh` at setup, else on first use (`cpp_build`; g++ and ninja; ~10 s,
-cached), with the vector exps of glibc's libmvec. Without
-a compiler or AVX2, or with `DELTAMOE_KDA_KERNEL=0`, `chunk_kda` keeps its torch path;
-`status()` says which and why.
+cached), with the vector exps of glibc's libmvec. Without a compiler or AVX2, or with
+`DELTAMOE_KDA_KERNEL=0`, `chunk_kda` keeps its torch path; `status()` says which and why.
 """
 
 from __future__ import annotations
