@@ -1,8 +1,9 @@
-"""Where `chunk_kda`'s torch path spends its time (the fused kernel, `ops/kda_fused.py`, which
-inference calls take by default, is turned off here: it has no stages to split): the state-independent part (layout, decay factors, M and L, the
-triangular solve, U and W; batched over all chunks of a group) against the sequential state pass
-(one chunk after another), each split further into matmuls, the triangular solve and the rest
-(elementwise products, exp, layout copies, tril), and the copies of o into token order.
+"""Where `chunk_kda`'s torch path spends its time: the state-independent part (layout, decay
+factors, M and L, the triangular solve, U and W; batched over all chunks of a group) against the
+sequential state pass (one chunk after another), each split further into matmuls, the triangular
+solve and the rest (elementwise products, exp, layout copies, tril), and the copies of o into token
+order. (The fused kernel, `ops/kda_fused.py`, which inference calls take by default, is turned off
+here: it has no stages to split.)
 
     .venv/bin/python bench/kda_cost_split.py [--seq-len 8192] [--head-dim 128] [--chunk-size 64 32] [--threads 2] [--decay-scale 0.25] [--allocator steady|default]
 

@@ -37,5 +37,5 @@ fi
 # Build the C++ kernels now (cached under torch's extensions folder), not in the first int4 decode
 # step or the first prefill: the one-row int4 kernel (about a minute) and the fused KDA chunk kernel
 # (~10 s), which every prefill, evaluation and server start would otherwise wait for once.
-.venv/bin/python -c "from deltamoe.ops import int4_matvec as m; print('int4 one-row kernel:', m.status())"
-.venv/bin/python -c "from deltamoe.ops import kda_fused as k; print('KDA chunk kernel:', k.status())"
+.venv/bin/python -c "from deltamoe.ops import int4_matvec as m, kda_fused as k
+print('int4 one-row kernel:', m.status()); print('KDA chunk kernel:', k.status())"

@@ -292,7 +292,7 @@ def chunk_kda(
     """
     (b, t, h, dk, dv), scale, checked_chunk = _check_chunked_inputs(q, k, v, g, beta, initial_state, chunk_size, scale)
     dtype = _compute_dtype(q, k, v, g, beta)
-    fused = dtype == torch.float32 and checked_chunk <= kda_fused.MAX_CHUNK and kda_fused.usable(
+    fused = checked_chunk <= kda_fused.MAX_CHUNK and kda_fused.usable(  # usable: fp32 compute, no autograd, CPU
         q, k, v, g, beta, *(() if initial_state is None else (initial_state,)))
     chunk_size = kda_fused.DEFAULT_CHUNK if fused and chunk_size is None else checked_chunk
     state = q.new_zeros(b * h, dk, dv, dtype=dtype) if initial_state is None else initial_state.to(dtype)
