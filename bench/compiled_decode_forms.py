@@ -1,6 +1,6 @@
 """Compiled decode forms side by side on the offline benchmark's model: eager, regions (the default), the whole call (C++ and Python launcher) and one call over `nested_compile_region` layer bodies.
 
-Backs docs/serving.md ("Ways to cut that cost"): each form's warm-up (`LLMEngine.warm_up`, every
+Backs docs/serving-compiled.md ("Ways to cut that cost"): each form's warm-up (`LLMEngine.warm_up`, every
 graph class; CPU seconds of the process, inductor's compiles included) and its decode rate over
 `--prompts` x `--new` tokens (best of `--rounds`, wall and CPU; a first round may still include a
 compile, so keep two rounds or more). All forms run in one process on one fresh inductor cache, in

@@ -1,6 +1,6 @@
 """Decode step of the compiled forms side by side: CPU ms per step at batch 1 / 16 / 64, one process, the forms interleaved.
 
-Backs docs/serving.md ("Whole-layer regions"): each variant is an engine of its own on its own
+Backs docs/serving-compiled.md ("Whole-layer regions"): each variant is an engine of its own on its own
 copy of the preset (so no graph is shared between variants), warmed up (`LLMEngine.warm_up`, every
 graph class), then timed round after round, the variants in turn, so a loaded machine disturbs
 them alike; the best round of each is kept. One torch thread; CPU time of the process

@@ -12,7 +12,7 @@ last evaluated state, OUT/trunk the trunk's training run, and OUT/spec_recipe.js
 Why the two stages: the tasks score only answer bytes and their keys and values are random, so the
 MTP loss during training teaches the MTP layer little about what the trunk writes; drafts are kept
 when they equal the trunk's own greedy tokens, so the MTP layer is then fitted to those, on new
-examples every step (no row to memorise: only a copy rule lowers the loss). See docs/serving.md,
+examples every step (no row to memorise: only a copy rule lowers the loss). See docs/serving-speculative.md,
 "Fresh task answers every step".
 
     python bench/spec_train_recipe.py OUT [--seed S] [--until HH:MM] [--trunk-steps N]

@@ -16,7 +16,7 @@ Forms (`FORMS`), the same results:
 Not a third form: one guarded call over layer bodies marked `torch.compiler.nested_compile_region`
 (compiled once per kind, stamped out per layer). Inductor's C++ launcher (`cpp_wrapper`) cannot
 emit such a subgraph, and with the Python launcher the compile is no shorter than the whole
-graph's and the step slower than the regions' (docs/serving.md, "Ways to cut that cost").
+graph's and the step slower than the regions' (docs/serving-compiled.md, "Ways to cut that cost").
 
 Everything torch.compile needs to know lives here: the compiled callable and its options, the
 shape settings, the model form it traces, the rule the cache view's block tables follow, and the
@@ -50,7 +50,7 @@ size 1 into graphs of their own): over a small expert stack the regions run it a
 its row (`CompiledDecode.with_min_rows`), in whole layers as many as the experts' all-experts
 form needs, sharing the batches' graphs. Over a large expert stack (`small`: 50 MB a layer) or
 int4 stacks a copy would read the gathered experts a second time (the two-row step of `small`
-ran at 0.6-0.8x the one-row one, docs/serving.md); there batch 1 runs as one row through graphs
+ran at 0.6-0.8x the one-row one, docs/serving-compiled.md); there batch 1 runs as one row through graphs
 of its own. Dense MLPs stay eager in the "parts" form. For `tiny` that leaves three graphs in whole layers (the
 dense first layer, the KDA and the DSA layer, all experts at once) and four in "parts" (KDA and
 DSA attention, the MoE in both forms). The whole call as one graph keeps batch 1 as a class of its own, rewritten by
@@ -208,7 +208,7 @@ def copies_reread_experts(model: torch.nn.Module) -> bool:
     gathers each row's top-k experts, a copy's too), or int4 stacks (their static form runs
     every row against every gathered expert, so a copy doubles the gather and kernel reads).
     A small stack (`tiny`: 1.2 MB a layer) stays in cache: its copies cost less than the
-    graphs' compile at a first start (docs/serving.md, Compiled decode)."""
+    graphs' compile at a first start (docs/serving-compiled.md, Compiled decode)."""
     return holds_int4_expert_stacks(model) or largest_expert_stack_bytes(model) > SMALL_EXPERT_STACK_BYTES
 
 
@@ -359,7 +359,7 @@ def compile_for_decode(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.T
     # by one. The matvec pass turns one-sequence decode's [1, K] @ [K, N] calls into fused
     # reductions (decode_matvec_pass.py). Not `cpp_wrapper_build_separate` (the launcher at -O1
     # apart from the kernels): it shortens a first start, but the multi-step, attention + FFN and
-    # whole-call graphs decode 20-30 % slower with it (docs/serving.md).
+    # whole-call graphs decode 20-30 % slower with it (docs/serving-compiled.md).
     return torch.compile(fn, dynamic=True, recompile_limit=RECOMPILE_LIMIT,
                          options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
                                   "cpp_wrapper": True,

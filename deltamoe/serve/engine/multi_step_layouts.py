@@ -16,7 +16,7 @@ def check_multi_step(num_scheduler_steps: int, workers: bool, transfers: bool) -
                               hint="drop --num-scheduler-steps")
 
 
-# `generate`'s windows when --num-scheduler-steps is not given (docs/serving.md, "Multi-step decode": offline
+# `generate`'s windows when --num-scheduler-steps is not given (docs/serving-compiled.md, "Multi-step decode": offline
 # 64 x 128 tokens on Kimi Linear tiny, compiled, the same tokens in fewer trips through the scheduler). `serve`
 # keeps one step at a time unless asked: windows stream in bursts and hold back arrivals until a window ends.
 GENERATE_DEFAULT_STEPS = 8

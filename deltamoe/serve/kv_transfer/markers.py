@@ -3,7 +3,7 @@
 The transfer engine's own notice (`MooncakeTransport.notices`) is not sent on the data connections:
 the engine opens a connection of its own to the peer's handshake port for each one (connect, a JSON
 message, the peer's reply, close), so telling the receiver cost more than the bytes at small sizes
-(docs/serving.md: a 0.24 MiB raw write took ~0.1 ms back to back, the same write with its notice
+(docs/serving-disagg.md: a 0.24 MiB raw write took ~0.1 ms back to back, the same write with its notice
 ~0.9 ms until the receiver had it). A marker instead rides on the connection lanes the data took:
 once the hand-off's write completed (the engine acknowledges a write only once its bytes are in the
 receiver's memory), the prefill side writes the marker's word into a registered board on the decode

@@ -22,7 +22,7 @@ caller's deadline counts as failed too.
 One waiter at a time: every call that waits in C++ (the synchronous writes, the wait for a batch)
 spins on the batch's status without sleeping, a whole core per waiting thread, and with several
 hand-offs in flight the spinners starve the transfer engine's own threads that move the bytes (see
-docs/serving.md for the measurement). So a waiter first takes the transport's waiter lock, asleep while another
+docs/serving-disagg.md for the measurement). So a waiter first takes the transport's waiter lock, asleep while another
 holds it; the batches it waits for travel meanwhile. It takes the lock for at most
 `WAITER_PATIENCE_S`, then waits anyway: a write to a peer that stalls (the engine's timeout is
 seconds) delays the others' waits by that much, not by the timeout.
@@ -49,7 +49,7 @@ a hand-off it starts itself), and each connection starts cold (TCP slow start, a
 peer's one I/O thread): a hand-off pays that once per segment and once more for its notice's write.
 The engine's connection lanes (`MC_TCP_ENABLE_CONNECTION_POOL`) keep a few connections per peer
 open, connect them asynchronously and queue each write on one; the transport turns them on unless
-the variable is set (0 turns them off; docs/serving.md has the measurement). The raw writes that
+the variable is set (0 turns them off; docs/serving-disagg.md has the measurement). The raw writes that
 `bench/bench_serve_disagg.py` compares against go through this class too, so both sides of that
 ratio use the same connections. A lane whose peer died fails its write and is dropped; a restarted
 peer listens on a new port, hence is a new peer name.

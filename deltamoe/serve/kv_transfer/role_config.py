@@ -10,7 +10,7 @@ DIRECT_MAX_SEGMENTS = 32  # `HandOffConfig.direct_max_segments`'s default, here 
 INLINE_WRITE = "8MiB"  # `HandOffConfig.inline_write_bytes`'s default, likewise
 # `HandOffConfig.markers`'s default, likewise: off, since on a quiet machine the transfer engine's notice
 # (one write carrying it) landed small and mid-sized hand-offs sooner than a marker's second write did
-# (docs/serving.md, "Completion markers").
+# (docs/serving-disagg.md, "Completion markers").
 MARKERS = False
 
 

@@ -6,7 +6,7 @@ K + 1 tokens one at a time and hands this view the conv and recurrent state afte
 last draft. Once the accepted length a is known, `restore(row, a)` writes the state after
 position a (the pending token plus a drafts) back into the row's slot: SGLang's approach. The
 other option, restoring the state from before the step and replaying the accepted tokens
-through the model, costs a second forward whenever a draft is rejected (docs/serving.md).
+through the model, costs a second forward whenever a draft is rejected (docs/serving-speculative.md).
 Latent and indexer rows past the accepted length need no rollback: attention never reads a
 position at or past a row's computed length, and the next step overwrites them.
 """

@@ -21,7 +21,7 @@ slower kind once per engine, and again every `RECHECK_AFTER` plain decisions the
 acceptance a batch size saw last may no longer hold). Why measured, not a fixed batch limit: at batch 1 a CPU step is
 bound by per-op overhead and a verification of K + 1 positions costs little more than a plain
 step, while from batch 2 or 3 on it costs nearly its share of positions (`tiny`, compiled: see
-docs/serving.md); where the crossover falls depends on the model, K, the machine, and the
+docs/serving-speculative.md); where the crossover falls depends on the model, K, the machine, and the
 acceptance the traffic gets, none of which a constant knows.
 """
 
