@@ -2,7 +2,7 @@
 (`ops.int4_matvec`) and Inductor-compiled dequantise-and-reduce expressions, for the shapes of a
 `small` decode step.
 
-Which form runs a batch-1 int4 step's weight reads is chosen by this measurement (docs/model.md,
+Which form runs a batch-1 int4 step's weight reads is chosen by this measurement (docs/quantization.md,
 "Where a batch-1 int4 decode step's time goes"). Two questions, each answered as a ratio in one run:
 
 - dense projections: `aten._weight_int4pack_mm_for_cpu` at one row (`ops.int4_matmul.int4_matmul`

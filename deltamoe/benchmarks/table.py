@@ -548,7 +548,7 @@ def quant_rows(d: dict) -> list[Row]:
     out = []
     # Eager rows, then compiled ones where the run has them (`--compile`), each against the baselines
     # decoded the same way (compiled: batch 1 as the engine runs it, one row on this preset; the
-    # run's "compiled, two rows" baselines, the form before, are for docs/model.md, not the table). The int4 rows (rest bf16 as published; rest fp32 where the run has it)
+    # run's "compiled, two rows" baselines, the form before, are for docs/quantization.md, not the table). The int4 rows (rest bf16 as published; rest fp32 where the run has it)
     # against both full-precision baselines: the goal holds against each one the run names a target for.
     for decode in ("eager", "compiled"):
         speed = {r["format"]: r for r in d["speed"] if r.get("decode", "eager") == decode}
