@@ -54,7 +54,9 @@ ran at 0.6-0.8x the one-row one, docs/serving-compiled.md); there batch 1 runs a
 of its own. Dense MLPs stay eager in the "parts" form. For `tiny` that leaves three graphs in whole layers (the
 dense first layer, the KDA and the DSA layer, all experts at once) and four in "parts" (KDA and
 DSA attention, the MoE in both forms). The whole call as one graph keeps batch 1 as a class of its own, rewritten by
-the one-row matmul pass. Each class compiles once per process (its regions: seconds each on two
+the one-row matmul pass. Copies attend over their row's whole context, so a call of fewer rows than
+`min_rows` runs eagerly once its copies would gather more than `COPIES_MAX_EXTRA_VALUES` a step
+(`CompiledDecode.runs`): a lone long sequence. Each class compiles once per process (its regions: seconds each on two
 cores; inductor caches them on disk). `LLMEngine.warm_up` sends the requests of `warm_up_rounds`
 through the scheduler so every class compiles before traffic. Prefill chunks stay eager: their
 lengths vary and they are a small share of the steps.
@@ -78,7 +80,7 @@ import os
 import platform
 import uuid
 from dataclasses import dataclass
-from typing import Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
@@ -101,6 +103,14 @@ RECOMPILE_LIMIT = 64
 # form in the whole-layer regions, from up to this many copies of the row (`rows_skipping_expert_gather`).
 SMALL_EXPERT_STACK_BYTES = 4 << 20
 MAX_ROW_COPIES = 4
+# A call of fewer rows than `min_rows` runs as copies of its rows (`with_min_rows`), and every copy
+# gathers its row's whole context and attends over it. Past this many values gathered a step for
+# the copies alone (extra rows x context x `context_values_per_position`), they cost more than
+# compiling saves and the call runs eagerly (`CompiledDecode.runs`). Measured on a quiet AVX-512
+# Xeon with bench_serve_dsa_decode.py's models at batch 1 (4 copies, one thread): compiled was the
+# faster up to ~1.5k tokens of dense MLA (144 values a position) and ~5k of DSA (32: its indexer
+# keys; it reads latents only for the top-k); at 32k, eager 6.4x (dense) and 1.8x (DSA) faster.
+COPIES_MAX_EXTRA_VALUES = 600_000
 # The forms of the compiled call (`CompiledDecode`), the default first.
 FORMS = COMPILE_FORMS
 # The per-row lists of a runner call (`runner.ModelCall`): what `CompiledDecode.with_min_rows` repeats.
@@ -153,12 +163,24 @@ class CompiledDecode:
         self.form = form
         regional = form != "whole"
         self.min_rows = batch_one_rows(model, form)
+        self._values_per_position = context_values_per_position(model.config)
         self._model, self._key = decode_form(model, key if regional else None, form), key
         self._call = _decode_call if regional else _compiled_call()
 
     def __call__(self, input_ids: torch.Tensor, view: object) -> torch.Tensor:
         with decode_tracing():  # once per call, not per region call
             return self._call(self._model, self._key, input_ids, view)
+
+    def runs(self, group: list[tuple[Any, int]]) -> bool:
+        """Whether a decode call of these (sequence, tokens) rows goes through the compiled graphs:
+        always when it has `min_rows` rows; else only while its copies' share of the context
+        (`COPIES_MAX_EXTRA_VALUES`) stays small, so that a lone long sequence decodes eagerly."""
+        rows = len(group)
+        if rows >= self.min_rows:
+            return True
+        extra_rows = -(-self.min_rows // rows) * rows - rows
+        context = max(seq.num_computed for seq, _ in group) + 1
+        return extra_rows * context * self._values_per_position <= COPIES_MAX_EXTRA_VALUES
 
     def with_min_rows(self, call: CallT, ids: torch.Tensor | None = None) -> tuple[CallT, torch.Tensor | None]:
         """The runner's call (`runner.ModelCall`) and its ids [B, 1] (when given), each row repeated up
@@ -181,6 +203,13 @@ class CompiledDecode:
         with decode_tracing():
             out = self._model(input_ids, cache=view, logits_to_keep=1)
         return out.logits, out.hidden_states
+
+
+def context_values_per_position(config: ModelConfig) -> int:
+    """Values a decode step gathers for each past position, over the attention layers: a DSA
+    layer its indexer key (latents only for the top-k), a dense MLA layer its latent row."""
+    return sum(config.index_head_dim if kind == "dsa" else config.latent_cache_dim
+               for kind in config.layer_types if kind in ("mla", "dsa"))
 
 
 def batch_one_rows(model: torch.nn.Module, form: str) -> int:

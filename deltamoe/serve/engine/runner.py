@@ -92,8 +92,9 @@ class ModelRunner:
 
     def plan(self, batch: ScheduledBatch) -> list[tuple[list[tuple[Sequence, int]], ModelCall]]:
         """The step's model calls (the decodes, T = 1, first), each with the items it computes."""
-        compiled = self._compiled_decode is not None
-        return [(group, ModelCall.of(group, compiled)) for group in pack_calls(batch.items)]
+        compiled = self._compiled_decode
+        return [(group, ModelCall.of(group, compiled is not None and compiled.runs(group)))
+                for group in pack_calls(batch.items)]
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[StepResult]:

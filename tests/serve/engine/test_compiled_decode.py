@@ -199,6 +199,36 @@ def test_warm_up_compiles_every_graph_traffic_meets(form, graphs, helpers):
     assert_greedy_matches(model, [[i, i + 1, 9] for i in range(6)], [c.token_ids for c in outs[2]])
 
 
+def test_a_lone_long_sequence_decodes_eagerly(models, helpers, monkeypatch):
+    """A call of fewer rows than `min_rows` runs as copies of its rows, each gathering and attending
+    over the whole context: once the copies' share passes `COPIES_MAX_EXTRA_VALUES` the call runs
+    eagerly (the limit lowered here to a context of 24 tokens, so that a 16-token prompt crosses it
+    mid-generation). Its greedy tokens still equal plain greedy decoding; a call of `min_rows`
+    rows stays compiled at any context."""
+    from types import SimpleNamespace
+
+    model = models["kimi_linear"]
+    engine = LLMEngine(model, config=EngineConfig(cache_memory="16MiB", compile_decode=True))
+    compiled = engine.runner._compiled_decode
+    assert compiled.min_rows > 1
+    per_position = compiled_decode.context_values_per_position(model.config)
+    assert per_position == model.config.latent_cache_dim  # one dense MLA layer
+    monkeypatch.setattr(compiled_decode, "COPIES_MAX_EXTRA_VALUES", (compiled.min_rows - 1) * 24 * per_position)
+    contexts = []
+    call = compiled._call
+    compiled._call = lambda m, key, ids, view: contexts.append(int(view.past_lengths.max()) + 1) or call(m, key, ids, view)
+    prompt = helpers.prompts(1, 16, 16, seed=7)[0]
+    out = [c.token_ids for c in engine.generate([prompt], GREEDY, progress=False)]
+    assert contexts == list(range(17, 25))  # the decode steps at contexts 25..28 ran eagerly
+    assert_greedy_matches(model, [prompt], out)
+
+    def group(rows: int, context: int) -> list:
+        return [(SimpleNamespace(num_computed=context - 1), 1)] * rows
+
+    assert compiled.runs(group(1, 24)) and not compiled.runs(group(1, 25))
+    assert compiled.runs(group(compiled.min_rows, 1 << 20))
+
+
 def test_a_large_expert_stack_decodes_batch_one_as_one_row(helpers, monkeypatch):
     """Over an expert stack counted as large (`compiled_decode.copies_reread_experts`; the threshold
     lowered so that a two-layer model's stack is over it) the compiled regions run a lone sequence
