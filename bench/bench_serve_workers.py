@@ -40,14 +40,18 @@ from deltamoe.serve.engine.llm_engine import LLMEngine  # noqa: E402
 from deltamoe.serve.engine.sampling import SamplingParams  # noqa: E402
 from deltamoe.serve.executor.config import WorkerConfig  # noqa: E402
 
-# key (`--layouts`) -> (label, tp, ep, async scheduling); the first is the reference every run starts with
-LAYOUTS = {"1": ("1 process", 1, 1, False), "1-async": ("1 process, async scheduling", 1, 1, True),
-           "tp2": ("tp 2", 2, 1, False), "ep2": ("ep 2", 1, 2, False),
-           "tp2-async": ("tp 2, async scheduling", 2, 1, True), "ep2-async": ("ep 2, async scheduling", 1, 2, True)}
+# key (`--layouts`) -> (label, tp, ep, async scheduling, compiled decode); the first is the reference
+# every run starts with
+LAYOUTS = {"1": ("1 process", 1, 1, False, False), "1-async": ("1 process, async scheduling", 1, 1, True, False),
+           "tp2": ("tp 2", 2, 1, False, False), "ep2": ("ep 2", 1, 2, False, False),
+           "tp2-async": ("tp 2, async scheduling", 2, 1, True, False),
+           "ep2-async": ("ep 2, async scheduling", 1, 2, True, False),
+           "1-compiled": ("1 process, compiled", 1, 1, False, True), "tp2-compiled": ("tp 2, compiled", 2, 1, False, True),
+           "ep2-compiled": ("ep 2, compiled", 1, 2, False, True)}
 SPEC = (64, 128)  # the issue's workload: prompts x new tokens
 
 
-def chosen_layouts(keys: str | None) -> list[tuple[str, int, int, bool]]:
+def chosen_layouts(keys: str | None) -> list[tuple[str, int, int, bool, bool]]:
     """The one-process reference, then the layouts `keys` names (comma-separated; None: all)."""
     names = list(LAYOUTS) if keys is None else ["1"] + [k.strip() for k in keys.split(",") if k.strip() != "1"]
     unknown = [k for k in names if k not in LAYOUTS]
@@ -108,12 +112,14 @@ def main() -> None:
 
     results: dict[str, dict] = {}
     reference: list[list[int]] | None = None
-    for label, tp, ep, async_scheduling in layouts:
+    for label, tp, ep, async_scheduling, compiled in layouts:
         torch.set_num_threads(args.threads)  # a replica divides them among its ranks
         print(f"{label}: starting", file=sys.stderr)
         layout_start = time.perf_counter()
-        engine = LLMEngine.from_pretrained(model, EngineConfig(**config, async_scheduling=async_scheduling),
+        engine = LLMEngine.from_pretrained(model, EngineConfig(**config, async_scheduling=async_scheduling,
+                                                               compile_decode=compiled),
                                            workers=WorkerConfig(tp=tp, ep=ep))
+        engine.warm_up()  # compiled decode: every graph the run meets, on every rank, as a server's start-up does
         startup = time.perf_counter() - layout_start
         try:
             timed_run(engine, prompts[:4], 8)  # warm-up
@@ -127,7 +133,8 @@ def main() -> None:
         wall = time.perf_counter() - layout_start
         assert all(len(t) == new for t in outputs), f"{label}: a request ended early"
         reference = reference if reference is not None else outputs
-        results[label] = {"tp": tp, "ep": ep, "async_scheduling": async_scheduling, "seconds": best,
+        results[label] = {"tp": tp, "ep": ep, "async_scheduling": async_scheduling, "compile_decode": compiled,
+                          "seconds": best,
                           "tokens_per_s": n * new / best, "mean_tpot_ms": statistics.mean(best_tpot) * 1e3,
                           "p50_tpot_ms": statistics.median(best_tpot) * 1e3,
                           "greedy_equal_to_one_process": sum(a == b for a, b in zip(outputs, reference)) / n,
@@ -138,12 +145,14 @@ def main() -> None:
     base = results["1 process"]["tokens_per_s"]
     speedups = {f"{label} vs {base_label}": results[label]["tokens_per_s"] / results[base_label]["tokens_per_s"]
                 for base_label, label in (("1 process", "1 process, async scheduling"),
-                                          ("tp 2", "tp 2, async scheduling"), ("ep 2", "ep 2, async scheduling"))
+                                          ("tp 2", "tp 2, async scheduling"), ("ep 2", "ep 2, async scheduling"),
+                                          ("1 process", "1 process, compiled"), ("tp 2", "tp 2, compiled"),
+                                          ("ep 2", "ep 2, compiled"))
                 if label in results and base_label in results}
     path = write_result(result_name("serve_workers", quick), {
         "workload": {"model": model, "prompts": n, "new_tokens": new, "prompt_lengths": "16..64", "greedy": True},
         "threads": args.threads, "rounds": rounds, "layouts": results, "quick": quick,
-        "async_scheduling_speedups": speedups,
+        "speedups": speedups,
         "wall_seconds": sum(r["wall_seconds"] for r in results.values())})
     rows = [[label, f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s'] / base:.2f}x", f"{r['mean_tpot_ms']:.1f}",
              f"{r['p50_tpot_ms']:.1f}", f"{r['greedy_equal_to_one_process']:.0%}", f"{r['wall_seconds']:.0f}"]
@@ -152,7 +161,7 @@ def main() -> None:
     print(markdown_table(["layout", "output tokens/s", "vs 1 process", "TPOT mean ms", "TPOT p50 ms",
                           "greedy = 1 process", "layout wall s"], rows))
     for name, ratio in speedups.items():
-        print(f"async scheduling: {name} {ratio:.2f}x")
+        print(f"{name}: {ratio:.2f}x")
     print(f"\nwrote {path}")
 
 

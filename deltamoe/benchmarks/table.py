@@ -463,9 +463,12 @@ def serve_workers_rows(d: dict) -> list[Row]:
              f"tokens, {d['threads']} threads per layout " + command("serve_workers"))
     rows: list[Row] = []
     for name, r in layouts.items():
+        # Compiled layouts compare with the compiled one-process run (the eager one is its own row).
+        ref = "1 process, compiled" if r.get("compile_decode") and name != "1 process, compiled" \
+            and "1 process, compiled" in layouts else "1 process"
         rows.append([f"{label}: {name}" if not rows else f"same, {name}",
                      f"{rate(r['tokens_per_s'])} tok/s; TPOT {r['mean_tpot_ms']:.0f} ms",
-                     "1 process" if name != "1 process" else "", times(r["tokens_per_s"] / base),
+                     ref if name != "1 process" else "", times(r["tokens_per_s"] / layouts[ref]["tokens_per_s"]),
                      d.get("note", "") if not rows else ""])
     return rows
 

@@ -36,6 +36,8 @@ from deltamoe.model.mla_layer import LatentAttention
 
 def reduce_grad_in_backward(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """Identity forward; the gradient is all-reduced over `mesh` (a replicated value entering sharded work)."""
+    if not torch.is_grad_enabled():  # inference (serving): no gradient, and no DTensor for a compiled graph to take in
+        return x
     return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 
 

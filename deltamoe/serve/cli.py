@@ -83,7 +83,7 @@ TP_HELP = ("Tensor-parallel ranks: attention heads, MLP widths and the vocabular
 EP_HELP = "Expert-parallel ranks: routed experts split over this many processes (tp * ep processes in all)."
 
 
-def check_workers(model: str, tp: int, ep: int, compile_decode: bool):
+def check_workers(model: str, tp: int, ep: int):
     """The worker layout checked against the model's config before anything loads; None for one process."""
     from deltamoe.serve.executor.config import WorkerConfig
     from deltamoe.serve.executor.config import launched_by_torchrun
@@ -99,9 +99,6 @@ def check_workers(model: str, tp: int, ep: int, compile_decode: bool):
     if launched_by_torchrun() and world != workers.world_size:
         raise ConfigError(f"torchrun started {world} processes but --tp {tp} --ep {ep} makes {workers.world_size}",
                           field="tp", hint="start tp * ep processes (--nproc-per-node times nodes)")
-    if compile_decode:
-        raise ConfigError("compiled decode runs on one process; drop --compile or --tp/--ep",
-                          field="compile_decode")
     return workers
 
 
@@ -172,7 +169,7 @@ def build_engine(model: str, tokenizer: Optional[str], cache_memory: str, max_nu
                           spec_min_acceptance=spec_min_acceptance, async_scheduling=async_scheduling,
                           num_scheduler_steps=num_scheduler_steps, spec_max_batch=spec_max_batch)
     load_config(model)  # an unknown model fails here, from its config alone
-    workers = check_workers(model, tp, ep, compile_decode)
+    workers = check_workers(model, tp, ep)
     check_multi_step(num_scheduler_steps, workers=workers is not None, transfers=False)
     from deltamoe.serve.engine.llm_engine import LLMEngine  # imports torch: after every check above
     from deltamoe.threads import apply_threads
@@ -440,7 +437,7 @@ def serve_command(
                           num_scheduler_steps=num_scheduler_steps, spec_max_batch=spec_max_batch)
     chosen = engine_threads(threads)
     load_config(model)  # an unknown model fails here, from its config alone
-    workers = check_workers(model, tp, ep, compile_decode)
+    workers = check_workers(model, tp, ep)
     check_multi_step(num_scheduler_steps, workers=workers is not None, transfers=role != "colocated")
     if workers is not None and _torchrun_rank() > 0:
         # A torchrun rank > 0 runs its shard of the model until rank 0 stops (from_pretrained exits).

@@ -5,9 +5,11 @@ from __future__ import annotations
 from deltamoe.benchmarks.table import FORMATTERS, HEADERS
 
 
-def layout(tps: float, tpot_ms: float, tp: int = 1, ep: int = 1, async_scheduling: bool = False) -> dict:
-    return {"tp": tp, "ep": ep, "async_scheduling": async_scheduling, "seconds": 8192 / tps, "tokens_per_s": tps,
-            "mean_tpot_ms": tpot_ms, "p50_tpot_ms": tpot_ms, "greedy_equal_to_one_process": 1.0}
+def layout(tps: float, tpot_ms: float, tp: int = 1, ep: int = 1, async_scheduling: bool = False,
+           compile_decode: bool = False) -> dict:
+    return {"tp": tp, "ep": ep, "async_scheduling": async_scheduling, "compile_decode": compile_decode,
+            "seconds": 8192 / tps, "tokens_per_s": tps, "mean_tpot_ms": tpot_ms, "p50_tpot_ms": tpot_ms,
+            "greedy_equal_to_one_process": 1.0}
 
 
 def test_serve_workers_rows():
@@ -20,6 +22,15 @@ def test_serve_workers_rows():
     assert "`small`, 64 prompts x 128 tokens" in rows[0][0] and rows[0][1] == "200 tok/s; TPOT 300 ms"
     assert rows[1][0] == "same, 1 process, async scheduling" and rows[1][3] == "1.1x"
     assert rows[2][3] == "0.75x" and rows[3][1] == "180 tok/s; TPOT 350 ms"
+
+
+def test_serve_workers_compiled_rows_compare_with_the_compiled_process():
+    d = {"workload": {"model": "small", "prompts": 64, "new_tokens": 128}, "threads": 2,
+         "layouts": {"1 process": layout(200, 300), "1 process, compiled": layout(500, 120, compile_decode=True),
+                     "tp 2, compiled": layout(250, 240, tp=2, compile_decode=True)}}
+    rows = FORMATTERS["serve_workers"](d)
+    assert rows[1][2:4] == ["1 process", "2.5x"]
+    assert rows[2][0] == "same, tp 2, compiled" and rows[2][2:4] == ["1 process, compiled", "0.50x"]
 
 
 def test_serve_online_vs_transformers_rows():

@@ -25,7 +25,7 @@ def test_default_compiles_one_cpu_process_only(default_on):
 
 def test_explicit_flags_win(default_on):
     assert resolve_compile(False, "cpu", 1, 1, "auto") is False
-    assert resolve_compile(True, "cpu", 2, 1, "auto") is True  # check_workers then names --compile
+    assert resolve_compile(True, "cpu", 2, 1, "auto") is True  # every worker rank compiles
     assert resolve_compile(None, "cpu", 1, 1, "auto") is True
 
 

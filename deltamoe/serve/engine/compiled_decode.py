@@ -322,11 +322,13 @@ def decode_form(module: torch.nn.Module, regions_key: str | None = None, form: s
             twin.block_sparse_moe.forward = FFNRegion(twin.block_sparse_moe, regions_key, compile_for_decode)
     if isinstance(twin, MoE) and twin.dispatcher is packed_local_experts:
         twin.dispatcher = packed_experts_static_dispatcher(twin.experts)
-    elif isinstance(twin, MoE):
-        if twin.dispatcher is not local_experts:
-            raise ConfigError("runs experts on this process only (expert-parallel dispatch is not compiled)",
-                              field="compile_decode")
+    elif isinstance(twin, MoE) and twin.dispatcher is local_experts:
         twin.dispatcher = local_experts_static
+    elif isinstance(twin, MoE):
+        # Expert-parallel dispatch (`serve/executor/sharding.py`): its all-to-all sizes depend on the
+        # routing, so it runs eagerly between the graph before it and the graph after (a graph break),
+        # the same calls as in an eager step; the work around it stays compiled.
+        twin.dispatcher = torch.compiler.disable(twin.dispatcher)
     if isinstance(twin, LatentAttention):
         twin.pads_topk = True
     # Quantized weights held as plain tensors (not parameters) would be traced with symbolic sizes,

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from deltamoe.errors import RequestError
+from deltamoe.errors import ConfigError, RequestError
 from deltamoe.model.model import DeltaMoEForCausalLM
 from deltamoe.serve.engine.cache import HybridCache
 from deltamoe.serve.engine.compiled_decode import WarmUpRound, warm_up_rounds
@@ -115,6 +115,11 @@ class LLMEngine:
             from deltamoe.serve.executor.launch import start_replica
 
             config = config or EngineConfig()
+            if config.compile_decode and config.compile_form == "whole":
+                # Its one graph would hold the vocabulary collectives and the expert dispatch; the regional
+                # forms keep those in the eager glue or between graphs.
+                raise ConfigError("--compile-form whole with --tp/--ep workers: not yet; use layers or parts",
+                                  field="compile_form")
             started = start_replica(source, config, workers, dtype, str(device))
             if started is None:
                 raise SystemExit(0)

@@ -39,8 +39,6 @@ T = TypeVar("T")
 
 class MultiprocExecutor:
     def __init__(self, runner: ModelRunner, group: RankGroup):
-        if runner.compiles_decode:
-            raise ValueError("compiled decode runs on one process only")
         self.runner, self.group = runner, group
         runner.cache.state_log = []  # every state-slot write outside a forward is replayed on the ranks
         runner.track_expert_load()

@@ -42,7 +42,7 @@ def serve_steps(spec: WorkerSpec, group: RankGroup) -> None:
     model = build_shard(spec, group)
     cache = HybridCache(model.config, engine, max_model_len(spec, engine), dtype=model.dtype, device=group.device,
                         tp_size=group.dims.tp)
-    runner = ModelRunner(model, cache)
+    runner = ModelRunner(model, cache, compiled_decode=engine.compile_decode, compile_form=engine.compile_form)
     stats = RankStats(group.rank)
     with torch.inference_mode():
         while True:

@@ -37,6 +37,11 @@ def test_generate_with_ep2_spawns_its_workers(one_process_text):
 
 
 @pytest.mark.slow
+def test_generate_with_tp2_compiled(one_process_text):
+    assert _run(GENERATE + ["--tp", "2", "--compile"]) == one_process_text
+
+
+@pytest.mark.slow
 def test_generate_under_torchrun(one_process_text):
     """torchrun --standalone picks its own free port; rank 1 runs the worker loop and prints nothing."""
     out = _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *GENERATE[1:], "--ep", "2"])
@@ -46,8 +51,6 @@ def test_generate_under_torchrun(one_process_text):
 def test_bad_layout_is_a_usage_error(capsys):
     assert main(["generate", "tiny", "-p", "x", "--tp", "3"]) == 2
     assert "tp" in capsys.readouterr().err
-    assert main(["serve", "tiny", "--ep", "2", "--compile-decode"]) == 2
-    assert "compile_decode" in capsys.readouterr().err
 
 
 def _children(pid: int) -> list[int]:

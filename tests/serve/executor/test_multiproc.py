@@ -1,6 +1,7 @@
 """Distributed serving equals one process: tp2, ep2 (and tp2 x ep2, slow) on gloo give the single-process
-engine's tokens, greedy and seeded sampling, through prefix-cache hits and preemption; a dead worker
-is an error at once, never a hang, and shutdown leaves no process behind."""
+engine's tokens, greedy and seeded sampling, through prefix-cache hits and preemption, eagerly and with
+the decode step compiled on every rank; a dead worker is an error at once, never a hang, and shutdown
+leaves no process behind."""
 
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ from deltamoe.serve.executor.base import WorkerDiedError
 from deltamoe.serve.executor.config import WorkerConfig
 
 
-def engine_config() -> EngineConfig:
+def engine_config(**compiled) -> EngineConfig:
     # Small enough that four running sequences run out of blocks (preemption by recompute); one
     # snapshot per block, so requests sharing a prefix hit the cache.
-    return EngineConfig(cache_memory=40_000, max_num_seqs=4, max_num_batched_tokens=64, snapshot_interval_blocks=1)
+    return EngineConfig(cache_memory=40_000, max_num_seqs=4, max_num_batched_tokens=64, snapshot_interval_blocks=1,
+                        **compiled)
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +58,10 @@ def expected(checkpoint, workload):
     return run(LLMEngine.from_pretrained(checkpoint, engine_config()), workload)
 
 
-def check_layout(checkpoint, workload, expected, tp: int, ep: int) -> None:
-    engine = LLMEngine.from_pretrained(checkpoint, engine_config(), workers=WorkerConfig(tp=tp, ep=ep))
+def check_layout(checkpoint, workload, expected, tp: int, ep: int, **compiled) -> None:
+    engine = LLMEngine.from_pretrained(checkpoint, engine_config(**compiled), workers=WorkerConfig(tp=tp, ep=ep))
     try:
+        assert engine.runner.compiles_decode == bool(compiled)
         assert run(engine, workload) == expected
         stats = engine.stats()
         assert stats.prefix_hit_tokens > 0 and stats.num_preemptions > 0
@@ -97,6 +100,19 @@ def test_tp2_ep2_equals_one_process(checkpoint, workload, expected):
     check_layout(checkpoint, workload, expected, tp=2, ep=2)
 
 
+def test_compiled_tp2_equals_one_process(checkpoint, workload, expected):
+    """Every rank compiles the same regions; the row-parallel all-reduces and the vocabulary all-gather
+    run inside the graphs (torch's functional collectives over gloo)."""
+    check_layout(checkpoint, workload, expected, tp=2, ep=1, compile_decode=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["layers", "parts"])
+def test_compiled_ep2_equals_one_process(checkpoint, workload, expected, form):
+    """The expert-parallel dispatch (all-to-all sizes from the routing) runs eagerly between two graphs."""
+    check_layout(checkpoint, workload, expected, tp=1, ep=2, compile_decode=True, compile_form=form)
+
+
 def test_dead_worker_is_an_error_not_a_hang(checkpoint):
     engine = LLMEngine.from_pretrained(checkpoint, engine_config(), workers=WorkerConfig(ep=2))
     try:
@@ -121,3 +137,7 @@ def test_layout_that_does_not_fit_the_model_names_the_field(checkpoint):
         with pytest.raises(ConfigError) as error:
             LLMEngine.from_pretrained(checkpoint, engine_config(), workers=workers)
         assert error.value.field == field
+    with pytest.raises(ConfigError) as error:  # before any rank starts
+        LLMEngine.from_pretrained(checkpoint, engine_config(compile_decode=True, compile_form="whole"),
+                                  workers=WorkerConfig(tp=2))
+    assert error.value.field == "compile_form"
