@@ -10,7 +10,7 @@ from torch import nn
 from deltamoe.config import ModelConfig
 from deltamoe.model.norm import RMSNorm
 from deltamoe.ops.activations import glu
-from deltamoe.ops.moe import expert_load, experts_forward, experts_forward_static, route_tokens
+from deltamoe.ops.moe import expert_load, experts_forward, experts_forward_static, route_tokens, static_expert_form
 
 
 class DenseMLP(nn.Module):
@@ -66,11 +66,20 @@ def local_experts(z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
                            situ_beta=c.situ_beta, situ_linear_beta=c.situ_linear_beta)
 
 
+# `local_experts` as a compiled graph calls it: eagerly, between the graph before and the one after.
+_local_experts_between_graphs = torch.compiler.disable(local_experts)
+
+
 def local_experts_static(z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
                          experts: RoutedExperts) -> torch.Tensor:
     """`local_experts` with shapes that never depend on the routing: the dispatcher a compiled graph
-    runs (serve's compiled decode installs it on its own view of the model)."""
+    runs (serve's compiled decode installs it on its own view of the model). Where the all-experts
+    form would cost more than it saves (`static_expert_form`: many rows over many experts), the
+    graph calls the sorted form eagerly instead."""
     c = experts.config
+    _, inter, dim = experts.w1.shape
+    if static_expert_form(z.shape[0], indices.shape[1], experts.w1.shape[0], dim, inter) == "sorted":
+        return _local_experts_between_graphs(z, weights, indices, experts)
     return experts_forward_static(z, weights, indices, experts.w1, experts.w3, experts.w2, act=c.hidden_act,
                                   situ_beta=c.situ_beta, situ_linear_beta=c.situ_linear_beta)
 

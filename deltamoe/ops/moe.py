@@ -5,7 +5,8 @@
 experts with one matmul per expert over a contiguous, expert-sorted slice of tokens;
 `experts_forward_reference` is the plain dense form the tests compare it with, and
 `experts_forward_static` the routing-independent shapes a compiled decode graph holds (its
-caller chooses it; `gathers_expert_weights` says which of its two forms a batch takes).
+caller chooses it; `gathers_expert_weights` says which of its two forms a batch takes, and
+`static_expert_form` whether a compiled graph should call the sorted form instead).
 
 Both expert functions take the expert weights as stacked tensors in checkpoint layout:
 `w1` (gate) and `w3` (up) are [E, I, D] and `w2` (down) is [E, D, I], so `x @ w1[e].T` is
@@ -181,6 +182,26 @@ def gathers_expert_weights(num_tokens: int, top_k: int, num_experts: int) -> boo
     every row. The two are different graphs to a compiler, so code that compiles ahead of time
     (serve's compiled decode) asks this to find the batch sizes where the form changes."""
     return num_tokens * top_k < num_experts
+
+
+# How many multiply-adds the all-experts form may add per expert (beyond the selected pairs' own)
+# before the sorted form, with its three small matmuls per expert, is the cheaper one. Measured on
+# one AVX-512 core (2026-12-04, full precision, sorted eager vs all-experts compiled): 64 experts of
+# 256 x 256, top-8 (`small`): sorted 6.8 / 15.5 ms against 17.9 / 39.0 ms at 8 / 64 rows (1.4 / 11 M
+# extra an expert); 16 of 64 x 96, top-4 (`tiny`): even at 32 rows (0.44 M), all-experts 2.5x
+# slower at 128 (1.8 M); 8 of 64 x 32, top-2: even up to ~0.15-0.3 M.
+ALL_EXPERTS_EXTRA_MACS_PER_EXPERT = 512 * 1024
+
+
+def static_expert_form(num_tokens: int, top_k: int, num_experts: int, dim: int, inter: int) -> str:
+    """How a compiled graph runs the experts for `num_tokens` rows of width `dim` (experts of `inter`
+    hidden units): "gather" or "all", the two forms of `experts_forward_static`, or "sorted": the
+    all-experts form would multiply more than it saves in per-expert calls, so the graph calls
+    `experts_forward` (eagerly, between the graph before it and the one after)."""
+    if gathers_expert_weights(num_tokens, top_k, num_experts):
+        return "gather"
+    extra = num_tokens * (num_experts - top_k) * 3 * dim * inter
+    return "all" if extra <= num_experts * ALL_EXPERTS_EXTRA_MACS_PER_EXPERT else "sorted"
 
 
 def experts_forward_static(

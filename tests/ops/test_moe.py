@@ -11,8 +11,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from deltamoe.ops.activations import silu_glu
-from deltamoe.ops.moe import (expert_load, experts_forward, experts_forward_reference, experts_forward_static,
-                              gathers_expert_weights, route_tokens)
+from deltamoe.ops.moe import (ALL_EXPERTS_EXTRA_MACS_PER_EXPERT, expert_load, experts_forward, experts_forward_reference,
+                              experts_forward_static, gathers_expert_weights, route_tokens, static_expert_form)
 from deltamoe.serve.engine.compiled_decode import compiler_available
 
 transformers = pytest.importorskip("transformers")
@@ -383,3 +383,13 @@ def test_routed_moe_matches_kimi_linear_sparse_block(experts_impl: str) -> None:
         shared_out = shared.down_proj(silu_glu(shared.gate_proj(flat), shared.up_proj(flat)))
         ours = (routed + shared_out).view_as(x)
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_static_expert_form_takes_the_sorted_form_past_the_all_experts_budget() -> None:
+    """All experts while their extra multiply-adds stay within the per-expert budget, sorted beyond."""
+    assert static_expert_form(3, 2, 8, 64, 32) == "gather"
+    # 8 experts of 64 x 32, top-2: 6 unselected experts x 3 x 64 x 32 = 36,864 extra a row.
+    per_row = 6 * 3 * 64 * 32
+    last_all = 8 * ALL_EXPERTS_EXTRA_MACS_PER_EXPERT // per_row
+    assert static_expert_form(last_all, 2, 8, 64, 32) == "all"
+    assert static_expert_form(last_all + 1, 2, 8, 64, 32) == "sorted"

@@ -44,7 +44,8 @@ the forms the graph traces give every context and page layout one shape rule:
 - every batch, batch 1 on consecutive blocks too, gathers its pages (`PagedBatchView`'s
   slice_consecutive off), so a sequence's page layout does not split the graph.
 One shape rule still splits the graphs, asked of its owner rather than copied here:
-- one graph per form of `ops.moe.gathers_expert_weights` (MoE regions only).
+- one graph per form of `ops.moe.static_expert_form` (MoE regions only: gathered experts, all
+  experts, or the sorted form called between two graphs).
 Batch 1 is a class of its own only where that pays (`batch_one_rows`; torch would specialise
 size 1 into graphs of their own): over a small expert stack the regions run it as two copies of
 its row (`CompiledDecode.with_min_rows`), in whole layers as many as the experts' all-experts
@@ -92,7 +93,7 @@ from deltamoe.model.mla_layer import LatentAttention
 from deltamoe.model.model import DeltaMoEModel
 from deltamoe.model.packed_experts import packed_experts_static_dispatcher, packed_local_experts
 from deltamoe.model.quantize_modules import holds_int4_expert_stacks, plain_tensor_operands
-from deltamoe.ops.moe import gathers_expert_weights
+from deltamoe.ops.moe import gathers_expert_weights, static_expert_form
 from deltamoe.serve.engine.config import COMPILE_FORMS
 from deltamoe.serve.engine.compiled_regions import AttentionRegion, FFNRegion, LayerRegionTrunk
 from deltamoe.serve.engine.decode_matvec_pass import DecodeMatvecPass
@@ -424,7 +425,9 @@ def warm_up_rounds(config: ModelConfig, max_num_seqs: int, max_context: int) -> 
     `max_context`: the longest sequence the engine admits (prompt + output)."""
     moe = config.num_experts > 0
     batches = _first_of_each_form(
-        lambda b: gathers_expert_weights(b, config.num_experts_per_token, config.num_experts) if moe else None,
+        lambda b: static_expert_form(b, config.num_experts_per_token, config.num_experts, config.expert_dim,
+                                     config.moe_intermediate_size)
+        if moe else None,
         range(2, max_num_seqs + 1))
     # The lead's first decode sees context prompt + 1 (2: a one-token context is a prefill).
     rounds = [WarmUpRound("batch 1", (1, 2))] if max_context >= 3 else []

@@ -265,3 +265,20 @@ def test_a_large_expert_stack_decodes_batch_one_as_one_row(helpers, monkeypatch)
 
     torch.testing.assert_close(logits(compiled), logits(lambda i, v: model(i, cache=v, logits_to_keep=1).logits),
                                rtol=1e-4, atol=1e-5)
+
+
+def test_many_rows_over_many_experts_call_the_sorted_experts_between_graphs(models, helpers, monkeypatch):
+    """Where the all-experts form would multiply more than it saves (`ops.moe.static_expert_form`; the
+    budget set to 0 here so that every batch past the gathered form is such a batch), the graphs
+    call the sorted experts eagerly: greedy tokens still equal plain greedy decoding, batched."""
+    from deltamoe.model import ffn
+    from deltamoe.ops import moe
+
+    monkeypatch.setattr(moe, "ALL_EXPERTS_EXTRA_MACS_PER_EXPERT", 0)
+    sorted_calls = []
+    between = ffn._local_experts_between_graphs
+    monkeypatch.setattr(ffn, "_local_experts_between_graphs", lambda *a: sorted_calls.append(a[0].shape[0]) or between(*a))
+    model = build_model(helpers.k31_tiny(num_hidden_layers=2, layer_types=("kda", "dsa")), seed=13).eval()
+    prompts = helpers.prompts(6, 2, 30, seed=35)
+    assert_greedy_matches(model, prompts, generate(model, prompts))
+    assert sorted_calls and min(sorted_calls) >= 2  # only batches take it (batch 1 gathers)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 
 from deltamoe.model.load import build_model
-from deltamoe.ops.moe import gathers_expert_weights
+from deltamoe.config import load_preset
+from deltamoe.ops.moe import static_expert_form
 from deltamoe.serve.engine import compiled_decode
 from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.llm_engine import LLMEngine
@@ -41,7 +42,8 @@ def engine_recording_decodes(model, monkeypatch, **config) -> tuple[LLMEngine, l
     def recording(call):
         if call.compiled:
             rows = max(len(call.counts), runner._compiled_decode.min_rows)
-            seen.append(("batch", gathers_expert_weights(rows, cfg.num_experts_per_token, cfg.num_experts)))
+            seen.append(("batch", static_expert_form(rows, cfg.num_experts_per_token, cfg.num_experts, cfg.expert_dim,
+                                                     cfg.moe_intermediate_size)))
         return forward(call)
 
     runner.forward = recording
@@ -59,9 +61,9 @@ def engine_state(engine: LLMEngine) -> tuple:
 
 # The classes a form's decode calls meet: attention + FFN regions run batches on both sides of the
 # experts' switch (batch 1 as two rows); whole layers over this small expert stack run batch 1 as
-# four rows, so every call takes the all-experts form.
-@pytest.mark.parametrize("form, classes", [("parts", {("batch", True), ("batch", False)}),
-                                           ("layers", {("batch", False)})])
+# four rows, so every call takes the all-experts form (the sorted form pays only for far more rows).
+@pytest.mark.parametrize("form, classes", [("parts", {("batch", "gather"), ("batch", "all")}),
+                                           ("layers", {("batch", "all")})])
 def test_warm_up_reaches_every_class_and_leaves_no_trace(form, classes, model, monkeypatch):
     engine, seen = engine_recording_decodes(model, monkeypatch, compile_form=form)
     fresh, _ = engine_recording_decodes(model, monkeypatch, compile_form=form)
@@ -76,12 +78,22 @@ def test_warm_up_reaches_every_class_and_leaves_no_trace(form, classes, model, m
             == [c.token_ids for c in fresh.generate(prompts, params, progress=False)])
 
 
-@pytest.mark.parametrize("form, classes", [("parts", {("batch", True)}), ("layers", {("batch", False)})])
+@pytest.mark.parametrize("form, classes", [("parts", {("batch", "gather")}), ("layers", {("batch", "all")})])
 def test_warm_up_plans_only_classes_the_limits_allow(form, classes, model, monkeypatch):
     """One sequence at a time: no batches, only batch 1's class (two rows in parts, four in layers)."""
     engine, seen = engine_recording_decodes(model, monkeypatch, max_num_seqs=1, compile_form=form)
     engine.warm_up()
     assert set(seen) == classes
+
+
+def test_warm_up_plans_the_sorted_experts_class():
+    """`small` (64 experts of 256 x 256, top-8): gathered below 8 rows, sorted from 8 (all experts
+    would multiply 8x the selected pairs' work); no all-experts class between them."""
+    rounds = compiled_decode.warm_up_rounds(load_preset("small"), max_num_seqs=64, max_context=4096)
+    assert [r.graph for r in rounds] == ["batch 1", "batch 2", "batch 8"]
+    cfg = load_preset("small")
+    assert [static_expert_form(n, 8, 64, cfg.expert_dim, cfg.moe_intermediate_size) for n in (7, 8, 64)] == \
+        ["gather", "sorted", "sorted"]
 
 
 def test_warm_up_refuses_a_busy_engine(model, monkeypatch):
