@@ -11,6 +11,7 @@ from deltamoe.config import ModelConfig
 from deltamoe.model.norm import RMSNorm
 from deltamoe.ops.activations import glu
 from deltamoe.ops.moe import expert_load, experts_forward, experts_forward_static, route_tokens, static_expert_form
+from deltamoe.ops.sorted_experts_op import sorted_experts
 
 
 class DenseMLP(nn.Module):
@@ -66,20 +67,17 @@ def local_experts(z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
                            situ_beta=c.situ_beta, situ_linear_beta=c.situ_linear_beta)
 
 
-# `local_experts` as a compiled graph calls it: eagerly, between the graph before and the one after.
-_local_experts_between_graphs = torch.compiler.disable(local_experts)
-
-
 def local_experts_static(z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
                          experts: RoutedExperts) -> torch.Tensor:
     """`local_experts` with shapes that never depend on the routing: the dispatcher a compiled graph
     runs (serve's compiled decode installs it on its own view of the model). Where the all-experts
     form would cost more than it saves (`static_expert_form`: many rows over many experts), the
-    graph calls the sorted form eagerly instead."""
+    graph calls the sorted form as one opaque op instead (`ops.sorted_experts_op`)."""
     c = experts.config
     _, inter, dim = experts.w1.shape
     if static_expert_form(z.shape[0], indices.shape[1], experts.w1.shape[0], dim, inter) == "sorted":
-        return _local_experts_between_graphs(z, weights, indices, experts)
+        return sorted_experts(z, weights, indices, experts.w1, experts.w3, experts.w2, c.hidden_act,
+                              float(c.situ_beta), float(c.situ_linear_beta))
     return experts_forward_static(z, weights, indices, experts.w1, experts.w3, experts.w2, act=c.hidden_act,
                                   situ_beta=c.situ_beta, situ_linear_beta=c.situ_linear_beta)
 

@@ -197,7 +197,7 @@ def static_expert_form(num_tokens: int, top_k: int, num_experts: int, dim: int, 
     """How a compiled graph runs the experts for `num_tokens` rows of width `dim` (experts of `inter`
     hidden units): "gather" or "all", the two forms of `experts_forward_static`, or "sorted": the
     all-experts form would multiply more than it saves in per-expert calls, so the graph calls
-    `experts_forward` (eagerly, between the graph before it and the one after)."""
+    `experts_forward` as one opaque op (`ops.sorted_experts_op`)."""
     if gathers_expert_weights(num_tokens, top_k, num_experts):
         return "gather"
     extra = num_tokens * (num_experts - top_k) * 3 * dim * inter

@@ -45,7 +45,7 @@ the forms the graph traces give every context and page layout one shape rule:
   slice_consecutive off), so a sequence's page layout does not split the graph.
 One shape rule still splits the graphs, asked of its owner rather than copied here:
 - one graph per form of `ops.moe.static_expert_form` (MoE regions only: gathered experts, all
-  experts, or the sorted form called between two graphs).
+  experts, or the sorted form as one opaque op).
 Batch 1 is a class of its own only where that pays (`batch_one_rows`; torch would specialise
 size 1 into graphs of their own): over a small expert stack the regions run it as two copies of
 its row (`CompiledDecode.with_min_rows`), in whole layers as many as the experts' all-experts

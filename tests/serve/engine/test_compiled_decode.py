@@ -270,14 +270,13 @@ def test_a_large_expert_stack_decodes_batch_one_as_one_row(helpers, monkeypatch)
 def test_many_rows_over_many_experts_call_the_sorted_experts_between_graphs(models, helpers, monkeypatch):
     """Where the all-experts form would multiply more than it saves (`ops.moe.static_expert_form`; the
     budget set to 0 here so that every batch past the gathered form is such a batch), the graphs
-    call the sorted experts eagerly: greedy tokens still equal plain greedy decoding, batched."""
-    from deltamoe.model import ffn
+    call the sorted experts as one opaque op: greedy tokens still equal plain greedy decoding, batched."""
     from deltamoe.ops import moe
 
     monkeypatch.setattr(moe, "ALL_EXPERTS_EXTRA_MACS_PER_EXPERT", 0)
     sorted_calls = []
-    between = ffn._local_experts_between_graphs
-    monkeypatch.setattr(ffn, "_local_experts_between_graphs", lambda *a: sorted_calls.append(a[0].shape[0]) or between(*a))
+    sorted_form = moe.experts_forward
+    monkeypatch.setattr(moe, "experts_forward", lambda x, *a, **k: sorted_calls.append(x.shape[0]) or sorted_form(x, *a, **k))
     model = build_model(helpers.k31_tiny(num_hidden_layers=2, layer_types=("kda", "dsa")), seed=13).eval()
     prompts = helpers.prompts(6, 2, 30, seed=35)
     assert_greedy_matches(model, prompts, generate(model, prompts))
