@@ -458,7 +458,6 @@ def serve_online_vs_peer_rows(d: dict) -> list[Row]:
 
 def serve_workers_rows(d: dict) -> list[Row]:
     w, layouts = d["workload"], d["layouts"]
-    base = layouts["1 process"]["tokens_per_s"]
     label = (f"offline serving over worker processes, `{w['model']}`, {w['prompts']} prompts x {w['new_tokens']} "
              f"tokens, {d['threads']} threads per layout " + command("serve_workers"))
     rows: list[Row] = []

@@ -74,8 +74,8 @@ def local_experts_static(z: torch.Tensor, weights: torch.Tensor, indices: torch.
     form would cost more than it saves (`static_expert_form`: many rows over many experts), the
     graph calls the sorted form as one opaque op instead (`ops.sorted_experts_op`)."""
     c = experts.config
-    _, inter, dim = experts.w1.shape
-    if static_expert_form(z.shape[0], indices.shape[1], experts.w1.shape[0], dim, inter) == "sorted":
+    num_experts, inter, dim = experts.w1.shape
+    if static_expert_form(z.shape[0], indices.shape[1], num_experts, dim, inter) == "sorted":
         return sorted_experts(z, weights, indices, experts.w1, experts.w3, experts.w2, c.hidden_act,
                               float(c.situ_beta), float(c.situ_linear_beta))
     return experts_forward_static(z, weights, indices, experts.w1, experts.w3, experts.w2, act=c.hidden_act,

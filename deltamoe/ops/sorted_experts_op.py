@@ -27,4 +27,4 @@ def sorted_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
 def _sorted_experts_fake(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w1: torch.Tensor,
                          w3: torch.Tensor, w2: torch.Tensor, act: str, situ_beta: float,
                          situ_linear_beta: float) -> torch.Tensor:
-    return x.new_empty((x.shape[0], w2.shape[1]), dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+    return x.new_empty((x.shape[0], w2.shape[1]), dtype=moe._combine_dtype(x))

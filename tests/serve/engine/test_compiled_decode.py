@@ -267,7 +267,7 @@ def test_a_large_expert_stack_decodes_batch_one_as_one_row(helpers, monkeypatch)
                                rtol=1e-4, atol=1e-5)
 
 
-def test_many_rows_over_many_experts_call_the_sorted_experts_between_graphs(models, helpers, monkeypatch):
+def test_many_rows_over_many_experts_call_the_sorted_experts_op(helpers, monkeypatch):
     """Where the all-experts form would multiply more than it saves (`ops.moe.static_expert_form`; the
     budget set to 0 here so that every batch past the gathered form is such a batch), the graphs
     call the sorted experts as one opaque op: greedy tokens still equal plain greedy decoding, batched."""

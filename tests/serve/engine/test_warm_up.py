@@ -89,9 +89,9 @@ def test_warm_up_plans_only_classes_the_limits_allow(form, classes, model, monke
 def test_warm_up_plans_the_sorted_experts_class():
     """`small` (64 experts of 256 x 256, top-8): gathered below 8 rows, sorted from 8 (all experts
     would multiply 8x the selected pairs' work); no all-experts class between them."""
-    rounds = compiled_decode.warm_up_rounds(load_preset("small"), max_num_seqs=64, max_context=4096)
-    assert [r.graph for r in rounds] == ["batch 1", "batch 2", "batch 8"]
     cfg = load_preset("small")
+    rounds = compiled_decode.warm_up_rounds(cfg, max_num_seqs=64, max_context=4096)
+    assert [r.graph for r in rounds] == ["batch 1", "batch 2", "batch 8"]
     assert [static_expert_form(n, 8, 64, cfg.expert_dim, cfg.moe_intermediate_size) for n in (7, 8, 64)] == \
         ["gather", "sorted", "sorted"]
 
