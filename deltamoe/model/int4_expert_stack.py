@@ -4,7 +4,9 @@ Every expert's gate|up operand and down operand (`ops.int4_experts`) sit in one 
 (`ExpertOperands`, in the order a one-token gather reads them),
 so a one-token decode step gathers its k experts and runs them in two kernel calls, and
 any other batch runs expert by expert in two calls each. A compiled decode graph's few rows
-read their experts in place instead (`forward_static`: `ops.int4_experts.int4_experts_in_place`).
+read their experts in place instead (`forward_static`: `ops.int4_experts.int4_experts_in_place`),
+and its many rows over many experts run the expert-by-expert loop as one opaque op
+(`ops.sorted_experts_op.int4_sorted_experts`, where `ops.moe.static_expert_form` says so).
 The checkpoint's per-expert tensors (`experts.E.w1.weight_packed`, ...) are converted as soon as
 all of one expert's are here.
 """
@@ -19,6 +21,8 @@ from deltamoe.errors import CheckpointError
 from deltamoe.model.quant_scheme import PARTS, QuantScheme, int4_parts
 from deltamoe.ops import int4_experts as ie
 from deltamoe.ops import int4_matvec
+from deltamoe.ops.moe import static_expert_form
+from deltamoe.ops.sorted_experts_op import int4_sorted_experts
 from deltamoe.ops.packed_experts import experts_forward_by_expert
 
 PROJECTIONS = ("w1", "w3", "w2")  # gate, up [I, D']; down [D', I]
@@ -78,10 +82,18 @@ class Int4ExpertStack(nn.Module):
                                              self.group_size, *self._act())
         return experts_forward_by_expert(x, weights, indices, self.num_experts, self.expert_mlp)
 
-    def forward_static(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """`forward` with shapes that never depend on the routing (`ops.int4_experts.int4_experts_static`)."""
+    def forward_static(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+                       extra_macs_per_expert: int) -> torch.Tensor:
+        """`forward` with shapes that never depend on the routing (`ops.int4_experts.int4_experts_static`),
+        or, where every expert on every row would multiply more than `extra_macs_per_expert` (the
+        budget, `ops.int4_experts.all_experts_budget()`), the expert-by-expert loop as one op of the graph."""
         if self.ops is None:
             raise RuntimeError("Int4ExpertStack: no experts loaded")
+        if static_expert_form(x.shape[0], indices.shape[1], self.num_experts, self.dim, self.intermediate,
+                              extra_macs_per_expert) == "sorted":
+            o = self.ops
+            return int4_sorted_experts(x, weights, indices, o.w13, o.sz13, o.w2, o.sz2, self.intermediate, self.dim,
+                                       self.group_size, *self._act())
         return ie.int4_experts_static(x, weights, indices, self.ops, self.intermediate, self.dim, self.group_size,
                                       *self._act(), in_place=self.in_place)
 

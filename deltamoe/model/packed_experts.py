@@ -23,6 +23,7 @@ from deltamoe.model.int4_expert_stack import PROJECTIONS, Int4ExpertStack
 from deltamoe.model.quant_scheme import PARTS, QuantScheme
 from deltamoe.model.quantized_linear import Int4Linear
 from deltamoe.ops.activations import glu
+from deltamoe.ops.int4_experts import all_experts_budget
 from deltamoe.ops.int4_matmul import has_int4_cpu_kernel
 from deltamoe.ops.packed_experts import experts_forward_by_expert
 from deltamoe.ops.quant import MXFP4_GROUP, dequantize_mxfp4, dequantize_mxfp4_bf16
@@ -118,17 +119,19 @@ def packed_local_experts(z: torch.Tensor, weights: torch.Tensor, indices: torch.
     return experts(z, weights, indices)
 
 
-def packed_local_experts_static(z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
-                                experts: PackedExperts) -> torch.Tensor:
-    """`packed_local_experts` with shapes that never depend on the routing (int4 W4A16 stacks)."""
-    return experts.stack.forward_static(z, weights, indices)
-
-
 def packed_experts_static_dispatcher(experts: PackedExperts):
     """The static dispatcher for `experts` (serve's compiled decode installs it on its own view of
-    the model); ConfigError for the formats that have none (MXFP4, W4A8, the dequantising reference)."""
+    the model): `packed_local_experts` with shapes that never depend on the routing (int4 W4A16
+    stacks), their all-experts budget bound now, at this process's thread count. ConfigError for
+    the formats that have none (MXFP4, W4A8, the dequantising reference)."""
     if experts.stack is None:
         raise ConfigError(f"compiled decode runs int4 W4A16 experts on the CPU kernel, not "
                           f"{experts.scheme.weight_format} experts with activations={experts.scheme.activations} "
                           f"(run with --no-compile)", field="compile_decode")
+    budget = all_experts_budget()
+
+    def packed_local_experts_static(z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+                                    experts: PackedExperts) -> torch.Tensor:
+        return experts.stack.forward_static(z, weights, indices, budget)
+
     return packed_local_experts_static

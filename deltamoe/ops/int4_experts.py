@@ -46,6 +46,25 @@ from deltamoe.ops.moe import gathers_expert_weights
 STACK_ROW_MULTIPLE = 64
 
 
+# `ops.moe.ALL_EXPERTS_EXTRA_MACS_PER_EXPERT` for int4 stacks, per torch thread: the all-experts
+# form's two kernel calls spread over the threads, the expert-by-expert loop's many small ones
+# hardly do. Measured 2026-12-04 on an AVX-512 EPYC (`int4_experts_static` vs `experts_forward_by_expert`
+# over `int4_expert_mlp`, eager): 64 experts of 256 x 256, top-8 (`small`), one thread: all 4.9 /
+# 10.1 / 20.1 / 38.1 ms against the loop's 7.5 / 10.4 / 12.1 / 10.5 ms at 8 / 16 / 32 / 64 rows
+# (1.4 / 2.8 / 5.5 / 11 M extra an expert); two threads: all 4.5 / 8.7 / 12.3 / 16.7 ms against
+# 7.0 / 9.9 / 11.2 / 14.3 ms at 16 / 32 / 48 / 64 rows (the switch near 7 M); 16 experts of
+# 128 x 128, top-4, two threads: all faster up to 64 rows (2.4 M), even at 128 (4.7 M). In the
+# compiled engine (`small`, two threads, 32 new tokens a request) the loop ran batch 16 at 0.73x
+# the all-experts form and batch 64 at 1.24x.
+ALL_EXPERTS_EXTRA_MACS_PER_EXPERT_PER_THREAD = 3 * 1024 * 1024
+
+
+def all_experts_budget() -> int:
+    """The int4 stacks' all-experts budget at this process's torch thread count (read outside a
+    graph: the compiled dispatcher binds it when it is installed)."""
+    return ALL_EXPERTS_EXTRA_MACS_PER_EXPERT_PER_THREAD * torch.get_num_threads()
+
+
 def _convert(codes: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
 

@@ -193,15 +193,19 @@ def gathers_expert_weights(num_tokens: int, top_k: int, num_experts: int) -> boo
 ALL_EXPERTS_EXTRA_MACS_PER_EXPERT = 512 * 1024
 
 
-def static_expert_form(num_tokens: int, top_k: int, num_experts: int, dim: int, inter: int) -> str:
+def static_expert_form(num_tokens: int, top_k: int, num_experts: int, dim: int, inter: int,
+                       extra_macs_per_expert: int | None = None) -> str:
     """How a compiled graph runs the experts for `num_tokens` rows of width `dim` (experts of `inter`
     hidden units): "gather" or "all", the two forms of `experts_forward_static`, or "sorted": the
     all-experts form would multiply more than it saves in per-expert calls, so the graph calls
-    `experts_forward` as one opaque op (`ops.sorted_experts_op`)."""
+    `experts_forward` as one opaque op (`ops.sorted_experts_op`). `extra_macs_per_expert`: the
+    budget of the experts' format (default `ALL_EXPERTS_EXTRA_MACS_PER_EXPERT`, full precision;
+    int4 stacks pass `ops.int4_experts.ALL_EXPERTS_EXTRA_MACS_PER_EXPERT`)."""
     if gathers_expert_weights(num_tokens, top_k, num_experts):
         return "gather"
+    budget = ALL_EXPERTS_EXTRA_MACS_PER_EXPERT if extra_macs_per_expert is None else extra_macs_per_expert
     extra = num_tokens * (num_experts - top_k) * 3 * dim * inter
-    return "all" if extra <= num_experts * ALL_EXPERTS_EXTRA_MACS_PER_EXPERT else "sorted"
+    return "all" if extra <= num_experts * budget else "sorted"
 
 
 def experts_forward_static(

@@ -1,4 +1,5 @@
-"""`ops.moe.experts_forward` (the expert-sorted form) as one opaque op that a compiled graph calls.
+"""The expert-sorted forms as opaque ops that a compiled graph calls: `ops.moe.experts_forward`
+(`deltamoe::sorted_experts`) and the int4 stack's expert-by-expert loop (`deltamoe::int4_sorted_experts`).
 
 The sorted form slices rows per expert by counts read back to the host, which a graph cannot
 hold; called as a plain function inside a compiled region it is a graph break, and the code dynamo
@@ -12,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from deltamoe.ops import moe
+from deltamoe.ops import int4_experts, moe
+from deltamoe.ops.packed_experts import experts_forward_by_expert
 
 
 @torch.library.custom_op("deltamoe::sorted_experts", mutates_args=())
@@ -28,3 +30,27 @@ def _sorted_experts_fake(x: torch.Tensor, weights: torch.Tensor, indices: torch.
                          w3: torch.Tensor, w2: torch.Tensor, act: str, situ_beta: float,
                          situ_linear_beta: float) -> torch.Tensor:
     return x.new_empty((x.shape[0], w2.shape[1]), dtype=moe._combine_dtype(x))
+
+
+@torch.library.custom_op("deltamoe::int4_sorted_experts", mutates_args=())
+def int4_sorted_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w13: torch.Tensor,
+                        sz13: torch.Tensor, w2: torch.Tensor, sz2: torch.Tensor, intermediate: int,
+                        out_features: int, group_size: int, act: str, situ_beta: float,
+                        situ_linear_beta: float) -> torch.Tensor:
+    """An int4 expert stack (`int4_experts.ExpertOperands`' four tensors) expert by expert: each
+    expert that received rows runs its two kernel calls on them (`Int4ExpertStack.forward`'s loop)."""
+    ops = int4_experts.ExpertOperands(w13, sz13, w2, sz2)
+
+    def expert_mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
+        return int4_experts.int4_expert_mlp(rows, *ops.expert(expert), intermediate, out_features, group_size, act,
+                                            situ_beta, situ_linear_beta)
+
+    return experts_forward_by_expert(x, weights, indices, w13.shape[0], expert_mlp)
+
+
+@int4_sorted_experts.register_fake
+def _int4_sorted_experts_fake(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w13: torch.Tensor,
+                              sz13: torch.Tensor, w2: torch.Tensor, sz2: torch.Tensor, intermediate: int,
+                              out_features: int, group_size: int, act: str, situ_beta: float,
+                              situ_linear_beta: float) -> torch.Tensor:
+    return x.new_empty((x.shape[0], out_features), dtype=torch.promote_types(x.dtype, torch.float32))

@@ -93,6 +93,7 @@ from deltamoe.model.mla_layer import LatentAttention
 from deltamoe.model.model import DeltaMoEModel
 from deltamoe.model.packed_experts import packed_experts_static_dispatcher, packed_local_experts
 from deltamoe.model.quantize_modules import holds_int4_expert_stacks, plain_tensor_operands
+from deltamoe.ops import int4_experts
 from deltamoe.ops.moe import gathers_expert_weights, static_expert_form
 from deltamoe.serve.engine.config import COMPILE_FORMS
 from deltamoe.serve.engine.compiled_regions import AttentionRegion, FFNRegion, LayerRegionTrunk
@@ -411,7 +412,15 @@ class WarmUpRound:
     followers: tuple[tuple[int, int], ...] = ()
 
 
-def warm_up_rounds(config: ModelConfig, max_num_seqs: int, max_context: int) -> list[WarmUpRound]:
+def expert_form_budget(model: torch.nn.Module) -> int | None:
+    """The all-experts budget `ops.moe.static_expert_form` applies to `model`'s expert stacks:
+    int4 stacks' own at this thread count (`ops.int4_experts.all_experts_budget`), else None
+    (full precision's)."""
+    return int4_experts.all_experts_budget() if holds_int4_expert_stacks(model) else None
+
+
+def warm_up_rounds(config: ModelConfig, max_num_seqs: int, max_context: int,
+                   extra_macs_per_expert: int | None = None) -> list[WarmUpRound]:
     """One round per decode graph class that a server with these limits can meet.
 
     Contexts are one class (DSA's selection is top_k wide at every context in the compiled form)
@@ -422,11 +431,12 @@ def warm_up_rounds(config: ModelConfig, max_num_seqs: int, max_context: int) -> 
       that batch's round compiles nothing);
     - batch B >= 2: B - 1 followers join the lead, and all decode together once (the followers
       are admitted in one step while the token budget holds 2 per follower).
-    `max_context`: the longest sequence the engine admits (prompt + output)."""
+    `max_context`: the longest sequence the engine admits (prompt + output); `extra_macs_per_expert`:
+    the experts' budget (`expert_form_budget`)."""
     moe = config.num_experts > 0
     batches = _first_of_each_form(
         lambda b: static_expert_form(b, config.num_experts_per_token, config.num_experts, config.expert_dim,
-                                     config.moe_intermediate_size)
+                                     config.moe_intermediate_size, extra_macs_per_expert)
         if moe else None,
         range(2, max_num_seqs + 1))
     # The lead's first decode sees context prompt + 1 (2: a one-token context is a prefill).

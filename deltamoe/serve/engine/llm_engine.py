@@ -19,7 +19,7 @@ import torch
 from deltamoe.errors import ConfigError, RequestError
 from deltamoe.model.model import DeltaMoEForCausalLM
 from deltamoe.serve.engine.cache import HybridCache
-from deltamoe.serve.engine.compiled_decode import WarmUpRound, warm_up_rounds
+from deltamoe.serve.engine.compiled_decode import WarmUpRound, expert_form_budget, warm_up_rounds
 from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.detokenizer import IncrementalDetokenizer
 from deltamoe.serve.engine.forks import ForkBook, start_forks
@@ -371,7 +371,8 @@ class LLMEngine:
         if self.has_unfinished():
             raise RuntimeError("warm_up: expected an idle engine (call it at startup, before requests arrive)")
         limit = min(self.max_model_len, self.cache.max_tokens_per_sequence())
-        rounds = warm_up_rounds(self.model_config, self.config.max_num_seqs, limit)
+        rounds = warm_up_rounds(self.model_config, self.config.max_num_seqs, limit,
+                                expert_form_budget(self.runner.model))
         rounds += verification_warm_up_rounds(self.runner, limit)
         totals, preemptions = dict(self._totals), self.scheduler.num_preemptions
         restore_acceptance = acceptance_restorer(self.runner)

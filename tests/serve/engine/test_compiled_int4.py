@@ -83,6 +83,29 @@ def test_traced_layers_hold_one_kernel_call_per_group_and_match_eager(int4_model
     for out, want in zip(got, [m(x) for m in group_members(int4_model.model.layers[0].self_attn)], strict=True):
         assert torch.equal(out, want)
 
+@torch.inference_mode()
+def test_an_int4_stacks_static_form_calls_the_loop_op_where_the_expert_form_says_sorted(int4_model):
+    """`Int4ExpertStack.forward_static` follows `ops.moe.static_expert_form`: gathered or all experts
+    under the budget (the kernel's joint calls in the graph), the expert-by-expert loop as one op
+    (`deltamoe::int4_sorted_experts`) past it; each against the eager stack."""
+    from deltamoe.ops import int4_experts, moe
+
+    assert compiled_decode.expert_form_budget(int4_model) == int4_experts.all_experts_budget()
+    assert compiled_decode.expert_form_budget(build_model(int4_model.config, seed=6)) is None  # full precision's
+    stack = int4_model.model.layers[0].block_sparse_moe.experts.stack
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(6, stack.dim, generator=gen)
+    weights, indices = moe.route_tokens(torch.randn(6, stack.num_experts, generator=gen), None, 2)
+    eager = stack(x, weights, indices)
+    op = torch.ops.deltamoe.int4_sorted_experts.default
+    for budget, loop_calls, joint_calls in ((int4_experts.all_experts_budget(), 0, 2), (0, 1, 0)):
+        fn, graphs = traced(stack.forward_static)
+        got = fn(x, weights, indices, budget)
+        assert sum(node.target == op for gm in graphs for node in gm.graph.nodes) == loop_calls
+        assert kernel_calls(graphs) == joint_calls
+        torch.testing.assert_close(got, eager, rtol=2**-7, atol=1e-3)
+
+
 def test_a_batch_of_one_runs_as_one_row_over_int4_experts(int4_model, helpers, monkeypatch):
     """Regions over int4 expert stacks run batch 1 as one row (two copies would double the experts'
     gather and kernel reads), full-precision ones as two or more (this small stack: as the first
@@ -118,9 +141,16 @@ def test_compiled_decode_refuses_experts_without_a_static_form(helpers, tmp_path
 
 @pytest.mark.slow
 @pytest.mark.skipif(not compiled_decode.compiler_available(), reason="torch.compile's CPU kernels need a C++ compiler")
-def test_compiled_int4_engine_gives_the_eager_int4_engines_tokens(int4_model, helpers):
+@pytest.mark.parametrize("many_rows_form", ["all", "sorted"])
+def test_compiled_int4_engine_gives_the_eager_int4_engines_tokens(int4_model, helpers, monkeypatch, many_rows_form):
     """Alone (one row: graphs of its own) and in batches on both sides of the
-    gather / all-experts switch (8 experts, top-2: from 4 rows)."""
+    gather / all-experts switch (8 experts, top-2: from 4 rows); past it, every expert on every
+    row or (the budget set to 0) the expert-by-expert loop as one op of the graph."""
+    from deltamoe.ops import int4_experts
+
+    if many_rows_form == "sorted":
+        monkeypatch.setattr(int4_experts, "ALL_EXPERTS_EXTRA_MACS_PER_EXPERT_PER_THREAD", 0)
+    torch._dynamo.reset()  # the two forms must not share graphs compiled under the other budget
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     prompts = helpers.prompts(5, 3, 20, seed=41)
     outputs = {}

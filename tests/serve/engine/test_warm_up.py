@@ -9,6 +9,7 @@ compiles, that traffic after a warm-up never compiles again.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from deltamoe.model.load import build_model
 from deltamoe.config import load_preset
@@ -94,6 +95,23 @@ def test_warm_up_plans_the_sorted_experts_class():
     assert [r.graph for r in rounds] == ["batch 1", "batch 2", "batch 8"]
     assert [static_expert_form(n, 8, 64, cfg.expert_dim, cfg.moe_intermediate_size) for n in (7, 8, 64)] == \
         ["gather", "sorted", "sorted"]
+
+
+@pytest.mark.parametrize("threads, first_sorted", [(1, 19), (2, 37)])
+def test_warm_up_plans_int4_stacks_by_their_own_budget(threads, first_sorted, monkeypatch):
+    """Int4 stacks take every expert at once for more rows than full precision does, the more
+    the more threads share the joint kernel calls (`ops.int4_experts.all_experts_budget`):
+    `small` int4 runs 8 rows and on over every expert, the loop from 19 rows on one thread, 37 on two."""
+    from deltamoe.ops import int4_experts
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    cfg = load_preset("small")
+    budget = int4_experts.all_experts_budget()
+    assert budget == threads * int4_experts.ALL_EXPERTS_EXTRA_MACS_PER_EXPERT_PER_THREAD
+    rounds = compiled_decode.warm_up_rounds(cfg, max_num_seqs=64, max_context=4096, extra_macs_per_expert=budget)
+    assert [r.graph for r in rounds] == ["batch 1", "batch 2", "batch 8", f"batch {first_sorted}"]
+    assert [static_expert_form(n, 8, 64, cfg.expert_dim, cfg.moe_intermediate_size, budget)
+            for n in (8, first_sorted - 1, first_sorted)] == ["all", "all", "sorted"]
 
 
 def test_warm_up_refuses_a_busy_engine(model, monkeypatch):
