@@ -22,8 +22,8 @@ from deltamoe.model.quant_scheme import PARTS, QuantScheme, int4_parts
 from deltamoe.ops import int4_experts as ie
 from deltamoe.ops import int4_matvec
 from deltamoe.ops.moe import static_expert_form
-from deltamoe.ops.sorted_experts_op import int4_sorted_experts
 from deltamoe.ops.packed_experts import experts_forward_by_expert
+from deltamoe.ops.sorted_experts_op import int4_sorted_experts
 
 PROJECTIONS = ("w1", "w3", "w2")  # gate, up [I, D']; down [D', I]
 

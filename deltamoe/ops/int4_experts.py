@@ -54,8 +54,8 @@ STACK_ROW_MULTIPLE = 64
 # (1.4 / 2.8 / 5.5 / 11 M extra an expert); two threads: all 4.5 / 8.7 / 12.3 / 16.7 ms against
 # 7.0 / 9.9 / 11.2 / 14.3 ms at 16 / 32 / 48 / 64 rows (the switch near 7 M); 16 experts of
 # 128 x 128, top-4, two threads: all faster up to 64 rows (2.4 M), even at 128 (4.7 M). In the
-# compiled engine (`small`, two threads, 32 new tokens a request) the loop ran batch 16 at 0.73x
-# the all-experts form and batch 64 at 1.24x.
+# compiled engine (`small`, two threads, 32 new tokens a request, `bench/int4_expert_forms.py`)
+# the loop ran batch 16 at 0.73x the all-experts form and batch 64 at 1.10-1.24x.
 ALL_EXPERTS_EXTRA_MACS_PER_EXPERT_PER_THREAD = 3 * 1024 * 1024
 
 

@@ -200,7 +200,7 @@ def static_expert_form(num_tokens: int, top_k: int, num_experts: int, dim: int, 
     all-experts form would multiply more than it saves in per-expert calls, so the graph calls
     `experts_forward` as one opaque op (`ops.sorted_experts_op`). `extra_macs_per_expert`: the
     budget of the experts' format (default `ALL_EXPERTS_EXTRA_MACS_PER_EXPERT`, full precision;
-    int4 stacks pass `ops.int4_experts.ALL_EXPERTS_EXTRA_MACS_PER_EXPERT`)."""
+    int4 stacks pass `ops.int4_experts.all_experts_budget()`)."""
     if gathers_expert_weights(num_tokens, top_k, num_experts):
         return "gather"
     budget = ALL_EXPERTS_EXTRA_MACS_PER_EXPERT if extra_macs_per_expert is None else extra_macs_per_expert
