@@ -8,7 +8,9 @@ MoE, seeded random weights, the same on every rank). Each layout is `LLMEngine.f
 workers=WorkerConfig(tp, ep))`: `--tp 2` / `--ep 2` spawn one worker process beside this one, and
 the ranks share `--threads` torch threads (each rank gets threads / ranks), so every layout uses the
 same cores. Async scheduling (`EngineConfig.async_scheduling`, `--async-scheduling`) runs on each
-layout too (rank 0 schedules step N+1 while the ranks run step N). The requests go in at once and `step()` runs until all are done; per layout:
+layout too (rank 0 schedules step N+1 while the ranks run step N); its host thread takes one of the
+layout's threads, as the CLI's default keeps a core for it (`serve.cli.host_thread_reserve`): one
+process with async scheduling computes on `--threads` - 1 torch threads (at least 1). The requests go in at once and `step()` runs until all are done; per layout:
 - output tokens/s over the whole run (best of `--rounds`);
 - TPOT per request: (time of its last token - time of its first) / (tokens - 1), as the outputs
   reach the caller (with async scheduling, one step later than they are computed), mean and p50.
@@ -38,6 +40,7 @@ from common import markdown_table, result_name, write_result  # noqa: E402
 from deltamoe.serve.engine.config import EngineConfig  # noqa: E402
 from deltamoe.serve.engine.llm_engine import LLMEngine  # noqa: E402
 from deltamoe.serve.engine.sampling import SamplingParams  # noqa: E402
+from deltamoe.serve.cli import host_thread_reserve  # noqa: E402
 from deltamoe.serve.executor.config import WorkerConfig  # noqa: E402
 
 # key (`--layouts`) -> (label, tp, ep, async scheduling, compiled decode); the first is the reference
@@ -113,7 +116,9 @@ def main() -> None:
     results: dict[str, dict] = {}
     reference: list[list[int]] | None = None
     for label, tp, ep, async_scheduling, compiled in layouts:
-        torch.set_num_threads(args.threads)  # a replica divides them among its ranks
+        # A replica divides them among its ranks; the async host thread takes one, as the CLI's default.
+        torch_threads = max(1, args.threads - host_thread_reserve(async_scheduling))
+        torch.set_num_threads(torch_threads)
         print(f"{label}: starting", file=sys.stderr)
         layout_start = time.perf_counter()
         engine = LLMEngine.from_pretrained(model, EngineConfig(**config, async_scheduling=async_scheduling,
@@ -134,6 +139,7 @@ def main() -> None:
         assert all(len(t) == new for t in outputs), f"{label}: a request ended early"
         reference = reference if reference is not None else outputs
         results[label] = {"tp": tp, "ep": ep, "async_scheduling": async_scheduling, "compile_decode": compiled,
+                          "torch_threads": torch_threads,
                           "seconds": best,
                           "tokens_per_s": n * new / best, "mean_tpot_ms": statistics.mean(best_tpot) * 1e3,
                           "p50_tpot_ms": statistics.median(best_tpot) * 1e3,

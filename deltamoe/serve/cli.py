@@ -70,12 +70,21 @@ def bind_listen_address(host: str, port: int) -> socket.socket:
     return sock
 
 
-def engine_threads(requested: Optional[int]) -> int:
+def engine_threads(requested: Optional[int], async_scheduling: bool = False) -> int:
     """Torch threads for the serving engine: `deltamoe.threads.choose_threads` keeping one core for
     the HTTP front end (and on a workstation, the clients): on two cores, two intra-op threads beside
     a busy front end made the online benchmark's streams 3x slower (TPOT p50 56 vs 14 ms at 8
-    clients). `--threads` or OMP_NUM_THREADS, when given, stand as they are."""
-    return choose_threads(requested, reserve=1)
+    clients); and one more for async scheduling's host thread (`host_thread_reserve`).
+    `--threads` or OMP_NUM_THREADS, when given, stand as they are."""
+    return choose_threads(requested, reserve=1 + host_thread_reserve(async_scheduling))
+
+
+def host_thread_reserve(async_scheduling: bool) -> int:
+    """Cores kept for async scheduling's host thread, which schedules beside the step's intra-op
+    threads: with both of two cores' threads spinning on every op, a host thread beside them ran
+    `small` at 0.43x one step at a time (113 against 265 tok/s), and with one torch thread at 161
+    (docs/serving-workers.md)."""
+    return 1 if async_scheduling else 0
 
 
 TP_HELP = ("Tensor-parallel ranks: attention heads, MLP widths and the vocabulary split over this many "
@@ -161,7 +170,7 @@ def build_engine(model: str, tokenizer: Optional[str], cache_memory: str, max_nu
     from deltamoe.serve.engine.config import EngineConfig
 
     check_dtype(dtype)
-    chosen = choose_threads(threads)
+    chosen = choose_threads(threads, reserve=host_thread_reserve(async_scheduling))
     config = EngineConfig(cache_memory=cache_memory, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, compile_decode=compile_decode,
                           compile_form=compile_form,
@@ -435,7 +444,7 @@ def serve_command(
                           speculative=speculative, num_draft_tokens=num_draft_tokens,
                           spec_min_acceptance=spec_min_acceptance, async_scheduling=async_scheduling,
                           num_scheduler_steps=num_scheduler_steps, spec_max_batch=spec_max_batch)
-    chosen = engine_threads(threads)
+    chosen = engine_threads(threads, async_scheduling)
     load_config(model)  # an unknown model fails here, from its config alone
     workers = check_workers(model, tp, ep)
     check_multi_step(num_scheduler_steps, workers=workers is not None, transfers=role != "colocated")

@@ -47,3 +47,26 @@ def test_engine_threads_leave_a_core_for_the_front_end(monkeypatch):
     assert engine_threads(None) == 4  # the user's setting stands
     with pytest.raises(Exception, match="threads"):
         engine_threads(0)
+
+
+def test_async_scheduling_keeps_a_core_for_its_host_thread(monkeypatch):
+    """`serve --async-scheduling` keeps one core for the front end and one for the host thread;
+    `generate --async-scheduling` (build_engine) one for the host thread; given counts stand."""
+    import torch
+
+    from deltamoe.serve.cli import build_engine
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("deltamoe.threads.available_cores", lambda: 8)
+    monkeypatch.setattr("deltamoe.threads.busy_cores", lambda: 0)
+    assert engine_threads(None, async_scheduling=True) == 6 and engine_threads(3, async_scheduling=True) == 3
+    before = torch.get_num_threads()
+    try:
+        for async_scheduling, want in ((True, 7), (False, 8)):
+            engine = build_engine("tiny", None, "8MiB", 4, 64, "float32", "cpu", async_scheduling=async_scheduling)
+            assert torch.get_num_threads() == want
+            engine.shutdown()
+    finally:
+        torch.set_num_threads(before)
+    monkeypatch.setattr("deltamoe.threads.available_cores", lambda: 2)
+    assert engine_threads(None, async_scheduling=True) == 1  # never fewer than one
