@@ -465,6 +465,9 @@ def serve_workers_rows(d: dict) -> list[Row]:
         # Compiled layouts compare with the compiled one-process run (the eager one is its own row).
         ref = "1 process, compiled" if r.get("compile_decode") and name != "1 process, compiled" \
             and "1 process, compiled" in layouts else "1 process"
+        if r.get("torch_threads", d["threads"]) < d["threads"] and r["tp"] * r["ep"] == 1:
+            # The async host thread took one of the layout's threads (bench_serve_workers.py).
+            name = f"{name} ({r['torch_threads']} torch thread{'s' if r['torch_threads'] > 1 else ''} + its host thread)"
         rows.append([f"{label}: {name}" if not rows else f"same, {name}",
                      f"{rate(r['tokens_per_s'])} tok/s; TPOT {r['mean_tpot_ms']:.0f} ms",
                      ref if name != "1 process" else "", times(r["tokens_per_s"] / layouts[ref]["tokens_per_s"]),
