@@ -71,7 +71,10 @@ class VisionBlock(nn.Module):
         h, dh = self.v.num_attention_heads, self.v.head_dim
         q, k, val = self.wqkv(self.norm0(x)).reshape(n, 3, h, dh).unbind(1)
         q, k = apply_rope_2d(q, angles), apply_rope_2d(k, angles)
-        out = [F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1)).transpose(0, 1)
+        # [1, H, n_i, Dh]: with a batch dim torch's CPU SDPA takes its flash kernel; 3-D inputs fall
+        # back to the math path, which materialises every image's n_i x n_i scores (2.1x slower
+        # at 448 px: bench/bench_vision.py).
+        out = [F.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in (qi, ki, vi)))[0].transpose(0, 1)
                for qi, ki, vi in zip(q.split(lengths), k.split(lengths), val.split(lengths))]
         x = x + self.wo(torch.cat(out).reshape(n, h * dh))
         return x + self.mlp(self.norm1(x))

@@ -74,3 +74,21 @@ def test_checkpoint_round_trip_keeps_vision(model, tmp_path):
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError, match="vision_tower.encoder.final_layernorm.weight"):
         load_model(tmp_path)
+
+
+@torch.inference_mode()
+def test_image_attention_takes_the_fused_kernel_and_keeps_images_apart(model):
+    """Each image's attention is one SDPA call with a batch dim, which torch runs on its fused
+    CPU kernel (3-D inputs took the math path that materialises every patches x patches score:
+    the encoder at 0.38x transformers' at 448 px); two images packed give each what it gets alone."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(3)
+    images = [torch.randn(3, 32, 48, generator=g), torch.randn(3, 16, 16, generator=g)]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        packed = model.encode_images(images)
+    names = {e.key for e in prof.key_averages()}
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in names
+    assert "aten::_scaled_dot_product_attention_math" not in names
+    for img, got in zip(images, packed, strict=True):
+        torch.testing.assert_close(got, model.encode_images([img])[0], rtol=1e-5, atol=1e-5)
