@@ -269,3 +269,29 @@ def test_rope_matches_transformers_rotate_half() -> None:
     q_hf, k_hf = apply_rotary_pos_emb(q, k, hf_cos, hf_sin, unsqueeze_dim=2)
     torch.testing.assert_close(apply_rope(q, cos, sin), q_hf)
     torch.testing.assert_close(apply_rope(k[:, :, 0], cos, sin), k_hf[:, :, 0])
+
+
+@pytest.mark.parametrize("e, ev", [(48, 32), (32, 48), (40, 40)])
+def test_sdpa_any_value_dim_is_attention_on_the_fused_kernel(e: int, ev: int) -> None:
+    """Query/key and value head dims made equal by zero padding: the same attention as the math
+    written out (a causal mask with an empty first row, as `_attend` passes it), on torch's fused
+    CPU kernel (unequal dims sent SDPA to its math path)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from deltamoe.ops.mla import sdpa_any_value_dim
+
+    g = torch.Generator().manual_seed(e + ev)
+    n, h, t = 2, 3, 40
+    q, k = torch.randn(n, h, t, e, generator=g), torch.randn(n, h, t, e, generator=g)
+    v = torch.randn(n, h, t, ev, generator=g)
+    mask = torch.ones(t, t, dtype=torch.bool).tril(-1)
+    mask[0, 0] = True  # `_attend` lets a row without keys see everything, then zeroes it
+    mask = mask[None, None].expand(n, 1, t, t)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        got = sdpa_any_value_dim(q, k, v, mask, 0.3)
+    names = {ev_.key for ev_ in prof.key_averages()}
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in names
+    scores = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~mask, float("-inf"))
+    want = torch.softmax(scores, dim=-1) @ v
+    assert got.shape == (n, h, t, ev)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
