@@ -22,7 +22,6 @@ from deltamoe.model.quant_scheme import PARTS, QuantScheme, int4_parts
 from deltamoe.ops import int4_experts as ie
 from deltamoe.ops import int4_matvec
 from deltamoe.ops.moe import static_expert_form
-from deltamoe.ops.packed_experts import experts_forward_by_expert
 from deltamoe.ops.sorted_experts_op import int4_sorted_experts
 
 PROJECTIONS = ("w1", "w3", "w2")  # gate, up [I, D']; down [D', I]
@@ -80,7 +79,8 @@ class Int4ExpertStack(nn.Module):
         if x.shape[0] == 1 and self.block_rows is not None and x.dtype != torch.float64:
             return ie.int4_experts_one_token(x, weights, indices, self.ops, self.intermediate, self.dim,
                                              self.group_size, *self._act())
-        return experts_forward_by_expert(x, weights, indices, self.num_experts, self.expert_mlp)
+        return ie.int4_experts_by_expert(x, weights, indices, self.ops, self.intermediate, self.dim, self.group_size,
+                                         *self._act())
 
     def forward_static(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
                        extra_macs_per_expert: int) -> torch.Tensor:

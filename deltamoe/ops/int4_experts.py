@@ -40,6 +40,7 @@ from deltamoe.ops import int4_matvec
 from deltamoe.ops.activations import glu
 from deltamoe.ops.int4_matmul import has_int4_cpu_kernel, int4_kernel_weight, int4_matmul
 from deltamoe.ops.moe import gathers_expert_weights
+from deltamoe.ops.packed_experts import experts_forward_by_expert
 
 # Down-projection operands are padded to this many output rows so that every block size a
 # build uses (64 on AVX-512, 32 on AVX2 and the scalar path) divides them.
@@ -48,8 +49,8 @@ STACK_ROW_MULTIPLE = 64
 
 # `ops.moe.ALL_EXPERTS_EXTRA_MACS_PER_EXPERT` for int4 stacks, per torch thread: the all-experts
 # form's two kernel calls spread over the threads, the expert-by-expert loop's many small ones
-# hardly do. Measured 2026-12-04 on an AVX-512 EPYC (`int4_experts_static` vs `experts_forward_by_expert`
-# over `int4_expert_mlp`, eager): 64 experts of 256 x 256, top-8 (`small`), one thread: all 4.9 /
+# hardly do. Measured 2026-12-04 on an AVX-512 EPYC (`int4_experts_static` vs `int4_experts_by_expert`,
+# eager): 64 experts of 256 x 256, top-8 (`small`), one thread: all 4.9 /
 # 10.1 / 20.1 / 38.1 ms against the loop's 7.5 / 10.4 / 12.1 / 10.5 ms at 8 / 16 / 32 / 64 rows
 # (1.4 / 2.8 / 5.5 / 11 M extra an expert); two threads: all 4.5 / 8.7 / 12.3 / 16.7 ms against
 # 7.0 / 9.9 / 11.2 / 14.3 ms at 16 / 32 / 48 / 64 rows (the switch near 7 M); 16 experts of
@@ -166,6 +167,20 @@ def int4_expert_mlp(x: torch.Tensor, w13: torch.Tensor, sz13: torch.Tensor, w2: 
     gate_up = int4_matmul(x, w13, sz13, w13.shape[0], group_size)
     gate, up = gate_up[:, :intermediate], gate_up[:, intermediate:2 * intermediate]
     return int4_matmul(glu(gate, up, act, situ_beta, situ_linear_beta), w2, sz2, out_features, group_size)
+
+
+def int4_experts_by_expert(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, ops: ExpertOperands,
+                           intermediate: int, out_features: int, group_size: int, act: str,
+                           situ_beta: float = 4.0, situ_linear_beta: float = 25.0) -> torch.Tensor:
+    """The weighted sum of each row's k experts, expert by expert: each expert that received rows
+    runs `int4_expert_mlp` (two kernel calls) on them -> fp32 [N, D] (fp64 for fp64 x). Row counts
+    per expert are read back to the host (`experts_forward_by_expert`): eager code, or one opaque
+    op in a graph (`ops.sorted_experts_op.int4_sorted_experts`)."""
+    def expert_mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
+        return int4_expert_mlp(rows, *ops.expert(expert), intermediate, out_features, group_size, act, situ_beta,
+                               situ_linear_beta)
+
+    return experts_forward_by_expert(x, weights, indices, ops.w13.shape[0], expert_mlp)
 
 
 def int4_experts_one_token(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, ops: ExpertOperands,

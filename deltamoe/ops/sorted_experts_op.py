@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from deltamoe.ops import int4_experts, moe
-from deltamoe.ops.packed_experts import experts_forward_by_expert
 
 
 @torch.library.custom_op("deltamoe::sorted_experts", mutates_args=())
@@ -37,15 +36,9 @@ def int4_sorted_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.T
                         sz13: torch.Tensor, w2: torch.Tensor, sz2: torch.Tensor, intermediate: int,
                         out_features: int, group_size: int, act: str, situ_beta: float,
                         situ_linear_beta: float) -> torch.Tensor:
-    """An int4 expert stack (`int4_experts.ExpertOperands`' four tensors) expert by expert: each
-    expert that received rows runs its two kernel calls on them (`Int4ExpertStack.forward`'s loop)."""
-    ops = int4_experts.ExpertOperands(w13, sz13, w2, sz2)
-
-    def expert_mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
-        return int4_experts.int4_expert_mlp(rows, *ops.expert(expert), intermediate, out_features, group_size, act,
-                                            situ_beta, situ_linear_beta)
-
-    return experts_forward_by_expert(x, weights, indices, w13.shape[0], expert_mlp)
+    """`int4_experts.int4_experts_by_expert` on an int4 expert stack (`ExpertOperands`' four tensors)."""
+    return int4_experts.int4_experts_by_expert(x, weights, indices, int4_experts.ExpertOperands(w13, sz13, w2, sz2),
+                                               intermediate, out_features, group_size, act, situ_beta, situ_linear_beta)
 
 
 @int4_sorted_experts.register_fake
