@@ -190,8 +190,10 @@ class MooncakeConnector(KVConnector):
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, seq: Sequence, num_computed: int) -> int:
         hand_off = seq.kv_transfer
+        # Prompt logprobs need every prompt position's hidden state, which a hand-off does not carry
+        # (only the cache and the state after it): such a request's prompt is computed here.
         if (not isinstance(hand_off, RemotePrefill) or hand_off.loaded or seq.num_preemptions
-                or seq.num_prompt_tokens < self.config.min_prompt_tokens):
+                or seq.num_prompt_tokens < self.config.min_prompt_tokens or seq.params.prompt_logprobs is not None):
             return 0
         return max(0, seq.num_prompt_tokens - 1 - num_computed)
 

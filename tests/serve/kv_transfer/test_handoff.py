@@ -384,6 +384,33 @@ def test_short_prompts_stay_on_the_decode_server(k31_model, helpers, pool):
     assert connector.stats()["kv_transfer_received"] == 1  # only the 10-token prompt was handed off
 
 
+def test_prompt_logprobs_are_computed_on_the_decode_server(k31_model, helpers, pool):
+    """A hand-off carries no hidden states to score the prompt with: a request asking for prompt
+    logprobs is prefilled on the decode server and answers as the colocated engine does."""
+    prefill = pool.add("p0", k31_model)
+    decode, connector = decode_engine(k31_model, pool)
+    prompts = helpers.prompts(2, 12, 20, seed=9)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+
+    async def main():
+        got = []
+        for p in prompts:
+            outs = [out async for out in decode.generate(p, params, kv_transfer=RemotePrefill("p0"))]
+            got.append((sum((o.delta_token_ids for o in outs), []), outs[0].prompt_logprobs))
+        await settle(decode.engine, prefill)
+        return got
+
+    got = run_then_close(decode, connector, main)
+    expected = LLMEngine(k31_model, config=EngineConfig(**CONFIG)).generate(prompts, params, progress=False)
+    for (tokens, prompt_logprobs), want in zip(got, expected):
+        assert tokens == want.token_ids
+        assert len(prompt_logprobs) == len(want.prompt_logprobs) == len(want.prompt_token_ids) - 1
+        for a, b in zip(prompt_logprobs, want.prompt_logprobs):
+            assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-5)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    assert connector.stats()["kv_transfer_received"] == 0
+
+
 @pytest.mark.parametrize("kv_cache_dtype,staging_bytes,direct_max_segments",
                          [("fp8", 64 << 20, -1), ("fp8", 64 << 20, 32), ("auto", 1024, -1)])
 def test_fp8_pages_and_unpacked_handoffs_equal_colocated(k31_model, helpers, pool, kv_cache_dtype, staging_bytes,
