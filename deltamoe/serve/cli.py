@@ -469,11 +469,14 @@ def serve_command(
     from deltamoe.serve.engine.llm_engine import LLMEngine
     from deltamoe.serve.kv_transfer.roles import decode_hand_off, internal_routes, make_connector
 
+    from deltamoe.model.fingerprint import weights_fingerprint
+
     torch.set_num_threads(chosen)
     try:
         connector = make_connector(role, kv_transfer_host, kv_transfer_timeout, api_key, min_hand_off_tokens,
                                    staging_bytes, kv_transfer_direct_max_segments, inline_write_bytes,
-                                   kv_transfer_markers)
+                                   kv_transfer_markers,
+                                   weights=weights_fingerprint(model, dtype) if role != "colocated" else "")
     except ConfigError:
         listener.close()
         raise

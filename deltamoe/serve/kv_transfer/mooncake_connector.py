@@ -149,6 +149,7 @@ class HandOffConfig:
     # segment's fixed cost in the transfer engine against the copies a packed hand-off makes).
     direct_max_segments: int = DIRECT_MAX_SEGMENTS  # below zero: packed whenever the decode side lends a range
     direct_bytes_per_segment: int = 48 << 10
+    weights: str = ""  # `model.fingerprint.weights_fingerprint` of the served weights: part of the signature
 
 
 class MooncakeConnector(KVConnector):
@@ -182,7 +183,7 @@ class MooncakeConnector(KVConnector):
         for tensor in [*pool_tensors(cache).values(), self.staging.buffer, self.markers.buffer,
                        self.marker_sources.buffer]:  # once: never per request
             self.transport.register(tensor.data_ptr(), tensor.numel() * tensor.element_size())
-        self.descriptor = describe(cache, self.transport.session, model_config)
+        self.descriptor = describe(cache, self.transport.session, model_config, self.config.weights)
         # A hand-off's end: its completion marker in this side's memory, or the transfer engine's notice.
         self.notices = NoticeWatcher(lambda: [*self.transport.notices(), *self.markers.arrived()],
                                      self.config.notice_poll_s)
@@ -647,7 +648,7 @@ def push_target(connector: MooncakeConnector, payload: dict) -> tuple[list[int],
     except (KeyError, TypeError, ValueError) as e:
         raise RequestError(f"malformed hand-off request ({e!r})", field="kv_transfer") from e
     if dest.signature != connector.descriptor.signature:
-        raise RequestError("the decode server runs a different model, cache layout, dtype or block size "
+        raise RequestError("the decode server runs a different model, weights, cache layout, dtype or block size "
                            f"(signature {dest.signature} != {connector.descriptor.signature})", field="kv_transfer")
     bs = connector.cache.block_size
     need = -(-(len(token_ids) - 1) // bs) - first_block

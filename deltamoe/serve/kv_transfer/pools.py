@@ -40,7 +40,7 @@ class PoolDescriptor:
 
     session: str  # the transport's address of this engine ("host:port")
     addresses: dict[str, int]
-    signature: str  # model config + cache layout + dtype + block size; equal on both sides or no hand-off
+    signature: str  # model config + weights + cache layout + dtype + block size; equal on both sides or no hand-off
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -56,20 +56,21 @@ def pool_tensors(cache: HybridCache) -> dict[str, torch.Tensor]:
     return {name: getattr(cache, name) for name in POOLS if getattr(cache, name) is not None}
 
 
-def cache_signature(model_config: ModelConfig, cache: HybridCache) -> str:
-    """Everything that must agree for raw bytes to mean the same on both sides (not the pool sizes)."""
+def cache_signature(model_config: ModelConfig, cache: HybridCache, weights: str = "") -> str:
+    """Everything that must agree for raw bytes to mean the same on both sides (not the pool sizes):
+    the model config, the cache layout, and the weights that compute them (`model.fingerprint`)."""
     shapes = {name: [t.shape[0], *t.shape[2:]] for name, t in pool_tensors(cache).items()}
     dtypes = {name: str(t.dtype) for name, t in pool_tensors(cache).items()}
     # A state slot's layout inside its run (neither stride depends on the number of slots).
     state_strides = {name: list(pool_tensors(cache)[name].stride()) for name in STATE_POOLS}
     blob = json.dumps({"model": model_config.to_dict(), "block_size": cache.block_size, "shapes": shapes,
-                       "dtypes": dtypes, "state_strides": state_strides}, sort_keys=True, default=str)
+                       "dtypes": dtypes, "state_strides": state_strides, "weights": weights}, sort_keys=True, default=str)
     return hashlib.blake2b(blob.encode(), digest_size=8).hexdigest()
 
 
-def describe(cache: HybridCache, session: str, model_config: ModelConfig) -> PoolDescriptor:
+def describe(cache: HybridCache, session: str, model_config: ModelConfig, weights: str = "") -> PoolDescriptor:
     return PoolDescriptor(session=session, addresses={n: t.data_ptr() for n, t in pool_tensors(cache).items()},
-                          signature=cache_signature(model_config, cache))
+                          signature=cache_signature(model_config, cache, weights))
 
 
 def request_segments(cache: HybridCache, remote: PoolDescriptor, src_blocks: list[int], dst_blocks: list[int],

@@ -4,9 +4,9 @@
   decode server named in the body (`prefill_service.prefill_and_push`).
 - decode: a /v1 request with the header `X-DeltaMoE-Prefill-Url` (set by the router) has its
   prompt computed by that prefill server; the decode engine's connector asks for it over HTTP.
-- both: `GET /internal/kv_transfer/info` reports the role, the cache signature (model config,
-  layout, dtype, block size) and the load, so a router checks a pairing at start-up and
-  picks the least loaded worker.
+- both: `GET /internal/kv_transfer/info` reports the role, the served model name, the weights'
+  fingerprint, the cache signature (model config, weights, layout, dtype, block size) and the load,
+  so a router checks a pairing at start-up and picks the least loaded worker.
 """
 
 from __future__ import annotations
@@ -60,13 +60,13 @@ def make_connector(role: str, host: str, timeout_s: float, api_key: str | None =
                    min_prompt_tokens: int = 2, staging_bytes: int = HandOffConfig.staging_bytes,
                    direct_max_segments: int = HandOffConfig.direct_max_segments,
                    inline_write_bytes: int = HandOffConfig.inline_write_bytes,
-                   markers: bool = HandOffConfig.markers) -> MooncakeConnector | None:
+                   markers: bool = HandOffConfig.markers, weights: str = "") -> MooncakeConnector | None:
     if role == "colocated":
         return None
     client = HttpPrefillClient(api_key) if role == "decode" else None
     config = HandOffConfig(host=host, timeout_s=timeout_s, min_prompt_tokens=min_prompt_tokens,
                            staging_bytes=staging_bytes, direct_max_segments=direct_max_segments,
-                           inline_write_bytes=inline_write_bytes, markers=markers)
+                           inline_write_bytes=inline_write_bytes, markers=markers, weights=weights)
     return MooncakeConnector(config, prefill_client=client)
 
 
@@ -83,6 +83,7 @@ def internal_routes(role: str, engine: AsyncLLMEngine, connector: MooncakeConnec
     async def info() -> dict:
         s = engine.stats()
         return {"role": role, "model": model_name, "block_size": engine.engine.cache.block_size,
+                "weights": connector.config.weights if connector else None,
                 "signature": connector.descriptor.signature if connector else None,
                 "session": connector.descriptor.session if connector else None,
                 "load": {"running": s.num_running, "waiting": s.num_waiting, "free_blocks": s.num_free_blocks,

@@ -1,9 +1,10 @@
 """The router's workers: checked once at start-up, then picked by load for every request.
 
 At start-up every worker must answer `GET /internal/kv_transfer/info` with the role it was
-given on the router's command line and the same cache signature (model config, cache layout,
-dtype, block size) as every other: a pairing that cannot hand off is refused with one line
-before the router opens its port. While serving, a worker is picked by the router's own count
+given on the router's command line, the same served model name, weights fingerprint and cache
+signature (model config, weights, cache layout, dtype, block size) as every other: a pairing that
+cannot hand off, or whose decode side would continue another model's cache, is refused with one
+line before the router opens its port. While serving, a worker is picked by the router's own count
 of requests in flight on it (its queue as the router sees it), then by the free cache blocks
 it last reported; a worker that failed a request sits out for `cooldown_s`.
 """
@@ -45,7 +46,7 @@ class WorkerPool:
         self.cooldown_s = cooldown_s
 
     def check(self, headers: dict[str, str], timeout_s: float = 5.0) -> None:
-        """Start-up check: reachable, the right role, one signature; a ConfigError naming the worker otherwise."""
+        """Start-up check: reachable, the right role, one model name, weights and signature; a ConfigError naming the worker otherwise."""
         for w in self.workers:
             try:
                 r = httpx.get(w.url + INFO_PATH, headers=headers, timeout=timeout_s)
@@ -60,6 +61,13 @@ class WorkerPool:
                                   hint=f"start it with --role {w.role}")
         first = self.workers[0]
         for w in self.workers[1:]:
+            if w.info.get("model") != first.info.get("model"):
+                raise ConfigError(f"{w.url} serves model {w.info.get('model')!r}, {first.url} {first.info.get('model')!r}",
+                                  field="model", hint="the same checkpoint and --served-model-name on every server")
+            if w.info.get("weights") != first.info.get("weights"):
+                raise ConfigError(f"{w.url} and {first.url} load different weights (fingerprint {w.info.get('weights')} "
+                                  f"!= {first.info.get('weights')})", field="model",
+                                  hint="the same checkpoint and --dtype on every server")
             if w.info["block_size"] != first.info["block_size"]:
                 raise ConfigError(f"{w.url} uses block size {w.info['block_size']}, {first.url} "
                                   f"{first.info['block_size']}", field="block_size", hint="the same --block-size on all")

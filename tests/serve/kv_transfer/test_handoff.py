@@ -66,9 +66,9 @@ def pool():
 
 def decode_engine(model, pool: PrefillPool, timeout_s: float = 30.0, min_prompt_tokens: int = 2,
                   staging_bytes: int = 64 << 20, client=None, markers: bool = HandOffConfig.markers,
-                  **config) -> tuple[AsyncLLMEngine, MooncakeConnector]:
+                  weights: str = "", **config) -> tuple[AsyncLLMEngine, MooncakeConnector]:
     hand_off = HandOffConfig(timeout_s=timeout_s, min_prompt_tokens=min_prompt_tokens, staging_bytes=staging_bytes,
-                             markers=markers)
+                             markers=markers, weights=weights)
     connector = MooncakeConnector(hand_off, prefill_client=client or pool.client)
     return AsyncLLMEngine(LLMEngine(model, config=EngineConfig(**(CONFIG | config)), connector=connector)), connector
 
@@ -307,12 +307,17 @@ def test_a_failed_handoff_keeps_its_staging_range_while_a_write_may_land(k31_mod
     assert_all_free(decode.engine)
 
 
-def test_mismatched_block_size_is_refused_by_the_prefill_side(k31_model, helpers, pool):
-    pool.add("p8", k31_model, block_size=8)
-    decode, connector = decode_engine(k31_model, pool)
+@pytest.mark.parametrize("prefill_config,decode_weights", [
+    (dict(block_size=8), ""),
+    (dict(hand_off=HandOffConfig(weights="aaaa")), "bbbb"),  # `serve` fingerprints the weights it loads
+])
+def test_mismatched_block_size_or_weights_are_refused_by_the_prefill_side(k31_model, helpers, pool, prefill_config,
+                                                                         decode_weights):
+    pool.add("p8", k31_model, **prefill_config)
+    decode, connector = decode_engine(k31_model, pool, weights=decode_weights)
 
     async def main():
-        with pytest.raises(RequestFailedError, match="different model, cache layout, dtype or block size"):
+        with pytest.raises(RequestFailedError, match="different model, weights, cache layout, dtype or block size"):
             await collect(decode, helpers.prompts(1, 12, 12, seed=2)[0], "p8")
         await settle(decode.engine)
 

@@ -11,7 +11,8 @@ from deltamoe.cli import main
 from deltamoe.errors import ConfigError
 from deltamoe.serve.router.workers import WorkerPool
 
-INFO = {"role": "prefill", "model": "m", "block_size": 16, "signature": "abc", "load": {"free_blocks": 10}}
+INFO = {"role": "prefill", "model": "m", "weights": "w1", "block_size": 16, "signature": "abc",
+        "load": {"free_blocks": 10}}
 
 
 def fake_infos(monkeypatch, infos: dict[str, dict]) -> None:
@@ -35,6 +36,8 @@ def test_unreachable_worker_is_one_line_at_start_up(capsys):
     ({"role": "decode"}, "prefill", "runs as 'decode', not 'prefill'"),
     ({"block_size": 8}, "block_size", "uses block size 8"),
     ({"signature": "xyz"}, "model", "run different models or cache layouts"),
+    ({"model": "other"}, "model", "serves model 'other'"),
+    ({"weights": "w2"}, "model", "load different weights"),
 ])
 def test_mismatched_workers_are_refused(monkeypatch, change, field, message):
     fake_infos(monkeypatch, {"http://p": INFO, "http://p2": INFO | change, "http://d": INFO | {"role": "decode"}})
