@@ -82,7 +82,8 @@ def internal_routes(role: str, engine: AsyncLLMEngine, connector: MooncakeConnec
     @router.get("/kv_transfer/info")
     async def info() -> dict:
         s = engine.stats()
-        return {"role": role, "model": model_name, "block_size": engine.engine.cache.block_size,
+        return {"role": role, "model": model_name, "healthy": engine.is_running,
+                "block_size": engine.engine.cache.block_size,
                 "weights": connector.config.weights if connector else None,
                 "signature": connector.descriptor.signature if connector else None,
                 "session": connector.descriptor.session if connector else None,

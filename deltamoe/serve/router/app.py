@@ -54,9 +54,12 @@ def build_router_app(pool: WorkerPool, *, api_key: str | None = None, max_retrie
 
     @app.get("/health")
     async def health() -> Response:
-        return JSONResponse({"status": "ok", "workers": [
-            {"url": w.url, "role": w.role, "in_flight": w.in_flight, "available": w.available,
-             "failures": w.failures} for w in pool.workers]})
+        # 503 while a role has no available worker: a load balancer then stops sending what would fail.
+        down = [role for role, up in pool.serving_roles().items() if not up]
+        return JSONResponse({"status": "ok" if not down else f"no available {' or '.join(down)} server",
+                             "workers": [{"url": w.url, "role": w.role, "in_flight": w.in_flight,
+                                          "available": w.available, "failures": w.failures} for w in pool.workers]},
+                            status_code=503 if down else 200)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

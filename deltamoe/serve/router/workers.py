@@ -93,10 +93,19 @@ class WorkerPool:
         worker.down_until = time.monotonic() + self.cooldown_s
 
     async def refresh(self, client: httpx.AsyncClient) -> None:
-        """Read every worker's load (free blocks); an unreachable one sits out."""
+        """Read every worker's load (free blocks); an unreachable or unhealthy one (its engine stopped,
+        e.g. a worker rank died) sits out."""
         for w in self.workers:
             try:
                 r = await client.get(w.url + INFO_PATH, timeout=2.0)
-                w.free_blocks = int(r.json()["load"]["free_blocks"])
+                r.raise_for_status()
+                info = r.json()
+                w.free_blocks = int(info["load"]["free_blocks"])
+                if info.get("healthy") is False:
+                    raise RuntimeError("unhealthy")
             except Exception:
                 w.down_until = time.monotonic() + self.cooldown_s
+
+    def serving_roles(self) -> dict[str, bool]:
+        """{role: whether some worker of it is available now}."""
+        return {role: any(w.available for w in self.workers if w.role == role) for role in ("prefill", "decode")}

@@ -74,3 +74,43 @@ def test_serve_role_options_are_checked_first(capsys, args, message):
     assert main(["serve", "tiny", *args]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"error: {message}")
+
+
+def test_health_is_503_while_a_role_has_no_available_worker(monkeypatch):
+    """A worker that stops answering, or answers that its engine stopped, sits out; the router's /health
+    says so with a 503 (a load balancer stops sending it what would fail) and recovers with it."""
+    import asyncio
+
+    from fastapi.testclient import TestClient
+
+    from deltamoe.serve.router.app import build_router_app
+
+    infos = {"http://p": INFO, "http://d": INFO | {"role": "decode"}}
+    fake_infos(monkeypatch, infos)
+    pool = WorkerPool(["http://p"], ["http://d"], cooldown_s=60.0)
+    pool.check({})
+    health = TestClient(build_router_app(pool)).get  # no lifespan: this test refreshes by hand
+    assert health("/health").status_code == 200
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        base = str(request.url).removesuffix("/internal/kv_transfer/info")
+        if base not in infos:
+            return httpx.Response(502)
+        return httpx.Response(200, json=infos[base])
+
+    async def refresh():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            await pool.refresh(client)
+
+    infos["http://d"] = INFO | {"role": "decode", "healthy": False}  # e.g. one of its worker ranks died
+    asyncio.run(refresh())
+    r = health("/health")
+    assert r.status_code == 503 and r.json()["status"] == "no available decode server"
+    del infos["http://p"]  # gone
+    asyncio.run(refresh())
+    assert health("/health").json()["status"] == "no available prefill or decode server"
+    for w in pool.workers:  # their cooldowns over, both answer again
+        w.down_until = 0.0
+    infos["http://p"], infos["http://d"] = INFO, INFO | {"role": "decode", "healthy": True}
+    asyncio.run(refresh())
+    assert health("/health").status_code == 200
