@@ -35,6 +35,31 @@ def check_dtype(name: str) -> str:
     return name
 
 
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
+
+
+def check_device(name: str) -> str:
+    """cpu, or cuda[:N] on a torch build that sees that GPU: a one-line error before the model loads."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"expected cpu or cuda[:N], got {name!r}", field="device") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"expected cpu or cuda[:N], got {name!r}", field="device")
+    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
+        raise ConfigError(f"{name!r}: this torch sees {torch.cuda.device_count() if torch.cuda.is_available() else 'no'} "
+                          "CUDA device(s)", field="device", hint="--device cpu")
+    return name
+
+
+def check_log_level(name: str) -> str:
+    if name.lower() not in LOG_LEVELS:
+        raise ConfigError(f"expected one of {list(LOG_LEVELS)}, got {name!r}", field="log_level")
+    return name.lower()
+
+
 def parse_dtype(name: str) -> "torch.dtype":
     import torch
 
@@ -170,6 +195,7 @@ def build_engine(model: str, tokenizer: Optional[str], cache_memory: str, max_nu
     from deltamoe.serve.engine.config import EngineConfig
 
     check_dtype(dtype)
+    check_device(device)
     chosen = choose_threads(threads, reserve=host_thread_reserve(async_scheduling))
     config = EngineConfig(cache_memory=cache_memory, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, compile_decode=compile_decode,
@@ -226,6 +252,7 @@ def generate_command(
     from deltamoe.serve.image_cli import check_image_model, load_cli_images, placeholder_tokens
 
     vision_config = check_image_model(model, image)
+    check_device(device)
     compile_decode = resolve_compile(compile_decode, device, tp, ep, kv_cache_dtype, model)
     from deltamoe.serve.executor.config import launched_by_torchrun
 
@@ -284,6 +311,10 @@ def chat_command(
     spec_min_acceptance: float = SPEC_MIN_ACCEPTANCE_OPTION,
 ) -> None:
     """Interactive chat in the terminal (/reset clears the history, /exit or Ctrl-D quits)."""
+    from deltamoe.serve.engine.sampling import SamplingParams
+
+    # The sampling options fail here, before the model loads, not at the first message.
+    SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed).validate(vocab_size=1)
     engine = build_engine(model, tokenizer, cache_memory, 1, 512, dtype, device, compile_decode, threads=threads,
                           speculative=speculative, num_draft_tokens=num_draft_tokens,
                           spec_min_acceptance=spec_min_acceptance)
@@ -330,9 +361,15 @@ def chat_command(
         images, pending = images + pending, []
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                                 stop_token_ids=template.stop_token_ids)
-        ids = template.encode(history, True,
-                              image_tokens=placeholder_tokens(engine.model_config, images) if images else None)
-        request_id = engine.add_request(ids, params, images=images or None)
+        try:
+            request_id, dropped = add_chat_turn(engine, template, history, images, params, bool(system))
+        except RequestError as e:  # the message cannot be answered: say why, keep the session
+            history.pop()
+            console.print(f"[red]{e.one_line()}[/red] [dim](/reset clears the history)[/dim]", markup=True,
+                          highlight=False)
+            continue
+        if dropped:
+            console.print(f"[dim](the {dropped} oldest messages left the context)[/dim]")
         console.print("[bold magenta]assistant> [/bold magenta]", end="")
         reply = ""
         try:
@@ -344,6 +381,34 @@ def chat_command(
             engine.abort(request_id)
         console.print()
         history.append({"role": "assistant", "content": reply})
+
+
+def add_chat_turn(engine, template, history: list[dict[str, str]], images: list, params,
+                  keep_first: bool) -> tuple[str, int]:
+    """Queue the conversation's next answer; returns (request id, messages dropped from `history`).
+
+    While the conversation plus the answer's `max_tokens` does not fit the context, its oldest
+    exchange leaves `history` (a system prompt stays), as chat front ends do; a conversation with
+    images keeps all of it (each image's tokens follow its place in the text), as does one whose
+    last message alone does not fit: those raise the engine's RequestError."""
+    from deltamoe.errors import RequestError
+    from deltamoe.serve.image_cli import placeholder_tokens
+
+    kept = list(history)  # `history` changes only once the answer is queued
+    while True:
+        ids = template.encode(kept, True,
+                              image_tokens=placeholder_tokens(engine.model_config, images) if images else None)
+        try:
+            request_id = engine.add_request(ids, params, images=images or None)
+        except RequestError as e:
+            first = 1 if keep_first else 0
+            if e.field not in ("prompt", "max_tokens") or images or len(kept) - first < 3:
+                raise
+            del kept[first:first + 2]  # the oldest user message and its answer
+            continue
+        dropped = len(history) - len(kept)
+        history[:] = kept
+        return request_id, dropped
 
 
 def _torchrun_rank() -> int:
@@ -432,6 +497,8 @@ def serve_command(
     from deltamoe.serve.kv_transfer.role_config import check_role
 
     check_role(role, kv_transfer)
+    check_device(device)
+    log_level = check_log_level(log_level)
     compile_decode = resolve_compile(compile_decode, device, tp, ep, kv_cache_dtype, model)
     # A bad size fails before the model loads.
     staging_bytes = parse_bytes(kv_transfer_staging, "kv_transfer_staging")

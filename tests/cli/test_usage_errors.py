@@ -37,3 +37,16 @@ def test_help_still_exits_0(capsys) -> None:
     assert main(["plan", "--help"]) == 0
     out = capsys.readouterr().out
     assert "Usage: deltamoe plan" in out and "--no-slo" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "tiny", "-p", "x", "--device", "bogus"], "error: device: expected cpu or cuda[:N], got 'bogus'"),
+    (["generate", "tiny", "-p", "x", "--device", "meta"], "error: device: expected cpu or cuda[:N], got 'meta'"),
+    (["chat", "tiny", "--device", "cuda:99"], "error: device: 'cuda:99': this torch sees"),
+    (["serve", "tiny", "--device", "bogus"], "error: device: expected cpu or cuda[:N]"),
+    (["serve", "tiny", "--log-level", "loud"], "error: log_level: expected one of ['critical'"),
+])
+def test_device_and_log_level_fail_before_the_model_loads(argv: list[str], message: str, capsys) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(message), err
