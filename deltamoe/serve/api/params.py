@@ -18,8 +18,22 @@ def _unsupported(param: str, message: str) -> APIError:
     return APIError(400, f"{param}: {message}", param=param, code="unsupported_value")
 
 
+# vLLM sampling extensions not implemented here, with the values that leave the output as it is.
+NOT_IMPLEMENTED = {"min_tokens": (0,), "repetition_penalty": (1, 1.0), "length_penalty": (1, 1.0),
+                   "use_beam_search": (False,), "bad_words": ([],), "allowed_token_ids": (),
+                   "truncate_prompt_tokens": ()}
+
+
+def _refuse_not_implemented(req: SamplingFields) -> None:
+    for name, neutral in NOT_IMPLEMENTED.items():
+        value = getattr(req, name)
+        if value is not None and not any(value == v and type(value) is type(v) for v in neutral):
+            raise _unsupported(name, f"{value!r} is not supported by this server (vLLM sampling extension)")
+
+
 def _common(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
             stop_token_ids: list[int]) -> SamplingParams:
+    _refuse_not_implemented(req)
 
     def pick(value, default):
         return default if value is None else value

@@ -57,6 +57,15 @@ class SamplingFields(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's sampling extensions this server does not implement: read so that a value that would change
+    # the output is refused (params.py), not dropped as an unknown field would be.
+    min_tokens: Any = None
+    repetition_penalty: Any = None
+    length_penalty: Any = None
+    use_beam_search: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    truncate_prompt_tokens: Any = None
 
     @field_validator("stop")
     @classmethod

@@ -67,6 +67,14 @@ CASES = [
     (CMPL, raw({"model": M, "prompt": "a", "n": 17}), AUTH, 400, "n", "invalid_value"),
     (CHAT, raw({"model": M, "messages": USER, "prompt_logprobs": 1}), AUTH, 400, "prompt_logprobs", "unsupported_value"),
     (CMPL, raw({"model": M, "prompt": "a", "prompt_logprobs": 99}), AUTH, 400, "prompt_logprobs", "invalid_value"),
+    # vLLM's sampling extensions that are not implemented are refused, never dropped
+    (CMPL, raw({"model": M, "prompt": "a", "min_tokens": 5}), AUTH, 400, "min_tokens", "unsupported_value"),
+    (CHAT, raw({"model": M, "messages": USER, "repetition_penalty": 1.2}), AUTH, 400, "repetition_penalty",
+     "unsupported_value"),
+    (CMPL, raw({"model": M, "prompt": "a", "use_beam_search": True}), AUTH, 400, "use_beam_search", "unsupported_value"),
+    (CMPL, raw({"model": M, "prompt": "a", "bad_words": ["x"]}), AUTH, 400, "bad_words", "unsupported_value"),
+    (CMPL, raw({"model": M, "prompt": "a", "truncate_prompt_tokens": 8}), AUTH, 400, "truncate_prompt_tokens",
+     "unsupported_value"),
     (CMPL, raw({"model": M, "prompt": "a", "stream": True, "max_tokens": 0}), AUTH, 400, "max_tokens",
      "invalid_value"),  # a streaming request is refused before any event, as a plain 400
     (CMPL, raw({"model": M, "prompt": "a" * (2**20)}), AUTH, 413, None, "body_too_large"),
@@ -127,6 +135,11 @@ def test_bad_requests_get_4xx_bodies_and_the_server_stays_up(server):
 
         r = http.post(CMPL, headers=AUTH, json={"model": M, "prompt": "still alive", "max_tokens": 4,
                                                 "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        neutral = {"min_tokens": 0, "repetition_penalty": 1.0, "use_beam_search": False, "bad_words": [],
+                   "length_penalty": 1}  # vLLM's defaults, as some clients send them: accepted
+        r = http.post(CMPL, headers=AUTH, json={"model": M, "prompt": "still alive", "max_tokens": 4,
+                                                "ignore_eos": True, **neutral})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         assert http.get("/health").json() == {"status": "ok"}
     assert engine.is_running and engine.stats().num_running == engine.stats().num_waiting == 0
