@@ -493,7 +493,7 @@ def serve_command(
 ) -> None:
     """OpenAI-compatible HTTP server (deltamoe.serve.api) over an AsyncLLMEngine."""
     from deltamoe.serve.compile_choice import resolve_compile
-    from deltamoe.serve.engine.config import EngineConfig, parse_bytes
+    from deltamoe.serve.engine.config import EngineConfig, check_max_model_len, parse_bytes
     from deltamoe.serve.kv_transfer.role_config import check_role
 
     check_role(role, kv_transfer)
@@ -512,7 +512,8 @@ def serve_command(
                           spec_min_acceptance=spec_min_acceptance, async_scheduling=async_scheduling,
                           num_scheduler_steps=num_scheduler_steps, spec_max_batch=spec_max_batch)
     chosen = engine_threads(threads, async_scheduling)
-    load_config(model)  # an unknown model fails here, from its config alone
+    # An unknown model fails here, from its config alone.
+    check_max_model_len(max_model_len, load_config(model).max_position_embeddings)
     workers = check_workers(model, tp, ep)
     check_multi_step(num_scheduler_steps, workers=workers is not None, transfers=role != "colocated")
     if workers is not None and _torchrun_rank() > 0:

@@ -66,7 +66,7 @@ def prompts(n: int, lo: int, hi: int, vocab: int = 256, seed: int = 0, prefix: l
 
 
 @contextlib.contextmanager
-def openai_server(folder, config, seed: int = 2, model_name: str = "tiny"):
+def openai_server(folder, config, seed: int = 2, model_name: str = "tiny", **model_overrides):
     """An `openai` client of a server (in a thread) over a k31_tiny checkpoint saved to `folder`."""
     import openai
 
@@ -75,7 +75,7 @@ def openai_server(folder, config, seed: int = 2, model_name: str = "tiny"):
     from deltamoe.serve.api.thread import ServerThread
     from deltamoe.serve.engine.async_engine import AsyncLLMEngine
 
-    save_checkpoint(build_model(k31_tiny(), seed=seed), folder)
+    save_checkpoint(build_model(k31_tiny(**model_overrides), seed=seed), folder)
     with ServerThread(build_app(AsyncLLMEngine.from_pretrained(folder, config), model_name)) as thread:
         yield openai.OpenAI(base_url=f"{thread.url}/v1", api_key="none", max_retries=0, timeout=60)
 

@@ -106,3 +106,11 @@ class EngineConfig:
                               hint="drop --num-scheduler-steps or --async-scheduling / --speculative")
         if self.max_snapshots is None:
             self.max_snapshots = self.max_num_seqs if self.enable_prefix_caching else 0
+
+
+def check_max_model_len(max_model_len: int | None, max_position_embeddings: int) -> None:
+    """A context past the positions the model was trained for is refused, as vLLM does."""
+    if max_model_len is not None and max_model_len > max_position_embeddings:
+        raise ConfigError(f"{max_model_len} is more than the model's max_position_embeddings "
+                          f"({max_position_embeddings})", field="max_model_len",
+                          hint=f"at most {max_position_embeddings}")

@@ -20,7 +20,7 @@ from deltamoe.errors import ConfigError, RequestError
 from deltamoe.model.model import DeltaMoEForCausalLM
 from deltamoe.serve.engine.cache import HybridCache
 from deltamoe.serve.engine.compiled_decode import WarmUpRound, expert_form_budget, warm_up_rounds
-from deltamoe.serve.engine.config import EngineConfig
+from deltamoe.serve.engine.config import EngineConfig, check_max_model_len
 from deltamoe.serve.engine.detokenizer import IncrementalDetokenizer
 from deltamoe.serve.engine.forks import ForkBook, start_forks
 from deltamoe.serve.engine.image_inputs import place_images
@@ -58,9 +58,13 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.model_config = model.config
         self.tokenizer = tokenizer or load_tokenizer(None, model.config.vocab_size)
+        check_max_model_len(self.config.max_model_len, model.config.max_position_embeddings)
         self.max_model_len = self.config.max_model_len or model.config.max_position_embeddings
         self.cache = HybridCache(model.config, self.config, self.max_model_len, dtype=model.dtype, device=model.device,
                                  tp_size=group.dims.tp if group is not None else 1)
+        # The longest sequence served: what the cache holds, where that is less (reported as such by
+        # /v1/models and /tokenize, which clients size their requests by).
+        self.max_model_len = min(self.max_model_len, self.cache.max_tokens_per_sequence())
         pools = self.cache  # what the connector registers and hands off
         if connector is not None and group is not None:  # rank 0's copy travels (kv_transfer/worker_state.py)
             from deltamoe.serve.kv_transfer.worker_state import hand_off_pools

@@ -20,8 +20,8 @@ USER = [{"role": "user", "content": "who?"}]
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory, helpers):
-    config = EngineConfig(cache_memory="16MiB", max_model_len=1024)
-    with helpers.openai_server(tmp_path_factory.mktemp("ckpt"), config) as client:
+    config = EngineConfig(cache_memory="16MiB", max_model_len=1024)  # forced tool calls: long prompts and outputs
+    with helpers.openai_server(tmp_path_factory.mktemp("ckpt"), config, max_position_embeddings=1024) as client:
         yield client
 
 
