@@ -25,8 +25,8 @@ DELTAMOE_LAYOUT = ("# deltamoe serve runs one replica over --tp x --ep ranks (sp
                    "of a torchrun job): attention heads, dense MLPs and the vocabulary split by --tp and replicated "
                    "over --ep; routed experts split by --ep only (num_experts / ep per rank, where this plan counts "
                    "num_experts / (tp x dp)), so each chip holds more expert weights than the plan's memory column; "
-                   "weights and cache in --dtype (no FP8 KV cache or weight quantization flags)")
-
+                   "--ep is the plan's dp where it divides the experts, else the largest divisor below it; "
+                   "weights in --dtype (quantized checkpoints run on CPUs only)")
 
 @dataclass(frozen=True)
 class Recipe:
@@ -46,30 +46,71 @@ def _nodes(pool: PoolEstimate, hw: Hardware) -> int:
     return max(1, -(-pool.layout.instance_chips // hw.chips_per_node))
 
 
-def _deltamoe(model: str, pool: PoolEstimate, hw: Hardware, max_len: int, role: str | None) -> list[str]:
+def serve_layout(model: str, tp: int, dp: int, chips_per_node: int) -> tuple[int, int]:
+    """(tp, ep) for `deltamoe serve`: ep the largest ep <= dp that the model's worker checks accept
+    (ep divides the routed experts) and whose tp x ep ranks split evenly over server-sized nodes."""
+    from deltamoe.errors import ConfigError
+    from deltamoe.hf_config import load_config
+    from deltamoe.serve.executor.config import WorkerConfig
+
+    try:
+        config = load_config(model)
+    except ConfigError:
+        return tp, dp  # a model the planner knows by its figures only: the line keeps the plan's layout
+    for ep in range(dp, 0, -1):
+        ranks = tp * ep
+        nodes = -(-ranks // chips_per_node)
+        if chips_per_node <= 8 and ranks % nodes:
+            continue
+        try:
+            WorkerConfig(tp=tp, ep=ep).dims(config)
+        except ConfigError:
+            continue
+        return tp, ep
+    return tp, 1
+
+
+def _deltamoe(model: str, pool: PoolEstimate, hw: Hardware, max_len: int, role: str | None, kv: str) -> list[str]:
     """Comment lines for what the line cannot express, then a `deltamoe serve` command that parses."""
     lay = pool.layout
+    tp, ep = serve_layout(model, lay.tp, lay.dp, hw.chips_per_node)
     notes = [f"# {model}: a checkpoint folder in its place (the preset name serves random weights)"]
+    if ep != lay.dp:
+        notes.append(f"# --ep {ep}, not the plan's dp = {lay.dp}: deltamoe serve splits the routed experts evenly "
+                     f"over --ep ranks")
     if lay.pp > 1:
         notes.append(f"# no pipeline stages in deltamoe serve: this line holds all layers on each of its "
-                     f"{lay.tp * lay.dp} ranks (the plan splits them over pp = {lay.pp})")
-    if role:
-        notes.append(f"# the {role} pool's layout; deltamoe serve has no P/D role flag here, it serves both phases")
+                     f"{tp * ep} ranks (the plan splits them over pp = {lay.pp})")
     if lay.replicas > 1:
-        notes.append(f"# run {lay.replicas} replicas of this line behind a load balancer")
+        notes.append(f"# run {lay.replicas} replicas of this line behind a load balancer"
+                     + (" (or list each after the router's --" + role + ")" if role else ""))
     cache_gib = max(1, int(pool.memory.cache / 2**30))
-    serve = (f"-m deltamoe serve {model} --host 0.0.0.0 --tp {lay.tp} --ep {lay.dp} --dtype bfloat16 --device cuda "
+    serve = (f"-m deltamoe serve {model} --host 0.0.0.0 --tp {tp} --ep {ep} --dtype bfloat16 --device cuda "
              f"--max-model-len {max_len} --cache-memory {cache_gib}GiB")
+    if kv == "fp8":
+        serve += " --kv-cache-dtype fp8"
+    if role is not None:
+        serve += f" --role {role} --kv-transfer mooncake --kv-transfer-host <this-node-ip>"
+        notes.append("# the P/D hand-off is tested on CPUs (mooncake-transfer-engine-non-cuda over TCP); GPU pools "
+                     "need Mooncake's CUDA build")
     if role != "prefill":
         serve += f" --max-num-seqs {pool.batch}"
-    ranks = lay.tp * lay.dp
-    nodes = -(-ranks // hw.chips_per_node)
+    ranks = tp * ep
     if hw.vendor == "ascend":
         notes.append("# deltamoe runs on CUDA GPUs and CPUs, not Ascend NPUs: the line is for a GPU pool of this shape")
-    if nodes <= 1:
+    if ranks <= hw.chips_per_node <= 8:
         return notes + ["python " + serve]
+    if hw.chips_per_node > 8:  # a rack or pod: its hosts' GPU count is not a planner figure
+        return notes + [f"torchrun --nnodes <hosts> --nproc-per-node <gpus-per-host> --node-rank <0..hosts-1> "
+                        f"--master-addr <head-ip> --master-port <port> {serve}  # hosts x gpus-per-host = {ranks}; "
+                        "run once per host"]
+    nodes = -(-ranks // hw.chips_per_node)
     return notes + [f"torchrun --nnodes {nodes} --nproc-per-node {ranks // nodes} --node-rank <0..{nodes - 1}> "
                     f"--master-addr <head-ip> --master-port <port> {serve}  # run once per node"]
+
+
+ROUTER_LINE = ("deltamoe router --host 0.0.0.0 --prefill http://<prefill-head-ip>:8000 "
+               "--decode http://<decode-head-ip>:8000  # one --prefill / --decode per replica")
 
 
 def _vllm(hf: str, weights: str, kv: str, pool: PoolEstimate, hw: Hardware, max_len: int, headroom: float,
@@ -135,7 +176,9 @@ def launch_recipe(plan: Plan, model: str, weights: str, kv: str, hw: Hardware) -
     out = Recipe([DELTAMOE_LAYOUT], [], [])
     for pool, role in pools:
         head = f"# {role or 'colocated'}: {pool.layout.describe()} on {pool.layout.chips} chips"
-        out.deltamoe.extend([head, *_deltamoe(model, pool, hw, max_len, role)])
+        out.deltamoe.extend([head, *_deltamoe(model, pool, hw, max_len, role, kv)])
         out.vllm.extend([head, _vllm(hf, weights, kv, pool, hw, max_len, headroom, role)])
         out.sglang.extend([head, _sglang(hf, kv, pool, hw, max_len, headroom, role)])
+    if plan.prefill is not None:
+        out.deltamoe.extend(["# the router in front of both pools (clients talk to it)", ROUTER_LINE])
     return out

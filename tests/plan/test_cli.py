@@ -105,19 +105,27 @@ def test_slo_flag_errors_are_one_line(capsys):
     assert capsys.readouterr().err.startswith("error: slo-ttft: ")
 
 
-def test_deltamoe_recipe_line_is_a_command_deltamoe_serve_accepts(monkeypatch):
-    """The printed `deltamoe serve` line (after a torchrun prefix, if any) runs the real command up to the
-    model load: every flag parses, the layout passes the model's checks, the values reach the engine."""
+@pytest.mark.parametrize("args", [
+    ["--model", "kimi-k3.1-pro", "--hardware", "h200", "--nodes", "4"],
+    ["--model", "kimi-k3.1-pro", "--hardware", "h200", "--nodes", "16", "--kv-cache", "fp8"],  # P/D, ep 11 / 10 planned
+    ["--model", "kimi-k3", "--hardware", "gb200-nvl72", "--nodes", "1"],  # a rack: ep 9 planned
+    ["--model", "kimi-k3.1-pro", "--hardware", "b300", "--nodes", "3"],  # ep 6 planned
+    ["--model", "kimi-linear-48b", "--hardware", "h100", "--chips", "3"],  # 256 experts, ep 3 planned
+])
+def test_deltamoe_recipe_lines_are_commands_deltamoe_serve_accepts(monkeypatch, args):
+    """Every printed `deltamoe serve` line (after a torchrun prefix, if any) runs the real command up to the
+    model load: every flag parses, the layout passes the model's checks, the values reach the engine,
+    and a torchrun prefix starts tp x ep processes."""
     import shlex
 
     from deltamoe.serve import cli as serve_cli
     from deltamoe.serve.engine.llm_engine import LLMEngine
 
-    doc = _plan_json()
-    line = next(x for x in doc["recipe"]["deltamoe"] if not x.startswith("#"))
-    args = shlex.split(line.split("  #")[0])
-    args = args[args.index("deltamoe") + 1:]
-    assert args[:2] == ["serve", "kimi-k3.1-pro"]
+    res = runner.invoke(_app(), [*args, "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    lines = [x for x in doc["recipe"]["deltamoe"] if not x.startswith("#") and " deltamoe serve " in x]
+    assert len(lines) == (2 if doc["plan"].get("prefill") else 1)
     seen = {}
 
     class Loading(Exception):
@@ -128,14 +136,28 @@ def test_deltamoe_recipe_line_is_a_command_deltamoe_serve_accepts(monkeypatch):
         raise Loading  # what a loaded engine would do next needs the GPUs
 
     monkeypatch.setattr(serve_cli, "bind_listen_address", lambda host, port: None)
+    monkeypatch.setattr(serve_cli, "check_device", lambda device: device)  # this machine has no GPU
     monkeypatch.setattr(LLMEngine, "from_pretrained", staticmethod(engine))
-    monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    with pytest.raises(Loading):
-        main(args)
-    plan = doc["plan"]["decode"]["layout"]
-    assert (seen["workers"].tp, seen["workers"].ep) == (plan["tp"], plan["dp"])
-    assert seen["config"].max_model_len == 9216 and seen["device"] == "cuda"
+    monkeypatch.setattr("deltamoe.serve.kv_transfer.roles.make_connector", lambda *a, **k: None)
+    for line in lines:
+        words = shlex.split(line.split("  #")[0])
+        args = words[words.index("deltamoe") + 1:]
+        assert args[:2] == ["serve", args[1]] and args[1] == doc["model"]
+        monkeypatch.delenv("RANK", raising=False)
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+        with pytest.raises(Loading):
+            main(args)
+        workers = seen["workers"]
+        assert seen["config"].max_model_len == doc["workload"]["context"] + doc["workload"]["output"]
+        assert seen["device"] == "cuda"
+        assert doc["model"] != "kimi-k3" or 896 % workers.ep == 0
+        if words[0] == "torchrun" and "<gpus-per-host>" not in words:
+            assert int(words[words.index("--nnodes") + 1]) * int(words[words.index("--nproc-per-node") + 1]) == \
+                workers.tp * workers.ep
+        assert ("--kv-cache-dtype" in args) == (doc["kv_cache_format"] == "fp8")
+
+
+def test_recipe_text_orders_the_blocks():
     res = runner.invoke(_app(), ["--model", "kimi-k3.1-pro", "--hardware", "h200", "--nodes", "4"])
     text = res.stdout[res.stdout.index("launch recipe"):]
     assert text.index("# vLLM") < text.index("# SGLang") < text.index("# deltamoe serve")
