@@ -13,7 +13,6 @@ is an OpenAI-style error body (`api_errors`); none of them takes the server down
 from __future__ import annotations
 
 import asyncio
-import secrets
 import socket
 import time
 import uuid
@@ -33,6 +32,7 @@ from deltamoe.serve.api.choices import respond_choices, wants_choices
 from deltamoe.serve.api.echo import EchoCompletionFormatter
 from deltamoe.serve.api.images import ImageOptions, extract_images, load_images
 from deltamoe.serve.api.connections import AcceptErrorLog, HTTPLimits, raise_open_file_limit, uvicorn_config
+from deltamoe.serve.api.auth import bearer_check, check_api_key_option
 from deltamoe.serve.api.errors import APIError, InternalErrorMiddleware, from_validation_error, install_error_handlers
 from deltamoe.serve.api.format import ChatFormatter, CompletionFormatter
 from deltamoe.serve.api.generate import Generation
@@ -118,14 +118,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)  # added last = outermost: it sees every status
     app.state.engine, app.state.metrics = engine, metrics
 
-    async def check_key(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        # compare_digest: the time taken must not tell an attacker how much of the key matched.
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+    check_key = bearer_check(check_api_key_option(api_key))
 
     def check_model(name: str) -> None:
         if name != model_name:

@@ -1,7 +1,8 @@
 """The router's HTTP app: OpenAI routes forwarded through prefill/decode pairs (`proxy.py`).
 
 Routes: GET /health, GET /metrics, GET /v1/models (the workers' model), POST /v1/completions and
-POST /v1/chat/completions (streaming or not). Worker loads are refreshed every `poll_s`.
+POST /v1/chat/completions (streaming or not). Worker loads are refreshed every `poll_s`. With an API
+key, the /v1 routes ask clients for it as the workers do (the router sends it on to them).
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import time
 from contextlib import asynccontextmanager
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from deltamoe.serve.api.auth import bearer_check, check_api_key_option
+from deltamoe.serve.api.errors import install_error_handlers
 from deltamoe.serve.api.metrics import CONTENT_TYPE
 from deltamoe.serve.router.metrics import RouterMetrics
 from deltamoe.serve.router.proxy import Proxy
@@ -25,6 +28,7 @@ from deltamoe.serve.router.workers import WorkerPool
 def build_router_app(pool: WorkerPool, *, api_key: str | None = None, max_retries: int = 2,
                      read_timeout_s: float = 60.0, poll_s: float = 1.0) -> FastAPI:
     """`pool` must have passed `check` (the model name and the signature come from it)."""
+    check_api_key_option(api_key)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     metrics = RouterMetrics()
     created = int(time.time())
@@ -65,19 +69,23 @@ def build_router_app(pool: WorkerPool, *, api_key: str | None = None, max_retrie
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_check(api_key))])
+
+    @v1.get("/models")
     async def models() -> Response:
         return JSONResponse({"object": "list", "data": [{"id": pool.model, "object": "model", "created": created,
                                                          "owned_by": "deltamoe"}]})
 
-    @app.post("/v1/completions")
+    @v1.post("/completions")
     async def completions(request: Request) -> Response:
         return await state["proxy"].forward("/v1/completions", await request.body())
 
-    @app.post("/v1/chat/completions")
+    @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await state["proxy"].forward("/v1/chat/completions", await request.body())
 
+    app.include_router(v1)
+    install_error_handlers(app)
     return app
 
 

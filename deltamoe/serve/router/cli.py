@@ -13,14 +13,18 @@ def router_command(
     host: str = typer.Option("127.0.0.1", help="Interface to bind."),
     port: int = typer.Option(8000, min=1, max=65535),
     api_key: Optional[str] = typer.Option(None, envvar="DELTAMOE_API_KEY",
-                                          help="Sent to the workers (start them with the same key)."),
+                                          help="Asked of clients on /v1 and sent to the workers (start them with "
+                                               "the same key)."),
     max_retries: int = typer.Option(2, min=0, help="Tries on another pair after a worker fails a request."),
     read_timeout: float = typer.Option(60.0, min=0.1, help="Seconds to wait for a worker's next bytes."),
     log_level: str = typer.Option("info"),
 ) -> None:
     """Route OpenAI requests through prefill/decode server pairs (retries on a dead worker)."""
+    from deltamoe.serve.api.auth import check_api_key_option
     from deltamoe.serve.cli import bind_listen_address
     from deltamoe.serve.router.workers import WorkerPool
+
+    check_api_key_option(api_key)
 
     pool = WorkerPool(list(prefill), list(decode))
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

@@ -114,3 +114,32 @@ def test_health_is_503_while_a_role_has_no_available_worker(monkeypatch):
     infos["http://p"], infos["http://d"] = INFO, INFO | {"role": "decode", "healthy": True}
     asyncio.run(refresh())
     assert health("/health").status_code == 200
+
+
+def test_router_asks_its_clients_for_the_api_key(monkeypatch):
+    """A keyed router is no open door to keyed workers: /v1 needs the key (401 in OpenAI's shape), /health not."""
+    from fastapi.testclient import TestClient
+
+    from deltamoe.serve.router.app import build_router_app
+
+    fake_infos(monkeypatch, {"http://p": INFO, "http://d": INFO | {"role": "decode"}})
+    pool = WorkerPool(["http://p"], ["http://d"])
+    pool.check({})
+    client = TestClient(build_router_app(pool, api_key="sekret"))  # no lifespan: nothing is forwarded
+    for method, path in [("get", "/v1/models"), ("post", "/v1/completions"), ("post", "/v1/chat/completions")]:
+        r = getattr(client, method)(path, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, r.text)
+    assert client.get("/v1/models").status_code == 401
+    r = client.get("/v1/models", headers={"Authorization": "Bearer sekret"})
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == "m"
+    assert client.get("/health").status_code == 200
+    with pytest.raises(ConfigError, match="empty API key"):
+        build_router_app(pool, api_key="")
+
+
+def test_an_empty_api_key_is_refused_at_start_up(capsys):
+    for argv in (["serve", "tiny", "--api-key", ""], ["router", "--prefill", "http://p", "--decode", "http://d",
+                                                     "--api-key", " "]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: api_key: empty API key")

@@ -1,0 +1,34 @@
+"""The optional API key of `deltamoe serve` and `deltamoe router`: clients send `Authorization: Bearer <key>`."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Awaitable, Callable
+
+from fastapi import Request
+
+from deltamoe.errors import ConfigError
+from deltamoe.serve.api.errors import APIError
+
+
+def check_api_key_option(api_key: str | None) -> str | None:
+    """An empty key (`--api-key "$KEY"` with KEY unset) would lock out every client that sends none, as
+    the openai client cannot send an empty one: refused at start-up, never taken as "no key"."""
+    if api_key is not None and not api_key.strip():
+        raise ConfigError("empty API key", field="api_key", hint="omit --api-key and DELTAMOE_API_KEY for no key")
+    return api_key
+
+
+def bearer_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
+    """A FastAPI dependency: 401 unless the request carries the key (nothing to check when there is none)."""
+
+    async def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        # compare_digest: the time taken must not tell an attacker how much of the key matched.
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    return check_key
