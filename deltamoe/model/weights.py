@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from deltamoe.model.quantized_linear import Int4Linear
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # what save_tensors names shards
 
 
 def checkpoint_files(path: Path) -> dict[str, list[str]]:
@@ -246,9 +248,16 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: str | Path, config_json
         shards[-1][name] = t
         size += nbytes
     n = len(shards)
+    names = [SINGLE_FILE] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    # A checkpoint already in `path` (a re-export, or another one) must not outlive this one in part:
+    # its index would point a loader at its shards. The index goes first, so a write cut short leaves
+    # a folder that fails to load, never one that mixes two checkpoints; its other files go at the end.
+    stale = [p for p in path.glob("model*.safetensors") if p.name not in names
+             and (p.name == SINGLE_FILE or SHARD_NAME.fullmatch(p.name))]
+    if n == 1 and (path / INDEX_FILE).exists():
+        (path / INDEX_FILE).unlink()
     weight_map: dict[str, str] = {}
-    for i, shard in enumerate(shards, start=1):
-        fname = SINGLE_FILE if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
+    for fname, shard in zip(names, shards):
         tmp = path / f".{fname}.tmp"
         save_file(shard, str(tmp), metadata={"format": "pt"})
         os.replace(tmp, path / fname)
@@ -257,6 +266,8 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: str | Path, config_json
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         write_json_atomic(path / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
     write_json_atomic(path / "config.json", config_json)
+    for p in stale:
+        p.unlink(missing_ok=True)
 
 
 def read_quant_scheme(path: str | Path) -> QuantScheme | None:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from deltamoe.errors import ConfigError
 from deltamoe.hf_config import config_to_hf
 from deltamoe.model.load import load_model
 from deltamoe.model.model import DeltaMoEForCausalLM
@@ -42,11 +43,21 @@ def quantized_state_dict(model: DeltaMoEForCausalLM, scheme: QuantScheme,
 def quantize_checkpoint(source: str | Path, out: str | Path, scheme: QuantScheme,
                         dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 2 * 1024**3) -> dict[str, int]:
     """Load `source` (checkpoint folder or preset) in fp32, quantize, write to `out`. Returns byte counts."""
+    if not str(out).strip():
+        raise ConfigError("empty output folder", field="out", hint="name the folder to write to")
+    if Path(source).is_dir() and Path(out).resolve() == Path(source).resolve():
+        raise ConfigError(f"{out} is the source checkpoint: quantizing in place would replace its float weights",
+                          field="out", hint="write the quantized checkpoint to another folder")
+    if Path(out).exists() and not Path(out).is_dir():
+        raise ConfigError(f"{out} exists and is not a folder", field="out")
     model = load_model(source, dtype=torch.float32)
     tensors = quantized_state_dict(model, scheme, dtype)
     config = config_to_hf(model.config)
     config["quantization_config"] = scheme_to_config(scheme)
-    save_tensors(tensors, out, config, max_shard_bytes)
+    try:
+        save_tensors(tensors, out, config, max_shard_bytes)
+    except OSError as e:
+        raise ConfigError(f"cannot write {out} ({e.strerror or e})", field="out") from None
     quantized = sum(t.numel() * t.element_size() for n, t in tensors.items() if n.rsplit(".", 1)[-1].startswith("weight_"))
     return {"tensors": len(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
             "quantized_bytes": quantized}

@@ -213,3 +213,53 @@ def test_saving_a_quantized_model_is_refused(checkpoints, tmp_path):
 
     with pytest.raises(CheckpointError, match="not saved"):
         save_checkpoint(load_model(checkpoints["mxfp4"]), tmp_path / "copy")
+
+
+def test_quantize_refuses_its_own_source_and_bad_outputs(tmp_path, capsys):
+    """Quantizing in place would replace the float weights; a file, an empty name or an unwritable place
+    for OUT is one line too."""
+    from deltamoe.cli import main
+    from deltamoe.model.load import build_model
+    from deltamoe.model.weights import save_checkpoint
+    from deltamoe.config import load_preset
+
+    src = tmp_path / "src"
+    save_checkpoint(build_model(load_preset("tiny")), src, max_shard_bytes=2 << 20)
+    before = sorted(p.name for p in src.iterdir())
+    (tmp_path / "file").write_text("x")
+    for out, message in [(str(src), "is the source checkpoint"), (str(tmp_path / "file"), "is not a folder"),
+                         ("", "empty output folder"), ("/proc/deltamoe-q", "cannot write")]:
+        assert main(["quantize", str(src), out, "--format", "int4"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: out: ") and message in err, err
+    assert sorted(p.name for p in src.iterdir()) == before
+
+
+def test_a_checkpoint_written_over_another_leaves_none_of_its_files(tmp_path):
+    """Sharded over single-file and back: the old index or shards never outlive the new checkpoint."""
+    from deltamoe.config import load_preset
+    from deltamoe.model.load import build_model
+    from deltamoe.model.weights import save_checkpoint
+
+    out = tmp_path / "ckpt"
+    save_checkpoint(build_model(load_preset("tiny"), seed=1), out, max_shard_bytes=2 << 20)
+    assert (out / "model.safetensors.index.json").exists()
+    assert main_quantize(out.parent / "ckpt", tmp_path) == 0
+    quantized = load_model(tmp_path / "q")  # the fresh folder
+    save_checkpoint(build_model(load_preset("tiny"), seed=2), out)  # one file over the shards
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    reloaded = load_model(out)
+    assert torch.equal(reloaded.lm_head.weight, build_model(load_preset("tiny"), seed=2).lm_head.weight)
+    quantize_checkpoint("tiny", out, make_scheme("int4"))  # over a float checkpoint: loads as the quantized one
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert isinstance(load_model(out).model.layers[0].mlp.gate_proj, Int4Linear)
+    assert isinstance(quantized.model.layers[0].mlp.gate_proj, Int4Linear)
+    save_checkpoint(build_model(load_preset("tiny"), seed=3), out, max_shard_bytes=2 << 20)  # shards over one file
+    assert "model.safetensors" not in {p.name for p in out.iterdir()}
+    assert torch.equal(load_model(out).lm_head.weight, build_model(load_preset("tiny"), seed=3).lm_head.weight)
+
+
+def main_quantize(src, tmp_path) -> int:
+    from deltamoe.cli import main
+
+    return main(["quantize", str(src), str(tmp_path / "q"), "--format", "int4"])
