@@ -66,7 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     _register()
     usage_error, no_args_is_help = _usage_errors()
     try:
-        app(args=argv, prog_name=PROG, standalone_mode=False)
+        # Outside standalone mode an exit code comes back as the value: typer.Exit(n) from a command,
+        # or 130 for a Ctrl-C that reached typer (a shell's `cmd && next` must not go on after it).
+        code = app(args=argv, prog_name=PROG, standalone_mode=False)
+        if isinstance(code, int) and not isinstance(code, bool) and code:
+            if code == 130:
+                print("interrupted", file=sys.stderr)
+            return code
     except DeltaMoEError as e:
         print(f"error: {e.one_line()}", file=sys.stderr)
         return 2

@@ -50,3 +50,15 @@ def test_device_and_log_level_fail_before_the_model_loads(argv: list[str], messa
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(message), err
+
+
+def test_ctrl_c_exits_130_with_a_line(monkeypatch, capsys) -> None:
+    """An interrupted command reports failure to the shell (typer hands the 130 back as a value)."""
+    import deltamoe.plan.search as plan_search
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(plan_search, "best_plan", interrupted)
+    assert main(["plan", "--model", "kimi-k3", "--hardware", "h200", "--nodes", "4"]) == 130
+    assert capsys.readouterr().err.strip().endswith("interrupted")
