@@ -118,12 +118,17 @@ def save(out: Path, parts: list[nn.Module], optimizers: Optimizers, state: Train
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     _barrier()
-    _dcp(dcp.save, _state_dict(parts, optimizers), checkpoint_id=str(tmp))
-    # RNG differs per rank, so it cannot go through DCP's deduplicated state; JSON, not pickle.
-    rank_file = tmp / f"train_state.rank{_rank()}.json"
-    rank_file.write_text(json.dumps({**asdict(state), "rng": _rng_state()}))
-    if config is not None and _rank() == 0:
-        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=1))
+    try:
+        _save_dcp(parts, optimizers, tmp)
+        # RNG differs per rank, so it cannot go through DCP's deduplicated state; JSON, not pickle.
+        rank_file = tmp / f"train_state.rank{_rank()}.json"
+        rank_file.write_text(json.dumps({**asdict(state), "rng": _rng_state()}))
+        if config is not None and _rank() == 0:
+            (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=1))
+    except KeyboardInterrupt:
+        if _rank() == 0:  # the checkpoints before this one are complete; this one never was
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     _barrier()
     if _rank() == 0:
         write_manifest(tmp)  # last: every rank's files are complete
@@ -134,6 +139,16 @@ def save(out: Path, parts: list[nn.Module], optimizers: Optimizers, state: Train
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
+
+
+def _save_dcp(parts: list[nn.Module], optimizers: Optimizers, tmp: Path) -> None:
+    """dcp.save, with a Ctrl-C that DCP caught and wrapped (a CheckpointException) a KeyboardInterrupt again."""
+    try:
+        _dcp(dcp.save, _state_dict(parts, optimizers), checkpoint_id=str(tmp))
+    except CheckpointException as e:
+        if any(isinstance(failure[0], KeyboardInterrupt) for failure in e.failures.values()):
+            raise KeyboardInterrupt from None
+        raise
 
 
 def list_checkpoints(out: Path) -> list[Path]:

@@ -108,3 +108,27 @@ def test_time_budget_stops_after_a_step_and_still_finishes(micro):
     assert result.step == 1 and result.final_eval["step"] == 1
     assert (result.out / "model" / "config.json").exists()
     assert [p.name for p in checkpoint.list_checkpoints(result.out)] == ["step-00000001"]
+
+
+def test_ctrl_c_during_a_checkpoint_save_is_a_keyboard_interrupt_and_leaves_the_complete_ones(micro, tmp_path,
+                                                                                               monkeypatch):
+    """DCP catches a Ctrl-C inside its writer and wraps it (CheckpointException): the save hands it on as
+    the KeyboardInterrupt it was, so the CLI says "interrupted" rather than printing tracebacks, and
+    removes its own temp folder."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    cfg = micro(**{"run.steps": 4, "run.save_every": 2, "run.out": str(tmp_path / "a")})
+    real_write = FileSystemWriter.write_data
+    saves = []
+
+    def write_data(self, plan, planner):
+        saves.append(1)
+        if len(saves) == 2:  # the step-4 save
+            raise KeyboardInterrupt
+        return real_write(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", write_data)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg)
+    ckpts = tmp_path / "a" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000002"]
