@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from deltamoe.config import ModelConfig
 from deltamoe.errors import TrainingError
@@ -121,16 +122,20 @@ class Trainer:
                 self._check_finite(step, record, last_saved)
                 self._advance()
                 dt = time.perf_counter() - t0
-                profiler.step()
                 tokens = cfg.data.batch_size * cfg.data.seq_len
                 self.log.step({"step": step, **record, "tokens_per_s": tokens / dt, "step_time_s": dt,
                                "tokens": self.state.tokens, "elapsed_s": time.perf_counter() - t_start},
                               write=step % cfg.run.log_every == 0 or step == cfg.run.steps)
+                # A step's evaluation and save belong to its profiled step (as in torchtitan), labelled,
+                # not to the next one's.
                 if cfg.run.eval_every and step % cfg.run.eval_every == 0:
-                    last_eval = self._evaluate(step)
+                    with record_function("deltamoe.evaluate"):
+                        last_eval = self._evaluate(step)
                 if cfg.run.save_every and step % cfg.run.save_every == 0:
-                    self._save()
+                    with record_function("deltamoe.checkpoint_save"):
+                        self._save()
                     last_saved = step
+                profiler.step()
                 if self._reached_target(last_eval, step) or self._out_of_time(t_start):
                     break
             profiler.close()  # the closing evaluation stays out of the trace

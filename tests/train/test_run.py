@@ -82,13 +82,18 @@ def test_keeps_last_k_checkpoints(micro):
 def test_profile_window_writes_an_analyzable_trace(micro):
     from deltamoe.trace.analyze import analyze
 
-    result = train(micro(**{"run.steps": 4, "run.profile_steps": "2:4", "data.batch_size": 2, "data.eval_rows": 2}))
+    result = train(micro(**{"run.steps": 4, "run.profile_steps": "2:4", "run.eval_every": 2, "data.batch_size": 2,
+                            "data.eval_rows": 2}))
     trace = result.out / "traces" / "rank0.json"
     data = json.loads(trace.read_text())
     assert data["distributedInfo"]["rank"] == 0
-    steps = {e["name"] for e in data["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")}
+    steps = {e["name"]: e for e in data["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")}
     assert len(steps) == 2
     assert data["profiler_step_offset"] == 1  # ProfilerStep#1..#2 are training steps 2..3
+    # Step 2's evaluation is labelled and lies in step 2's window, not in step 3's.
+    (evaluate,) = [e for e in data["traceEvents"] if e.get("name") == "deltamoe.evaluate"]
+    two = steps["ProfilerStep#1"]
+    assert two["ts"] <= evaluate["ts"] and evaluate["ts"] + evaluate["dur"] <= two["ts"] + two["dur"]
     report = analyze(str(result.out / "traces"), workers=1)
     assert [x["step"] for x in report.report["step_times"]["steps"]] == [2, 3]
 
