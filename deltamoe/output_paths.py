@@ -15,6 +15,8 @@ from deltamoe.errors import ConfigError, DeltaMoEError
 
 def check_output_folder(path: str | Path, field: str, error: type[DeltaMoEError] = ConfigError) -> Path:
     """Create folder `path` if needed and prove it writable by writing (and removing) a probe file."""
+    if not str(path).strip():  # Path("") is the working directory: never meant
+        raise error("empty path", field=field, hint="name the folder to write to")
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise error(f"{path} exists and is not a folder", field=field)

@@ -147,6 +147,7 @@ def run_synth(outdir: str, ranks: int, steps: int = 4, pp: int = 1, microbatches
     cfg = SynthConfig(ranks=ranks, steps=steps, pp=pp, microbatches=microbatches, tp=tp, ep=ep, layers=layers,
                       stragglers=tuple(straggler or ()), slowdown=slowdown, hot_ranks=parse_imbalance(imbalance),
                       jitter=jitter, seed=seed, nccl_names=nccl_names, compact=compact, gz=gz, p2p=p2p)
+    cfg.validate()  # before the progress bar, so an error stays one line
     check_output_folder(outdir, "OUT", TraceError)
     console = Console(stderr=True)
     with progress(console) as bar:

@@ -196,7 +196,8 @@ class TrainConfig:
         need(r.threads is None or (isinstance(r.threads, int) and r.threads > 0), "run.threads",
              "None or a positive integer")
         if r.profile_steps is not None:
-            parse_profile_steps(r.profile_steps)
+            first, _ = parse_profile_steps(r.profile_steps)
+            need(first <= r.steps, "run.profile_steps", f"a window that starts by the last step (run.steps = {r.steps})")
         rows = d.batch_size // (o.grad_accum * p.dp) if d.batch_size % (o.grad_accum * p.dp) == 0 else 0
         need(rows > 0, "data.batch_size", f"a multiple of optim.grad_accum * parallel.dp ({o.grad_accum * p.dp})")
         if d.path is None and "recall" in parts:

@@ -109,3 +109,14 @@ def test_module_analyze_skips_click(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split("\n")[0] == "0 []"
 
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--slowdown", "0"], "error: --slowdown: expected a factor > 0"),
+    (["--slowdown", "-2"], "error: --slowdown: expected a factor > 0"),
+    (["--steps", "0"], "error: --steps: expected >= 1, got 0"),
+])
+def test_synth_refuses_values_that_would_write_impossible_traces(tmp_path, capsys, flags, message):
+    assert main(["trace", "synth", str(tmp_path / "job"), "--ranks", "4", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(message), err

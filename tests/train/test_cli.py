@@ -34,6 +34,7 @@ def test_tiny_preset_two_steps(tmp_path):
     (["--preset", "huge"], "unknown preset 'huge'"),
     (["--profile-steps", "4"], "run.profile_steps"),
     (["--batch-size", "3", "--dp", "2"], "data.batch_size"),
+    (["--steps", "3", "--profile-steps", "5:7"], "run.profile_steps: expected a window that starts by the last step"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, needle):
     from deltamoe.cli import main
@@ -59,3 +60,12 @@ def test_task_mixture_is_accepted_and_unknown_parts_name_the_field() -> None:
     with pytest.raises(ConfigError, match="recall\\+poetry") as err:
         TrainConfig.from_dict({"model": {"preset": "tiny"}, "data": {"task": "recall+poetry"}}).validate()
     assert err.value.field == "data.task"
+
+
+def test_empty_out_is_refused_not_the_working_directory(tmp_path, capsys, monkeypatch):
+    from deltamoe.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--preset", "tiny", "--steps", "1", "--out", ""]) == 2
+    assert capsys.readouterr().err.strip() == "error: run.out: empty path (hint: name the folder to write to)"
+    assert not list(tmp_path.iterdir())

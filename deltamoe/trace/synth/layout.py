@@ -44,8 +44,14 @@ class SynthConfig:
         return max(e for e in range(1, min(self.dp, 8) + 1) if self.dp % e == 0)
 
     def validate(self) -> None:
-        if self.ranks < 1 or self.steps < 1:
-            raise ConfigError("ranks and steps must be >= 1", field="--ranks")
+        if self.ranks < 1:
+            raise ConfigError(f"expected >= 1, got {self.ranks}", field="--ranks")
+        if self.steps < 1:
+            raise ConfigError(f"expected >= 1, got {self.steps}", field="--steps")
+        if not self.slowdown > 0:  # a factor on kernel durations: <= 0 would write negative ones
+            raise ConfigError(f"expected a factor > 0, got {self.slowdown}", field="--slowdown")
+        if self.jitter < 0:
+            raise ConfigError(f"expected >= 0, got {self.jitter}", field="--jitter")
         if self.ranks % (self.pp * self.tp):
             raise ConfigError(f"ranks={self.ranks} is not divisible by pp*tp={self.pp * self.tp}",
                               field="--pp")

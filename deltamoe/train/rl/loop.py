@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from deltamoe.output_paths import check_output_folder
 from deltamoe.config import ModelConfig, load_preset
 from deltamoe.hf_config import load_config
 from deltamoe.model.load import build_model, load_model
@@ -286,6 +287,7 @@ class RLRun:
 def run_rl(cfg: RLConfig) -> RLResult:
     """One process, or one rank of `torchrun --nproc-per-node N ... --dp N` (the trainer FSDP2-sharded)."""
     cfg.validate()
+    check_output_folder(cfg.out, "out")  # a file, an empty or unwritable path: now, not at the first save
     world = launch_world_size()
     dims = ParallelDims(dp=cfg.dp).resolve(policy_config(cfg), world)  # ConfigError before any process group
     if world == 1:

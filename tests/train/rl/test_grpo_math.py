@@ -65,6 +65,10 @@ def test_cli_bad_input_is_one_line_and_exit_2(capsys):
     assert capsys.readouterr().err.strip() == "error: task: expected one of arithmetic, recall, got 'copy'"
     assert main(["rl", "--preset", "tiny", "--init", "runs/x/model"]) == 2
     assert "init" in capsys.readouterr().err
+    for out, message in [("", "error: out: empty path"), ("/proc/deltamoe-rl", "error: out: cannot write into")]:
+        assert main(["rl", "--task", "arithmetic", "--steps", "1", "--out", out]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(message), err
 
 
 def test_help_and_bad_input_never_import_torch():
