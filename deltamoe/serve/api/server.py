@@ -128,7 +128,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
     @app.get("/health")
     async def health() -> Response:
         if not engine.is_running:
-            return APIError(503, "the engine thread is not running", code="engine_not_running").response()
+            return APIError(503, engine.unavailable_reason, code="engine_not_running").response()
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics", response_class=PlainTextResponse,

@@ -94,6 +94,11 @@ class AsyncLLMEngine:
         """The engine thread runs and its model workers (if any) are up: /health is 200 only then."""
         return self._thread is not None and self._thread.is_alive() and self.engine.executor.healthy
 
+    @property
+    def unavailable_reason(self) -> str:
+        """Why /health is not 200: the workers' state when they are down, else the engine thread's."""
+        return self.engine.executor.unhealthy_reason or "the engine thread is not running"
+
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         if self.is_running:

@@ -44,6 +44,7 @@ class RankReport:
 class Executor(Protocol):
     runner: ModelRunner  # rank 0's runner: its model shard and cache
     healthy: bool  # False once no step can run any more
+    unhealthy_reason: str | None  # why, when not healthy (e.g. which worker rank exited)
     # A P/D role over worker ranks: plans each step's hand-off work (`kv_transfer/worker_state.py`); else None.
     hand_off: RankZeroHandOffs | None
 

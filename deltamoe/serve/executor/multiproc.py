@@ -14,6 +14,7 @@ A dead rank never hangs the server:
 from __future__ import annotations
 
 import atexit
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -108,7 +109,8 @@ class MultiprocExecutor:
                     self._stats = list(gathered) if gathered is not None else self._stats
                     self._last_report = now
         except Exception as e:
-            self._fail(f"a step failed across the workers ({e})")
+            # A rank that died breaks the collective before the watchdog sees it exit: name it when it has.
+            self._fail(self._exited_rank(wait_s=1.0) or f"a step failed across the workers ({e})")
             raise WorkerDiedError(self._dead) from e
         return results
 
@@ -122,7 +124,7 @@ class MultiprocExecutor:
                 tp = self.group.dims.tp
                 load_full_weights(self.runner.model, tensors, tp_coordinate(self.group.mesh, tp), tp)
         except Exception as e:
-            self._fail(f"a weight update failed across the workers ({e})")
+            self._fail(self._exited_rank(wait_s=1.0) or f"a weight update failed across the workers ({e})")
             raise WorkerDiedError(self._dead) from e
 
     # ------------------------------------------------------------------ health
@@ -136,18 +138,36 @@ class MultiprocExecutor:
 
     def _watch(self) -> None:
         while not self._closed and self._dead is None:
+            reason = self._exited_rank()
+            if reason is not None:
+                self._fail(reason)
+                return
+            time.sleep(_WATCH_INTERVAL_S)
+
+    def _exited_rank(self, wait_s: float = 0.0) -> str | None:
+        """'worker rank r exited with code c' for the first rank that has, waiting up to `wait_s` for one."""
+        deadline = time.monotonic() + wait_s
+        while True:
             for rank, process in enumerate(self.group.processes, start=1):
                 code = process.poll()
                 if code is not None:
-                    self._fail(f"worker rank {rank} exited with code {code}")
-                    return
-            time.sleep(_WATCH_INTERVAL_S)
+                    return f"worker rank {rank} exited with code {code}"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(_WATCH_INTERVAL_S / 4)
 
     def _fail(self, reason: str) -> None:
         with self._lock:
-            if self._dead is None:
+            first = self._dead is None
+            if first:
                 self._dead = f"the model workers are down: {reason}"
+        if first and not self._closed:  # once, in the server's log too (clients get it with their 503)
+            logging.getLogger("uvicorn.error").error("deltamoe: %s", self._dead)
         self._kill_workers()
+
+    @property
+    def unhealthy_reason(self) -> str | None:
+        return self._dead
 
     # ------------------------------------------------------------------ metrics
     def rank_stats(self) -> list[RankReport]:

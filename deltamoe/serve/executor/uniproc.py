@@ -24,6 +24,7 @@ class UniprocExecutor:
         return run()  # no other rank to tell
 
     healthy = True
+    unhealthy_reason = None
     hand_off = None  # a role's hand-offs land in this process's cache: nothing to pass on
 
     def check_health(self) -> None:

@@ -122,12 +122,13 @@ def test_serve_with_workers_turns_503_when_one_dies():
         assert len(workers) == 1
         os.kill(workers[0], signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while httpx.get(f"{server.url}/health", timeout=5).status_code != 503:
+        while (health := httpx.get(f"{server.url}/health", timeout=5)).status_code != 503:
             assert time.monotonic() < deadline, "/health still 200 after a worker died"
             time.sleep(0.2)
+        assert "worker rank 1 exited with code -9" in health.json()["error"]["message"]
         answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
-        assert answer.status_code == 503 and "worker" in answer.json()["error"]["message"]
-        server.stop()
+        assert answer.status_code == 503 and "worker rank 1 exited" in answer.json()["error"]["message"]
+        assert "the model workers are down: worker rank 1 exited with code -9" in server.stop()  # logged once
 
 
 def test_serve_sigterm_stops_the_workers():
