@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
+import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
@@ -205,10 +206,29 @@ def run(engine: AsyncLLMEngine, model_name: str, host: str = "127.0.0.1", port: 
         image_options: ImageOptions = ImageOptions()) -> None:
     """Serve until Ctrl-C (blocking). `sock`: an already bound socket for host:port (the CLI binds
     it before loading the model); None binds here."""
-    import uvicorn
-
     raise_open_file_limit()
     app = build_app(engine, model_name, api_key=api_key, chat_template=chat_template, hand_off=hand_off,
                     routers=routers, image_options=image_options)
     config = uvicorn_config(app, host, port, log_level, limits)
-    uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)
+    EndingServer(config, engine).run(sockets=[sock] if sock is not None else None)
+
+
+class EndingServer(uvicorn.Server):
+    """uvicorn, whose Ctrl-C / SIGTERM lets running requests finish for most of the grace period, then ends
+    the rest with a 503-style error (a stream: an error event and [DONE]) before uvicorn would cancel them
+    mid-response (a cut stream and a traceback in the log)."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine):
+        super().__init__(config)
+        self.engine = engine
+
+    async def shutdown(self, sockets=None) -> None:
+        async def end_the_rest() -> None:
+            await asyncio.sleep(max(self.config.timeout_graceful_shutdown - 1.0, 0.0))
+            self.engine.end_all("the server is shutting down")
+
+        ending = asyncio.create_task(end_the_rest())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            ending.cancel()

@@ -157,6 +157,11 @@ class AsyncLLMEngine:
         """Abort from outside the stream (the stream then ends with finish_reason 'abort')."""
         self._send("abort", request_id)
 
+    def end_all(self, message: str) -> None:
+        """End every request now with a 503-style EngineDeadError(`message`) (a server shutting down:
+        its streams then close with an error event instead of being cut). Safe from any thread."""
+        self._send("end_all", message)
+
     def run_when_idle(self, fn: Callable[[], object]) -> concurrent.futures.Future:
         """Run `fn` on the engine thread once the requests running now have finished; requests that
         arrive meanwhile wait and start after it. The future holds fn's result or exception."""
@@ -207,6 +212,11 @@ class AsyncLLMEngine:
                     self.engine.add_sequence(payload)
                 except RequestError as e:
                     self._deliver(payload.request_id, e)
+            elif kind == "end_all":
+                ended = [seq.request_id for seq in self._held] + [out.request_id for out in self.engine.abort_all()]
+                self._held = []
+                for request_id in ended:
+                    self._deliver(request_id, EngineDeadError(payload, status=503))
             else:
                 self._held = [seq for seq in self._held if seq.request_id != payload]
                 final = self.engine.abort(payload)
