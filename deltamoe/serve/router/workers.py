@@ -50,12 +50,19 @@ class WorkerPool:
         for w in self.workers:
             try:
                 r = httpx.get(w.url + INFO_PATH, headers=headers, timeout=timeout_s)
-                r.raise_for_status()
-                w.info = r.json()
-            except (httpx.HTTPError, ValueError) as e:
+            except httpx.HTTPError as e:
                 raise ConfigError(f"{w.url} does not answer {INFO_PATH} ({type(e).__name__}: {e})",
                                   field=w.role, hint="start it with `deltamoe serve ... --role "
                                   f"{w.role} --kv-transfer mooncake` and check the URL") from e
+            if r.status_code == 401:
+                raise ConfigError(f"{w.url} refuses the router's API key ({'a different key' if headers else 'none sent'})",
+                                  field="api_key", hint="the workers' key in --api-key or DELTAMOE_API_KEY")
+            try:
+                r.raise_for_status()
+                w.info = r.json()
+            except (httpx.HTTPError, ValueError) as e:
+                raise ConfigError(f"{w.url} does not answer {INFO_PATH} (HTTP {r.status_code})", field=w.role,
+                                  hint=f"is it a deltamoe server started with --role {w.role} --kv-transfer mooncake?") from e
             if w.info.get("role") != w.role:
                 raise ConfigError(f"{w.url} runs as {w.info.get('role')!r}, not {w.role!r}", field=w.role,
                                   hint=f"start it with --role {w.role}")

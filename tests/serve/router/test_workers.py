@@ -143,3 +143,16 @@ def test_an_empty_api_key_is_refused_at_start_up(capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("error: api_key: empty API key")
+
+
+def test_a_worker_that_wants_another_api_key_is_one_line_naming_the_key(monkeypatch):
+    def get(url, headers=None, **_):
+        ok = headers == {"Authorization": "Bearer right"}
+        return httpx.Response(200 if ok else 401, json=INFO if ok else {"error": {}},
+                              request=httpx.Request("GET", url))
+
+    monkeypatch.setattr(httpx, "get", get)
+    for headers, message in [({}, "none sent"), ({"Authorization": "Bearer wrong"}, "a different key")]:
+        with pytest.raises(ConfigError, match=message) as error:
+            WorkerPool(["http://p"], ["http://d"]).check(headers)
+        assert error.value.field == "api_key" and "\n" not in error.value.one_line()
