@@ -50,11 +50,12 @@ def choice_count(n: int | None, best_of: int | None, stream: bool) -> tuple[int,
     return n, gen
 
 
-def check_room(num_prompt_tokens: int, max_tokens: int | None, count: int, capacity: int) -> None:
-    """The prompt plus every choice's max_tokens must fit the cache at once (the prompt is shared)."""
+def check_room(num_prompt_tokens: int, max_tokens: int | None, count: int, capacity: int, field: str = "n") -> None:
+    """The prompt plus every choice's max_tokens must fit the cache at once (the prompt is shared).
+    `field`: the request field that asked for `count` choices (n, or best_of when it is the larger)."""
     if max_tokens is not None and count > 1 and num_prompt_tokens + count * max_tokens > capacity:
-        raise APIError(400, f"n: prompt ({num_prompt_tokens} tokens) + {count} choices x max_tokens ({max_tokens}) "
-                       f"exceeds the cache's {capacity} tokens", param="n", code="invalid_value")
+        raise APIError(400, f"{field}: prompt ({num_prompt_tokens} tokens) + {count} choices x max_tokens "
+                       f"({max_tokens}) exceeds the cache's {capacity} tokens", param=field, code="invalid_value")
 
 
 def choice_params(params: SamplingParams, count: int, ranked: bool) -> list[SamplingParams]:
@@ -217,7 +218,8 @@ async def respond_choices(gen: Generation, request: Request, req, prompt: str | 
                        param="n", code="unsupported_value")
     engine = gen.engine.engine
     num_prompt = len(prompt) if isinstance(prompt, list) else len(engine.tokenizer.encode(prompt))
-    check_room(num_prompt, params.max_tokens, count, engine.cache.max_tokens_per_sequence())
+    check_room(num_prompt, params.max_tokens, count, engine.cache.max_tokens_per_sequence(),
+               "best_of" if count > n else "n")
     fmts = [make_formatter() for _ in range(count)]
     return await Choices(gen, fmts, n).respond(request, prompt, choice_params(params, count, count > n), stream,
                                                include_usage)

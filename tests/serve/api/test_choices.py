@@ -53,6 +53,7 @@ def test_best_of_keeps_the_likeliest(client):
     ({"n": 17}, "n"), ({"n": 0}, "n"), ({"n": 3, "extra_body": {"best_of": 2}}, "best_of"),
     ({"n": 1, "stream": True, "extra_body": {"best_of": 2}}, "best_of"),
     ({"n": 16, "max_tokens": 400}, "n"),  # 16 x 400 tokens > the cache's 4,800
+    ({"n": 2, "max_tokens": 400, "extra_body": {"best_of": 16}}, "best_of"),  # best_of asked for the 16
 ])
 def test_limits(client, kw, param):
     kw = {"max_tokens": 8, **kw}
