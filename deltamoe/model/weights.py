@@ -257,9 +257,11 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: str | Path, config_json
     if n == 1 and (path / INDEX_FILE).exists():
         (path / INDEX_FILE).unlink()
     weight_map: dict[str, str] = {}
+    mode = _new_file_mode(path)
     for fname, shard in zip(names, shards):
         tmp = path / f".{fname}.tmp"
         save_file(shard, str(tmp), metadata={"format": "pt"})
+        os.chmod(tmp, mode)  # safetensors creates it 0600; a checkpoint is shared like its config.json
         os.replace(tmp, path / fname)
         weight_map.update({k: fname for k in shard})
     if n > 1:
@@ -278,6 +280,18 @@ def read_quant_scheme(path: str | Path) -> QuantScheme | None:
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"cannot read {config_file}: {e}", field=str(config_file)) from e
     return None if qc is None else scheme_from_config(qc)
+
+
+def _new_file_mode(folder: Path) -> int:
+    """The mode open() gives a new file in `folder` (0644 under the usual umask 022), read off a probe
+    file: reading the umask means setting it, which races with other threads creating files."""
+    probe = folder / f".mode-probe-{os.getpid()}"
+    fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o666)
+    os.close(fd)
+    try:
+        return os.stat(probe).st_mode & 0o777
+    finally:
+        probe.unlink()
 
 
 def write_json_atomic(path: Path, data: dict) -> None:

@@ -146,3 +146,10 @@ def test_transformers_loads_our_kimi_linear_checkpoint(tmp_path, configs):
     with torch.no_grad():
         a, b = model(ids).logits, ref(ids).logits
     assert ((a - b).norm() / b.norm()).item() <= 1e-4
+
+
+def test_weights_files_get_the_mode_of_the_config(tmp_path, configs):
+    """safetensors creates its files 0600; a checkpoint's weights are as readable as its config.json."""
+    save_checkpoint(build_model(configs["k3.1"](), seed=3), tmp_path, max_shard_bytes=200_000)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+    assert len(set(modes.values())) == 1, modes
