@@ -57,12 +57,12 @@ class QuantScheme:
 
     def quantizes(self, module_name: str, in_features: int) -> bool:
         """Whether the Linear (or expert projection) `module_name` is stored quantized."""
-        if in_features % self.group_size != 0 or any(_matches(p, module_name) for p in self.ignore):
+        if in_features % self.group_size != 0 or any(name_matches(p, module_name) for p in self.ignore):
             return False
         return not self.experts_only or ".experts." in module_name or module_name.endswith(".experts")
 
 
-def _matches(pattern: str, name: str) -> bool:
+def name_matches(pattern: str, name: str) -> bool:
     if pattern.startswith("re:"):
         return re.fullmatch(pattern[3:], name) is not None
     return name == pattern or name.endswith("." + pattern)

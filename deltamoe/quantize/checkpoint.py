@@ -2,18 +2,41 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from deltamoe.errors import ConfigError
 from deltamoe.hf_config import config_to_hf
 from deltamoe.model.load import load_model
 from deltamoe.model.model import DeltaMoEForCausalLM
+from deltamoe.model.ffn import RoutedExperts
 from deltamoe.model.quant_scheme import QuantScheme, quantize_weight, scheme_to_config
 from deltamoe.model.quantize_modules import quantized_module_names
 from deltamoe.model.checkpoint_names import param_to_checkpoint
 from deltamoe.model.weights import save_tensors, state_dict_for_checkpoint
+
+
+def float_kept_modules(model: DeltaMoEForCausalLM, scheme: QuantScheme) -> list[str]:
+    """The `ignore` entries (published module names) for what the scheme targets but keeps in float:
+    Linears and expert stacks whose input width is no multiple of the group, so that a compressed-tensors
+    reader that trusts the config (vLLM, llm-compressor) expects a plain `weight` there. An expert stack
+    is one regex over its experts. Exact names, as those readers match them (`scheme.ignore`'s short
+    forms, e.g. `lm_head`, match by suffix here only)."""
+    quantized = set(quantized_module_names(model, scheme))
+    out: list[str] = []
+    for name, module in model.named_modules():
+        if name in quantized:
+            continue
+        if isinstance(module, RoutedExperts):
+            first = param_to_checkpoint(f"{name}.w1", model.config)[0]  # {stem}.0.w1.weight
+            stem = first.removesuffix(".0.w1.weight")
+            out.append(f"re:{re.escape(stem)}\\.\\d+\\.w[123]")
+        elif isinstance(module, nn.Linear) and not scheme.experts_only:
+            out.append(param_to_checkpoint(f"{name}.weight", model.config).removesuffix(".weight"))
+    return [entry for entry in out if entry not in scheme.ignore]
 
 
 def quantized_state_dict(model: DeltaMoEForCausalLM, scheme: QuantScheme,
@@ -54,6 +77,7 @@ def quantize_checkpoint(source: str | Path, out: str | Path, scheme: QuantScheme
     tensors = quantized_state_dict(model, scheme, dtype)
     config = config_to_hf(model.config)
     config["quantization_config"] = scheme_to_config(scheme)
+    config["quantization_config"]["ignore"] += float_kept_modules(model, scheme)
     try:
         save_tensors(tensors, out, config, max_shard_bytes)
     except OSError as e:

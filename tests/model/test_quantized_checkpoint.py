@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -10,7 +11,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from deltamoe.errors import CheckpointError
-from deltamoe.model.load import load_model
+from deltamoe.config import load_preset
+from deltamoe.model.load import build_model, load_model
 from deltamoe.model.packed_experts import PackedExperts
 from deltamoe.model.quant_scheme import make_scheme, scheme_from_config, scheme_to_config
 from deltamoe.model.quantize_modules import resident_weight_bytes
@@ -57,7 +59,10 @@ def test_int4_checkpoint_uses_compressed_tensors_names(checkpoints):
     assert "language_model.model.layers.0.mlp.gate_proj.weight_packed" in tensors
     assert "language_model.lm_head.weight" in tensors  # ignored: stays float
     assert "language_model.model.layers.3.self_attn.kv_b_proj.weight" in tensors
-    assert scheme_from_config(qc) == make_scheme("int4", 32)
+    read, written = scheme_from_config(qc), make_scheme("int4", 32)
+    assert read.ignore[:len(written.ignore)] == written.ignore  # then the float-kept modules by full name
+    assert "language_model.lm_head" in read.ignore
+    assert dataclasses.replace(read, ignore=written.ignore) == written
 
 
 def test_mxfp4_checkpoint_quantizes_routed_experts_only(checkpoints):
@@ -263,3 +268,44 @@ def main_quantize(src, tmp_path) -> int:
     from deltamoe.cli import main
 
     return main(["quantize", str(src), str(tmp_path / "q"), "--format", "int4"])
+
+
+@pytest.mark.parametrize("key", list(FORMATS))
+def test_config_ignore_names_every_target_kept_in_float(checkpoints, key):
+    """What a compressed-tensors reader (vLLM) reads off the config matches the file: every module the
+    config group targets and `ignore` does not name holds packed weights, and every one it names holds a
+    plain `weight` (compressed-tensors matching: the module name, or `re:` + a full match)."""
+    import re
+
+    config = json.loads((checkpoints[key] / "config.json").read_text())["quantization_config"]
+    ignore = config["ignore"]
+    targets_experts = config["config_groups"]["group_0"]["targets"] != ["Linear"]
+
+    def ignored(module: str) -> bool:
+        return any(re.fullmatch(p[3:], module) if p.startswith("re:") else module == p for p in ignore)
+
+    from torch import nn
+
+    from deltamoe.model.checkpoint_names import param_to_checkpoint
+    from deltamoe.model.ffn import RoutedExperts
+
+    with safe_open(str(checkpoints[key] / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    packed = {n.removesuffix(".weight_packed") for n in names if n.endswith(".weight_packed")}
+    float_model = build_model(load_preset("tiny"))
+    linears = set()  # the targets' published module names: every Linear and expert projection
+    for name, module in float_model.named_modules():
+        if isinstance(module, nn.Linear):
+            linears.add(param_to_checkpoint(f"{name}.weight", float_model.config).removesuffix(".weight"))
+        elif isinstance(module, RoutedExperts):
+            for w in ("w1", "w2", "w3"):
+                linears.update(n.removesuffix(".weight") for n in param_to_checkpoint(f"{name}.{w}", float_model.config))
+    plain = {n.removesuffix(".weight") for n in names if n.endswith(".weight")} & linears
+    assert packed and plain and packed <= linears
+    for module in packed:
+        assert not ignored(module), module
+    for module in plain:
+        is_expert = ".experts." in module
+        if targets_experts and not is_expert:
+            continue  # mxfp4 targets the routed experts only
+        assert ignored(module), module
