@@ -27,6 +27,7 @@ def bench_command(
     """Run the benchmark suites side by side with their peers; the README table is generated from the results."""
     folder = bench_dir(bench_folder)
     console = Console()
+    suites = select(discover(folder), names or [])  # an unknown name fails whatever the mode
     if list_suites:
         listing = Table(title=f"benchmark suites in {folder}")
         for column in ("name", "--quick", "what it measures"):
@@ -39,7 +40,6 @@ def bench_command(
         _table(folder, check)
         return
 
-    suites = select(discover(folder), names or [])
     runs = []
     for i, suite in enumerate(suites, 1):
         console.rule(f"[{i}/{len(suites)}] {suite.name}" + (" --quick" if quick and suite.has_quick else ""))

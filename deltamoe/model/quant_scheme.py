@@ -78,7 +78,7 @@ def make_scheme(fmt: str, group_size: int | None = None, activations: str | None
         if activations is not None:
             raise ValueError("activations: MXFP4 experts run with full-precision activations (W4A16)")
         return QuantScheme("mxfp4", MXFP4_GROUP, None, ignore=(r"re:.*shared_experts.*",))
-    group_size = group_size or INT4_GROUP
+    group_size = INT4_GROUP if group_size is None else group_size
     if group_size not in (32, 64, 128, 256):
         raise ValueError(f"group_size: expected 32, 64, 128 or 256, got {group_size}")
     if fmt == "w4a8":

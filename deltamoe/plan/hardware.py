@@ -118,6 +118,9 @@ def _positive(value: Any, key: str, origin: str) -> float:
     return float(value)
 
 
+FRACTIONS = {"mfu_prefill", "mfu_decode", "mbu", "scaleup_eff", "scaleout_eff", "overlap_eff"}  # the rest: times
+
+
 def _parse_efficiency(value: Any, base: Efficiency, origin: str) -> Efficiency:
     if not isinstance(value, dict):
         raise HardwareError(f"{origin}: efficiency must be a mapping", field="hardware.efficiency")
@@ -128,5 +131,8 @@ def _parse_efficiency(value: Any, base: Efficiency, origin: str) -> Efficiency:
             raise HardwareError(f"{origin}: unknown efficiency field {k!r}; known: {', '.join(sorted(names))}",
                                 field=f"hardware.efficiency.{k}")
         changes[k] = _positive(v, f"efficiency.{k}", origin)
+        if k in FRACTIONS and changes[k] > 1:
+            raise HardwareError(f"{origin}: efficiency.{k} is a fraction of a peak, in (0, 1]; got {v}",
+                                field=f"hardware.efficiency.{k}")
     changes["source"] = f"{base.source}; overridden in {origin}"
     return dataclasses.replace(base, **changes)

@@ -251,7 +251,9 @@ class Planner:
             f"({chips} x {self.mem_bytes / GB:.0f} GB x {1 - self.w.headroom:.2f} - workspace); "
             f"short by {max(0.0, need - usable) / GB:,.0f} GB",
             field="nodes",
-            hint=f"use at least {min_chips} chips (--nodes {max(1, nodes)}) or smaller --weights",
+            hint=(f"use at least {min_chips} chips (--nodes {max(1, nodes)}) or smaller --weights" if min_chips else
+                  f"a {hw.name} chip keeps nothing after headroom and the {self.w.workspace_gb:g} GB workspace: "
+                  "check its mem_gb"),
         )
 
 

@@ -40,6 +40,8 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvico
 
 def check_device(name: str) -> str:
     """cpu, or cuda[:N] on a torch build that sees that GPU: a one-line error before the model loads."""
+    if name == "cpu":  # the default: no torch import for it (early errors stay fast)
+        return name
     import torch
 
     try:
@@ -311,7 +313,7 @@ def chat_command(
     spec_min_acceptance: float = SPEC_MIN_ACCEPTANCE_OPTION,
 ) -> None:
     """Interactive chat in the terminal (/reset clears the history, /exit or Ctrl-D quits)."""
-    from deltamoe.serve.engine.sampling import SamplingParams
+    from deltamoe.serve.engine.sampling_params import SamplingParams
 
     # The sampling options fail here, before the model loads, not at the first message.
     SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed).validate(vocab_size=1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -148,9 +149,9 @@ class TrainConfig:
         def number(name: str, lo: float, hi: float = float("inf"), lo_open: bool = False) -> None:
             section, attr = name.split(".")
             v = getattr(getattr(self, section), attr)
-            ok = (isinstance(v, (int, float)) and not isinstance(v, bool)
+            ok = (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
                   and (v > lo if lo_open else v >= lo) and v <= hi)
-            need(ok, name, f"a number in {'(' if lo_open else '['}{lo}, {hi}]")
+            need(ok, name, f"a finite number in {'(' if lo_open else '['}{lo}, {hi}{')' if math.isinf(hi) else ']'}")
 
         m, d, o, b, p, r = self.model, self.data, self.optim, self.balance, self.parallel, self.run
         need(m.preset is not None or m.path is not None, "model.preset", "a preset name or model.path")

@@ -67,8 +67,9 @@ def test_suites_come_from_the_working_directory_not_the_package_location(tmp_pat
 
 
 def test_unknown_suite_exits_2():
-    out = deltamoe("bench", "no_such_suite")
-    assert out.returncode == 2 and "no_such_suite" in out.stderr
+    for mode in ([], ["--check"], ["--list"], ["--table-only"]):  # whatever else is asked
+        out = deltamoe("bench", "no_such_suite", *mode)
+        assert out.returncode == 2 and "no_such_suite" in out.stderr, mode
 
 
 def test_one_cheap_suite_runs_into_a_temp_results_dir(tmp_path):

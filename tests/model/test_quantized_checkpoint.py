@@ -202,6 +202,7 @@ def test_quantize_command_writes_a_loadable_checkpoint(tmp_path, capsys):
 
 @pytest.mark.parametrize("args,field", [(["--format", "nf4"], "--format"),
                                         (["--format", "int4", "--group-size", "48"], "--group-size"),
+                                        (["--format", "int4", "--group-size", "0"], "--group-size"),
                                         (["--format", "mxfp4", "--activations", "fp8"], "--activations"),
                                         (["--format", "int4", "--dtype", "fp16"], "--dtype")])
 def test_quantize_command_bad_options_exit_2_with_one_line(tmp_path, capsys, args, field):

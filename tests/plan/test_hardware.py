@@ -76,6 +76,7 @@ def test_json_file_adds_a_new_entry(tmp_path):
     ("base: h200\n", "hardware.name"),
     ("name: a\nbase: nope\n", "hardware.base"),
     ("name: a\nbase: h200\nefficiency: {speed: 2}\n", "hardware.efficiency.speed"),
+    ("name: a\nbase: h200\nefficiency: {mfu_decode: 50}\n", "hardware.efficiency.mfu_decode"),  # a fraction
     ("name: a\nbase: h200\nmem_gb: {value: 1, tag: rumour}\n", "hardware.mem_gb"),
     ("- not a mapping\n", "hardware"),
 ])

@@ -34,6 +34,7 @@ def test_tiny_preset_two_steps(tmp_path):
     (["--preset", "huge"], "unknown preset 'huge'"),
     (["--profile-steps", "4"], "run.profile_steps"),
     (["--batch-size", "3", "--dp", "2"], "data.batch_size"),
+    (["--lr", "inf"], "optim.lr: expected a finite number in (0.0, inf)"),
     (["--steps", "3", "--profile-steps", "5:7"], "run.profile_steps: expected a window that starts by the last step"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, needle):

@@ -1,14 +1,12 @@
-"""The optional API key of `deltamoe serve` and `deltamoe router`: clients send `Authorization: Bearer <key>`."""
+"""The optional API key of `deltamoe serve` and `deltamoe router`: clients send `Authorization: Bearer <key>`.
 
-from __future__ import annotations
+Light to import (FastAPI comes in with `bearer_check`): the CLIs check the option before anything loads.
+"""
 
 import secrets
 from typing import Awaitable, Callable
 
-from fastapi import Request
-
 from deltamoe.errors import ConfigError
-from deltamoe.serve.api.errors import APIError
 
 
 def check_api_key_option(api_key: str | None) -> str | None:
@@ -19,8 +17,11 @@ def check_api_key_option(api_key: str | None) -> str | None:
     return api_key
 
 
-def bearer_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
+def bearer_check(api_key: str | None) -> Callable[..., Awaitable[None]]:
     """A FastAPI dependency: 401 unless the request carries the key (nothing to check when there is none)."""
+    from fastapi import Request  # a real annotation below: FastAPI reads it to pass the request in
+
+    from deltamoe.serve.api.errors import APIError
 
     async def check_key(request: Request) -> None:
         if api_key is None:
