@@ -98,6 +98,10 @@ def plan_command(
 
     console = Console(width=200)
     if validate:
+        given = [flag for flag, value in (("--model", model), ("--hardware", hardware)) if value]
+        if given:  # each published deployment fixes its own model and hardware
+            raise ConfigError(f"{given[0]} with --validate: the validation rows fix their own model and hardware",
+                              field="validate", hint="run --validate alone")
         rows = run_validation()
         if as_json:
             sys.stdout.write(json.dumps([r.to_json() for r in rows], indent=2) + "\n")

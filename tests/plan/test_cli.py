@@ -161,3 +161,9 @@ def test_recipe_text_orders_the_blocks():
     res = runner.invoke(_app(), ["--model", "kimi-k3.1-pro", "--hardware", "h200", "--nodes", "4"])
     text = res.stdout[res.stdout.index("launch recipe"):]
     assert text.index("# vLLM") < text.index("# SGLang") < text.index("# deltamoe serve")
+
+
+def test_validate_refuses_a_model_or_hardware_it_would_ignore(capsys):
+    assert main(["plan", "--validate", "--model", "kimi-k3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: validate: --model with --validate")
