@@ -16,7 +16,7 @@ import logging
 import resource
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -126,3 +126,25 @@ class AcceptErrorLog:
     def install(self) -> "AcceptErrorLog":
         self.loop.set_exception_handler(self)
         return self
+
+
+class EndingServer(uvicorn.Server):
+    """uvicorn, whose Ctrl-C / SIGTERM lets running requests finish for most of the grace period, then calls
+    `end_all` (the server: end the engine's requests with a 503-style error; the router: close its relayed
+    streams with an error event), before uvicorn would cancel them mid-response (a cut stream and a
+    traceback in the log)."""
+
+    def __init__(self, config: uvicorn.Config, end_all: Callable[[], None]):
+        super().__init__(config)
+        self.end_all = end_all
+
+    async def shutdown(self, sockets=None) -> None:
+        async def end_the_rest() -> None:
+            await asyncio.sleep(max(self.config.timeout_graceful_shutdown - 1.0, 0.0))
+            self.end_all()
+
+        ending = asyncio.create_task(end_the_rest())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            ending.cancel()

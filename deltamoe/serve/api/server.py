@@ -20,7 +20,6 @@ from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
-import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
@@ -32,7 +31,8 @@ from deltamoe.serve.api.chat_template import ChatTemplate
 from deltamoe.serve.api.choices import respond_choices, wants_choices
 from deltamoe.serve.api.echo import EchoCompletionFormatter
 from deltamoe.serve.api.images import ImageOptions, extract_images, load_images
-from deltamoe.serve.api.connections import AcceptErrorLog, HTTPLimits, raise_open_file_limit, uvicorn_config
+from deltamoe.serve.api.connections import (AcceptErrorLog, EndingServer, HTTPLimits, raise_open_file_limit,
+                                            uvicorn_config)
 from deltamoe.serve.api.auth import bearer_check, check_api_key_option
 from deltamoe.serve.api.errors import APIError, InternalErrorMiddleware, from_validation_error, install_error_handlers
 from deltamoe.serve.api.format import ChatFormatter, CompletionFormatter
@@ -210,25 +210,6 @@ def run(engine: AsyncLLMEngine, model_name: str, host: str = "127.0.0.1", port: 
     app = build_app(engine, model_name, api_key=api_key, chat_template=chat_template, hand_off=hand_off,
                     routers=routers, image_options=image_options)
     config = uvicorn_config(app, host, port, log_level, limits)
-    EndingServer(config, engine).run(sockets=[sock] if sock is not None else None)
+    EndingServer(config, lambda: engine.end_all("the server is shutting down")).run(
+        sockets=[sock] if sock is not None else None)
 
-
-class EndingServer(uvicorn.Server):
-    """uvicorn, whose Ctrl-C / SIGTERM lets running requests finish for most of the grace period, then ends
-    the rest with a 503-style error (a stream: an error event and [DONE]) before uvicorn would cancel them
-    mid-response (a cut stream and a traceback in the log)."""
-
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine):
-        super().__init__(config)
-        self.engine = engine
-
-    async def shutdown(self, sockets=None) -> None:
-        async def end_the_rest() -> None:
-            await asyncio.sleep(max(self.config.timeout_graceful_shutdown - 1.0, 0.0))
-            self.engine.end_all("the server is shutting down")
-
-        ending = asyncio.create_task(end_the_rest())
-        try:
-            await super().shutdown(sockets)
-        finally:
-            ending.cancel()

@@ -38,7 +38,7 @@ def build_router_app(pool: WorkerPool, *, api_key: str | None = None, max_retrie
     async def lifespan(_: FastAPI):
         timeout = httpx.Timeout(connect=5.0, read=read_timeout_s, write=30.0, pool=30.0)
         async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as client:
-            state["proxy"] = Proxy(pool, client, metrics, headers, max_retries)
+            state["proxy"] = app.state.proxy = Proxy(pool, client, metrics, headers, max_retries)
 
             async def poll():
                 while True:
@@ -54,7 +54,7 @@ def build_router_app(pool: WorkerPool, *, api_key: str | None = None, max_retrie
                     await task
 
     app = FastAPI(title="deltamoe router", lifespan=lifespan)
-    app.state.metrics, app.state.pool = metrics, pool
+    app.state.metrics, app.state.pool, app.state.proxy = metrics, pool, None
 
     @app.get("/health")
     async def health() -> Response:
@@ -93,6 +93,13 @@ def run(pool: WorkerPool, host: str, port: int, sock: socket.socket | None = Non
         **options) -> None:
     import uvicorn
 
+    from deltamoe.serve.api.connections import EndingServer
+
     app = build_router_app(pool, **options)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)
+
+    def end_streams() -> None:
+        if app.state.proxy is not None:
+            app.state.proxy.closing = True
+
+    EndingServer(config, end_streams).run(sockets=[sock] if sock is not None else None)

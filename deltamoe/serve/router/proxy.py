@@ -52,6 +52,7 @@ class Proxy:
                  max_retries: int = 2):
         self.pool, self.client, self.metrics, self.headers = pool, client, metrics, headers
         self.max_retries = max_retries
+        self.closing = False  # set as the router shuts down: relayed streams end after their next event
 
     async def forward(self, path: str, body: bytes) -> Response:
         try:
@@ -172,6 +173,12 @@ class _Request:
                             data = json.dumps(event)
                         sent += 1
                         yield f"data: {data}\n\n"
+                        if self.proxy.closing:  # the router is shutting down: end the stream cleanly
+                            outcome = "closed"
+                            yield _error_event("the router is shutting down")
+                            break
+                    if outcome == "closed":
+                        break
                     if outcome != "ok":
                         raise StreamBroken("the stream ended without [DONE]")
                     break

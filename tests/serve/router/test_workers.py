@@ -156,3 +156,46 @@ def test_a_worker_that_wants_another_api_key_is_one_line_naming_the_key(monkeypa
         with pytest.raises(ConfigError, match=message) as error:
             WorkerPool(["http://p"], ["http://d"]).check(headers)
         assert error.value.field == "api_key" and "\n" not in error.value.one_line()
+
+
+def test_a_router_shutting_down_ends_relayed_streams_with_an_error_event(monkeypatch):
+    """The router's Ctrl-C: `closing` ends each relayed stream after its next event with an error event and
+    [DONE] (the client never sees a stream cut mid-response), and the decode server's stream is closed."""
+    import asyncio
+    import json
+
+    from deltamoe.serve.router.metrics import RouterMetrics
+    from deltamoe.serve.router.proxy import Proxy
+
+    fake_infos(monkeypatch, {"http://p": INFO, "http://d": INFO | {"role": "decode"}})
+    pool = WorkerPool(["http://p"], ["http://d"])
+    pool.check({})
+    closed = []
+
+    class Events(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            for i in range(1000):  # a long answer
+                yield f'data: {{"id": "c1", "choices": [{{"index": 0, "text": "{i}"}}]}}\n\n'.encode()
+                await asyncio.sleep(0)
+
+        async def aclose(self):
+            closed.append(True)
+
+    def decode_server(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, stream=Events(), headers={"content-type": "text/event-stream"})
+
+    async def main() -> list[str]:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(decode_server)) as client:
+            proxy = Proxy(pool, client, RouterMetrics(), {})
+            response = await proxy.forward("/v1/completions", b'{"stream": true, "temperature": 0}')
+            got = []
+            async for chunk in response.body_iterator:
+                got.append(chunk)
+                if len(got) == 3:
+                    proxy.closing = True
+            return got
+
+    got = asyncio.run(main())
+    assert got[-1] == "data: [DONE]\n\n" and len(got) == 5  # the 3 events sent, the error, [DONE]
+    assert "the router is shutting down" in json.loads(got[-2][len("data: "):])["error"]["message"]
+    assert closed and all(w.in_flight == 0 for w in pool.workers)
