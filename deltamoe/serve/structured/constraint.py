@@ -11,11 +11,12 @@ same schema sent again costs a copy, not a compile.
 from __future__ import annotations
 
 import json
+import queue
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import llguidance
 
@@ -31,7 +32,51 @@ LIMITS = dict(initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, max_grammar
 # JSON is generated compactly (no free whitespace): a model cannot wander in blank space forever.
 JSON_OPTIONS = {"whitespace_flexible": False}
 
-_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-compile")
+# llguidance recurses once per rule or $ref link it follows: a 3,000-link chain (100 KB) overflowed an
+# 8 MiB thread stack and took the server down. 256 MiB compiles 80,000 chained rules, more than
+# MAX_GRAMMAR_CHARS can spell (only touched pages are committed, so the reservation costs address space).
+COMPILE_STACK_BYTES = 256 << 20
+
+
+class BigStackPool:
+    """A few daemon worker threads with a `stack_bytes` stack (concurrent.futures' pool has no such option)."""
+
+    def __init__(self, workers: int, stack_bytes: int, name: str):
+        self.workers, self.stack_bytes, self.name = workers, stack_bytes, name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._started = False
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        self._start()
+        future: Future = Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._started:
+                return
+            previous = threading.stack_size(self.stack_bytes)  # for the threads made here
+            try:
+                for i in range(self.workers):
+                    threading.Thread(target=self._run, name=f"{self.name}-{i}", daemon=True).start()
+            finally:
+                threading.stack_size(previous)
+            self._started = True
+
+    def _run(self) -> None:
+        while True:
+            future, fn, args = self._queue.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # handed to the waiter, as concurrent.futures does
+                future.set_exception(e)
+
+
+_pool = BigStackPool(workers=2, stack_bytes=COMPILE_STACK_BYTES, name="grammar-compile")
 _cache: OrderedDict[tuple[int, str], llguidance.LLMatcher] = OrderedDict()
 _cache_lock = threading.Lock()
 
@@ -58,6 +103,11 @@ class Constraint:
                 while len(_cache) > CACHE_SIZE:
                     _cache.popitem(last=False)
         return proto.deep_copy()
+
+
+def compile_pool() -> BigStackPool:
+    """The threads grammars are built and compiled on (large stacks)."""
+    return _pool
 
 
 def compile_grammar(ll: llguidance.LLTokenizer, grammar: str, field: str,

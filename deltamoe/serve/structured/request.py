@@ -16,8 +16,9 @@ from typing import Any
 
 from deltamoe.errors import RequestError
 from deltamoe.serve.engine.sampling import SamplingParams
-from deltamoe.serve.structured.constraint import (Constraint, choice_constraint, json_object_constraint,
-                                                  json_schema_constraint, lark_constraint, regex_constraint)
+from deltamoe.serve.structured.constraint import (COMPILE_TIMEOUT_S, Constraint, choice_constraint, compile_pool,
+                                                  json_object_constraint, json_schema_constraint, lark_constraint,
+                                                  regex_constraint)
 from deltamoe.tokenizers.base import Tokenizer
 
 _VLLM_KINDS: dict[str, Callable[[Any, str], Constraint]] = {
@@ -104,6 +105,20 @@ def _parsed_json(value: Any, field: str) -> Any:
 async def constrain(params: SamplingParams, req: Any, tokenizer: Tokenizer) -> None:
     """Set `params.structured` from the request and compile it off the event loop (the engine then
     finds it in the compile cache); a bad schema or grammar raises RequestError naming its field."""
-    params.structured = constraint_from_request(req, tokenizer)
+    # Building the grammar (a schema's conversion: seconds for a large one, and as deep as its $ref
+    # chains) runs on the compile threads too, not on the event loop every client shares.
+    built = asyncio.wrap_future(compile_pool().submit(constraint_from_request, req, tokenizer))
+    try:
+        params.structured = await asyncio.wait_for(built, COMPILE_TIMEOUT_S)
+    except TimeoutError:
+        raise RequestError(f"the structured-output request did not convert within {COMPILE_TIMEOUT_S:g} s; "
+                           "simplify it", field=_asked_field(req)) from None
     if params.structured is not None:
         await asyncio.to_thread(params.structured.compile, tokenizer)
+
+
+def _asked_field(req: Any) -> str:
+    for name in ("response_format", "structured_outputs", *_LEGACY, "tool_choice"):
+        if getattr(req, name, None) not in (None, "none", "auto"):
+            return name
+    return "response_format"

@@ -47,6 +47,21 @@ def test_completion_vllm_extras(client):
     jsonschema.validate(json.loads(r.choices[0].text), PERSON)
 
 
+def test_deep_ref_chains_and_rule_chains_compile_on_big_stacks(client):
+    """llguidance recurses once per $ref link or rule it follows: 3,000 links overflowed an 8 MiB thread
+    stack and killed the server (a segfault, here this test process). They compile on the big-stack
+    threads; the output follows the chain to its end."""
+    n = 3000
+    schema = {"$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}, "$ref": "#/$defs/d0"}
+    schema["$defs"][f"d{n}"] = {"type": "integer", "minimum": 0, "maximum": 9}
+    r = client.completions.create(model=M, prompt="a", max_tokens=8, extra_body={"guided_json": schema})
+    assert r.choices[0].text.isdigit() and r.choices[0].finish_reason == "stop"
+    rules = "\n".join(f"r{i}: r{i + 1}" for i in range(n))
+    r = client.completions.create(model=M, prompt="a", max_tokens=8,
+                                  extra_body={"guided_grammar": f"start: r0\n{rules}\nr{n}: \"xy\""})
+    assert r.choices[0].text == "xy"
+
+
 @pytest.mark.parametrize("body, param", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format.json_schema.schema"),
