@@ -68,8 +68,12 @@ class ChatOptions:
         tokens, they must reach the text to be parsed, so `params` keeps special tokens then."""
         if not (self.thinking or self.tools.parse_calls):
             return None
-        tail = tokenizer.decode(prompt[-16:], skip_special_tokens=False)
-        reasoning = ReasoningParser(starts_inside=tail.rstrip().endswith(THINK_BEGIN)) if self.thinking else None
+        reasoning = ReasoningParser(starts_inside=opens_thinking(prompt, tokenizer)) if self.thinking else None
         if any(m in tokenizer.special_tokens for m in MARKERS):
             params.skip_special_tokens = False
         return ChatChoiceParser(reasoning, ToolCallParser(self.tools.parallel) if self.tools.parse_calls else None)
+
+
+def opens_thinking(prompt: list[int], tokenizer: Tokenizer) -> bool:
+    """The generation prompt ends inside an opened `<think>` section: the output starts with reasoning."""
+    return tokenizer.decode(prompt[-16:], skip_special_tokens=False).rstrip().endswith(THINK_BEGIN)

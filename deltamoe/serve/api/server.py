@@ -13,6 +13,7 @@ is an OpenAI-style error body (`api_errors`); none of them takes the server down
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import time
 import uuid
@@ -26,7 +27,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from deltamoe.errors import RequestError
-from deltamoe.serve.api.chat_request import ChatOptions
+from deltamoe.serve.api.chat_request import ChatOptions, opens_thinking
 from deltamoe.serve.api.chat_template import ChatTemplate
 from deltamoe.serve.api.choices import respond_choices, wants_choices
 from deltamoe.serve.api.echo import EchoCompletionFormatter
@@ -38,6 +39,7 @@ from deltamoe.serve.api.errors import APIError, InternalErrorMiddleware, from_va
 from deltamoe.serve.api.format import ChatFormatter, CompletionFormatter
 from deltamoe.serve.api.generate import Generation
 from deltamoe.serve.api.openapi import install_openapi
+from deltamoe.serve.api.reasoning_parser import THINK_END
 from deltamoe.serve.api.metrics import CONTENT_TYPE, HTTPMetricsMiddleware, ServerMetrics
 from deltamoe.serve.api.params import chat_params, completion_params
 from deltamoe.serve.api.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields
@@ -175,6 +177,10 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
         placeholder = engine.model_config.media_placeholder_token_id
         prompt = options.encode(template, messages, req.add_generation_prompt,
                                 [[placeholder] * img.num_tokens for img in images])
+        if params.structured is not None and options.thinking and opens_thinking(prompt, engine.tokenizer):
+            # The model reasons first: the constraint holds for the answer, after `</think>` (as vLLM's
+            # structured outputs with a reasoning parser), not for the reasoning.
+            params.structured = dataclasses.replace(params.structured, after=THINK_END)
         chat_id = f"chatcmpl-{uuid.uuid4().hex}"
 
         def formatter() -> ChatFormatter:  # one per choice: each output parser keeps its own state

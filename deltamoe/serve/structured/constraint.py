@@ -87,6 +87,9 @@ class Constraint:
 
     grammar: str
     field: str
+    # A text after which the grammar starts (None: from the first token): `</think>` when the model
+    # reasons first. It must end on a token boundary, as a special token or byte-level tokens do.
+    after: str | None = None
 
     def compile(self, tokenizer: Tokenizer, timeout_s: float = COMPILE_TIMEOUT_S) -> llguidance.LLMatcher:
         """A fresh matcher at the grammar's start (the compiled prototype is cached and copied)."""

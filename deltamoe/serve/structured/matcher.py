@@ -27,9 +27,13 @@ class GrammarMatcher:
         self._vocab_size = vocab_size
         self._bitmask = torch.zeros((vocab_size + 31) // 32, dtype=torch.int32)
         self._ll_words = min((ll_tokenizer(tokenizer).vocab_size + 31) // 32, len(self._bitmask))
+        # Before `constraint.after` (the end of the reasoning) the output is free; its text so far.
+        self._after, self._tokenizer, self._before = constraint.after, tokenizer, ""
 
     def allowed(self) -> torch.Tensor:
         """Bool [vocab_size]: the tokens the grammar accepts next (ids past the tokenizer's never)."""
+        if self._after is not None:
+            return torch.ones(self._vocab_size, dtype=torch.bool)
         self._bitmask.zero_()
         self._ll.unsafe_compute_mask_ptr(self._bitmask.data_ptr(), self._ll_words * 4)
         allowed = ((self._bitmask.unsqueeze(1) >> _BITS) & 1).flatten()[:self._vocab_size].bool()
@@ -44,10 +48,15 @@ class GrammarMatcher:
         """Advance past a sampled token (a stop token ends the sequence and is not fed to the grammar)."""
         if token == self._eos or bool((self._stop_ids == token).any()):
             return
+        if self._after is not None:
+            self._before = (self._before + self._tokenizer.decode([token], skip_special_tokens=False))[-256:]
+            if self._before.endswith(self._after):
+                self._after = None  # the grammar starts with the next token
+            return
         self._ll.consume_token(token)
 
     @property
     def done(self) -> bool:
         """The grammar is complete and admits nothing more."""
-        return self._ll.is_stopped()
+        return self._after is None and self._ll.is_stopped()
 

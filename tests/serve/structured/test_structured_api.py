@@ -108,3 +108,14 @@ def test_forced_tool_choice_comes_back_as_parsed_tool_calls(client, stream):
         got = [{"name": c.function.name, "arguments": c.function.arguments} for c in r.choices[0].message.tool_calls]
     assert finish == "tool_calls" and [c["name"] for c in got] == ["get_weather"]
     jsonschema.validate(json.loads(got[0]["arguments"]), WEATHER["function"]["parameters"])
+
+
+def test_with_thinking_the_constraint_waits_for_the_end_of_the_reasoning(client):
+    """The template opens `<think>`: the reasoning is free text (here 'y' pushed by logit_bias, which the
+    choice grammar would refuse after one 'y'), and the constraint holds after `</think>` only."""
+    r = client.chat.completions.create(model=M, messages=USER, max_tokens=4, temperature=0,
+                                       logit_bias={str(ord("y")): 100},
+                                       extra_body={"structured_outputs": {"choice": ["yes", "no"]},
+                                                   "chat_template_kwargs": {"thinking": True}})
+    message = r.choices[0].message
+    assert message.reasoning_content == "yyyy" and not message.content and r.choices[0].finish_reason == "length"

@@ -216,3 +216,27 @@ def test_compile_errors_and_time_bound(engine, monkeypatch):
     with pytest.raises(RequestError, match="did not compile within") as e:
         compile_grammar(ll_tokenizer(engine.tokenizer), grammar, "guided_json", timeout_s=0.1)
     assert e.value.field == "guided_json" and time.perf_counter() - start < 0.9
+
+
+def test_a_constraint_after_the_reasoning_leaves_the_reasoning_free():
+    """With `after="</think>"` (a chat whose model reasons first) every token is allowed until the output
+    has written `</think>`; from the next token on, the grammar's mask and nothing else."""
+    import dataclasses
+
+    import torch
+
+    from deltamoe.serve.structured.matcher import GrammarMatcher
+    from deltamoe.tokenizers.load import load_tokenizer
+
+    tok = load_tokenizer(None, 264)
+    constraint = dataclasses.replace(choice_constraint(["yes", "no"], "structured_outputs.choice"), after="</think>")
+    free, plain = (GrammarMatcher(c, tok, 264, frozenset({tok.eos_token_id}))
+                   for c in (constraint, dataclasses.replace(constraint, after=None)))
+    for token in tok.encode("no </thin> yet, then </think>"):
+        assert bool(free.allowed().all()) and not free.done
+        free.accept(token)
+    assert torch.equal(free.allowed(), plain.allowed()) and not bool(free.allowed().all())
+    for token in tok.encode("yes"):
+        assert bool(free.allowed()[token])
+        free.accept(token)
+    assert free.done
