@@ -71,7 +71,8 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 
 def _engine_failed(e: EngineDeadError) -> APIError:
-    return APIError(e.status, str(e), code="model_unavailable" if e.status == 503 else "engine_error")
+    code = {503: "model_unavailable", 400: "invalid_value"}.get(e.status, "engine_error")
+    return APIError(e.status, str(e), code=code)
 
 
 class Generation:

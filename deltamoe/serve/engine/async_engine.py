@@ -193,7 +193,8 @@ class AsyncLLMEngine:
             for out in outputs:
                 if out.finish_reason == "error":
                     error = self.engine.errors.pop(out.request_id, "the request failed")
-                    self._deliver(out.request_id, RequestFailedError(error))
+                    self._deliver(out.request_id, RequestFailedError(error.one_line(), status=400)
+                                  if isinstance(error, RequestError) else RequestFailedError(error))
                 else:
                     self._deliver(out.request_id, out)
             if not outputs and self.engine.last_batch_size == 0:  # only waiting for transfers: do not spin

@@ -96,7 +96,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self._seeds = random.Random(self.config.seed)
         self._totals = {"prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "steps": 0}
-        self.errors: dict[str, str] = {}  # why a request finished with 'error' (read and popped by the caller)
+        # Why a request finished with 'error' (read and popped by the caller): a RequestError when the request
+        # itself was at fault (a 4xx), else a message.
+        self.errors: dict[str, str | RequestError] = {}
         self.forks = ForkBook()  # choices waiting to share another choice's prefill (n > 1)
         self.last_batch_size = 0  # sequences in the last step (0: it only waited for transfers)
 
@@ -318,6 +320,11 @@ class LLMEngine:
             # A complete grammar admits nothing more: the output is whole, as if a stop token came.
             done = stop_reason is not None or (seq.grammar is not None and seq.grammar.done)
             reason = "stop" if done else "length" if seq.num_output_tokens >= seq.max_tokens else None
+        if seq.grammar is not None and (failure := seq.grammar.failed) is not None:
+            # Never an output presented as complete that its grammar did not produce.
+            self.errors[seq.request_id] = RequestError(f"the grammar failed while matching the output: {failure}",
+                                                       field=seq.grammar.field, hint="simplify it")
+            reason = "error"
         if reason is not None:
             seq.stop_reason = stop_reason
             delta += seq.detokenizer.flush()

@@ -56,6 +56,15 @@ class GrammarMatcher:
         self._ll.consume_token(token)
 
     @property
+    def failed(self) -> str | None:
+        """Why the grammar stopped working mid-output (llguidance's error, first line), else None: a grammar
+        that compiled can still exceed a limit while matching (a{99999999})."""
+        if self._after is not None or not self._ll.is_error():
+            return None
+        lines = (self._ll.get_error() or "").strip().splitlines()
+        return lines[0][:500] if lines else "unknown error"
+
+    @property
     def done(self) -> bool:
         """The grammar is complete and admits nothing more."""
         return self._after is None and self._ll.is_stopped()

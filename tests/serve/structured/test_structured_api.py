@@ -119,3 +119,16 @@ def test_with_thinking_the_constraint_waits_for_the_end_of_the_reasoning(client)
                                                    "chat_template_kwargs": {"thinking": True}})
     message = r.choices[0].message
     assert message.reasoning_content == "yyyy" and not message.content and r.choices[0].finish_reason == "length"
+
+
+def test_a_grammar_that_fails_mid_output_is_an_error_not_a_finished_answer(client):
+    """`a{99999999}` compiles, then exceeds llguidance's limits once matching starts: the request fails
+    with a 400 naming the field, never 'stop' with a text the regex does not match."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=M, prompt="a", max_tokens=8,
+                                  extra_body={"structured_outputs": {"regex": "a{99999999}"}})
+    assert "structured_outputs.regex" in e.value.message and "grammar failed" in e.value.message
+    with pytest.raises(openai.APIError, match="grammar failed"):  # streamed: before or in the stream
+        for _ in client.completions.create(model=M, prompt="a", max_tokens=8, stream=True,
+                                           extra_body={"structured_outputs": {"regex": "a{99999999}"}}):
+            pass
