@@ -51,6 +51,9 @@ def full_shapes(model: DeltaMoEForCausalLM) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in twin.state_dict().items()}
 
 
+MAX_TRANSFER_TIMEOUT_S = 24 * 3600.0  # a day: torch's timedelta overflows on absurd values
+
+
 class WeightUpdater:
     """One engine's receiving end. Not thread-safe: one update at a time, driven by one caller
     (the RL loop, or the server's routes, which serialise on a lock)."""
@@ -76,7 +79,16 @@ class WeightUpdater:
         if rank < 1:
             raise RequestError(f"an engine is rank 1.. of the transfer group (the trainer is 0), got {rank}",
                                field="rank")
-        self.group = TransferGroup(host, port, rank, world_size, timeout_s).connect()
+        if rank >= world_size:
+            raise RequestError(f"rank {rank} outside a transfer group of {world_size}", field="rank")
+        if not 0 < timeout_s <= MAX_TRANSFER_TIMEOUT_S:
+            raise RequestError(f"expected seconds in (0, {MAX_TRANSFER_TIMEOUT_S:g}], got {timeout_s}", field="timeout_s")
+        try:
+            self.group = TransferGroup(host, port, rank, world_size, timeout_s).connect()
+        except (OSError, RuntimeError, ValueError) as e:  # the trainer's store unreachable, refused, timed out
+            raise RequestError(f"cannot join the trainer's transfer group at {host}:{port}: "
+                               f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}",
+                               field="host") from e
 
     def start_weight_update(self) -> None:
         if self._staged is not None:
@@ -111,7 +123,12 @@ class WeightUpdater:
         except RequestError as e:
             error = e
         start = time.perf_counter()
-        if not self.group.agree(error is None):
+        try:  # the agreement is a collective too: a trainer that never joins it must not leave the update open
+            agreed = self.group.agree(error is None)
+        except Exception:
+            self.abort_weight_update()
+            raise
+        if not agreed:
             self.abort_weight_update()
             raise error or RequestError("another rank of the transfer group rejected this update", field="weights")
         try:

@@ -63,3 +63,43 @@ def test_a_push_over_http_and_gloo_swaps_the_weights(server, helpers):
     assert got == [fresh.tokenizer.decode([t]) for t in want.token_ids] and got != before
     assert httpx.get(f"{url}/weight_version", headers={"Authorization": f"Bearer {KEY}"}).json() == \
         {"version": 1, "updating": False}
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"host": "127.0.0.1", "port": 1, "rank": 2, "world_size": 2}, "rank"),  # the trainer is 0: ranks 1..1
+    ({"host": "127.0.0.1", "port": 1, "rank": 1, "world_size": 2, "timeout_s": 1e308}, "timeout_s"),
+    ({"host": "127.0.0.1", "port": "CLOSED", "rank": 1, "world_size": 2, "timeout_s": 2}, "host"),  # nobody there
+])
+def test_init_transfer_mistakes_are_400s_naming_the_field(server, body, field):
+    import socket
+
+    url, _ = server
+    if body["port"] == "CLOSED":
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            body = body | {"port": probe.getsockname()[1]}
+    r = httpx.post(f"{url}/init_weight_transfer_engine", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_a_transfer_that_fails_at_the_agreement_leaves_no_update_open(server):
+    """A trainer that never joins the agreement (the collective raises): the update is aborted, so the
+    next one can start (it stayed open, and every start was refused until an abort by hand)."""
+    from deltamoe.serve.engine.weight_transfer import TensorSpec
+    from deltamoe.serve.engine.weight_update import WeightUpdater
+
+    _, engine = server
+
+    class SilentTrainer:  # the transfer group's agreement, timing out
+        def agree(self, ok: bool) -> bool:
+            raise RuntimeError("gloo timeout: the trainer never joined")
+
+    updater = WeightUpdater(engine.engine)
+    updater.group = SilentTrainer()
+    updater.start_weight_update()
+    weight = engine.engine.runner.model.lm_head.weight
+    with pytest.raises(RuntimeError, match="never joined"):
+        updater.update_weights([TensorSpec("lm_head.weight", "float32", tuple(weight.shape))])
+    updater.start_weight_update()  # not "already open"
+    updater.abort_weight_update()
