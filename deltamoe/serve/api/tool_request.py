@@ -60,6 +60,10 @@ def tool_request(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> Tool
             raise _bad(f"{where}.function.description", "expected a string")
         if f.get("parameters") is not None and not isinstance(f["parameters"], dict):
             raise _bad(f"{where}.function.parameters", "expected a JSON schema object")
+        if isinstance(f.get("parameters"), dict) and f["parameters"].get("type", "object") != "object":
+            # A call's arguments are a JSON object (as OpenAI requires of the schema).
+            raise _bad(f"{where}.function.parameters",
+                       f"expected a schema of type 'object' (the call's arguments), got type {f['parameters']['type']!r}")
         names.append(name)
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
         raise _bad("parallel_tool_calls", f"expected a boolean, got {parallel_tool_calls!r}")

@@ -78,6 +78,6 @@ def _functions(tools: Any) -> dict[str, dict]:
         if not isinstance(schema, dict):
             raise RequestError("expected a JSON schema object", field=f"tools[{i}].function.parameters")
         check_schema(schema, f"tools[{i}].function.parameters")
-        out[name] = schema
+        out[name] = {"type": "object", **schema}  # the arguments are an object, typed or not in the schema
     return out
 

@@ -93,6 +93,8 @@ CASES = [
      "invalid_value"),
     (CHAT, raw({"model": M, "messages": USER, "tools": [{"type": "function", "function": {"name": "a b"}}]}), AUTH,
      400, "tools[0].function.name", "invalid_value"),
+    (CHAT, raw({"model": M, "messages": USER, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "string"}}}]}), AUTH, 400, "tools[0].function.parameters", "invalid_value"),
     (CHAT, raw({"model": M, "messages": USER, "tools": TOOLS, "tool_choice": {"type": "function",
                                                                               "function": {"name": "nope"}}}),
      AUTH, 400, "tool_choice", "invalid_value"),

@@ -240,3 +240,12 @@ def test_a_constraint_after_the_reasoning_leaves_the_reasoning_free():
         assert bool(free.allowed()[token])
         free.accept(token)
     assert free.done
+
+
+def test_a_forced_call_of_a_tool_whose_schema_has_no_type_writes_an_object():
+    """`parameters: {"properties": ...}` without `type`: the arguments are still an object."""
+    from deltamoe.serve.structured.tool_call import _functions
+
+    schema = _functions([{"type": "function", "function": {"name": "f", "parameters": {
+        "properties": {"x": {"type": "integer"}}}}}])["f"]
+    assert schema["type"] == "object" and schema["properties"] == {"x": {"type": "integer"}}
