@@ -144,8 +144,10 @@ def _first_line(message: str) -> str:
 # ---------------------------------------------------------------------------- grammar builders
 def json_schema_constraint(schema: Any, field: str, strict: bool = True) -> Constraint:
     """Output is JSON valid against `schema`. Not strict: keywords llguidance does not implement are ignored."""
-    if isinstance(schema, bool):
-        schema = {} if schema else {"not": {}}
+    if schema is False or schema == {"not": {}}:  # llguidance drops `not` when not strict: it would admit anything
+        raise RequestError("this schema admits no value (false), so no output can match it", field=field)
+    if schema is True:
+        schema = {}
     if not isinstance(schema, dict):
         raise RequestError(f"expected a JSON schema object, got {type(schema).__name__}", field=field)
     check_schema(schema, field)

@@ -70,6 +70,9 @@ def test_deep_ref_chains_and_rule_chains_compile_on_big_stacks(client):
     ({"extra_body": {"structured_outputs": {"yaml": "x"}}}, "structured_outputs.yaml"),
     ({"extra_body": {"guided_regex": "a", "guided_choice": ["b"]}}, "guided_choice"),
     ({"extra_body": {"guided_json": "{not json"}}, "guided_json"),
+    ({"extra_body": {"guided_json": False}}, "guided_json"),  # admits no value
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
+     "response_format.json_schema.schema"),
 ])
 def test_bad_requests_are_400_naming_the_field(client, body, param):
     with pytest.raises(openai.BadRequestError) as e:
