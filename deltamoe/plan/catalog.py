@@ -27,7 +27,7 @@ ZW810 = "servernews.ru/1136036 (96 GB, ICN 700 GB/s, 16-card systems); 119 TF: h
 M890 = "letsdatascience.com/news/t-head-unveils-zhenwu-m890 (144 GB, 800 GB/s, FP8/FP4 supported)"
 M890_PF = "corenewsdaily.com Zhenwu M890 '0.6 PF FP16' (single source, low confidence)"
 PANMAI = "kad8.com/network/t-head-panmai-920 (400 Gb/s SmartNIC), one per chip assumed"
-M890_POD = "issue 4 / spec §1: 'Lingjun Zhenwu M890 SuperPoD', 64 chips, 800 GB/s all-to-all [SKU unconfirmed]"
+M890_POD = "'Lingjun Zhenwu M890 SuperPoD' as reported: 64 chips, 800 GB/s all-to-all [SKU unconfirmed]"
 
 # ------------------------------------------------------------ efficiencies
 # Anchors: DeepSeek's H800 prefill profile reaches ~0.58 PF/s per GPU = 29 % of FP8 peak with
@@ -40,14 +40,16 @@ M890_POD = "issue 4 / spec §1: 'Lingjun Zhenwu M890 SuperPoD', 64 chips, 800 GB
 NVIDIA_EFF = Efficiency(
     mfu_prefill=0.45, mfu_decode=0.5, mbu=0.7, scaleup_eff=0.75, scaleout_eff=0.85,
     scaleup_latency_us=10.0, scaleout_latency_us=25.0, layer_overhead_us=25.0, overlap_eff=0.5,
-    source="anchored on spec §1.1 DeepEP bandwidths, §3.7 DeepSeek prefill MFU, §3.6 B300 bs-1 TPOT",
+    source="anchored on DeepEP's measured bandwidths (github.com/deepseek-ai/DeepEP), DeepSeek-V3's prefill "
+           "profile and K3's batch-1 TPOT on 8 x B300 (rows of `deltamoe plan --validate`)",
 )
 # DeepEP-Ascend reaches 102-152 GB/s of ~196 GB/s per die inside a node (§1.1); CANN graph
 # launch and HCCL collectives cost more per layer than CUDA graphs + NCCL.
 ASCEND_EFF = Efficiency(
     mfu_prefill=0.35, mfu_decode=0.35, mbu=0.55, scaleup_eff=0.6, scaleout_eff=0.6,
     scaleup_latency_us=20.0, scaleout_latency_us=50.0, layer_overhead_us=60.0, overlap_eff=0.5,
-    source="anchored on spec §1.1 DeepEP-Ascend bandwidths; latencies assumed (no public per-collective figure)",
+    source="anchored on DeepEP-Ascend's measured bandwidths (github.com/sgl-project/sgl-kernel-npu); latencies "
+           "assumed (no public per-collective figure)",
 )
 # No public serving measurement exists for these chips: the NVIDIA numbers with a lower MBU.
 GENERIC_EFFICIENCY = Efficiency(
