@@ -24,11 +24,11 @@ from starlette.background import BackgroundTask
 
 from deltamoe.errors import RequestError
 from deltamoe.serve.api.errors import APIError, from_request_error
-from deltamoe.serve.api.format import usage_of
+from deltamoe.serve.api.format import ChatFormatter, usage_of
 from deltamoe.serve.api.generate import CLIENT_CLOSED, ClientGone, Formatter, Generation, _engine_failed, _unless_disconnected
 from deltamoe.serve.api.metrics import RequestTiming
 from deltamoe.serve.api.params import rename
-from deltamoe.serve.api.schemas import PromptTokensDetails, Usage
+from deltamoe.serve.api.schemas import CompletionTokensDetails, PromptTokensDetails, Usage
 from deltamoe.serve.engine.async_engine import EngineDeadError
 from deltamoe.serve.engine.outputs import RequestOutput
 from deltamoe.serve.engine.sampling import SamplingParams
@@ -175,9 +175,16 @@ class Choices:
         last = [f.last for f in self.fmts]
         completion = sum(o.num_output_tokens for o in last)
         base = usage_of(last[0])
-        return Usage(prompt_tokens=base.prompt_tokens, completion_tokens=completion,
-                     total_tokens=base.prompt_tokens + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=last[0].num_cached_tokens))
+        usage = Usage(prompt_tokens=base.prompt_tokens, completion_tokens=completion,
+                      total_tokens=base.prompt_tokens + completion,
+                      prompt_tokens_details=PromptTokensDetails(cached_tokens=last[0].num_cached_tokens))
+        # Chat choices that reason count their reasoning tokens, summed as their completion tokens are.
+        details = [u.completion_tokens_details for f in self.fmts if isinstance(f, ChatFormatter)
+                   and (u := f.usage()).completion_tokens_details is not None]
+        if details:
+            usage.completion_tokens_details = CompletionTokensDetails(
+                reasoning_tokens=sum(d.reasoning_tokens for d in details))
+        return usage
 
     def _response(self) -> BaseModel:
         order = sorted(range(len(self.fmts)), key=lambda i: -self.scores[i])[: self.keep] \

@@ -134,13 +134,14 @@ class ChatFormatter(_Formatter):
         reason = self.last.finish_reason
         return reason if self.parser is None else self.parser.finish_reason(reason)
 
-    def _usage(self) -> Usage:
+    def usage(self) -> Usage:
+        """This choice's usage (its reasoning tokens counted when it reasons)."""
         usage = usage_of(self.last)
         return usage if self.parser is None else self.parser.usage(usage)
 
     def usage_chunk(self) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
-                                   usage=self._usage())
+                                   usage=self.usage())
 
     def response(self) -> ChatCompletionResponse:
         logprobs = ChatLogprobs(content=self._logprobs) if self._logprobs is not None else None
@@ -148,4 +149,4 @@ class ChatFormatter(_Formatter):
         choice = ChatChoice(message=message, logprobs=logprobs,
                             finish_reason=self._finish_reason(), stop_reason=self.last.stop_reason)
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
-                                      usage=self._usage())
+                                      usage=self.usage())

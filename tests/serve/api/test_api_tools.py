@@ -148,3 +148,10 @@ def test_the_calls_go_back_into_the_conversation(server):
     assert "<|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>" + ARGS[1] in text
     assert '<|tool|>## Return of functions.get_weather:0\n{"sky": "clear"}<|end|>' in text
     assert ids == server.template.encode(history, tools=TOOLS, template_kwargs=THINK)
+
+
+def test_n_choices_sum_their_reasoning_tokens(server):
+    """Usage over n choices: completion tokens and reasoning tokens both summed (greedy: n equal ones)."""
+    one = chat(server).usage.completion_tokens_details.reasoning_tokens
+    r = chat(server, n=2)
+    assert len(r.choices) == 2 and r.usage.completion_tokens_details.reasoning_tokens == 2 * one
