@@ -123,7 +123,7 @@ def compile_grammar(ll: llguidance.LLTokenizer, grammar: str, field: str,
     def build() -> llguidance.LLMatcher:
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll, limits=limits)
         if is_error:
-            raise RequestError(f"cannot be compiled: {_first_line(messages[0])}", field=field)
+            raise RequestError(f"cannot be compiled: {_one_line(messages[0])}", field=field)
         return llguidance.LLMatcher(ll, grammar, log_level=0, limits=limits)
 
     future = _pool.submit(build)
@@ -133,12 +133,14 @@ def compile_grammar(ll: llguidance.LLTokenizer, grammar: str, field: str,
         # The worker finishes on its own (llguidance's fuel limits bound it); the request does not wait.
         raise RequestError(f"the grammar did not compile within {timeout_s:g} s; simplify it", field=field) from None
     if matcher.is_error():
-        raise RequestError(f"cannot be compiled: {_first_line(matcher.get_error())}", field=field)
+        raise RequestError(f"cannot be compiled: {_one_line(matcher.get_error())}", field=field)
     return matcher
 
 
-def _first_line(message: str) -> str:
-    return message.strip().splitlines()[0][:500] if message.strip() else "unknown error"
+def _one_line(message: str) -> str:
+    """The error on one line: llguidance's messages span lines ("regex parse error:" then the pattern
+    and a caret), and the first alone says nothing."""
+    return " ".join(message.split())[:500] or "unknown error"
 
 
 # ---------------------------------------------------------------------------- grammar builders
@@ -155,8 +157,23 @@ def json_schema_constraint(schema: Any, field: str, strict: bool = True) -> Cons
         grammar = llguidance.LLMatcher.grammar_from_json_schema(
             schema, defaults=JSON_OPTIONS, overrides=None if strict else {"lenient": True})
     except (ValueError, TypeError, RuntimeError) as e:
-        raise RequestError(f"cannot be compiled: {_first_line(str(e))}", field=field) from e
+        raise RequestError(f"cannot be compiled: {_one_line(str(e))}", field=field) from e
+    # The grammar's own errors (a $ref to nowhere, a pattern that does not parse) named by this field
+    # now, not by whichever field later compiles a grammar made of several (a forced tool call).
+    try:
+        is_error, messages = on_compile_thread(llguidance.LLMatcher.validate_grammar_with_warnings, grammar)
+    except FutureTimeout:
+        raise RequestError(f"the schema did not check within {COMPILE_TIMEOUT_S:g} s; simplify it", field=field) from None
+    if is_error:
+        raise RequestError(f"cannot be compiled: {_one_line(messages[0])}", field=field)
     return Constraint(grammar, field)
+
+
+def on_compile_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args) on a big-stack compile thread: here when this is one, else there (waited for)."""
+    if threading.current_thread().name.startswith(_pool.name):
+        return fn(*args)
+    return _pool.submit(fn, *args).result(timeout=COMPILE_TIMEOUT_S)
 
 
 def check_schema(schema: dict, field: str) -> None:

@@ -17,7 +17,7 @@ import json
 from typing import Any
 
 from deltamoe.errors import RequestError
-from deltamoe.serve.structured.constraint import JSON_OPTIONS, Constraint, check_schema, lark_constraint
+from deltamoe.serve.structured.constraint import JSON_OPTIONS, Constraint, json_schema_constraint, lark_constraint
 from deltamoe.tokenizers.base import Tokenizer
 
 MAX_PARALLEL_CALLS = 16  # "required" with parallel calls: a section holds 1..16 calls
@@ -77,7 +77,8 @@ def _functions(tools: Any) -> dict[str, dict]:
         schema = fn.get("parameters") or {"type": "object"}
         if not isinstance(schema, dict):
             raise RequestError("expected a JSON schema object", field=f"tools[{i}].function.parameters")
-        check_schema(schema, f"tools[{i}].function.parameters")
+        # Converted alone first, so a schema the grammar library refuses is a 400 naming this tool.
+        json_schema_constraint({"type": "object", **schema}, f"tools[{i}].function.parameters")
         out[name] = {"type": "object", **schema}  # the arguments are an object, typed or not in the schema
     return out
 

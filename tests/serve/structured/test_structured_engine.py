@@ -185,6 +185,10 @@ def test_tool_call_section(engine):
                                   {"type": "function", "function": {"name": "g"}}), "tool_choice"),
     (lambda: tool_call_constraint([{"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}],
                                   "required"), "tools[0].function.parameters"),
+    (lambda: tool_call_constraint([{"type": "function", "function": {"name": "f"}},  # a $ref to nowhere
+                                   {"type": "function", "function": {"name": "g", "parameters": {
+                                       "type": "object", "properties": {"x": {"$ref": "#/$defs/missing"}}}}}],
+                                  "required"), "tools[1].function.parameters"),
 ])
 def test_bad_constraints_name_the_field(make, field):
     with pytest.raises(RequestError) as e:
