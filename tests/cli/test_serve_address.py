@@ -52,40 +52,15 @@ def test_bad_hosts_name_the_host_field() -> None:
     assert error.value.field == "host"
 
 
-def test_serve_process_answers_on_the_port_it_bound_and_stops_on_sigterm(tmp_path) -> None:
+def test_serve_process_answers_on_the_port_it_bound_and_stops_on_sigterm(serve_process) -> None:
     """The real command end to end: bind first, load, serve on that socket, exit cleanly on SIGTERM."""
-    import os
     import signal
-    import subprocess
-    import sys
-    import time
 
     import httpx
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "deltamoe", "serve", "tiny", "--port", str(port), "--threads", "1",
-                             "--cache-memory", "64MiB", "--log-level", "warning"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up in 120 s"
-            time.sleep(0.5)
-        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json()["data"][0]["id"] == "tiny"
+    with serve_process(["tiny", "--threads", "1", "--cache-memory", "64MiB", "--log-level", "warning"]) as (proc, url):
+        assert httpx.get(f"{url}/v1/models", timeout=5).json()["data"][0]["id"] == "tiny"
         proc.send_signal(signal.SIGTERM)
         # uvicorn shuts down gracefully, then re-raises the signal it caught (exit status -SIGTERM)
         assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
         assert "Traceback" not in proc.stderr.read().decode()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

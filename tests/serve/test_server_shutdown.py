@@ -4,36 +4,15 @@ mid-response), the log has no traceback, and the process exits within its grace 
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
-import time
 
 import httpx
 
 
-def test_ctrl_c_ends_open_streams_with_an_error_event_and_done():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "deltamoe", "serve", "tiny", "--port", str(port), "--no-compile",
-                             "--threads", "1", "--cache-memory", "16MiB", "--log-level", "warning"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.3)
+def test_ctrl_c_ends_open_streams_with_an_error_event_and_done(serve_process):
+    with serve_process(["tiny", "--no-compile", "--threads", "1", "--cache-memory", "16MiB",
+                        "--log-level", "warning"]) as (proc, url):
         lines: list[str] = []
         first = threading.Event()
 
@@ -53,10 +32,6 @@ def test_ctrl_c_ends_open_streams_with_an_error_event_and_done():
         assert not reader.is_alive()
         assert proc.wait(timeout=30) in (0, -signal.SIGINT, 130)
         err = proc.stderr.read().decode()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert lines[-1] == "data: [DONE]"
     error = json.loads(lines[-2][len("data: "):])["error"]
     assert "shutting down" in error["message"] and error["code"] == "model_unavailable"

@@ -4,12 +4,6 @@ then answers like an engine loaded from the trainer's checkpoint."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
-
 import httpx
 import pytest
 
@@ -25,30 +19,13 @@ KEY = "sk-rl"
 
 
 @pytest.mark.slow
-def test_push_to_a_separate_server_process(tmp_path, micro_model_config):
+def test_push_to_a_separate_server_process(tmp_path, micro_model_config, serve_process):
     config = micro_model_config.replace(max_position_embeddings=128)
     save_checkpoint(build_model(config, seed=2), tmp_path / "old")
     trainer = build_model(config, seed=9)
     save_checkpoint(trainer, tmp_path / "new")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "deltamoe", "serve", str(tmp_path / "old"), "--port", str(port),
-                             "--ep", "2", "--threads", "1", "--cache-memory", "16MiB", "--log-level", "warning",
-                             "--weight-updates", "--api-key", KEY],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up in 180 s"
-            time.sleep(0.5)
+    with serve_process([str(tmp_path / "old"), "--ep", "2", "--threads", "1", "--cache-memory", "16MiB",
+                        "--log-level", "warning", "--weight-updates", "--api-key", KEY], up_within_s=180) as (_, url):
         sync = HTTPWeightSync(url, KEY, bucket_bytes=16 * 1024)
         stats = sync.push(policy_tensors(trainer))
         sync.close()
@@ -60,6 +37,3 @@ def test_push_to_a_separate_server_process(tmp_path, micro_model_config):
         want, old = (LLMEngine.from_pretrained(tmp_path / name, EngineConfig(cache_memory="16MiB")).generate(
             [prompt], SamplingParams(max_tokens=6, temperature=0), progress=False)[0].text for name in ("new", "old"))
         assert want != old and r.json()["choices"][0]["text"] == want
-    finally:
-        proc.kill()
-        proc.wait()
