@@ -64,6 +64,10 @@ class AcceptanceTracker:
         return state
 
     def speculates(self, seq: Sequence) -> bool:
+        # A grammar or a logit_bias decodes plainly: verification does not apply them to its targets yet,
+        # and a request's output must not depend on whether it speculated.
+        if seq.grammar is not None or seq.params.logit_bias:
+            return False
         state = self._requests.get(seq)
         return state is None or state.on
 
@@ -83,6 +87,8 @@ class AcceptanceTracker:
         """A switched-off request decoded `tokens` more plainly (its MTP layer kept current): after
         RETRY_AFTER * 2^(switch-offs - 1) of them it speculates again, judged over a fresh window."""
         state = self.state(seq)
+        if state.times_off == 0:  # never switched off (it decodes plainly for its grammar or logit_bias)
+            return
         state.plain_tokens += tokens
         if state.plain_tokens >= RETRY_AFTER << (state.times_off - 1):
             state.on = True

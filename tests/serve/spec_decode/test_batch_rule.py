@@ -117,7 +117,7 @@ def test_compiled_plain_steps_keep_the_drafter_current(mtp_model, helpers):
 
 def test_a_switched_off_request_tries_again_after_a_doubling_wait():
     class Seq:  # the tracker keys its state by sequence object
-        pass
+        grammar, params = None, SamplingParams()
 
     tracker, seq = AcceptanceTracker(2, min_acceptance=0.5), Seq()
     waits = []

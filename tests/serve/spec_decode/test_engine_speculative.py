@@ -265,3 +265,19 @@ def test_drafts_are_the_trained_mtp_predictions(mtp_model, batch):
     again = mtp(torch.cat([h[:, :-1], out[:, -1:]], 1), inner.embed_tokens(torch.cat(
         [ids[:, 1:], torch.tensor([[drafts.tokens[0]]])], 1)))
     assert drafts.tokens[1] == int(mtp.logits(again[0, -1]).argmax())
+
+
+def test_grammar_and_logit_bias_requests_decode_plainly_with_the_plain_output(mtp_model, helpers):
+    """Verification does not apply a grammar's mask or a logit_bias to its targets: such requests run
+    without drafts, beside speculating ones, and answer exactly as a plain engine does."""
+    from deltamoe.serve.structured.constraint import regex_constraint
+
+    prompts = helpers.prompts(3, 5, 20, seed=4)
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logit_bias={50: -100.0, 51: 5.0}),
+              SamplingParams(max_tokens=12, temperature=0.0, structured=regex_constraint("[a-c]{3}[0-9]{2}", "r")),
+              SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)]
+    plain = LLMEngine(mtp_model, config=EngineConfig(cache_memory="8MiB")).generate(prompts, params, progress=False)
+    spec = engine(mtp_model, 2)
+    got = spec.generate(prompts, params, progress=False)
+    assert [c.token_ids for c in got] == [c.token_ids for c in plain]
+    assert spec.runner.tracker.verifications > 0  # the third request did speculate
