@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -119,8 +120,9 @@ TP_HELP = ("Tensor-parallel ranks: attention heads, MLP widths and the vocabular
 EP_HELP = "Expert-parallel ranks: routed experts split over this many processes (tp * ep processes in all)."
 
 
-def check_workers(model: str, tp: int, ep: int):
-    """The worker layout checked against the model's config before anything loads; None for one process."""
+def check_workers(model: str, tp: int, ep: int, speculative: Optional[str] = None):
+    """The worker layout checked against the model's config before anything loads (or any rank
+    starts); None for one process."""
     from deltamoe.serve.executor.config import WorkerConfig
     from deltamoe.serve.executor.config import launched_by_torchrun
 
@@ -131,6 +133,13 @@ def check_workers(model: str, tp: int, ep: int):
     if workers.world_size == 1 and not launched_by_torchrun():
         return None
     workers.dims(load_config(model))
+    if speculative is not None:  # the engine refuses it too, but only once the ranks are up
+        raise ConfigError("speculative decoding runs on one process; drop --speculative or --tp/--ep",
+                          field="speculative")
+    if (Path(model) / "config.json").is_file() and "quantization_config" in json.loads(
+            (Path(model) / "config.json").read_text()):
+        raise ConfigError("quantized checkpoints with --tp/--ep: not yet (their packed modules have no "
+                          "sharded form)", field="tp", hint="serve it on one process")
     world = int(os.environ.get("WORLD_SIZE", workers.world_size))
     if launched_by_torchrun() and world != workers.world_size:
         raise ConfigError(f"torchrun started {world} processes but --tp {tp} --ep {ep} makes {workers.world_size}",
@@ -206,7 +215,7 @@ def build_engine(model: str, tokenizer: Optional[str], cache_memory: str, max_nu
                           spec_min_acceptance=spec_min_acceptance, async_scheduling=async_scheduling,
                           num_scheduler_steps=num_scheduler_steps, spec_max_batch=spec_max_batch)
     load_config(model)  # an unknown model fails here, from its config alone
-    workers = check_workers(model, tp, ep)
+    workers = check_workers(model, tp, ep, speculative)
     check_multi_step(num_scheduler_steps, workers=workers is not None, transfers=False)
     from deltamoe.serve.engine.llm_engine import LLMEngine  # imports torch: after every check above
     from deltamoe.threads import apply_threads
@@ -519,7 +528,10 @@ def serve_command(
     chosen = engine_threads(threads, async_scheduling)
     # An unknown model fails here, from its config alone.
     check_max_model_len(max_model_len, load_config(model).max_position_embeddings)
-    workers = check_workers(model, tp, ep)
+    workers = check_workers(model, tp, ep, speculative)
+    if speculative is not None and role != "colocated":  # before the transfer engine starts
+        raise ConfigError("a prefill/decode hand-off carries no MTP latents; drop --speculative or the role",
+                          field="speculative")
     check_multi_step(num_scheduler_steps, workers=workers is not None, transfers=role != "colocated")
     if workers is not None and _torchrun_rank() > 0:
         # A torchrun rank > 0 runs its shard of the model until rank 0 stops (from_pretrained exits).

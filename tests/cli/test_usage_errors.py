@@ -62,3 +62,20 @@ def test_ctrl_c_exits_130_with_a_line(monkeypatch, capsys) -> None:
     monkeypatch.setattr(plan_search, "best_plan", interrupted)
     assert main(["plan", "--model", "kimi-k3", "--hardware", "h200", "--nodes", "4"]) == 130
     assert capsys.readouterr().err.strip().endswith("interrupted")
+
+
+def test_layouts_the_engine_refuses_fail_before_any_rank_starts(tmp_path, capsys) -> None:
+    """Speculation with workers or a P/D role, and a quantized checkpoint with workers: one line, exit 2,
+    before worker ranks or a transfer engine start (they printed rank tracebacks on the way down)."""
+    from deltamoe.model.quant_scheme import make_scheme
+    from deltamoe.quantize.checkpoint import quantize_checkpoint
+
+    quantize_checkpoint("tiny", tmp_path / "q", make_scheme("int4"))
+    for argv, message in [
+        (["generate", "tiny", "-p", "x", "--speculative", "mtp", "--tp", "2"], "runs on one process"),
+        (["serve", "tiny", "--speculative", "mtp", "--role", "prefill", "--kv-transfer", "mooncake"], "no MTP latents"),
+        (["generate", str(tmp_path / "q"), "-p", "x", "--ep", "2"], "quantized checkpoints with --tp/--ep"),
+    ]:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
