@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -18,8 +17,8 @@ from typing import TYPE_CHECKING, Optional
 import typer
 
 from deltamoe.errors import ConfigError
-from deltamoe.hf_config import load_config
-from deltamoe.serve.engine.config import EngineConfig
+from deltamoe.hf_config import load_config, read_json_object
+from deltamoe.serve.engine.config import EngineConfig, check_speculative_layout
 from deltamoe.serve.engine.multi_step_layouts import GENERATE_DEFAULT_STEPS, check_multi_step, resolve_generate_steps
 from deltamoe.serve.kv_transfer.role_config import DIRECT_MAX_SEGMENTS, INLINE_WRITE, MARKERS
 from deltamoe.threads import THREADS_HELP, choose_threads
@@ -133,11 +132,9 @@ def check_workers(model: str, tp: int, ep: int, speculative: Optional[str] = Non
     if workers.world_size == 1 and not launched_by_torchrun():
         return None
     workers.dims(load_config(model))
-    if speculative is not None:  # the engine refuses it too, but only once the ranks are up
-        raise ConfigError("speculative decoding runs on one process; drop --speculative or --tp/--ep",
-                          field="speculative")
-    if (Path(model) / "config.json").is_file() and "quantization_config" in json.loads(
-            (Path(model) / "config.json").read_text()):
+    check_speculative_layout(speculative, workers=True, hand_off=False)  # before the ranks start
+    if (Path(model) / "config.json").is_file() and "quantization_config" in read_json_object(
+            Path(model) / "config.json", field="model"):
         raise ConfigError("quantized checkpoints with --tp/--ep: not yet (their packed modules have no "
                           "sharded form)", field="tp", hint="serve it on one process")
     world = int(os.environ.get("WORLD_SIZE", workers.world_size))
@@ -529,9 +526,7 @@ def serve_command(
     # An unknown model fails here, from its config alone.
     check_max_model_len(max_model_len, load_config(model).max_position_embeddings)
     workers = check_workers(model, tp, ep, speculative)
-    if speculative is not None and role != "colocated":  # before the transfer engine starts
-        raise ConfigError("a prefill/decode hand-off carries no MTP latents; drop --speculative or the role",
-                          field="speculative")
+    check_speculative_layout(speculative, workers=False, hand_off=role != "colocated")  # before the transfer engine
     check_multi_step(num_scheduler_steps, workers=workers is not None, transfers=role != "colocated")
     if workers is not None and _torchrun_rank() > 0:
         # A torchrun rank > 0 runs its shard of the model until rank 0 stops (from_pretrained exits).

@@ -114,3 +114,16 @@ def check_max_model_len(max_model_len: int | None, max_position_embeddings: int)
         raise ConfigError(f"{max_model_len} is more than the model's max_position_embeddings "
                           f"({max_position_embeddings})", field="max_model_len",
                           hint=f"at most {max_position_embeddings}")
+
+
+def check_speculative_layout(speculative: str | None, workers: bool, hand_off: bool) -> None:
+    """Speculation runs on one process without a P/D role: the CLI asks before any rank or transfer
+    engine starts, the engine again when it builds its runner (torch-free, so both can)."""
+    if speculative is None:
+        return
+    if workers:
+        raise ConfigError("speculative decoding runs on one process; drop --speculative or --tp/--ep",
+                          field="speculative")
+    if hand_off:
+        raise ConfigError("a prefill/decode hand-off carries no MTP latents; drop --speculative or the role",
+                          field="speculative")

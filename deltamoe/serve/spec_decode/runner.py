@@ -34,7 +34,7 @@ from deltamoe.errors import ConfigError
 from deltamoe.model.model import DeltaMoEForCausalLM
 from deltamoe.serve.engine.cache import HybridCache
 from deltamoe.serve.engine.compiled_decode import WarmUpRound
-from deltamoe.serve.engine.config import EngineConfig
+from deltamoe.serve.engine.config import EngineConfig, check_speculative_layout
 from deltamoe.serve.engine.runner import ModelRunner, StepResult
 from deltamoe.serve.engine.sampling import token_logprobs
 from deltamoe.serve.engine.scheduler import ScheduledBatch
@@ -225,12 +225,7 @@ def speculative_runner(model: DeltaMoEForCausalLM, cache: HybridCache, config: E
     if not model.model.mtp_layers:
         raise ConfigError("the model has no MTP layers to draft with (num_nextn_predict_layers = 0)",
                           field="speculative")
-    if distributed:
-        raise ConfigError("speculative decoding runs on one process; drop --speculative or --tp/--ep",
-                          field="speculative")
-    if connector is not None:
-        raise ConfigError("a prefill/decode hand-off carries no MTP latents; drop --speculative or the role",
-                          field="speculative")
+    check_speculative_layout(config.speculative, distributed, connector is not None)
     return SpeculativeRunner(model, cache, config, max_len)
 
 
