@@ -16,7 +16,9 @@ Then one MTP pass catches up every speculating row and drafts for the next step 
 A step whose running batch reaches `spec_max_batch` runs as plain decode for every row instead
 (`batch_rule.py`): it keeps the speculating rows' hidden states for a later MTP catch-up. So does a
 smaller decode step where the measured costs say speculation does not pay (`step_costs.py`): the
-runner times its decode steps under the limit for that.
+runner times its decode steps under the limit for that. A step with a seeded sampling row that
+speculates is the exception: timings vary run to run and the two kinds of step draw from the
+request's generator differently, so there the size rule alone decides (the seed reproduces the text).
 
 Blocks: a verifying row holds blocks for its K extra positions during the call only; after it,
 blocks past its kept tokens go back to the pool, and drafting takes what its provisional MTP
@@ -87,6 +89,11 @@ class SpeculativeRunner(ModelRunner):
 
     def _speculation_pays(self, batch: ScheduledBatch) -> bool:
         seqs = [seq for seq, _ in batch.items if self.tracker.speculates(seq)]
+        # A seeded sampling row must draw the same tokens run to run, and a plain step draws from its
+        # generator differently from a verification: a step holding one follows the size rule alone,
+        # never timings (which vary run to run). Greedy rows emit plain decoding's tokens either way.
+        if any(seq.params.seed is not None and not seq.params.greedy for seq in seqs):
+            return True
         return not seqs or self.costs.speculation_pays(len(batch.items), self.tracker.tokens_per_verification(seqs))
 
     def _execute_speculative(self, batch: ScheduledBatch) -> tuple[list[StepResult], int]:

@@ -127,3 +127,33 @@ def test_engine_speculates_where_the_costs_say_it_pays(mtp_model, helpers):
     extra = eng.stats().extra
     assert extra["spec_decode_plain_by_cost_steps"] == tracker.plain_by_cost_steps
     assert extra["spec_decode_speculative_step_ms_batch_2"] == 30.0
+
+
+@torch.inference_mode()
+def test_seeded_sampling_ignores_the_cost_rule(mtp_model, helpers):
+    """A seeded sampling request's text must not depend on timings: whatever the measured costs say
+    at batch 2, a step holding a seeded sampling row speculates (plain and speculative steps draw
+    from the generator differently), so two engines whose cost tables disagree write the same text.
+    An unseeded sampling row next to a greedy one still follows the costs."""
+    pa, pb = helpers.prompts(2, 5, 9, seed=32)
+
+    def run(plain_step_seconds: float, seed: int | None) -> tuple[list[int], list[int], int]:
+        eng = LLMEngine(mtp_model, config=EngineConfig(cache_memory="8MiB", speculative="mtp", num_draft_tokens=2,
+                                                       spec_min_acceptance=0.0, spec_max_batch=4, block_size=4))
+        runner = eng.runner
+        measured(runner.costs, True, 2, 0.030)
+        measured(runner.costs, False, 2, plain_step_seconds)
+        runner.costs.record = lambda *args: None
+        a = eng.make_sequence(pa, SamplingParams(max_tokens=24, temperature=1.0, seed=seed, ignore_eos=True))
+        b = eng.make_sequence(pb, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+        eng.add_sequence(a)
+        eng.add_sequence(b)
+        while eng.has_unfinished():
+            eng.step()
+        return a.output_ids, b.output_ids, runner.tracker.plain_by_cost_steps
+
+    cheap_plain = run(0.001, seed=7)  # the costs say plain at batch 2
+    dear_plain = run(1.0, seed=7)  # they say speculate
+    assert cheap_plain[2] == dear_plain[2] == 0
+    assert cheap_plain[:2] == dear_plain[:2]
+    assert run(0.001, seed=None)[2] > 0  # unseeded: the costs decide
