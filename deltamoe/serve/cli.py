@@ -56,6 +56,28 @@ def check_device(name: str) -> str:
     return name
 
 
+SPECULATIVE_ONLY = (("num_draft_tokens", "--num-draft-tokens"), ("spec_min_acceptance", "--spec-min-acceptance"),
+                    ("spec_max_batch", "--spec-max-batch"))
+
+
+def check_options_need_their_mode(ctx: typer.Context, speculative: Optional[str],
+                                  compile_decode: Optional[bool]) -> None:
+    """An option given on the command line for a mode that is off (--num-draft-tokens without
+    --speculative, --compile-form with --no-compile) is a one-line error, not silently unused."""
+
+    def given(name: str) -> bool:  # typed or from the environment, not the option's default
+        source = ctx.get_parameter_source(name) if name in ctx.params else None
+        return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+
+    if speculative is None:
+        for name, flag in SPECULATIVE_ONLY:
+            if given(name):
+                raise ConfigError(f"{flag} applies only with --speculative mtp", field=name)
+    if compile_decode is False and given("compile_form") and given("compile_decode"):
+        raise ConfigError("--compile-form applies only with --compile (--no-compile decodes eagerly)",
+                          field="compile_form")
+
+
 def check_log_level(name: str) -> str:
     if name.lower() not in LOG_LEVELS:
         raise ConfigError(f"expected one of {list(LOG_LEVELS)}, got {name!r}", field="log_level")
@@ -222,6 +244,7 @@ def build_engine(model: str, tokenizer: Optional[str], cache_memory: str, max_nu
 
 
 def generate_command(
+    ctx: typer.Context,
     model: str = typer.Argument(..., help="Checkpoint folder or preset name (presets get random weights)."),
     prompt: list[str] = typer.Option(..., "--prompt", "-p", help="Prompt text; repeat for a batch."),
     max_tokens: int = typer.Option(64, help="Tokens to generate per prompt."),
@@ -259,6 +282,7 @@ def generate_command(
     from deltamoe.serve.compile_choice import resolve_compile
     from deltamoe.serve.image_cli import check_image_model, load_cli_images, placeholder_tokens
 
+    check_options_need_their_mode(ctx, speculative, compile_decode)
     vision_config = check_image_model(model, image)
     check_device(device)
     compile_decode = resolve_compile(compile_decode, device, tp, ep, kv_cache_dtype, model)
@@ -302,6 +326,7 @@ def generate_command(
 
 
 def chat_command(
+    ctx: typer.Context,
     model: str = typer.Argument(..., help="Checkpoint folder or preset name."),
     system: Optional[str] = typer.Option(None, help="System prompt."),
     max_tokens: int = typer.Option(256),
@@ -321,6 +346,7 @@ def chat_command(
     """Interactive chat in the terminal (/reset clears the history, /exit or Ctrl-D quits)."""
     from deltamoe.serve.engine.sampling_params import SamplingParams
 
+    check_options_need_their_mode(ctx, speculative, compile_decode)
     # The sampling options fail here, before the model loads, not at the first message.
     SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed).validate(vocab_size=1)
     engine = build_engine(model, tokenizer, cache_memory, 1, 512, dtype, device, compile_decode, threads=threads,
@@ -435,6 +461,7 @@ def weight_routes(engine, enabled: bool) -> list:
 
 
 def serve_command(
+    ctx: typer.Context,
     model: str = typer.Argument(..., help="Checkpoint folder or preset name."),
     host: str = typer.Option("127.0.0.1", help="Interface to bind; the default keeps the server local."),
     port: int = typer.Option(8000, min=1, max=65535),
@@ -506,6 +533,7 @@ def serve_command(
 
     from deltamoe.serve.api.auth import check_api_key_option
 
+    check_options_need_their_mode(ctx, speculative, compile_decode)
     check_role(role, kv_transfer)
     check_api_key_option(api_key)
     check_device(device)

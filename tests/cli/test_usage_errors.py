@@ -45,8 +45,14 @@ def test_help_still_exits_0(capsys) -> None:
     (["chat", "tiny", "--device", "cuda:99"], "error: device: 'cuda:99': this torch sees"),
     (["serve", "tiny", "--device", "bogus"], "error: device: expected cpu or cuda[:N]"),
     (["serve", "tiny", "--log-level", "loud"], "error: log_level: expected one of ['critical'"),
+    (["generate", "tiny", "-p", "x", "--num-draft-tokens", "2"],
+     "error: num_draft_tokens: --num-draft-tokens applies only with --speculative mtp"),
+    (["serve", "tiny", "--spec-max-batch", "0"], "error: spec_max_batch: --spec-max-batch applies only with"),
+    (["chat", "tiny", "--spec-min-acceptance", "0.5"], "error: spec_min_acceptance: --spec-min-acceptance applies"),
+    (["generate", "tiny", "-p", "x", "--no-compile", "--compile-form", "whole"],
+     "error: compile_form: --compile-form applies only with --compile"),
 ])
-def test_device_and_log_level_fail_before_the_model_loads(argv: list[str], message: str, capsys) -> None:
+def test_bad_or_unused_options_fail_before_the_model_loads(argv: list[str], message: str, capsys) -> None:
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(message), err
