@@ -64,6 +64,7 @@ def build_summary(t: EventTables, header: dict, path: str, steps: StepRange = (N
     if t.events == 0:
         raise TraceError("the trace has no events", field=path)
     t.freeze()
+    negative = _zero_negative_durations(t)
     gpu = bool((t.kernels[:, 2] != MEMORY).any())
     builder = _GpuView(t, groups) if gpu else _CpuView(t, rank, cpu_p2p_group(rank, groups, descs))
     step_ids, windows = builder.step_windows()
@@ -83,12 +84,37 @@ def build_summary(t: EventTables, header: dict, path: str, steps: StepRange = (N
                     coll=coll, steps_in_trace=in_trace)
     if not len(step_ids):
         s.warnings.append("no ProfilerStep in the selected range")
+    if negative:
+        s.warnings.append(f"{negative} event(s) with a negative duration (dur < 0), read as zero-length: "
+                          "the exporter's clock or the file is broken")
     compute, comm, mem = builder.spans()
     _breakdown(s, compute, comm, mem)
     _pipeline(s, compute, comm, coll)
     if len(step_ids):
         s.exposed, s.exposed_kind = builder.exposed(s, compute)
     return s
+
+
+# Where each row list keeps its duration (`EventTables`).
+_DUR_AT = {"cpu_ops": 1, "steps": 2, "annotations": 2, "cpu_coll_ops": 2, "functional_ops": 2}
+
+
+def _zero_negative_durations(t: EventTables) -> int:
+    """Events whose `dur` is negative (no profiler writes one; a broken clock or a hand-edited
+    file does) would make intervals that run backwards and subtract from every union: each is
+    read as zero-length -> how many there were, for a warning."""
+    count = 0
+    if len(t.kernels):
+        bad = t.kernels[:, 1] < 0
+        count += int(bad.sum())
+        t.kernels[bad, 1] = 0.0
+    for name, at in _DUR_AT.items():
+        rows = getattr(t, name)
+        n = sum(1 for r in rows if r[at] < 0)
+        if n:
+            count += n
+            setattr(t, name, [r if r[at] >= 0 else r[:at] + (0.0,) + r[at + 1:] for r in rows])
+    return count
 
 
 def _breakdown(s: RankSummary, compute: iv.Spans, comm: iv.Spans, mem: iv.Spans) -> None:

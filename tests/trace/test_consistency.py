@@ -85,3 +85,27 @@ def test_profiler_step_offset_maps_steps_to_training_steps(job):
         _edit(p, lambda d: d.update(profiler_step_offset=2))
     rep = analyze(str(job), ReadConfig(steps=(4, 6)), workers=1).report
     assert [s["step"] for s in rep["step_times"]["steps"]] == [4, 5]
+
+
+def _kernel_durations(doc: dict, value: float, n: int = 5) -> None:
+    """The first `n` compute kernels' dur set to `value`."""
+    changed = 0
+    for e in doc["traceEvents"]:
+        if e.get("cat") == "kernel" and "Collective name" not in e.get("args", {}) and changed < n:
+            e["dur"] = value
+            changed += 1
+
+
+def test_negative_durations_are_warned_and_read_as_zero(tmp_path):
+    """A dur < 0 (a broken clock or a hand-edited file) is named in a warning and read as a
+    zero-length event: the report equals the one whose events say dur 0."""
+    reports = {}
+    for value in (-500.0, 0.0):
+        folder = tmp_path / str(value)
+        generate(SynthConfig(ranks=4, steps=3), folder)
+        _edit(folder / "rank2.pt.trace.json", lambda doc: _kernel_durations(doc, value))
+        reports[value] = analyze(str(folder), workers=1).report
+    negative, zero = reports[-500.0], reports[0.0]
+    assert any("rank 2: 5 event(s) with a negative duration" in w for w in negative["consistency"]["warnings"])
+    assert not any("negative" in w for w in zero["consistency"]["warnings"])
+    assert negative["ranks"] == zero["ranks"]
