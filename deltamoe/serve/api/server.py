@@ -197,7 +197,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
 
     app.include_router(v1)
     app.include_router(tokenize_router(engine, template, check_model,
-                                       lambda r, schema: read_body(r, schema, max_body_bytes, body_timeout_s)),
+                                       lambda r, schema: read_body(r, schema, max_body_bytes, body_timeout_s),
+                                       image_options),
                        dependencies=[Depends(check_key)])
     for router in routers:
         app.include_router(router, dependencies=[Depends(check_key)])

@@ -1,8 +1,9 @@
 """POST /tokenize and POST /detokenize, in vLLM's shapes.
 
 /tokenize takes a `prompt` (the ids /v1/completions would feed the model) or chat `messages`
-with optional `tools` and `chat_template_kwargs` (the ids /v1/chat/completions would feed it);
-it answers {count, max_model_len, tokens, token_strs}. /detokenize takes {tokens} and answers
+with optional `tools` and `chat_template_kwargs` (the ids /v1/chat/completions would feed it, an
+image part's placeholder tokens included: the image is loaded under the server's image options to
+count them); it answers {count, max_model_len, tokens, token_strs}. /detokenize takes {tokens} and answers
 {prompt}, special tokens by name.
 """
 
@@ -16,12 +17,13 @@ from deltamoe.serve.api.chat_request import ChatOptions
 from deltamoe.serve.api.chat_template import ChatTemplate
 from deltamoe.serve.api.errors import APIError
 from deltamoe.serve.api.format import token_text
+from deltamoe.serve.api.images import ImageOptions, extract_images, load_images
 from deltamoe.serve.api.schemas import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from deltamoe.serve.engine.async_engine import AsyncLLMEngine
 
 
 def tokenize_router(engine: AsyncLLMEngine, template: ChatTemplate, check_model: Callable[[str], None],
-                    read_body: Callable) -> APIRouter:
+                    read_body: Callable, image_options: ImageOptions = ImageOptions()) -> APIRouter:
     router = APIRouter()
     vocab_size = engine.model_config.vocab_size
 
@@ -35,8 +37,11 @@ def tokenize_router(engine: AsyncLLMEngine, template: ChatTemplate, check_model:
         if req.prompt is not None:
             ids = engine.tokenizer.encode(req.prompt)
         else:
-            ids = ChatOptions.of(req, template).encode(template, [m.model_dump() for m in req.messages],
-                                                       req.add_generation_prompt)
+            messages, refs = extract_images([m.model_dump() for m in req.messages])
+            images = await load_images(refs, engine.model_config, image_options)
+            placeholder = engine.model_config.media_placeholder_token_id
+            ids = ChatOptions.of(req, template).encode(template, messages, req.add_generation_prompt,
+                                                       [[placeholder] * img.num_tokens for img in images])
         strs = [token_text(engine.tokenizer, t)[0] for t in ids] if req.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids, token_strs=strs)
 

@@ -129,3 +129,23 @@ def test_bad_images_are_400_naming_the_part(server, url, words):
     err = resp.json()["error"]
     assert err["param"] == "messages[1].content[0].image_url"
     assert __import__("re").search(words, err["message"]), err["message"]
+
+
+def test_tokenize_counts_image_placeholders(server, image_host):
+    """/tokenize renders image parts as chat does (each image's placeholder tokens), so its count
+    is the prompt_tokens a chat request with the same messages reports; the strict server's image
+    rules hold there too."""
+    image = png("green", (64, 32))
+    messages = chat("what is it?", data_url(image))
+    r = httpx.post(f"{server.url}/tokenize", timeout=60, json={"model": "v", "messages": messages})
+    assert r.status_code == 200, r.text
+    prepared = load_image(image, server.vision)
+    marked, _ = extract_images(messages)
+    expected = server.template.encode(marked, True, image_tokens=[[264] * prepared.num_tokens])
+    assert r.json()["tokens"] == expected and r.json()["count"] == len(expected)
+    assert expected.count(264) == prepared.num_tokens > 0
+    usage = post(server.url, messages).json()["usage"]
+    assert usage["prompt_tokens"] == len(expected)
+    refused = httpx.post(f"{server.strict_url}/tokenize", timeout=60,
+                         json={"model": "v", "messages": chat("x", f"{image_host}/red.png")})
+    assert refused.status_code == 400 and "image_url" in refused.json()["error"]["message"]
