@@ -29,6 +29,8 @@ KV cache: latent-KV + indexer-key bytes per token, bf16 pages vs `--kv-cache-dty
     .venv/bin/python bench/bench_quant.py [--quick] [--formats int4,int4-rest-fp32]
                                           [--checkpoint DIR --train-config JSON] [--speed-only]
                                           [--clock wall|cpu] [--compile]
+    .venv/bin/python bench/bench_quant.py --speed-only --preset medium --formats int4 --compile
+        # the speed rows on a width where weight reads dominate a batch-1 step: quant_speed_medium.json
 """
 
 from __future__ import annotations
@@ -224,6 +226,9 @@ def kept_accuracy(name: str) -> tuple[list[dict], str | None]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="tiny preset, few tokens (a smoke run)")
+    ap.add_argument("--preset", default="small",
+                    help="model preset of the speed rows (medium: 4x small's width, weight reads dominate a step; "
+                         "its rows go to quant_speed_medium.json with --speed-only)")
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--formats", default=",".join(SPEED_FORMATS),
                     help=f"comma-separated speed rows, of {','.join(SPEED_FORMATS)} (fp32 and bf16 always run)")
@@ -251,7 +256,9 @@ def main() -> None:
         ap.error(f"--formats: unknown {unknown}; expected some of {list(SPEED_FORMATS)}")
     keys = [k for k in SPEED_FORMATS if k in BASELINES or k in keys]
     torch.set_num_threads(args.threads)
-    preset = "tiny" if args.quick else "small"
+    preset = "tiny" if args.quick else args.preset
+    if preset not in ("small", "tiny") and not args.speed_only:
+        ap.error("--preset: the full run (accuracy, KV table) is small's; use --speed-only for another preset")
     new_tokens = 8 if args.quick else args.new_tokens
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
@@ -283,7 +290,8 @@ def main() -> None:
         print(markdown_table(["preset", "KV bytes/token bf16", "fp8", "fp8 / bf16"],
                              [[r["preset"], r["bf16_bytes_per_token"], r["fp8_bytes_per_token"], r["fp8_vs_bf16"]]
                               for r in cache_rows]))
-    write_result(result_name("quant_speed" if args.speed_only else "quant", args.quick), {
+    stem = "quant_speed" if args.speed_only else "quant"
+    write_result(result_name(stem if preset in ("small", "tiny") else f"{stem}_{preset}", args.quick), {
         "preset": preset, "new_tokens": new_tokens, "threads": args.threads, "clock": args.clock,
         "compiled": args.compile, "compile_form": args.compile_form, "speed": speed_rows,
         "accuracy_source": source, "accuracy": acc_rows, "kv_cache": cache_rows,

@@ -168,8 +168,9 @@ def check_workers(model: str, tp: int, ep: int, speculative: Optional[str] = Non
 
 COMPILE_HELP = ("Run decode steps through torch.compile: each kind of decoder layer compiles once and every "
                 "layer reuses its graph (faster steps for small models on a CPU; a first start compiles for up to a "
-                "minute, later ones load inductor's disk cache; needs a C++ compiler). Greedy tokens are the same as "
-                "--no-compile's (eager). --compile-decode: the same as --compile.")
+                "minute, later ones load inductor's disk cache; needs a C++ compiler). In fp32 greedy tokens are the "
+                "same as --no-compile's (eager); bf16 and int4 weights round in another order compiled, so "
+                "long greedy outputs may part. --compile-decode: the same as --compile.")
 COMPILE_DEFAULT_HELP = (" Default: compiled where it can run (one process on a CPU, pages not fp8, a C++ compiler), "
                         "eager elsewhere.")
 COMPILE_DECLS = ("--compile/--no-compile", "--compile-decode")

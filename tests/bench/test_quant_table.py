@@ -23,3 +23,14 @@ def test_compiled_int4_row_reads_against_the_compiled_baselines() -> None:
     assert "compiled" in compiled[0] and "bf16 21.00 / fp32 25.00" in compiled[2]
     assert "1.9x / 1.6x" in compiled[3] and "missed" in compiled[4]
     assert "two rows" not in " ".join(map(str, compiled)) and "one row" not in compiled[3]
+
+
+def test_another_presets_rows_name_their_command_and_claim_no_goal() -> None:
+    """A speed-only run on another preset (`--preset medium`) shows its ratios under its own command;
+    the goal column points at small's rows, where the goal is set."""
+    speed = [_row("fp32", "compiled", 12.0, 0.6, 1.0), _row("bf16", "compiled", 20.0, 1.0, 1.67),
+             _row("int4 (W4A16)", "compiled", 47.0, 2.35, 3.9)]
+    (row,) = FORMATTERS["quant_speed_medium"]({"preset": "medium", "speed": speed,
+                                               "target": {"int4_decode_vs_bf16": 2.0, "int4_decode_vs_fp32": 2.0}})
+    assert "medium (`python bench/bench_quant.py --speed-only --preset medium --compile`)" in row[0]
+    assert "2.4x / 3.9x" in row[3] and row[4] == "(the goal is small's, above)"
