@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-from deltamoe.errors import CheckpointError
+from deltamoe.errors import ConfigError, CheckpointError
 from deltamoe.train.manifest import verify_manifest, write_manifest
 from deltamoe.train.optim import Optimizers
 from deltamoe.train.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
@@ -158,6 +158,29 @@ def list_checkpoints(out: Path) -> list[Path]:
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _NAME.match(p.name))]
     return [p for _, p in sorted(found)]
+
+
+def step_of(path: Path) -> int | None:
+    """The step a checkpoint folder's name says (`step-N`), None for another name."""
+    m = _NAME.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+def check_no_later_checkpoints(out: Path, start_step: int, resuming: bool) -> None:
+    """Refuse a run whose `out` holds checkpoints past the step it starts from: its saves would sort
+    before them, so pruning would delete its own newest ones, and `--resume`, the NaN stop's "last
+    good checkpoint" and the multi-rank export (all `latest_checkpoint`) would read the other run."""
+    later = [p for p in list_checkpoints(out) if (step_of(p) or 0) > start_step]
+    if not later:
+        return
+    names = ", ".join(p.name for p in later[-3:]) + (f" and {len(later) - 3} more" if len(later) > 3 else "")
+    if not resuming:
+        raise ConfigError(f"{checkpoint_dir(out)} holds checkpoints of an earlier run ({names}); a new run there "
+                          "would prune its own saves and resume or export the older run's", field="run.out",
+                          hint="pass --resume to continue that run, or another --out, or remove its checkpoints folder")
+    raise ConfigError(f"{checkpoint_dir(out)} holds {names}, past step {start_step} this run resumes from; its "
+                      "saves would be pruned in their favour", field="run.out",
+                      hint="remove the later checkpoints, or pass another --out")
 
 
 def latest_checkpoint(out: Path) -> Path | None:

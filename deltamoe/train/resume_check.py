@@ -2,10 +2,13 @@
 
 Resuming continues one run: the model, the data stream, the optimizer, the balance terms, the
 seed and the precision must stay as they were, or the result is a different run that claims to
-be the same one. Safe to change: where and how often to log, evaluate, save and profile, the
-stopping rules, threads and the parallel layout (DCP reshards on load), and `run.steps` as long
-as it does not fall below the checkpoint's step (the cosine schedule is stretched from there,
-which the notice says).
+be the same one. Safe to change: where and how often to log, evaluate, save and profile (FP8
+error statistics included), the stopping rules, threads and the parallel layout (DCP reshards on
+load), `run.steps` as long as it does not fall below the checkpoint's step (the schedule is a
+function of the step and the total, so the cosine is recomputed over the new total: the LR at the
+resume point moves, which the notice says), and the peak learning rate and gradient clipping: the
+recovery from a non-finite step (`Trainer._check_finite`) is to resume its last good checkpoint with
+a lower `--lr` or a `--clip-grad`. Every accepted change is printed and recorded in resumes.jsonl.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ RESUME_LOG = "resumes.jsonl"  # one line per resume that changed a (safe) settin
 SAFE_FIELDS = frozenset({
     "run.out", "run.log_every", "run.eval_every", "run.save_every", "run.keep_checkpoints", "run.profile_steps",
     "run.resume", "run.resume_from", "run.target_accuracy", "run.max_minutes", "run.progress", "run.threads",
-    "run.steps",
+    "run.steps", "run.fp8_stats_every", "optim.lr", "optim.clip_grad",
 })
 SAFE_SECTIONS = frozenset({"parallel"})
 # Fields that differ on almost every resume and need no notice.
@@ -53,7 +56,8 @@ def check_resume(saved: dict[str, Any], current: dict[str, Any], checkpoint_step
         old, new = changes[unsafe[0]]
         more = f" (and {len(unsafe) - 1} more: {', '.join(unsafe[1:])})" if len(unsafe) > 1 else ""
         raise ConfigError(f"{checkpoint} was trained with {unsafe[0]}={old!r}, this run asks for {new!r}{more}; "
-                          "a resumed run keeps its model, data, optimizer, balance, seed and precision",
+                          "a resumed run keeps its model, data, optimizer (but for its peak lr and clipping), balance, "
+                          "seed and precision",
                           field=unsafe[0], hint="pass the original values, or start a new run in another --out")
     steps = current.get("run", {}).get("steps")
     if isinstance(steps, int) and steps < checkpoint_step:
@@ -65,7 +69,7 @@ def check_resume(saved: dict[str, Any], current: dict[str, Any], checkpoint_step
 def describe(changes: dict[str, tuple[Any, Any]]) -> str:
     text = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items())
     if "run.steps" in changes:
-        text += " (the learning-rate schedule now decays over the new run.steps)"
+        text += " (the learning-rate schedule is recomputed over the new run.steps: the LR from here on follows it)"
     return text
 
 

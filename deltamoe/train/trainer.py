@@ -64,6 +64,7 @@ def train(cfg: TrainConfig) -> RunResult:
     data = build_data(cfg, model_config)
     cfg.parallel.check_layout(model_config, world)
     check_output_folder(cfg.run.out, "run.out")  # a folder that is a file or unwritable: now, not at the first save
+    _check_out_checkpoints(cfg)
     owns_group = not (dist.is_available() and dist.is_initialized())
     mesh = init_distributed(cfg.parallel)
     try:
@@ -71,6 +72,18 @@ def train(cfg: TrainConfig) -> RunResult:
     finally:
         if owns_group and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _check_out_checkpoints(cfg: TrainConfig) -> None:
+    """A new run into a folder holding another run's checkpoints, or a resume from an earlier one
+    than a folder's newest, is refused before the model is built (`checkpoint.check_no_later_checkpoints`)."""
+    run = cfg.run
+    if run.resume_from:
+        start = checkpoint.step_of(Path(run.resume_from))
+        if start is not None:  # a folder named otherwise: its step is known once it is read
+            checkpoint.check_no_later_checkpoints(Path(run.out), start, resuming=True)
+    elif not run.resume:
+        checkpoint.check_no_later_checkpoints(Path(run.out), 0, resuming=False)
 
 
 class Trainer:

@@ -52,7 +52,8 @@ def saved_run(run_copy):
     return run_copy, (run_copy / "train_config.json").read_text()
 
 
-@pytest.mark.parametrize("change, field", [({"optim.lr": 1e-2}, "optim.lr"), ({"data.batch_size": 4}, "data.batch_size"),
+@pytest.mark.parametrize("change, field", [({"optim.weight_decay": 0.5}, "optim.weight_decay"),
+                                           ({"data.batch_size": 4}, "data.batch_size"),
                                            ({"data.task": "copy"}, "data.task"), ({"run.seed": 7}, "run.seed"),
                                            ({"run.precision": "bf16"}, "run.precision")])
 def test_resume_refuses_an_unsafe_change(saved_run, change, field):
@@ -83,3 +84,46 @@ def test_resume_accepts_a_safe_change_with_a_notice_and_keeps_the_record(saved_r
     # The new checkpoint records the configuration it was trained with.
     saved = checkpoint.read_saved_config(checkpoint.latest_checkpoint(out))
     assert saved["run"]["steps"] == 3
+
+
+def test_resume_with_a_lower_lr_and_clipping_the_recovery_the_error_names(saved_run, capfd):
+    """The non-finite stop's hint (resume with a lower --lr or --clip-grad) is a path that runs: both
+    change on resume with a notice, and the steps after it follow the new peak LR."""
+    from deltamoe.train.optim import LRSchedule
+
+    out, _ = saved_run
+    saved = checkpoint.read_saved_config(checkpoint.latest_checkpoint(out))
+    lower = saved["optim"]["lr"] / 10
+    result = train(micro_config(out, **{**SMALL, "run.steps": 3, "run.resume": True, "optim.lr": lower,
+                                        "optim.clip_grad": 0.5, "run.fp8_stats_every": 1}))
+    assert result.step == 3
+    err = capfd.readouterr().err
+    assert "optim.lr" in err and "optim.clip_grad" in err
+    (entry,) = [json.loads(line) for line in (out / RESUME_LOG).read_text().splitlines()]
+    assert entry["changes"]["optim.lr"] == [saved["optim"]["lr"], lower]
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    expected = LRSchedule(lower, saved["optim"]["warmup_steps"], 3, saved["optim"]["min_lr_ratio"])(3)
+    assert last["step"] == 3 and last["lr"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_new_run_into_a_folder_with_checkpoints_is_refused(saved_run):
+    """A fresh run's saves would sort before the earlier run's checkpoints: it pruned its own and
+    --resume / the export read the other run. Refused before the model is built, nothing touched."""
+    out, record = saved_run
+    before = sorted(p.name for p in checkpoint.list_checkpoints(out))
+    with pytest.raises(ConfigError, match=r"holds checkpoints of an earlier run \(step-00000002\)") as e:
+        train(micro_config(out, **{**SMALL, "run.steps": 1}))
+    assert e.value.field == "run.out" and "--resume" in e.value.one_line()
+    assert sorted(p.name for p in checkpoint.list_checkpoints(out)) == before
+    assert (out / "train_config.json").read_text() == record
+
+
+def test_resuming_an_earlier_checkpoint_than_the_folders_newest_is_refused(saved_run, tmp_path):
+    """Resuming step 2 of another folder into one holding step 3 would mix two runs' checkpoints."""
+    out, _ = saved_run
+    later = tmp_path / "later"
+    train(micro_config(later, **{**SMALL, "run.steps": 3, "run.resume_from": str(checkpoint.latest_checkpoint(out))}))
+    assert [p.name for p in checkpoint.list_checkpoints(later)] == ["step-00000003"]
+    with pytest.raises(ConfigError, match="holds step-00000003, past step 2 this run resumes from") as e:
+        train(micro_config(later, **{**SMALL, "run.steps": 4, "run.resume_from": str(checkpoint.latest_checkpoint(out))}))
+    assert e.value.field == "run.out"
