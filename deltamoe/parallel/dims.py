@@ -121,6 +121,12 @@ class ParallelDims:
             raise ConfigError(f"dp * tp * pp = {self.dp} * {self.tp} * {self.pp} = {self.world_size()} ranks, "
                               f"but the world has {world_size}", field="world_size",
                               hint="ep does not add ranks: it is carved out of dp")
+        if world_size == 1 and self.microbatches > 1:
+            # One process runs its batch in one forward (`LocalModel`): microbatches would change
+            # nothing but the balance loss's gradient scale (1 / microbatches).
+            raise ConfigError(f"expected 1 on one process, got {self.microbatches}: microbatches split a rank's "
+                              "batch for a pipeline or for accumulation across data ranks", field="microbatches",
+                              hint="accumulate on one process with --grad-accum")
         self._check_experts(config)
         self._check_tensor_parallel(config)
         if self.pp > 1 and config.tie_word_embeddings:

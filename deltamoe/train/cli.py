@@ -67,7 +67,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--ep-chunks",), "parallel.ep_chunks", "token chunks in flight through the EP all-to-all (> 1: overlap "
                                                   "it with expert compute)"),
     Flag(("--schedule",), "parallel.schedule", "pipeline schedule: 1f1b|interleaved1f1b"),
-    Flag(("--microbatches",), "parallel.microbatches", "pipeline microbatches (accumulation without pp)"),
+    Flag(("--microbatches",), "parallel.microbatches",
+         "pipeline microbatches (accumulation across data ranks without pp; 1 on one process: use --grad-accum)"),
     Flag(("--ac/--no-ac",), "parallel.activation_checkpointing", "activation checkpointing"),
     Flag(("--offload-activations",), "parallel.offload_activations",
          "saved activations to host memory: 'layer' (with --ac: the checkpoint inputs), or 'attn', 'mlp', 'attn,mlp'"),

@@ -115,6 +115,8 @@ class TrainConfig:
             elif isinstance(value, dict) and key in _sections():
                 for name, v in value.items():
                     self._set(key, name, v)
+            elif key in _sections():
+                raise ConfigError(f"expected a table of {key} fields, got {value!r}", field=key)
             else:
                 raise ConfigError(f"unknown section {key!r}; expected one of {sorted(_sections())}", field=key)
 
@@ -154,6 +156,18 @@ class TrainConfig:
             need(ok, name, f"a finite number in {'(' if lo_open else '['}{lo}, {hi}{')' if math.isinf(hi) else ']'}")
 
         m, d, o, b, p, r = self.model, self.data, self.optim, self.balance, self.parallel, self.run
+        # Types a run file can get wrong that no later check would catch: a string flag is truthy
+        # (resume = "no" resumed), a number where a path goes failed deep inside with a traceback.
+        for name in ("model.preset", "model.path", "data.task", "data.path", "run.resume_from", "run.profile_steps",
+                     "run.fp8"):
+            section, attr = name.split(".")
+            v = getattr(getattr(self, section), attr)
+            need(v is None or (isinstance(v, str) and v != ""), name, "None or a non-empty string")
+        need(isinstance(r.out, str), "run.out", "a folder path")  # an empty one: check_output_folder says so
+        need(isinstance(r.precision, str), "run.precision", f"one of {PRECISIONS}")
+        for name in ("run.resume", "run.progress"):
+            need(isinstance(getattr(r, name.split(".")[1]), bool), name, "true or false")
+        need(isinstance(r.seed, int) and not isinstance(r.seed, bool), "run.seed", "an integer")
         need(m.preset is not None or m.path is not None, "model.preset", "a preset name or model.path")
         need(isinstance(m.overrides, dict), "model.overrides", "a table of ModelConfig fields")
         parts = d.task.split("+") if isinstance(d.task, str) else [None]

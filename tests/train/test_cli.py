@@ -36,6 +36,8 @@ def test_tiny_preset_two_steps(tmp_path):
     (["--batch-size", "3", "--dp", "2"], "data.batch_size"),
     (["--lr", "inf"], "optim.lr: expected a finite number in (0.0, inf)"),
     (["--steps", "3", "--profile-steps", "5:7"], "run.profile_steps: expected a window that starts by the last step"),
+    # One process runs its batch in one forward: microbatches only scaled the balance gradient down.
+    (["--microbatches", "4"], "microbatches: expected 1 on one process, got 4"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, needle):
     from deltamoe.cli import main

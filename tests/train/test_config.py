@@ -38,3 +38,30 @@ def test_profile_steps_and_bad_files(tmp_path):
         resolve_config(bad)
     with pytest.raises(ConfigError, match="does not exist"):
         resolve_config(tmp_path / "missing.toml")
+
+
+@pytest.mark.parametrize("section, value, field, needle", [
+    ("run", {"resume": "no"}, "run.resume", "expected true or false, got 'no'"),
+    ("run", {"progress": "no"}, "run.progress", "expected true or false"),
+    ("run", {"resume_from": 5}, "run.resume_from", "expected None or a non-empty string, got 5"),
+    ("data", {"path": 5}, "data.path", "expected None or a non-empty string"),
+    ("model", {"path": 5}, "model.path", "expected None or a non-empty string"),
+    ("run", {"out": 5}, "run.out", "expected a folder path, got 5"),
+    ("run", {"seed": "1"}, "run.seed", "expected an integer"),
+])
+def test_run_file_values_of_the_wrong_type_name_the_field(section, value, field, needle):
+    """A run file's strings are not booleans (resume = "no" resumed) and numbers are not paths
+    (they failed with a traceback deep in the run)."""
+    from deltamoe.train.config import TrainConfig
+
+    with pytest.raises(ConfigError) as e:
+        TrainConfig.from_dict({section: value}).validate(world_size=1)
+    assert e.value.field == field and needle in str(e.value)
+
+
+def test_a_section_that_is_not_a_table_says_so():
+    from deltamoe.train.config import TrainConfig
+
+    with pytest.raises(ConfigError, match="expected a table of optim fields, got 5") as e:
+        TrainConfig.from_dict({"optim": 5})
+    assert e.value.field == "optim"
