@@ -166,7 +166,7 @@ def step_of(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def check_no_later_checkpoints(out: Path, start_step: int, resuming: bool) -> None:
+def check_no_later_checkpoints(out: Path, start_step: int, resuming: bool, field: str = "run.out") -> None:
     """Refuse a run whose `out` holds checkpoints past the step it starts from: its saves would sort
     before them, so pruning would delete its own newest ones, and `--resume`, the NaN stop's "last
     good checkpoint" and the multi-rank export (all `latest_checkpoint`) would read the other run."""
@@ -176,10 +176,10 @@ def check_no_later_checkpoints(out: Path, start_step: int, resuming: bool) -> No
     names = ", ".join(p.name for p in later[-3:]) + (f" and {len(later) - 3} more" if len(later) > 3 else "")
     if not resuming:
         raise ConfigError(f"{checkpoint_dir(out)} holds checkpoints of an earlier run ({names}); a new run there "
-                          "would prune its own saves and resume or export the older run's", field="run.out",
+                          "would prune its own saves and resume or export the older run's", field=field,
                           hint="pass --resume to continue that run, or another --out, or remove its checkpoints folder")
     raise ConfigError(f"{checkpoint_dir(out)} holds {names}, past step {start_step} this run resumes from; its "
-                      "saves would be pruned in their favour", field="run.out",
+                      "saves would be pruned in their favour", field=field,
                       hint="remove the later checkpoints, or pass another --out")
 
 

@@ -26,7 +26,10 @@ class RunProgress:
         self._progress.start()
 
     def update(self, step: int, record: dict) -> None:
-        status = f"loss {record['loss']:.4f}  {record['tokens_per_s']:,.0f} tok/s{self._eval}"
+        # An RL step whose groups were all dropped or too small trains nothing: it has no loss.
+        loss = record.get("loss")
+        head = f"loss {loss:.4f}" if loss is not None else "no update (no group of 2+ completions)"
+        status = f"{head}  {record['tokens_per_s']:,.0f} tok/s{self._eval}"
         if self._plain is not None:
             self._plain.update(step, status)
         if self._progress is not None:

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import math
+
 from dataclasses import asdict, dataclass, fields
 
 from deltamoe.errors import ConfigError
+
+# What a resume may change (`RLConfig.check_resume`).
+RESUME_SAFE = frozenset({"out", "resume", "steps", "eval_every", "eval_prompts", "save_every", "keep_checkpoints",
+                         "threads", "progress", "plot", "rollout_retries", "rollout_timeout_s", "micro_rows", "dp",
+                         "bucket_bytes"})
 
 TASKS = ("arithmetic", "recall")
 COMPLETIONS = ("answer", "eos")
@@ -93,6 +101,11 @@ class RLConfig:
         for name in ("eval_every", "save_every", "rollout_retries", "warmup_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"expected >= 0, got {getattr(self, name)!r}", field=name)
+        # Finite where an inf would only turn the weights to NaN (the checks below let inf through).
+        for name in ("lr", "kl_coef", "format_reward"):
+            value = getattr(self, name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isinf(value):
+                raise ConfigError(f"expected a finite number, got {value!r}", field=name)
         for name, ok, expected in [("lr", self.lr > 0, "> 0"), ("clip_eps", 0 < self.clip_eps < 1, "in (0, 1)"),
                                    ("kl_coef", self.kl_coef >= 0, ">= 0"),
                                    ("temperature", 0 < self.temperature <= 10, "in (0, 10]"),
@@ -105,6 +118,21 @@ class RLConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def check_resume(self, saved: dict, checkpoint: str) -> None:
+        """A resume continues one run: only where and how often it logs, evaluates and saves, its
+        stopping point, threads, rollout retries / timeout, micro-rows and the data-parallel layout
+        may differ from the config its checkpoint saved; anything else is a ConfigError naming it."""
+        current = json.loads(json.dumps(self.to_dict()))
+        changed = [k for k in sorted(set(saved) | set(current))
+                   if k not in RESUME_SAFE and saved.get(k) != current.get(k)]
+        if changed:
+            k = changed[0]
+            raise ConfigError(f"{checkpoint} was trained with {k}={saved.get(k)!r}, this run asks for "
+                              f"{current.get(k)!r}; a resumed run keeps its policy, task, GRPO and optimizer "
+                              "settings and seed", field=k,
+                              hint="pass the original values, or start a new run in another --out")
+
 
     @classmethod
     def field_names(cls) -> list[str]:

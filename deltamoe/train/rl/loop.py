@@ -69,17 +69,21 @@ class RLResult:
 
 @contextlib.contextmanager
 def _interrupt_deferred() -> Iterator[list[int]]:
-    """Ctrl-C inside is caught into the yielded list instead of interrupting the block (main thread
-    only; elsewhere the list stays empty and Ctrl-C acts at once)."""
+    """Ctrl-C (SIGINT) or SIGTERM inside is caught into the yielded list instead of interrupting the
+    block (main thread only; elsewhere the list stays empty and they act at once). SIGTERM too:
+    torchrun answers a Ctrl-C by sending its workers SIGTERM (then SIGKILL after a grace period),
+    which used to kill a rank mid-step, so the run was lost unless a rank had seen the SIGINT first."""
     caught: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield caught
         return
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield caught
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def build_policy(cfg: RLConfig) -> DeltaMoEForCausalLM:
@@ -278,7 +282,11 @@ class RLRun:
         path = checkpoint.latest_checkpoint(self.out) if self.cfg.resume else None
         if path is None:
             return False
-        self.state = checkpoint.load(path, self.trainer.parts, self.optimizers)
+        checkpoint.check_loadable(path, field="resume")  # manifest first: the config compared is read from it
+        saved = checkpoint.read_saved_config(path)
+        if saved is not None:
+            self.cfg.check_resume(saved, str(path))
+        self.state = checkpoint.load(path, self.trainer.parts, self.optimizers, verified=True)
         if self.rank == 0:
             truncate_jsonl(self.out / "metrics.jsonl", self.state.step)
         return True
@@ -288,6 +296,8 @@ def run_rl(cfg: RLConfig) -> RLResult:
     """One process, or one rank of `torchrun --nproc-per-node N ... --dp N` (the trainer FSDP2-sharded)."""
     cfg.validate()
     check_output_folder(cfg.out, "out")  # a file, an empty or unwritable path: now, not at the first save
+    if not cfg.resume:  # another run's checkpoints there: its saves were pruned, --resume read the other run
+        checkpoint.check_no_later_checkpoints(Path(cfg.out), 0, resuming=False, field="out")
     world = launch_world_size()
     dims = ParallelDims(dp=cfg.dp).resolve(policy_config(cfg), world)  # ConfigError before any process group
     if world == 1:

@@ -60,13 +60,15 @@ def test_policy_moves_and_the_engine_serves_its_weights(init, tmp_path):
     assert (tmp_path / "run" / "model" / "config.json").is_file()
 
 
-def test_ctrl_c_leaves_a_checkpoint_that_resume_continues(init, tmp_path):
+# SIGTERM: what torchrun sends its workers on a Ctrl-C (a rank killed mid-step lost the run).
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_leaves_a_checkpoint_that_resume_continues(init, tmp_path, sig):
     run = RLRun(_config(init, tmp_path / "run"))
     _parity_reward(run)
     update = run.trainer.update
 
-    def ctrl_c_mid_update(batch, step):  # SIGINT while step 1 trains: step 1 still completes
-        os.kill(os.getpid(), signal.SIGINT)
+    def ctrl_c_mid_update(batch, step):  # the signal while step 1 trains: step 1 still completes
+        os.kill(os.getpid(), sig)
         return update(batch, step)
 
     run.trainer.update = ctrl_c_mid_update
@@ -139,3 +141,41 @@ def test_rewarded_tokens_get_likelier(init, tmp_path, norm):
     after = p_even()
     assert (after > before).all(), (before, after)
     assert float(after.mean() - before.mean()) > 0.01
+
+
+def test_a_step_whose_groups_all_dropped_trains_nothing_and_goes_on(init, tmp_path):
+    """Every rollout past its timeout: the step is logged without a loss (counted as dropped) and
+    the run continues, progress shown; it crashed on the missing loss."""
+    result = RLRun(_config(init, tmp_path / "run", rollout_timeout_s=1e-6, progress=True)).run()
+    assert result.step == 2 and not result.interrupted
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [0, 1, 2]
+    assert all(r["groups"] == 0 and r["dropped"] > 0 and "loss" not in r for r in logged[1:])
+    assert (tmp_path / "run" / "model" / "config.json").is_file()
+
+
+def test_a_new_run_into_a_used_out_and_a_changed_resume_are_refused(init, tmp_path):
+    """As for `deltamoe train`: another run's checkpoints in --out (its saves pruned, --resume reading
+    the other run) and a resume that changes the policy's settings are one-line errors."""
+    from deltamoe.errors import ConfigError
+    from deltamoe.train.rl.loop import run_rl
+
+    out = tmp_path / "run"
+    run = RLRun(_config(init, out, steps=1))
+    _parity_reward(run)
+    run.run()
+    with pytest.raises(ConfigError, match="holds checkpoints of an earlier run") as e:
+        run_rl(_config(init, out, steps=1))
+    assert e.value.field == "out"
+    with pytest.raises(ConfigError, match="was trained with lr=0.003, this run asks for 0.001") as e:
+        RLRun(_config(init, out, steps=2, resume=True, lr=1e-3)).run()
+    assert e.value.field == "lr"
+
+
+@pytest.mark.parametrize("field", ["lr", "kl_coef", "format_reward"])
+def test_infinite_values_are_refused(field):
+    from deltamoe.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="expected a finite number, got inf") as e:
+        RLConfig(**{field: float("inf")}).validate()
+    assert e.value.field == field
