@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,26 @@ class VisionConfig:
     @property
     def projector_in(self) -> int:
         return self.hidden_size * self.merge_kernel_size[0] * self.merge_kernel_size[1]
+
+
+# What each annotation of ModelConfig accepts: a config.json's "8" or true where a number goes
+# failed later with a TypeError that named no field (or, for a boolean, was read as truthy).
+_TYPE_CHECKS: dict[str, tuple[Any, str]] = {
+    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    "int | None": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)), "None or an integer"),
+    "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+              "a finite number"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+}
+
+
+def _check_field_types(config: "ModelConfig") -> None:
+    for f in dataclasses.fields(config):
+        check = _TYPE_CHECKS.get(str(f.type))
+        if check is not None and not check[0](getattr(config, f.name)):
+            raise ConfigError(f"expected {check[1]}, got {getattr(config, f.name)!r}", field=f.name)
+
 
 
 @dataclass(frozen=True)
@@ -167,6 +188,7 @@ class ModelConfig:
                 got = getattr(self, fieldname, None)
                 raise ConfigError(f"expected {expected}, got {got!r}", field=fieldname)
 
+        _check_field_types(self)
         need(self.model_type in MODEL_TYPES, "model_type", f"one of {MODEL_TYPES}")
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "kda_num_heads", "kda_head_dim",
                      "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
@@ -194,6 +216,8 @@ class ModelConfig:
                  "num_expert_group", f"a divisor of num_experts ({self.num_experts})")
             need(1 <= self.topk_group <= self.num_expert_group, "topk_group",
                  f"between 1 and num_expert_group ({self.num_expert_group})")
+        for name in ("num_experts", "num_shared_experts", "moe_intermediate_size", "intermediate_size"):
+            need(getattr(self, name) >= 0, name, ">= 0")
         need(self.moe_layer_freq >= 1, "moe_layer_freq", ">= 1")
         need(self.first_k_dense_replace >= 0, "first_k_dense_replace", ">= 0")
         if self.first_k_dense_replace > 0 or self.num_experts == 0:

@@ -151,9 +151,11 @@ def config_from_hf(data: dict[str, Any]) -> ModelConfig:
     for old, new in _ALIASES.items():
         if old in text and new not in text:
             text[new] = text[old]
+    # Values go to ModelConfig as written (no bool() or float() here): its checks name a field of the
+    # wrong type, where a conversion read "false" as true or failed without naming it.
     n = text.get("num_hidden_layers")
-    if not isinstance(n, int):
-        raise ConfigError(f"expected an integer, got {n!r}", field="num_hidden_layers")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ConfigError(f"expected a positive integer, got {n!r}", field="num_hidden_layers")
     lac = _table(text, "linear_attn_config")
     lower = lac.get("gate_lower_bound")
     dsa = _table(text, "dsa_config")
@@ -165,7 +167,7 @@ def config_from_hf(data: dict[str, Any]) -> ModelConfig:
         layer_types=tuple(_layer_types(text, n)),
         rms_norm_eps=text.get("rms_norm_eps", 1e-5),
         max_position_embeddings=text.get("max_position_embeddings", 1048576),
-        tie_word_embeddings=bool(top.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        tie_word_embeddings=top.get("tie_word_embeddings", text.get("tie_word_embeddings", False)),
         bos_token_id=top.get("bos_token_id", text.get("bos_token_id")),
         eos_token_id=_scalar(top.get("eos_token_id", text.get("eos_token_id"))),
         pad_token_id=top.get("pad_token_id", text.get("pad_token_id")),
@@ -173,7 +175,7 @@ def config_from_hf(data: dict[str, Any]) -> ModelConfig:
         kda_head_dim=lac.get("head_dim", text.get("linear_head_dim", 128)),
         kda_conv_size=lac.get("short_conv_kernel_size", text.get("linear_conv_kernel_dim", 4)),
         kda_gate="lower_bound" if lower is not None else "softplus",
-        kda_gate_lower_bound=float(lower) if lower is not None else -5.0,
+        kda_gate_lower_bound=lower if lower is not None else -5.0,
         kda_output_gate="full_rank" if lac.get("use_full_rank_gate") else "low_rank",
         num_attention_heads=text.get("num_attention_heads"),
         q_lora_rank=text.get("q_lora_rank"),
@@ -181,9 +183,9 @@ def config_from_hf(data: dict[str, Any]) -> ModelConfig:
         qk_nope_head_dim=text.get("qk_nope_head_dim", 128),
         qk_rope_head_dim=text.get("qk_rope_head_dim", 64),
         v_head_dim=text.get("v_head_dim", 128),
-        mla_use_nope=bool(text.get("mla_use_nope", True)),
-        rope_theta=float(text.get("rope_theta", 10000.0)),
-        mla_output_gate=bool(text.get("mla_use_output_gate", False)),
+        mla_use_nope=text.get("mla_use_nope", True),
+        rope_theta=text.get("rope_theta", 10000.0),
+        mla_output_gate=text.get("mla_use_output_gate", False),
         index_num_heads=_first(dsa, _DSA_HEADS, 32),
         index_head_dim=_first(dsa, _DSA_DIM, 128),
         index_topk=_first(dsa, _DSA_TOPK, 2048),
@@ -195,15 +197,15 @@ def config_from_hf(data: dict[str, Any]) -> ModelConfig:
         moe_intermediate_size=text.get("moe_intermediate_size", 0),
         num_shared_experts=text.get("num_shared_experts", 0),
         latent_moe_size=text.get("routed_expert_hidden_size"),
-        latent_moe_norm=bool(text.get("latent_moe_use_norm", False)),
+        latent_moe_norm=text.get("latent_moe_use_norm", False),
         moe_router_activation=text.get("moe_router_activation_func", "sigmoid"),
-        moe_renormalize=bool(text.get("moe_renormalize", True)),
-        routed_scaling_factor=float(text.get("routed_scaling_factor", 1.0)),
+        moe_renormalize=text.get("moe_renormalize", True),
+        routed_scaling_factor=text.get("routed_scaling_factor", 1.0),
         num_expert_group=text.get("num_expert_group", 1),
         topk_group=text.get("topk_group", 1),
         hidden_act=text.get("hidden_act", "silu"),
-        situ_beta=float(text.get("activation_situ_beta", 4.0)),
-        situ_linear_beta=float(text.get("activation_situ_linear_beta", 25.0)),
+        situ_beta=text.get("activation_situ_beta", 4.0),
+        situ_linear_beta=text.get("activation_situ_linear_beta", 25.0),
         attn_res_block_size=text.get("attn_res_block_size"),
         num_nextn_predict_layers=text.get("num_nextn_predict_layers", 0),
         media_placeholder_token_id=top.get("media_placeholder_token_id"),

@@ -97,3 +97,22 @@ def test_config_file_and_folder(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ConfigError):
         load_config(tmp_path / "bad.json")
+
+
+@pytest.mark.parametrize("key, value, field", [
+    ("tie_word_embeddings", "false", "tie_word_embeddings"),  # was read as truthy: tied, lm_head dropped
+    ("num_experts", "8", "num_experts"),
+    ("rope_theta", "big", "rope_theta"),
+    ("rms_norm_eps", "abc", "rms_norm_eps"),
+    ("num_hidden_layers", True, "num_hidden_layers"),
+    ("num_experts", -8, "num_experts"),
+    ("num_shared_experts", -1, "num_shared_experts"),
+    ("mla_use_nope", "yes", "mla_use_nope"),
+])
+def test_hf_config_values_of_the_wrong_type_name_their_field(key, value, field):
+    hf = config_to_hf(load_preset("tiny"))
+    text = hf["text_config"]
+    (hf if key == "tie_word_embeddings" else text)[key] = value
+    with pytest.raises(ConfigError) as e:
+        config_from_hf(hf)
+    assert e.value.field == field
