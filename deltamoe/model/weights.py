@@ -92,6 +92,7 @@ class _Loader:
         targets = checkpoint_to_param(ckpt_name, self.config)
         if targets is None:
             return
+        check_finite(ckpt_name, tensor)
         for t in targets if isinstance(targets, list) else [targets]:
             self._put_one(ckpt_name, t, tensor)
 
@@ -182,6 +183,15 @@ class _Loader:
             elif name not in self.done:
                 ck = param_to_checkpoint(name, self.config)
                 raise CheckpointError(f"missing tensor {ck} (for parameter {name})", field=str(ck))
+
+
+def check_finite(name: str, tensor: torch.Tensor) -> None:
+    """A float tensor holding NaN or inf is a CheckpointError naming it: such weights decoded NaN
+    logits (a traceback when sampling, a row of token 0 when greedy) instead of failing at load."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise CheckpointError(f"tensor {name} holds {bad} non-finite value(s) (NaN or inf)", field=name,
+                              hint="the checkpoint is corrupt, or was saved from a run that diverged")
 
 
 def load_weights(model: DeltaMoEForCausalLM, path: str | Path, scheme: QuantScheme | None = None) -> None:

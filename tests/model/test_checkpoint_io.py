@@ -95,6 +95,20 @@ def test_unexpected_and_misshaped_tensors(tmp_path, configs):
     assert e.value.field == name and "(5, 5)" in str(e.value) and "(24, 48)" in str(e.value)
 
 
+def test_non_finite_weights_are_named(tmp_path, configs):
+    """NaN or inf weights decoded NaN logits (a sampling traceback, or token 0 forever greedy)."""
+    save_checkpoint(build_model(configs["k3"]()), tmp_path)
+    name = "language_model.lm_head.weight"
+
+    def poison(t):
+        t[name][0, :3] = float("nan")
+
+    _rewrite(tmp_path, poison)
+    with pytest.raises(CheckpointError, match="holds 3 non-finite value") as e:
+        load_model(tmp_path)
+    assert e.value.field == name
+
+
 def test_no_weights_and_corrupt_shard(tmp_path, configs):
     save_checkpoint(build_model(configs["k3"]()), tmp_path)
     data = (tmp_path / "model.safetensors").read_bytes()

@@ -149,6 +149,13 @@ class WeightUpdater:
         if self.engine.has_unfinished():
             raise RequestError("requests are still running: new weights apply between batches (the server "
                                "waits for them)", field="weights")
+        # NaN or inf weights would serve NaN logits (a row of token 0, answered with a 200): checked here,
+        # once everything arrived, so a broadcast in flight is never cut short on one side.
+        bad = next((name for name, t in staged.items() if not bool(torch.isfinite(t).all())), None)
+        if bad is not None:
+            self.abort_weight_update()
+            raise RequestError(f"tensor {bad} holds non-finite values (NaN or inf); the update is dropped and the "
+                               "old weights keep serving", field=bad)
         start = time.perf_counter()
         self._staged = None
         if staged:

@@ -67,6 +67,13 @@ def test_a_bad_tensor_is_named_and_the_old_weights_keep_serving(setup):
         assert not updater.updating  # the staged half is dropped
         with pytest.raises(RequestError, match="start_weight_update"):
             updater.finish_weight_update()
+    # NaN weights of the right shape: refused when the update finishes (NaN logits served token 0 with a 200)
+    name, head = next((n, t) for n, t in good if n == "lm_head.weight")
+    updater.start_weight_update()
+    updater.update_weights_from_tensors(good[:5] + [(name, torch.full_like(head, float("nan")))])
+    with pytest.raises(RequestError, match="non-finite") as e:
+        updater.finish_weight_update()
+    assert e.value.field == name and not updater.updating
     assert _tokens(engine, prompts) == before
 
 
