@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -55,6 +56,8 @@ def run(chunks: int, steps: int, quick: bool, root: Path) -> dict:
     from deltamoe.train.metrics import read_jsonl
 
     out = root / f"chunks{chunks}"
+    # Each measurement is a fresh run: another one's checkpoints in its folder are refused by train.
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
     mp.spawn(_rank, args=(_port(), str(out), chunks, steps, quick), nprocs=2, join=True)
     report = analyze(str(out / "traces")).report
     exposed = report["exposed_by_kind"]

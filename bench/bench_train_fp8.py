@@ -31,6 +31,7 @@ import argparse
 import hashlib
 import json
 import multiprocessing
+import shutil
 import statistics
 import sys
 import tempfile
@@ -84,6 +85,7 @@ def run(fp8: bool, seed: int, steps: int, tail: int, settings: dict, out: str) -
     s = {k: dict(v) for k, v in settings.items()}
     s["run"].update(steps=steps, out=out, fp8="blockwise" if fp8 else None, seed=seed)
     cfg = TrainConfig.from_dict({"model": {"preset": "tiny"}, **s}).validate()
+    shutil.rmtree(Path(out) / "checkpoints", ignore_errors=True)  # a fresh run each time (train refuses another's)
     t0 = time.perf_counter()
     train(cfg)
     return {**read_run(Path(out), fp8, seed, tail, steps), "wall_s": time.perf_counter() - t0}

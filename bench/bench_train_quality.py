@@ -11,6 +11,7 @@ Run: python bench/bench_train_quality.py [--quick] [--max-steps N]
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tempfile
 import time
@@ -53,6 +54,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         settings["run"]["out"] = args.out or str(Path(tmp) / "run")
         cfg = TrainConfig.from_dict({"model": {"preset": "tiny"}, **settings}).validate()
+        shutil.rmtree(Path(cfg.run.out) / "checkpoints", ignore_errors=True)  # a rerun into --out: a fresh run
         torch.set_num_threads(2)
         t0 = time.perf_counter()
         result = train(cfg)

@@ -573,8 +573,9 @@ def quant_rows(d: dict) -> list[Row]:
             one_row = f", {times(int4['speedup_vs_fp32_one_row'])} fp32 one row" \
                 if "speedup_vs_fp32_one_row" in int4 else ""
             # Another preset's rows come from a speed-only run (`--preset`), named by its own command.
+            flags = " --compile" if d.get("compiled") else ""
             run = command("quant") if d["preset"] == "small" else \
-                f"(`python bench/bench_quant.py --speed-only --preset {d['preset']} --compile`)"
+                f"(`python bench/bench_quant.py --speed-only --preset {d['preset']}{flags}`)"
             out.append([f"{what} batch-1 decode{how}, {d['preset']} {run}",
                         f"{int4['decode_tok_s']:.2f} tok/s, {int4['memory_vs_bf16']:.2f}x bf16 bytes",
                         f"bf16 {bf16['decode_tok_s']:.2f} / fp32 {fp32['decode_tok_s']:.2f} tok/s",

@@ -30,7 +30,7 @@ def test_another_presets_rows_name_their_command_and_claim_no_goal() -> None:
     the goal column points at small's rows, where the goal is set."""
     speed = [_row("fp32", "compiled", 12.0, 0.6, 1.0), _row("bf16", "compiled", 20.0, 1.0, 1.67),
              _row("int4 (W4A16)", "compiled", 47.0, 2.35, 3.9)]
-    (row,) = FORMATTERS["quant_speed_medium"]({"preset": "medium", "speed": speed,
+    (row,) = FORMATTERS["quant_speed_medium"]({"preset": "medium", "speed": speed, "compiled": True,
                                                "target": {"int4_decode_vs_bf16": 2.0, "int4_decode_vs_fp32": 2.0}})
     assert "medium (`python bench/bench_quant.py --speed-only --preset medium --compile`)" in row[0]
     assert "2.4x / 3.9x" in row[3] and row[4] == "(the goal is small's, above)"

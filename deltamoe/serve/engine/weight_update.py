@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from deltamoe.errors import RequestError
 from deltamoe.model.model import DeltaMoEForCausalLM
+from deltamoe.model.weights import all_finite
 from deltamoe.serve.engine.llm_engine import LLMEngine
 from deltamoe.serve.engine.weight_transfer import (DEFAULT_BUCKET_BYTES, TensorSpec, TransferGroup, known_dtype,
                                                    layout, plan_buckets, unpack)
@@ -151,7 +152,7 @@ class WeightUpdater:
                                "waits for them)", field="weights")
         # NaN or inf weights would serve NaN logits (a row of token 0, answered with a 200): checked here,
         # once everything arrived, so a broadcast in flight is never cut short on one side.
-        bad = next((name for name, t in staged.items() if not bool(torch.isfinite(t).all())), None)
+        bad = next((name for name, t in staged.items() if not all_finite(t)), None)
         if bad is not None:
             self.abort_weight_update()
             raise RequestError(f"tensor {bad} holds non-finite values (NaN or inf); the update is dropped and the "

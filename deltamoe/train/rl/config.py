@@ -6,6 +6,7 @@ import json
 import math
 
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
 from deltamoe.errors import ConfigError
 
@@ -124,8 +125,14 @@ class RLConfig:
         stopping point, threads, rollout retries / timeout, micro-rows and the data-parallel layout
         may differ from the config its checkpoint saved; anything else is a ConfigError naming it."""
         current = json.loads(json.dumps(self.to_dict()))
-        changed = [k for k in sorted(set(saved) | set(current))
-                   if k not in RESUME_SAFE and saved.get(k) != current.get(k)]
+
+        def same(key: str) -> bool:
+            old, new = saved.get(key), current.get(key)
+            if key in ("init", "init_optimizer") and isinstance(old, str) and isinstance(new, str):
+                return Path(old).resolve() == Path(new).resolve()  # one folder, written relative or absolute
+            return old == new
+
+        changed = [k for k in sorted(set(saved) | set(current)) if k not in RESUME_SAFE and not same(k)]
         if changed:
             k = changed[0]
             raise ConfigError(f"{checkpoint} was trained with {k}={saved.get(k)!r}, this run asks for "

@@ -30,12 +30,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from deltamoe.errors import TrainingError
 from deltamoe.output_paths import check_output_folder
 from deltamoe.config import ModelConfig, load_preset
 from deltamoe.hf_config import load_config
 from deltamoe.model.load import build_model, load_model
 from deltamoe.model.model import DeltaMoEForCausalLM
-from deltamoe.model.weights import save_checkpoint, write_json_atomic
+from deltamoe.model.weights import all_finite, save_checkpoint, write_json_atomic
 from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.llm_engine import LLMEngine
 from deltamoe.serve.engine.sampling import SamplingParams
@@ -70,9 +71,11 @@ class RLResult:
 @contextlib.contextmanager
 def _interrupt_deferred() -> Iterator[list[int]]:
     """Ctrl-C (SIGINT) or SIGTERM inside is caught into the yielded list instead of interrupting the
-    block (main thread only; elsewhere the list stays empty and they act at once). SIGTERM too:
-    torchrun answers a Ctrl-C by sending its workers SIGTERM (then SIGKILL after a grace period),
-    which used to kill a rank mid-step, so the run was lost unless a rank had seen the SIGINT first."""
+    block (main thread only; elsewhere the list stays empty and they act at once). Under torchrun a
+    terminal's Ctrl-C reaches each worker twice (from the terminal's process group, then forwarded by
+    torchrun, which kills the workers 30 s later); SIGTERM is how other launchers and schedulers stop
+    a job. The step and, once a run stops, its save and export run inside this: a second signal
+    arriving during the save used to cut it short, so the run was lost."""
     caught: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield caught
@@ -135,7 +138,7 @@ class RLRun:
         log = JsonlLog(self.out / "metrics.jsonl") if lead else None
         progress = RunProgress(cfg.steps, self.state.step, cfg.progress and lead)
         sync_s = self._sync()[0]  # the engine starts from the trainer's weights
-        interrupted = False
+        interrupted = spoiled = False
         saved = self.state.step if resumed else None
         try:
             if not resumed and lead:
@@ -154,16 +157,21 @@ class RLRun:
                     saved = step
         except KeyboardInterrupt:
             interrupted = True
+        except TrainingError:  # the policy turned non-finite: nothing more is saved from it
+            spoiled = True
+            raise
         finally:
             if log is not None:
                 log.close()
             progress.close()
-            if saved != self.state.step:
-                self._save()
+            with _interrupt_deferred():  # a second Ctrl-C must not cut the save short
+                if saved != self.state.step and not spoiled:
+                    self._save()
             records = read_jsonl(self.out / "metrics.jsonl") if lead else []
             if records and cfg.plot:
                 plot_rl_curves(records, self.out / "curves.png", f"GRPO · {cfg.task} · {cfg.init or cfg.preset}")
-        self._export()
+        with _interrupt_deferred():
+            self._export()
         return RLResult(self.out, self.state.step, self.records, interrupted)
 
     def _log(self, log: JsonlLog, progress: RunProgress, record: dict[str, Any]) -> None:
@@ -233,6 +241,14 @@ class RLRun:
         its shards (a collective); rank 0 pushes."""
         start = time.perf_counter()
         tensors = policy_tensors(self.policy)
+        # Every rank holds the gathered tensors, so every rank stops here alike (as `deltamoe train`
+        # stops on a non-finite loss); the engine would refuse them anyway, as a weight update.
+        bad = next((name for name, t in tensors.items() if not all_finite(t)), None)
+        if bad is not None:
+            last = checkpoint.latest_checkpoint(self.out)
+            kept = f"the last good checkpoint is {last}" if last is not None else "no checkpoint was saved"
+            raise TrainingError(f"after step {self.state.step} the policy's {bad} holds non-finite values; stopped, "
+                                f"{kept}", field="train", hint="resume from it with a lower --lr, or check the rewards")
         if self.engine is None:
             return time.perf_counter() - start, None
         stats = push_in_process(self.updater, tensors)

@@ -60,7 +60,7 @@ def test_policy_moves_and_the_engine_serves_its_weights(init, tmp_path):
     assert (tmp_path / "run" / "model" / "config.json").is_file()
 
 
-# SIGTERM: what torchrun sends its workers on a Ctrl-C (a rank killed mid-step lost the run).
+# SIGTERM: how schedulers stop a job (a rank killed mid-step lost the run).
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_ctrl_c_leaves_a_checkpoint_that_resume_continues(init, tmp_path, sig):
     run = RLRun(_config(init, tmp_path / "run"))
@@ -179,3 +179,52 @@ def test_infinite_values_are_refused(field):
     with pytest.raises(ConfigError, match="expected a finite number, got inf") as e:
         RLConfig(**{field: float("inf")}).validate()
     assert e.value.field == field
+
+
+def test_a_second_ctrl_c_during_the_save_does_not_lose_the_run(init, tmp_path, monkeypatch):
+    """Under torchrun a terminal's Ctrl-C reaches a worker twice (the terminal's group, then torchrun's
+    forward): the second one arrived during the save and cut it short, leaving no checkpoint."""
+    from deltamoe.train import checkpoint
+
+    run = RLRun(_config(init, tmp_path / "run"))
+    _parity_reward(run)
+    update, save = run.trainer.update, checkpoint.save
+
+    def ctrl_c_mid_update(batch, step):
+        os.kill(os.getpid(), signal.SIGINT)
+        return update(batch, step)
+
+    def ctrl_c_mid_save(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        return save(*args, **kwargs)
+
+    run.trainer.update = ctrl_c_mid_update
+    monkeypatch.setattr(checkpoint, "save", ctrl_c_mid_save)
+    result = run.run()
+    assert result.interrupted and result.step == 1
+    assert (tmp_path / "run" / "checkpoints" / "step-00000001").is_dir()
+    assert (tmp_path / "run" / "model" / "config.json").is_file()
+
+
+def test_a_policy_turned_non_finite_stops_the_run_and_saves_nothing_from_it(init, tmp_path):
+    """As `deltamoe train` stops on a non-finite loss: the sync after the step finds the NaN, the run
+    stops naming the tensor, and neither a checkpoint nor model/ is written from the spoiled weights
+    (the engine's weight update refused them with a message about serving)."""
+    from deltamoe.errors import TrainingError
+
+    run = RLRun(_config(init, tmp_path / "run", save_every=1, steps=3))
+    _parity_reward(run)
+    update = run.trainer.update
+
+    def diverging(batch, step):
+        record = update(batch, step)
+        if step == 2:
+            with torch.no_grad():
+                run.policy.lm_head.weight.fill_(float("nan"))
+        return record
+
+    run.trainer.update = diverging
+    with pytest.raises(TrainingError, match=r"after step 2 the policy's lm_head.weight holds non-finite.*step-00000001"):
+        run.run()
+    assert [p.name for p in sorted((tmp_path / "run" / "checkpoints").iterdir())] == ["step-00000001"]
+    assert not (tmp_path / "run" / "model").exists()
