@@ -141,7 +141,7 @@ TP_HELP = ("Tensor-parallel ranks: attention heads, MLP widths and the vocabular
 EP_HELP = "Expert-parallel ranks: routed experts split over this many processes (tp * ep processes in all)."
 
 
-def check_workers(model: str, tp: int, ep: int, speculative: Optional[str] = None):
+def check_workers(model: str, tp: int, ep: int):
     """The worker layout checked against the model's config before anything loads (or any rank
     starts); None for one process."""
     from deltamoe.serve.executor.config import WorkerConfig
@@ -154,7 +154,6 @@ def check_workers(model: str, tp: int, ep: int, speculative: Optional[str] = Non
     if workers.world_size == 1 and not launched_by_torchrun():
         return None
     workers.dims(load_config(model))
-    check_speculative_layout(speculative, workers=True, hand_off=False)  # before the ranks start
     if (Path(model) / "config.json").is_file() and "quantization_config" in read_json_object(
             Path(model) / "config.json", field="model"):
         raise ConfigError("quantized checkpoints with --tp/--ep: not yet (their packed modules have no "
@@ -235,7 +234,8 @@ def build_engine(model: str, tokenizer: Optional[str], cache_memory: str, max_nu
                           spec_min_acceptance=spec_min_acceptance, async_scheduling=async_scheduling,
                           num_scheduler_steps=num_scheduler_steps, spec_max_batch=spec_max_batch)
     load_config(model)  # an unknown model fails here, from its config alone
-    workers = check_workers(model, tp, ep, speculative)
+    workers = check_workers(model, tp, ep)
+    check_speculative_layout(speculative, workers=workers is not None, hand_off=False)  # before any rank starts
     check_multi_step(num_scheduler_steps, workers=workers is not None, transfers=False)
     from deltamoe.serve.engine.llm_engine import LLMEngine  # imports torch: after every check above
     from deltamoe.threads import apply_threads
@@ -554,8 +554,9 @@ def serve_command(
     chosen = engine_threads(threads, async_scheduling)
     # An unknown model fails here, from its config alone.
     check_max_model_len(max_model_len, load_config(model).max_position_embeddings)
-    workers = check_workers(model, tp, ep, speculative)
-    check_speculative_layout(speculative, workers=False, hand_off=role != "colocated")  # before the transfer engine
+    workers = check_workers(model, tp, ep)
+    # Before any rank or the transfer engine starts.
+    check_speculative_layout(speculative, workers=workers is not None, hand_off=role != "colocated")
     check_multi_step(num_scheduler_steps, workers=workers is not None, transfers=role != "colocated")
     if workers is not None and _torchrun_rank() > 0:
         # A torchrun rank > 0 runs its shard of the model until rank 0 stops (from_pretrained exits).

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from rich.console import Console
 
@@ -47,18 +47,25 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, 
     return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
 
 
-def check_resume(saved: dict[str, Any], current: dict[str, Any], checkpoint_step: int,
-                 checkpoint: str) -> dict[str, tuple[Any, Any]]:
-    """The safe changes worth a notice; a ConfigError naming the first unsafe one otherwise."""
-    changes = config_changes(saved, current)
-    unsafe = [k for k in changes if k not in SAFE_FIELDS and k.split(".")[0] not in SAFE_SECTIONS]
+def refuse_unsafe(changes: dict[str, tuple[Any, Any]], safe: Callable[[str], bool], checkpoint: str,
+                  keeps: str) -> None:
+    """A ConfigError naming the first change `safe` does not allow (`keeps`: what a resume keeps);
+    `deltamoe train`'s sections and `deltamoe rl`'s flat config share it."""
+    unsafe = [k for k in changes if not safe(k)]
     if unsafe:
         old, new = changes[unsafe[0]]
         more = f" (and {len(unsafe) - 1} more: {', '.join(unsafe[1:])})" if len(unsafe) > 1 else ""
         raise ConfigError(f"{checkpoint} was trained with {unsafe[0]}={old!r}, this run asks for {new!r}{more}; "
-                          "a resumed run keeps its model, data, optimizer (but for its peak lr and clipping), balance, "
-                          "seed and precision",
+                          f"a resumed run keeps {keeps}",
                           field=unsafe[0], hint="pass the original values, or start a new run in another --out")
+
+
+def check_resume(saved: dict[str, Any], current: dict[str, Any], checkpoint_step: int,
+                 checkpoint: str) -> dict[str, tuple[Any, Any]]:
+    """The safe changes worth a notice; a ConfigError naming the first unsafe one otherwise."""
+    changes = config_changes(saved, current)
+    refuse_unsafe(changes, lambda k: k in SAFE_FIELDS or k.split(".")[0] in SAFE_SECTIONS, checkpoint,
+                  "its model, data, optimizer (but for its peak lr and clipping), balance, seed and precision")
     steps = current.get("run", {}).get("steps")
     if isinstance(steps, int) and steps < checkpoint_step:
         raise ConfigError(f"{checkpoint} is at step {checkpoint_step}, beyond run.steps={steps}", field="run.steps",

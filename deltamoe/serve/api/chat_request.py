@@ -10,10 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from deltamoe.config import ModelConfig
 from deltamoe.errors import RequestError
 from deltamoe.serve.api.chat_output import ChatChoiceParser
 from deltamoe.serve.api.chat_template import ChatTemplate
 from deltamoe.serve.api.errors import APIError
+from deltamoe.serve.api.images import ImageOptions, extract_images, load_images
 from deltamoe.serve.api.reasoning_parser import THINK_BEGIN, THINK_END, ReasoningParser
 from deltamoe.serve.api.schemas import ChatCompletionRequest, TokenizeRequest
 from deltamoe.serve.api.tool_parser import ARGUMENT_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END, \
@@ -21,6 +23,7 @@ from deltamoe.serve.api.tool_parser import ARGUMENT_BEGIN, CALL_BEGIN, CALL_END,
 from deltamoe.serve.api.tool_request import ToolRequest, tool_request
 from deltamoe.serve.engine.sampling import SamplingParams
 from deltamoe.tokenizers.base import Tokenizer
+from deltamoe.vision.preprocess import PreparedImage
 
 MARKERS = (THINK_BEGIN, THINK_END, CALL_BEGIN, ARGUMENT_BEGIN, CALL_END, *SECTION_BEGIN, *SECTION_END)
 # Variables the server itself passes to the template; a request may not override them.
@@ -62,6 +65,19 @@ class ChatOptions:
         except Exception as e:  # the (sandboxed) template cannot render this request's messages or kwargs
             raise RequestError(f"the chat template failed on these messages ({type(e).__name__}: {e})",
                                field="messages") from e
+
+    async def encode_with_images(self, template: ChatTemplate, messages: list[dict[str, Any]],
+                                 add_generation_prompt: bool, config: ModelConfig,
+                                 image_options: ImageOptions) -> tuple[list[int], list[PreparedImage]]:
+        """`encode` for messages that may hold `image_url` parts: the images are loaded under the
+        server's rules and each becomes its placeholder tokens -> (prompt ids, the images). The chat
+        route and /tokenize both render a chat so."""
+        marked, refs = extract_images(messages)
+        images = await load_images(refs, config, image_options)
+        placeholder = config.media_placeholder_token_id
+        prompt = self.encode(template, marked, add_generation_prompt,
+                             [[placeholder] * img.num_tokens for img in images])
+        return prompt, images
 
     def parser(self, prompt: list[int], params: SamplingParams, tokenizer: Tokenizer) -> ChatChoiceParser | None:
         """The output parser for this request, or None (all content). Where the markers are special

@@ -31,7 +31,7 @@ from deltamoe.serve.api.chat_request import ChatOptions, opens_thinking
 from deltamoe.serve.api.chat_template import ChatTemplate
 from deltamoe.serve.api.choices import respond_choices, wants_choices
 from deltamoe.serve.api.echo import EchoCompletionFormatter
-from deltamoe.serve.api.images import ImageOptions, extract_images, load_images
+from deltamoe.serve.api.images import ImageOptions
 from deltamoe.serve.api.connections import (AcceptErrorLog, EndingServer, HTTPLimits, raise_open_file_limit,
                                             uvicorn_config)
 from deltamoe.serve.api.auth import bearer_check, check_api_key_option
@@ -172,11 +172,9 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
         params, names = chat_params(req, vocab_size, template.stop_token_ids)
         options = ChatOptions.of(req, template)
         await constrain(params, req, engine.tokenizer)  # response_format, guided_*, a forced tool_choice
-        messages, refs = extract_images([m.model_dump() for m in req.messages])
-        images = await load_images(refs, engine.model_config, image_options)
-        placeholder = engine.model_config.media_placeholder_token_id
-        prompt = options.encode(template, messages, req.add_generation_prompt,
-                                [[placeholder] * img.num_tokens for img in images])
+        prompt, images = await options.encode_with_images(template, [m.model_dump() for m in req.messages],
+                                                          req.add_generation_prompt, engine.model_config,
+                                                          image_options)
         if params.structured is not None and options.thinking and opens_thinking(prompt, engine.tokenizer):
             # The model reasons first: the constraint holds for the answer, after `</think>` (as vLLM's
             # structured outputs with a reasoning parser), not for the reasoning.

@@ -17,7 +17,7 @@ from deltamoe.serve.api.chat_request import ChatOptions
 from deltamoe.serve.api.chat_template import ChatTemplate
 from deltamoe.serve.api.errors import APIError
 from deltamoe.serve.api.format import token_text
-from deltamoe.serve.api.images import ImageOptions, extract_images, load_images
+from deltamoe.serve.api.images import ImageOptions
 from deltamoe.serve.api.schemas import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from deltamoe.serve.engine.async_engine import AsyncLLMEngine
 
@@ -37,11 +37,9 @@ def tokenize_router(engine: AsyncLLMEngine, template: ChatTemplate, check_model:
         if req.prompt is not None:
             ids = engine.tokenizer.encode(req.prompt)
         else:
-            messages, refs = extract_images([m.model_dump() for m in req.messages])
-            images = await load_images(refs, engine.model_config, image_options)
-            placeholder = engine.model_config.media_placeholder_token_id
-            ids = ChatOptions.of(req, template).encode(template, messages, req.add_generation_prompt,
-                                                       [[placeholder] * img.num_tokens for img in images])
+            ids, _ = await ChatOptions.of(req, template).encode_with_images(
+                template, [m.model_dump() for m in req.messages], req.add_generation_prompt, engine.model_config,
+                image_options)
         strs = [token_text(engine.tokenizer, t)[0] for t in ids] if req.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids, token_strs=strs)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -123,7 +122,10 @@ class RLConfig:
     def check_resume(self, saved: dict, checkpoint: str) -> None:
         """A resume continues one run: only where and how often it logs, evaluates and saves, its
         stopping point, threads, rollout retries / timeout, micro-rows and the data-parallel layout
-        may differ from the config its checkpoint saved; anything else is a ConfigError naming it."""
+        (RESUME_SAFE) may differ from the config its checkpoint saved; anything else is a ConfigError
+        naming it (`train.resume_check.refuse_unsafe`)."""
+        from deltamoe.train.resume_check import refuse_unsafe  # here: this module stays torch-free
+
         current = json.loads(json.dumps(self.to_dict()))
 
         def same(key: str) -> bool:
@@ -132,14 +134,9 @@ class RLConfig:
                 return Path(old).resolve() == Path(new).resolve()  # one folder, written relative or absolute
             return old == new
 
-        changed = [k for k in sorted(set(saved) | set(current)) if k not in RESUME_SAFE and not same(k)]
-        if changed:
-            k = changed[0]
-            raise ConfigError(f"{checkpoint} was trained with {k}={saved.get(k)!r}, this run asks for "
-                              f"{current.get(k)!r}; a resumed run keeps its policy, task, GRPO and optimizer "
-                              "settings and seed", field=k,
-                              hint="pass the original values, or start a new run in another --out")
-
+        changes = {k: (saved.get(k), current.get(k)) for k in sorted(set(saved) | set(current)) if not same(k)}
+        refuse_unsafe(changes, lambda k: k in RESUME_SAFE, checkpoint,
+                      "its policy, task, GRPO and optimizer settings and seed")
 
     @classmethod
     def field_names(cls) -> list[str]:
