@@ -57,6 +57,9 @@ peer listens on a new port, hence is a new peer name.
 The engine logs through its bundled glog, which does not read GLOG_minloglevel from the
 environment: at INFO it writes a line for every handshake and every asynchronous batch.
 `quiet_engine_logs` sets glog's exported threshold itself: GLOG_minloglevel when set, else ERROR.
+Its P2PHANDSHAKE start logs one ERROR line that is none ("Local segment descriptor not found": it
+looks its own segment up before publishing it; hand-offs then work): `engine_start_log_filtered`
+holds the process's stderr in a file while the engine starts and writes every other line back.
 """
 
 from __future__ import annotations
@@ -81,6 +84,8 @@ NOTICE_NAME = "deltamoe-hand-off"  # the notify name of hand-off completion noti
 NOTICE_BYTES = 64  # what a notice's own write sends again after a chunked write
 CONNECTION_LANES = "MC_TCP_ENABLE_CONNECTION_POOL"  # read by the engine's constructor
 WAITER_PATIENCE_S = 0.05  # longest wait for the waiter lock before waiting without it
+# What the engine writes at every start that is no error (with glog's note on its first line).
+HARMLESS_START_LINES = ("Local segment descriptor not found", "Logging before InitGoogleLogging()")
 
 
 def quiet_engine_logs() -> None:
@@ -90,6 +95,29 @@ def quiet_engine_logs() -> None:
     level = engine_log_level()
     if level is not None:
         level.value = int(os.environ.get("GLOG_minloglevel", GLOG_ERROR))
+
+
+@contextlib.contextmanager
+def engine_start_log_filtered() -> Iterator[None]:
+    """Inside, file descriptor 2 goes to a temporary file; on the way out its lines go back to stderr,
+    less `HARMLESS_START_LINES` (a real error the engine writes while starting still shows)."""
+    import sys
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [line for line in held.read().decode(errors="replace").splitlines(keepends=True)
+                    if not any(harmless in line for harmless in HARMLESS_START_LINES)]
+            sys.stderr.write("".join(kept))
+            sys.stderr.flush()
 
 
 def engine_log_level() -> ctypes.c_int32 | None:
@@ -136,7 +164,9 @@ class MooncakeTransport:
                               hint="pip install mooncake-transfer-engine-non-cuda; apt-get install -y libibverbs1")
         quiet_engine_logs()
         self._engine = TransferEngine()
-        if self._engine.initialize(host, "P2PHANDSHAKE", protocol, "") != 0:
+        with engine_start_log_filtered():
+            started = self._engine.initialize(host, "P2PHANDSHAKE", protocol, "")
+        if started != 0:
             raise ConfigError(f"the Mooncake transfer engine cannot start on {host!r} over {protocol}",
                               field="kv_transfer_host")
         self.session = f"{host}:{self._engine.get_rpc_port()}"

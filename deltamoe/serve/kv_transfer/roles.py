@@ -5,8 +5,9 @@
 - decode: a /v1 request with the header `X-DeltaMoE-Prefill-Url` (set by the router) has its
   prompt computed by that prefill server; the decode engine's connector asks for it over HTTP.
 - both: `GET /internal/kv_transfer/info` reports the role, the served model name, the weights'
-  fingerprint, the cache signature (model config, weights, layout, dtype, block size) and the load,
-  so a router checks a pairing at start-up and picks the least loaded worker.
+  fingerprint, the cache signature (model config, weights, layout, dtype, block size), the longest
+  request it takes and the load, so a router checks a pairing at start-up (and again on every poll)
+  and picks the least loaded worker.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def internal_routes(role: str, engine: AsyncLLMEngine, connector: MooncakeConnec
     async def info() -> dict:
         s = engine.stats()
         return {"role": role, "model": model_name, "healthy": engine.is_running,
-                "block_size": engine.engine.cache.block_size,
+                "block_size": engine.engine.cache.block_size, "max_model_len": engine.max_model_len,
                 "weights": connector.config.weights if connector else None,
                 "signature": connector.descriptor.signature if connector else None,
                 "session": connector.descriptor.session if connector else None,

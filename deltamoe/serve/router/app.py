@@ -38,7 +38,7 @@ def build_router_app(pool: WorkerPool, *, api_key: str | None = None, max_retrie
     async def lifespan(_: FastAPI):
         timeout = httpx.Timeout(connect=5.0, read=read_timeout_s, write=30.0, pool=30.0)
         async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as client:
-            state["proxy"] = app.state.proxy = Proxy(pool, client, metrics, headers, max_retries)
+            state["proxy"] = app.state.proxy = Proxy(pool, client, metrics, headers, max_retries, read_timeout_s)
 
             async def poll():
                 while True:
@@ -61,8 +61,7 @@ def build_router_app(pool: WorkerPool, *, api_key: str | None = None, max_retrie
         # 503 while a role has no available worker: a load balancer then stops sending what would fail.
         down = [role for role, up in pool.serving_roles().items() if not up]
         return JSONResponse({"status": "ok" if not down else f"no available {' or '.join(down)} server",
-                             "workers": [{"url": w.url, "role": w.role, "in_flight": w.in_flight,
-                                          "available": w.available, "failures": w.failures} for w in pool.workers]},
+                             "workers": [pool.describe(w) for w in pool.workers]},
                             status_code=503 if down else 200)
 
     @app.get("/metrics")
@@ -73,8 +72,10 @@ def build_router_app(pool: WorkerPool, *, api_key: str | None = None, max_retrie
 
     @v1.get("/models")
     async def models() -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": pool.model, "object": "model", "created": created,
-                                                         "owned_by": "deltamoe"}]})
+        card = {"id": pool.model, "object": "model", "created": created, "owned_by": "deltamoe"}
+        if pool.max_model_len is not None:  # as the workers' cards say it
+            card["max_model_len"] = pool.max_model_len
+        return JSONResponse({"object": "list", "data": [card]})
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:

@@ -16,7 +16,9 @@ def router_command(
                                           help="Asked of clients on /v1 and sent to the workers (start them with "
                                                "the same key)."),
     max_retries: int = typer.Option(2, min=0, help="Tries on another pair after a worker fails a request."),
-    read_timeout: float = typer.Option(60.0, min=0.1, help="Seconds to wait for a worker's next bytes."),
+    read_timeout: float = typer.Option(60.0, min=0.1, help="Seconds to wait for a stream's next event. A "
+                                       "worker's first answer (after its prefill) and a whole non-streamed answer "
+                                       "wait as long as the worker answers the router's health polls."),
     log_level: str = typer.Option("info"),
 ) -> None:
     """Route OpenAI requests through prefill/decode server pairs (retries on a dead worker)."""

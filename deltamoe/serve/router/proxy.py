@@ -4,17 +4,27 @@ The router sends the client's body unchanged to a decode server, naming the pref
 the `X-DeltaMoE-Prefill-Url` header; the decode server has that prefill server compute the
 prompt and hand it over, then streams the answer, which the router passes on.
 
-Faults: a worker that cannot be reached, answers 5xx, or breaks a stream off is blamed (a
-decode server's "prefill hand-off ... failed" message blames the prefill server) and sits out
-a while; the request is tried again on another pair, at most `max_retries` times. Before the
+Faults: a worker that cannot be reached, answers 5xx, or breaks a stream off is blamed and sits
+out a while; the request is tried again on another pair, at most `max_retries` times. A decode
+server's "prefill hand-off ... failed" blames the prefill server, unless a fresh poll of the pair
+shows the decode server is the one that no longer matches the others (`workers.py`). Before the
 first byte reaches the client a retry is always safe. Mid-stream, a retry is only exact when
 the output is deterministic (temperature 0 or a seed): the new stream's events already sent are
 skipped and its ids rewritten to the first stream's. Otherwise the client gets an in-band error
-event, never a cut-off stream that looks complete.
+event, never a cut-off stream that looks complete. An in-band error that is the client's fault
+(`invalid_request_error`, e.g. its grammar failed mid-way) reaches the client as the decode
+server wrote it: nobody is blamed and nothing is retried.
+
+Time: a decode server answers (even its headers) only once the prompt is computed and handed
+over, and a non-streamed answer only once the whole generation is done, so the wait for those is
+not bounded by a clock but by the worker's liveness: it ends when the worker fails
+`UNRESPONSIVE_POLLS` of the router's polls in a row. Between two events of a stream the wait is
+bounded by `read_timeout_s` as well.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -25,11 +35,41 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from deltamoe.serve.kv_transfer.roles import PREFILL_HEADER
 from deltamoe.serve.router.metrics import RouterMetrics
-from deltamoe.serve.router.workers import Worker, WorkerPool
+from deltamoe.serve.router.workers import UNRESPONSIVE_POLLS, Worker, WorkerPool
+
+WATCH_S = 0.5  # how often a request waiting on a worker looks at the worker's poll record
+# A request's own timeouts: no read timeout, since a worker's first bytes come only after its prefill
+# (or, not streamed, its whole generation); `watched` bounds those waits instead.
+REQUEST_TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=30.0, pool=30.0)
 
 
 class StreamBroken(Exception):
     pass
+
+
+class WorkerUnresponsive(Exception):
+    """The worker a request waits on has failed the router's polls `UNRESPONSIVE_POLLS` times in a row."""
+
+
+async def watched(worker: Worker, awaitable):
+    """The result of `awaitable`, unless `worker` stops answering the router's polls first."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=WATCH_S)
+            if done:
+                return task.result()
+            if worker.unresponsive:
+                raise WorkerUnresponsive(f"it failed the router's last {UNRESPONSIVE_POLLS} health polls")
+    finally:
+        task.cancel()  # no-op once done; else its connection is closed as the cancellation lands
+
+
+async def _next_line(lines: AsyncIterator[str]) -> str | None:
+    try:
+        return await lines.__anext__()
+    except StopAsyncIteration:
+        return None
 
 
 @dataclass
@@ -49,9 +89,9 @@ def is_deterministic(body: dict) -> bool:
 
 class Proxy:
     def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, metrics: RouterMetrics, headers: dict[str, str],
-                 max_retries: int = 2):
+                 max_retries: int = 2, read_timeout_s: float = 60.0):
         self.pool, self.client, self.metrics, self.headers = pool, client, metrics, headers
-        self.max_retries = max_retries
+        self.max_retries, self.read_timeout_s = max_retries, read_timeout_s
         self.closing = False  # set as the router shuts down: relayed streams end after their next event
 
     async def forward(self, path: str, body: bytes) -> Response:
@@ -65,9 +105,7 @@ class Proxy:
         if isinstance(first, Response):
             return first
         if first.response.status_code != 200:  # a client fault (4xx): as the decode server said it
-            content = await first.response.aread()
-            await state.close(first)
-            return Response(content, first.response.status_code, media_type="application/json")
+            return await state.rejected(first)
         if not stream:
             return await state.collect(first)
         return StreamingResponse(state.events(first, deterministic), media_type="text/event-stream",
@@ -83,6 +121,20 @@ class _Request:
         self.attempts = 0
         self.last_error = "no worker available"
         self.start = time.perf_counter()
+        self.counted = False
+
+    def count(self, outcome: str) -> None:
+        """The request's outcome in the router's metrics, once whatever path ends it."""
+        if not self.counted:
+            self.counted = True
+            self.proxy.metrics.requests.labels(outcome).inc()
+
+    async def rejected(self, attempt: Attempt) -> Response:
+        """A decode server's 4xx (the client's fault), passed on as it is."""
+        content = await attempt.response.aread()
+        await self.close(attempt)
+        self.count("rejected")
+        return Response(content, attempt.response.status_code, media_type="application/json")
 
     async def open(self) -> Attempt | Response:
         """The next attempt whose decode server answered with a status below 500, else the error response."""
@@ -98,10 +150,11 @@ class _Request:
             d.in_flight += 1
             request = self.proxy.client.build_request("POST", d.url + self.path, content=self.body,
                                                       headers=self.proxy.headers | {PREFILL_HEADER: p.url,
-                                                                                    "content-type": "application/json"})
+                                                                                    "content-type": "application/json"},
+                                                      timeout=REQUEST_TIMEOUT)
             try:
-                response = await self.proxy.client.send(request, stream=True)
-            except httpx.HTTPError as e:
+                response = await watched(d, self.proxy.client.send(request, stream=True))
+            except (httpx.HTTPError, WorkerUnresponsive) as e:
                 await self.close(Attempt(p, d, None))
                 self.blame(d, f"decode server {d.url}: {type(e).__name__}: {e}")
                 continue
@@ -110,10 +163,19 @@ class _Request:
                 return attempt
             message = _message(await response.aread())
             await self.close(attempt)
-            self.blame(p if "prefill hand-off" in message else d, message)
-        self.proxy.metrics.requests.labels("failed").inc()
+            self.blame(await self.culprit(p, d, message), message)
+        self.count("failed")
         return JSONResponse(error_body(f"no prefill/decode pair completed the request after {self.attempts} "
                                        f"attempt(s); last error: {self.last_error}", "upstream_failed"), status_code=502)
+
+    async def culprit(self, p: Worker, d: Worker, message: str) -> Worker:
+        """Which of a pair failed a request its decode server answered with a 5xx: the prefill server
+        for a failed hand-off, unless the decode server is the one that no longer matches (a fresh poll
+        of both tells), else the decode server."""
+        if "prefill hand-off" not in message:
+            return d
+        await self.proxy.pool.refresh(self.proxy.client, [p, d])
+        return d if d.mismatch and not p.mismatch else p
 
     def blame(self, worker: Worker, message: str) -> None:
         self.proxy.pool.failed(worker)
@@ -130,21 +192,19 @@ class _Request:
     async def collect(self, attempt: Attempt) -> Response:
         while True:
             try:
-                content = await attempt.response.aread()
+                content = await watched(attempt.decode, attempt.response.aread())
                 await self.close(attempt)
-                self.proxy.metrics.requests.labels("ok").inc()
+                self.count("ok")
                 self.proxy.metrics.e2e.observe(time.perf_counter() - self.start)
                 return Response(content, 200, media_type="application/json")
-            except httpx.HTTPError as e:
+            except (httpx.HTTPError, WorkerUnresponsive) as e:
                 await self.close(attempt)
                 self.blame(attempt.decode, f"decode server {attempt.decode.url}: {type(e).__name__}: {e}")
             attempt = await self.open()
             if isinstance(attempt, Response):
                 return attempt
             if attempt.response.status_code != 200:
-                content = await attempt.response.aread()
-                await self.close(attempt)
-                return Response(content, attempt.response.status_code, media_type="application/json")
+                return await self.rejected(attempt)
 
     async def events(self, attempt: Attempt, deterministic: bool) -> AsyncIterator[str]:
         sent, first_id, first_time, outcome = 0, None, None, "broken"
@@ -152,7 +212,9 @@ class _Request:
             while True:
                 try:
                     seen = 0
-                    async for line in attempt.response.aiter_lines():
+                    lines = attempt.response.aiter_lines()
+                    while (line := await watched(attempt.decode, asyncio.wait_for(
+                            _next_line(lines), self.proxy.read_timeout_s))) is not None:
                         if not line.startswith("data: "):
                             continue
                         data = line[len("data: "):]
@@ -160,8 +222,12 @@ class _Request:
                             outcome = "ok"
                             break
                         event = json.loads(data)
-                        if "error" in event:  # the decode server failed in-band
-                            raise StreamBroken(event["error"].get("message", "error event"))
+                        if "error" in event:
+                            if event["error"].get("type") == "invalid_request_error":  # the client's fault
+                                outcome = "rejected"
+                                yield f"data: {data}\n\n"
+                                break
+                            raise StreamBroken(event["error"].get("message", "error event"))  # the server's
                         seen += 1
                         if seen <= sent:  # a retry replays what the client already has
                             continue
@@ -177,12 +243,12 @@ class _Request:
                             outcome = "closed"
                             yield _error_event("the router is shutting down")
                             break
-                    if outcome == "closed":
+                    if outcome in ("closed", "rejected"):
                         break
                     if outcome != "ok":
                         raise StreamBroken("the stream ended without [DONE]")
                     break
-                except (httpx.HTTPError, StreamBroken, ValueError) as e:
+                except (httpx.HTTPError, StreamBroken, ValueError, WorkerUnresponsive, TimeoutError) as e:
                     await self.close(attempt)
                     self.blame(attempt.decode, f"decode server {attempt.decode.url} broke off the stream: {e}")
                     attempt = None
@@ -202,7 +268,7 @@ class _Request:
             if attempt is not None:
                 await self.close(attempt)
             end = time.perf_counter()
-            self.proxy.metrics.requests.labels(outcome if outcome == "ok" else "failed").inc()
+            self.count(outcome if outcome in ("ok", "rejected") else "failed")
             self.proxy.metrics.e2e.observe(end - self.start)
             if first_time is not None and sent > 1:
                 self.proxy.metrics.tpot.observe((end - first_time) / (sent - 1))
