@@ -19,12 +19,9 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import BaseModel, ValidationError
-from starlette.requests import ClientDisconnect
 
 from deltamoe.errors import RequestError
 from deltamoe.serve.api.chat_request import ChatOptions, opens_thinking
@@ -35,7 +32,8 @@ from deltamoe.serve.api.images import ImageOptions
 from deltamoe.serve.api.connections import (AcceptErrorLog, EndingServer, HTTPLimits, raise_open_file_limit,
                                             uvicorn_config)
 from deltamoe.serve.api.auth import bearer_check, check_api_key_option
-from deltamoe.serve.api.errors import APIError, InternalErrorMiddleware, from_validation_error, install_error_handlers
+from deltamoe.serve.api.body import MAX_BODY_BYTES, read_body
+from deltamoe.serve.api.errors import APIError, InternalErrorMiddleware, install_error_handlers
 from deltamoe.serve.api.format import ChatFormatter, CompletionFormatter
 from deltamoe.serve.api.generate import Generation
 from deltamoe.serve.api.openapi import install_openapi
@@ -46,42 +44,6 @@ from deltamoe.serve.api.schemas import ChatCompletionRequest, CompletionRequest,
 from deltamoe.serve.api.tokenize import tokenize_router
 from deltamoe.serve.engine.async_engine import AsyncLLMEngine
 from deltamoe.serve.structured.request import constrain
-
-MAX_BODY_BYTES = 32 * 2**20  # far above any prompt that fits a context; stops a client from filling memory
-R = TypeVar("R", bound=BaseModel)
-
-
-async def read_body(request: Request, schema: type[R], limit: int = MAX_BODY_BYTES,
-                    timeout_s: float = HTTPLimits.body_timeout_s) -> R:
-    """The body as `schema`, or a 4xx: too large (413), not UTF-8 / not JSON / wrong types (400), not
-    complete within `timeout_s` (408), or the client hung up while sending it (499, nginx's
-    "client closed request": counted as the client's doing, not a server error)."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"the request body is {declared} bytes; the limit is {limit}", code="body_too_large")
-    chunks: list[bytes] = []
-
-    async def receive() -> None:
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise APIError(413, f"the request body is over the limit of {limit} bytes", code="body_too_large")
-            chunks.append(chunk)
-
-    try:
-        await asyncio.wait_for(receive(), timeout_s)
-    except ClientDisconnect:
-        raise APIError(499, "the client closed the connection while sending the body",
-                       code="client_closed_request") from None
-    except asyncio.TimeoutError:
-        raise APIError(408, f"the request body did not arrive within {timeout_s:.0f} s",
-                       code="request_timeout") from None
-    try:
-        return schema.model_validate_json(b"".join(chunks))
-    except ValidationError as e:
-        raise from_validation_error(e) from e
-
 
 def _include_usage(req: SamplingFields) -> bool:
     return req.stream_options is not None and req.stream_options.include_usage

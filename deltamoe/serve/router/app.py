@@ -2,7 +2,9 @@
 
 Routes: GET /health, GET /metrics, GET /v1/models (the workers' model), POST /v1/completions and
 POST /v1/chat/completions (streaming or not). Worker loads are refreshed every `poll_s`. With an API
-key, the /v1 routes ask clients for it as the workers do (the router sends it on to them).
+key, the /v1 routes ask clients for it as the workers do (the router sends it on to them). A client
+gets the servers' HTTP limits here too (`serve/api/connections.py`: header and body deadlines, body
+size, connection count), so the router never holds more of a body than a worker would take.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from deltamoe.serve.api.auth import bearer_check, check_api_key_option
 from deltamoe.serve.api.errors import install_error_handlers
 from deltamoe.serve.api.metrics import CONTENT_TYPE
+from deltamoe.serve.api.body import read_bytes
 from deltamoe.serve.router.metrics import RouterMetrics
 from deltamoe.serve.router.proxy import Proxy
 from deltamoe.serve.router.workers import WorkerPool
@@ -79,11 +82,13 @@ def build_router_app(pool: WorkerPool, *, api_key: str | None = None, max_retrie
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
-        return await state["proxy"].forward("/v1/completions", await request.body())
+        body = await read_bytes(request)
+        return await state["proxy"].forward("/v1/completions", body)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await state["proxy"].forward("/v1/chat/completions", await request.body())
+        body = await read_bytes(request)
+        return await state["proxy"].forward("/v1/chat/completions", body)
 
     app.include_router(v1)
     install_error_handlers(app)
@@ -92,12 +97,11 @@ def build_router_app(pool: WorkerPool, *, api_key: str | None = None, max_retrie
 
 def run(pool: WorkerPool, host: str, port: int, sock: socket.socket | None = None, log_level: str = "info",
         **options) -> None:
-    import uvicorn
-
-    from deltamoe.serve.api.connections import EndingServer
+    from deltamoe.serve.api.connections import EndingServer, raise_open_file_limit, uvicorn_config
 
     app = build_router_app(pool, **options)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    raise_open_file_limit()  # each client stream holds two sockets here: its own and its decode server's
+    config = uvicorn_config(app, host, port, log_level)
 
     def end_streams() -> None:
         if app.state.proxy is not None:

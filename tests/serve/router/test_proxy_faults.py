@@ -206,3 +206,17 @@ def test_a_prefill_server_taking_shorter_prompts_than_a_decode_server_is_refused
     from deltamoe.serve.router.app import build_router_app
     card = TestClient(build_router_app(pool)).get("/v1/models").json()["data"][0]
     assert card["max_model_len"] == 4096  # what the decode servers take, as their own cards say
+
+
+def test_the_router_reads_bodies_within_the_servers_limit(monkeypatch):
+    """A body over the servers' 32 MiB is a 413 at the router, which never holds more than a worker would take."""
+    from fastapi.testclient import TestClient
+
+    from deltamoe.serve.api.body import MAX_BODY_BYTES
+    from deltamoe.serve.router.app import build_router_app
+
+    pool = checked_pool(monkeypatch, ["http://d"])
+    client = TestClient(build_router_app(pool))  # no lifespan: nothing can be forwarded
+    r = client.post("/v1/completions", content=b"x" * (MAX_BODY_BYTES + 1),
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
