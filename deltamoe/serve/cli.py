@@ -521,6 +521,8 @@ def serve_command(
     image_max_bytes: int = typer.Option(20 * 1024 * 1024, min=1, help="Largest image accepted (download or data: URL)."),
     image_max_tokens: int = typer.Option(1024, min=1, help="Placeholder tokens per image at most (larger images "
                                          "are scaled down, keeping their aspect)."),
+    image_max_count: int = typer.Option(8, min=1, help="Images per request at most (each one is decoded and "
+                                        "encoded by the vision tower in prefill)."),
     async_scheduling: bool = ASYNC_SCHEDULING_OPTION,
     num_scheduler_steps: int = NUM_SCHEDULER_STEPS_OPTION,
     weight_updates: bool = typer.Option(False, "--weight-updates/--no-weight-updates",
@@ -603,4 +605,5 @@ def serve_command(
             log_level=log_level, sock=listener, hand_off=decode_hand_off if role == "decode" else None,
             routers=[internal_routes(role, engine, connector, name)] + weight_routes(engine, weight_updates),
             image_options=ImageOptions(allow_image_urls, image_fetch_timeout,
-                                       ImageLimits(max_tokens=image_max_tokens, max_bytes=image_max_bytes)))
+                                       ImageLimits(max_tokens=image_max_tokens, max_bytes=image_max_bytes),
+                                       max_images=image_max_count))

@@ -17,6 +17,8 @@ def check_image_model(model: str, paths: list[str]) -> ModelConfig | None:
     if config.vision is None:
         raise ConfigError(f"{model} has no vision tower (its config has no vision section)", field="image")
     for p in paths:
+        if Path(p).is_dir():
+            raise ConfigError(f"{p} is a directory; expected an image file", field="image")
         if not Path(p).is_file():
             raise ConfigError(f"no such file: {p}", field="image")
     return config

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,7 +104,13 @@ def decode_image(data: bytes, limits: ImageLimits = ImageLimits(), field: str = 
     except RequestError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise RequestError(f"the image is too large to decode safely: {e}", field=field) from None
+        # Pillow's own check fires in Image.open, before ours, past its limit (89 M pixels, 179 M for
+        # the error): the message names our limit, whichever check stopped it.
+        found = re.search(r"\((\d+) pixels\)", str(e))
+        size = f"{int(found.group(1))} pixels" if found else "too many pixels"
+        limit = min(limits.max_pixels, Image.MAX_IMAGE_PIXELS or limits.max_pixels)
+        raise RequestError(f"the image is {size}, over the limit of {limit} (a decompression bomb?)",
+                           field=field) from None
     except UnidentifiedImageError:
         raise RequestError(f"not an image, or an unsupported format (expected one of {', '.join(FORMATS)})",
                            field=field) from None

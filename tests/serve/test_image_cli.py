@@ -42,6 +42,8 @@ def test_generate_with_image_matches_the_engine(picture, capsys):
 def test_generate_image_errors_are_exit_2(picture, tmp_path, capsys):
     assert main(["generate", "tiny", "--image", str(picture), "-p", "x"]) == 2
     assert "no vision tower" in capsys.readouterr().err
+    assert main(["generate", "tiny-vision", "--image", str(tmp_path), "-p", "x"]) == 2
+    assert f"image: {tmp_path} is a directory" in capsys.readouterr().err
     bad = tmp_path / "bad.png"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n broken")
     assert main(["generate", "tiny-vision", "--image", str(bad), "-p", "x", "--cache-memory", "16MiB"]) == 2

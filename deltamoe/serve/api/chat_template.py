@@ -78,7 +78,8 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
             raise RequestError(f"expected one of {ROLES}, got {role!r}", field=f"messages[{i}].role")
         if isinstance(content, list):
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-                raise RequestError("only text content parts are supported", field=f"messages[{i}].content")
+                raise RequestError("expected content parts of type text (or image_url, for a model with a vision "
+                                   "tower)", field=f"messages[{i}].content")
             content = "".join(p["text"] for p in content)
         if content is None:
             content = ""

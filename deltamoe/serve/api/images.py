@@ -88,7 +88,8 @@ async def load_images(refs: list[ImageRef], config: ModelConfig, options: ImageO
     if refs and config.vision is None:
         raise RequestError("this model has no vision tower; send text only", field=refs[0].field)
     if len(refs) > options.max_images:
-        raise RequestError(f"{len(refs)} images, over the limit of {options.max_images} per request",
+        raise RequestError(f"{len(refs)} images, over the limit of {options.max_images} per request "
+                           "(the server's --image-max-count)",
                            field=refs[options.max_images].field)
     out = []
     for ref in refs:
@@ -99,19 +100,29 @@ async def load_images(refs: list[ImageRef], config: ModelConfig, options: ImageO
     return out
 
 
+def forgiving_base64(payload: str) -> bytes:
+    """A data URL's payload as browsers read it (WHATWG "forgiving-base64"): ASCII whitespace
+    dropped (`base64` wraps its output at 76 columns) and the `=` padding optional."""
+    compact = "".join(payload.split())
+    if len(compact) % 4 == 1:
+        raise ValueError("a base64 payload cannot be 1 character past a multiple of 4")
+    return base64.b64decode(compact + "=" * (-len(compact) % 4), validate=True)
+
+
 async def _image_bytes(ref: ImageRef, options: ImageOptions) -> bytes:
     url = ref.url
-    if url.startswith("data:"):
+    scheme = url.partition(":")[0].lower()  # URL schemes are case-insensitive
+    if scheme == "data":
         header, sep, payload = url.partition(",")
-        if not sep or not header.endswith(";base64"):
+        if not sep or not header.lower().endswith(";base64"):
             raise RequestError("expected a data URL of the form data:image/<type>;base64,<data>", field=ref.field)
-        if len(payload) > options.limits.max_bytes * 4 // 3 + 4:
+        if len(payload) > (options.limits.max_bytes * 4 // 3 + 4) * 77 // 76:  # whitespace-wrapped base64 too
             raise RequestError(f"the image is over the limit of {options.limits.max_bytes} bytes", field=ref.field)
         try:
-            return base64.b64decode(payload, validate=True)
+            return forgiving_base64(payload)
         except (binascii.Error, ValueError):
             raise RequestError("the data URL's payload is not valid base64", field=ref.field) from None
-    if url.startswith(("http://", "https://")):
+    if scheme in ("http", "https"):
         if not options.allow_urls:
             raise RequestError("image URLs are not fetched by this server; send a data: URL (base64), or start "
                                "the server with --allow-image-urls", field=ref.field)

@@ -131,6 +131,26 @@ def test_bad_images_are_400_naming_the_part(server, url, words):
     assert __import__("re").search(words, err["message"]), err["message"]
 
 
+def test_data_urls_are_read_as_browsers_read_them(server):
+    """`"data:image/png;base64,$(base64 img.png)"` wraps the payload at 76 columns, and padding is
+    optional in forgiving-base64; the scheme and the `;base64` tag are case-insensitive."""
+    payload = base64.b64encode(png("red")).decode()
+    expected = post(server.url, chat("x", data_url(png("red"))))
+    assert expected.status_code == 200, expected.text
+    wrapped = "\n".join(payload[i:i + 76] for i in range(0, len(payload), 76))
+    for url in (f"data:image/png;base64,{wrapped}", f"data:image/png;base64,{payload.rstrip('=')}",
+                f"DATA:image/png;BASE64,{payload}"):
+        resp = post(server.url, chat("x", url))
+        assert resp.status_code == 200, (url[:40], resp.text)
+        assert resp.json()["choices"][0]["message"] == expected.json()["choices"][0]["message"]
+    from deltamoe.serve.api.images import forgiving_base64
+    assert forgiving_base64("aGk") == forgiving_base64("aG\r\nk=") == b"hi"
+    with pytest.raises(ValueError):  # 1 past a multiple of 4 is no base64 at all
+        forgiving_base64("aGkhA")
+    bad = post(server.url, chat("x", "data:image/png;base64,aGkhA"))
+    assert bad.status_code == 400 and "not valid base64" in bad.json()["error"]["message"]
+
+
 def test_tokenize_counts_image_placeholders(server, image_host):
     """/tokenize renders image parts as chat does (each image's placeholder tokens), so its count
     is the prompt_tokens a chat request with the same messages reports; the strict server's image
@@ -149,3 +169,17 @@ def test_tokenize_counts_image_placeholders(server, image_host):
     refused = httpx.post(f"{server.strict_url}/tokenize", timeout=60,
                          json={"model": "v", "messages": chat("x", f"{image_host}/red.png")})
     assert refused.status_code == 400 and "image_url" in refused.json()["error"]["message"]
+
+
+def test_images_per_request_are_bounded_by_the_servers_option():
+    import asyncio
+
+    from deltamoe.errors import RequestError
+    from deltamoe.serve.api.images import ImageRef, load_images
+    config = load_preset("tiny-vision")
+    refs = [ImageRef(data_url(png("red")), f"messages[0].content[{i}].image_url") for i in range(3)]
+    assert len(asyncio.run(load_images(refs, config, ImageOptions(max_images=3)))) == 3
+    with pytest.raises(RequestError, match=r"3 images, over the limit of 2 per request \(the server's "
+                                           r"--image-max-count\)") as e:
+        asyncio.run(load_images(refs, config, ImageOptions(max_images=2)))
+    assert e.value.field == "messages[0].content[2].image_url"
