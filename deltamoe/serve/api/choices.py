@@ -6,7 +6,8 @@ one engine request group: choices 1.. are sent first, naming choice 0 (`fork_of`
 for its prefill and fork its cache. Streaming sends each choice's chunks as they come, tagged
 with the choice's `index`; `best_of` (not streamable, as on vLLM) generates `best_of` choices and
 returns the `n` with the highest total logprob. Usage counts the prompt once and every generated
-token, of kept and dropped choices alike.
+token, of kept and dropped choices alike. On a decode server (`kv_transfer`), choice 0's prompt is
+handed off by a prefill server like any request's, and the others fork its cache as it lands.
 """
 
 from __future__ import annotations
@@ -77,9 +78,10 @@ class Choices:
         self.scores = [0.0] * len(fmts)
 
     async def respond(self, request: Request, prompt: str | list[int], params: list[SamplingParams],
-                      stream: bool, include_usage: bool) -> Response:
+                      stream: bool, include_usage: bool, kv_transfer: object | None = None) -> Response:
         engine, rid = self.gen.engine, self.fmts[0].id
-        streams = [engine.generate(prompt, p, request_id=f"{rid}-{i}", fork_of=f"{rid}-0" if i else None)
+        streams = [engine.generate(prompt, p, request_id=f"{rid}-{i}", fork_of=f"{rid}-0" if i else None,
+                                   kv_transfer=None if i else kv_transfer)
                    for i, p in enumerate(params)]
         # Choices 1.. first: the engine must hold them when choice 0 arrives (engine/forks.py).
         firsts = [asyncio.ensure_future(streams[i].__anext__()) for i in [*range(1, len(streams)), 0]]
@@ -216,7 +218,8 @@ def wants_choices(req) -> bool:
 
 
 async def respond_choices(gen: Generation, request: Request, req, prompt: str | list[int], params: SamplingParams,
-                          make_formatter: Callable[[], Formatter], include_usage: bool) -> Response:
+                          make_formatter: Callable[[], Formatter], include_usage: bool,
+                          kv_transfer: object | None = None) -> Response:
     """The server's path for a request with n > 1 or best_of > 1 (see the module docstring)."""
     stream = bool(req.stream)
     n, count = choice_count(req.n, getattr(req, "best_of", None), stream)
@@ -229,4 +232,4 @@ async def respond_choices(gen: Generation, request: Request, req, prompt: str | 
                "best_of" if count > n else "n")
     fmts = [make_formatter() for _ in range(count)]
     return await Choices(gen, fmts, n).respond(request, prompt, choice_params(params, count, count > n), stream,
-                                               include_usage)
+                                               include_usage, kv_transfer)

@@ -123,7 +123,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
         gen = Generation(engine, metrics, names, _continuous_usage(req))
         if wants_choices(req):  # n > 1 or best_of > 1: several choices, one prefill
             return await respond_choices(gen, request, req, req.prompt, params, lambda: (
-                CompletionFormatter(fmt.id, req.model, engine.tokenizer, req.logprobs is not None)), _include_usage(req))
+                CompletionFormatter(fmt.id, req.model, engine.tokenizer, req.logprobs is not None)), _include_usage(req),
+                _hand_off(request))
         return await gen.respond(request, req.prompt, params, fmt, bool(req.stream), _include_usage(req),
                                  _hand_off(request))
 
@@ -151,7 +152,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
         if wants_choices(req):
             if images:
                 raise RequestError("n > 1 or best_of with images: not yet (send one request per choice)", field="n")
-            return await respond_choices(gen, request, req, prompt, params, formatter, _include_usage(req))
+            return await respond_choices(gen, request, req, prompt, params, formatter, _include_usage(req),
+                                         _hand_off(request))
         return await gen.respond(request, prompt, params, formatter(), bool(req.stream), _include_usage(req),
                                  _hand_off(request), images=images or None)
 

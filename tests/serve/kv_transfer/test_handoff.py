@@ -481,3 +481,41 @@ def test_async_scheduling_equals_colocated_sync(k31_model, helpers, pool, async_
         assert_all_free(engine)
     assert connector.stats()["kv_transfer_received"] == len(prompts)
     assert prefill.stats().extra["kv_transfer_sent"] == len(prompts)
+
+
+def test_choices_fork_a_handed_off_prompt(k31_model, helpers, pool):
+    """n > 1 on a decode server: choice 0's prompt is handed off, choices 1.. wait for it and fork its
+    cache as it lands (no prompt computed on the decode server); the tokens equal the colocated
+    engine's choices (seeded sampling, seed + i per choice, as the server asks)."""
+    prefill = pool.add("p0", k31_model)
+    decode, connector = decode_engine(k31_model, pool)
+    prompt = helpers.prompts(1, 14, 14, seed=5)[0]
+    params = [SamplingParams(max_tokens=6, temperature=0.9, seed=40 + i, ignore_eos=True) for i in range(3)]
+
+    async def choices(engine: AsyncLLMEngine, kv_transfer) -> list[list[int]]:
+        streams = [engine.generate(prompt, p, request_id=f"c-{i}", fork_of="c-0" if i else None,
+                                   kv_transfer=None if i else kv_transfer) for i, p in enumerate(params)]
+        async def drain(stream):
+            return sum([out.delta_token_ids async for out in stream], [])
+        firsts = [asyncio.ensure_future(drain(streams[i])) for i in (1, 2, 0)]  # children first, as the server
+        got = await asyncio.gather(*firsts)
+        return [got[2], got[0], got[1]]
+
+    forked = []
+    fork = decode.engine.cache.fork
+    decode.engine.cache.fork = lambda parent, child: forked.append(fork(parent, child)) or forked[-1]
+
+    async def main():
+        got = await choices(decode, RemotePrefill("p0"))
+        await settle(decode.engine, prefill)
+        return got
+
+    got = run_then_close(decode, connector, main)
+    colocated = AsyncLLMEngine(LLMEngine(k31_model, config=EngineConfig(**CONFIG)))
+    try:
+        want = asyncio.run(choices(colocated, None))
+    finally:
+        colocated.shutdown()
+    assert got == want and len({tuple(t) for t in got}) > 1  # the choices differ, each as colocated
+    assert connector.stats()["kv_transfer_received"] == 1  # one hand-off for the three choices
+    assert forked == [True, True]  # the others forked its landed cache
