@@ -78,6 +78,8 @@ def completion_params(req: CompletionRequest, vocab_size: int) -> tuple[Sampling
     names: dict[str, str] = {}
     params = _common(req, req.max_tokens, req.logprobs, [])
     params.prompt_logprobs = prompt_logprobs_count(req)  # echo with logprobs needs them too
+    if req.prompt_logprobs is None and params.prompt_logprobs is not None:
+        names["prompt_logprobs"] = "echo"  # what the client asked for, in errors about them
     return validated(params, vocab_size, names), names
 
 

@@ -33,7 +33,7 @@ import torch
 from deltamoe.config import ModelConfig
 from deltamoe.serve.engine.block_manager import BlockManager, chain_hash
 from deltamoe.ops.quant import FP8_DTYPE
-from deltamoe.serve.engine.cache_layout import CacheLayout, fp8_tile, plan_capacity
+from deltamoe.serve.engine.cache_layout import CacheCapacity, CacheLayout, fp8_tile, plan_capacity
 from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.sequence import Sequence
 from deltamoe.serve.engine.state_pool import StatePool
@@ -41,17 +41,25 @@ from deltamoe.serve.engine.state_storage import slot_major
 
 
 class HybridCache:
+    @staticmethod
+    def plan(model_config: ModelConfig, config: EngineConfig, max_model_len: int, dtype: torch.dtype = torch.float32,
+             tp_size: int = 1) -> tuple[CacheLayout, CacheCapacity]:
+        """The layout and the blocks / state slots `config.cache_memory` holds, allocating nothing (a
+        ConfigError when it cannot hold one of each): what a replica checks before it starts its ranks."""
+        layout = CacheLayout.from_config(model_config, config.block_size, dtype, tp_size,
+                                         config.kv_cache_dtype == "fp8", mtp_layers=1 if config.speculative else 0)
+        max_blocks = config.max_num_seqs * -(-max_model_len // config.block_size)  # never more than all can use
+        want_slots = config.max_num_seqs + (config.max_snapshots or 0)
+        return layout, plan_capacity(layout, int(config.cache_memory), want_slots, config.max_state_fraction,
+                                     max_blocks)
+
     def __init__(self, model_config: ModelConfig, config: EngineConfig, max_model_len: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", tp_size: int = 1):
         self.config = config
         kv_fp8 = config.kv_cache_dtype == "fp8"
-        self.layout = layout = CacheLayout.from_config(model_config, config.block_size, dtype, tp_size, kv_fp8,
-                                                       mtp_layers=1 if config.speculative else 0)
+        self.layout, self.capacity = self.plan(model_config, config, max_model_len, dtype, tp_size)
+        layout = self.layout
         self.block_size = bs = config.block_size
-        max_blocks = config.max_num_seqs * -(-max_model_len // bs)  # never more than all sequences can use
-        want_slots = config.max_num_seqs + (config.max_snapshots or 0)
-        self.capacity = plan_capacity(layout, int(config.cache_memory), want_slots, config.max_state_fraction,
-                                      max_blocks)
         nb, ns = self.capacity.num_blocks, self.capacity.num_state_slots
         self.latent_index = {layer: i for i, layer in enumerate(layout.latent_layers)}
         self.index_key_index = {layer: i for i, layer in enumerate(layout.index_layers)}

@@ -115,9 +115,11 @@ class LLMEngine:
         from deltamoe.model.load import load_model
 
         group = None
+        tok_path = tokenizer if tokenizer is not None else (source if Path(str(source)).is_dir() else None)
         if workers is not None:
             workers.check_fields()
         if workers is not None and (workers.world_size > 1 or launched_by_torchrun()):
+            from deltamoe.hf_config import load_config
             from deltamoe.serve.executor.launch import start_replica
 
             config = config or EngineConfig()
@@ -126,13 +128,18 @@ class LLMEngine:
                 # forms keep those in the eager glue or between graphs.
                 raise ConfigError("--compile-form whole with --tp/--ep workers: not yet; use layers or parts",
                                   field="compile_form")
+            # What would fail after every rank loaded its shard is checked before any starts: the
+            # tokenizer, and a cache that holds one block and one state slot on each rank.
+            model_config = load_config(source)
+            tok = load_tokenizer(tok_path, model_config.vocab_size)
+            HybridCache.plan(model_config, config, config.max_model_len or model_config.max_position_embeddings,
+                             dtype, workers.tp)
             started = start_replica(source, config, workers, dtype, str(device))
             if started is None:
                 raise SystemExit(0)
             model, group = started
-        else:
-            model = load_model(source, dtype=dtype, device=device)
-        tok_path = tokenizer if tokenizer is not None else (source if Path(str(source)).is_dir() else None)
+            return cls(model, tok, config, group, connector)
+        model = load_model(source, dtype=dtype, device=device)
         return cls(model, load_tokenizer(tok_path, model.config.vocab_size), config, group, connector)
 
     def shutdown(self) -> None:
@@ -211,7 +218,8 @@ class LLMEngine:
             (seq.images is not None, "images", "images", layouts),
             (seq.params.prompt_logprobs is not None, "prompt_logprobs", "prompt logprobs",
              ("--tp/--ep workers", "--async-scheduling")),
-            (seq.params.structured is not None, "response_format", "structured outputs", ("--async-scheduling",)),
+            (seq.params.structured is not None, getattr(seq.params.structured, "field", "response_format"),
+             "structured outputs", ("--async-scheduling",)),
             (seq.fork_of is not None, "n", "n > 1 or best_of", ("--async-scheduling",)),
         ]
         for asked, field, what, lacking in features:

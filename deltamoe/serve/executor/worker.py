@@ -21,6 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from deltamoe.errors import ConfigError
 from deltamoe.hf_config import load_config
 from deltamoe.serve.engine.cache import HybridCache
 from deltamoe.serve.engine.config import EngineConfig
@@ -96,14 +97,20 @@ def main(argv: list[str]) -> int:
     args = json.loads(argv[0])
     spec = WorkerSpec(**args["spec"])
     _exit_with_parent()
-    # Ctrl-C in a terminal reaches the whole process group: rank 0 decides when the workers stop.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C in a terminal, and a SIGTERM sent to the process group (timeout, a container stop,
+    # systemd), reach every process: rank 0 decides when the workers stop (they died first and the
+    # server logged a worker failure during a normal shutdown). A SIGKILL still ends one.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
     dims = spec.worker_config().dims(load_config(spec.source))
     group = join_spawned(spec, dims, args["rank"], args["world_size"], args["port"])
     try:
         serve_steps(spec, group)
+    except ConfigError as e:  # rank 0 reports the same problem in its own line; no traceback here
+        print(f"worker rank {args['rank']}: error: {e.one_line()}", file=sys.stderr)
+        return 2
     finally:
         dist.destroy_process_group()
     return 0

@@ -69,3 +69,17 @@ def test_echo_text_and_prompt_logprobs(served):
     streamed = client.completions.create(model=M, prompt=prompt, max_tokens=2, temperature=0, echo=True, stream=True)
     two = client.completions.create(model=M, prompt=prompt, max_tokens=2, temperature=0)
     assert "".join(c.choices[0].text for c in streamed) == prompt + two.choices[0].text
+
+
+def test_an_error_about_echos_prompt_logprobs_names_echo():
+    """echo + logprobs asks the engine for prompt logprobs; a layout that cannot score prompts (workers,
+    --async-scheduling) names the field the client sent, not `prompt_logprobs`."""
+    from deltamoe.errors import RequestError
+    from deltamoe.serve.api.params import completion_params, rename
+    from deltamoe.serve.api.schemas import CompletionRequest
+
+    params, names = completion_params(CompletionRequest(model="m", prompt="x", echo=True, logprobs=1), 300)
+    assert params.prompt_logprobs == 1
+    assert rename(RequestError("not yet", field="prompt_logprobs"), names).field == "echo"
+    _, names = completion_params(CompletionRequest(model="m", prompt="x", prompt_logprobs=2, echo=True), 300)
+    assert rename(RequestError("not yet", field="prompt_logprobs"), names).field == "prompt_logprobs"

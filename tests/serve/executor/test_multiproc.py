@@ -117,6 +117,11 @@ def test_dead_worker_is_an_error_not_a_hang(checkpoint):
     engine = LLMEngine.from_pretrained(checkpoint, engine_config(), workers=WorkerConfig(ep=2))
     try:
         worker = engine.executor.group.processes[0]
+        # Ctrl-C or a SIGTERM to the process group reach the workers too: rank 0 decides when they stop.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            os.kill(worker.pid, sig)
+        time.sleep(0.5)
+        assert worker.poll() is None and engine.executor.healthy
         os.kill(worker.pid, signal.SIGKILL)
         engine.add_request([1, 2, 3], SamplingParams(max_tokens=4))
         start = time.monotonic()

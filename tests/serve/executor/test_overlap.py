@@ -168,7 +168,7 @@ def test_requests_the_overlapped_path_cannot_serve_are_refused_naming_the_field(
                        config=EngineConfig(cache_memory="8MiB", async_scheduling=True))
     try:
         cases = [(SamplingParams(max_tokens=2, structured=choice_constraint(["a"], "guided_choice")), None,
-                  "response_format"),
+                  "guided_choice"),  # the field the client sent (was always response_format)
                  (SamplingParams(max_tokens=2, prompt_logprobs=0), None, "prompt_logprobs"),
                  (SamplingParams(max_tokens=2), "req-0", "n")]
         for params, fork_of, field in cases:
