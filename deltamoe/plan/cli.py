@@ -10,6 +10,7 @@ alone. The estimator is imported inside the command, so `deltamoe --help` does n
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -38,7 +39,7 @@ class SloChoice:
 def choose_slo(slo_ttft: float | None, slo_tpot: float | None, no_slo: bool) -> SloChoice:
     """The latency limits a plan must meet: the flags given, none with --no-slo, else interactive ones."""
     for name, value in (("slo-ttft", slo_ttft), ("slo-tpot", slo_tpot)):
-        if value is not None and value <= 0:
+        if value is not None and not (math.isfinite(value) and value > 0):  # NaN passes `<= 0`
             raise ConfigError(f"expected a positive number of seconds, got {value}", field=name)
     if no_slo:
         if slo_ttft is not None or slo_tpot is not None:
@@ -116,13 +117,17 @@ def plan_command(
         raise ConfigError(f"expected one of {CLI_WEIGHTS}, got {weights!r}", field="weights")
     if kda_state not in ("fp32", "bf16"):
         raise ConfigError(f"expected fp32 or bf16, got {kda_state!r}", field="kda-state")
-    if not 0 <= headroom < 1:
+    if not (math.isfinite(headroom) and 0 <= headroom < 1):
         raise ConfigError(f"expected a fraction in [0, 1), got {headroom}", field="headroom")
-    if accept_len < 1 or accept_len > 1 + draft_tokens:
+    if not (math.isfinite(accept_len) and 1 <= accept_len <= 1 + draft_tokens):
         raise ConfigError(f"expected 1 <= accept-len <= 1 + draft-tokens ({1 + draft_tokens}), got {accept_len}",
                           field="accept-len")
     slo = choose_slo(slo_ttft, slo_tpot, no_slo)
     cfg = _model(model)
+    if context + output > cfg.max_position_embeddings:  # the printed --max-model-len must load
+        raise ConfigError(f"{context:,} prompt + {output:,} output tokens = {context + output:,}, more than "
+                          f"{model}'s max_position_embeddings ({cfg.max_position_embeddings:,})", field="context",
+                          hint=f"at most {cfg.max_position_embeddings:,} tokens of prompt and output together")
     hw = get_hardware(hardware)
     scheme = weights or _default_weights(cfg)
     costs = model_costs(cfg, scheme, kv_cache, 4 if kda_state == "fp32" else 2, draft_tokens)
@@ -134,9 +139,14 @@ def plan_command(
     fastest = None
     if slo.is_default:
         fastest, _ = best_plan(costs, hw, replace(workload, slo_ttft_s=None, slo_tpot_s=None), n_chips, model)
-    recipe = launch_recipe(plan, model, scheme, kv_cache, hw)
+    recipe = launch_recipe(plan, model, scheme, kv_cache, hw, costs)
     if as_json:
         doc = plan_json(model, costs, hw, plan, plans[:6], recipe, slo.reason, fastest)
-        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+        try:  # strict JSON: a NaN or inf (from extreme hardware numbers) is an error, never a bare NaN
+            text = json.dumps(doc, indent=2, allow_nan=False)
+        except ValueError as e:
+            raise ConfigError(f"the plan holds a number that is not finite ({e})", field="hardware",
+                              hint="check the hardware numbers: one is far too small or too large") from e
+        sys.stdout.write(text + "\n")
     else:
         render_plan(console, model, costs, hw, plan, plans, recipe, slo.reason, fastest)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,16 @@ def get_hardware(name_or_file: str) -> Hardware:
 def load_hardware_file(path: Path) -> Hardware:
     if not path.exists():
         raise HardwareError(f"hardware file {path} does not exist", field="hardware")
-    text = path.read_text()
+    if path.is_dir():
+        raise HardwareError(f"hardware file {path} is a directory", field="hardware",
+                            hint="pass a YAML or JSON file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise HardwareError(f"hardware file {path} is not UTF-8 text (byte {e.start}: {e.reason})",
+                            field="hardware", hint="save it as UTF-8 YAML or JSON") from e
+    except OSError as e:
+        raise HardwareError(f"hardware file {path} cannot be read: {e.strerror or e}", field="hardware") from e
     try:
         data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as e:
@@ -48,6 +58,8 @@ def load_hardware_file(path: Path) -> Hardware:
 
 
 _META = {"name", "base", "description", "vendor", "split_unit", "dies_per_card", "efficiency", "notes"}
+# Counts of chips: whole numbers (the rest of NUMBERS are rates and sizes).
+INTEGER_NUMBERS = {"chips_per_node", "scaleup_domain"}
 
 
 def hardware_from_dict(data: Any, origin: str = "user") -> Hardware:
@@ -55,13 +67,21 @@ def hardware_from_dict(data: Any, origin: str = "user") -> Hardware:
     if not isinstance(data, dict):
         raise HardwareError(f"{origin}: expected a mapping of hardware fields, got {type(data).__name__}",
                             field="hardware")
-    unknown = sorted(set(data) - _META - set(NUMBERS))
+    unknown = sorted((k for k in data if k not in _META and k not in NUMBERS), key=str)  # keys may be ints
     if unknown:
         raise HardwareError(f"{origin}: unknown field {unknown[0]!r}", field=f"hardware.{unknown[0]}",
                             hint=f"numbers: {', '.join(NUMBERS)}; also {', '.join(sorted(_META))}")
     name = data.get("name")
-    if not isinstance(name, str) or not name:
+    if name is None or name == "":
         raise HardwareError(f"{origin}: missing or empty 'name'", field="hardware.name")
+    for key in ("name", "base", "description", "vendor"):
+        if key in data and not isinstance(data[key], str):
+            raise HardwareError(f"{origin}: {key} must be a string, got {type(data[key]).__name__} "
+                                f"{data[key]!r}", field=f"hardware.{key}", hint=f'quote it: {key}: "..."')
+    notes = data.get("notes")
+    if notes is not None and not (isinstance(notes, list) and all(isinstance(n, str) for n in notes)):
+        raise HardwareError(f"{origin}: notes must be a list of strings, got {type(notes).__name__} {notes!r}",
+                            field="hardware.notes", hint='notes: ["first note", "second note"]')
     base_name = data.get("base", name if name.lower() in CATALOG else None)
     if base_name is not None:
         base_key = ALIASES.get(str(base_name).lower(), str(base_name).lower())
@@ -75,7 +95,7 @@ def hardware_from_dict(data: Any, origin: str = "user") -> Hardware:
     figures = dict(base.figures)
     for key in NUMBERS:
         if key in data:
-            figures[key] = _parse_figure(data[key], key, origin)
+            figures[key] = _parse_figure(data[key], key, origin, integer=key in INTEGER_NUMBERS)
     eff = base.efficiency
     if "efficiency" in data:
         eff = _parse_efficiency(data["efficiency"], eff, origin)
@@ -84,21 +104,48 @@ def hardware_from_dict(data: Any, origin: str = "user") -> Hardware:
         vendor=str(data.get("vendor", base.vendor)), figures=figures, efficiency=eff,
         split_unit=_parse_int(data.get("split_unit", base.split_unit), "split_unit", origin),
         dies_per_card=_parse_int(data.get("dies_per_card", base.dies_per_card), "dies_per_card", origin),
-        origin=origin, notes=tuple(data.get("notes", base.notes)),
+        origin=origin, notes=tuple(base.notes if notes is None else notes),
     )
 
 
+# Above this a figure is a typo, and GB x 1e9 x chips would overflow to inf in the estimates.
+MAX_FIGURE = 1e12
+
+
 def _parse_int(value: Any, key: str, origin: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    number = _number(value)
+    if number is None or not number.is_integer() or number < 1 or number > MAX_FIGURE:
         raise HardwareError(f"{origin}: {key} must be a positive integer, got {value!r}", field=f"hardware.{key}")
-    return value
+    return int(number)
 
 
-def _parse_figure(value: Any, key: str, origin: str) -> Figure:
+def _number(value: Any) -> float | None:
+    """A finite number, from a YAML/JSON number or a numeric string; None otherwise.
+
+    PyYAML (YAML 1.1) reads `2.5e3`, `2e3` and `1e-300` as strings (it wants a dot and a signed
+    exponent), so a string that Python reads as a float counts as that number.
+    """
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            return None
+    if not isinstance(value, (int, float)):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:  # an int too large for a float
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _parse_figure(value: Any, key: str, origin: str, integer: bool = False) -> Figure:
     if value is None:
         return UNKNOWN(f"{origin}: marked unknown")
     if isinstance(value, dict):
-        extra = sorted(set(value) - {"value", "tag", "source"})
+        extra = sorted((k for k in value if k not in ("value", "tag", "source")), key=str)
         if extra:
             raise HardwareError(f"{origin}: {key} has unknown key {extra[0]!r} (expected value, tag, source)",
                                 field=f"hardware.{key}")
@@ -108,14 +155,20 @@ def _parse_figure(value: Any, key: str, origin: str) -> Figure:
         inner = value.get("value")
         if inner is None:
             return Figure(None, tag if tag in ("unknown", "absent") else "unknown", str(value.get("source", origin)))
-        return Figure(_positive(inner, key, origin), tag, str(value.get("source", origin)))
-    return Figure(_positive(value, key, origin), "user", origin)
+        number = _parse_int(inner, key, origin) if integer else _positive(inner, key, origin)
+        return Figure(float(number), tag, str(value.get("source", origin)))
+    number = _parse_int(value, key, origin) if integer else _positive(value, key, origin)
+    return Figure(float(number), "user", origin)
 
 
 def _positive(value: Any, key: str, origin: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise HardwareError(f"{origin}: {key} must be a positive number, got {value!r}", field=f"hardware.{key}")
-    return float(value)
+    """A finite number > 0 (NaN and inf are refused: they would pass `<= 0` and poison every estimate)."""
+    number = _number(value)
+    if number is None or number <= 0 or number > MAX_FIGURE:
+        raise HardwareError(f"{origin}: {key} must be a positive number (finite, at most {MAX_FIGURE:g}), "
+                            f"got {value!r}", field=f"hardware.{key}",
+                            hint="write numbers as 2500, 2.5e+3 or 2.5e3" if isinstance(value, str) else None)
+    return number
 
 
 FRACTIONS = {"mfu_prefill", "mfu_decode", "mbu", "scaleup_eff", "scaleout_eff", "overlap_eff"}  # the rest: times

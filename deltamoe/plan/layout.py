@@ -8,6 +8,7 @@ Instances are replicated to fill the pool.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -58,7 +59,9 @@ class PoolLayout:
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Divisors of n in increasing order (O(sqrt n): pools can have 10^5 chips)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def tp_choices(cfg: ModelConfig, hw: Hardware) -> list[int]:

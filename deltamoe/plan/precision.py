@@ -53,7 +53,8 @@ WEIGHT_SCHEMES: dict[str, WeightScheme] = {s.name: s for s in (
     WeightScheme("bf16", FORMATS["bf16"], FORMATS["bf16"], FORMATS["bf16"], "bf16", "bf16",
                  "everything BF16"),
     WeightScheme("fp8", FORMATS["fp8"], FORMATS["fp8"], FORMATS["bf16"], "fp8", "fp8",
-                 "FP8 block-128 for every linear layer, BF16 embeddings/norms/router (DeepSeek-V3 style)"),
+                 "FP8 block-128 for every linear layer; embedding, lm_head, router, norms and vision in BF16 "
+                 "(DeepSeek-V3 style)"),
     WeightScheme("mxfp4", FORMATS["mxfp4"], FORMATS["bf16"], FORMATS["bf16"], "fp4", "bf16",
                  "MXFP4 routed experts, BF16 rest (the native K3 checkpoint)"),
     WeightScheme("w4a8", FORMATS["int4"], FORMATS["bf16"], FORMATS["bf16"], "a8", "bf16",

@@ -25,6 +25,9 @@ def costs_json(costs: ModelCosts, context: int) -> dict[str, Any]:
         "params": {"total": p.total, "text": p.text_total, "active": p.active, "routed": p.routed,
                    "non_routed": p.non_routed, "vision": p.vision},
         "weights_scheme": costs.scheme.name,
+        # What the scheme counts (e.g. fp8 keeps embedding, lm_head and vision in BF16, where
+        # `deltamoe info`'s FP8 figure counts every parameter in FP8).
+        "weights_scheme_description": costs.scheme.description,
         "weight_bytes": costs.weights.as_dict(),
         "kv_cache_format": costs.kv.name,
         "cache": {
@@ -72,7 +75,8 @@ def render_plan(console: Console, model: str, costs: ModelCosts, hw: Hardware, p
                  show_header=False)
     head.add_row("parameters", f"{p.total:,} total, {p.active:,} active per token")
     wb = costs.weights
-    head.add_row("weights", f"{_gb(wb.total)} (routed experts {_gb(wb.routed)}, rest {_gb(wb.non_routed)})")
+    head.add_row("weights", f"{_gb(wb.total)} (routed experts {_gb(wb.routed)}, rest {_gb(wb.non_routed)}; "
+                 f"{costs.scheme.name}: {costs.scheme.description})")
     head.add_row("cache per token", f"{costs.kv_bytes_per_token:,.0f} B ({p.n_mla} attention layers"
                  + (f", {p.n_dsa} with DSA keys)" if p.n_dsa else ")"))
     if p.n_kda:

@@ -10,7 +10,7 @@ rates; a colocated ("mixed") plan chunks the prompts into the decode steps.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
@@ -23,6 +23,12 @@ from deltamoe.plan.roofline import StepTime, decode_step, kv_transfer_s, mixed_s
 
 BATCH_GRID = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 GB = 1e9
+# A pool of up to this many prefill/decode split points tries every one (every documented example
+# does); a larger pool (e.g. --nodes 1000) searches a grid of about this many points and refines it
+# around the best one, level by level, down to single split units.
+SPLIT_POINTS = 64
+MAX_CHIPS = 1_000_000  # --nodes/--chips above this: a one-line error (no deployment is that large)
+FIT_SEARCH_COUNTS = 4096  # chip counts tried upward for the "does not fit" hint
 
 
 @dataclass(frozen=True)
@@ -125,6 +131,16 @@ class Planner:
         self.decode_pool = lru_cache(maxsize=None)(self._decode_pool)
         self.prefill_pool = lru_cache(maxsize=None)(self._prefill_pool)
         self.mixed_pool = lru_cache(maxsize=None)(self._mixed_pool)
+        # A step's time depends on the instance's shape, never on how many replicas a pool has, so
+        # pools of different sizes share one estimate per shape (what keeps large pools fast).
+        self._steps: dict[tuple, StepTime] = {}
+
+    def _step(self, fn, layout: PoolLayout, *args) -> StepTime:
+        key = (fn, replace(layout, replicas=1), args)
+        step = self._steps.get(key)
+        if step is None:
+            step = self._steps[key] = fn(self.costs, self.hw, layout, *args)
+        return step
 
     # ---------------------------------------------------------------- memory
     def _memory(self, layout: PoolLayout, seqs: int, cache_tokens: int, act_tokens: int) -> MemoryUse:
@@ -149,7 +165,7 @@ class Planner:
         for layout in layout_candidates(self.costs.cfg, self.hw, chips, role):
             bmax = self.max_batch(layout, ctx)
             for b in [x for x in BATCH_GRID if x < bmax] + ([bmax] if bmax else []):
-                step = decode_step(self.costs, self.hw, layout, b, ctx, w.tokens_per_seq)
+                step = self._step(decode_step, layout, b, ctx, w.tokens_per_seq)
                 tpot = step.total_s * layout.pp / w.accept_len
                 if w.slo_tpot_s is not None and tpot > w.slo_tpot_s:
                     break  # bigger batches are only slower
@@ -166,7 +182,7 @@ class Planner:
             mem = self._memory(layout, seqs, min(chunk, w.context), chunk)
             if not mem.fits:
                 continue
-            step = prefill_step(self.costs, self.hw, layout, chunk, w.context)
+            step = self._step(prefill_step, layout, chunk, w.context)
             ttft = (math.ceil(w.context / chunk) + layout.pp - 1) * step.total_s
             if w.slo_ttft_s is not None and ttft > w.slo_ttft_s:
                 continue
@@ -182,7 +198,7 @@ class Planner:
         for layout in layout_candidates(self.costs.cfg, self.hw, chips, "mixed"):
             bmax = self.max_batch(layout, ctx, act_tokens=w.prefill_chunk)
             for b in [x for x in BATCH_GRID if x < bmax] + ([bmax] if bmax else []):
-                step = mixed_step(self.costs, self.hw, layout, b, ctx, b * ratio / w.accept_len, w.tokens_per_seq)
+                step = self._step(mixed_step, layout, b, ctx, b * ratio / w.accept_len, w.tokens_per_seq)
                 tpot = step.total_s * layout.pp / w.accept_len
                 if w.slo_tpot_s is not None and tpot > w.slo_tpot_s:
                     break
@@ -222,43 +238,103 @@ class Planner:
         if mixed is not None:
             rps = mixed.tokens_per_s / w.output
             out.append(Plan("colocated", chips, None, mixed, rps, self._mixed_ttft(mixed), mixed.latency_s, w))
+        out += self._splits(chips).values()
+        return sorted(out, key=_rank, reverse=True)
+
+    def _split(self, chips: int, p_chips: int) -> Plan | None:
+        w = self.w
+        pre, dec = self.prefill_pool(p_chips), self.decode_pool(chips - p_chips)
+        if pre is None or dec is None:
+            return None
+        rps = min(pre.tokens_per_s / max(1, w.context), dec.tokens_per_s / w.output)
+        return Plan("disaggregated", chips, pre, dec, rps, pre.latency_s + self._transfer_s(chips), dec.latency_s, w)
+
+    def _splits(self, chips: int) -> dict[int, Plan]:
+        """Disaggregated plans by prefill chips: every multiple of the split unit when there are at
+        most SPLIT_POINTS of them, else a grid of about SPLIT_POINTS refined around its best point
+        until the step is one unit (a few hundred splits however large the pool)."""
         unit = self.hw.split_unit
-        transfer = self._transfer_s(chips)
-        for p_chips in range(unit, chips, unit):
-            pre, dec = self.prefill_pool(p_chips), self.decode_pool(chips - p_chips)
-            if pre is None or dec is None:
-                continue
-            rps = min(pre.tokens_per_s / max(1, w.context), dec.tokens_per_s / w.output)
-            out.append(Plan("disaggregated", chips, pre, dec, rps, pre.latency_s + transfer, dec.latency_s, w))
-        return sorted(out, key=lambda p: (p.meets(), p.output_per_chip), reverse=True)
+        last = (chips - 1) // unit  # prefill gets k units, k = 1 .. last
+        found: dict[int, Plan] = {}
+        lo, hi = 1, last
+        while lo <= hi:
+            stride = max(1, -(-(hi - lo) // SPLIT_POINTS))
+            for k in sorted(set(range(lo, hi + 1, stride)) | {hi}):
+                if k * unit not in found:
+                    plan = self._split(chips, k * unit)
+                    if plan is not None:
+                        found[k * unit] = plan
+            if stride == 1:
+                break
+            near = [(c, p) for c, p in found.items() if lo * unit <= c <= hi * unit]
+            if not near:
+                break
+            best = max(near, key=lambda item: _rank(item[1]))[0] // unit
+            lo, hi = max(1, best - stride + 1), min(last, best + stride - 1)
+        return found
+
+    def fits(self, chips: int) -> bool:
+        """Some decode layout of `chips` chips holds the weights and at least one sequence."""
+        return any(self.max_batch(lay, self.w.decode_context) >= 1
+                   for lay in layout_candidates(self.costs.cfg, self.hw, chips, "decode"))
+
+    def min_fitting_chips(self, start: int, step: int = 1) -> int | None:
+        """The first chip count >= start, in multiples of `step`, that `fits` accepts (layouts,
+        not total bytes: TP must divide the heads, each TP group holds the non-routed weights, ...);
+        None when none of the next FIT_SEARCH_COUNTS counts does."""
+        first = -(-max(1, start) // step) * step
+        for n in range(first, first + FIT_SEARCH_COUNTS * step, step):
+            if n <= MAX_CHIPS and self.fits(n):
+                return n
+        return None
 
     def require_fit(self, chips: int) -> None:
-        """A clear error when not even the weights fit, saying what is short and by how much."""
+        """A clear error when not even the weights fit, saying what is short and by how much, and
+        the chip count whose layouts do fit."""
         c, hw = self.costs, self.hw
-        usable = chips * (self.capacity - self.w.workspace_gb * GB)
-        one_seq = c.seq_cache_bytes(self.w.decode_context)
-        need = c.weights.total + one_seq
-        if any(self.max_batch(lay, self.w.decode_context) >= 1
-               for lay in layout_candidates(c.cfg, hw, chips, "decode")):
+        if self.fits(chips):
             return
         per_chip = self.capacity - self.w.workspace_gb * GB
-        min_chips = math.ceil(need / per_chip) if per_chip > 0 else 0
-        nodes = math.ceil(min_chips / hw.chips_per_node) if min_chips else 0
-        raise ConfigError(
-            f"{self.model_name} ({c.scheme.name} weights) does not fit on {chips} x {hw.name}: needs "
-            f"{need / GB:,.0f} GB (weights {c.weights.total / GB:,.0f} GB + one {self.w.decode_context}-token "
-            f"sequence {one_seq / GB:,.2f} GB), usable {usable / GB:,.0f} GB "
-            f"({chips} x {self.mem_bytes / GB:.0f} GB x {1 - self.w.headroom:.2f} - workspace); "
-            f"short by {max(0.0, need - usable) / GB:,.0f} GB",
-            field="nodes",
-            hint=(f"use at least {min_chips} chips (--nodes {max(1, nodes)}) or smaller --weights" if min_chips else
-                  f"a {hw.name} chip keeps nothing after headroom and the {self.w.workspace_gb:g} GB workspace: "
-                  "check its mem_gb"),
-        )
+        usable = chips * per_chip
+        one_seq = c.seq_cache_bytes(self.w.decode_context)
+        need = c.weights.total + one_seq
+        head = (f"{self.model_name} ({c.scheme.name} weights) does not fit on {chips} x {hw.name}: needs "
+                f"{need / GB:,.0f} GB (weights {c.weights.total / GB:,.0f} GB + one {self.w.decode_context}-token "
+                f"sequence {one_seq / GB:,.2f} GB), usable {usable / GB:,.0f} GB "
+                f"({chips} x {self.mem_bytes / GB:.0f} GB x {1 - self.w.headroom:.2f} - workspace)")
+        if need > usable:
+            head += f"; short by {math.ceil((need - usable) / GB):,} GB"
+        else:  # the bytes would fit in total: the layout rules are what fails
+            head += ("; the total fits but no layout does (each TP group holds all the non-routed weights, TP "
+                     f"divides the attention heads within the {hw.scaleup_domain}-chip scale-up domain, "
+                     f"EP at most {c.cfg.num_experts} experts, the chips split evenly into TP x DP x PP)")
+        if per_chip <= 0:
+            hint = (f"a {hw.name} chip keeps nothing after headroom and the {self.w.workspace_gb:g} GB workspace: "
+                    "check its mem_gb")
+        else:
+            estimate = max(chips + 1, math.ceil(need / per_chip))
+            min_chips = self.min_fitting_chips(estimate)
+            per_node = hw.chips_per_node if hw.figure("chips_per_node").known else None
+            min_nodes = self.min_fitting_chips(min_chips, per_node) if per_node and min_chips else None
+            if min_chips is None:
+                hint = f"no layout of up to {estimate + FIT_SEARCH_COUNTS - 1:,} chips fits; use smaller --weights"
+            else:
+                hint = f"the first count whose layouts fit is {min_chips} chips (--chips {min_chips})"
+                if min_nodes is not None:
+                    hint += f" or --nodes {min_nodes // per_node}"
+                hint += "; or smaller --weights"
+        raise ConfigError(head, field="nodes", hint=hint)
+
+
+def _rank(plan: Plan) -> tuple[bool, float]:
+    return plan.meets(), plan.output_per_chip
 
 
 def best_plan(costs: ModelCosts, hw: Hardware, workload: Workload, chips: int,
               model_name: str = "") -> tuple[Plan, list[Plan]]:
+    if chips > MAX_CHIPS:
+        raise ConfigError(f"{chips:,} chips is more than the planner's limit of {MAX_CHIPS:,}", field="chips",
+                          hint=f"plan at most {MAX_CHIPS:,} chips (--chips or --nodes x chips per node)")
     plans = Planner(costs, hw, workload, model_name).plans(chips)
     if not plans:
         raise ConfigError(f"no layout of {chips} x {hw.name} fits this model with a useful batch",

@@ -102,3 +102,64 @@ def test_catalog_and_accelerator_never_import_the_lookup_module():
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         assert not imported & forbidden, (name, imported & forbidden)
+
+
+@pytest.mark.parametrize("text, field, words", [
+    ("name: a\nbase: h200\nnotes: 5\n", "hardware.notes", "notes must be a list of strings, got int"),
+    ("name: a\nbase: h200\nnotes: hello\n", "hardware.notes", "notes must be a list of strings, got str"),
+    ("name: a\nbase: h200\nvendor: 7\n", "hardware.vendor", "vendor must be a string, got int"),
+    ("name: 123\nbase: h200\n", "hardware.name", "name must be a string, got int"),  # there, of the wrong type
+    ("name: a\nbase: h200\nchips_per_node: 7.5\n", "hardware.chips_per_node", "must be a positive integer"),
+    ("name: a\nbase: h200\nscaleup_domain: 2.5\n", "hardware.scaleup_domain", "must be a positive integer"),
+    ("name: a\nbase: h200\nscaleup_domain: {value: 2.5}\n", "hardware.scaleup_domain", "must be a positive integer"),
+    ("name: a\nbase: h200\nhbm_tbps: .nan\n", "hardware.hbm_tbps", "must be a positive number"),
+    ("name: a\nbase: h200\nmem_gb: .inf\n", "hardware.mem_gb", "must be a positive number"),
+    ("name: a\nbase: h200\nmem_gb: 1e300\n", "hardware.mem_gb", "must be a positive number"),
+    ("name: a\nbase: h200\nfp8_tflops: {value: .nan}\n", "hardware.fp8_tflops", "must be a positive number"),
+    ("name: a\nbase: h200\nefficiency: {mbu: .nan}\n", "hardware.efficiency.mbu", "must be a positive number"),
+    ("name: a\nbase: h200\nefficiency: {layer_overhead_us: .inf}\n", "hardware.efficiency.layer_overhead_us",
+     "must be a positive number"),
+    ("name: a\nbase: h200\n1: x\n", "hardware.1", "unknown field"),
+])
+def test_wrong_types_and_non_finite_numbers_name_the_field(tmp_path, text, field, words):
+    f = tmp_path / "bad.yaml"
+    f.write_text(text)
+    with pytest.raises(HardwareError) as e:
+        get_hardware(str(f))
+    assert e.value.field == field and words in str(e.value)
+
+
+def test_json_nan_is_refused(tmp_path):
+    f = tmp_path / "chip.json"
+    f.write_text('{"name": "x", "base": "h200", "hbm_tbps": NaN}')
+    with pytest.raises(HardwareError) as e:
+        get_hardware(str(f))
+    assert e.value.field == "hardware.hbm_tbps"
+
+
+def test_unreadable_files_are_one_line_errors(tmp_path):
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00bin")
+    with pytest.raises(HardwareError) as e:
+        get_hardware(str(binary))
+    assert e.value.field == "hardware" and "is not UTF-8 text" in str(e.value) and "binary.yaml" in str(e.value)
+    folder = tmp_path / "dir.yaml"
+    folder.mkdir()
+    with pytest.raises(HardwareError) as e:
+        get_hardware(str(folder))
+    assert e.value.field == "hardware" and "is a directory" in str(e.value)
+
+
+def test_scientific_notation_and_whole_floats_are_numbers(tmp_path):
+    """PyYAML reads 2.5e3 / 2e3 / 1e-3 as strings (YAML 1.1 wants `2.5e+3`): they count as numbers."""
+    f = tmp_path / "sci.yaml"
+    f.write_text("name: x\nbase: h200\nfp8_tflops: 2.5e3\nbf16_tflops: 1e3\nhbm_tbps: {value: 48e-1}\n"
+                 "chips_per_node: 8.0\nscaleup_domain: 8e0\nnotes: [one, two]\n")
+    hw = get_hardware(str(f))
+    assert hw.need("fp8_tflops", "x") == 2500 and hw.need("bf16_tflops", "x") == 1000
+    assert hw.need("hbm_tbps", "x") == 4.8 and hw.chips_per_node == 8 and hw.scaleup_domain == 8
+    assert hw.notes == ("one", "two")
+    f.write_text("name: x\nbase: h200\nfp8_tflops: fast\n")
+    with pytest.raises(HardwareError) as e:
+        get_hardware(str(f))
+    assert "2.5e+3" in e.value.hint
