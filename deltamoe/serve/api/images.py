@@ -116,7 +116,7 @@ async def _image_bytes(ref: ImageRef, options: ImageOptions) -> bytes:
         header, sep, payload = url.partition(",")
         if not sep or not header.lower().endswith(";base64"):
             raise RequestError("expected a data URL of the form data:image/<type>;base64,<data>", field=ref.field)
-        if len(payload) > (options.limits.max_bytes * 4 // 3 + 4) * 77 // 76:  # whitespace-wrapped base64 too
+        if len(payload) > (options.limits.max_bytes * 4 // 3 + 4) * 78 // 76:  # wrapped base64 too (CRLF every 76)
             raise RequestError(f"the image is over the limit of {options.limits.max_bytes} bytes", field=ref.field)
         try:
             return forgiving_base64(payload)

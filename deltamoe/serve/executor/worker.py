@@ -99,9 +99,10 @@ def main(argv: list[str]) -> int:
     _exit_with_parent()
     # Ctrl-C in a terminal, and a SIGTERM sent to the process group (timeout, a container stop,
     # systemd), reach every process: rank 0 decides when the workers stop (they died first and the
-    # server logged a worker failure during a normal shutdown). A SIGKILL still ends one.
+    # server logged a worker failure during a normal shutdown). A SIGKILL still ends one. A handler,
+    # not SIG_IGN: an ignored signal stays ignored in the processes a worker starts (compile workers).
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
+        signal.signal(sig, lambda *_: None)
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
     dims = spec.worker_config().dims(load_config(spec.source))

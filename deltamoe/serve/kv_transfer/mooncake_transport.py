@@ -68,6 +68,7 @@ import contextlib
 import ctypes
 import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -97,27 +98,42 @@ def quiet_engine_logs() -> None:
         level.value = int(os.environ.get("GLOG_minloglevel", GLOG_ERROR))
 
 
+_START_LOG_LOCK = threading.Lock()  # fd 2 is the process's: one filtered start at a time
+
+
 @contextlib.contextmanager
 def engine_start_log_filtered() -> Iterator[None]:
-    """Inside, file descriptor 2 goes to a temporary file; on the way out its lines go back to stderr,
-    less `HARMLESS_START_LINES` (a real error the engine writes while starting still shows)."""
-    import sys
-    import tempfile
+    """Inside, file descriptor 2 is a pipe whose lines a thread passes on to the real stderr as they
+    come, less `HARMLESS_START_LINES` (a real error the engine writes while starting still shows,
+    even if the process dies right after). Nothing is filtered where fd 2 is closed."""
+    with _START_LOG_LOCK:
+        try:
+            saved = os.dup(2)
+        except OSError:  # started with stderr closed (2>&-): nothing to filter
+            yield
+            return
+        read_end, write_end = os.pipe()
 
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as held:
-        os.dup2(held.fileno(), 2)
+        def forward() -> None:
+            with os.fdopen(read_end, "rb") as lines:
+                for line in lines:
+                    if not any(harmless.encode() in line for harmless in HARMLESS_START_LINES):
+                        os.write(saved, line)
+
+        with contextlib.suppress(Exception):  # Python's own buffered stderr first, in order
+            sys.stderr.flush()
+        os.dup2(write_end, 2)
+        os.close(write_end)
+        forwarder = threading.Thread(target=forward, name="mooncake-start-log", daemon=True)
+        forwarder.start()
         try:
             yield
         finally:
-            os.dup2(saved, 2)
+            with contextlib.suppress(Exception):
+                sys.stderr.flush()
+            os.dup2(saved, 2)  # the pipe's last writer closed: the thread reads to its end
+            forwarder.join(5)
             os.close(saved)
-            held.seek(0)
-            kept = [line for line in held.read().decode(errors="replace").splitlines(keepends=True)
-                    if not any(harmless in line for harmless in HARMLESS_START_LINES)]
-            sys.stderr.write("".join(kept))
-            sys.stderr.flush()
 
 
 def engine_log_level() -> ctypes.c_int32 | None:

@@ -52,17 +52,31 @@ class WorkerUnresponsive(Exception):
 
 
 async def watched(worker: Worker, awaitable):
-    """The result of `awaitable`, unless `worker` stops answering the router's polls first."""
+    """The result of `awaitable`, unless `worker` stops answering the router's polls first (or the
+    caller is cancelled: its client left)."""
     task = asyncio.ensure_future(awaitable)
+    returned = False
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=WATCH_S)
             if done:
+                returned = True
                 return task.result()
             if worker.unresponsive:
                 raise WorkerUnresponsive(f"it failed the router's last {UNRESPONSIVE_POLLS} health polls")
     finally:
-        task.cancel()  # no-op once done; else its connection is closed as the cancellation lands
+        if not returned:  # abandoned: cancelled, or its outcome dropped once it lands
+            task.cancel()
+            task.add_done_callback(_drop)
+
+
+def _drop(task: asyncio.Future) -> None:
+    """An abandoned wait's outcome: its error read (never logged as "never retrieved"), a response
+    that arrived anyway closed (its connection back in the pool)."""
+    if task.cancelled() or task.exception() is not None:
+        return
+    if isinstance(task.result(), httpx.Response):
+        asyncio.ensure_future(task.result().aclose())
 
 
 async def _next_line(lines: AsyncIterator[str]) -> str | None:
@@ -76,7 +90,8 @@ async def _next_line(lines: AsyncIterator[str]) -> str | None:
 class Attempt:
     prefill: Worker
     decode: Worker
-    response: httpx.Response
+    response: httpx.Response | None
+    closed: bool = False
 
 
 def error_body(message: str, code: str) -> dict:
@@ -148,20 +163,23 @@ class _Request:
             self.attempts += 1
             p.in_flight += 1
             d.in_flight += 1
+            attempt = Attempt(p, d, None)
             request = self.proxy.client.build_request("POST", d.url + self.path, content=self.body,
                                                       headers=self.proxy.headers | {PREFILL_HEADER: p.url,
                                                                                     "content-type": "application/json"},
                                                       timeout=REQUEST_TIMEOUT)
             try:
-                response = await watched(d, self.proxy.client.send(request, stream=True))
+                attempt.response = await watched(d, self.proxy.client.send(request, stream=True))
+                if attempt.response.status_code < 500:
+                    return attempt
+                message = _message(await attempt.response.aread())
             except (httpx.HTTPError, WorkerUnresponsive) as e:
-                await self.close(Attempt(p, d, None))
+                await self.close(attempt)
                 self.blame(d, f"decode server {d.url}: {type(e).__name__}: {e}")
                 continue
-            attempt = Attempt(p, d, response)
-            if response.status_code < 500:
-                return attempt
-            message = _message(await response.aread())
+            except BaseException:  # cancelled (the client left): the pair is not busy with it any more
+                await self.close(attempt)
+                raise
             await self.close(attempt)
             self.blame(await self.culprit(p, d, message), message)
         self.count("failed")
@@ -184,6 +202,10 @@ class _Request:
         self.last_error = message
 
     async def close(self, attempt: Attempt) -> None:
+        """Once per attempt: its workers' in-flight counts, then its response's connection."""
+        if attempt.closed:
+            return
+        attempt.closed = True
         attempt.prefill.in_flight -= 1
         attempt.decode.in_flight -= 1
         if attempt.response is not None:
@@ -248,7 +270,7 @@ class _Request:
                     if outcome != "ok":
                         raise StreamBroken("the stream ended without [DONE]")
                     break
-                except (httpx.HTTPError, StreamBroken, ValueError, WorkerUnresponsive, TimeoutError) as e:
+                except (httpx.HTTPError, StreamBroken, ValueError, WorkerUnresponsive, asyncio.TimeoutError) as e:
                     await self.close(attempt)
                     self.blame(attempt.decode, f"decode server {attempt.decode.url} broke off the stream: {e}")
                     attempt = None

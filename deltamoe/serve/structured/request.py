@@ -110,7 +110,7 @@ async def constrain(params: SamplingParams, req: Any, tokenizer: Tokenizer) -> N
     built = asyncio.wrap_future(compile_pool().submit(constraint_from_request, req, tokenizer))
     try:
         params.structured = await asyncio.wait_for(built, COMPILE_TIMEOUT_S)
-    except TimeoutError:
+    except asyncio.TimeoutError:  # the builtin TimeoutError only from Python 3.11
         raise RequestError(f"the structured-output request did not convert within {COMPILE_TIMEOUT_S:g} s; "
                            "simplify it", field=_asked_field(req)) from None
     if params.structured is not None:

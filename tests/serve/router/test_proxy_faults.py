@@ -220,3 +220,29 @@ def test_the_router_reads_bodies_within_the_servers_limit(monkeypatch):
     r = client.post("/v1/completions", content=b"x" * (MAX_BODY_BYTES + 1),
                     headers={"content-type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+
+def test_a_client_leaving_while_its_prefill_runs_frees_the_pair(monkeypatch, caplog):
+    """The wait for a decode server's first bytes is cancelled when the client leaves: the pair's
+    in-flight counts go back (they stayed raised, skewing every later pick), and the abandoned wait's
+    outcome is read, never logged as "Task exception was never retrieved"."""
+    import gc
+
+    with slow_decode_server(delay_s=30.0) as url:
+        pool = checked_pool(monkeypatch, [url])
+
+        async def main():
+            async with httpx.AsyncClient() as client:
+                proxy = Proxy(pool, client, RouterMetrics(), {})
+                task = asyncio.create_task(proxy.forward("/v1/completions", b'{"prompt": "x"}'))
+                await asyncio.sleep(0.3)
+                assert [w.in_flight for w in pool.workers] == [1, 1]
+                task.cancel()  # what Starlette does when the client disconnects
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                await asyncio.sleep(0.1)
+            gc.collect()
+
+        asyncio.run(main())
+    assert [w.in_flight for w in pool.workers] == [0, 0]
+    assert "never retrieved" not in caplog.text
