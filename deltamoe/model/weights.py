@@ -284,9 +284,13 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: str | Path, config_json
     mode = _new_file_mode(path)
     for fname, shard in zip(names, shards):
         tmp = path / f".{fname}.tmp"
-        save_file(shard, str(tmp), metadata={"format": "pt"})
-        os.chmod(tmp, mode)  # safetensors creates it 0600; a checkpoint is shared like its config.json
-        os.replace(tmp, path / fname)
+        try:
+            save_file(shard, str(tmp), metadata={"format": "pt"})
+            os.chmod(tmp, mode)  # safetensors creates it 0600; a checkpoint is shared like its config.json
+            os.replace(tmp, path / fname)
+        except BaseException:  # Ctrl-C or a full disk: no hidden shard-sized file left behind
+            tmp.unlink(missing_ok=True)
+            raise
         weight_map.update({k: fname for k in shard})
     if n > 1:
         total = sum(t.numel() * t.element_size() for t in tensors.values())

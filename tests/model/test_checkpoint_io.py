@@ -167,3 +167,17 @@ def test_weights_files_get_the_mode_of_the_config(tmp_path, configs):
     save_checkpoint(build_model(configs["k3.1"](), seed=3), tmp_path, max_shard_bytes=200_000)
     modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
     assert len(set(modes.values())) == 1, modes
+
+
+def test_a_write_cut_short_leaves_no_hidden_shard_file(tmp_path, monkeypatch):
+    """Ctrl-C during `deltamoe quantize` / an export left a full-size `.model.safetensors.tmp` behind."""
+    from deltamoe.model import weights
+
+    def cut_short(tensors, filename, metadata=None):
+        open(filename, "wb").write(b"\0" * 4096)  # part of the shard is on disk when the interrupt lands
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(weights, "save_file", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        weights.save_tensors({"w": torch.zeros(4)}, tmp_path / "out", {"model_type": "x"})
+    assert [p.name for p in (tmp_path / "out").iterdir()] == []

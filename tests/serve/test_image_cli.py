@@ -57,3 +57,11 @@ def test_chat_image_command(picture, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "(image 48x32, 6 tokens; sent with your next message)" in out
     assert "cannot read /no/such.png" in out
+
+
+def test_images_with_speculative_decoding_are_refused_in_one_line(picture, capsys):
+    """The speculative runner encodes no images (it crashed with a TypeError; the server answered 500)."""
+    assert main(["generate", "tiny-vision", "--image", str(picture), "-p", "x", "--speculative", "mtp",
+                 "--no-compile", "--cache-memory", "16MiB"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "images with --speculative: not yet" in err

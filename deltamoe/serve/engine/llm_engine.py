@@ -213,11 +213,13 @@ class LLMEngine:
         (a grammar matcher advanced with each token, prompt logprobs, image embeddings, forked choices)."""
         layouts = {"--tp/--ep workers": not isinstance(self.executor, UniprocExecutor),
                    "a prefill/decode role": self.connector is not None,
-                   "--async-scheduling": self.overlap is not None}
+                   "--async-scheduling": self.overlap is not None,
+                   # its prefill keeps the hidden states the drafts need, not prompt logprobs or image rows
+                   "--speculative": self.config.speculative is not None}
         features = [  # (asked for, field, what, the layouts that lack it)
             (seq.images is not None, "images", "images", layouts),
             (seq.params.prompt_logprobs is not None, "prompt_logprobs", "prompt logprobs",
-             ("--tp/--ep workers", "--async-scheduling")),
+             ("--tp/--ep workers", "--async-scheduling", "--speculative")),
             (seq.params.structured is not None, getattr(seq.params.structured, "field", "response_format"),
              "structured outputs", ("--async-scheduling",)),
             (seq.fork_of is not None, "n", "n > 1 or best_of", ("--async-scheduling",)),

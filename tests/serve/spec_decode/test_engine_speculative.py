@@ -281,3 +281,19 @@ def test_grammar_and_logit_bias_requests_decode_plainly_with_the_plain_output(mt
     got = spec.generate(prompts, params, progress=False)
     assert [c.token_ids for c in got] == [c.token_ids for c in plain]
     assert spec.runner.tracker.verifications > 0  # the third request did speculate
+
+
+def test_prompt_logprobs_are_refused_not_dropped(mtp_model):
+    """The speculative prefill keeps the hidden states the drafts need, not prompt logprobs: a request
+    asking for them (prompt_logprobs, or echo + logprobs) is a 400 naming the field (it was answered
+    200 with them missing)."""
+    from deltamoe.errors import RequestError
+
+    eng = engine(mtp_model, 2)
+    try:
+        seq = eng.make_sequence([5, 6, 7, 8], SamplingParams(max_tokens=2, prompt_logprobs=1))
+        with pytest.raises(RequestError, match="prompt logprobs with --speculative: not yet") as e:
+            eng.add_sequence(seq)
+        assert e.value.field == "prompt_logprobs" and not eng.has_unfinished()
+    finally:
+        eng.shutdown()
