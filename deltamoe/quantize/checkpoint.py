@@ -16,7 +16,7 @@ from deltamoe.model.ffn import RoutedExperts
 from deltamoe.model.quant_scheme import QuantScheme, quantize_weight, scheme_to_config
 from deltamoe.model.quantize_modules import quantized_module_names
 from deltamoe.model.checkpoint_names import param_to_checkpoint
-from deltamoe.model.weights import save_tensors, state_dict_for_checkpoint
+from deltamoe.model.weights import read_quant_scheme, save_tensors, state_dict_for_checkpoint
 
 
 def float_kept_modules(model: DeltaMoEForCausalLM, scheme: QuantScheme) -> list[str]:
@@ -65,7 +65,9 @@ def quantized_state_dict(model: DeltaMoEForCausalLM, scheme: QuantScheme,
 
 def quantize_checkpoint(source: str | Path, out: str | Path, scheme: QuantScheme,
                         dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 2 * 1024**3) -> dict[str, int]:
-    """Load `source` (checkpoint folder or preset) in fp32, quantize, write to `out`. Returns byte counts."""
+    """Load `source` (checkpoint folder or preset) in fp32, quantize, write to `out`. Returns byte counts,
+    module counts (quantized, and targeted but kept float for their width), and under "requantized_from" the source's format when it was a quantized checkpoint (dequantized
+    first, e.g. K3's MXFP4 experts to int4: the two roundings add)."""
     if not str(out).strip():
         raise ConfigError("empty output folder", field="out", hint="name the folder to write to")
     if Path(source).is_dir() and Path(out).resolve() == Path(source).resolve():
@@ -73,15 +75,24 @@ def quantize_checkpoint(source: str | Path, out: str | Path, scheme: QuantScheme
                           field="out", hint="write the quantized checkpoint to another folder")
     if Path(out).exists() and not Path(out).is_dir():
         raise ConfigError(f"{out} exists and is not a folder", field="out")
-    model = load_model(source, dtype=torch.float32)
+    source_scheme = read_quant_scheme(Path(source)) if Path(source).is_dir() else None
+    model = load_model(source, dtype=torch.float32, dequantize=True)
+    if not quantized_module_names(model, scheme):
+        hint = (f"a --group-size that divides the layers' input widths ({model.config.hidden_size} and others)"
+                if scheme.weight_format == "int4" else "a checkpoint with routed experts")
+        raise ConfigError(f"{scheme.format} with group size {scheme.group_size} quantizes no layer of {source}: "
+                          "every targeted layer's input width is no multiple of the group",
+                          field="--group-size" if scheme.weight_format == "int4" else "--format", hint=f"use {hint}")
     tensors = quantized_state_dict(model, scheme, dtype)
     config = config_to_hf(model.config)
     config["quantization_config"] = scheme_to_config(scheme)
-    config["quantization_config"]["ignore"] += float_kept_modules(model, scheme)
+    kept_float = float_kept_modules(model, scheme)
+    config["quantization_config"]["ignore"] += kept_float
     try:
         save_tensors(tensors, out, config, max_shard_bytes)
     except OSError as e:
         raise ConfigError(f"cannot write {out} ({e.strerror or e})", field="out") from None
     quantized = sum(t.numel() * t.element_size() for n, t in tensors.items() if n.rsplit(".", 1)[-1].startswith("weight_"))
     return {"tensors": len(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
-            "quantized_bytes": quantized}
+            "quantized_bytes": quantized, "quantized_modules": len(quantized_module_names(model, scheme)),
+            "kept_float_modules": len(kept_float), "requantized_from": source_scheme.format if source_scheme else None}

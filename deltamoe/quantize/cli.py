@@ -33,5 +33,14 @@ def quantize_command(
     from deltamoe.quantize.checkpoint import quantize_checkpoint
 
     stats = quantize_checkpoint(source, out, scheme, dtype=getattr(torch, dtype))
+    if stats["requantized_from"]:
+        typer.echo(f"note: {source} is an {stats['requantized_from']} checkpoint: dequantized, then quantized "
+                   f"to {scheme.format} (both roundings' errors add; quantize the float checkpoint where you have it)",
+                   err=True)
     typer.echo(f"wrote {out}: {stats['tensors']} tensors, {stats['bytes'] / 2**20:.1f} MiB "
-               f"({stats['quantized_bytes'] / 2**20:.1f} MiB quantized {scheme.format})")
+               f"({stats['quantized_bytes'] / 2**20:.1f} MiB quantized {scheme.format}: "
+               f"{stats['quantized_modules']} layers or expert stacks)")
+    if stats["kept_float_modules"]:
+        typer.echo(f"note: {stats['kept_float_modules']} targeted layers or expert stacks kept in float: their input "
+                   f"width is no multiple of the group size {scheme.group_size} (listed in config.json's "
+                   "quantization_config.ignore)", err=True)

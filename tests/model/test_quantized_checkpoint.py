@@ -310,3 +310,41 @@ def test_config_ignore_names_every_target_kept_in_float(checkpoints, key):
         if targets_experts and not is_expert:
             continue  # mxfp4 targets the routed experts only
         assert ignored(module), module
+
+
+def test_a_group_that_quantizes_no_layer_is_refused_and_a_partial_one_says_what_stayed_float(tmp_path, capsys):
+    """tiny without its MTP layer has no input width that 256 divides: writing a float copy labelled
+    int4 is an error naming --group-size; with it, the one layer quantized and the rest kept float are said."""
+    from deltamoe.cli import main
+    from deltamoe.model.weights import save_checkpoint
+
+    src = tmp_path / "no-mtp"
+    save_checkpoint(build_model(dataclasses.replace(load_preset("tiny"), num_nextn_predict_layers=0)), src)
+    assert main(["quantize", str(src), str(tmp_path / "q"), "--format", "int4", "--group-size", "256"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --group-size: ") and "quantizes no layer" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "q").exists()
+
+    assert main(["quantize", "tiny", str(tmp_path / "q"), "--format", "int4", "--group-size", "256"]) == 0
+    captured = capsys.readouterr()
+    assert "quantized int4: 1 layers or expert stacks" in captured.out
+    kept = len(json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["ignore"])
+    assert "kept in float" in captured.err and "group size 256" in captured.err
+    assert kept >= int(captured.err.split("note: ")[1].split()[0])
+
+
+def test_a_quantized_source_is_dequantized_then_quantized_with_a_note(checkpoints, tmp_path, capsys):
+    """K3 ships MXFP4 experts: quantizing that checkpoint to int4 dequantizes it first (was an error
+    after the whole load, telling a CLI user to pass dequantize=True)."""
+    from deltamoe.cli import main
+
+    assert main(["quantize", str(checkpoints["mxfp4"]), str(tmp_path / "q"), "--format", "int4",
+                 "--group-size", "32"]) == 0
+    assert "is an mxfp4 checkpoint: dequantized, then quantized to int4" in capsys.readouterr().err
+    requantized = load_model(tmp_path / "q")
+    assert isinstance(requantized.model.layers[0].mlp.gate_proj, Int4Linear)
+    from deltamoe.model.weights import save_checkpoint
+
+    save_checkpoint(load_model(checkpoints["mxfp4"], dequantize=True), tmp_path / "float")
+    quantize_checkpoint(tmp_path / "float", tmp_path / "via-float", make_scheme("int4", 32, None))
+    torch.testing.assert_close(_logits(requantized), _logits(load_model(tmp_path / "via-float")), rtol=0, atol=0)
