@@ -113,8 +113,9 @@ def start(args: list[str], port: int, root: Path = ROOT, env_extra: dict[str, st
 
 
 def metric(url: str, name: str) -> float:
+    """A metric's value; a counter by its `_total` name (or the bare one older servers exported)."""
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + " "):
+        if line.startswith(name + " ") or line.startswith(name + "_total "):
             return float(line.split()[-1])
     raise KeyError(name)
 

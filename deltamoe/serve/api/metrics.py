@@ -86,7 +86,8 @@ class _EngineCollector(Collector):
         for family, name, doc, value in families:
             yield family(name, doc, value=float(value))
         for key, value in s.extra.items():  # whatever the engine adds later shows up without a server change
-            yield GaugeMetricFamily(f"deltamoe_engine_{key}", f"Engine stat {key}.", value=float(value))
+            family = CounterMetricFamily if key in s.extra_counters else GaugeMetricFamily  # counters get _total
+            yield family(f"deltamoe_engine_{key}", f"Engine stat {key}.", value=float(value))
 
 
 class _RankCollector(Collector):
@@ -104,13 +105,18 @@ class _RankCollector(Collector):
         total = CounterMetricFamily("deltamoe_rank_forward_seconds", "Forward time of the rank's steps.",
                                     labels=["rank"])
         steps = CounterMetricFamily("deltamoe_rank_steps", "Steps the rank has run.", labels=["rank"])
-        experts = CounterMetricFamily("deltamoe_expert_tokens", "Tokens routed to each expert, by the rank holding it "
-                                      "and the MoE layer (its row in layer order).", labels=["rank", "layer", "expert"])
-        for r in reports:
+        experts = CounterMetricFamily("deltamoe_expert_tokens", "Tokens routed to each expert, by the first rank "
+                                      "holding it (TP ranks of one expert group count the same tokens) and the "
+                                      "MoE layer (its row in layer order).", labels=["rank", "layer", "expert"])
+        counted: set[int] = set()  # expert groups already exported: summing the series gives the true total
+        for r in sorted(reports, key=lambda r: r.rank):
             rank = str(r.rank)
             last.add_metric([rank], r.last_step_seconds)
             total.add_metric([rank], r.forward_seconds_total)
             steps.add_metric([rank], r.steps)
+            if r.first_expert in counted:
+                continue
+            counted.add(r.first_expert)
             for layer, row in enumerate(r.expert_tokens):
                 for i, tokens in enumerate(row):
                     experts.add_metric([rank, str(layer), str(r.first_expert + i)], tokens)

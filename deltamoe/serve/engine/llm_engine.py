@@ -37,8 +37,8 @@ from deltamoe.serve.executor.multiproc import MultiprocExecutor
 from deltamoe.serve.executor.overlap import OverlappedSteps
 from deltamoe.serve.executor.uniproc import UniprocExecutor
 from deltamoe.serve.engine.sequence import Sequence
-from deltamoe.serve.spec_decode.runner import (acceptance_restorer, speculation_stats, speculative_runner,
-                                               verification_warm_up_rounds)
+from deltamoe.serve.spec_decode.runner import (acceptance_restorer, speculation_counters, speculation_stats,
+                                               speculative_runner, verification_warm_up_rounds)
 from deltamoe.serve.spec_decode.step_result import SpeculativeStepResult, emit_speculative
 from deltamoe.tokenizers.base import Tokenizer
 from deltamoe.tokenizers.load import load_tokenizer
@@ -434,7 +434,8 @@ class LLMEngine:
             prefix_hit_tokens=c.prefix_hits, prefix_query_tokens=c.prefix_queries,
             prompt_tokens_total=self._totals["prompt_tokens"], generation_tokens_total=self._totals["generation_tokens"],
             requests_finished=self._totals["finished"], steps=self._totals["steps"],
-            extra={**self._transfer_stats(), **speculation_stats(self.runner)})
+            extra={**self._transfer_stats(), **speculation_stats(self.runner)},
+            extra_counters=speculation_counters(self.runner) | (self.connector.counter_stats() if self.connector else frozenset()))
 
     def _transfer_stats(self) -> dict[str, float]:
         if self.connector is None:

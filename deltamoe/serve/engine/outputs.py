@@ -61,9 +61,10 @@ class EngineStats:
     requests_finished: int
     steps: int
     extra: dict[str, float] = field(default_factory=dict)
+    extra_counters: frozenset[str] = frozenset()  # the keys of `extra` that are running totals (Prometheus counters)
 
     def as_dict(self) -> dict[str, float]:
-        d = {k: v for k, v in self.__dict__.items() if k != "extra"}
+        d = {k: v for k, v in self.__dict__.items() if k not in ("extra", "extra_counters")}
         return {**d, **self.extra}
 
 

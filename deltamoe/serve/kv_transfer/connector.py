@@ -85,8 +85,12 @@ class KVConnector(ABC):
 
     # ------------------------------------------------------------------ reporting
     def stats(self) -> dict[str, float]:
-        """Counters for /metrics (names become deltamoe_engine_<name>)."""
+        """Numbers for /metrics (names become deltamoe_engine_<name>); those in `counter_stats` are totals."""
         return {}
+
+    def counter_stats(self) -> frozenset[str]:
+        """The names in `stats` that only grow (exported as counters; the others as gauges)."""
+        return frozenset()
 
     def close(self) -> None:
         """Release transport resources."""

@@ -297,6 +297,9 @@ class MooncakeConnector(KVConnector):
                                      "markers_seen": self.markers.seen}
         return {f"kv_transfer_{k}": float(v) for k, v in totals.items()}
 
+    def counter_stats(self) -> frozenset[str]:
+        return frozenset(f"kv_transfer_{k}" for k in (*self._totals, "seconds_busy", "markers_seen"))
+
     def close(self) -> None:
         self._threads.shutdown(wait=True, cancel_futures=True)
         if hasattr(self.prefill_client, "close"):  # an HTTP client's connections

@@ -241,6 +241,11 @@ def speculation_stats(runner: ModelRunner) -> dict[str, float]:
     return {**runner.tracker.stats(), **runner.costs.table()} if isinstance(runner, SpeculativeRunner) else {}
 
 
+def speculation_counters(runner: ModelRunner) -> frozenset[str]:
+    """The names in `speculation_stats` that are running totals."""
+    return runner.tracker.COUNTERS if isinstance(runner, SpeculativeRunner) else frozenset()
+
+
 def verification_warm_up_rounds(runner: ModelRunner, max_context: int) -> list[WarmUpRound]:
     """Made-up requests that reach the compiled speculative graphs (`compiled_verify.py`,
     `compiled_draft.py`) through the scheduler, for `LLMEngine.warm_up` (none without them): one

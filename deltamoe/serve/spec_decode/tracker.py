@@ -113,6 +113,10 @@ class AcceptanceTracker:
         """Per draft position: the share of verifications that kept it."""
         return [n / self.verifications if self.verifications else 0.0 for n in self.accepted_at]
 
+    COUNTERS = frozenset({"spec_decode_verifications", "spec_decode_draft_tokens", "spec_decode_accepted_tokens",
+                          "spec_decode_requests_switched_off", "spec_decode_plain_by_rule_steps",
+                          "spec_decode_plain_by_cost_steps", "spec_decode_requests_retried"})  # running totals in `stats`
+
     def stats(self) -> dict[str, float]:
         rates = self.acceptance_rates()
         out = {f"spec_decode_acceptance_rate_position_{j + 1}": r for j, r in enumerate(rates)}

@@ -84,6 +84,8 @@ def check_rank_metrics(engine: LLMEngine, tp: int, ep: int) -> None:
     text = ServerMetrics(engine.stats, engine.executor.rank_stats).render().decode()
     assert f'deltamoe_rank_step_seconds{{rank="{tp * ep - 1}"}}' in text
     assert f'deltamoe_expert_tokens_total{{expert="0",layer="0",rank="0"}} {float(whole[0][0])}' in text
+    exported = [float(line.split()[-1]) for line in text.splitlines() if line.startswith("deltamoe_expert_tokens_total{")]
+    assert sum(exported) == sum(per_layer)  # each expert once, whatever the TP degree
     assert ('deltamoe_expert_imbalance{layer="0",placement="planned"}' in text) == (ep > 1)
 
 

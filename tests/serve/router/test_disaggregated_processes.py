@@ -164,11 +164,11 @@ def test_greedy_through_router_equals_colocated(cluster, model, helpers):
     assert got == expected
     assert metric(cluster.url, "deltamoe_router_requests_total") >= 8
     for name in ("d0", "d1"):  # both decode servers got work (load-aware choice)
-        assert metric(cluster.urls[name], "deltamoe_engine_kv_transfer_received") >= 1
+        assert metric(cluster.urls[name], "deltamoe_engine_kv_transfer_received_total") >= 1
     for name in ("p0", "p1"):
-        assert metric(cluster.urls[name], "deltamoe_engine_kv_transfer_sent") >= 1
+        assert metric(cluster.urls[name], "deltamoe_engine_kv_transfer_sent_total") >= 1
         assert metric(cluster.urls[name], "deltamoe_time_to_first_token_seconds_count") >= 1  # prompt computed
-        assert metric(cluster.urls[name], "deltamoe_engine_kv_transfer_bytes_sent") > 0
+        assert metric(cluster.urls[name], "deltamoe_engine_kv_transfer_bytes_sent_total") > 0
 
 
 def test_chat_streaming_and_not(cluster):

@@ -86,8 +86,8 @@ def assert_pair_equals_colocated(pairs: Pairs, router: str, model, prompts: list
         got = list(pool.map(lambda ip: complete(url, ip[1], 12, stream=ip[0] % 2 == 0), enumerate(prompts)))
     assert got == expected
     prefill, decode = pairs.ROUTED[router]
-    assert metric(pairs.urls[decode], "deltamoe_engine_kv_transfer_received") >= len(prompts)
-    assert metric(pairs.urls[prefill], "deltamoe_engine_kv_transfer_sent") >= len(prompts)
+    assert metric(pairs.urls[decode], "deltamoe_engine_kv_transfer_received_total") >= len(prompts)
+    assert metric(pairs.urls[prefill], "deltamoe_engine_kv_transfer_sent_total") >= len(prompts)
     for name in (prefill, decode):
         assert_nothing_held(pairs.urls[name])
 

@@ -93,7 +93,7 @@ def test_greedy_equals_plain_across_the_limit_and_drafting_resumes(mtp_model, he
     extra = eng.stats().extra
     assert extra["spec_decode_plain_by_rule_steps"] == eng.runner.tracker.plain_by_rule_steps
     text = ServerMetrics(eng.stats).render().decode()
-    assert f"deltamoe_engine_spec_decode_plain_by_rule_steps {extra['spec_decode_plain_by_rule_steps']}" in text
+    assert f"deltamoe_engine_spec_decode_plain_by_rule_steps_total {extra['spec_decode_plain_by_rule_steps']}" in text
     assert f"{eng.runner.tracker.plain_by_rule_steps} steps ran plain by the batch-size rule" in summary_line(
         eng.runner.tracker)
 

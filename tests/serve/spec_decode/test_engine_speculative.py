@@ -104,8 +104,10 @@ def test_real_mtp_drafter_alone_and_stats(mtp_model, batch):
     assert extra["spec_decode_verifications"] > 0
     assert set(extra) >= {"spec_decode_acceptance_rate_position_1", "spec_decode_acceptance_rate_position_2"}
     text = ServerMetrics(eng.stats).render().decode()
-    assert f"deltamoe_engine_spec_decode_verifications {extra['spec_decode_verifications']}" in text
+    assert f"deltamoe_engine_spec_decode_verifications_total {extra['spec_decode_verifications']}" in text
     assert "deltamoe_engine_spec_decode_acceptance_rate_position_2 " in text
+    assert "# TYPE deltamoe_engine_spec_decode_accepted_tokens_total counter" in text  # totals: rate() works
+    assert "# TYPE deltamoe_engine_spec_decode_acceptance_rate_position_2 gauge" in text
 
 
 def test_prefix_hits_and_preemption(mtp_model, helpers):
