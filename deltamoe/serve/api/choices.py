@@ -26,7 +26,8 @@ from starlette.background import BackgroundTask
 from deltamoe.errors import RequestError
 from deltamoe.serve.api.errors import APIError, from_request_error
 from deltamoe.serve.api.format import ChatFormatter, usage_of
-from deltamoe.serve.api.generate import CLIENT_CLOSED, ClientGone, Formatter, Generation, _engine_failed, _unless_disconnected
+from deltamoe.serve.api.disconnect import CLIENT_CLOSED, ClientGone, unless_disconnected
+from deltamoe.serve.api.generate import Formatter, Generation, _engine_failed
 from deltamoe.serve.api.metrics import RequestTiming
 from deltamoe.serve.api.params import rename
 from deltamoe.serve.api.schemas import CompletionTokensDetails, PromptTokensDetails, Usage
@@ -88,7 +89,7 @@ class Choices:
         firsts = [firsts[-1], *firsts[:-1]]
         timing = RequestTiming()
         try:
-            first = await _unless_disconnected(request, asyncio.gather(*firsts))
+            first = await unless_disconnected(request, asyncio.gather(*firsts))
         except RequestError as e:
             await self._close(streams, firsts)
             raise from_request_error(rename(e, self.gen.field_names)) from e
@@ -105,7 +106,7 @@ class Choices:
             return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(events.aclose),
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            await _unless_disconnected(request, self._drain(merged))
+            await unless_disconnected(request, self._drain(merged))
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
         except EngineDeadError as e:

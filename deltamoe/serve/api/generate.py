@@ -11,11 +11,10 @@ by polling `request.is_disconnected()` while waiting.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable
-from typing import Protocol, TypeVar
+from collections.abc import AsyncIterator
+from typing import Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -23,6 +22,7 @@ from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
 from deltamoe.errors import RequestError
+from deltamoe.serve.api.disconnect import CLIENT_CLOSED, ClientGone, unless_disconnected
 from deltamoe.serve.api.errors import APIError, from_request_error
 from deltamoe.serve.api.metrics import RequestTiming, ServerMetrics
 from deltamoe.serve.api.params import rename
@@ -31,9 +31,6 @@ from deltamoe.serve.engine.outputs import RequestOutput
 from deltamoe.serve.engine.sampling import SamplingParams
 from deltamoe.vision.preprocess import PreparedImage
 
-T = TypeVar("T")
-DISCONNECT_POLL_S = 0.2
-CLIENT_CLOSED = 499  # nginx's "client closed request": only the access log and /metrics ever see it
 
 
 class Formatter(Protocol):
@@ -45,29 +42,6 @@ class Formatter(Protocol):
     def usage_chunk(self) -> BaseModel: ...
 
     def response(self) -> BaseModel: ...
-
-
-class ClientGone(Exception):
-    pass
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`; if the client disconnects first, cancel it (which aborts the engine request)."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise ClientGone()
-    finally:
-        if not task.done():
-            task.cancel()
-            try:
-                await task
-            except (asyncio.CancelledError, Exception):
-                pass
 
 
 def _engine_failed(e: EngineDeadError) -> APIError:
@@ -91,7 +65,7 @@ class Generation:
         # Each failure below has already ended the engine's generator (the error or the
         # cancellation ran through it), so there is nothing left to close.
         try:
-            first = await _unless_disconnected(request, outputs.__anext__())
+            first = await unless_disconnected(request, outputs.__anext__())
         except RequestError as e:
             raise from_request_error(rename(e, self.field_names)) from e
         except EngineDeadError as e:
@@ -120,7 +94,7 @@ class Generation:
 
         reason = "abort"
         try:
-            await _unless_disconnected(request, drain())
+            await unless_disconnected(request, drain())
             reason = fmt.last.finish_reason or "abort"
         except EngineDeadError as e:
             reason = "error"

@@ -83,12 +83,12 @@ def build_router_app(pool: WorkerPool, *, api_key: str | None = None, max_retrie
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
         body = await read_bytes(request)
-        return await state["proxy"].forward("/v1/completions", body)
+        return await state["proxy"].forward("/v1/completions", body, request)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await read_bytes(request)
-        return await state["proxy"].forward("/v1/chat/completions", body)
+        return await state["proxy"].forward("/v1/chat/completions", body, request)
 
     app.include_router(v1)
     install_error_handlers(app)

@@ -10,8 +10,8 @@ from deltamoe.serve.api.metrics import _E2E_BUCKETS, _LATENCY_BUCKETS
 class RouterMetrics:
     def __init__(self):
         self.registry = r = CollectorRegistry(auto_describe=True)
-        self.requests = Counter("deltamoe_router_requests", "Client requests by outcome (ok; failed: no pair completed it, or the client left; "
-                                "rejected: the client's fault, a 4xx or an in-band invalid_request_error).", ["outcome"],
+        self.requests = Counter("deltamoe_router_requests", "Client requests by outcome (ok; failed: no pair completed it; cancelled: the client "
+                                "left first; rejected: the client's fault, a 4xx or an in-band invalid_request_error).", ["outcome"],
                                 registry=r)
         self.retries = Counter("deltamoe_router_retries", "Requests tried again on another prefill/decode pair.",
                                registry=r)

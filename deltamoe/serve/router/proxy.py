@@ -31,8 +31,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import httpx
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from deltamoe.serve.api.disconnect import CLIENT_CLOSED, ClientGone, unless_disconnected
 from deltamoe.serve.kv_transfer.roles import PREFILL_HEADER
 from deltamoe.serve.router.metrics import RouterMetrics
 from deltamoe.serve.router.workers import UNRESPONSIVE_POLLS, Worker, WorkerPool
@@ -109,13 +111,25 @@ class Proxy:
         self.max_retries, self.read_timeout_s = max_retries, read_timeout_s
         self.closing = False  # set as the router shuts down: relayed streams end after their next event
 
-    async def forward(self, path: str, body: bytes) -> Response:
+    async def forward(self, path: str, body: bytes, request: Request | None = None) -> Response:
+        """Relay one request; a client (`request`; None: one that cannot leave) that leaves before its
+        response starts is let go, its attempt closed, so the decode server sees the disconnect and
+        frees the request's cache."""
+        state = _Request(self, path, body)
+        if request is None:
+            return await self._relay(state, body)
+        try:
+            return await unless_disconnected(request, self._relay(state, body))
+        except ClientGone:
+            state.count("cancelled")
+            return Response(status_code=CLIENT_CLOSED)
+
+    async def _relay(self, state: _Request, body: bytes) -> Response:
         try:
             parsed = json.loads(body)
             stream, deterministic = bool(parsed.get("stream")), is_deterministic(parsed)
         except (ValueError, AttributeError):  # let a decode server word the 400
             stream, deterministic = False, True
-        state = _Request(self, path, body)
         first = await state.open()
         if isinstance(first, Response):
             return first
@@ -222,6 +236,9 @@ class _Request:
             except (httpx.HTTPError, WorkerUnresponsive) as e:
                 await self.close(attempt)
                 self.blame(attempt.decode, f"decode server {attempt.decode.url}: {type(e).__name__}: {e}")
+            except BaseException:  # cancelled (the client left): closing the response tells the decode server
+                await self.close(attempt)
+                raise
             attempt = await self.open()
             if isinstance(attempt, Response):
                 return attempt
@@ -286,11 +303,14 @@ class _Request:
                     if attempt.response.status_code != 200:
                         yield _error_event(_message(await attempt.response.aread()))
                         break
+        except (asyncio.CancelledError, GeneratorExit):  # the client left mid-stream
+            outcome = "cancelled"
+            raise
         finally:
             if attempt is not None:
                 await self.close(attempt)
             end = time.perf_counter()
-            self.count(outcome if outcome in ("ok", "rejected") else "failed")
+            self.count(outcome if outcome in ("ok", "rejected", "cancelled") else "failed")
             self.proxy.metrics.e2e.observe(end - self.start)
             if first_time is not None and sent > 1:
                 self.proxy.metrics.tpot.observe((end - first_time) / (sent - 1))

@@ -6,7 +6,9 @@
 - the polls carry the router's API key, and notice a worker restarted with other weights;
 - a failed hand-off is charged to the decode server when the decode server is the one that changed;
 - an in-band error that is the client's fault reaches it as written, without blame or retry;
-- a request is counted once in the router's metrics whatever path ends it.
+- a request is counted once in the router's metrics whatever path ends it;
+- a client that leaves a non-streamed request is let go and its decode server told (Starlette
+  cancels nothing for a non-streamed handler: the router polls for the disconnect itself).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from fastapi import Request  # at module level: the fake server's handler annotation is read from here
 
 from deltamoe.errors import ConfigError
 from deltamoe.serve.router.metrics import RouterMetrics
@@ -29,18 +32,37 @@ from deltamoe.serve.router.workers import UNRESPONSIVE_POLLS, WorkerPool
 from tests.serve.router.test_workers import INFO, fake_infos
 
 
+class Client:
+    """The router's view of its client (`Request.is_disconnected`): gone `leaves_after_s` after it
+    is first asked, or never."""
+
+    def __init__(self, leaves_after_s: float | None = None):
+        self.leaves_after_s, self.first_asked = leaves_after_s, None
+
+    async def is_disconnected(self) -> bool:
+        self.first_asked = self.first_asked or time.monotonic()
+        return self.leaves_after_s is not None and time.monotonic() - self.first_asked > self.leaves_after_s
+
+
 @contextlib.contextmanager
-def slow_decode_server(delay_s: float) -> Iterator[str]:
+def slow_decode_server(delay_s: float, disconnects: list[float] | None = None) -> Iterator[str]:
     """A real HTTP server on loopback whose answer comes `delay_s` after the request (a decode
-    server's non-streamed answer comes only once the whole generation is done)."""
+    server's non-streamed answer comes only once the whole generation is done); when the router
+    closes the connection first, the time it noticed is appended to `disconnects`, as a decode
+    server notices it to abort the generation."""
     import uvicorn
     from fastapi import FastAPI
 
     app = FastAPI()
 
     @app.post("/v1/completions")
-    async def completions() -> dict:
-        await asyncio.sleep(delay_s)
+    async def completions(request: Request) -> dict:
+        end = time.monotonic() + delay_s
+        while time.monotonic() < end:
+            await asyncio.sleep(0.05)
+            if disconnects is not None and await request.is_disconnected():
+                disconnects.append(time.monotonic())
+                break
         return {"choices": [{"text": "slow but fine"}]}
 
     sock = socket.socket()
@@ -68,13 +90,13 @@ def checked_pool(monkeypatch, decode: list[str], headers: dict | None = None) ->
 
 
 def forward(pool: WorkerPool, body: dict, read_timeout_s: float = 60.0, during=None,
-            transport: httpx.AsyncBaseTransport | None = None) -> tuple[object, Proxy, float]:
+            transport: httpx.AsyncBaseTransport | None = None, caller: Client | None = None) -> tuple[object, Proxy, float]:
     async def main():
         async with httpx.AsyncClient(transport=transport) as client:
             proxy = Proxy(pool, client, RouterMetrics(), {}, max_retries=2, read_timeout_s=read_timeout_s)
             side = asyncio.create_task(during()) if during else None
             start = time.monotonic()
-            response = await proxy.forward("/v1/completions", json.dumps(body).encode())
+            response = await proxy.forward("/v1/completions", json.dumps(body).encode(), caller or Client())
             if hasattr(response, "body_iterator"):
                 response = [chunk async for chunk in response.body_iterator]
             if side is not None:
@@ -234,7 +256,7 @@ def test_a_client_leaving_while_its_prefill_runs_frees_the_pair(monkeypatch, cap
         async def main():
             async with httpx.AsyncClient() as client:
                 proxy = Proxy(pool, client, RouterMetrics(), {})
-                task = asyncio.create_task(proxy.forward("/v1/completions", b'{"prompt": "x"}'))
+                task = asyncio.create_task(proxy.forward("/v1/completions", b'{"prompt": "x"}', Client()))
                 await asyncio.sleep(0.3)
                 assert [w.in_flight for w in pool.workers] == [1, 1]
                 task.cancel()  # what Starlette does when the client disconnects
@@ -246,3 +268,22 @@ def test_a_client_leaving_while_its_prefill_runs_frees_the_pair(monkeypatch, cap
         asyncio.run(main())
     assert [w.in_flight for w in pool.workers] == [0, 0]
     assert "never retrieved" not in caplog.text
+
+
+def test_a_client_leaving_a_non_streamed_request_is_let_go_and_the_decode_server_told():
+    """The router waited for the whole generation of a client long gone (Starlette does not cancel a
+    non-streamed handler), and the decode server kept generating it: now the router notices within
+    its poll, closes the decode server's connection (which aborts the request there), frees the
+    pair and counts the request `cancelled`."""
+    disconnects: list[float] = []
+    with slow_decode_server(delay_s=30.0, disconnects=disconnects) as url:
+        pool = checked_pool(pytest.MonkeyPatch(), [url])
+        response, proxy, took = forward(pool, {"prompt": "x"}, caller=Client(leaves_after_s=0.3))
+        deadline = time.monotonic() + 10
+        while not disconnects and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert response.status_code == 499 and took < 5
+    assert disconnects, "the decode server never saw the router let go"
+    assert [w.in_flight for w in pool.workers] == [0, 0] and all(w.failures == 0 for w in pool.workers)
+    assert proxy.metrics.requests.labels("cancelled")._value.get() == 1
+    assert proxy.metrics.requests.labels("failed")._value.get() == 0
