@@ -235,3 +235,16 @@ def test_fuzz_from_the_published_schema(server):
 @pytest.mark.slow
 def test_fuzz_from_the_published_schema_long(server):
     _fuzz(server, examples=600)
+
+
+def test_the_routers_connection_cap_counts_its_relay_sockets(monkeypatch):
+    """Each router client holds a second socket (its decode server's): the cap on client connections
+    is half the file budget, so the relays never run the process out of descriptors."""
+    import resource
+
+    from deltamoe.serve.api.connections import connection_limit
+
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (1088, 4096))
+    assert connection_limit(HTTPLimits()) == 1024
+    assert connection_limit(HTTPLimits(sockets_per_connection=2)) == 512
+    assert connection_limit(HTTPLimits(max_connections=8, sockets_per_connection=2)) == 8  # as asked

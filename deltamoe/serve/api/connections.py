@@ -32,7 +32,8 @@ class HTTPLimits:
     keep_alive_s: int = 5  # idle keep-alive connection
     body_timeout_s: float = 60.0  # request headers -> complete body (read_body)
     max_header_bytes: int = 64 * 1024  # request line + headers
-    max_connections: int | None = None  # None: the file limit minus a reserve
+    max_connections: int | None = None  # None: the file limit minus a reserve, over sockets_per_connection
+    sockets_per_connection: int = 1  # the router holds a second one per client: its decode server's
 
 
 def raise_open_file_limit() -> int:
@@ -52,7 +53,7 @@ def connection_limit(limits: HTTPLimits) -> int:
     if limits.max_connections is not None:
         return limits.max_connections
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    return max(16, min(soft, 1 << 16) - _FD_RESERVE)
+    return max(16, (min(soft, 1 << 16) - _FD_RESERVE) // limits.sockets_per_connection)
 
 
 def header_timeout_protocol(timeout_s: float) -> type[H11Protocol]:

@@ -97,11 +97,12 @@ def build_router_app(pool: WorkerPool, *, api_key: str | None = None, max_retrie
 
 def run(pool: WorkerPool, host: str, port: int, sock: socket.socket | None = None, log_level: str = "info",
         **options) -> None:
-    from deltamoe.serve.api.connections import EndingServer, raise_open_file_limit, uvicorn_config
+    from deltamoe.serve.api.connections import EndingServer, HTTPLimits, raise_open_file_limit, uvicorn_config
 
     app = build_router_app(pool, **options)
     raise_open_file_limit()  # each client stream holds two sockets here: its own and its decode server's
-    config = uvicorn_config(app, host, port, log_level)
+    # A client's connection and its relay to a decode server: the cap counts both against the file limit.
+    config = uvicorn_config(app, host, port, log_level, HTTPLimits(sockets_per_connection=2))
 
     def end_streams() -> None:
         if app.state.proxy is not None:
