@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -9,6 +10,7 @@ import torch
 from deltamoe.config import ModelConfig
 from deltamoe.errors import CheckpointError
 from deltamoe.hf_config import load_config
+from deltamoe.model.checkpoint_names import param_to_checkpoint
 from deltamoe.model.init import init_weights
 from deltamoe.model.model import DeltaMoEForCausalLM
 from deltamoe.model.quant_scheme import QuantScheme
@@ -57,8 +59,22 @@ def load_model(source: str | Path | ModelConfig, dtype: torch.dtype = torch.floa
     if scheme is not None and not dequantize:
         join_shared_input_projections(model)
     if config.tie_word_embeddings:
+        _warn_if_untied_head_is_dropped(model, path)
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
+
+
+def _warn_if_untied_head_is_dropped(model: DeltaMoEForCausalLM, path: Path) -> None:
+    """config.json ties the head to the embedding (as transformers reads it, the embedding wins), but
+    the checkpoint also holds an lm_head that differs: a different model, which deserves a word."""
+    head_name = param_to_checkpoint("lm_head.weight", model.config)
+    if not any(head_name in names for names in checkpoint_files(path).values()):
+        return
+    head, embed = model.lm_head.weight, model.model.embed_tokens.weight
+    if head.shape == embed.shape and not torch.equal(head, embed):
+        warnings.warn(f"{path}: config.json sets tie_word_embeddings, so {head_name} in the checkpoint, which "
+                      "differs from the embedding, is not used (the embedding is the head, as in transformers); "
+                      "set tie_word_embeddings to false to use it", stacklevel=3)
 
 
 def quantized_skeleton(model: DeltaMoEForCausalLM, scheme: QuantScheme, device: str | torch.device,

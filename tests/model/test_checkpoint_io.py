@@ -181,3 +181,24 @@ def test_a_write_cut_short_leaves_no_hidden_shard_file(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         weights.save_tensors({"w": torch.zeros(4)}, tmp_path / "out", {"model_type": "x"})
     assert [p.name for p in (tmp_path / "out").iterdir()] == []
+
+
+def test_a_tied_config_over_a_checkpoint_with_its_own_head_warns(tmp_path, configs):
+    """config.json ties the head, the file holds a different lm_head: the embedding is the head (as in
+    transformers), said in a warning; an equal head or none loads quietly."""
+    import dataclasses
+    import warnings
+
+    cfg = configs["k3.1"]()
+    save_checkpoint(build_model(cfg, seed=3), tmp_path / "untied")  # lm_head differs from the embedding
+    config = json.loads((tmp_path / "untied" / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (tmp_path / "untied" / "config.json").write_text(json.dumps(config))
+    with pytest.warns(UserWarning, match="tie_word_embeddings, so language_model.lm_head.weight .* is not used"):
+        model = load_model(tmp_path / "untied")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+    save_checkpoint(build_model(dataclasses.replace(cfg, tie_word_embeddings=True), seed=3), tmp_path / "tied")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_model(tmp_path / "tied")
