@@ -30,7 +30,7 @@ from deltamoe.serve.api.disconnect import CLIENT_CLOSED, ClientGone, unless_disc
 from deltamoe.serve.api.generate import Formatter, Generation, _engine_failed
 from deltamoe.serve.api.metrics import RequestTiming
 from deltamoe.serve.api.params import rename
-from deltamoe.serve.api.schemas import CompletionTokensDetails, PromptTokensDetails, Usage
+from deltamoe.serve.api.schemas import SEED_MAX, CompletionTokensDetails, PromptTokensDetails, Usage
 from deltamoe.serve.engine.async_engine import EngineDeadError
 from deltamoe.serve.engine.outputs import RequestOutput
 from deltamoe.serve.engine.sampling import SamplingParams
@@ -60,11 +60,17 @@ def check_room(num_prompt_tokens: int, max_tokens: int | None, count: int, capac
                        f"({max_tokens}) exceeds the cache's {capacity} tokens", param=field, code="invalid_value")
 
 
+def choice_seed(seed: int, i: int) -> int:
+    """Choice i's seed: seed + i, wrapped past the largest seed a request may send (2**64 - 1, what
+    torch's generator takes) to 0, 1, ... (was a 500: "Overflow when unpacking long long")."""
+    return seed + i if seed + i <= SEED_MAX else seed + i - 2**64
+
+
 def choice_params(params: SamplingParams, count: int, ranked: bool) -> list[SamplingParams]:
-    """Per-choice params: seed + i; with `ranked` (best_of), the sampled tokens' logprobs are kept."""
+    """Per-choice params: `choice_seed`; with `ranked` (best_of), the sampled tokens' logprobs are kept."""
     out = []
     for i in range(count):
-        p = dataclasses.replace(params, seed=None if params.seed is None else params.seed + i)
+        p = dataclasses.replace(params, seed=None if params.seed is None else choice_seed(params.seed, i))
         if ranked and p.logprobs is None:
             p.logprobs = 0
         out.append(p)
@@ -105,15 +111,18 @@ class Choices:
             events = self._events(merged, timing, include_usage, lambda: self._close(streams, firsts))
             return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(events.aclose),
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        reason = "abort"  # the client left (or the request was cut short): not choice 0's reason
         try:
             await unless_disconnected(request, self._drain(merged))
+            reason = self.fmts[0].last.finish_reason or "abort"
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
         except EngineDeadError as e:
+            reason = "error"
             raise _engine_failed(e) from e
         finally:
             timing.end = time.perf_counter()
-            self.gen.metrics.observe(timing, self.fmts[0].last.finish_reason if self.fmts[0].last else "abort")
+            self.gen.metrics.observe(timing, reason)
             await self._close(streams, firsts)
         return JSONResponse(self._response().model_dump())
 
@@ -159,6 +168,8 @@ class Choices:
                 chunk = self.fmts[i].add(out)
                 if chunk is not None:
                     chunk.choices[0].index = i
+                    if self.gen.continuous_usage:  # stream_options.continuous_usage_stats: all choices so far
+                        chunk.usage = self._usage()
                     yield f"data: {chunk.model_dump_json()}\n\n"
             reason = self.fmts[0].last.finish_reason or "abort"
             if include_usage:
@@ -175,7 +186,8 @@ class Choices:
         yield "data: [DONE]\n\n"
 
     def _usage(self) -> Usage:
-        last = [f.last for f in self.fmts]
+        """Every choice's tokens so far (mid-stream, a choice yet to arrive counts none)."""
+        last = [f.last for f in self.fmts if f.last is not None]
         completion = sum(o.num_output_tokens for o in last)
         base = usage_of(last[0])
         usage = Usage(prompt_tokens=base.prompt_tokens, completion_tokens=completion,

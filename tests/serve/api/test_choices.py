@@ -60,3 +60,22 @@ def test_limits(client, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=M, prompt=PROMPT, **kw)
     assert e.value.param == param
+
+
+def test_seeds_past_the_largest_wrap_instead_of_failing(client):
+    """Choice i's seed is seed + i: past 2**64 - 1 it wraps to 0, 1, ... (was a 500, an overflow)."""
+    top = 2**64 - 1
+    r = client.completions.create(model=M, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=top, n=3)
+    assert [c.text for c in r.choices] == [one(client, s).text for s in (top, 0, 1)]
+    chat = client.chat.completions.create(model=M, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=1.0, seed=top, n=2)
+    assert len(chat.choices) == 2
+
+
+def test_continuous_usage_counts_every_choice_so_far(client):
+    stream = client.completions.create(model=M, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=3, n=2,
+                                       stream=True, stream_options={"include_usage": True,
+                                                                    "continuous_usage_stats": True})
+    usages = [chunk.usage.completion_tokens for chunk in stream if chunk.choices]
+    assert usages and all(u is not None for u in usages)
+    assert usages == sorted(usages) and usages[-1] == 12  # grows with each chunk, to both choices' tokens

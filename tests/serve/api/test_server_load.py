@@ -125,3 +125,14 @@ def test_client_leaving_a_non_streaming_request_aborts_it(server):
     wait_idle(engine, timeout=5)
     assert finished_count(url, "abort") == aborted + 1
     assert engine.stats().generation_tokens_total - tokens_before < 450
+
+
+def test_client_leaving_a_non_streaming_n2_request_is_counted_aborted(server):
+    """With n > 1 the request was counted under choice 0's reason at that moment: "None" mid-way."""
+    url, engine = server
+    aborted, unknown = finished_count(url, "abort"), finished_count(url, "None")
+    body = {"model": M, "prompt": "wait for both", "max_tokens": 200, "n": 2, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+    wait_idle(engine, timeout=5)
+    assert finished_count(url, "abort") == aborted + 1 and finished_count(url, "None") == unknown
