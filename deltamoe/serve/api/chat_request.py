@@ -22,6 +22,7 @@ from deltamoe.serve.api.tool_parser import ARGUMENT_BEGIN, CALL_BEGIN, CALL_END,
     ToolCallParser
 from deltamoe.serve.api.tool_request import ToolRequest, tool_request
 from deltamoe.serve.engine.sampling import SamplingParams
+from deltamoe.serve.structured.tool_call import history_call_ids
 from deltamoe.tokenizers.base import Tokenizer
 from deltamoe.vision.preprocess import PreparedImage
 
@@ -36,6 +37,8 @@ class ChatOptions:
     tools: ToolRequest
     thinking: bool
     template_kwargs: dict[str, Any]
+    continue_final_message: bool = False  # the prompt ends inside the last message, which the output continues
+    history_call_ids: frozenset[str] = frozenset()  # the conversation's tool-call ids: new calls get others
 
     @classmethod
     def of(cls, req: ChatCompletionRequest | TokenizeRequest, template: ChatTemplate) -> "ChatOptions":
@@ -50,7 +53,12 @@ class ChatOptions:
             raise APIError(400, f"chat_template_kwargs.thinking: expected true or false, got {thinking!r}",
                            param="chat_template_kwargs.thinking", code="invalid_value")
         kwargs["thinking"] = thinking
-        return cls(tools, thinking, kwargs)
+        continue_final = bool(getattr(req, "continue_final_message", False))
+        if continue_final and req.add_generation_prompt:
+            raise APIError(400, "continue_final_message: continues the last message, so it needs "
+                           "add_generation_prompt: false (a new assistant turn would follow it otherwise)",
+                           param="continue_final_message", code="invalid_value")
+        return cls(tools, thinking, kwargs, continue_final, frozenset(history_call_ids(req.messages or [])))
 
     def encode(self, template: ChatTemplate, messages: list[dict[str, Any]], add_generation_prompt: bool,
                image_tokens: list[list[int]] | None = None) -> list[int]:
@@ -59,7 +67,7 @@ class ChatOptions:
         image marks (`serve/api/images.py`)."""
         try:
             return template.encode(messages, add_generation_prompt, self.tools.tools or None, self.template_kwargs,
-                                   image_tokens=image_tokens)
+                                   image_tokens=image_tokens, continue_final_message=self.continue_final_message)
         except RequestError:
             raise
         except Exception as e:  # the (sandboxed) template cannot render this request's messages or kwargs
@@ -87,7 +95,9 @@ class ChatOptions:
         reasoning = ReasoningParser(starts_inside=opens_thinking(prompt, tokenizer)) if self.thinking else None
         if any(m in tokenizer.special_tokens for m in MARKERS):
             params.skip_special_tokens = False
-        return ChatChoiceParser(reasoning, ToolCallParser(self.tools.parallel) if self.tools.parse_calls else None)
+        return ChatChoiceParser(reasoning, ToolCallParser(self.tools.parallel, self.history_call_ids)
+                                if self.tools.parse_calls else None)
+
 
 
 def opens_thinking(prompt: list[int], tokenizer: Tokenizer) -> bool:

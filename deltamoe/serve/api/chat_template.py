@@ -35,11 +35,13 @@ from jinja2 import pass_context
 
 from deltamoe.errors import RequestError
 from deltamoe.serve.api.images import expand_images
+from deltamoe.serve.structured.tool_call import foreign_call_ids
 from deltamoe.tokenizers.base import Tokenizer
 from deltamoe.tokenizers.hf import token_name
 from deltamoe.tokenizers.load import tokenizer_config
 
 ROLES = ("system", "user", "assistant", "tool")
+ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for system instructions (its SDKs send it)
 # A message's body: a tool result names its call; an assistant's calls follow its content.
 _BODY = (
     "{% if m.tool_call_id %}## Return of {{ m.tool_call_id }}\n{% endif %}{{ m.content }}"
@@ -63,37 +65,52 @@ TURN_END_NAMES = ("<|end|>", "<|im_end|>", "<|eot_id|>", "<|end_of_msg|>")
 
 
 def normalize_messages(messages: Any) -> list[dict[str, Any]]:
-    """OpenAI-style messages -> [{role, content: str, ...}]; content parts of type text are joined.
+    """OpenAI-style messages -> [{role, content: str, ...}]; content parts of type text (and an
+    assistant's `refusal` parts) are joined; a `developer` message is a system message.
 
     An assistant message keeps its `tool_calls` (arguments as a JSON string), a tool message its
-    `tool_call_id`; other fields are dropped."""
+    `tool_call_id`, both with an id not in Kimi's form (OpenAI's `call_abc`) written as Kimi's
+    `functions.NAME:K` (`structured.tool_call.history_call_ids`); other fields are dropped."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("expected a non-empty list of messages", field="messages")
+    renamed = foreign_call_ids(messages)  # OpenAI-style call ids -> Kimi's functions.NAME:K, results too
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise RequestError("expected an object with role and content", field=f"messages[{i}]")
         role, content = m.get("role"), m.get("content")
+        role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
         if role not in ROLES:
-            raise RequestError(f"expected one of {ROLES}, got {role!r}", field=f"messages[{i}].role")
+            raise RequestError(f"expected one of {(*ROLES, *ROLE_ALIASES)}, got {m.get('role')!r}",
+                               field=f"messages[{i}].role")
         if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            if not all(_part_text(p, role) is not None for p in content):
                 raise RequestError("expected content parts of type text (or image_url, for a model with a vision "
-                                   "tower)", field=f"messages[{i}].content")
-            content = "".join(p["text"] for p in content)
+                                   "tower; refusal in an assistant message)", field=f"messages[{i}].content")
+            content = "".join(_part_text(p, role) for p in content)
         if content is None:
             content = ""
         if not isinstance(content, str):
             raise RequestError("expected a string or a list of text parts", field=f"messages[{i}].content")
         message: dict[str, Any] = {"role": role, "content": content}
         if role == "assistant" and m.get("tool_calls") is not None:
-            message["tool_calls"] = _tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
+            message["tool_calls"] = [{**c, "id": renamed.get(c["id"], c["id"])}
+                                     for c in _tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")]
         if role == "tool" and m.get("tool_call_id") is not None:
             if not isinstance(m["tool_call_id"], str):
                 raise RequestError("expected a string", field=f"messages[{i}].tool_call_id")
-            message["tool_call_id"] = m["tool_call_id"]
+            message["tool_call_id"] = renamed.get(m["tool_call_id"], m["tool_call_id"])
         out.append(message)
     return out
+
+
+def _part_text(part: Any, role: str) -> str | None:
+    """A content part's text: a text part's, or an assistant's refusal (OpenAI returns refusals as
+    parts of that type, and agents send the history back as they got it); None for anything else."""
+    if not isinstance(part, dict):
+        return None
+    key = {"text": "text", "refusal": "refusal" if role == "assistant" else None}.get(part.get("type"))
+    return part.get(key) if key and isinstance(part.get(key), str) else None
 
 
 def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
@@ -157,8 +174,12 @@ class ChatTemplate:
                                      deltamoe_plain=plain, **variables)
 
     def encode(self, messages: Any, add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
-               template_kwargs: dict[str, Any] | None = None, image_tokens: list[list[int]] | None = None) -> list[int]:
+               template_kwargs: dict[str, Any] | None = None, image_tokens: list[list[int]] | None = None,
+               continue_final_message: bool = False) -> list[int]:
         """Token ids of the rendered conversation: specials the template writes become their ids.
+
+        `continue_final_message` (vLLM's, HF's): the text ends where the last message's content does,
+        without the turn's closing tokens, so that the output continues it (an assistant prefill).
 
         What the client wrote (content, tool-call ids and arguments, tool results' call ids,
         `tojson` output) is encoded as plain text on its own (a user typing '<|end|>' gets the
@@ -185,6 +206,8 @@ class ChatTemplate:
                                    for c in m["tool_calls"]]
             marked.append(m)
         skeleton = self.render(marked, add_generation_prompt, tools, template_kwargs, plain)
+        if continue_final_message:
+            skeleton = _cut_after_last_content(skeleton, marked[-1]["content"])
         ids: list[int] = []
         for piece in _MARK_RE.split(skeleton):
             if _MARK_RE.fullmatch(piece):
@@ -205,6 +228,18 @@ class ChatTemplate:
             ids.append(self._specials[m.group()])
             pos = m.end()
         return ids + (self.tokenizer.encode(text[pos:]) if pos < len(text) else [])
+
+
+def _cut_after_last_content(skeleton: str, content_mark: str) -> str:
+    """The rendered text up to the end of the last message's content (its placeholder)."""
+    if not content_mark:
+        raise RequestError("continue_final_message: the last message has no content to continue",
+                           field="continue_final_message")
+    end = skeleton.rfind(content_mark)
+    if end < 0:  # a template that rewrites the content (strips it, say) leaves no mark to cut at
+        raise RequestError("continue_final_message: the chat template does not write the last message's "
+                           "content as sent, so the prompt cannot end inside it", field="continue_final_message")
+    return skeleton[:end + len(content_mark)]
 
 
 @pass_context

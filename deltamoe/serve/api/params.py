@@ -34,6 +34,9 @@ def _refuse_not_implemented(req: SamplingFields) -> None:
 def _common(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
             stop_token_ids: list[int]) -> SamplingParams:
     _refuse_not_implemented(req)
+    if req.stream_options is not None and not req.stream:  # as OpenAI and vLLM answer it
+        raise APIError(400, "stream_options: only allowed when stream is true", param="stream_options",
+                       code="invalid_value")
 
     def pick(value, default):
         return default if value is None else value
@@ -87,6 +90,9 @@ def chat_params(req: ChatCompletionRequest, vocab_size: int,
                 stop_token_ids: list[int]) -> tuple[SamplingParams, dict[str, str]]:
     if req.prompt_logprobs is not None:
         raise _unsupported("prompt_logprobs", "prompt_logprobs on chat completions: not yet (use /v1/completions)")
+    for legacy, current in (("functions", "tools (type function)"), ("function_call", "tool_choice")):
+        if getattr(req, legacy) is not None:
+            raise _unsupported(legacy, f"OpenAI's deprecated form, not served: send {current}")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs: needs logprobs=true", param="top_logprobs", code="invalid_value")
     names = {"logprobs": "top_logprobs", "prompt": "messages"}

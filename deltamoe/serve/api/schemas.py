@@ -129,6 +129,9 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None  # template variables, e.g. {"thinking": false}
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the last message is left open and the output continues it
+    functions: Any = None  # OpenAI's deprecated form of tools: refused with a pointer (chat_params), not ignored
+    function_call: Any = None
 
 
 class TokenizeRequest(_Request):
@@ -138,6 +141,7 @@ class TokenizeRequest(_Request):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     tools: list[Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False

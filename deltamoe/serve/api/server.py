@@ -111,6 +111,11 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=model_name, created=created, max_model_len=engine.max_model_len)])
 
+    @v1.get("/models/{model_id:path}")  # `client.models.retrieve`; :path, as model names may hold a slash
+    async def model(model_id: str) -> ModelCard:
+        check_model(model_id)
+        return ModelCard(id=model_name, created=created, max_model_len=engine.max_model_len)
+
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
         req = await read_body(request, CompletionRequest, max_body_bytes, body_timeout_s)

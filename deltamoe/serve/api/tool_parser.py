@@ -9,7 +9,9 @@ The rule for what is what, the same whichever way the text is split into deltas:
 - text outside a section is content; the section markers and any text inside a section but
   outside a call are dropped (as the peers do);
 - a call becomes a tool call when it ends (`<|tool_call_end|>`) with an id `[functions.]NAME:IDX`
-  and arguments that parse as a JSON object; its id is the model's own (`functions.NAME:IDX`);
+  and arguments that parse as a JSON object; its id is the model's own (`functions.NAME:IDX`),
+  unless that id is already taken in the conversation or the response: then `functions.NAME:K`
+  with K past every index taken (agents match tool results by id);
 - a malformed call (bad id, no argument marker, arguments that are not a JSON object, a call
   cut off by another marker or by the end of generation) degrades to content: its raw text,
   markers included, in its place. Never an error.
@@ -23,6 +25,7 @@ start of a section marker. `parse_tool_calls` is the plain (regex) reference; th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
@@ -54,6 +57,19 @@ class ToolDelta:
         return self
 
 
+def unique_call(call: ToolCall, taken: set[str]) -> ToolCall:
+    """`call`, with a fresh id when the model repeated one already in the conversation or the response
+    (agents match tool results by id): `functions.NAME:K`, K past every index taken. `taken` grows."""
+    if call.id in taken:
+        indices = [int(m.group(2)) for t in taken if (m := CALL_ID.fullmatch(t))]
+        k = max(indices, default=len(taken) - 1) + 1
+        while f"functions.{call.name}:{k}" in taken:
+            k += 1
+        call = dataclasses.replace(call, id=f"functions.{call.name}:{k}")
+    taken.add(call.id)
+    return call
+
+
 def call_from_text(index: int, raw: str) -> ToolCall | None:
     """The text between `<|tool_call_begin|>` and `<|tool_call_end|>` as a call, or None when malformed."""
     header, marker, arguments = raw.partition(ARGUMENT_BEGIN)
@@ -69,9 +85,11 @@ def call_from_text(index: int, raw: str) -> ToolCall | None:
     return ToolCall(index=index, id=header.strip(), name=m.group(1), arguments=arguments)
 
 
-def parse_tool_calls(text: str, parallel_tool_calls: bool = True) -> ToolDelta:
-    """The reference: the whole output at once (see the module docstring for the rule)."""
+def parse_tool_calls(text: str, parallel_tool_calls: bool = True, history_ids: frozenset[str] = frozenset()) -> ToolDelta:
+    """The reference: the whole output at once (see the module docstring for the rule); `history_ids`:
+    the conversation's earlier call ids, which a call's id may not repeat (`unique_call`)."""
     out = ToolDelta()
+    taken = set(history_ids)
     begin = "|".join(map(re.escape, SECTION_BEGIN))
     end = "|".join(map(re.escape, SECTION_END))
     # Content, then a section up to its end marker (or the end of the text); repeated.
@@ -88,7 +106,7 @@ def parse_tool_calls(text: str, parallel_tool_calls: bool = True) -> ToolDelta:
             if call is None:
                 out.content += CALL_BEGIN + raw + (CALL_END if closed else "")
             elif parallel_tool_calls or not out.calls:
-                out.calls.append(call)
+                out.calls.append(unique_call(call, taken))
     out.content += text[pos:]
     return out
 
@@ -109,9 +127,10 @@ def first_marker(text: str, markers: tuple[str, ...]) -> tuple[int, str] | None:
 class ToolCallParser:
     """Incremental form of `parse_tool_calls`: `feed` each delta of text, then `finish` once."""
 
-    def __init__(self, parallel_tool_calls: bool = True):
+    def __init__(self, parallel_tool_calls: bool = True, history_ids: frozenset[str] = frozenset()):
         self.parallel_tool_calls = parallel_tool_calls
         self.calls: list[ToolCall] = []
+        self._taken = set(history_ids)
         self._state = "content"  # content | section | call
         self._buf = ""
 
@@ -157,6 +176,7 @@ class ToolCallParser:
             return ToolDelta(content=CALL_BEGIN + raw + CALL_END)
         if not self.parallel_tool_calls and self.calls:
             return ToolDelta()
+        call = unique_call(call, self._taken)
         self.calls.append(call)
         return ToolDelta(calls=[call])
 

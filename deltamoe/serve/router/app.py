@@ -20,7 +20,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from deltamoe.serve.api.auth import bearer_check, check_api_key_option
-from deltamoe.serve.api.errors import install_error_handlers
+from deltamoe.serve.api.errors import APIError, install_error_handlers
 from deltamoe.serve.api.metrics import CONTENT_TYPE
 from deltamoe.serve.api.body import read_bytes
 from deltamoe.serve.router.metrics import RouterMetrics
@@ -73,12 +73,22 @@ def build_router_app(pool: WorkerPool, *, api_key: str | None = None, max_retrie
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_check(api_key))])
 
+    def card() -> dict:
+        out = {"id": pool.model, "object": "model", "created": created, "owned_by": "deltamoe"}
+        if pool.max_model_len is not None:  # as the workers' cards say it
+            out["max_model_len"] = pool.max_model_len
+        return out
+
     @v1.get("/models")
     async def models() -> Response:
-        card = {"id": pool.model, "object": "model", "created": created, "owned_by": "deltamoe"}
-        if pool.max_model_len is not None:  # as the workers' cards say it
-            card["max_model_len"] = pool.max_model_len
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [card()]})
+
+    @v1.get("/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        if model_id != pool.model:
+            raise APIError(404, f"the model {model_id!r} does not exist; this router serves {pool.model!r}",
+                           param="model", code="model_not_found")
+        return JSONResponse(card())
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:

@@ -45,10 +45,12 @@ def constraint_from_request(req: Any, tokenizer: Tokenizer) -> Constraint | None
             found.append(_VLLM_KINDS[kind](value, name))
     tool_choice = getattr(req, "tool_choice", None)
     if tool_choice not in (None, "none", "auto"):
-        from deltamoe.serve.structured.tool_call import tool_call_constraint
+        from deltamoe.serve.structured.tool_call import history_call_ids, tool_call_constraint
 
         parallel = getattr(req, "parallel_tool_calls", None) is not False
-        found.append(tool_call_constraint(getattr(req, "tools", None) or [], tool_choice, parallel, tokenizer))
+        earlier = len(history_call_ids(getattr(req, "messages", None) or []))
+        found.append(tool_call_constraint(getattr(req, "tools", None) or [], tool_choice, parallel, tokenizer,
+                                          first_index=earlier))
     if len(found) > 1:
         raise RequestError(f"{' and '.join(c.field for c in found)} both constrain the output; send one",
                            field=found[1].field)

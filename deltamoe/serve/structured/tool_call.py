@@ -14,21 +14,25 @@ tokenizers do); a tokenizer without them (the byte tokenizer) spells them as tex
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from deltamoe.errors import RequestError
 from deltamoe.serve.structured.constraint import JSON_OPTIONS, Constraint, json_schema_constraint, lark_constraint
 from deltamoe.tokenizers.base import Tokenizer
 
+KIMI_CALL_ID = re.compile(r"(?:functions\.)?[^\s:<>]+:\d+")  # as the tool-call parser reads ids
 MAX_PARALLEL_CALLS = 16  # "required" with parallel calls: a section holds 1..16 calls
 MARKERS = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
            "<|tool_call_argument_begin|>", "<|tool_call_end|>")
 
 
 def tool_call_constraint(tools: list[Any], tool_choice: Any, parallel_tool_calls: bool = True,
-                         tokenizer: Tokenizer | None = None) -> Constraint:
+                         tokenizer: Tokenizer | None = None, first_index: int = 0) -> Constraint:
     """`tool_choice` "required": one or more calls (one when not `parallel_tool_calls`) to any of
-    `tools`; {"type": "function", "function": {"name": N}}: exactly one call to N."""
+    `tools`; {"type": "function", "function": {"name": N}}: exactly one call to N. The calls' IDX are
+    `first_index`, `first_index` + 1, ... (Kimi counts calls across the conversation: pass how many
+    its history holds), so a response never repeats an id."""
     functions = _functions(tools)
     if tool_choice == "required":
         if not functions:
@@ -43,19 +47,50 @@ def tool_call_constraint(tools: list[Any], tool_choice: Any, parallel_tool_calls
     else:
         raise RequestError("expected 'none', 'auto', 'required' or {'type': 'function', 'function': "
                            "{'name': ...}}", field="tool_choice")
-    return lark_constraint(tool_call_lark(chosen, many, special_markers(tokenizer)), "tool_choice")
+    return lark_constraint(tool_call_lark(chosen, many, special_markers(tokenizer), first_index), "tool_choice")
 
 
-def tool_call_lark(functions: dict[str, dict], many: bool, special: bool) -> str:
-    """A Lark grammar: one section of calls to `functions`, each argument object under its schema."""
+def tool_call_lark(functions: dict[str, dict], many: bool, special: bool, first_index: int = 0) -> str:
+    """A Lark grammar: one section of calls to `functions`, each argument object under its schema;
+    the k-th call of the section has the id `functions.NAME:{first_index + k}`."""
     begin, end, call_begin, args_begin, call_end = (m if special else json.dumps(m) for m in MARKERS)
-    lines = [f"start: {begin} call{f'{{1,{MAX_PARALLEL_CALLS}}}' if many else ''} {end}",
-             "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
-    for i, (name, schema) in enumerate(functions.items()):
-        lines.append(f"call_{i}: {call_begin} {json.dumps(f'functions.{name}:')} index {args_begin} args_{i} {call_end}")
+    slots = MAX_PARALLEL_CALLS if many else 1
+    lines = [f"start: {begin} slot_0 {end}"]
+    for k in range(slots):  # slot_k: the k-th call, then optionally the next slot
+        lines.append(f"slot_{k}: call_at_{k}" + (f" slot_{k + 1}?" if k + 1 < slots else ""))
+        lines.append(f"call_at_{k}: " + " | ".join(
+            f"{call_begin} {json.dumps(f'functions.{name}:{first_index + k}')} {args_begin} args_{i} {call_end}"
+            for i, name in enumerate(functions)))
+    for i, schema in enumerate(functions.values()):
         lines.append(f"args_{i}: %json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}")
-    lines.append("index: /[0-9]{1,4}/")
     return "\n".join(lines)
+
+
+def history_call_ids(messages: list[Any]) -> list[str]:
+    """The ids of the tool calls in a conversation's assistant messages, as the prompt writes them:
+    the client's own where it is Kimi's form (`functions.NAME:IDX`), else `functions.NAME:K` for the
+    K-th call of the conversation (an OpenAI-style `call_abc` would hide the function's name from
+    the model, and its index)."""
+    return list(_rendered_ids(messages).values())
+
+
+def foreign_call_ids(messages: list[Any]) -> dict[str, str]:
+    """Client call ids not in Kimi's form -> the id the prompt writes for them (tool results too)."""
+    return {raw: ours for (_, raw), ours in _rendered_ids(messages).items() if raw != ours}
+
+
+def _rendered_ids(messages: list[Any]) -> dict[tuple[int, str], str]:
+    out: dict[tuple[int, str], str] = {}
+    for m in messages:
+        m = m.model_dump() if hasattr(m, "model_dump") else m
+        calls = m.get("tool_calls") if isinstance(m, dict) and m.get("role") == "assistant" else None
+        for c in calls if isinstance(calls, list) else []:
+            raw = c.get("id") if isinstance(c, dict) else None
+            name = (c.get("function") or {}).get("name") if isinstance(c, dict) else None
+            if isinstance(raw, str) and isinstance(name, str):
+                k = len(out)
+                out[(k, raw)] = raw if KIMI_CALL_ID.fullmatch(raw) else f"functions.{name}:{k}"
+    return out
 
 
 def special_markers(tokenizer: Tokenizer | None) -> bool:

@@ -226,7 +226,10 @@ def test_a_prefill_server_taking_shorter_prompts_than_a_decode_server_is_refused
     from fastapi.testclient import TestClient
 
     from deltamoe.serve.router.app import build_router_app
-    card = TestClient(build_router_app(pool)).get("/v1/models").json()["data"][0]
+    router = TestClient(build_router_app(pool))
+    card = router.get("/v1/models").json()["data"][0]
+    assert router.get(f"/v1/models/{card['id']}").json() == card
+    assert router.get("/v1/models/other").json()["error"]["code"] == "model_not_found"
     assert card["max_model_len"] == 4096  # what the decode servers take, as their own cards say
 
 
@@ -270,14 +273,14 @@ def test_a_client_leaving_while_its_prefill_runs_frees_the_pair(monkeypatch, cap
     assert "never retrieved" not in caplog.text
 
 
-def test_a_client_leaving_a_non_streamed_request_is_let_go_and_the_decode_server_told():
+def test_a_client_leaving_a_non_streamed_request_is_let_go_and_the_decode_server_told(monkeypatch):
     """The router waited for the whole generation of a client long gone (Starlette does not cancel a
     non-streamed handler), and the decode server kept generating it: now the router notices within
     its poll, closes the decode server's connection (which aborts the request there), frees the
     pair and counts the request `cancelled`."""
     disconnects: list[float] = []
     with slow_decode_server(delay_s=30.0, disconnects=disconnects) as url:
-        pool = checked_pool(pytest.MonkeyPatch(), [url])
+        pool = checked_pool(monkeypatch, [url])
         response, proxy, took = forward(pool, {"prompt": "x"}, caller=Client(leaves_after_s=0.3))
         deadline = time.monotonic() + 10
         while not disconnects and time.monotonic() < deadline:
