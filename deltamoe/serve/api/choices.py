@@ -1,4 +1,5 @@
-"""`n` > 1 and `best_of`: several choices for one prompt, from one prefill (engine/forks.py).
+"""`n` > 1, `best_of` and several prompts: several choices per prompt, from one prefill each
+(engine/forks.py).
 
 Choice i samples with seed `seed + i` when the request has a seed (so choice 0 is what the same
 request with n=1 returns), from its own random seed otherwise. The choices run as sequences of
@@ -8,6 +9,10 @@ with the choice's `index`; `best_of` (not streamable, as on vLLM) generates `bes
 returns the `n` with the highest total logprob. Usage counts the prompt once and every generated
 token, of kept and dropped choices alike. On a decode server (`kv_transfer`), choice 0's prompt is
 handed off by a prefill server like any request's, and the others fork its cache as it lands.
+
+A completions request with a list of prompts (OpenAI's legacy batch; lm-eval sends them with a
+batch size) runs one such group per prompt, all at once: prompt b's choices are indices b * n ..
+b * n + n - 1, as on OpenAI and vLLM, and usage adds up every prompt's tokens.
 """
 
 from __future__ import annotations
@@ -36,6 +41,16 @@ from deltamoe.serve.engine.outputs import RequestOutput
 from deltamoe.serve.engine.sampling import SamplingParams
 
 MAX_CHOICES = 16  # n and best_of: more would let one request take the whole batch
+MAX_BATCH_SEQUENCES = 256  # prompts x choices of one request
+
+
+@dataclasses.dataclass
+class Group:
+    """One prompt's choices: their formatters and params, and how many to keep (n of best_of)."""
+    prompt: str | list[int]
+    fmts: list[Formatter]
+    params: list[SamplingParams]
+    keep: int
 
 
 def choice_count(n: int | None, best_of: int | None, stream: bool) -> tuple[int, int]:
@@ -78,21 +93,29 @@ def choice_params(params: SamplingParams, count: int, ranked: bool) -> list[Samp
 
 
 class Choices:
-    """Runs the choices of one request and answers it (streaming or one body)."""
+    """Runs the choices of one request (one group per prompt) and answers it (streaming or one body).
+    Choice k of the flat list is group b's choice j, k = b's first + j."""
 
-    def __init__(self, gen: Generation, fmts: list[Formatter], keep: int):
-        self.gen, self.fmts, self.keep = gen, fmts, keep
-        self.scores = [0.0] * len(fmts)
+    def __init__(self, gen: Generation, groups: list[Group]):
+        self.gen, self.groups = gen, groups
+        self.fmts = [f for g in groups for f in g.fmts]
+        self.starts = [sum(len(g.fmts) for g in groups[:b]) for b in range(len(groups))]
+        self.scores = [0.0] * len(self.fmts)
 
-    async def respond(self, request: Request, prompt: str | list[int], params: list[SamplingParams],
-                      stream: bool, include_usage: bool, kv_transfer: object | None = None) -> Response:
+    async def respond(self, request: Request, stream: bool, include_usage: bool,
+                      kv_transfer: object | None = None) -> Response:
         engine, rid = self.gen.engine, self.fmts[0].id
-        streams = [engine.generate(prompt, p, request_id=f"{rid}-{i}", fork_of=f"{rid}-0" if i else None,
-                                   kv_transfer=None if i else kv_transfer)
-                   for i, p in enumerate(params)]
-        # Choices 1.. first: the engine must hold them when choice 0 arrives (engine/forks.py).
-        firsts = [asyncio.ensure_future(streams[i].__anext__()) for i in [*range(1, len(streams)), 0]]
-        firsts = [firsts[-1], *firsts[:-1]]
+        streams, parents = [], []
+        for g, start in zip(self.groups, self.starts):
+            parents.append(start)
+            streams += [engine.generate(g.prompt, p, request_id=f"{rid}-{start + j}",
+                                        fork_of=f"{rid}-{start}" if j else None,
+                                        kv_transfer=kv_transfer if start + j == 0 else None)
+                        for j, p in enumerate(g.params)]
+        # Each group's forks first: the engine must hold them when their parent arrives (engine/forks.py).
+        order = [k for k in range(len(streams)) if k not in parents] + parents
+        started = {k: asyncio.ensure_future(streams[k].__anext__()) for k in order}
+        firsts = [started[k] for k in range(len(streams))]
         timing = RequestTiming()
         try:
             first = await unless_disconnected(request, asyncio.gather(*firsts))
@@ -107,7 +130,7 @@ class Choices:
             self.gen.metrics.observe(timing, "abort")
             return Response(status_code=CLIENT_CLOSED)
         merged = self._merge(first, streams, timing)
-        if stream:
+        if stream:  # best_of > n is refused for streams: choice k is output index k
             events = self._events(merged, timing, include_usage, lambda: self._close(streams, firsts))
             return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(events.aclose),
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -186,13 +209,15 @@ class Choices:
         yield "data: [DONE]\n\n"
 
     def _usage(self) -> Usage:
-        """Every choice's tokens so far (mid-stream, a choice yet to arrive counts none)."""
+        """Every choice's tokens so far (mid-stream, a choice yet to arrive counts none), and each
+        prompt once (its first choice to arrive says its length)."""
         last = [f.last for f in self.fmts if f.last is not None]
         completion = sum(o.num_output_tokens for o in last)
-        base = usage_of(last[0])
-        usage = Usage(prompt_tokens=base.prompt_tokens, completion_tokens=completion,
-                      total_tokens=base.prompt_tokens + completion,
-                      prompt_tokens_details=PromptTokensDetails(cached_tokens=last[0].num_cached_tokens))
+        heads = [next(f.last for f in g.fmts if f.last is not None) for g in self.groups
+                 if any(f.last is not None for f in g.fmts)]
+        prompt = sum(usage_of(o).prompt_tokens for o in heads)
+        usage = Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                      prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in heads)))
         # Chat choices that reason count their reasoning tokens, summed as their completion tokens are.
         details = [u.completion_tokens_details for f in self.fmts if isinstance(f, ChatFormatter)
                    and (u := f.usage()).completion_tokens_details is not None]
@@ -202,14 +227,15 @@ class Choices:
         return usage
 
     def _response(self) -> BaseModel:
-        order = sorted(range(len(self.fmts)), key=lambda i: -self.scores[i])[: self.keep] \
-            if self.keep < len(self.fmts) else list(range(len(self.fmts)))
         body = self.fmts[0].response()
         body.choices = []
-        for index, i in enumerate(order):
-            choice = self.fmts[i].response().choices[0]
-            choice.index = index
-            body.choices.append(choice)
+        for g, start in zip(self.groups, self.starts):  # each prompt's kept choices, best first under best_of
+            members = range(start, start + len(g.fmts))
+            order = sorted(members, key=lambda i: -self.scores[i])[: g.keep] if g.keep < len(g.fmts) else members
+            for i in order:
+                choice = self.fmts[i].response().choices[0]
+                choice.index = len(body.choices)
+                body.choices.append(choice)
         body.usage = self._usage()
         return body
 
@@ -225,24 +251,34 @@ class Choices:
                 pass
 
 
-def wants_choices(req) -> bool:
-    """Anything but the default single choice (bad values included: `choice_count` refuses them)."""
-    return req.n not in (None, 1) or getattr(req, "best_of", None) not in (None, 1)
+def wants_choices(req, prompts: int = 1) -> bool:
+    """Anything but the default single choice of one prompt (bad values included: `choice_count`
+    refuses them)."""
+    return req.n not in (None, 1) or getattr(req, "best_of", None) not in (None, 1) or prompts > 1
 
 
-async def respond_choices(gen: Generation, request: Request, req, prompt: str | list[int], params: SamplingParams,
-                          make_formatter: Callable[[], Formatter], include_usage: bool,
+async def respond_choices(gen: Generation, request: Request, req, prompts: list[str | list[int]],
+                          params: SamplingParams, make_formatter: Callable[[int], Formatter], include_usage: bool,
                           kv_transfer: object | None = None) -> Response:
-    """The server's path for a request with n > 1 or best_of > 1 (see the module docstring)."""
+    """The server's path for a request with n > 1, best_of > 1 or several prompts (see the module
+    docstring); `make_formatter(b)`: a formatter for one of prompt b's choices."""
     stream = bool(req.stream)
     n, count = choice_count(req.n, getattr(req, "best_of", None), stream)
-    if getattr(req, "echo", False) or getattr(req, "prompt_logprobs", None) is not None:
+    if count > 1 and (getattr(req, "echo", False) or getattr(req, "prompt_logprobs", None) is not None):
         raise APIError(400, "n: several choices with echo or prompt_logprobs: not yet (send one request per choice)",
                        param="n", code="unsupported_value")
+    if len(prompts) * count > MAX_BATCH_SEQUENCES:
+        raise APIError(400, f"prompt: {len(prompts)} prompts x {count} choices exceeds {MAX_BATCH_SEQUENCES} "
+                       "sequences per request", param="prompt", code="invalid_value")
+    if len(prompts) > 1 and kv_transfer is not None:
+        raise APIError(400, "prompt: several prompts on a decode server (prefill/decode disaggregation): not yet "
+                       "(send one request per prompt)", param="prompt", code="unsupported_value")
     engine = gen.engine.engine
-    num_prompt = len(prompt) if isinstance(prompt, list) else len(engine.tokenizer.encode(prompt))
-    check_room(num_prompt, params.max_tokens, count, engine.cache.max_tokens_per_sequence(),
-               "best_of" if count > n else "n")
-    fmts = [make_formatter() for _ in range(count)]
-    return await Choices(gen, fmts, n).respond(request, prompt, choice_params(params, count, count > n), stream,
-                                               include_usage, kv_transfer)
+    groups = []
+    for b, prompt in enumerate(prompts):
+        num_prompt = len(prompt) if isinstance(prompt, list) else len(engine.tokenizer.encode(prompt))
+        check_room(num_prompt, params.max_tokens, count, engine.cache.max_tokens_per_sequence(),
+                   "best_of" if count > n else "n")
+        groups.append(Group(prompt, [make_formatter(b) for _ in range(count)], choice_params(params, count, count > n),
+                            n))
+    return await Choices(gen, groups).respond(request, stream, include_usage, kv_transfer)

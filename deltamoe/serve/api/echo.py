@@ -27,10 +27,11 @@ def prompt_logprobs_count(req: CompletionRequest) -> int | None:
 
 
 class EchoCompletionFormatter(CompletionFormatter):
-    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, req: CompletionRequest):
+    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, req: CompletionRequest,
+                 prompt: str | list[int] | None = None):
         super().__init__(request_id, model, tokenizer, req.logprobs is not None)
         self.echo, self.prompt_top = req.echo, req.prompt_logprobs
-        self.prompt = req.prompt
+        self.prompt = req.prompt if prompt is None else prompt  # `prompt`: this choice's, in a batch
         self._first = True
         self._prompt_logprobs: list[dict | None] | None = None
 

@@ -80,11 +80,11 @@ class SamplingFields(_Request):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Any = Field(json_schema_extra={"anyOf": [  # str | [str] | [int] | [[int]]: one prompt only (see `_prompt`)
+    # str | [str] | [int] | [[int]]: one prompt (str or ids), or several as a tuple (see `_prompt`)
+    prompt: Any = Field(json_schema_extra={"anyOf": [
         {"type": "string"}, {"type": "array", "items": {"type": "integer"}, "minItems": 1},
-        {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
-        {"type": "array", "items": {"type": "array", "items": {"type": "integer"}, "minItems": 1},
-         "minItems": 1, "maxItems": 1}]})
+        {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        {"type": "array", "items": {"type": "array", "items": {"type": "integer"}, "minItems": 1}, "minItems": 1}]})
     max_tokens: int | None = 16  # OpenAI's completions default
     logprobs: int | None = None
     echo: bool = False
@@ -94,7 +94,8 @@ class CompletionRequest(SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _prompt(cls, v: Any) -> str | list[int]:
+    def _prompt(cls, v: Any) -> str | list[int] | tuple[str | list[int], ...]:
+        """One prompt as a string or token ids; several (OpenAI's batch) as a tuple of them."""
         def ids(x: Any) -> bool:
             return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
@@ -105,8 +106,12 @@ class CompletionRequest(SamplingFields):
         if isinstance(v, list) and len(v) == 1 and (isinstance(v[0], str) or ids(v[0])):
             return v[0]
         if isinstance(v, list) and len(v) > 1 and (all(isinstance(p, str) for p in v) or all(ids(p) for p in v)):
-            raise ValueError("only one prompt per request is supported; send one request per prompt")
-        raise ValueError("expected a string, a list of token ids, or a one-element list of either")
+            return tuple(v)
+        raise ValueError("expected a string, a list of token ids, or a list of either")
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        return list(self.prompt) if isinstance(self.prompt, tuple) else [self.prompt]
 
 
 class ChatMessage(_Request):

@@ -122,14 +122,18 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
         check_model(req.model)
         params, names = completion_params(req, vocab_size)
         await constrain(params, req, engine.tokenizer)
-        fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", req.model, engine.tokenizer, req.logprobs is not None)
-        if req.echo or req.prompt_logprobs is not None:  # the prompt's text and logprobs too (api/echo.py)
-            fmt = EchoCompletionFormatter(fmt.id, req.model, engine.tokenizer, req)
+        cmpl_id, prompts = f"cmpl-{uuid.uuid4().hex}", req.prompts
+
+        def formatter(b: int) -> CompletionFormatter:  # for a choice of prompt b
+            if req.echo or req.prompt_logprobs is not None:  # the prompt's text and logprobs too (api/echo.py)
+                return EchoCompletionFormatter(cmpl_id, req.model, engine.tokenizer, req, prompts[b])
+            return CompletionFormatter(cmpl_id, req.model, engine.tokenizer, req.logprobs is not None)
+
         gen = Generation(engine, metrics, names, _continuous_usage(req))
-        if wants_choices(req):  # n > 1 or best_of > 1: several choices, one prefill
-            return await respond_choices(gen, request, req, req.prompt, params, lambda: (
-                CompletionFormatter(fmt.id, req.model, engine.tokenizer, req.logprobs is not None)), _include_usage(req),
-                _hand_off(request))
+        if wants_choices(req, len(prompts)):  # n > 1, best_of > 1 or several prompts: a prefill a prompt
+            return await respond_choices(gen, request, req, prompts, params, formatter, _include_usage(req),
+                                         _hand_off(request))
+        fmt = formatter(0)
         return await gen.respond(request, req.prompt, params, fmt, bool(req.stream), _include_usage(req),
                                  _hand_off(request))
 
@@ -157,8 +161,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
         if wants_choices(req):
             if images:
                 raise RequestError("n > 1 or best_of with images: not yet (send one request per choice)", field="n")
-            return await respond_choices(gen, request, req, prompt, params, formatter, _include_usage(req),
-                                         _hand_off(request))
+            return await respond_choices(gen, request, req, [prompt], params, lambda _: formatter(),
+                                         _include_usage(req), _hand_off(request))
         return await gen.respond(request, prompt, params, formatter(), bool(req.stream), _include_usage(req),
                                  _hand_off(request), images=images or None)
 

@@ -51,7 +51,8 @@ CASES = [
     (CMPL, raw({"model": M, "prompt": "a", "temperature": "hot"}), AUTH, 400, "temperature", "float_type"),
     (CMPL, raw({"model": M, "prompt": "a", "max_tokens": 1.5}), AUTH, 400, "max_tokens", "int_type"),
     (CMPL, raw({"model": M, "prompt": {"text": "a"}}), AUTH, 400, "prompt", "value_error"),
-    (CMPL, raw({"model": M, "prompt": ["a", "b"]}), AUTH, 400, "prompt", "value_error"),
+    (CMPL, raw({"model": M, "prompt": ["a", [1, 2]]}), AUTH, 400, "prompt", "value_error"),  # strings and ids mixed
+    (CMPL, raw({"model": M, "prompt": ["a", ""]}), AUTH, 400, "prompt", "invalid_value"),  # one empty prompt of a batch
     (CMPL, raw({"model": M, "prompt": [10**9]}), AUTH, 400, "prompt", "invalid_value"),
     (CMPL, raw({"model": M, "prompt": ""}), AUTH, 400, "prompt", "invalid_value"),
     (CMPL, raw({"model": M, "prompt": "a", "max_tokens": -5}), AUTH, 400, "max_tokens", "invalid_value"),

@@ -79,3 +79,39 @@ def test_continuous_usage_counts_every_choice_so_far(client):
     usages = [chunk.usage.completion_tokens for chunk in stream if chunk.choices]
     assert usages and all(u is not None for u in usages)
     assert usages == sorted(usages) and usages[-1] == 12  # grows with each chunk, to both choices' tokens
+
+
+def test_a_list_of_prompts_answers_each_as_its_own_request(client):
+    """OpenAI's batch (lm-eval sends one with batch_size > 1): prompt b's choices are b*n .. b*n+n-1,
+    each equal to the request for that prompt alone; usage adds up the prompts."""
+    prompts = [PROMPT, "Tell me", "A"]
+    r = client.completions.create(model=M, prompt=prompts, max_tokens=6, temperature=1.0, seed=4, n=2)
+    assert [c.index for c in r.choices] == list(range(6))
+    alone = [client.completions.create(model=M, prompt=p, max_tokens=6, temperature=1.0, seed=4, n=2) for p in prompts]
+    assert [c.text for c in r.choices] == [c.text for a in alone for c in a.choices]
+    assert r.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert r.usage.completion_tokens == 6 * 6
+    stream = client.completions.create(model=M, prompt=prompts, max_tokens=6, temperature=1.0, seed=4, n=2,
+                                       stream=True)
+    texts = [""] * 6
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in r.choices]
+    # Token-id prompts, echo with logprobs (lm-eval's loglikelihood batch), best_of kept per prompt.
+    ids = [[256, 72, 105], [256, 65]]
+    echoed = client.completions.create(model=M, prompt=ids, max_tokens=1, temperature=0, echo=True, logprobs=0)
+    for c, p in zip(echoed.choices, ids):
+        one_ = client.completions.create(model=M, prompt=p, max_tokens=1, temperature=0, echo=True, logprobs=0).choices[0]
+        assert c.text == one_.text and c.logprobs.tokens == one_.logprobs.tokens
+        # Prefilled beside the other prompt: the same sums, in another order (fp32 rounding).
+        assert c.logprobs.token_logprobs[1:] == pytest.approx(one_.logprobs.token_logprobs[1:], abs=1e-5)
+    best = client.completions.create(model=M, prompt=prompts[:2], max_tokens=6, temperature=1.0, seed=7, best_of=3)
+    assert [c.text for c in best.choices] == [client.completions.create(
+        model=M, prompt=p, max_tokens=6, temperature=1.0, seed=7, best_of=3).choices[0].text for p in prompts[:2]]
+
+
+def test_too_many_prompts_is_a_400_naming_prompt(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=M, prompt=["a"] * 20, max_tokens=2, n=16)
+    assert e.value.param == "prompt"
