@@ -112,7 +112,8 @@ def greedy_until(model, tokenizer, ids: list[int], max_tokens: int, until: str) 
     return tokenizer.decode(out).split(until)[0]
 
 
-def test_lm_eval_scores_equal_the_model(served, tmp_path):
+@pytest.mark.parametrize("batch_size", [1, 4])  # 4: lm-eval sends a list of prompts a request
+def test_lm_eval_scores_equal_the_model(served, tmp_path, batch_size):
     pytest.importorskip("lm_eval")
     from lm_eval import simple_evaluate
     from lm_eval.models.openai_completions import LocalCompletionsAPI
@@ -123,7 +124,8 @@ def test_lm_eval_scores_equal_the_model(served, tmp_path):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     write_tasks(tmp_path)
     lm = LocalCompletionsAPI(model="tiny", base_url=f"{url}/v1/completions", tokenizer=str(folder),
-                             tokenizer_backend="huggingface", num_concurrent=1, max_retries=1, max_length=256)
+                             tokenizer_backend="huggingface", num_concurrent=1, max_retries=1, max_length=256,
+                             batch_size=batch_size)
     res = simple_evaluate(model=lm, tasks=["dm_mc", "dm_gen"], task_manager=TaskManager(include_path=str(tmp_path)),
                           log_samples=True)
     # Multiple choice: each choice's loglikelihood as served, and the accuracy they give.
