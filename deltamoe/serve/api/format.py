@@ -53,7 +53,7 @@ class CompletionFormatter(_Formatter):
     def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, logprobs: bool):
         super().__init__(request_id, model, tokenizer)
         self._logprobs = CompletionLogprobs() if logprobs else None
-        self._offset = 0  # text_offset of the next token, counted in its own text
+        self._offset = 0  # characters of `text` before the current output's delta
 
     def add(self, out: RequestOutput) -> CompletionResponse | None:
         self._track(out)
@@ -65,9 +65,16 @@ class CompletionFormatter(_Formatter):
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice])
 
     def _add_logprobs(self, out: RequestOutput) -> CompletionLogprobs | None:
+        """The delta's logprob lists. `text_offset` is where each token starts in the returned `text`
+        (OpenAI's meaning): a token alone in its output starts where that output's text does, exactly
+        (a skipped special token or half a character takes no room); several tokens in one output
+        (echo, multi-step, speculative) step by their own texts within it."""
+        start, room = self._offset, len(out.delta_text)
+        self._offset += room
         if self._logprobs is None or not out.delta_logprobs:
             return None
         delta = CompletionLogprobs()
+        within = 0
         for lp in out.delta_logprobs:
             text, _ = token_text(self.tokenizer, lp.token_id)
             top: dict[str, float] = {}
@@ -76,8 +83,8 @@ class CompletionFormatter(_Formatter):
             delta.tokens.append(text)
             delta.token_logprobs.append(lp.logprob)
             delta.top_logprobs.append(top or {text: lp.logprob})
-            delta.text_offset.append(self._offset)
-            self._offset += len(text)
+            delta.text_offset.append(start + min(within, room))
+            within += len(text)
         for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
             getattr(self._logprobs, name).extend(getattr(delta, name))
         return delta

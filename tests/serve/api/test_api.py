@@ -160,7 +160,18 @@ def test_logprobs(server, client):
                                   extra_body={"ignore_eos": True})
     lp = c.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
-    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    # Where each token starts in the returned text: a token alone in its output starts where the text
+    # before it ends (tokens' own texts overcounted skipped specials and half characters).
+    text, starts = c.choices[0].text, lp.text_offset
+    assert starts[0] == 0 and starts == sorted(starts) and starts[-1] <= len(text)
+    assert text == "".join(text[a:b] for a, b in zip(starts, [*starts[1:], len(text)]))
+    for a, b, token in zip(starts, [*starts[1:], len(text)], lp.tokens):
+        assert text[a:b] in (token, "") or "\ufffd" in token
+    # A special token (skipped from the text) takes no room: offsets stay inside the text.
+    c = client.completions.create(model=MODEL, prompt="y", max_tokens=3, temperature=0, logprobs=0,
+                                  logit_bias={"261": 100}, extra_body={"ignore_eos": True})
+    assert c.choices[0].logprobs.tokens == ["<|assistant|>"] * 3 and c.choices[0].text == ""
+    assert c.choices[0].logprobs.text_offset == [0, 0, 0]  # was [0, 13, 26]
     assert all(len(top) <= 2 and max(top.values()) >= v for top, v in zip(lp.top_logprobs, lp.token_logprobs))
 
 
