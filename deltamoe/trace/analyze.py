@@ -12,6 +12,11 @@ from deltamoe.trace.reader import ReadConfig, dedupe_ranks, find_traces, read_al
 from deltamoe.trace.summary import RankSummary
 
 
+# Of the report dict (JSON): bumped when a field changes meaning or type. 2: alltoall bytes may be
+# null (unknown), straggler_detail.unresolved_instances, gloo groups "?<kind>".
+SCHEMA_VERSION = 2
+
+
 @dataclass
 class Analysis:
     report: dict
@@ -64,6 +69,7 @@ def _analyze(folder: str, cfg: ReadConfig | None, workers: int, on_file: Callabl
     strag = stragglers(j, summaries, stage_of, hot)
     rows = breakdown(summaries)
     report = {
+        "schema_version": SCHEMA_VERSION,
         "folder": str(folder),
         "ranks_found": len(paths), "ranks_analyzed": len(summaries),
         "world_size": max(s.world_size for s in summaries),
@@ -101,8 +107,14 @@ def consistency(summaries: list[RankSummary], j) -> dict:
     by_group: dict[tuple[int, str], list[dict]] = {}
     for u in j.unmatched:
         by_group.setdefault((u["rank"], u["group"]), []).append(u)
+    warnings += _world_size_warnings(summaries)
+    warnings += _time_span_warnings(summaries)
+    warnings += _unplaced_warnings(j)
+    warnings += _unpaired_p2p_warnings(j)
     for (rank, group), items in sorted(by_group.items()):
-        if not group or group.startswith("?"):  # gloo ops that no group's members overlap in time
+        if group.startswith("?"):  # unplaced gloo ops: warned about per rank above
+            continue
+        if not group:  # no process group in the trace at all
             warnings.append(f"rank {rank}: {len(items)} {items[0]['kind']} op(s) matched no process group (gloo does "
                             "not name it; no group's members overlap it in time); excluded from straggler evidence")
             continue
@@ -114,6 +126,64 @@ def consistency(summaries: list[RankSummary], j) -> dict:
         warnings += [f"rank {s.rank}: {w}" for w in s.warnings]
     return {"world_size": world, "missing_ranks": missing, "unmatched_collectives": j.unmatched[:256],
             "unmatched_count": len(j.unmatched), "warnings": warnings[:64]}
+
+
+def _world_size_warnings(summaries: list[RankSummary]) -> list[str]:
+    """Rank files that disagree on the world size come from different jobs (or a broken file)."""
+    by_size: dict[int, list[int]] = {}
+    for s in summaries:
+        by_size.setdefault(s.world_size, []).append(s.rank)
+    if len(by_size) < 2:
+        return []
+    parts = "; ".join(f"{w} in rank{'s' if len(r) > 1 else ''} {_ranks_text(sorted(r))}"
+                      for w, r in sorted(by_size.items()))
+    return [f"rank files disagree on world_size ({parts}): files from different jobs? the largest is used"]
+
+
+def _time_span_warnings(summaries: list[RankSummary]) -> list[str]:
+    """All ranks of one profiling window run at the same time: a rank whose kept steps do not
+    overlap another's comes from another job or window, and comparing them means nothing."""
+    spans = [(float(s.window[:, 0].min()), float(s.window[:, 1].max()), s.rank) for s in summaries if len(s.window)]
+    if len(spans) < 2:
+        return []
+    late = max(spans, key=lambda x: (x[0], -x[2]))  # the rank that starts last (the lowest of a tie)
+    early = min(spans, key=lambda x: (x[1], x[2]))  # the rank that ends first
+    if late[0] <= early[1]:
+        return []
+    apart = [r for a, b, r in spans if a > early[1]]
+    return [f"rank files do not overlap in time: rank {early[2]} ends {(late[0] - early[1]) / 1e6:.1f} s before "
+            f"rank {late[2]} starts (ranks starting after rank {early[2]} ended: {_ranks_text(sorted(apart))}); "
+            "files from different jobs or profiling windows?"]
+
+
+def _unplaced_warnings(j) -> list[str]:
+    """gloo ops placed in no process group (join._resolve_unnamed_groups names them "?<kind>")."""
+    count: dict[tuple[int, str], int] = {}
+    for rank, pg in zip(j.rank.tolist(), j.pg.tolist()):
+        if str(pg).startswith("?"):
+            count[(rank, pg[1:])] = count.get((rank, pg[1:]), 0) + 1
+    return [f"rank {rank}: {n} {kind} op(s) matched no process group (gloo does not name it; no group's members "
+            "overlap it in time); excluded from straggler evidence" for (rank, kind), n in sorted(count.items())]
+
+
+def _unpaired_p2p_warnings(j) -> list[str]:
+    """P2P ops paired with nothing: a peer the trace does not name (gloo without record_shapes
+    in a group of more than two ranks), or no matching op on the peer."""
+    lone = j.p2p_unpaired
+    if not lone or not len(lone["rank"]):
+        return []
+    nopeer = int((lone["peer"] < 0).sum())
+    out = []
+    if nopeer:
+        out.append(f"{nopeer} P2P ops could not be paired (record with record_shapes=True): the trace does not "
+                   f"name their peer (ranks {_ranks_text(sorted(set(lone['rank'][lone['peer'] < 0].tolist())))}); "
+                   "a collective member held in such a recv is no straggler evidence")
+    other = len(lone["rank"]) - nopeer
+    if other:
+        out.append(f"{other} P2P ops have no counterpart on their peer (ranks "
+                   f"{_ranks_text(sorted(set(lone['rank'][lone['peer'] >= 0].tolist())))}); "
+                   "a collective member held in such a recv is no straggler evidence")
+    return out
 
 
 def _ranks_text(ranks: list[int]) -> str:

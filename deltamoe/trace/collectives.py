@@ -36,7 +36,9 @@ def gpu_collectives(t: EventTables, rows: np.ndarray, ext: np.ndarray, name_id: 
     kind_of = {x: collective_kind(x) for x in set(label)}
     kinds = [kind_of[x] for x in label]
     # Payload: elements received for a recv, sent otherwise; the peer of a send / recv.
-    elems = _ints([a.out_nelems if k == "recv" else a.in_nelems for a, k in zip(args, kinds)], 0)
+    # An all-to-all: the larger of the two, as for gloo (tables.cpu_payload).
+    elems = _ints([a.out_nelems if k == "recv" else _larger(a.in_nelems, a.out_nelems) if k == "all_to_all"
+                   else a.in_nelems for a, k in zip(args, kinds)], 0)
     peer = _ints([a.dst if k == "send" else a.src if k == "recv" else -1 for a, k in zip(args, kinds)], -1)
     dtypes = [d or "float" for d in _strs([a.dtype for a in args])]
     size_of = {d: dtype_bytes(d) for d in set(dtypes)}
@@ -95,14 +97,14 @@ def cpu_collectives(t: EventTables, main: int, windows: np.ndarray, rank: int = 
     group runs its work on its own gloo worker threads, which tells groups apart where timing
     cannot (join._resolve_unnamed_groups)."""
     calls: dict[str, list] = {}   # P2P kind -> [(ts, dur, concrete inputs)]
-    coll_calls: list = []         # [(ts, dur, kind)]
-    for name, ts, dur, tid, ci in sorted(t.cpu_coll_ops, key=lambda o: o[1]):
+    coll_calls: list = []         # [(ts, dur, kind, payload bytes or -1)]
+    for name, ts, dur, tid, ci, nbytes in sorted(t.cpu_coll_ops, key=lambda o: o[1]):
         if name.startswith("c10d::") and tid == main:
             kind = collective_kind(name)
             if kind in P2P_KINDS:
                 calls.setdefault(kind, []).append((ts, dur, ci))
             else:
-                coll_calls.append((ts, dur, kind))
+                coll_calls.append((ts, dur, kind, nbytes))
     exch: dict[str, list] = {}
     coll_exch: list = []
     for name, ts, dur, tid in sorted(t.annotations, key=lambda a: a[1]):
@@ -123,20 +125,21 @@ def cpu_collectives(t: EventTables, main: int, windows: np.ndarray, rank: int = 
             local = _int(ci[2], -1) if isinstance(ci, list) and len(ci) > 2 else -1
             if local < 0 and ann:
                 local = peer_from_name(ann[2])
-            rows.append((kind, float(arrive), float(end), cpu_peer(rank, local, p2p_group), -1))
+            rows.append((kind, float(arrive), float(end), cpu_peer(rank, local, p2p_group), -1, -1))
     pending = 0  # the earliest unpaired call
     for ts, dur, kind, tid in coll_exch:
         if pending < len(coll_calls) and coll_calls[pending][0] <= ts:
-            c_ts, c_dur, c_kind = coll_calls[pending]
+            c_ts, c_dur, c_kind, c_bytes = coll_calls[pending]
             pending += 1
-            rows.append((c_kind, float(c_ts), float(max(ts + dur, c_ts + c_dur)), -1, tid))
+            rows.append((c_kind, float(c_ts), float(max(ts + dur, c_ts + c_dur)), -1, tid, c_bytes))
         else:
-            rows.append((kind, float(ts), float(ts + dur), -1, tid))
-    rows += [(k, float(ts), float(ts + dur), -1, -1) for ts, dur, k in coll_calls[pending:]]
+            rows.append((kind, float(ts), float(ts + dur), -1, tid, -1))
+    rows += [(k, float(ts), float(ts + dur), -1, -1, b) for ts, dur, k, b in coll_calls[pending:]]
     rows.sort(key=lambda r: r[1])
-    kind, arrive, end, peer, lane = (list(c) for c in zip(*rows)) if rows else ([], [], [], [], [])
+    kind, arrive, end, peer, lane, nbytes = (list(c) for c in zip(*rows)) if rows else ([], [], [], [], [], [])
+    # Payload: an all-to-all's from its recorded shapes; -1 where the trace does not say.
     return finish(pg=np.full(len(rows), "", dtype=str), seq=np.full(len(rows), -1, dtype=np.int64),
-                  kind=np.array(kind, dtype=str), nbytes=np.zeros(len(rows), dtype=np.int64),
+                  kind=np.array(kind, dtype=str), nbytes=np.array(nbytes, dtype=np.int64),
                   arrive=np.array(arrive, dtype=float), end=np.array(end, dtype=float),
                   peer=np.array(peer, dtype=np.int64), windows=windows, lane=np.array(lane, dtype=np.int64))
 
@@ -168,6 +171,11 @@ def finish(pg: np.ndarray, seq: np.ndarray, kind: np.ndarray, nbytes: np.ndarray
         seq[unnumbered] = ordinal
     return Collectives(pg=pg, seq=seq, kind=kind, nbytes=nbytes, arrive=arrive, end=end, peer=peer, step=step,
                        lane=lane)
+
+
+def _larger(a: object, b: object) -> object:
+    """The larger of two element counts where both are integers, else the first."""
+    return max(a, b) if isinstance(a, int) and isinstance(b, int) else a
 
 
 def _ints(values: list, default: int) -> np.ndarray:

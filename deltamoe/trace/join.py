@@ -31,6 +31,7 @@ class Joined:
     # per instance
     inst_size: np.ndarray
     inst_last: np.ndarray     # rank that arrived last
+    inst_first: np.ndarray    # rank that arrived first
     inst_skew: np.ndarray     # last arrival - first arrival
     inst_blame: np.ndarray    # total time the others waited for the last arriver
     inst_complete: np.ndarray  # every analysed member of the group took part (else: no evidence)
@@ -47,6 +48,9 @@ class Joined:
     first_p2p: dict = field(default_factory=dict)
     # collectives some analysed member of the group lacks: {"rank", "group", "seq", "kind"}
     unmatched: list = field(default_factory=list)
+    # P2P ops (inside kept steps) paired with nothing: columns rank, step, kind, peer (-1: the
+    # trace does not name it, e.g. gloo without record_shapes), arrive, end
+    p2p_unpaired: dict = field(default_factory=dict)
 
     @property
     def instances(self) -> int:
@@ -64,10 +68,10 @@ def join(summaries: list[RankSummary]) -> Joined:
     complete, unmatched = _completeness(coll, inst_cols, members)
     inst_cols["wait"] = np.where(complete[inst_cols["inst"]], inst_cols["wait"], 0.0)
     p2p_cols = {k: v[p2p] for k, v in cols.items()}
-    pairs = _pair_p2p(p2p_cols)
+    pairs, unpaired = _pair_p2p(p2p_cols)
     return Joined(**{k: coll[k] for k in ("rank", "kind", "pg", "seq", "nbytes", "arrive", "end", "step")},
                   **inst_cols, inst_complete=complete, **pairs, first_p2p=_first_p2p(p2p_cols),
-                  unmatched=unmatched)
+                  unmatched=unmatched, p2p_unpaired=unpaired)
 
 
 def align_missing(c: dict[str, np.ndarray]) -> None:
@@ -210,7 +214,8 @@ def _resolve_unnamed_groups(cols: dict[str, np.ndarray], summaries: list[RankSum
     tightest of equal size (two data-parallel pairs that all-reduce at about the same time
     are not a world all-reduce). Ops are numbered per group in instance order, as a named
     group's are. When no group fits, the head that ends first has no partner among the other
-    ranks' ops (they lack it, e.g. it lies outside their kept steps): it stays unnamed.
+    ranks' ops (they lack it, e.g. it lies outside their kept steps): it stays unplaced, as
+    group "?<kind>".
 
     Timing alone cannot tell both pairs' all-reduces ending together from one over the world.
     The threads can: a process group runs its work on its own gloo worker threads, so a rank's
@@ -250,6 +255,11 @@ def _resolve_unnamed_groups(cols: dict[str, np.ndarray], summaries: list[RankSum
         placed = _place(cols, queue, groups, lane_group)
     for i, (name, k) in placed.items():
         cols["pg"][i], cols["seq"][i] = name, k
+    # The rest matched no group: named "?<kind>", which matches them by kind and ordinal as
+    # before, and marks them for the consistency warning and as no straggler evidence.
+    for i in rows.tolist():
+        if i not in placed:
+            cols["pg"][i] = "?" + str(cols["kind"][i])
 
 
 def _place(cols: dict[str, np.ndarray], queue: dict[int, list[int]], groups: dict[tuple[int, ...], str],
@@ -300,7 +310,7 @@ def _instances(c: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     if n == 0:
         z = np.zeros(0)
         return dict(inst=z.astype(np.int64), wait=z, inst_size=z.astype(np.int64),
-                    inst_last=z.astype(np.int64), inst_skew=z, inst_blame=z)
+                    inst_last=z.astype(np.int64), inst_first=z.astype(np.int64), inst_skew=z, inst_blame=z)
     # Unnamed groups (no pg at all) fall back to matching by kind and ordinal.
     # Group ids numbered in sorted name order (as np.unique would), through a dict of the few
     # distinct names: ~3x faster than building and sorting a string array per row.
@@ -321,11 +331,13 @@ def _instances(c: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     wait = np.empty(n)
     wait[order] = np.repeat(last_arr, size) - arr
     return dict(inst=inst, wait=wait, inst_size=size, inst_last=c["rank"][order][ends],
+                inst_first=c["rank"][order][starts],
                 inst_skew=last_arr - first_arr, inst_blame=size * last_arr - sum_arr)
 
 
-def _pair_p2p(c: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The k-th send from a to b meets the k-th recv at b from a."""
+def _pair_p2p(c: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The k-th send from a to b meets the k-th recv at b from a. Also returns the ops left
+    unpaired (no peer, or no counterpart on the peer), as columns."""
     sends: dict[tuple[int, int], list[int]] = {}
     recvs: dict[tuple[int, int], list[int]] = {}
     order = np.argsort(c["arrive"], kind="stable")
@@ -347,6 +359,9 @@ def _pair_p2p(c: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             s_idx.append(a)
             r_idx.append(b)
     s_idx, r_idx = np.array(s_idx, dtype=np.int64), np.array(r_idx, dtype=np.int64)
+    lone = np.ones(len(c["rank"]), dtype=bool)
+    lone[s_idx], lone[r_idx] = False, False
+    unpaired = {k: c[k][lone] for k in ("rank", "step", "kind", "peer", "arrive", "end")}
     send_t = c["arrive"][s_idx] if len(s_idx) else np.zeros(0)
     recv_t = c["arrive"][r_idx] if len(r_idx) else np.zeros(0)
     recv_end = c["end"][r_idx] if len(r_idx) else np.zeros(0)
@@ -354,4 +369,4 @@ def _pair_p2p(c: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return dict(p2p_src=np.array(src, dtype=np.int64), p2p_dst=np.array(dst, dtype=np.int64),
                 p2p_send=send_t, p2p_recv=recv_t, p2p_wait=wait, p2p_end=recv_end,
                 p2p_step=c["step"][r_idx] if len(r_idx) else np.zeros(0, dtype=np.int64),
-                p2p_nbytes=c["nbytes"][r_idx] if len(r_idx) else np.zeros(0, dtype=np.int64))
+                p2p_nbytes=c["nbytes"][r_idx] if len(r_idx) else np.zeros(0, dtype=np.int64)), unpaired

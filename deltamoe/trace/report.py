@@ -70,7 +70,8 @@ def _stragglers(r: dict) -> str:
         return "<p><b>No straggler found.</b></p>" + "".join(out)
     rows = []
     for s in r["stragglers"]:
-        ev = "<br>".join(html.escape(f"{c['op']}: late {c['count']} times, others waited {_s(c['others_waited_s'])} s")
+        ev = "<br>".join(html.escape(f"{c['op']}: late {c['count']} time{'s' if c['count'] != 1 else ''}, "
+                                     f"others waited {_s(c['others_waited_s'])} s")
                          for c in s["collectives"])
         rows.append([s["rank"], s["host"], f"{s['score']:.3f}", s["test"], s["steps_late"],
                      _s(s["others_waited_s"]), f"{s['compute_vs_peers']:.2f}x", s["cause"], _Html(ev)])
@@ -154,9 +155,13 @@ def write_html(report: dict, summaries: list[RankSummary], path: str | Path) -> 
     if r["alltoall"]:
         a = r["alltoall"]
         hot = [[h["rank"], h["group"], f"{h['bytes_vs_median']:.2f}x"] for h in a["hot_ranks"]]
-        parts.append(f"<h2>MoE all-to-all</h2><p>Largest payload / mean payload in a group: "
-                     f"{a['max_over_mean_bytes']:.2f}.</p>"
-                     + (_table(hot, ["rank", "group", "bytes vs group median"]) if hot else "<p>No hot rank.</p>"))
+        if a["max_over_mean_bytes"] is None:  # gloo without record_shapes: payloads unknown
+            parts.append("<h2>MoE all-to-all</h2><p>Largest payload / mean payload in a group: n/a (bytes "
+                         "unknown: record with record_shapes=True).</p>")
+        else:
+            parts.append(f"<h2>MoE all-to-all</h2><p>Largest payload / mean payload in a group: "
+                         f"{a['max_over_mean_bytes']:.2f}.</p>"
+                         + (_table(hot, ["rank", "group", "bytes vs group median"]) if hot else "<p>No hot rank.</p>"))
     st = r["step_times"]
     if st["steps"]:
         d = st["distribution"]

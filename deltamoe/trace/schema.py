@@ -18,11 +18,17 @@ from typing import Any, Union
 import msgspec
 
 
+NO_RAW = msgspec.Raw()
+
+_RAW_ARGS = ("Input Dims", "Input type")
+
+
 class Args(msgspec.Struct, gc=False, rename={
     "external_id": "External id", "collective": "Collective name", "pg_name": "Process Group Name",
     "seq": "Seq", "in_nelems": "In msg nelems", "out_nelems": "Out msg nelems", "src": "Src Rank",
     "dst": "Dst Rank", "concrete_inputs": "Concrete Inputs", "pg_ranks": "Process Group Ranks",
-    "rank_start": "Global rank start", "rank_stride": "Global rank stride", "group_size": "Group size"}):  # gc=False: no cycles, cheaper
+    "rank_start": "Global rank start", "rank_stride": "Global rank stride", "group_size": "Group size",
+    "input_dims": "Input Dims", "input_type": "Input type"}):  # gc=False: no cycles, cheaper
     external_id: Any = None
     correlation: Any = None
     stream: Any = None
@@ -39,6 +45,10 @@ class Args(msgspec.Struct, gc=False, rename={
     rank_start: Any = None    # first global rank of a strided group
     rank_stride: Any = None
     group_size: Any = None
+    # record_shapes: the shapes and dtypes of an op's inputs, on every op; kept undecoded (a
+    # slice of the file) and decoded only for the few collective calls (gloo payloads).
+    input_dims: msgspec.Raw = NO_RAW
+    input_type: msgspec.Raw = NO_RAW
 
 
 NO_ARGS = Args()
@@ -103,5 +113,13 @@ def _complete_events(events: object) -> list:
     """Generic fallback: complete events converted, any other entry kept as None (counted)."""
     if not isinstance(events, list):
         raise msgspec.ValidationError("traceEvents is not an array")
-    return [msgspec.convert(e, Event) if isinstance(e, dict) and e.get("ph") == "X" else None
+    return [msgspec.convert(_raw_args(e), Event) if isinstance(e, dict) and e.get("ph") == "X" else None
             for e in events]
+
+
+def _raw_args(e: dict) -> dict:
+    """The args kept undecoded (`Args.input_dims`) re-encoded, as convert expects raw JSON there."""
+    a = e.get("args")
+    if not isinstance(a, dict) or not any(k in a for k in _RAW_ARGS):
+        return e
+    return {**e, "args": {**a, **{k: msgspec.Raw(msgspec.json.encode(a[k])) for k in _RAW_ARGS if k in a}}}

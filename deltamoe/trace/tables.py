@@ -9,10 +9,13 @@ step, kernel -> record_param_comms) happen afterwards in `build.py`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+import msgspec
 import numpy as np
 
-from deltamoe.trace.classify import P2P_KINDS, STEP, Patterns, collective_kind
+from deltamoe.trace.classify import P2P_KINDS, STEP, Patterns, collective_kind, dtype_bytes
 from deltamoe.trace.schema import NO_ARGS as _NO_ARGS
 from deltamoe.trace.schema import Event
 
@@ -39,7 +42,7 @@ class EventTables:
     param_comms: dict = field(default_factory=dict)  # External id -> record_param_comms Args
     p2p_ops: list = field(default_factory=list)      # (ts, Args) of record_param_comms send / recv
     annotations: list = field(default_factory=list)  # (name, ts, dur, tid) for comm annotations
-    cpu_coll_ops: list = field(default_factory=list)  # (name, ts, dur, tid, concrete inputs)
+    cpu_coll_ops: list = field(default_factory=list)  # (name, ts, dur, tid, concrete inputs, payload bytes)
     cpu_ops: list = field(default_factory=list)      # (ts, dur, tid) of cpu_op events
     functional_ops: list = field(default_factory=list)  # (name, ts, dur, tid) of `_c10d_functional::` calls
     steps: list = field(default_factory=list)        # (step number, ts, dur, tid)
@@ -101,8 +104,8 @@ class EventTables:
                         # `coalesced` kernel that follows carries them (collectives.py).
                         self.p2p_ops.append((e.ts, a))
                 else:
-                    ci = (e.args or _NO_ARGS).concrete_inputs
-                    self.cpu_coll_ops.append((name, e.ts, e.dur, e.tid, ci))
+                    a = e.args or _NO_ARGS
+                    self.cpu_coll_ops.append((name, e.ts, e.dur, e.tid, a.concrete_inputs, cpu_payload(name, a)))
             elif cat in _RUNTIME_CATS:
                 corr = (e.args or _NO_ARGS).correlation
                 if corr is not None:
@@ -174,6 +177,22 @@ class EventTables:
         out.kernels = np.concatenate(kernels) if kernels else np.zeros((0, 7))
         out.runtimes = np.concatenate(runtimes) if runtimes else np.zeros((0, 2))
         return out
+
+
+def cpu_payload(name: str, a: object) -> int:
+    """Bytes an all-to-all call moves, from its recorded input shapes (record_shapes=True): the
+    larger of what it sends and what it receives (a hot expert's rank receives more in the
+    dispatch and sends more in the combine). `c10d::alltoall_base_(output, input, ...)` lists
+    both tensors first. -1: unknown (no shapes recorded, or another op)."""
+    if collective_kind(name) != "all_to_all" or not len(a.input_dims):
+        return -1
+    try:
+        dims, types = msgspec.json.decode(a.input_dims), msgspec.json.decode(a.input_type) if len(a.input_type) else []
+        sizes = [math.prod(d) * dtype_bytes(t or "float") for d, t in zip(dims[:2], [*types, "", ""][:2])
+                 if isinstance(d, list) and d and all(isinstance(x, int) for x in d)]
+    except (msgspec.DecodeError, TypeError):
+        return -1
+    return max(sizes) if len(sizes) == 2 else -1
 
 
 def _rows_array(rows: list | np.ndarray, width: int) -> np.ndarray:

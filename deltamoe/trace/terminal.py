@@ -50,7 +50,11 @@ def print_summary(report: dict, console: Console | None = None) -> None:
     a = r["alltoall"]
     if a:
         hot = ", ".join(f"{h['rank']} ({h['bytes_vs_median']}x)" for h in a["hot_ranks"][:8]) or "none"
-        c.print(f"all-to-all: max/mean bytes {a['max_over_mean_bytes']}, hot ranks {hot}")
+        ratio = a["max_over_mean_bytes"]
+        if ratio is None:  # gloo without record_shapes: the payloads are not in the trace
+            c.print("all-to-all: max/mean bytes n/a (bytes unknown: record with record_shapes=True)")
+        else:
+            c.print(f"all-to-all: max/mean bytes {ratio}, hot ranks {hot}")
     st = r["step_times"]
     if st["distribution"]:
         d = st["distribution"]

@@ -16,7 +16,7 @@ from deltamoe.trace.build import _compact_ranks
 from deltamoe.trace.classify import P2P_KINDS, STEP, Patterns, collective_kind, dtype_bytes
 from deltamoe.trace.schema import NO_ARGS, Args, Event
 from deltamoe.trace.summary import Collectives
-from deltamoe.trace.tables import _MEMORY_CATS, _RUNTIME_CATS, COMM, COMPUTE, MEMORY, EventTables
+from deltamoe.trace.tables import _MEMORY_CATS, _RUNTIME_CATS, COMM, COMPUTE, MEMORY, EventTables, cpu_payload
 
 
 # ---- references -------------------------------------------------------------------------
@@ -73,8 +73,8 @@ class RefTables(EventTables):
                     a = e.args or NO_ARGS
                     param_comms[a.external_id] = a
                 elif name.startswith(cpu_prefixes):
-                    ci = (e.args or NO_ARGS).concrete_inputs
-                    self.cpu_coll_ops.append((name, e.ts, e.dur, e.tid, ci))
+                    a = e.args or NO_ARGS
+                    self.cpu_coll_ops.append((name, e.ts, e.dur, e.tid, a.concrete_inputs, cpu_payload(name, a)))
                 elif name.startswith(("_c10d_functional::", "c10d_functional::")):
                     self.functional_ops.append((name, e.ts, e.dur, e.tid))
             elif cat in _RUNTIME_CATS:
@@ -106,7 +106,9 @@ def ref_gpu_collectives(t: EventTables, rows: np.ndarray, ext: np.ndarray, name_
     kind = C._text([kind_of[x] for x in label])
     dtypes = [d or "float" for d in C._strs([a.dtype for a in args])]
     size_of = {d: dtype_bytes(d) for d in set(dtypes)}
-    elems = np.where(kind == "recv", C._ints([a.out_nelems for a in args], 0), C._ints([a.in_nelems for a in args], 0))
+    sent = [max(a.in_nelems, a.out_nelems) if k == "all_to_all" and isinstance(a.in_nelems, int)
+            and isinstance(a.out_nelems, int) else a.in_nelems for a, k in zip(args, kind.tolist())]
+    elems = np.where(kind == "recv", C._ints([a.out_nelems for a in args], 0), C._ints(sent, 0))
     peer = np.where(kind == "send", C._ints([a.dst for a in args], -1),
                     np.where(kind == "recv", C._ints([a.src for a in args], -1), -1))
     return ref_finish(pg=C._text(C._strs([a.pg_name for a in args])), seq=C._ints([a.seq for a in args], -1),
@@ -289,7 +291,8 @@ def test_releases_match_reference(seed):
     j = SimpleNamespace(rank=rng.integers(0, 6, n), step=rng.integers(0, 4, n), end=rng.choice([1.0, 2.5, 7.0, 9.25], n),
                         wait=rng.choice([0.0, 0.0, 1.0, 3.5], n), p2p_dst=rng.integers(0, 6, m),
                         p2p_step=rng.integers(0, 4, m), p2p_end=rng.uniform(0, 10, m),
-                        p2p_wait=rng.choice([0.0, 2.0], m))
+                        p2p_wait=rng.choice([0.0, 2.0], m), p2p_src=rng.integers(0, 6, m),
+                        p2p_send=rng.uniform(0, 10, m))
     assert _Releases(j).idx == ref_releases_idx(j)
 
 

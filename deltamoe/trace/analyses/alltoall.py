@@ -26,19 +26,25 @@ def alltoall(j: Joined) -> dict | None:
     time_s = dict(zip(keys, np.bincount(inv, weights=(j.end[a2a] - j.arrive[a2a]) / 1e6).tolist()))
     wait_s = dict(zip(keys, np.bincount(inv, weights=j.wait[a2a] / 1e6).tolist()))
     count = dict(zip(keys, np.bincount(inv).tolist()))
+    # gloo records an all-to-all's payload only with record_shapes=True (-1 otherwise): with a
+    # rank's bytes unknown nothing can be said about the balance, rather than "balanced".
+    unknown = set(np.unique(j.rank[a2a][j.nbytes[a2a] < 0]).tolist())
     groups: dict[str, list[int]] = defaultdict(list)
     for k in np.argsort(first, kind="stable").tolist():  # ranks in order of first appearance
         groups[str(j.pg[a2a[first[k]]])].append(keys[k])
     hot, imbalance = [], []
     for g, ranks in groups.items():
+        if unknown.intersection(ranks):
+            continue
         b = np.array([nbytes[r] for r in ranks], dtype=float)
         med = float(np.median(b)) or 1.0
         imbalance.append(float(b.max() / b.mean()) if b.mean() > 0 else 1.0)
         hot += [{"rank": r, "group": g, "bytes_vs_median": round(nbytes[r] / med, 3)}
                 for r in ranks if nbytes[r] > HOT * med]
     return {
-        "max_over_mean_bytes": round(max(imbalance), 4),
+        "max_over_mean_bytes": round(max(imbalance), 4) if imbalance else None,
+        "bytes_known": not unknown,
         "hot_ranks": sorted(hot, key=lambda h: -h["bytes_vs_median"]),
-        "ranks": [{"rank": r, "bytes": nbytes[r], "ops": count[r], "time_s": round(time_s[r], 6),
-                   "wait_s": round(wait_s[r], 6)} for r in sorted(nbytes)],
+        "ranks": [{"rank": r, "bytes": None if r in unknown else nbytes[r], "ops": count[r],
+                   "time_s": round(time_s[r], 6), "wait_s": round(wait_s[r], 6)} for r in sorted(nbytes)],
     }

@@ -57,21 +57,33 @@ def stragglers(j: Joined, summaries: list[RankSummary], stage_of: dict[int, int]
 
     first_row = np.full(j.instances, -1, dtype=np.int64)
     first_row[j.inst[::-1]] = np.arange(len(j.inst))[::-1]
-    # Collectives some member lacks are no evidence: who was last is unknown (join.py warns).
-    late = np.flatnonzero((j.inst_size >= 2) & (j.inst_blame > 0) & j.inst_complete)
+    # Collectives some member lacks are no evidence: who was last is unknown (join.py warns);
+    # nor are gloo ops placed in no process group (their partners are a guess).
+    placed = np.array([not str(g).startswith("?") for g in j.pg[first_row].tolist()], dtype=bool)
+    late = np.flatnonzero((j.inst_size >= 2) & (j.inst_blame > 0) & j.inst_complete & placed)
     rows = first_row[late]
+    replicated = _replicated_stages(stage_of)
+    unresolved = 0
     # Plain Python values: this loop runs once per collective instance of the whole job.
-    for last, step, skew, t_last, kind, pg, inst_blame, size in zip(
-            j.inst_last[late].tolist(), j.step[rows].tolist(), j.inst_skew[late].tolist(),
+    for last, first, step, skew, t_last, kind, pg, inst_blame, size in zip(
+            j.inst_last[late].tolist(), j.inst_first[late].tolist(), j.step[rows].tolist(), j.inst_skew[late].tolist(),
             (j.arrive[rows] + j.wait[rows]).tolist(),  # any member's arrival + wait = last arrival
             j.kind[rows].tolist(), j.pg[rows].tolist(), j.inst_blame[late].tolist(), j.inst_size[late].tolist()):
-        own = releases.own_part(last, step, t_last, t_last - skew)
-        if own <= 0:
+        if skew <= 0:  # inst_blame > 0 from rounding alone
             continue
-        share = own / skew
-        # Per member (the others' mean wait), so one late arrival at a 5,000-rank all-reduce
-        # does not outweigh being late at every expert exchange.
-        charge(last, step, f"{kind} pg={pg or '?'}", share * inst_blame / (size - 1), share * inst_blame)
+        t_ref = t_last - skew
+        if releases.held_unpaired(last, step, t_ref, t_last):
+            # Held in a recv whose sender is unknown: whose lateness it was cannot be told.
+            unresolved += 1
+            continue
+        per_wait = inst_blame / skew  # the others' total wait per us of lateness
+        own = releases.own_part(last, step, t_last, t_ref, first)
+        if own > 0:
+            # Per member (the others' mean wait), so one late arrival at a 5,000-rank all-reduce
+            # does not outweigh being late at every expert exchange.
+            charge(last, step, f"{kind} pg={pg or '?'}", own * per_wait / (size - 1), own * per_wait)
+        for src, src_own in _held_by_senders(releases, stage_of, replicated, last, step, t_last, t_ref):
+            charge(src, step, "pipeline send (receiver waited)", src_own * per_wait / (size - 1), src_own * per_wait)
     for src, step, t_send, excess in _sender_blame(j, stage_of):
         own = releases.own_part(src, step, t_send, t_send - excess)
         if own > 0:
@@ -89,8 +101,9 @@ def stragglers(j: Joined, summaries: list[RankSummary], stage_of: dict[int, int]
         if z >= Z_MIN:
             test = f"robust z {z:.1f} > {Z_MIN:g}"
         elif len(ranked) < SMALL_JOB and over_next >= DOMINANCE:
-            test = (f"{over_next:.1f}x the next rank's score ({len(ranked)} ranks: too few for a robust z, "
-                    f">= {DOMINANCE:g}x asked)")
+            # A ratio over a zero score is no number to print.
+            than = "the others scored 0" if ranked[1][1] <= 0 else f"{over_next:.1f}x the next rank's score"
+            test = f"{than} ({len(ranked)} ranks: too few for a robust z, >= {DOMINANCE:g}x asked)"
         else:
             continue
         # A straggler is late again and again: in at least half of the steps.
@@ -112,34 +125,115 @@ def stragglers(j: Joined, summaries: list[RankSummary], stage_of: dict[int, int]
         out.append(item)
     return {"stragglers": out, "explained_by_imbalance": excluded,
             "ranking": [{"rank": r, "score": round(s, 4)} for r, s in ranked[:64]],
-            "median_score": round(med, 5), "min_score": min_score}
+            "median_score": round(med, 5), "min_score": min_score, "unresolved_instances": unresolved}
 
 
 class _Releases:
-    """Per (rank, step): when a peer released the rank (end of a collective or recv it waited in)."""
+    """Per (rank, step): when a peer released the rank (end of a collective or recv it waited in),
+    and when each of its communication ops ended (waited in or not)."""
 
     def __init__(self, j: Joined):
         # The ends of the ops each (rank, step) waited in, sorted: one sort for the whole job.
         held, p2p_held = j.wait > 0, j.p2p_wait > 0
-        r = np.concatenate([j.rank[held], j.p2p_dst[p2p_held]]).astype(np.int64)
-        st = np.concatenate([j.step[held], j.p2p_step[p2p_held]]).astype(np.int64)
-        e = np.concatenate([j.end[held], j.p2p_end[p2p_held]]).astype(float)
-        order = np.lexsort((e, st, r))
-        r, st, e = r[order], st[order], e[order].tolist()
-        starts = np.flatnonzero(np.r_[True, (r[1:] != r[:-1]) | (st[1:] != st[:-1])]) if len(r) else r
-        bounds = [*starts.tolist(), len(e)]
-        self.idx = {(a_r, a_st): e[a:b] for a_r, a_st, a, b in
-                    zip(r[starts].tolist(), st[starts].tolist(), bounds[:-1], bounds[1:])}
+        self.idx = _ends_by_rank_step(np.concatenate([j.rank[held], j.p2p_dst[p2p_held]]),
+                                      np.concatenate([j.step[held], j.p2p_step[p2p_held]]),
+                                      np.concatenate([j.end[held], j.p2p_end[p2p_held]]))
+        self.ends = _ends_by_rank_step(np.concatenate([j.rank, j.p2p_dst]), np.concatenate([j.step, j.p2p_step]),
+                                       np.concatenate([j.end, j.p2p_end]))
+        # Matched recvs by (receiver, step, end): who sent, and when.
+        self.recv_from = {(d, st, e): (s, t) for s, d, st, e, t in zip(
+            j.p2p_src.tolist(), j.p2p_dst.tolist(), j.p2p_step.tolist(), j.p2p_end.tolist(), j.p2p_send.tolist())}
+        lone = getattr(j, "p2p_unpaired", None) or {}
+        recv = lone["kind"] == "recv" if lone else np.zeros(0, dtype=bool)
+        self.lone_recv = _ends_by_rank_step(lone["rank"][recv], lone["step"][recv], lone["end"][recv]) if lone else {}
 
-    def own_part(self, rank: int, step: int, t_arrive: float, t_ref: float) -> float:
-        """Lateness after t_ref that the rank spent on its own work, not held by others."""
+    def held_unpaired(self, rank: int, step: int, t_ref: float, t_arrive: float) -> bool:
+        """Did an unpaired recv (sender unknown) hold the rank after t_ref?"""
+        e = self.lone_recv.get((rank, step))
+        return e is not None and bisect_right(e, t_arrive + 1e-3) > bisect_right(e, t_ref)
+
+    def held_by_recv(self, rank: int, step: int, t_arrive: float, t_ref: float) -> tuple[int, float] | None:
+        """(sender, send time) of the matched recv that last released the rank, when that came after t_ref."""
         e = self.idx.get((rank, step))
+        n = bisect_right(e, t_arrive + 1e-3) if e is not None else 0
+        if not n or e[n - 1] <= t_ref:
+            return None
+        return self.recv_from.get((rank, step, e[n - 1]))
+
+    def own_part(self, rank: int, step: int, t_arrive: float, t_ref: float, ref_rank: int | None = None) -> float:
+        """Lateness after t_ref that the rank spent on its own work, not held by others.
+
+        `ref_rank`: the member that arrived first (at t_ref). A rank released from its previous
+        op before t_ref was still late if that release came later than the first arriver's: the
+        delay it carried in was produced elsewhere (an expert exchange waiting for a straggler
+        of another group) and was blamed there. So its own part is at most how much longer it
+        worked since its last op than the first arriver did since its own."""
         released = t_ref
+        e = self.idx.get((rank, step))
         if e is not None:
             n = bisect_right(e, t_arrive + 1e-3)
             if n:
                 released = max(t_ref, e[n - 1])
-        return max(0.0, t_arrive - released)
+        own = max(0.0, t_arrive - released)
+        if ref_rank is None or own <= 0:
+            return own
+        mine, theirs = self._last_end(rank, step, t_arrive), self._last_end(ref_rank, step, t_ref)
+        if mine is None or theirs is None:  # the first op of the step on either: nothing to compare
+            return own
+        return max(0.0, min(own, (t_arrive - mine) - (t_ref - theirs)))
+
+    def _last_end(self, rank: int, step: int, t: float) -> float | None:
+        """End of the rank's last op in the step that ended by t (None: none did)."""
+        e = self.ends.get((rank, step))
+        n = bisect_right(e, t + 1e-3) if e is not None else 0
+        return e[n - 1] if n else None
+
+
+def _ends_by_rank_step(rank: np.ndarray, step: np.ndarray, end: np.ndarray) -> dict[tuple[int, int], list[float]]:
+    """{(rank, step): sorted ends}, with one sort for the whole job."""
+    r, st, e = rank.astype(np.int64), step.astype(np.int64), end.astype(float)
+    order = np.lexsort((e, st, r))
+    r, st, e = r[order], st[order], e[order].tolist()
+    starts = np.flatnonzero(np.r_[True, (r[1:] != r[:-1]) | (st[1:] != st[:-1])]) if len(r) else r
+    bounds = [*starts.tolist(), len(e)]
+    return {(a_r, a_st): e[a:b] for a_r, a_st, a, b in
+            zip(r[starts].tolist(), st[starts].tolist(), bounds[:-1], bounds[1:])}
+
+
+MAX_CHAIN = 16  # pipeline hops followed back from a late collective member
+
+
+def _replicated_stages(stage_of: dict[int, int]) -> set[int]:
+    """Pipeline stages held by more than one rank (data-parallel replicas of the pipeline)."""
+    count: dict[int, int] = defaultdict(int)
+    for st in stage_of.values():
+        count[st] += 1
+    return {st for st, n in count.items() if n > 1}
+
+
+def _held_by_senders(releases: "_Releases", stage_of: dict[int, int], replicated: set[int], rank: int, step: int,
+                     t_arrive: float, t_ref: float) -> list[tuple[int, float]]:
+    """The pipeline senders that held a late collective member in its recv after t_ref, with
+    the part of the lateness each produced itself: (sender, own part).
+
+    The recv that released the rank after the first member arrived passes that part of the
+    lateness back to its sender, and on up the chain while the sender was itself released
+    by a recv after t_ref. A hop whose stage has replicas is judged against them instead
+    (`_sender_blame`); without replicas (one pipeline) this is the only way the blame reaches
+    a slow stage, since every later stage waits for it."""
+    out = []
+    for _ in range(MAX_CHAIN):
+        hop = releases.held_by_recv(rank, step, t_arrive, t_ref)
+        if hop is None:
+            break
+        src, t_send = hop
+        if stage_of.get(src, -1) in replicated or t_send <= t_ref:
+            break
+        own = releases.own_part(src, step, t_send, t_ref)
+        if own > 0:
+            out.append((src, own))
+        rank, t_arrive = src, t_send
+    return out
 
 
 def _sender_blame(j: Joined, stage_of: dict[int, int]) -> list[tuple[int, int, float, float]]:
