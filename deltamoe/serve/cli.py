@@ -365,7 +365,7 @@ def chat_command(
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     from deltamoe.errors import RequestError
     from deltamoe.serve.api.images import IMAGE_MARK
-    from deltamoe.serve.image_cli import placeholder_tokens, read_chat_image
+    from deltamoe.serve.image_cli import read_chat_image
 
     images: list = []  # every image of the conversation, in order (its marks sit in `history`)
     pending: list = []  # attached with /image, shown with the next message
@@ -516,6 +516,9 @@ def serve_command(
     num_draft_tokens: int = NUM_DRAFT_TOKENS_OPTION,
     spec_min_acceptance: float = SPEC_MIN_ACCEPTANCE_OPTION,
     spec_max_batch: int = SPEC_MAX_BATCH_OPTION,
+    allowed_origins: Optional[list[str]] = typer.Option(None, "--allowed-origins", help="A browser origin allowed "
+                                                        "to call the server (CORS), e.g. http://localhost:3000; "
+                                                        "repeat for more, '*' for any. Default: none."),
     allow_image_urls: bool = typer.Option(False, "--allow-image-urls", help="Fetch http(s) image_url parts "
                                           "(default: data: URLs only; the server makes requests on clients' behalf)."),
     image_fetch_timeout: float = typer.Option(10.0, min=0.1, help="Seconds one image download may take."),
@@ -607,4 +610,5 @@ def serve_command(
             routers=[internal_routes(role, engine, connector, name)] + weight_routes(engine, weight_updates),
             image_options=ImageOptions(allow_image_urls, image_fetch_timeout,
                                        ImageLimits(max_tokens=image_max_tokens, max_bytes=image_max_bytes),
-                                       max_images=image_max_count))
+                                       max_images=image_max_count),
+            allowed_origins=allowed_origins or ())

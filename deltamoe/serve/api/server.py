@@ -22,6 +22,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.middleware.cors import CORSMiddleware
 
 from deltamoe.errors import RequestError
 from deltamoe.serve.api.chat_request import ChatOptions, opens_thinking
@@ -57,8 +58,11 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
               chat_template: ChatTemplate | None = None, max_body_bytes: int = MAX_BODY_BYTES,
               body_timeout_s: float = HTTPLimits.body_timeout_s,
               hand_off: Callable[[Request], object | None] | None = None,
-              routers: Sequence[APIRouter] = (), image_options: ImageOptions = ImageOptions()) -> FastAPI:
+              routers: Sequence[APIRouter] = (), image_options: ImageOptions = ImageOptions(),
+              allowed_origins: Sequence[str] = ()) -> FastAPI:
     """The app for one engine serving one model name. The engine thread runs for the app's lifespan.
+    `allowed_origins`: browser origins allowed to call it (CORS); none by default, since any web page
+    a user opens could otherwise drive a server on their machine (vLLM allows every origin).
     `hand_off`: a request's KV-connector parameters from its headers (a decode server of a P/D
     pair, `serve/kv_transfer/roles.py`); `routers`: extra routes (a role's internal ones);
     `image_options`: which image sources chat requests may use (`serve/api/images.py`)."""
@@ -174,6 +178,9 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
     for router in routers:
         app.include_router(router, dependencies=[Depends(check_key)])
     install_openapi(app)
+    if allowed_origins:  # browsers' preflight (OPTIONS) and the Access-Control-* headers
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
     return app
 
 
@@ -181,12 +188,12 @@ def run(engine: AsyncLLMEngine, model_name: str, host: str = "127.0.0.1", port: 
         api_key: str | None = None, chat_template: ChatTemplate | None = None, log_level: str = "info",
         sock: socket.socket | None = None, limits: HTTPLimits = HTTPLimits(),
         hand_off: Callable[[Request], object | None] | None = None, routers: Sequence[APIRouter] = (),
-        image_options: ImageOptions = ImageOptions()) -> None:
+        image_options: ImageOptions = ImageOptions(), allowed_origins: Sequence[str] = ()) -> None:
     """Serve until Ctrl-C (blocking). `sock`: an already bound socket for host:port (the CLI binds
     it before loading the model); None binds here."""
     raise_open_file_limit()
     app = build_app(engine, model_name, api_key=api_key, chat_template=chat_template, hand_off=hand_off,
-                    routers=routers, image_options=image_options)
+                    routers=routers, image_options=image_options, allowed_origins=allowed_origins)
     config = uvicorn_config(app, host, port, log_level, limits)
     EndingServer(config, lambda: engine.end_all("the server is shutting down")).run(
         sockets=[sock] if sock is not None else None)

@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from deltamoe.errors import RequestError
+from deltamoe.config import load_preset
 from deltamoe.serve.api.chat_template import ChatTemplate
 from deltamoe.serve.api.tool_parser import ToolCallParser, parse_tool_calls
 from deltamoe.serve.engine.config import EngineConfig
@@ -124,3 +125,25 @@ def test_model_retrieve_stream_options_and_the_deprecated_functions(client):
             client.chat.completions.create(model=M, messages=[{"role": "user", "content": "x"}], max_tokens=2,
                                            extra_body={field: value})
         assert e.value.param == field and "tool" in e.value.message
+
+
+def test_cors_is_off_unless_origins_are_named(tmp_path):
+    """A browser page on another origin gets no CORS grant by default; a named origin does."""
+    from fastapi.testclient import TestClient
+
+    from deltamoe.model.load import build_model
+    from deltamoe.serve.api.server import build_app
+    from deltamoe.serve.engine.async_engine import AsyncLLMEngine
+
+    from deltamoe.serve.engine.llm_engine import LLMEngine
+
+    engine = AsyncLLMEngine(LLMEngine(build_model(load_preset("tiny")), config=EngineConfig(cache_memory="1MiB", max_model_len=64)))
+    preflight = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    closed = TestClient(build_app(engine, M))
+    assert "access-control-allow-origin" not in closed.options("/v1/completions", headers=preflight).headers
+    assert "access-control-allow-origin" not in closed.get("/v1/models", headers={"Origin": "http://evil"}).headers
+    open_ = TestClient(build_app(engine, M, allowed_origins=["http://localhost:3000"]))
+    r = open_.options("/v1/completions", headers=preflight)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
+    assert "access-control-allow-origin" not in open_.get("/v1/models", headers={"Origin": "http://evil"}).headers
