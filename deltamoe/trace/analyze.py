@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from deltamoe.errors import TraceError
 from deltamoe.trace.reader import ReadConfig, dedupe_ranks, find_traces, read_all
 from deltamoe.trace.summary import RankSummary
@@ -109,6 +111,7 @@ def consistency(summaries: list[RankSummary], j) -> dict:
         by_group.setdefault((u["rank"], u["group"]), []).append(u)
     warnings += _world_size_warnings(summaries)
     warnings += _time_span_warnings(summaries)
+    warnings += _clock_skew_warnings(j)
     warnings += _unplaced_warnings(j)
     warnings += _unpaired_p2p_warnings(j)
     for (rank, group), items in sorted(by_group.items()):
@@ -122,8 +125,11 @@ def consistency(summaries: list[RankSummary], j) -> dict:
         seqs = ", ".join(map(str, seqs[:8])) + (", ..." if len(seqs) > 8 else "")
         warnings.append(f"rank {rank} lacks {len(items)} collective(s) of group {group or '?'} that its other "
                         f"members ran ({items[0]['kind']}, sequence {seqs}); excluded from straggler evidence")
+    same: dict[str, list[int]] = {}  # one line per text, naming its ranks (not one line per rank)
     for s in summaries:
-        warnings += [f"rank {s.rank}: {w}" for w in s.warnings]
+        for w in s.warnings:
+            same.setdefault(w, []).append(s.rank)
+    warnings += [f"rank{'s' if len(r) > 1 else ''} {_ranks_text(r)}: {w}" for w, r in same.items()]
     return {"world_size": world, "missing_ranks": missing, "unmatched_collectives": j.unmatched[:256],
             "unmatched_count": len(j.unmatched), "warnings": warnings[:64]}
 
@@ -154,6 +160,57 @@ def _time_span_warnings(summaries: list[RankSummary]) -> list[str]:
     return [f"rank files do not overlap in time: rank {early[2]} ends {(late[0] - early[1]) / 1e6:.1f} s before "
             f"rank {late[2]} starts (ranks starting after rank {early[2]} ended: {_ranks_text(sorted(apart))}); "
             "files from different jobs or profiling windows?"]
+
+
+# Collectives none of whose members can leave before all have entered (a broadcast root can).
+_SYNC_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "barrier")
+
+
+def _clock_skew_warnings(j) -> list[str]:
+    """A rank whose collectives, on its clock, start after every other member has finished them
+    (or end before any other member started them) cannot be right: no member leaves a collective
+    before all have entered. Seen in most of a rank's collectives, its clock is off the others'.
+
+    Per instance of three members or more, only the member that ends last can have started after
+    all the others ended (any other ends before it), and only the first to arrive can have ended
+    before all the others arrived; the offset is read against the next member's end (members of
+    one collective leave it together). Pairs cannot tell which clock is off and are left out."""
+    if not len(j.inst):
+        return []
+    keep = np.flatnonzero(np.isin(j.kind, _SYNC_KINDS) & (j.inst_size[j.inst] >= 3))
+    if not len(keep):
+        return []
+    inst, rank, arrive, end = j.inst[keep], j.rank[keep], j.arrive[keep], j.end[keep]
+    total = np.bincount(rank, minlength=int(rank.max()) + 1)
+    odd_rank, odd_off = [], []
+    for key, late in ((end, True), (arrive, False)):
+        order = np.lexsort((key, inst))
+        g = inst[order]
+        first = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
+        last = np.r_[first[1:], len(g)] - 1
+        full = last - first >= 2  # three members or more (the instance may lack some)
+        first, last = first[full], last[full]
+        if late:  # the last to end started after the one ending next had finished
+            a, b = order[last], order[last - 1]
+            odd = arrive[a] > end[b]
+        else:  # the first to arrive ended before the one arriving next had arrived
+            a, b = order[first], order[first + 1]
+            odd = end[a] < arrive[b]
+        odd_rank.append(rank[a[odd]])
+        odd_off.append(end[a[odd]] - end[b[odd]])
+    ranks, offs = np.concatenate(odd_rank), np.concatenate(odd_off)
+    out = []
+    for r in np.unique(ranks).tolist():
+        mine = offs[ranks == r]
+        n = int(total[r])
+        if len(mine) < 2 or 2 * len(mine) < n:
+            continue
+        off = float(np.median(mine)) / 1e3
+        which = ("started after all other members had finished them" if off > 0
+                 else "ended before any other member had started them")
+        out.append(f"rank {r}: in {len(mine)} of {n} collectives it {which}, impossible without clock skew: its "
+                   f"clock is about {off:+.1f} ms off the others'; lateness measured against it is unreliable")
+    return out
 
 
 def _unplaced_warnings(j) -> list[str]:

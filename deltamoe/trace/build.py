@@ -24,12 +24,15 @@ def rank_info(header: dict, path: str) -> tuple[int, int, str, dict[str, tuple[i
     """Rank, world size, backend, process groups (name -> global ranks) and their descriptions
     from `distributedInfo` (never the file name)."""
     info = header.get("distributedInfo")
-    if not isinstance(info, dict) or not isinstance(info.get("rank"), int):
+    if not isinstance(info, dict) or info.get("rank") is None:
         raise TraceError("no distributedInfo.rank in the trace metadata", field=path,
                          hint="record with torch.distributed initialised so Kineto writes it")
-    world = info.get("world_size")
-    if isinstance(world, int) and world > 0 and not 0 <= info["rank"] < world:
-        raise TraceError(f"rank {info['rank']} outside the world size {world}", field=path,
+    rank = _integer(info["rank"])
+    if rank is None:
+        raise TraceError(f"distributedInfo.rank must be an integer, got {info['rank']!r}", field=path)
+    world = _integer(info.get("world_size"))
+    if world is not None and world > 0 and not 0 <= rank < world:
+        raise TraceError(f"rank {rank} outside the world size {world}", field=path,
                          hint="distributedInfo.rank must be in 0..world_size-1")
     groups, descs = {}, {}
     for pg in info.get("pg_config") or []:
@@ -37,7 +40,20 @@ def rank_info(header: dict, path: str) -> tuple[int, int, str, dict[str, tuple[i
             name = str(pg.get("pg_name", ""))
             groups[name] = _compact_ranks(pg["ranks"])
             descs[name] = str(pg.get("pg_desc", ""))
-    return info["rank"], int(info.get("world_size", 0) or 0), str(info.get("backend", "")), groups, descs
+    world = world if world is not None else int(info.get("world_size", 0) or 0)
+    return rank, world, str(info.get("backend", "")), groups, descs
+
+
+def _integer(x: object) -> int | None:
+    """An int, or a string of one ("0", as some exporters write it); None for anything else."""
+    if isinstance(x, int) and not isinstance(x, bool):
+        return x
+    if isinstance(x, str):
+        try:
+            return int(x)
+        except ValueError:
+            return None
+    return None
 
 
 def _compact_ranks(ranks: list) -> tuple[int, ...] | range:
@@ -82,8 +98,14 @@ def build_summary(t: EventTables, header: dict, path: str, steps: StepRange = (N
                     pipe_first=np.full(len(step_ids), np.nan), pipe_end=np.full(len(step_ids), np.nan),
                     pipe_busy=np.zeros(len(step_ids)), heat=np.zeros((len(step_ids), HEAT_BINS), np.float32),
                     coll=coll, steps_in_trace=in_trace)
-    if not len(step_ids):
+    if not t.steps:
+        s.warnings.append("no ProfilerStep markers in the trace: analysed as one step (step 0) spanning the whole "
+                          "trace (call prof.step() once per training step)")
+    elif not len(step_ids):
         s.warnings.append("no ProfilerStep in the selected range")
+    unknown = builder.unrecognised_comm() if gpu else ""
+    if unknown:
+        s.warnings.append(unknown)
     if negative:
         s.warnings.append(f"{negative} event(s) with a negative duration (dur < 0), read as zero-length: "
                           "the exporter's clock or the file is broken")
@@ -251,6 +273,21 @@ class _GpuView:
         i = np.clip(np.searchsorted(rc, self.corr), 0, len(rc) - 1)
         found = rc[i] == self.corr
         return np.where(found, rts[i], self.ts)
+
+    def unrecognised_comm(self) -> str:
+        """Compute kernels launched by a `record_param_comms` op itself (they share its External
+        id): a collective whose kernel neither matches a communication pattern nor carries the
+        `Collective name` arg (a kernel that does is communication, tables.py) -> a warning."""
+        pc = self.t.param_comms
+        if not pc:
+            return ""
+        ids = np.array([x for x in pc if isinstance(x, int) and not isinstance(x, bool)], dtype=np.int64)
+        hit = np.flatnonzero((self.cls == COMPUTE) & np.isin(self.ext, ids))
+        if not len(hit):
+            return ""
+        name = {v: k for k, v in self.t.names.items()}.get(int(self.nid[hit[0]]), "?")
+        return (f"{len(hit)} kernel(s) launched by record_param_comms were not recognised as communication "
+                f"(e.g. {name.split('(')[0]}) and count as compute (use --comm-pattern)")
 
     def step_windows(self) -> tuple[np.ndarray, np.ndarray]:
         steps = _steps(self.t)

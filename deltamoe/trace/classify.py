@@ -37,6 +37,7 @@ _KIND_PATTERNS = [
     ("scatter", re.compile(r"scatter", re.I)),
 ]
 P2P_KINDS = frozenset({"send", "recv"})
+KINDS = frozenset([k for k, _ in _KIND_PATTERNS] + ["other"])  # every kind collective_kind() returns
 
 # `nccl:send 3->4` / `nccl:recv 4<-3`: the peer is in the annotation name.
 _PEER = re.compile(r"(?:->|<-)\s*(\d+)\s*$")

@@ -161,6 +161,19 @@ def run_synth(outdir: str, ranks: int, steps: int = 4, pp: int = 1, microbatches
     console.print(f"wrote {ranks} rank traces ({ev:,} events) and _ground_truth.json to {outdir}")
 
 
+def _same_file(a: str, b: str) -> bool:
+    """Two output paths that end up as one file: equal after resolving `..` and symlinks, or
+    (both existing) hard links to one inode."""
+    import os
+
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist yet
+        return False
+
+
 def run_analyze(folder: str, json_out: str | None = None, html_out: str | None = None, workers: int = 0,
                 steps: str | None = None, comm_pattern: list[str] | None = None, quiet: bool = False) -> None:
     from deltamoe.trace.analyze import analyze as run
@@ -173,6 +186,9 @@ def run_analyze(folder: str, json_out: str | None = None, html_out: str | None =
     if not Path(folder).is_dir():
         raise TraceError(f"not a directory: {folder}", field="DIR",
                          hint="pass the folder that holds one trace file per rank")
+    if json_out and html_out and _same_file(json_out, html_out):
+        raise TraceError(f"--json and --html name the same file ({html_out}); the HTML would overwrite the JSON",
+                         field="--html", hint="give each report its own file name")
     for option, out in (("--json", json_out), ("--html", html_out)):
         if out:  # before the analysis, not after it
             check_output_file(out, option, TraceError)

@@ -19,10 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from deltamoe.trace import intervals as iv
-from deltamoe.trace.classify import collective_kind
-
-# Kinds reported on their own; the rest are summed into "other".
-KINDS = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce", "broadcast", "send", "recv")
+from deltamoe.trace.classify import KINDS, collective_kind
 
 
 def leaf_spans(ts: np.ndarray, end: np.ndarray) -> iv.Spans:
@@ -37,8 +34,9 @@ def leaf_spans(ts: np.ndarray, end: np.ndarray) -> iv.Spans:
 
 
 def _kind(name: str) -> str:
-    kind = collective_kind(name)
-    return kind if kind in KINDS else "other"
+    """The kind as every other table names it (`sync_skew`, `alltoall`): a kind already (GPU rows
+    carry theirs; "send_recv" must not be read again as "send"), else the kind of the name."""
+    return name if name in KINDS else collective_kind(name)
 
 
 def exposed_by_kind(names: np.ndarray, start: np.ndarray, end: np.ndarray, working: iv.Spans, lo: np.ndarray,

@@ -39,6 +39,12 @@ class Slice:
     start: int = 0
     end: int = 0
     data: bytes | None = None
+    at: int = 0  # for `data` (gz): its offset in the decompressed stream
+
+    @property
+    def offset(self) -> int:
+        """Where the slice starts in the (decompressed) file."""
+        return self.start if self.data is None else self.at
 
     def read(self) -> bytes:
         if self.data is not None:
@@ -222,7 +228,7 @@ def _gzip_slices(path: str, slice_bytes: int) -> tuple[dict, Iterator[Slice]]:
     tail_meta: dict = {}
 
     def gen() -> Iterator[Slice]:
-        buf = head[first:]
+        buf, at = head[first:], first  # at: offset of buf in the decompressed stream
         try:
             while True:
                 more = f.read(slice_bytes)
@@ -234,8 +240,10 @@ def _gzip_slices(path: str, slice_bytes: int) -> tuple[dict, Iterator[Slice]]:
                 m = BOUNDARY.search(buf, slice_bytes)
                 if not m:
                     continue
-                yield Slice(path, data=buf[:m.start() + 1])
-                buf = buf[m.start() + 1:].lstrip().lstrip(b",")
+                yield Slice(path, data=buf[:m.start() + 1], at=at)
+                rest = buf[m.start() + 1:].lstrip().lstrip(b",")
+                at += len(buf) - len(rest)
+                buf = rest
         except (OSError, EOFError, zlib.error) as e:
             raise TraceError(f"cannot read the file ({type(e).__name__})", field=path,
                              hint="the gzip stream is truncated or corrupt") from e
@@ -243,7 +251,7 @@ def _gzip_slices(path: str, slice_bytes: int) -> tuple[dict, Iterator[Slice]]:
             f.close()
         q, after = _find_end(buf, path)
         tail_meta.update(after)
-        yield Slice(path, data=buf[:q])
+        yield Slice(path, data=buf[:q], at=at)
 
     header["__tail__"] = tail_meta  # filled when the iterator is exhausted
     return header, gen()
@@ -254,3 +262,20 @@ def parse_slice(data: bytes) -> list:
     if not data:
         return []
     return decode_events(b"[" + data + b"]")
+
+
+_BYTE = re.compile(r"\(byte (\d+)\)")
+
+
+def slice_error_message(sl: Slice, data: bytes, error: Exception) -> str:
+    """The decoder's message for a slice that did not parse, with its "(byte N)" (counted in the
+    `[` + slice + `]` that parse_slice decoded) turned into the offset in the file."""
+    rest = data.lstrip()
+    lead = len(data) - len(rest)
+    lead += len(rest) - len(rest.lstrip(b","))
+    text = str(error)
+
+    def at(m: re.Match) -> str:
+        return f"(byte {sl.offset + lead + max(0, int(m.group(1)) - 1)} of the file)"
+    out, n = _BYTE.subn(at, text)
+    return out if n else f"{text} (in the slice at byte {sl.offset} of the file)"

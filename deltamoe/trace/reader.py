@@ -45,7 +45,8 @@ class ReadConfig:
 
 
 def find_traces(folder: str | Path) -> list[str]:
-    """Every *.json / *.json.gz below `folder`; names starting with '_' or '.' are ignored.
+    """Every *.json / *.json.gz below `folder` (any case: `.JSON`, `.Json.GZ`); names starting
+    with '_' or '.' are ignored.
 
     The same files as `Path(folder).rglob("*")` filtered by name and `is_file()` (symlinked
     directories are not entered, symlinked files count), walked with os.scandir: ~3x faster.
@@ -66,7 +67,7 @@ def find_traces(folder: str | Path) -> list[str]:
             try:
                 if e.is_dir() and not e.is_symlink():
                     todo.append(e.path)
-                elif (not e.name.startswith(("_", ".")) and e.name.endswith((".json", ".json.gz"))
+                elif (not e.name.startswith(("_", ".")) and e.name.lower().endswith((".json", ".json.gz"))
                       and e.is_file()):
                     files.append(e.path)
             except OSError:
@@ -83,7 +84,11 @@ def read_one(path: str, cfg: ReadConfig, size: int | None = None) -> RankSummary
     gc_was_on = gc.isenabled()
     gc.disable()  # millions of fresh dicts would trigger useless cyclic collections
     try:
-        doc = schema.decode_trace(jsonsplit.read_bytes(path))
+        data = jsonsplit.read_bytes(path)
+        if len(data) < 64 and not data.strip():  # else the decoder says "Input data was truncated"
+            raise TraceError("empty file" if not data else "empty file (only whitespace)", field=path)
+        doc = schema.decode_trace(data)
+        del data
         if doc.traceEvents is None:
             raise TraceError("no traceEvents array found", field=path, hint="is this a Kineto trace?")
         tables = EventTables()
@@ -110,7 +115,12 @@ def _read_slices(job: tuple[list[jsonsplit.Slice], ReadConfig]) -> EventTables:
         parts = []
         for sl in run:
             t = EventTables()
-            t.add(jsonsplit.parse_slice(sl.read()), cfg.patterns)
+            data = sl.read()
+            try:
+                events = jsonsplit.parse_slice(data)
+            except (orjson.JSONDecodeError, schema.DecodeError) as e:  # say where in the file, not the slice
+                raise schema.DecodeError(jsonsplit.slice_error_message(sl, data, e)) from None
+            t.add(events, cfg.patterns)
             parts.append(t.freeze())
         return EventTables.merge(parts).freeze()
     finally:
@@ -330,7 +340,7 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc <malloc.h>
 def _size(path: str) -> int:
     """Decompressed size for *.gz (the gzip trailer), the file size otherwise (no open)."""
     try:
-        return jsonsplit.uncompressed_size(path) if path.endswith(".gz") else os.path.getsize(path)
+        return jsonsplit.uncompressed_size(path) if path.lower().endswith(".gz") else os.path.getsize(path)
     except OSError:
         return 0
 

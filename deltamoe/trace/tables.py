@@ -74,7 +74,8 @@ class EventTables:
                     info = kernel_of[name] = (COMM if comm_re.search(name) else COMPUTE, nid)
                 cls, nid = info
                 a = e.args or _NO_ARGS
-                if cls == COMM and a.collective is not None:
+                if a.collective is not None:  # Kineto copies the collective's args to its kernel:
+                    cls = COMM  # communication whatever the vendor named it (`xcclKernel_*`)
                     kernel_coll[len(self.kernels) // 7] = a
                 kernels((e.ts, e.dur, cls, e.tid if a.stream is None else a.stream,
                          -1 if a.correlation is None else a.correlation,

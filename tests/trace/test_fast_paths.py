@@ -58,7 +58,8 @@ class RefTables(EventTables):
                 if nid is None:
                     nid = names[name] = len(names)
                 a = e.args or NO_ARGS
-                if cls == COMM and a.collective is not None:
+                if a.collective is not None:  # a kernel with the collective's args is communication (F8)
+                    cls = COMM
                     kernel_coll[len(self.kernels)] = a
                 kernels((e.ts, e.dur, cls, e.tid if a.stream is None else a.stream,
                          -1 if a.correlation is None else a.correlation,
@@ -300,7 +301,7 @@ def ref_find_traces(folder) -> list[str]:
     from pathlib import Path
 
     files = [p for p in Path(folder).rglob("*") if p.is_file() and not p.name.startswith(("_", "."))
-             and (p.name.endswith(".json") or p.name.endswith(".json.gz"))]
+             and (p.name.lower().endswith(".json") or p.name.lower().endswith(".json.gz"))]  # any case (F11)
     return sorted(str(p) for p in files)
 
 
@@ -318,7 +319,7 @@ def test_find_traces_matches_rglob(tmp_path, seed, monkeypatch):
         dirs.append(d)
     for _ in range(rng.randrange(1, 30)):
         name = rng.choice(["r", "_r", ".r", "x"]) + str(rng.randrange(99)) + rng.choice(
-            [".json", ".json.gz", ".JSON", ".txt", ".json.gz.tmp", ""])
+            [".json", ".json.gz", ".JSON", ".Json.GZ", ".txt", ".json.gz.tmp", ""])
         (rng.choice(dirs) / name).write_text("{}")
     os.symlink(dirs[-1], tmp_path / "linked_dir")  # not entered, as rglob does not
     os.symlink(tmp_path / "missing", tmp_path / "dangling.json")

@@ -237,3 +237,207 @@ def test_small_job_test_text_when_the_others_scored_zero(tmp_path):
     ranking = [(x["rank"], x["score"]) for x in rep["straggler_detail"]["ranking"]]
     assert ranking == [(1, round(3000 / 7600, 4)), (0, 0.0)]
     assert rep["stragglers"][0]["test"] == "the others scored 0 (2 ranks: too few for a robust z, >= 3x asked)"
+
+
+def test_same_json_and_html_path_is_one_line_error_before_analysing(tmp_path, capsys):
+    """F10: `--json X --html X` used to write the JSON, then overwrite it with the HTML (exit 0).
+    The folder holds no trace: the error comes before any analysis (which would say "no *.json")."""
+    from deltamoe.trace.command import main
+
+    out = tmp_path / "out" / "report"
+    for html in (str(out), str(tmp_path / "out" / ".." / "out" / "report")):
+        assert main(["analyze", str(tmp_path), "--json", str(out), "--html", html]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: --html: --json and --html name the same file")
+    assert not out.exists()
+
+
+def test_atomic_write_removes_its_temporary_file_when_the_write_fails(tmp_path):
+    """F10: a failed write (here: the target is a non-empty folder, so the rename fails) left
+    `.report.tmpPID` behind."""
+    from deltamoe.trace.report import atomic_write
+
+    target = tmp_path / "report"
+    (target / "x").mkdir(parents=True)
+    with pytest.raises(OSError):
+        atomic_write(target, b"{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report"]
+    atomic_write(tmp_path / "ok.json", b"{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.json", "report"]
+
+
+def test_upper_case_suffixes_are_read(tmp_path):
+    """F11: `rank1.JSON` and `rank2.Json.GZ` were silently ignored (rank reported missing)."""
+    import gzip
+
+    _all_reduce_job(tmp_path)
+    (tmp_path / "rank1.json").rename(tmp_path / "rank1.JSON")
+    (tmp_path / "rank2.Json.GZ").write_bytes(gzip.compress((tmp_path / "rank2.json").read_bytes()))
+    (tmp_path / "rank2.json").unlink()
+    rep = analyze(str(tmp_path), workers=1).report
+    assert rep["ranks_found"] == 4 and rep["ranks_analyzed"] == 4 and rep["skipped"] == []
+    assert rep["consistency"]["missing_ranks"] == []
+
+
+def test_empty_file_is_named_empty(tmp_path):
+    """F11: a zero-byte rank file was "invalid JSON (Input data was truncated)"."""
+    _all_reduce_job(tmp_path)
+    (tmp_path / "zzz.json").write_bytes(b"")
+    (tmp_path / "zzz_blank.json").write_bytes(b"\n  \n")
+    rep = analyze(str(tmp_path), workers=1).report
+    assert sorted(s["error"] for s in rep["skipped"]) == [f"{tmp_path}/zzz.json: empty file",
+                                                          f"{tmp_path}/zzz_blank.json: empty file (only whitespace)"]
+    assert rep["ranks_analyzed"] == 4
+
+
+def test_rank_as_a_numeric_string_is_read(tmp_path):
+    """F11: `"rank": "0"` gave "no distributedInfo.rank"; a numeric string is the rank, anything
+    else is named."""
+    import orjson
+
+    _all_reduce_job(tmp_path)
+    for r, value in ((0, "0"), (3, "three")):
+        doc = orjson.loads((tmp_path / f"rank{r}.json").read_bytes())
+        doc["distributedInfo"]["rank"] = value
+        (tmp_path / f"rank{r}.json").write_bytes(orjson.dumps(doc))
+    rep = analyze(str(tmp_path), workers=1).report
+    assert [x["rank"] for x in rep["ranks"]] == [0, 1, 2]
+    assert [s["error"] for s in rep["skipped"]] == [
+        f"{tmp_path}/rank3.json: distributedInfo.rank must be an integer, got 'three'"]
+
+
+def test_trace_without_profiler_steps_is_warned(tmp_path):
+    """F11: without ProfilerStep markers the whole trace was analysed as one step without a word."""
+    import orjson
+
+    _all_reduce_job(tmp_path)
+    for r in range(4):
+        doc = orjson.loads((tmp_path / f"rank{r}.json").read_bytes())
+        doc["traceEvents"] = [e for e in doc["traceEvents"] if not e["name"].startswith("ProfilerStep")]
+        (tmp_path / f"rank{r}.json").write_bytes(orjson.dumps(doc))
+    rep = analyze(str(tmp_path), workers=1).report
+    assert rep["consistency"]["warnings"] == [
+        "ranks 0, 1, 2, 3: no ProfilerStep markers in the trace: analysed as one step (step 0) spanning the whole "
+        "trace (call prof.step() once per training step)"]
+    assert [x["step"] for x in rep["step_times"]["steps"]] == [0]
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_parse_error_in_a_sliced_file_names_the_file_offset(tmp_path, gz):
+    """F11: files above 4 MB are decoded in 1 MB slices; a parse error's "byte N" was counted from
+    the start of its slice, not the file (as /work/qa_trace/rob/bigcorrupt/rank1.json)."""
+    import gzip
+
+    import msgspec
+    import orjson
+
+    from deltamoe.trace.reader import ReadConfig, read_one
+
+    _all_reduce_job(tmp_path, ranks=range(1))
+    doc = orjson.loads((tmp_path / "rank0.json").read_bytes())
+    filler = [{"ph": "X", "cat": "cpu_op", "name": "aten::add", "pid": 1, "tid": MAIN, "ts": 1_000_000.0 + i,
+               "dur": 0.5, "args": {"External id": 10_000 + i}} for i in range(28_000)]
+    doc["traceEvents"] = filler + doc["traceEvents"]
+    data = orjson.dumps(doc, option=orjson.OPT_INDENT_2)
+    assert 5 << 20 < len(data) < 8 << 20
+    at = data.index(b'"name"', len(data) // 3)  # in the second 1 MB slice
+    data = data[:at] + b'"na"me' + data[at + 6:]
+    with pytest.raises(msgspec.DecodeError) as whole:
+        msgspec.json.decode(data)
+    want = int(str(whole.value).rsplit("(byte ", 1)[1].rstrip(")"))  # the offset in the whole file
+    assert want > 1 << 20  # past the first slice
+    path = tmp_path / ("rank0.json.gz" if gz else "rank0.json")
+    path.write_bytes(gzip.compress(data, 1) if gz else data)
+    res = read_one(str(path), ReadConfig())
+    assert res.message == f"{path}: invalid JSON (JSON is malformed: expected ':' (byte {want} of the file))"
+
+
+def test_gloo_barrier_has_one_name_in_every_table(tmp_path):
+    """F12: a gloo barrier was "other" in exposed_by_kind but "barrier" in sync_skew."""
+    for r in range(2):
+        x, t = _GlooRank(r, 2), 1_000_000.0
+        for n in range(2):
+            x.compute(t)
+            x.collective("barrier", t + COMPUTE_US + 100.0 * r, t + COMPUTE_US + 300.0)
+            x.step(n, t, t + COMPUTE_US + 400.0)
+            t += COMPUTE_US + 1000.0
+        x.write(tmp_path)
+    rep = analyze(str(tmp_path), workers=1).report
+    assert [g["kind"] for g in rep["sync_skew"]["groups"]] == ["barrier"]
+    ex = rep["exposed_by_kind"]
+    assert list(ex["by_kind_s_per_step"]) == ["barrier"]
+    # rank 0 waits in it from its call to the end (300 us), rank 1 from 100 us later
+    assert [x["by_kind_s_per_step"] for x in ex["ranks"]] == [{"barrier": 0.0003}, {"barrier": 0.0002}]
+
+
+def test_exposed_keeps_gpu_kinds_as_named(tmp_path):
+    """F12: GPU rows carry their kind already; "send_recv" was read again as "send"."""
+    import numpy as np
+
+    from deltamoe.trace import intervals as iv
+    from deltamoe.trace.exposed import gpu_exposed
+
+    total, kinds = gpu_exposed(np.array(["send_recv", "barrier", "all_to_all"]), np.array([0.0, 10.0, 20.0]),
+                               np.array([5.0, 12.0, 21.0]), iv.EMPTY, np.array([0.0]), np.array([30.0]))
+    assert {k: v.tolist() for k, v in kinds.items()} == {"send_recv": [5.0], "barrier": [2.0], "all_to_all": [1.0]}
+    assert total.tolist() == [8.0]
+
+
+def _renamed_comm_kernels(src, dst, drop_args: bool = False) -> int:
+    """Copy a synthetic job with its NCCL kernels renamed `xcclKernel_*` (as /work/qa_trace/synth/x8);
+    `drop_args`: without the collective args Kineto copies onto a kernel -> kernels renamed."""
+    import orjson
+
+    n = 0
+    dst.mkdir()
+    for f in src.glob("rank*.json"):
+        doc = orjson.loads(f.read_bytes())
+        for e in doc["traceEvents"]:
+            if e.get("cat") == "kernel" and e["name"].startswith("nccl"):
+                e["name"] = "xccl" + e["name"][len("ncclDev"):]
+                n += 1
+                if drop_args:
+                    e["args"] = {k: v for k, v in e["args"].items()
+                                 if k in ("External id", "correlation", "stream", "device")}
+        (dst / f.name).write_bytes(orjson.dumps(doc))
+    return n
+
+
+def test_unknown_vendor_comm_kernels_with_collective_args_are_communication(tmp_path):
+    """F8: `xcclKernel_*` kernels matched no pattern and counted as compute (x8: 99.5 % compute,
+    no straggler); they carry `Collective name`, so they are communication: the same report as
+    with NCCL names. Without the args, the kernels launched by record_param_comms are warned about."""
+    generate(SynthConfig(ranks=8, steps=2, stragglers=(3,), slowdown=1.5), tmp_path / "nccl")
+    want = analyze(str(tmp_path / "nccl"), workers=1).report
+    assert _renamed_comm_kernels(tmp_path / "nccl", tmp_path / "x") > 0
+    got = analyze(str(tmp_path / "x"), workers=1).report
+    assert [s["rank"] for s in got["stragglers"]] == [s["rank"] for s in want["stragglers"]] == [3]
+    assert got["totals"] == want["totals"] and got["totals"]["exposed_comm_fraction"] > 0.05
+    assert got["ranks"] == want["ranks"] and got["collectives_matched"] == want["collectives_matched"]
+    assert got["consistency"]["warnings"] == []
+
+    n = _renamed_comm_kernels(tmp_path / "nccl", tmp_path / "bare", drop_args=True)
+    warnings = analyze(str(tmp_path / "bare"), workers=1).report["consistency"]["warnings"]
+    per_rank = n // 8
+    assert warnings == [f"ranks 0, 1, 2, 3, 4, 5, 6, 7: {per_rank} kernel(s) launched by record_param_comms were not "
+                        "recognised as communication (e.g. xcclKernel_SendRecv) and count as compute "
+                        "(use --comm-pattern)"]
+
+
+@pytest.mark.parametrize("offset_ms", [20.0, -20.0])
+def test_clock_offset_of_one_rank_is_warned(tmp_path, offset_ms):
+    """F7: rank 3's clock runs 20 ms ahead (behind): on its clock it enters every all-reduce after
+    the others have left it (leaves it before they entered), which no real run can do."""
+    import orjson
+
+    _all_reduce_job(tmp_path)
+    doc = orjson.loads((tmp_path / "rank3.json").read_bytes())
+    for e in doc["traceEvents"]:
+        e["ts"] += offset_ms * 1e3
+    (tmp_path / "rank3.json").write_bytes(orjson.dumps(doc))
+    warnings = analyze(str(tmp_path), workers=1).report["consistency"]["warnings"]
+    which = ("started after all other members had finished them" if offset_ms > 0
+             else "ended before any other member had started them")
+    assert [w for w in warnings if "clock" in w] == [
+        f"rank 3: in 2 of 2 collectives it {which}, impossible without clock skew: its clock is about "
+        f"{offset_ms:+.1f} ms off the others'; lateness measured against it is unreliable"]

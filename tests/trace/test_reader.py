@@ -88,18 +88,24 @@ def test_metadata_after_events_and_seq_numbers(pipeline_job, tmp_path):
     assert (b.coll.seq[b.coll.kind == "all_to_all"] >= 1000).all()
 
 
-def test_vendor_comm_pattern(tmp_path):
-    """An unknown collective library counts as compute until its kernel pattern is given."""
+@pytest.mark.parametrize("collective_args", [True, False])
+def test_vendor_comm_pattern(tmp_path, collective_args):
+    """An unknown collective library's kernel counts as compute until its kernel pattern is given,
+    unless it carries the collective's args (`Collective name`): then it is communication anyway."""
+    args = {"stream": 9, "Collective name": "allreduce", "Process Group Name": "0"} if collective_args else {"stream": 9}
     ev = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "pid": 1, "tid": 1, "ts": 0, "dur": 100},
           {"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0, "tid": 7, "ts": 0, "dur": 40, "args": {"stream": 7}},
           {"ph": "X", "cat": "kernel", "name": "xcclAllReduceKernel", "pid": 0, "tid": 9, "ts": 40, "dur": 30,
-           "args": {"stream": 9, "Collective name": "allreduce", "Process Group Name": "0"}}]
+           "args": args}]
     doc = {"distributedInfo": {"rank": 0, "world_size": 1, "backend": "xccl"}, "traceEvents": ev}
     p = tmp_path / "r0.json"
     p.write_bytes(orjson.dumps(doc))
     plain = read_one(str(p), ReadConfig())
     custom = read_one(str(p), ReadConfig(patterns=Patterns().with_extra([r"^xccl"])))
-    assert plain.compute[0] == 70 and plain.comm[0] == 0
+    if collective_args:
+        assert plain.compute[0] == 40 and plain.comm[0] == 30 and list(plain.coll.kind) == ["all_reduce"]
+    else:
+        assert plain.compute[0] == 70 and plain.comm[0] == 0
     assert custom.compute[0] == 40 and custom.comm[0] == 30 and list(custom.coll.kind) == ["all_reduce"]
 
 
