@@ -109,6 +109,11 @@ class ParallelDims:
         if self.dp is not None:
             return self
         replica = self.tp * self.pp
+        if world_size < replica:  # not a question of dp: the pipeline and tensor groups alone do not fit
+            name = "pp" if self.pp > 1 else "tp"
+            raise ConfigError(f"tp * pp = {self.tp} * {self.pp} = {replica} ranks are needed for one model copy "
+                              f"(every pipeline stage and tensor shard on its own rank), but the world has "
+                              f"{world_size}", field=name, hint=f"start at least {replica} processes or lower {name}")
         if world_size % replica != 0:
             raise ConfigError(f"cannot infer dp: the world has {world_size} ranks, not a multiple of "
                               f"tp * pp = {replica}", field="dp", hint="pass dp explicitly")
@@ -134,6 +139,10 @@ class ParallelDims:
                               "would be one tensor on two ranks", field="tie_word_embeddings")
         if self.num_stages > 1:
             split_stages(config, self.num_stages)  # raises when there are more stages than blocks
+            if self.microbatches < self.pp:  # torch's 1F1B fills the pipeline with one microbatch per stage
+                raise ConfigError(f"expected at least pp ({self.pp}) microbatches for a pipeline, got "
+                                  f"{self.microbatches}", field="microbatches",
+                                  hint=f"pass --microbatches {self.pp} or another divisor of the local batch >= pp")
             if self.schedule == "interleaved1f1b" and self.microbatches % self.pp != 0:
                 raise ConfigError(f"expected a multiple of pp ({self.pp}) for 'interleaved1f1b', "
                                   f"got {self.microbatches}", field="microbatches")

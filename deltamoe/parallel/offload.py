@@ -26,9 +26,17 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
-
+from torch.distributed.tensor import DTensor
 
 from deltamoe.parallel.dims import OFFLOAD_INSIDE_LAYER
+
+
+def storage_ptr(t: torch.Tensor) -> int:
+    """The address of the storage behind `t`. A DTensor (EP-sharded experts, TP weights) is a wrapper
+    without storage of its own: its local shard's storage is what a forward reads and saves."""
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    return t.untyped_storage().data_ptr()
 
 
 @dataclass
@@ -62,8 +70,8 @@ class _ModuleOffload:
 
     def _is_parameter(self, t: torch.Tensor) -> bool:
         if self._param_ptrs is None:
-            self._param_ptrs = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
-        return t.untyped_storage().data_ptr() in self._param_ptrs
+            self._param_ptrs = {storage_ptr(p) for p in self.module.parameters()}
+        return storage_ptr(t) in self._param_ptrs
 
     def pack(self, t: torch.Tensor) -> Any:
         if self._is_parameter(t):
@@ -111,12 +119,12 @@ class SavedBytesCounter:
     precedence, so what they handle is not counted here."""
 
     def __init__(self, params: list[torch.Tensor]):
-        self.ptrs = {p.untyped_storage().data_ptr() for p in params}
+        self.ptrs = {storage_ptr(p) for p in params}
         self.bytes = 0
         self._ctx = saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in self.ptrs:
+        if storage_ptr(t) not in self.ptrs:
             self.bytes += t.numel() * t.element_size()
         return t
 

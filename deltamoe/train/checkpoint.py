@@ -248,8 +248,11 @@ def check_loadable(path: Path, field: str = "run.resume_from") -> None:
     """A complete checkpoint whose files match their manifest and whose DCP index is plain data."""
     if not path.is_dir() or not (path / ".metadata").is_file():
         raise CheckpointError(f"{path} is not a complete DCP checkpoint (no .metadata)", field=field)
-    verify_manifest(path)
-    read_dcp_metadata(path)
+    try:
+        verify_manifest(path)
+        read_dcp_metadata(path)
+    except CheckpointError as e:  # name the setting that chose the checkpoint; the message names the file
+        raise CheckpointError(str(e), field=field, hint=e.hint) from None
 
 
 def read_train_state(file: Path) -> tuple[TrainState, dict[str, str]]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deltamoe.config import ModelConfig
 from deltamoe.errors import ConfigError
 from deltamoe.parallel.dims import ParallelDims, launch_world_size
 
@@ -155,7 +156,7 @@ class TrainConfig:
                   and (v > lo if lo_open else v >= lo) and v <= hi)
             need(ok, name, f"a finite number in {'(' if lo_open else '['}{lo}, {hi}{')' if math.isinf(hi) else ']'}")
 
-        m, d, o, b, p, r = self.model, self.data, self.optim, self.balance, self.parallel, self.run
+        m, d, o, p, r = self.model, self.data, self.optim, self.parallel, self.run
         # Types a run file can get wrong that no later check would catch: a string flag is truthy
         # (resume = "no" resumed), a number where a path goes failed deep inside with a traceback.
         for name in ("model.preset", "model.path", "data.task", "data.path", "run.resume_from", "run.profile_steps",
@@ -215,14 +216,42 @@ class TrainConfig:
             need(first <= r.steps, "run.profile_steps", f"a window that starts by the last step (run.steps = {r.steps})")
         rows = d.batch_size // (o.grad_accum * p.dp) if d.batch_size % (o.grad_accum * p.dp) == 0 else 0
         need(rows > 0, "data.batch_size", f"a multiple of optim.grad_accum * parallel.dp ({o.grad_accum * p.dp})")
+        _check_microbatches(rows, p)
+        # Pipeline stages hold no whole model to score (docs/training.md), so no evaluation would
+        # ever reach the target: the run would silently go on to run.steps.
+        need(r.target_accuracy is None or p.whole_model, "run.target_accuracy",
+             f"None with a pipeline (parallel.pp = {p.pp}): pipeline layouts are not evaluated")
         if d.path is None and "recall" in parts:
             need(d.num_queries <= d.num_pairs, "data.num_queries", f"at most data.num_pairs ({d.num_pairs})")
         return self
+
+    def check_model(self, model_config: ModelConfig, world_size: int) -> None:
+        """The checks against the model (and the layout against the world), before any data is read or any
+        process group exists; errors name the run's field (`parallel.ep`, `data.seq_len`)."""
+        limit = model_config.max_position_embeddings
+        if self.data.seq_len > limit:  # would train out of range, then evaluate or allocate without end
+            raise ConfigError(f"expected at most the model's max_position_embeddings ({limit}), got "
+                              f"{self.data.seq_len}", field="data.seq_len", hint="lower --seq-len")
+        try:
+            self.parallel.check_layout(model_config, world_size)
+        except ConfigError as e:
+            names = {f.name for f in dataclasses.fields(ParallelDims)}
+            field = f"parallel.{e.field}" if e.field in names else e.field
+            raise ConfigError(str(e), field=field, hint=e.hint) from None
 
     @property
     def micro_batch_size(self) -> int:
         """Rows one data rank runs per micro-step."""
         return self.data.batch_size // (self.optim.grad_accum * self.parallel.dp)
+
+
+def _check_microbatches(rows: int, p: ParallelDims) -> None:
+    """Each micro-step's rows on one data rank are split into `p.microbatches` equal pieces (a pipeline
+    schedule's microbatches, or accumulation across data ranks): refuse what would fail at step 1."""
+    if rows % p.microbatches != 0:
+        raise ConfigError(f"expected a divisor of the {rows} rows each data rank runs per micro-step "
+                          f"(data.batch_size / (optim.grad_accum * parallel.dp)), got {p.microbatches}",
+                          field="parallel.microbatches", hint="--microbatches must divide the local batch")
 
 
 def _sections() -> set[str]:

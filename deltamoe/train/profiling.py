@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import tempfile
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,9 +43,10 @@ class StepProfiler:
         # One warmup step when there is room: the first recorded step is otherwise inflated.
         warmup = 1 if before >= 1 else 0
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-        self._prof = profile(activities=activities, record_shapes=False,
-                             schedule=schedule(wait=before - warmup, warmup=warmup, active=b - a, repeat=1),
-                             on_trace_ready=self._write)
+        with warnings.catch_warnings():  # no room for a warmup step is a choice here, not a mistake to flag
+            warnings.filterwarnings("ignore", message="Profiler won't be using warmup")
+            steps = schedule(wait=before - warmup, warmup=warmup, active=b - a, repeat=1)
+        self._prof = profile(activities=activities, record_shapes=False, schedule=steps, on_trace_ready=self._write)
         with _without_kineto_notices():
             self._stack.enter_context(self._prof)
 

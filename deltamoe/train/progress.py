@@ -14,6 +14,9 @@ class RunProgress:
         self._progress: Progress | None = None
         self._plain: PlainProgress | None = None
         self._eval = ""
+        self._total = total
+        self._status = ""  # the last step's status, without the evaluation
+        self._last: tuple[int, str] | None = None  # plain output: the last step's line, held for its evaluation
         if not enabled:
             return
         if not self.console.is_terminal:  # a live bar would draw nothing until the end
@@ -29,17 +32,25 @@ class RunProgress:
         # An RL step whose groups were all dropped or too small trains nothing: it has no loss.
         loss = record.get("loss")
         head = f"loss {loss:.4f}" if loss is not None else "no update (no group of 2+ completions)"
-        status = f"{head}  {record['tokens_per_s']:,.0f} tok/s{self._eval}"
+        status = f"{head}  {record['tokens_per_s']:,.0f} tok/s"
         if self._plain is not None:
-            self._plain.update(step, status)
+            if step >= self._total:  # printed at close, with the closing evaluation's numbers
+                self._last = (step, status)
+            else:
+                self._plain.update(step, status + self._eval)
+        self._status = status
         if self._progress is not None:
-            self._progress.update(self._task, completed=step, status=status)
+            self._progress.update(self._task, completed=step, status=status + self._eval)
 
     def evaluated(self, result: dict) -> None:
         loss, acc = result.get("loss"), result.get("accuracy")
         self._eval = (f"  eval {loss:.4f}" if loss is not None else "") + (f" acc {acc:.1%}" if acc is not None else "")
+        if self._progress is not None:  # the bar shows this step's evaluation, not the previous one's
+            self._progress.update(self._task, status=self._status + self._eval)
 
     def close(self) -> None:
+        if self._plain is not None and self._last is not None:
+            self._plain.update(self._last[0], self._last[1] + self._eval)
         if self._plain is not None:
             self._plain.close()
             self._plain = None

@@ -57,8 +57,9 @@ class RunLog:
                 f.close()
         self._metrics = self._evals = self._progress = None
 
-    def finish(self, final_eval: dict[str, Any] | None, title: str) -> None:
-        """eval.json, curves.png and a one-line summary, after the logs are closed."""
+    def finish(self, final_eval: dict[str, Any] | None, title: str, step: int, why_no_eval: str = "") -> None:
+        """eval.json, curves.png and a one-line summary of `step`, after the logs are closed; without an
+        evaluation the summary says `why_no_eval` (a pipeline layout is not evaluated)."""
         if not self.enabled:
             return
         if final_eval is not None:
@@ -70,3 +71,7 @@ class RunLog:
             loss, acc = final_eval.get("loss"), final_eval.get("accuracy")
             text = f"step {final_eval['step']}: " + (f"eval loss {loss:.4f}" if loss is not None else "no eval loss")
             Console(stderr=True).print(text + (f", accuracy {acc:.1%}" if acc is not None else "") + f" -> {self.out}")
+        else:  # the run still says where it ended and where its files are
+            last = self.records[-1] if self.records else {}
+            loss = f"train loss {last['loss']:.4f}" if last.get("loss") is not None else "no train loss this run"
+            Console(stderr=True).print(f"step {step}: {loss}{', ' + why_no_eval if why_no_eval else ''} -> {self.out}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,19 +60,33 @@ def _device() -> torch.device:
 def train(cfg: TrainConfig) -> RunResult:
     world = launch_world_size()
     cfg.validate(world)
-    torch.set_num_threads(choose_threads(cfg.run.threads))  # the default shares the idle cores among local ranks
+    # The default shares the idle cores among local ranks; the count used goes into train_config.json.
+    cfg.run.threads = choose_threads(cfg.run.threads)
+    torch.set_num_threads(cfg.run.threads)
     model_config = resolve_model_config(cfg.model)
+    cfg.check_model(model_config, world)
     data = build_data(cfg, model_config)
-    cfg.parallel.check_layout(model_config, world)
     check_output_folder(cfg.run.out, "run.out")  # a folder that is a file or unwritable: now, not at the first save
     _check_out_checkpoints(cfg)
     owns_group = not (dist.is_available() and dist.is_initialized())
     mesh = init_distributed(cfg.parallel)
     try:
         return Trainer(cfg, model_config, data, mesh).run()
+    except KeyboardInterrupt:
+        if world == 1:
+            _say_interrupted(Path(cfg.run.out))
+        raise
     finally:
         if owns_group and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _say_interrupted(out: Path) -> None:
+    """A Ctrl-C ends the run where it is: say what it left and how to go on from there."""
+    latest = checkpoint.latest_checkpoint(out) if out.is_dir() else None
+    where = (f"the newest checkpoint is {latest}: continue with --resume --out {out}" if latest is not None
+             else "no checkpoint was saved (--save-every N saves along the way)")
+    print(f"training interrupted; {where}", file=sys.stderr, flush=True)
 
 
 def _check_out_checkpoints(cfg: TrainConfig) -> None:
@@ -116,6 +131,9 @@ class Trainer:
         # The record of the original run stays: a resume writes the configs only into a new run folder.
         configs = ({} if resumed and (self.out / "train_config.json").exists() else
                    {"train_config.json": cfg.to_dict(), "model_config.json": self.model_config.to_dict()})
+        if not self.dims.whole_model and cfg.run.eval_every and self.pm.is_logging_rank():
+            print("note: a pipeline layout is not evaluated (run.eval_every is ignored): evaluate the exported "
+                  f"model ({self.out / 'model'}) on one process", file=sys.stderr, flush=True)
         self.log.start(configs, self.state.step if resumed else None, cfg.run.steps, cfg.run.progress)
         window = parse_profile_steps(cfg.run.profile_steps) if cfg.run.profile_steps else None
         profiler = StepProfiler(window, self.state.step + 1, self.out, self.rank)
@@ -160,7 +178,8 @@ class Trainer:
         if last_saved != self.state.step:
             self._save()
         self._export()
-        self.log.finish(last_eval, f"{self.data.name} · {cfg.model.path or cfg.model.preset}")
+        self.log.finish(last_eval, f"{self.data.name} · {cfg.model.path or cfg.model.preset}", self.state.step,
+                        "" if self.dims.whole_model else "a pipeline layout is not evaluated")
         return RunResult(self.out, self.state.step, last_eval, self.log.records)
 
     # ------------------------------------------------------------------ pieces
@@ -231,7 +250,8 @@ class Trainer:
             path = checkpoint.latest_checkpoint(self.out) if run.resume else None
         if path is None:
             return False
-        checkpoint.check_loadable(path)  # manifest and index first: the config compared here is read from it
+        field = "run.resume_from" if run.resume_from else "run.resume"
+        checkpoint.check_loadable(path, field)  # manifest and index first: the config compared here is read from it
         check_resume_config(path, self.cfg.to_dict(), self.out, self.pm.is_logging_rank())
         self.state = checkpoint.load(path, self.parts, self.optimizers, verified=True)
         return True

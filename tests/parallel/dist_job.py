@@ -73,6 +73,11 @@ CASES = {
                                                      microbatches=2, activation_checkpointing=True)),
     # the EP all-to-all in 3 asynchronous chunks, overlapped with expert compute
     "ep2_overlap": (k31_toy, ParallelDims(ep=2, ep_chunks=3)),
+    # activation offload with EP-sharded experts (DTensor parameters without storage of their own), whole
+    # layers, the MoE blocks alone, and the checkpoint inputs
+    "ep2_offload_layer": (k31_toy, ParallelDims(ep=2, offload_activations="layer")),
+    "ep2_offload_mlp": (k31_toy, ParallelDims(ep=2, offload_activations="mlp")),
+    "ep2_ac_offload_layer": (k31_toy, ParallelDims(ep=2, activation_checkpointing=True, offload_activations="layer")),
     # activation offload of the checkpoint inputs under the interleaved (virtual stage) schedule
     "pp2_interleaved_ac_offload": (k31_toy, ParallelDims(pp=2, schedule="interleaved1f1b", stages_per_rank=2,
                                                          microbatches=2, activation_checkpointing=True,

@@ -22,6 +22,10 @@ TINY = load_preset("tiny")  # 8 layers in 2 AttnRes blocks of 4, 16 experts, 4 K
     (ParallelDims(pp=2, stages_per_rank=2), 2, "stages_per_rank", "expected 1 for schedule '1f1b'"),
     (ParallelDims(pp=2, schedule="interleaved1f1b", microbatches=3), 2, "microbatches", "a multiple of pp (2)"),
     (ParallelDims(dp=0), 0, "dp", "expected a positive integer"),
+    # torch's 1F1B raised "Number of microbatches (1) must be >= ..." at step 1
+    (ParallelDims(pp=2), 2, "microbatches", "expected at least pp (2) microbatches for a pipeline, got 1"),
+    # more stages than ranks is not a question of inferring dp
+    (ParallelDims(pp=16, microbatches=16), 2, "pp", "tp * pp = 1 * 16 = 16 ranks are needed for one model copy"),
 ])
 def test_bad_layouts_name_the_field(dims, world, field, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")) as e:
@@ -49,7 +53,7 @@ def test_valid_layouts_pass():
 
 
 def test_dp_is_inferred_from_the_world():
-    assert ParallelDims(tp=2, pp=2).resolve(TINY, 8).dp == 2
+    assert ParallelDims(tp=2, pp=2, microbatches=2).resolve(TINY, 8).dp == 2
     assert ParallelDims(ep=2).resolve(TINY, 4).dp == 4
     assert ParallelDims(dp=2).resolve(TINY, 2).dp == 2  # given: kept
     with pytest.raises(ConfigError, match="not a multiple of tp \\* pp = 2") as e:

@@ -28,7 +28,9 @@ def test_run_writes_outputs_and_exports_loadable_model(micro):
     # Two 12-token examples fit a 32-token row: 2 answers per row, 16 rows.
     assert final["step"] == 3 and 0 <= final["accuracy"] <= 1 and final["answers"] == 32
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert json.loads((out / "train_config.json").read_text())["optim"]["lr"] == cfg.optim.lr
+    saved = json.loads((out / "train_config.json").read_text())
+    assert saved["optim"]["lr"] == cfg.optim.lr
+    assert saved["run"]["threads"] == torch.get_num_threads() >= 1  # the count used, not null
     assert [p.name for p in checkpoint.list_checkpoints(out)] == ["step-00000003"]
     # The exported safetensors folder holds the trained weights: the same as the final DCP checkpoint.
     exported = load_model(out / "model")
@@ -116,7 +118,7 @@ def test_time_budget_stops_after_a_step_and_still_finishes(micro):
 
 
 def test_ctrl_c_during_a_checkpoint_save_is_a_keyboard_interrupt_and_leaves_the_complete_ones(micro, tmp_path,
-                                                                                               monkeypatch):
+                                                                                               monkeypatch, capsys):
     """DCP catches a Ctrl-C inside its writer and wraps it (CheckpointException): the save hands it on as
     the KeyboardInterrupt it was, so the CLI says "interrupted" rather than printing tracebacks, and
     removes its own temp folder."""
@@ -137,3 +139,22 @@ def test_ctrl_c_during_a_checkpoint_save_is_a_keyboard_interrupt_and_leaves_the_
         train(cfg)
     ckpts = tmp_path / "a" / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000002"]
+    # The one-process run says where it can go on from.
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"training interrupted; the newest checkpoint is {ckpts / 'step-00000002'}: continue with --resume "
+        f"--out {tmp_path / 'a'}")
+
+
+def test_a_tampered_checkpoint_names_the_setting_that_chose_it(micro, tmp_path):
+    from deltamoe.errors import CheckpointError
+
+    out = tmp_path / "t"
+    train(micro(**{"run.steps": 2, "run.out": str(out)}))
+    shard = next((out / "checkpoints" / "step-00000002").glob("*.distcp"))
+    size = shard.stat().st_size
+    with shard.open("r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(CheckpointError) as e:
+        train(micro(**{"run.steps": 3, "run.out": str(out), "run.resume": True}))
+    assert e.value.one_line() == (f"run.resume: {shard} has 1000 bytes, the manifest says {size} (hint: the "
+                                  "checkpoint is truncated or was changed after it was saved)")

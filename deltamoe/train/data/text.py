@@ -19,25 +19,43 @@ from deltamoe.train.data.rows import SPLITS, Rows
 
 
 def read_documents(path: str | Path) -> list[str]:
-    """A .jsonl file gives one document per line (`{"text": ...}`); any other file is one document."""
+    """A .jsonl file gives one document per line (`{"text": ...}`); any other file is one document.
+    Both must be UTF-8 (a leading BOM is dropped): bytes that are not would train on U+FFFD."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{path} is a folder; expected a .txt or .jsonl file", field="data.path")
     if not path.is_file():
         raise ConfigError(f"data file {path} does not exist", field="data.path")
+    text = decode_utf8(path)
     if path.suffix != ".jsonl":
-        return [path.read_text(encoding="utf-8", errors="replace")]
+        return [text]
     docs = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{n} is not valid JSON ({e.msg})", field="data.path") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                raise ConfigError(f'{path}:{n} has no string "text" field', field="data.path")
-            docs.append(obj["text"])
+    for n, line in enumerate(text.split("\n"), start=1):  # not splitlines: U+2028 is valid inside JSON
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}:{n} is not valid JSON ({e.msg}: column {e.colno})",
+                              field="data.path") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            raise ConfigError(f'{path}:{n} has no string "text" field', field="data.path")
+        docs.append(obj["text"])
     return docs
+
+
+def decode_utf8(path: Path) -> str:
+    """The file's text; ConfigError naming the line and byte offset of the first byte that is not UTF-8."""
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror or e}", field="data.path") from None
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"{path}:{line} is not valid UTF-8 (byte {e.object[e.start]:#04x} at offset {e.start})",
+                          field="data.path", hint="convert the file to UTF-8, e.g. with iconv") from None
 
 
 def pack_documents(docs: list[list[int]], seq_len: int, eos: int) -> torch.Tensor:
