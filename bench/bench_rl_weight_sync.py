@@ -32,7 +32,7 @@ from deltamoe.model.load import build_model  # noqa: E402
 from deltamoe.model.model import DeltaMoEForCausalLM  # noqa: E402
 from deltamoe.serve.engine.config import EngineConfig  # noqa: E402
 from deltamoe.serve.engine.llm_engine import LLMEngine  # noqa: E402
-from deltamoe.serve.engine.weight_transfer import (DEFAULT_BUCKET_BYTES, TransferGroup, layout,  # noqa: E402
+from deltamoe.serve.engine.weight_transfer import (DEFAULT_BUCKET_BYTES, TransferGroup, bucket_sizes, layout,  # noqa: E402
                                                    plan_buckets, unpack)
 from deltamoe.serve.engine.weight_update import WeightUpdater  # noqa: E402
 from deltamoe.train.rl.weight_push import policy_tensors, push_in_process, send_over_group, specs_of  # noqa: E402
@@ -127,7 +127,8 @@ def k3_transport(budget: int, repeats: int) -> dict:
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            engine_side = threading.Thread(target=lambda b=bucket: (receiver.agree(True), receive(b)))
+            engine_side = threading.Thread(target=lambda b=bucket: (receiver.agree(True, bucket_sizes(specs, b)),
+                                                                    receive(b)))
             engine_side.start()
             send_over_group(sender, tensors, bucket)
             engine_side.join()

@@ -9,7 +9,10 @@
 
 Control travels over HTTP, tensors over the trainer's gloo transfer group (`weight_transfer.py`):
 /update_weights checks the announced names and shapes (400 naming the first bad tensor, and the
-trainer is told through the group not to send), then receives the buckets. /finish_weight_update
+trainer is told through the group not to send), and that the trainer's tensors take the bytes the
+announced dtypes and shapes do (else nobody sends: a receive buffer of another size aborts the
+process inside gloo), then receives the buckets. A malformed body closes the open update and tells
+the trainer too; a failed transfer group is dropped (a 400 saying to init a new one). /finish_weight_update
 waits for the requests running now to finish on the old weights, swaps, and lets the requests
 that arrived meanwhile start on the new ones. Served only with `deltamoe serve --weight-updates`,
 behind the server's API key like every other route.
@@ -20,10 +23,12 @@ from __future__ import annotations
 import asyncio
 from dataclasses import asdict
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from deltamoe.errors import RequestError
+from deltamoe.serve.api.body import read_body
+from deltamoe.serve.api.errors import APIError
 from deltamoe.serve.engine.async_engine import AsyncLLMEngine
 from deltamoe.serve.engine.weight_transfer import DEFAULT_BUCKET_BYTES, TensorSpec
 from deltamoe.serve.engine.weight_update import WeightUpdater
@@ -73,11 +78,24 @@ def weight_update_routes(engine: AsyncLLMEngine) -> APIRouter:
             updater.start_weight_update()
         return {"status": "ok"}
 
-    @router.post("/update_weights")
-    async def update(request: UpdateWeightsRequest) -> dict:
+    @router.post("/update_weights", openapi_extra={"requestBody": {"required": True, "content": {
+        "application/json": {"schema": UpdateWeightsRequest.model_json_schema()}}}})
+    async def update(request: Request) -> dict:
         async with lock:
-            specs = request.specs()
-            await asyncio.to_thread(updater.update_weights, specs, request.bucket_bytes)
+            try:
+                body = await read_body(request, UpdateWeightsRequest)
+                specs = body.specs()
+            except (APIError, RequestError) as e:
+                # The trainer is waiting in the agreement for this update: it must hear "no", and the
+                # update must close, or it waits out its timeout and the next start is refused.
+                if updater.updating and updater.group is not None:
+                    rejected = e if isinstance(e, RequestError) else RequestError(e.message, field=e.param)
+                    try:
+                        await asyncio.to_thread(updater.update_weights, [], 0, rejected)
+                    except RequestError:
+                        pass
+                raise
+            await asyncio.to_thread(updater.update_weights, specs, body.bucket_bytes)
         return {"status": "ok", "tensors": len(specs)}
 
     @router.post("/finish_weight_update")

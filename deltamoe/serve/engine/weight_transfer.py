@@ -15,6 +15,7 @@ Both ends share this module, so they agree on the wire format without sending it
 from __future__ import annotations
 
 import datetime
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +84,18 @@ def layout(specs: list[TensorSpec]) -> tuple[list[int], int]:
     return offsets, end
 
 
+def bucket_sizes(specs: list[TensorSpec], bucket_bytes: int) -> list[int]:
+    """The byte size of each broadcast the specs make: what every rank must agree on before any is
+    sent (a receive buffer of another size is a fatal error inside gloo, which aborts the process)."""
+    return [layout([specs[i] for i in bucket])[1] for bucket in plan_buckets(specs, bucket_bytes)]
+
+
+def plan_fingerprint(sizes: list[int]) -> tuple[int, int]:
+    """(total bytes, a 62-bit hash of the sizes in order): equal on every rank iff the plans are."""
+    digest = hashlib.sha256(",".join(map(str, sizes)).encode()).digest()
+    return sum(sizes), int.from_bytes(digest[:8], "little") >> 2
+
+
 def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
     """One flat uint8 buffer holding the tensors' bytes at `layout`'s offsets."""
     specs = [TensorSpec(str(i), dtype_name(t.dtype), tuple(t.shape)) for i, t in enumerate(tensors)]
@@ -137,14 +150,20 @@ class TransferGroup:
         self.connect().pg.broadcast([tensor], opts).wait()
         return tensor
 
-    def agree(self, ok: bool) -> bool:
-        """Every rank says whether it goes ahead (an engine: it accepted the announced specs); all
-        learn whether every rank did, so that no one waits for bytes that will never be sent."""
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+    def agree(self, ok: bool, sizes: list[int]) -> tuple[bool, bool]:
+        """Every rank says whether it goes ahead (an engine: it accepted the announced specs) and which
+        broadcasts it expects (`bucket_sizes`: the trainer's from the tensors it will send, an
+        engine's from the announced specs). All learn (every rank went ahead, every plan is the
+        same), so that no one waits for bytes that will never be sent, and no buffer of the wrong
+        size meets a broadcast."""
+        total, digest = plan_fingerprint(sizes)
+        # MIN over (x, -x) gives min and -max at once: the plans agree iff min == max everywhere.
+        flag = torch.tensor([1 if ok else 0, total, -total, digest, -digest], dtype=torch.int64)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MIN
         self.connect().pg.allreduce([flag], opts).wait()
-        return bool(flag.item())
+        went, lo_t, hi_t, lo_d, hi_d = flag.tolist()
+        return bool(went), lo_t == -hi_t and lo_d == -hi_d
 
     def close(self) -> None:
         self.pg = None  # type: ignore[assignment]

@@ -32,8 +32,8 @@ from deltamoe.errors import RequestError
 from deltamoe.model.model import DeltaMoEForCausalLM
 from deltamoe.model.weights import all_finite
 from deltamoe.serve.engine.llm_engine import LLMEngine
-from deltamoe.serve.engine.weight_transfer import (DEFAULT_BUCKET_BYTES, TensorSpec, TransferGroup, known_dtype,
-                                                   layout, plan_buckets, unpack)
+from deltamoe.serve.engine.weight_transfer import (DEFAULT_BUCKET_BYTES, TensorSpec, TransferGroup, bucket_sizes,
+                                                   known_dtype, layout, plan_buckets, unpack)
 
 
 @dataclass
@@ -110,28 +110,36 @@ class WeightUpdater:
             raise
         self._receive_s += time.perf_counter() - start
 
-    def update_weights(self, specs: list[TensorSpec], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-        """Receive the announced tensors over the transfer group. Every rank first agrees on the specs:
-        when this engine rejects one, the trainer sends nothing and this raises the RequestError."""
+    def update_weights(self, specs: list[TensorSpec], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                       rejected: RequestError | None = None) -> None:
+        """Receive the announced tensors over the transfer group. Every rank first agrees on the specs
+        and the broadcasts they make: when this engine rejects one (or the request itself was
+        `rejected`, e.g. a malformed body), or the trainer's tensors take other bytes than announced,
+        nothing is sent and this raises the RequestError; the trainer is told as well."""
         staged = self._open()
         if self.group is None:
             self.abort_weight_update()
             raise RequestError("no transfer group: call init_transfer_group first", field="weights")
-        error: RequestError | None = None
+        error = rejected
         try:
-            for spec in specs:
+            for spec in specs if error is None else []:
                 self.check(spec)
-        except RequestError as e:
-            error = e
+            sizes = bucket_sizes(specs, bucket_bytes) if error is None else []
+        except (RequestError, ValueError) as e:
+            error = e if isinstance(e, RequestError) else RequestError(str(e), field="bucket_bytes")
+            sizes = []
         start = time.perf_counter()
         try:  # the agreement is a collective too: a trainer that never joins it must not leave the update open
-            agreed = self.group.agree(error is None)
-        except Exception:
+            went, same_plan = self.group.agree(error is None, sizes)
+        except Exception as e:
             self.abort_weight_update()
-            raise
-        if not agreed:
+            raise self._group_failed(e) from e
+        if not went or not same_plan:
             self.abort_weight_update()
-            raise error or RequestError("another rank of the transfer group rejected this update", field="weights")
+            raise error or RequestError(
+                "another rank of the transfer group rejected this update" if not went else
+                "the trainer's tensors take other bytes than the announced dtype_names and shapes (nothing was "
+                "sent; the old weights keep serving)", field="weights" if not went else "dtype_names")
         try:
             for bucket in plan_buckets(specs, bucket_bytes):
                 part = [specs[i] for i in bucket]
@@ -139,10 +147,20 @@ class WeightUpdater:
                 self.group.broadcast(buffer, src=0)
                 for spec, tensor in zip(part, unpack(buffer, part)):
                     staged[spec.name] = self._stage(spec.name, tensor)
-        except Exception:
+        except Exception as e:
             self.abort_weight_update()
-            raise
+            raise self._group_failed(e) from e
         self._receive_s += time.perf_counter() - start
+
+    def _group_failed(self, e: Exception) -> Exception:
+        """A collective of the transfer group failed (the trainer died or timed out): the group is
+        unusable from now on, so it is dropped and the error says how to get a new one."""
+        if isinstance(e, RequestError):
+            return e
+        self.group = None
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        return RequestError(f"the transfer group failed ({type(e).__name__}: {first}); the old weights keep "
+                            "serving: call /init_weight_transfer_engine again", field="weights")
 
     def finish_weight_update(self) -> UpdateStats:
         """Swap the staged tensors in (every rank), forget the prefix cache; the engine must be idle."""

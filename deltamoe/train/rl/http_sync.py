@@ -50,6 +50,9 @@ class HTTPWeightSync:
         except RequestError:
             call.result()  # the server's answer names the tensor it rejected
             raise
+        except Exception:  # the group failed (a timeout, the server gone): the next push opens a new one
+            self.group = None
+            raise
         call.result()
         return self._post("/finish_weight_update")
 

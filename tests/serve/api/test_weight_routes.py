@@ -44,6 +44,8 @@ def test_a_push_over_http_and_gloo_swaps_the_weights(server, helpers):
     trainer = build_model(helpers.k31_tiny(), seed=11)
     prompt = [256, 5, 9, 11, 40, 2]
     before = _greedy(url, prompt)
+    version = httpx.get(f"{url}/weight_version",
+                                                       headers={"Authorization": f"Bearer {KEY}"}).json()["version"]
     sync = HTTPWeightSync(url, KEY, bucket_bytes=64 * 1024)  # several buckets
     try:
         bad = {**policy_tensors(trainer), "lm_head.weight": torch.zeros(3, 3)}
@@ -54,7 +56,7 @@ def test_a_push_over_http_and_gloo_swaps_the_weights(server, helpers):
         stats = sync.push(policy_tensors(trainer))
     finally:
         sync.close()
-    assert stats["version"] == 1 and stats["tensors"] == len(trainer.state_dict())
+    assert stats["version"] == version + 1 and stats["tensors"] == len(trainer.state_dict())
     served = engine.engine.runner.model.state_dict()
     assert all(torch.equal(served[k], v) for k, v in trainer.state_dict().items())
     fresh = LLMEngine(trainer.eval(), config=EngineConfig(cache_memory="16MiB", max_model_len=64))
@@ -62,7 +64,7 @@ def test_a_push_over_http_and_gloo_swaps_the_weights(server, helpers):
     got = _greedy(url, prompt)
     assert got == [fresh.tokenizer.decode([t]) for t in want.token_ids] and got != before
     assert httpx.get(f"{url}/weight_version", headers={"Authorization": f"Bearer {KEY}"}).json() == \
-        {"version": 1, "updating": False}
+        {"version": version + 1, "updating": False}
 
 
 @pytest.mark.parametrize("body, field", [
@@ -92,14 +94,77 @@ def test_a_transfer_that_fails_at_the_agreement_leaves_no_update_open(server):
     _, engine = server
 
     class SilentTrainer:  # the transfer group's agreement, timing out
-        def agree(self, ok: bool) -> bool:
+        def agree(self, ok: bool, sizes: list[int]) -> tuple[bool, bool]:
             raise RuntimeError("gloo timeout: the trainer never joined")
 
     updater = WeightUpdater(engine.engine)
     updater.group = SilentTrainer()
     updater.start_weight_update()
     weight = engine.engine.runner.model.lm_head.weight
-    with pytest.raises(RuntimeError, match="never joined"):
+    with pytest.raises(RequestError, match="transfer group failed .*never joined.*init_weight_transfer_engine"):
         updater.update_weights([TensorSpec("lm_head.weight", "float32", tuple(weight.shape))])
+    assert updater.group is None  # dropped: the next update says to init a new one, not a raw gloo error
     updater.start_weight_update()  # not "already open"
     updater.abort_weight_update()
+
+
+def test_tensors_sent_in_another_dtype_than_announced_are_refused_not_fatal(server, helpers):
+    """A trainer announcing float16 and sending float32 made gloo abort the whole server (a receive
+    buffer of the wrong size is fatal in its C++): the plans are compared first, nobody sends."""
+    import concurrent.futures
+
+    from deltamoe.train.rl.weight_push import send_over_group
+
+    url, _ = server
+    auth = {"Authorization": f"Bearer {KEY}"}
+    before = _greedy(url, [256, 7, 8])
+    tensors = policy_tensors(build_model(helpers.k31_tiny(), seed=12))
+    name = "lm_head.weight"
+    sync = HTTPWeightSync(url, KEY, timeout_s=30)
+    try:
+        sync.connect()
+        httpx.post(f"{url}/start_weight_update", headers=auth)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            route = pool.submit(httpx.post, f"{url}/update_weights", headers=auth, timeout=60, json={
+                "names": [name], "dtype_names": ["float16"], "shapes": [list(tensors[name].shape)]})
+            with pytest.raises(RequestError, match="other bytes than the specs"):
+                send_over_group(sync.group, {name: tensors[name]}, 512 * 2**20)
+            answer = route.result()
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "dtype_names"
+        assert httpx.get(f"{url}/weight_version", headers=auth).json()["updating"] is False
+        assert _greedy(url, [256, 7, 8]) == before  # alive, on the old weights
+        stats = sync.push(tensors)  # the same group still works
+        assert stats["tensors"] == len(tensors)
+    finally:
+        sync.close()
+
+
+def test_a_malformed_update_body_releases_the_waiting_trainer(server, helpers):
+    """A 400 before the agreement (2 names, 1 dtype) left the trainer blocked for its whole timeout,
+    the group dead and the update open: now the trainer hears "no" at once and the update closes."""
+    import concurrent.futures
+    import time
+
+    from deltamoe.train.rl.weight_push import send_over_group
+
+    url, _ = server
+    auth = {"Authorization": f"Bearer {KEY}"}
+    tensors = policy_tensors(build_model(helpers.k31_tiny(), seed=13))
+    names = ["lm_head.weight", "model.embed_tokens.weight"]
+    sync = HTTPWeightSync(url, KEY, timeout_s=60)
+    try:
+        sync.connect()
+        for body in ({"names": names, "dtype_names": ["float32"], "shapes": [list(tensors[n].shape) for n in names]},
+                     {"names": names, "dtype_names": ["float32"] * 2, "shapes": ["x", [1]]}):
+            httpx.post(f"{url}/start_weight_update", headers=auth)
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                route = pool.submit(httpx.post, f"{url}/update_weights", headers=auth, timeout=60, json=body)
+                start = time.monotonic()
+                with pytest.raises(RequestError, match="rejected"):
+                    send_over_group(sync.group, {n: tensors[n] for n in names}, 512 * 2**20)
+                assert time.monotonic() - start < 20  # not the group's 60 s timeout
+                assert route.result().status_code == 400
+            assert httpx.get(f"{url}/weight_version", headers=auth).json()["updating"] is False
+        assert sync.push(tensors)["tensors"] == len(tensors)  # the group survived both
+    finally:
+        sync.close()
