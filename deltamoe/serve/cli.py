@@ -384,7 +384,15 @@ def chat_command(
             images, pending = [], []
             console.print("[dim](history cleared)[/dim]")
             continue
-        if line.strip().startswith("/image"):
+        command = line.strip().split(maxsplit=1)[0] if line.strip().startswith("/") else ""
+        if command and command not in ("/image", "//") and not command.startswith("//"):
+            console.print(f"[red]unknown command {command} (try /reset, /exit"
+                          f"{', /image PATH' if engine.model_config.vision is not None else ''}; "
+                          "start a message with // to send a leading /)[/red]", markup=True, highlight=False)
+            continue
+        if line.strip().startswith("//"):
+            line = line.strip()[1:]
+        elif line.strip().startswith("/image"):
             try:
                 pending.append(read_chat_image(line, engine.model_config))
             except RequestError as e:

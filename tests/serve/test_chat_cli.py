@@ -25,3 +25,12 @@ def test_chat_options_fail_before_the_model_loads(monkeypatch, capsys):
     assert main(["chat", "tiny", "--temperature", "-1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "temperature" in err
+
+
+def test_an_unknown_command_is_said_not_sent(monkeypatch, capsys):
+    """`/foo` went to the model as a message; `//text` sends "/text"."""
+    monkeypatch.setattr("sys.stdin", io.StringIO("/foo\n//path\n/exit\n"))
+    assert main(["chat", "tiny", *ARGS]) in (0, None)
+    out = capsys.readouterr().out
+    assert "unknown command /foo (try /reset, /exit" in out
+    assert out.count("assistant>") == 1  # only //path was sent

@@ -77,6 +77,9 @@ class RLConfig:
         """ConfigError naming the first bad field; returns self."""
         if (self.preset is None) == (self.init is None):
             raise ConfigError("pass exactly one of --preset or --init", field="init")
+        if self.init is not None and not Path(self.init).is_dir():
+            raise ConfigError(f"expected a checkpoint folder, got {self.init!r}", field="init",
+                              hint="--preset NAME starts from a preset's random weights")
         if self.task not in TASKS:
             raise ConfigError(f"expected one of {', '.join(TASKS)}, got {self.task!r}", field="task")
         if self.advantage_norm not in ADVANTAGE_NORMS:

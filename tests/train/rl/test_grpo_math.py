@@ -65,6 +65,9 @@ def test_cli_bad_input_is_one_line_and_exit_2(capsys):
     assert capsys.readouterr().err.strip() == "error: task: expected one of arithmetic, recall, got 'copy'"
     assert main(["rl", "--preset", "tiny", "--init", "runs/x/model"]) == 2
     assert "init" in capsys.readouterr().err
+    for init in ("/nonexistent", "tiny"):  # named --init, not "model" / "tokenizer" after loading
+        assert main(["rl", "--init", init, "--task", "arithmetic"]) == 2
+        assert capsys.readouterr().err.startswith(f"error: init: expected a checkpoint folder, got '{init}'")
     for out, message in [("", "error: out: empty path"), ("/proc/deltamoe-rl", "error: out: cannot write into")]:
         assert main(["rl", "--task", "arithmetic", "--steps", "1", "--out", out]) == 2
         err = capsys.readouterr().err
