@@ -254,7 +254,7 @@ def generate_command(
     top_p: float = typer.Option(1.0),
     top_k: int = typer.Option(0, help="0 = off."),
     min_p: float = typer.Option(0.0),
-    seed: Optional[int] = typer.Option(None, help="Same seed, same output."),
+    seed: Optional[int] = typer.Option(None, help="Same seed, same output. Without one, runs repeat too: the engine's sampler starts from a fixed seed, as vLLM's does."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string; repeatable."),
     ignore_eos: bool = typer.Option(False, help="Keep going past the EOS token."),
     chat: bool = typer.Option(False, help="Wrap each prompt as a user message with the chat template."),
