@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from deltamoe.errors import RequestError
-from deltamoe.serve.engine.weight_transfer import TensorSpec, TransferGroup, pack, plan_buckets
+from deltamoe.serve.engine.weight_transfer import TensorSpec, TransferGroup, bucket_sizes, pack, plan_buckets
 from deltamoe.serve.engine.weight_update import UpdateStats, WeightUpdater
 
 
@@ -37,8 +37,12 @@ def push_in_process(updater: WeightUpdater, tensors: dict[str, torch.Tensor]) ->
 
 def send_over_group(group: TransferGroup, tensors: dict[str, torch.Tensor], bucket_bytes: int) -> None:
     """Rank 0's half of `WeightUpdater.update_weights`: agree, then one broadcast per bucket."""
-    if not group.agree(True):
+    went, same_plan = group.agree(True, bucket_sizes(specs_of(tensors), bucket_bytes))
+    if not went:
         raise RequestError("an engine rejected the update's tensors (its answer names the tensor)", field="weights")
+    if not same_plan:
+        raise RequestError("the tensors take other bytes than the specs the engines were told (a dtype_names or "
+                           "shapes entry differs from the tensor sent): nothing was sent", field="weights")
     values = list(tensors.values())
     for bucket in plan_buckets(specs_of(tensors), bucket_bytes):
         group.broadcast(pack([values[i].cpu() for i in bucket]), src=0)
