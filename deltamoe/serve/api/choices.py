@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -99,21 +100,21 @@ class Choices:
     def __init__(self, gen: Generation, groups: list[Group]):
         self.gen, self.groups = gen, groups
         self.fmts = [f for g in groups for f in g.fmts]
-        self.starts = [sum(len(g.fmts) for g in groups[:b]) for b in range(len(groups))]
+        self.starts = [0, *itertools.accumulate(len(g.fmts) for g in groups)][:-1]
         self.scores = [0.0] * len(self.fmts)
 
     async def respond(self, request: Request, stream: bool, include_usage: bool,
                       kv_transfer: object | None = None) -> Response:
         engine, rid = self.gen.engine, self.fmts[0].id
-        streams, parents = [], []
+        streams = []
         for g, start in zip(self.groups, self.starts):
-            parents.append(start)
             streams += [engine.generate(g.prompt, p, request_id=f"{rid}-{start + j}",
                                         fork_of=f"{rid}-{start}" if j else None,
                                         kv_transfer=kv_transfer if start + j == 0 else None)
                         for j, p in enumerate(g.params)]
         # Each group's forks first: the engine must hold them when their parent arrives (engine/forks.py).
-        order = [k for k in range(len(streams)) if k not in parents] + parents
+        parents = set(self.starts)
+        order = [k for k in range(len(streams)) if k not in parents] + self.starts
         started = {k: asyncio.ensure_future(streams[k].__anext__()) for k in order}
         firsts = [started[k] for k in range(len(streams))]
         timing = RequestTiming()

@@ -30,12 +30,14 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from deltamoe.serve.structured.tool_call import KIMI_CALL_ID
+
 SECTION_BEGIN = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")  # the singular: vLLM accepts it too
 SECTION_END = ("<|tool_calls_section_end|>", "<|tool_call_section_end|>")
 CALL_BEGIN = "<|tool_call_begin|>"
 ARGUMENT_BEGIN = "<|tool_call_argument_begin|>"
 CALL_END = "<|tool_call_end|>"
-CALL_ID = re.compile(r"(?:functions\.)?([^\s:<>]+):(\d+)")
+CALL_ID = KIMI_CALL_ID  # one definition, shared with the history's ids (structured/tool_call.py)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from deltamoe.errors import RequestError
 from deltamoe.serve.structured.constraint import JSON_OPTIONS, Constraint, json_schema_constraint, lark_constraint
 from deltamoe.tokenizers.base import Tokenizer
 
-KIMI_CALL_ID = re.compile(r"(?:functions\.)?[^\s:<>]+:\d+")  # as the tool-call parser reads ids
+KIMI_CALL_ID = re.compile(r"(?:functions\.)?([^\s:<>]+):(\d+)")  # a Kimi call id: (name, index)
 MAX_PARALLEL_CALLS = 16  # "required" with parallel calls: a section holds 1..16 calls
 MARKERS = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
            "<|tool_call_argument_begin|>", "<|tool_call_end|>")
