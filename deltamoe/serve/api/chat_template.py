@@ -96,9 +96,12 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
         if role == "assistant" and m.get("tool_calls") is not None:
             message["tool_calls"] = [{**c, "id": renamed.get(c["id"], c["id"])}
                                      for c in _tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")]
-        if role == "tool" and m.get("tool_call_id") is not None:
-            if not isinstance(m["tool_call_id"], str):
-                raise RequestError("expected a string", field=f"messages[{i}].tool_call_id")
+        if role == "tool":
+            # OpenAI refuses a tool result without the id of the call it answers (and the template
+            # would render it as a result of nothing): required, as there.
+            if not isinstance(m.get("tool_call_id"), str) or not m["tool_call_id"]:
+                raise RequestError("expected the id (a non-empty string) of the tool call this message answers",
+                                   field=f"messages[{i}].tool_call_id")
             message["tool_call_id"] = renamed.get(m["tool_call_id"], m["tool_call_id"])
         out.append(message)
     return out

@@ -45,3 +45,17 @@ def test_a_checkpoint_template_gets_tools_kwargs_and_hf_tojson():
     text = t.render([{"role": "user", "content": "U"}], tools=TOOLS, template_kwargs={"thinking": False})
     assert text.startswith('<|system|>[{"type":"function","function":{"name":"f","description":"<|end|>"')
     assert text.endswith("<|assistant|><think></think>")
+
+
+def test_a_tool_result_must_name_the_call_it_answers():
+    import pytest
+
+    from deltamoe.errors import RequestError
+
+    for bad in ({"role": "tool", "content": "R"}, {"role": "tool", "content": "R", "tool_call_id": ""},
+                {"role": "tool", "content": "R", "tool_call_id": 3}):
+        with pytest.raises(RequestError) as e:
+            normalize_messages([{"role": "user", "content": "U"}, bad])
+        assert e.value.field == "messages[1].tool_call_id"
+    ok = normalize_messages([{"role": "tool", "content": "R", "tool_call_id": "functions.f:0"}])
+    assert ok == [{"role": "tool", "content": "R", "tool_call_id": "functions.f:0"}]
