@@ -33,6 +33,9 @@ _ALIASES = {
 
 def load_config(source: str | Path) -> ModelConfig:
     """A preset name, a `config.json` (HF or deltamoe form), or a checkpoint folder holding one."""
+    if not str(source).strip():  # Path("") is ".", which would read the working folder
+        raise ConfigError(f"expected a preset name or a checkpoint folder, got {str(source)!r}", field="model",
+                          hint=f"presets: {', '.join(list_presets())}")
     path = Path(source)
     if path.is_dir():
         path = path / "config.json"

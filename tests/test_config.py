@@ -84,6 +84,10 @@ def test_unknown_model_type_and_preset():
     with pytest.raises(ConfigError) as e:
         load_config("no-such-preset")
     assert "tiny" in str(e.value)
+    for empty in ("", " "):  # Path("") is the working folder: named as empty, not "no config.json in"
+        with pytest.raises(ConfigError) as e:
+            load_config(empty)
+        assert e.value.field == "model" and "got" in str(e.value) and "tiny" in e.value.hint
     with pytest.raises(ConfigError) as e:
         ModelConfig.from_dict({"hidden_sise": 3})
     assert e.value.field == "hidden_sise"
