@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from deltamoe.errors import TrainingError
+from deltamoe.errors import ConfigError, TrainingError
 from deltamoe.output_paths import check_output_folder
 from deltamoe.config import ModelConfig, load_preset
 from deltamoe.hf_config import load_config
@@ -137,6 +137,11 @@ class RLRun:
             write_json_atomic(self.out / "rl_config.json", cfg.to_dict())
         log = JsonlLog(self.out / "metrics.jsonl") if lead else None
         progress = RunProgress(cfg.steps, self.state.step, cfg.progress and lead)
+        if self.engine is not None:
+            # The engine counts the updates it took; a resumed run's fresh engine continues the
+            # numbering of the run it resumes (after step k the engine holds version k + 1), so
+            # metrics.jsonl's weight_version never restarts mid-file.
+            self.updater.version = self.state.step
         sync_s = self._sync()[0]  # the engine starts from the trainer's weights
         interrupted = spoiled = False
         saved = self.state.step if resumed else None
@@ -302,6 +307,10 @@ class RLRun:
         saved = checkpoint.read_saved_config(path)
         if saved is not None:
             self.cfg.check_resume(saved, str(path))
+        at = checkpoint.read_train_state(Path(path) / "train_state.rank0.json")[0].step
+        if at > self.cfg.steps:  # the loop would do nothing and export the checkpoint's policy silently
+            raise ConfigError(f"{path} is at step {at}, beyond steps={self.cfg.steps}", field="steps",
+                              hint=f"pass --steps {at} or more")
         self.state = checkpoint.load(path, self.trainer.parts, self.optimizers, verified=True)
         if self.rank == 0:
             truncate_jsonl(self.out / "metrics.jsonl", self.state.step)

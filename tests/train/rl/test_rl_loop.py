@@ -83,6 +83,14 @@ def test_ctrl_c_leaves_a_checkpoint_that_resume_continues(init, tmp_path, sig):
     assert result.step == 2 and not result.interrupted
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == [0, 1, 2] and logged[2]["kl"] > 0
+    # The resumed run's fresh engine continues the weight versions (after step k: k + 1), as unbroken.
+    assert [r["weight_version"] for r in logged[1:]] == [2, 3]
+    # A resume asking for fewer steps than the checkpoint holds is refused, not a silent re-export.
+    from deltamoe.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="is at step 2, beyond steps=1") as e:
+        RLRun(_config(init, tmp_path / "run", resume=True, steps=1)).run()
+    assert e.value.field == "steps" and "--steps 2" in e.value.hint
 
 
 def test_failed_rollouts_are_retried_then_dropped_never_hang(init, tmp_path):
