@@ -64,24 +64,40 @@ def _resolve_p2p(t: EventTables, args: list, kinds: list[str], pg: list[str], se
         parts = coalesced_parts(t.p2p_ops, t.annotations, set(ext.tolist()), coalesced, single)
     if not parts and not any(k in P2P_KINDS for k in kinds):
         return kinds, pg, seq, nbytes, start, end, peer
-    out: dict[str, list] = {k: [] for k in ("kind", "pg", "seq", "nbytes", "start", "end", "peer")}
-    for i, kind in enumerate(kinds):
-        # A coalesced kernel without P2P parts is a coalesced collective: kept as one row.
-        pieces = parts.get(i) or [(kind, int(peer[i]), int(nbytes[i]))]
-        ranks = group_ranks(pg[i], groups, args[i])
-        for part_kind, part_peer, part_bytes in pieces:
-            out["kind"].append(part_kind)
-            out["pg"].append(pg[i])
-            out["seq"].append(int(seq[i]) if len(pieces) == 1 else -1)
-            out["nbytes"].append(part_bytes)
-            out["start"].append(float(start[i]))
-            out["end"].append(float(end[i]))
+    return expand_parts(parts, args, kinds, pg, seq, nbytes, start, end, peer, groups)
+
+
+def expand_parts(parts: dict[int, list], args: list, kinds: list[str], pg: list[str], seq: np.ndarray,
+                 nbytes: np.ndarray, start: np.ndarray, end: np.ndarray, peer: np.ndarray,
+                 groups: dict[str, Ranks]) -> tuple:
+    """Each row with parts (row -> [(kind, group peer, bytes)]) becomes one row per part, with the
+    row's times and no Seq; a P2P row's peer becomes a global rank, any other row's -1.
+
+    Column-wise (np.repeat), with Python only for the parts and the P2P peers: a rank holds
+    thousands of collectives, and a per-row loop over seven columns was a sixth of a file's cost."""
+    counts = np.ones(len(kinds), dtype=np.int64)
+    for i, pieces in parts.items():
+        if pieces:  # a coalesced kernel without P2P parts is a coalesced collective: kept as one row
+            counts[i] = len(pieces)
+    at = np.repeat(np.arange(len(kinds)), counts)  # each output row's source row
+    rows = at.tolist()
+    kinds_out, pg_out = [kinds[i] for i in rows], [pg[i] for i in rows]
+    seq_out = np.where(counts[at] == 1, seq[at], -1)
+    nbytes_out, peer_out = nbytes[at].copy(), peer[at].copy()
+    first = np.cumsum(counts) - counts  # each source row's first output row
+    for i, pieces in parts.items():
+        for j, (part_kind, part_peer, part_bytes) in enumerate(pieces or ()):
+            o = int(first[i]) + j
+            kinds_out[o], peer_out[o], nbytes_out[o] = part_kind, part_peer, part_bytes
+    for o, kind in enumerate(kinds_out):
+        if kind in P2P_KINDS:
+            ranks = group_ranks(pg_out[o], groups, args[rows[o]])
             # A group the trace does not describe: the default group, where both numberings agree.
-            out["peer"].append((to_global(part_peer, ranks) if ranks is not None else part_peer)
-                               if part_kind in P2P_KINDS else -1)
-    return (out["kind"], out["pg"], np.array(out["seq"], dtype=np.int64), np.array(out["nbytes"], dtype=np.int64),
-            np.array(out["start"], dtype=float), np.array(out["end"], dtype=float),
-            np.array(out["peer"], dtype=np.int64))
+            if ranks is not None:
+                peer_out[o] = to_global(int(peer_out[o]), ranks)
+        else:
+            peer_out[o] = -1
+    return kinds_out, pg_out, seq_out, nbytes_out, start[at], end[at], peer_out
 
 
 def cpu_collectives(t: EventTables, main: int, windows: np.ndarray, rank: int = -1,

@@ -52,10 +52,9 @@ def exposed_by_kind(names: np.ndarray, start: np.ndarray, end: np.ndarray, worki
     per_kind: dict[str, np.ndarray] = {}
     for kind in sorted(set(kind_of.tolist())):
         m = kind_of == kind
-        per_kind[kind] = iv.length_in(iv.subtract(iv.union(start[m], end[m]), working), lo, hi)
-    total = iv.subtract(iv.merge(waits, iv.union(np.asarray(start, dtype=float), np.asarray(end, dtype=float))),
-                        working)
-    return iv.length_in(total, lo, hi), per_kind
+        per_kind[kind] = iv.length_outside(iv.union(start[m], end[m]), working, lo, hi)
+    total = iv.merge(waits, iv.union(np.asarray(start, dtype=float), np.asarray(end, dtype=float)))
+    return iv.length_outside(total, working, lo, hi), per_kind
 
 
 def cpu_exposed(cpu_ops: list, coll_ops: list, functional_ops: list, annotations: list, main: object,

@@ -108,6 +108,34 @@ def length_in(spans: Spans, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     return c[1] - c[0]
 
 
+def length_outside(spans: Spans, other: Spans, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """`length_in(subtract(spans, other), lo, hi)` without building the difference (both disjoint
+    and sorted): the time outside `other` before a point is the point minus `covered(other, .)`,
+    so each span's part outside `other` is a difference of that curve at its ends, and a window's
+    is the running sum of those up to each edge. One `covered` call instead of subtract's sort."""
+    s, e = spans
+    lo = np.asarray(lo, dtype=float)
+    if len(s) == 0 or len(lo) == 0:
+        return np.zeros(len(lo))
+    if len(other[0]) == 0:
+        return length_in(spans, lo, hi)
+    x = np.empty((2, len(lo)))
+    x[0] = lo
+    np.maximum(hi, lo, out=x[1])
+    k = s.searchsorted(x, side="right") - 1  # the last span starting at or before each edge
+    kk = np.maximum(k, 0)
+    xc = np.minimum(x, e[kk])  # the edge, or the end of that span when the edge lies beyond it
+    n = len(s)
+    pts = np.concatenate([s, e, xc.ravel()])
+    free = pts - covered(other, pts)
+    fs, fe, fx = free[:n], free[n:2 * n], free[2 * n:].reshape(x.shape)
+    cum = np.empty(n + 1)  # outside time of the spans before span i
+    cum[0] = 0.0
+    (fe - fs).cumsum(out=cum[1:])
+    at = np.where(k >= 0, cum[kk] + np.maximum(fx - fs[kk], 0.0), 0.0)
+    return at[1] - at[0]
+
+
 def binned_busy(spans: Spans, lo, hi, bins: int) -> np.ndarray:
     """Fraction of each of `bins` equal slices of [lo, hi) covered by the spans.
 

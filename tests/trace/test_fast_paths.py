@@ -235,6 +235,54 @@ def test_gpu_collectives_match_reference(seed):
     _same(C.gpu_collectives(t, rows, ext, nid, start, end, windows), ref)
 
 
+def ref_expand_parts(parts, args, kinds, pg, seq, nbytes, start, end, peer, groups):
+    """Row by row: each row's parts (or the row itself), peers of P2P rows as global ranks."""
+    from deltamoe.trace.p2p import group_ranks, to_global
+
+    out = {k: [] for k in ("kind", "pg", "seq", "nbytes", "start", "end", "peer")}
+    for i, kind in enumerate(kinds):
+        pieces = parts.get(i) or [(kind, int(peer[i]), int(nbytes[i]))]
+        ranks = group_ranks(pg[i], groups, args[i])
+        for part_kind, part_peer, part_bytes in pieces:
+            out["kind"].append(part_kind)
+            out["pg"].append(pg[i])
+            out["seq"].append(int(seq[i]) if len(pieces) == 1 else -1)
+            out["nbytes"].append(part_bytes)
+            out["start"].append(float(start[i]))
+            out["end"].append(float(end[i]))
+            out["peer"].append((to_global(part_peer, ranks) if ranks is not None else part_peer)
+                               if part_kind in P2P_KINDS else -1)
+    return (out["kind"], out["pg"], np.array(out["seq"], dtype=np.int64), np.array(out["nbytes"], dtype=np.int64),
+            np.array(out["start"], dtype=float), np.array(out["end"], dtype=float),
+            np.array(out["peer"], dtype=np.int64))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_expand_parts_matches_reference(seed):
+    """Coalesced kernels split into their sends / recvs, peers mapped to global ranks (p2p.py)."""
+    rng = random.Random(seed)
+    n = rng.randrange(0, 60)
+    groups = {"0": tuple(range(8)), "1": (1, 3, 5, 7), "2": range(2, 16, 4)}
+    kinds = [rng.choice(["send", "recv", "all_reduce", "coalesced", "all_to_all"]) for _ in range(n)]
+    pg = [rng.choice(["0", "1", "2", "9", ""]) for _ in range(n)]  # "9", "": groups the trace does not describe
+    args = [rng.choice([NO_ARGS, Args(pg_ranks="[4, 6]"), Args(pg_ranks="[1, ...]"),
+                        Args(rank_start=1, rank_stride=2, group_size=3)]) for _ in range(n)]
+    seq = np.array([rng.randrange(-1, 9) for _ in range(n)], dtype=np.int64)
+    nbytes = np.array([rng.randrange(0, 1 << 20) for _ in range(n)], dtype=np.int64)
+    start = np.sort(np.array([rng.uniform(0, 1e4) for _ in range(n)]))
+    end = start + np.array([rng.uniform(0, 50) for _ in range(n)])
+    peer = np.array([rng.randrange(-1, 10) if k in P2P_KINDS else -1 for k in kinds], dtype=np.int64)
+    parts = {i: [(rng.choice(["send", "recv"]), rng.randrange(-1, 10), rng.randrange(0, 4096))
+                 for _ in range(rng.randrange(0, 4))]
+             for i, k in enumerate(kinds) if k == "coalesced" and rng.random() < 0.8}
+    new = C.expand_parts(parts, args, kinds, pg, seq, nbytes, start, end, peer, groups)
+    ref = ref_expand_parts(parts, args, kinds, pg, seq, nbytes, start, end, peer, groups)
+    assert new[0] == ref[0] and new[1] == ref[1]
+    for a, b in zip(new[2:], ref[2:]):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_finish_numbering_matches_reference(seed):
     rng = random.Random(seed)
