@@ -57,10 +57,11 @@ def _resolve_p2p(t: EventTables, args: list, kinds: list[str], pg: list[str], se
                  nbytes: np.ndarray, start: np.ndarray, end: np.ndarray, peer: np.ndarray, ext: np.ndarray,
                  launch: np.ndarray, groups: dict[str, Ranks]) -> tuple:
     """Coalesced kernels split into their sends and recvs; every peer as a global rank."""
-    coalesced = [(float(launch[i]), i, pg[i]) for i, k in enumerate(kinds) if k == "coalesced"]
+    at = launch.tolist()  # floats at once: indexing an array per row costs a numpy scalar each
+    coalesced = [(at[i], i, pg[i]) for i, k in enumerate(kinds) if k == "coalesced"]
     parts: dict[int, list] = {}
     if coalesced:
-        single = [float(launch[i]) for i, k in enumerate(kinds) if k in P2P_KINDS]
+        single = [at[i] for i, k in enumerate(kinds) if k in P2P_KINDS]
         parts = coalesced_parts(t.p2p_ops, t.annotations, set(ext.tolist()), coalesced, single)
     if not parts and not any(k in P2P_KINDS for k in kinds):
         return kinds, pg, seq, nbytes, start, end, peer
