@@ -407,6 +407,7 @@ class LLMEngine:
         finally:
             self._totals, self.scheduler.num_preemptions = totals, preemptions
             restore_acceptance()
+            self.executor.forget_stats()  # the ranks' forward seconds held the compiles
 
     def _run_warm_up_round(self, round_: WarmUpRound) -> None:
         def request(name: str, prompt_len: int, max_tokens: int) -> Sequence:

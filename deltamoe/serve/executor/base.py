@@ -72,6 +72,11 @@ class Executor(Protocol):
         """Per-rank numbers for /metrics (empty on one process)."""
         ...
 
+    def forget_stats(self) -> None:
+        """Start the per-rank numbers afresh (after a warm-up: its made-up requests, and the compiles
+        they run, are not traffic)."""
+        ...
+
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy full tensors (model names, checked by the caller) into every rank's shard, between steps."""
         ...

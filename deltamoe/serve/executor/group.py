@@ -46,6 +46,7 @@ class StepMessage:
     state_ops: list[tuple[int | None, int]]  # state-slot writes to replay first (`HybridCache.apply_state_ops`)
     calls: list[ModelCall]
     report: bool = False  # after the calls, gather every rank's `RankStats` to rank 0
+    reset_stats: bool = False  # before the calls, start the rank's `RankStats` afresh (`forget_stats`)
     # One-step-ahead steps (`overlap.py`): where the calls' placeholders come from, and how many sampled
     # ids rank 0 broadcasts right after this message (0: none, the calls' ids are whole).
     fills: list[Fill | None] | None = None

@@ -46,6 +46,7 @@ class MultiprocExecutor:
         self._dead: str | None = None
         self._closed = False
         self._stats = [RankStats(rank) for rank in range(group.world_size)]
+        self._reset_pending = False  # the next step tells the ranks to start their stats afresh
         self._last_report = 0.0
         self._lock = threading.Lock()
         # One message at a time on the ranks' channels: with async scheduling the steps go out from
@@ -91,6 +92,7 @@ class MultiprocExecutor:
             tensors = loaded + tensors
         now = time.monotonic()
         message.report = report = now - self._last_report >= REPORT_INTERVAL_S
+        message.reset_stats, self._reset_pending = self._reset_pending, False
         try:
             with self._control:
                 self.group.broadcast(message)
@@ -170,6 +172,15 @@ class MultiprocExecutor:
         return self._dead
 
     # ------------------------------------------------------------------ metrics
+    def forget_stats(self) -> None:
+        """Start the per-rank numbers afresh: forward times and step counts (the other ranks reset theirs
+        with the next step's message) and the expert load."""
+        self._stats = [RankStats(rank) for rank in range(self.group.world_size)]
+        self._reset_pending = True
+        self._last_report = 0.0  # and the next step gathers every rank's fresh numbers
+        if self.runner.expert_load is not None:
+            self.runner.expert_load.zero_()
+
     def rank_stats(self) -> list[RankReport]:
         """Per rank: forward seconds of its steps, and the tokens routed to the experts it holds, from
         rank 0's routing (every rank routes the same tokens). Rank r holds expert slice r // tp (the

@@ -38,3 +38,6 @@ class UniprocExecutor:
 
     def rank_stats(self) -> list[RankReport]:
         return []
+
+    def forget_stats(self) -> None:
+        return None

@@ -55,6 +55,8 @@ def serve_steps(spec: WorkerSpec, group: RankGroup) -> None:
                 load_full_weights(model, message.tensors, tp_coordinate(group.mesh, tp), tp)
                 continue
             assert isinstance(message, StepMessage)
+            if message.reset_stats:
+                stats = RankStats(group.rank)
             start = time.perf_counter()
             cache.apply_state_ops(message.state_ops)
             if message.loaded:  # caches handed off to rank 0 that this step first runs (a decode role)

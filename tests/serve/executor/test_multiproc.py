@@ -66,9 +66,23 @@ def check_layout(checkpoint, workload, expected, tp: int, ep: int, **compiled) -
         stats = engine.stats()
         assert stats.prefix_hit_tokens > 0 and stats.num_preemptions > 0
         check_rank_metrics(engine, tp, ep)
+        check_forget_stats(engine)
     finally:
         engine.shutdown()
     assert all(p.poll() is not None for p in engine.executor.group.processes)
+
+
+def check_forget_stats(engine: LLMEngine) -> None:
+    """After `forget_stats` (what a warm-up ends with) every rank counts afresh: the other ranks reset
+    theirs with the next step's message, which also gathers them."""
+    engine.executor.forget_stats()
+    assert all(r.steps == 0 and r.forward_seconds_total == 0 for r in engine.executor.rank_stats())
+    assert not engine.runner.expert_load.any()
+    before = engine.stats().steps
+    engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True), progress=False)
+    reports, steps = engine.executor.rank_stats(), engine.stats().steps - before
+    assert reports[0].steps == steps and all(1 <= r.steps <= steps for r in reports[1:])
+    assert engine.runner.expert_load.sum() > 0
 
 
 def check_rank_metrics(engine: LLMEngine, tp: int, ep: int) -> None:
