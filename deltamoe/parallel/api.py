@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from deltamoe.model.ffn import MoE
+from deltamoe.parallel.eval_forward import next_token_logits
 from deltamoe.parallel.expert_load import empty_load, moe_modules, take_expert_load
 from deltamoe.parallel.offload import OffloadStats
 
@@ -50,8 +51,18 @@ class ParallelModel(Protocol):
         """Clip by the global gradient norm over all shards and stages; return that norm."""
         ...
 
+    def eval_logits(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """Forward only (the caller sets eval mode): [b, T, V] next-token logits of this data rank's rows,
+        on every rank that holds the model's output; None on pipeline ranks without the last stage."""
+        ...
+
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum a statistic (e.g. evaluation sums) over the data ranks; identity on one process."""
+        """Sum a statistic over the data ranks; identity on one process."""
+        ...
+
+    def all_reduce_eval_sums(self, t: torch.Tensor) -> torch.Tensor:
+        """`all_reduce_sum`, then over the pipeline stages (only the last stage's ranks get logits
+        from `eval_logits`, the others hold zeros); identity on one process."""
         ...
 
     def is_logging_rank(self) -> bool:
@@ -80,7 +91,13 @@ class LocalModel:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
+    def eval_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return next_token_logits(self.model, input_ids)
+
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def all_reduce_eval_sums(self, t: torch.Tensor) -> torch.Tensor:
         return t
 
     def is_logging_rank(self) -> bool:

@@ -13,11 +13,13 @@ from deltamoe.model.ffn import MoE
 from deltamoe.parallel.api import StepResult
 from deltamoe.parallel.data_parallel import fsdp_view_warning_ignored
 from deltamoe.parallel.dims import ParallelDims
+from deltamoe.parallel.eval_forward import PipelineEvalForward, next_token_logits
 from deltamoe.parallel.expert_load import empty_load
 from deltamoe.parallel.grad_norm import clip_grads_, global_grad_norm
 from deltamoe.parallel.loss import GlobalTokenLoss, target_counts
 from deltamoe.parallel.mesh import ParallelMesh
 from deltamoe.parallel.offload import OffloadStats
+from deltamoe.parallel.pipeline import stage_ids
 from deltamoe.parallel.stage_module import ModelStage
 
 
@@ -35,6 +37,12 @@ class DistributedModel:
         self.dp_rank, self.dp_size = mesh.dp.get_local_rank(), mesh.dp.size()
         self.has_first = any(s.first for s in stages)
         self.has_last = any(s.last for s in stages)
+        self._pipeline_eval: PipelineEvalForward | None = None
+        if schedule is not None:
+            pp_mesh = mesh["pp"]
+            self._pipeline_eval = PipelineEvalForward(stages, stage_ids(pp_mesh.get_local_rank(), dims),
+                                                      dims.num_stages, dims.pp, pp_mesh.get_local_rank(),
+                                                      pp_mesh.get_group())
 
     def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> StepResult:
         if input_ids.shape[0] % self.dims.microbatches != 0:
@@ -102,9 +110,21 @@ class DistributedModel:
         clip_grads_(params, max_norm, norm)
         return norm
 
+    def eval_logits(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        if self._pipeline_eval is not None:
+            with fsdp_view_warning_ignored():
+                return self._pipeline_eval(input_ids)
+        return next_token_logits(self.model_parts[0], input_ids)
+
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         out = t.clone()
         dist.all_reduce(out, group=self.dp_group)
+        return out
+
+    def all_reduce_eval_sums(self, t: torch.Tensor) -> torch.Tensor:
+        out = self.all_reduce_sum(t)
+        if self.dims.pp > 1:  # only the last stage's ranks hold them: the others add zeros
+            dist.all_reduce(out, group=self.mesh["pp"].get_group())
         return out
 
     def is_logging_rank(self) -> bool:

@@ -217,10 +217,6 @@ class TrainConfig:
         rows = d.batch_size // (o.grad_accum * p.dp) if d.batch_size % (o.grad_accum * p.dp) == 0 else 0
         need(rows > 0, "data.batch_size", f"a multiple of optim.grad_accum * parallel.dp ({o.grad_accum * p.dp})")
         _check_microbatches(rows, p)
-        # Pipeline stages hold no whole model to score (docs/training.md), so no evaluation would
-        # ever reach the target: the run would silently go on to run.steps.
-        need(r.target_accuracy is None or p.whole_model, "run.target_accuracy",
-             f"None with a pipeline (parallel.pp = {p.pp}): pipeline layouts are not evaluated")
         if d.path is None and "recall" in parts:
             need(d.num_queries <= d.num_pairs, "data.num_queries", f"at most data.num_pairs ({d.num_pairs})")
         return self

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from deltamoe.model.model import IGNORE_INDEX, CausalLMOutput, shifted_cross_entropy
+from deltamoe.model.model import IGNORE_INDEX, shifted_cross_entropy
+from deltamoe.parallel.api import ParallelModel
 from deltamoe.train.data import DataSource
 
 
@@ -32,34 +32,31 @@ def answer_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, in
     return n - int(bad.sum()), n
 
 
-def next_token_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """[B, T, V] from the model, or from a whole-model ModelStage (whose output appends MTP logits)."""
-    out = model(ids)
-    logits = out.logits if isinstance(out, CausalLMOutput) else out[:, : ids.shape[1]]
-    return logits.full_tensor() if hasattr(logits, "full_tensor") else logits
-
-
 @torch.no_grad()
-def evaluate(model: nn.Module, data: DataSource, dp_rank: int, dp_size: int, batch_rows: int,
+def evaluate(pm: ParallelModel, data: DataSource, batch_rows: int,
              autocast: torch.autocast | None = None) -> torch.Tensor:
-    """This data rank's sums over its slice of the eval rows: [loss*tokens, tokens, correct, spans].
+    """This rank's sums over its data rank's slice of the eval rows: [loss*tokens, tokens, correct, spans].
 
-    Sums, not means, so the caller can all-reduce them across data ranks. Every rank runs
-    the same number of forwards (sharded and expert-parallel models need all ranks in step);
-    rows past the rank's slice are run with all labels ignored.
+    Sums, not means, so the caller can all-reduce them across data ranks (and pipeline stages: a
+    rank without the last stage gets no logits and adds zeros). Every rank runs the same number
+    of forwards (sharded, expert-parallel and pipelined models need all ranks in step); rows past
+    the rank's slice are run with all labels ignored.
     """
-    was_training = model.training
-    model.eval()
-    per_rank = -(-data.eval_rows // dp_size)
-    start, stop = dp_rank * per_rank, min((dp_rank + 1) * per_rank, data.eval_rows)
-    device = next(model.parameters()).device
+    was_training = [m.training for m in pm.model_parts]
+    for m in pm.model_parts:
+        m.eval()
+    per_rank = -(-data.eval_rows // pm.dp_size)
+    start, stop = pm.dp_rank * per_rank, min((pm.dp_rank + 1) * per_rank, data.eval_rows)
+    device = next(pm.model_parts[0].parameters()).device
     sums = torch.zeros(4, dtype=torch.float64)
     for lo in range(start, start + per_rank, batch_rows):
         rows = data.rows("eval", lo, batch_rows)
         valid = (torch.arange(lo, lo + batch_rows) < stop)[:, None]
         ids, labels = rows.input_ids.to(device), torch.where(valid, rows.labels, IGNORE_INDEX).to(device)
         with autocast or torch.autocast(device.type, enabled=False):
-            logits = next_token_logits(model, ids)
+            logits = pm.eval_logits(ids)
+        if logits is None:  # a pipeline rank without the last stage
+            continue
         tokens = int((labels[:, 1:] != IGNORE_INDEX).sum())
         if tokens:
             sums[0] += shifted_cross_entropy(logits, labels, shift=1).double().item() * tokens
@@ -68,7 +65,8 @@ def evaluate(model: nn.Module, data: DataSource, dp_rank: int, dp_size: int, bat
             correct, spans = answer_accuracy(logits.float(), labels)
             sums[2] += correct
             sums[3] += spans
-    model.train(was_training)
+    for m, mode in zip(pm.model_parts, was_training):
+        m.train(mode)
     return sums
 
 

@@ -59,7 +59,7 @@ class RunLog:
 
     def finish(self, final_eval: dict[str, Any] | None, title: str, step: int, why_no_eval: str = "") -> None:
         """eval.json, curves.png and a one-line summary of `step`, after the logs are closed; without an
-        evaluation the summary says `why_no_eval` (a pipeline layout is not evaluated)."""
+        evaluation (a data source without held-out rows) the summary says `why_no_eval`."""
         if not self.enabled:
             return
         if final_eval is not None:

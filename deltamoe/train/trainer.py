@@ -131,9 +131,6 @@ class Trainer:
         # The record of the original run stays: a resume writes the configs only into a new run folder.
         configs = ({} if resumed and (self.out / "train_config.json").exists() else
                    {"train_config.json": cfg.to_dict(), "model_config.json": self.model_config.to_dict()})
-        if not self.dims.whole_model and cfg.run.eval_every and self.pm.is_logging_rank():
-            print("note: a pipeline layout is not evaluated (run.eval_every is ignored): evaluate the exported "
-                  f"model ({self.out / 'model'}) on one process", file=sys.stderr, flush=True)
         self.log.start(configs, self.state.step if resumed else None, cfg.run.steps, cfg.run.progress)
         window = parse_profile_steps(cfg.run.profile_steps) if cfg.run.profile_steps else None
         profiler = StepProfiler(window, self.state.step + 1, self.out, self.rank)
@@ -179,7 +176,7 @@ class Trainer:
             self._save()
         self._export()
         self.log.finish(last_eval, f"{self.data.name} · {cfg.model.path or cfg.model.preset}", self.state.step,
-                        "" if self.dims.whole_model else "a pipeline layout is not evaluated")
+                        "no held-out rows to evaluate" if self.data.eval_rows == 0 else "")
         return RunResult(self.out, self.state.step, last_eval, self.log.records)
 
     # ------------------------------------------------------------------ pieces
@@ -231,13 +228,13 @@ class Trainer:
                 and result.get("accuracy") is not None and result["accuracy"] >= target)
 
     def _evaluate(self, step: int) -> dict[str, Any] | None:
-        if not self.dims.whole_model or self.data.eval_rows == 0:  # pipeline stages: no whole model to score
+        if self.data.eval_rows == 0:
             return None
         autocast = self.step_fn.autocast() if self.cfg.run.precision == "bf16" else None
         # No activations are kept for backward, so eval runs the whole per-step rows at once.
         rows = self.cfg.micro_batch_size * self.cfg.optim.grad_accum
-        sums = evaluate(self.parts[0], self.data, self.pm.dp_rank, self.pm.dp_size, rows, autocast)
-        sums = self.pm.all_reduce_sum(sums.to(self.device)).cpu()
+        sums = evaluate(self.pm, self.data, rows, autocast)
+        sums = self.pm.all_reduce_eval_sums(sums.to(self.device)).cpu()
         result = {"step": step, **summarize(sums, self.data.scores_answers)}
         self.log.evaluated(result)
         return result

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from deltamoe.config import load_preset  # noqa: E402
 from deltamoe.model.load import build_model  # noqa: E402
 from deltamoe.parallel import ParallelDims, init_distributed, parallelize  # noqa: E402
+from deltamoe.parallel.eval_forward import next_token_logits  # noqa: E402
 from deltamoe.train.fp8 import Fp8Linear, Fp8Training  # noqa: E402
 
 
@@ -149,6 +150,7 @@ def run_case(name: str) -> dict:
     result = pm.forward_backward(ids[local], labels[local])
     offloaded = torch.tensor(pm.offload_stats.take() if pm.offload_stats is not None else 0)
     dist.all_reduce(offloaded)
+    eval_err, eval_holders, eval_sum = evaluation(pm, reference, ids, local)
 
     worst, worst_name, checked = 0.0, "", []
     for part in pm.model_parts:
@@ -180,8 +182,34 @@ def run_case(name: str) -> dict:
             "expert_load": result.expert_load.tolist(), "ref_expert_load": expected.expert_load.tolist(),
             "moe_rows": sorted(pm.moe_layers), "offloaded_bytes": int(offloaded),
             "norm": float(norm), "ref_norm": float(ref_norm), "clipped_norm": float(clipped),
+            "eval_rel_err": eval_err, "eval_holders": eval_holders, "eval_sum": eval_sum[0],
+            "ref_eval_sum": eval_sum[1], "world": dist.get_world_size(), "pp": pm.dims.pp,
             "unchecked": sorted(set(ref_grads) - {n for names, _ in everyone for n in names}),
             "state_dict_mismatch": sorted(set(reference.state_dict()) ^ {k for _, ks in everyone for k in ks})}
+
+
+@torch.no_grad()
+def evaluation(pm, reference, ids: torch.Tensor, local: slice) -> tuple[float, int, tuple[float, float]]:
+    """The trainer's evaluation forward (`eval_logits`, through the stages under a pipeline) against the
+    one-process model's logits: the worst relative error over the ranks, how many ranks got logits,
+    and the logits' sum reduced as evaluation sums are (`all_reduce_eval_sums`) vs the reference's."""
+    reference.eval()
+    want = next_token_logits(reference, ids)
+    reference.train()
+    for part in pm.model_parts:
+        part.eval()
+    got = pm.eval_logits(ids[local])
+    for part in pm.model_parts:
+        part.train()
+    err = torch.tensor(0.0 if got is None else float((got - want[local]).abs().max() / want.abs().max()))
+    holders = torch.tensor(0 if got is None else 1)
+    dist.all_reduce(err, op=dist.ReduceOp.MAX)
+    dist.all_reduce(holders)
+    # Tensor ranks hold copies: count one per data rank, as the trainer's sums do (tp copies are equal).
+    tp_rank = pm.mesh["tp"].get_local_rank() if pm.dims.tp > 1 else 0
+    total = torch.tensor([0.0 if got is None or tp_rank else float(got.double().sum())], dtype=torch.float64)
+    total = pm.all_reduce_eval_sums(total)
+    return float(err), int(holders), (float(total[0]), float(want.double().sum()))
 
 
 def _float(t: torch.Tensor | None) -> float | None:

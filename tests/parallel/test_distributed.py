@@ -66,6 +66,11 @@ def check(result: dict, case: str) -> None:
     assert result["norm"] == pytest.approx(result["ref_norm"], rel=1e-5)  # clip_grad_norm_ sees every shard
     assert result["clipped_norm"] == pytest.approx(result["ref_norm"] / 2, rel=1e-4)
     assert result["unchecked"] == []  # every parameter's gradient was compared on some rank
+    # Evaluation's forward (through the stages under a pipeline) gives the one-process logits on the
+    # ranks of the last stage, and its sums reduce to the whole batch's.
+    assert result["eval_rel_err"] < 1e-5
+    assert result["eval_holders"] == result["world"] // result["pp"]
+    assert result["eval_sum"] == pytest.approx(result["ref_eval_sum"], rel=1e-6, abs=1e-6)
     assert result["state_dict_mismatch"] == []
     # Offload moved every checkpointed layer's saved inputs (h and the AttnRes bank: >= 1 [rows, T, 32]
     # fp32 tensor per layer and microbatch), and nothing when it is off.

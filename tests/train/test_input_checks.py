@@ -55,12 +55,6 @@ def test_more_pipeline_stages_than_ranks_says_so(tmp_path, capsys, monkeypatch):
     assert "the world has 2" in line and "cannot infer dp" not in line
 
 
-def test_target_accuracy_is_refused_under_a_pipeline(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    line = refused(tmp_path, capsys, "--pp", "2", "--microbatches", "2", "--target-accuracy", "0.5")
-    assert line.startswith("error: run.target_accuracy: expected None with a pipeline (parallel.pp = 2)")
-
-
 def test_seq_len_beyond_the_models_positions_is_refused(tmp_path, capsys):
     line = refused(tmp_path, capsys, "--seq-len", "5000")
     assert line.startswith("error: data.seq_len: expected at most the model's max_position_embeddings (4096), "
@@ -110,9 +104,9 @@ def test_a_run_without_evaluation_still_prints_its_summary(tmp_path, capsys):
     log.start({}, None, total=2, progress=False)
     log.step({"step": 2, "loss": 1.25, "tokens_per_s": 10.0}, write=True)
     log.close()
-    log.finish(None, "title", 2, "a pipeline layout is not evaluated")
+    log.finish(None, "title", 2, "no held-out rows to evaluate")
     assert capsys.readouterr().err.strip().replace("\n", "") == (
-        f"step 2: train loss 1.2500, a pipeline layout is not evaluated -> {tmp_path}")
+        f"step 2: train loss 1.2500, no held-out rows to evaluate -> {tmp_path}")
 
 
 def test_plain_progress_ends_with_the_closing_evaluation(capsys):

@@ -23,7 +23,7 @@ from deltamoe.parallel.dims import ParallelDims
 from deltamoe.parallel.mesh import ParallelMesh
 from deltamoe.train.checkpoint import load_optimizer_state
 from deltamoe.train.config import OptimSection
-from deltamoe.train.evaluate import next_token_logits
+from deltamoe.parallel.eval_forward import next_token_logits
 from deltamoe.train.optim import LRSchedule, Optimizers
 from deltamoe.train.rl.config import RLConfig
 from deltamoe.train.rl.batch import RolloutTensors, scored_logprobs

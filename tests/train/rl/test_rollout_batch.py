@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from deltamoe.model.load import build_model
-from deltamoe.train.evaluate import next_token_logits
+from deltamoe.parallel.eval_forward import next_token_logits
 from deltamoe.train.rl.batch import rollout_tensors, scored_logprobs
 from deltamoe.train.rl.grpo import grpo_loss
 from deltamoe.train.rl.prompts import Prompt
