@@ -31,7 +31,7 @@ from deltamoe.model.model import DeltaMoEForCausalLM
 from deltamoe.parallel.dims import ParallelDims
 from deltamoe.parallel.mesh import ParallelMesh, build_mesh
 from deltamoe.serve.engine.runner import ModelCall
-from deltamoe.serve.executor.config import WorkerConfig, launched_by_torchrun
+from deltamoe.serve.executor.config import WorkerConfig
 from deltamoe.serve.executor.placeholders import Fill
 from deltamoe.serve.executor.sharding import shard_for_serving
 
