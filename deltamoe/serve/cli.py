@@ -287,7 +287,7 @@ def generate_command(
     check_options_need_their_mode(ctx, speculative, compile_decode)
     vision_config = check_image_model(model, image)
     check_device(device)
-    compile_decode = resolve_compile(compile_decode, device, tp, ep, kv_cache_dtype, model)
+    compile_decode = resolve_compile(compile_decode, device, tp, ep, model)
     from deltamoe.serve.executor.config import launched_by_torchrun
 
     num_scheduler_steps = resolve_generate_steps(num_scheduler_steps, tp * ep > 1 or launched_by_torchrun(),
@@ -553,7 +553,7 @@ def serve_command(
     check_api_key_option(api_key)
     check_device(device)
     log_level = check_log_level(log_level)
-    compile_decode = resolve_compile(compile_decode, device, tp, ep, kv_cache_dtype, model)
+    compile_decode = resolve_compile(compile_decode, device, tp, ep, model)
     # A bad size fails before the model loads.
     staging_bytes = parse_bytes(kv_transfer_staging, "kv_transfer_staging")
     inline_write_bytes = parse_bytes(kv_transfer_inline_write, "kv_transfer_inline_write")

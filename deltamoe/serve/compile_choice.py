@@ -3,8 +3,8 @@
 The default compiles (serve/engine/compiled_decode.py, whole decoder layers as regions: a first start
 of the `tiny` preset compiles three graphs, about 50 s on two quiet cores; a later one loads
 inductor's disk cache) wherever the compiled path serves the launch: one process, a CPU
-(inductor's GPU kernels need Triton, which deltamoe does not install), pages in the model's
-dtype (not fp8), full-precision or int4 W4A16 weights and a C++ compiler on the machine. Other
+(inductor's GPU kernels need Triton, which deltamoe does not install), full-precision or int4
+W4A16 weights (pages in the model's dtype or fp8) and a C++ compiler on the machine. Other
 quantized checkpoints (W4A8, MXFP4 experts) decode eagerly: their experts have no compiled form.
 Elsewhere the default decodes eagerly; `--compile` asked for explicitly
 where it cannot run stays an error naming the option. DELTAMOE_COMPILE_DEFAULT=0 makes the
@@ -22,12 +22,11 @@ import sys
 from pathlib import Path
 
 
-def compile_by_default(device: str, tp: int, ep: int, kv_cache_dtype: str, torchrun: bool,
-                       quantized: bool = False) -> bool:
+def compile_by_default(device: str, tp: int, ep: int, torchrun: bool, quantized: bool = False) -> bool:
     """What the default (no --compile / --no-compile) means for this launch."""
     if os.environ.get("DELTAMOE_COMPILE_DEFAULT", "1") == "0":
         return False
-    if tp * ep > 1 or torchrun or kv_cache_dtype == "fp8" or quantized or not device.startswith("cpu"):
+    if tp * ep > 1 or torchrun or quantized or not device.startswith("cpu"):
         return False
     if not _has_cxx():
         print("note: no C++ compiler found (g++ or $CXX): decoding eagerly; install one for the compiled "
@@ -70,11 +69,11 @@ def _int4_w4a16(qc: object) -> bool:
         return False  # loading names what is wrong with it
 
 
-def resolve_compile(flag: bool | None, device: str, tp: int, ep: int, kv_cache_dtype: str, model: str = "") -> bool:
+def resolve_compile(flag: bool | None, device: str, tp: int, ep: int, model: str = "") -> bool:
     """`flag`: True (--compile), False (--no-compile) or None (the default)."""
     if flag is not None:
         return flag
     from deltamoe.serve.executor.config import launched_by_torchrun
 
-    return compile_by_default(device, tp, ep, kv_cache_dtype, launched_by_torchrun(),
+    return compile_by_default(device, tp, ep, launched_by_torchrun(),
                               quantized=bool(model) and quantized_without_compiled_form(model))

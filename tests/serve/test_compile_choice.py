@@ -15,28 +15,27 @@ def default_on(monkeypatch):
 
 
 def test_default_compiles_one_cpu_process_only(default_on):
-    assert compile_by_default("cpu", 1, 1, "auto", torchrun=False)
-    assert not compile_by_default("cpu", 2, 1, "auto", torchrun=False)  # worker ranks run eagerly
-    assert not compile_by_default("cpu", 1, 2, "auto", torchrun=False)
-    assert not compile_by_default("cpu", 1, 1, "auto", torchrun=True)
-    assert not compile_by_default("cpu", 1, 1, "fp8", torchrun=False)
-    assert not compile_by_default("cuda", 1, 1, "auto", torchrun=False)  # inductor's GPU kernels need Triton
+    assert compile_by_default("cpu", 1, 1, torchrun=False)
+    assert not compile_by_default("cpu", 2, 1, torchrun=False)  # worker ranks run eagerly
+    assert not compile_by_default("cpu", 1, 2, torchrun=False)
+    assert not compile_by_default("cpu", 1, 1, torchrun=True)
+    assert not compile_by_default("cuda", 1, 1, torchrun=False)  # inductor's GPU kernels need Triton
 
 
 def test_explicit_flags_win(default_on):
-    assert resolve_compile(False, "cpu", 1, 1, "auto") is False
-    assert resolve_compile(True, "cpu", 2, 1, "auto") is True  # every worker rank compiles
-    assert resolve_compile(None, "cpu", 1, 1, "auto") is True
+    assert resolve_compile(False, "cpu", 1, 1) is False
+    assert resolve_compile(True, "cpu", 2, 1) is True  # every worker rank compiles
+    assert resolve_compile(None, "cpu", 1, 1) is True
 
 
 def test_no_compiler_or_env_means_eager(monkeypatch, capsys):
     monkeypatch.delenv("DELTAMOE_COMPILE_DEFAULT", raising=False)
     monkeypatch.setattr(compile_choice, "_has_cxx", lambda: False)
-    assert not compile_by_default("cpu", 1, 1, "auto", torchrun=False)
+    assert not compile_by_default("cpu", 1, 1, torchrun=False)
     assert "no C++ compiler" in capsys.readouterr().err
     monkeypatch.setattr(compile_choice, "_has_cxx", lambda: True)
     monkeypatch.setenv("DELTAMOE_COMPILE_DEFAULT", "0")
-    assert not compile_by_default("cpu", 1, 1, "auto", torchrun=False)
+    assert not compile_by_default("cpu", 1, 1, torchrun=False)
 
 
 def test_quantized_checkpoint_without_a_compiled_form_decodes_eagerly_by_default(default_on, tmp_path):
@@ -61,6 +60,6 @@ def test_quantized_checkpoint_without_a_compiled_form_decodes_eagerly_by_default
     eager = {name for name in configs if compile_choice.quantized_without_compiled_form(str(tmp_path / name))}
     assert eager == {"w4a8", "mxfp4", "packed"}
     assert not compile_choice.quantized_without_compiled_form("tiny")  # a preset
-    assert {name for name in configs if resolve_compile(None, "cpu", 1, 1, "auto", str(tmp_path / name))} \
+    assert {name for name in configs if resolve_compile(None, "cpu", 1, 1, str(tmp_path / name))} \
         == {"plain", "int4"}
-    assert resolve_compile(True, "cpu", 1, 1, "auto", str(tmp_path / "w4a8")) is True  # --compile asks for it
+    assert resolve_compile(True, "cpu", 1, 1, str(tmp_path / "w4a8")) is True  # --compile asks for it

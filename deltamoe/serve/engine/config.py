@@ -88,9 +88,6 @@ class EngineConfig:
         for field, ok, expected in checks:
             if not ok:
                 raise ConfigError(f"expected {expected}, got {getattr(self, field)!r}", field=field)
-        if self.kv_cache_dtype == "fp8" and self.compile_decode:
-            raise ConfigError("an fp8 KV cache runs eagerly only (compiled decode is not yet fp8-aware)",
-                              field="kv_cache_dtype")
         if self.async_scheduling and self.speculative is not None:
             raise ConfigError("async scheduling and speculative decoding do not combine yet (a verification step "
                               "needs its drafts on the host)", field="async_scheduling",

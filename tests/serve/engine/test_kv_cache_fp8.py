@@ -58,5 +58,28 @@ def test_kv_cache_dtype_is_checked():
     with pytest.raises(ConfigError, match="auto or fp8") as e:
         EngineConfig(kv_cache_dtype="int8")
     assert e.value.field == "kv_cache_dtype"
-    with pytest.raises(ConfigError, match="eagerly"):
-        EngineConfig(kv_cache_dtype="fp8", compile_decode=True)
+
+
+# Parts (attention / FFN regions) is the default compile form; whole layers and the whole-call graph
+# compile the same fp8 reads and writes, each a minute more of compiling on two cores.
+@pytest.mark.parametrize("form", ["parts", pytest.param("layers", marks=pytest.mark.slow),
+                                  pytest.param("whole", marks=pytest.mark.slow)])
+def test_compiled_decode_over_fp8_pages_equals_eager(form, helpers):
+    """The compiled regions quantise each new row and dequantise the rows they read as the eager
+    view does (`LayerCacheView`): greedy tokens equal the eager fp8 engine's, in a batch with
+    contexts beyond DSA's top-k."""
+    from deltamoe.model.load import build_model
+    from deltamoe.serve.engine import compiled_decode
+
+    if not compiled_decode.compiler_available():
+        pytest.skip("torch.compile's CPU kernels need a C++ compiler")
+    model = build_model(helpers.k31_tiny(num_hidden_layers=2, layer_types=("kda", "dsa")), seed=3).eval()
+    prompts = helpers.prompts(6, 2, 30, seed=31)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def run(**compiled):
+        engine = LLMEngine(model, config=EngineConfig(cache_memory="16MiB", kv_cache_dtype="fp8", **compiled))
+        assert engine.cache.latent.dtype == FP8_DTYPE and engine.runner.compiles_decode == bool(compiled)
+        return [c.token_ids for c in engine.generate(prompts, params, progress=False)]
+
+    assert run(compile_decode=True, compile_form=form) == run()
