@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -41,6 +41,10 @@ class PoolDescriptor:
     session: str  # the transport's address of this engine ("host:port")
     addresses: dict[str, int]
     signature: str  # model config + weights + cache layout + dtype + block size; equal on both sides or no hand-off
+    # Bytes from one layer of each pool to the next on this side. A paged pool is [layers, rows, dim]:
+    # its layer stride grows with the rows, i.e. with this engine's block count, which its memory, its
+    # state slots and its --tp split set (two sides of a pair differ); a state pool's does not.
+    layer_bytes: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -48,7 +52,8 @@ class PoolDescriptor:
     @classmethod
     def from_json(cls, data: dict) -> "PoolDescriptor":
         return cls(session=str(data["session"]), addresses={k: int(v) for k, v in data["addresses"].items()},
-                   signature=str(data["signature"]))
+                   signature=str(data["signature"]),
+                   layer_bytes={k: int(v) for k, v in data["layer_bytes"].items()})
 
 
 def pool_tensors(cache: HybridCache) -> dict[str, torch.Tensor]:
@@ -69,8 +74,10 @@ def cache_signature(model_config: ModelConfig, cache: HybridCache, weights: str 
 
 
 def describe(cache: HybridCache, session: str, model_config: ModelConfig, weights: str = "") -> PoolDescriptor:
-    return PoolDescriptor(session=session, addresses={n: t.data_ptr() for n, t in pool_tensors(cache).items()},
-                          signature=cache_signature(model_config, cache, weights))
+    pools = pool_tensors(cache)
+    return PoolDescriptor(session=session, addresses={n: t.data_ptr() for n, t in pools.items()},
+                          signature=cache_signature(model_config, cache, weights),
+                          layer_bytes={n: t.stride(0) * t.element_size() for n, t in pools.items()})
 
 
 def request_segments(cache: HybridCache, remote: PoolDescriptor, src_blocks: list[int], dst_blocks: list[int],
@@ -95,9 +102,10 @@ def request_segments(cache: HybridCache, remote: PoolDescriptor, src_blocks: lis
         if pool is None or pool.numel() == 0:
             continue
         layer_bytes, row_bytes = pool.stride(0) * pool.element_size(), pool.stride(1) * pool.element_size()
+        remote_layer_bytes = remote.layer_bytes[name]  # the other side's block count: its own stride
         for layer in range(pool.shape[0]):
             src_base = pool.data_ptr() + layer * layer_bytes
-            dst_base = remote.addresses[name] + layer * layer_bytes
+            dst_base = remote.addresses[name] + layer * remote_layer_bytes
             segments += [Segment(src_base + s * bs * row_bytes, dst_base + d * bs * row_bytes, n * row_bytes)
                          for s, d, n in runs]
     for name in STATE_POOLS:

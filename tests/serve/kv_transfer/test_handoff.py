@@ -416,19 +416,23 @@ def test_prompt_logprobs_are_computed_on_the_decode_server(k31_model, helpers, p
     assert connector.stats()["kv_transfer_received"] == 0
 
 
-@pytest.mark.parametrize("kv_cache_dtype,staging_bytes,direct_max_segments",
-                         [("fp8", 64 << 20, -1), ("fp8", 64 << 20, 32), ("auto", 1024, -1)])
+@pytest.mark.parametrize("kv_cache_dtype,staging_bytes,direct_max_segments,prefill_memory",
+                         [("fp8", 64 << 20, -1, None), ("fp8", 64 << 20, 32, None), ("auto", 1024, -1, None),
+                          ("auto", 64 << 20, 32, "256KiB"), ("fp8", 64 << 20, 32, "256KiB")])
 def test_fp8_pages_and_unpacked_handoffs_equal_colocated(k31_model, helpers, pool, kv_cache_dtype, staging_bytes,
-                                                         direct_max_segments):
+                                                         direct_max_segments, prefill_memory):
     """fp8 pages travel with their scales, packed or straight into the decode side's pools (zero-copy);
     a request larger than the decode side's staging area (1 KiB here) goes straight into its pools
-    whatever the prefill side prefers, with the same result."""
+    whatever the prefill side prefers, with the same result. A prefill server with less cache memory
+    (fewer blocks: another layer stride in its pools) writes straight into the decode side's layers."""
     prompts = helpers.prompts(3, 12, 30, seed=11)
     expected = [c.token_ids for c in LLMEngine(k31_model, config=EngineConfig(**CONFIG, kv_cache_dtype=kv_cache_dtype))
                 .generate(prompts, GREEDY, progress=False)]
     prefill = pool.add("p0", k31_model, HandOffConfig(direct_max_segments=direct_max_segments),
-                       kv_cache_dtype=kv_cache_dtype)
+                       kv_cache_dtype=kv_cache_dtype, **({"cache_memory": prefill_memory} if prefill_memory else {}))
     decode, connector = decode_engine(k31_model, pool, staging_bytes=staging_bytes, kv_cache_dtype=kv_cache_dtype)
+    if prefill_memory:
+        assert prefill.cache.latent.shape[1] < decode.engine.cache.latent.shape[1]
 
     async def main():
         got = await asyncio.gather(*(collect(decode, p, "p0") for p in prompts))

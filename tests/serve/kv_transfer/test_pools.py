@@ -27,7 +27,8 @@ def test_runs_merge_blocks_consecutive_on_both_sides_only():
 def test_segments_cover_exactly_the_tokens_and_the_state(helpers):
     config = helpers.k31_tiny()
     cache = HybridCache(config, EngineConfig(cache_memory="2MiB", block_size=4), 256)
-    remote = PoolDescriptor("peer:1", {name: 10**9 * (i + 1) for i, name in enumerate(POOLS)}, "sig")
+    remote = PoolDescriptor("peer:1", {name: 10**9 * (i + 1) for i, name in enumerate(POOLS)}, "sig",
+                            {name: t.stride(0) * t.element_size() for name, t in pool_tensors(cache).items()})
     segments = request_segments(cache, remote, [0, 1, 2, 5], [3, 4, 5, 6], num_tokens=15, first_block=0,
                                 src_slot=1, dst_slot=2)
     layout = cache.layout
@@ -64,6 +65,36 @@ def test_a_state_slot_is_two_segments_between_real_caches(helpers):
     assert torch.equal(dst.recurrent[:, 2], src.recurrent[:, 1]) and torch.equal(dst.conv[:, 2], src.conv[:, 1])
     assert not dst.recurrent[:, [0, 1, 3]].any() and not dst.conv[:, [0, 1, 3]].any()
 
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_direct_segments_land_in_a_cache_of_another_size(helpers, kv_cache_dtype):
+    """A decode server's pools hold another number of blocks than the prefill server's (its memory, its
+    state slots, its --tp split): a paged pool's layer stride differs, so every layer's rows must be
+    addressed with the receiver's stride. (They were written with the sender's: layer 0 landed, the
+    others in the wrong rows, or in another request's.)"""
+    small = EngineConfig(cache_memory="1MiB", block_size=4, kv_cache_dtype=kv_cache_dtype)
+    src = HybridCache(helpers.k31_tiny(), small, 256)
+    dst = HybridCache(helpers.k31_tiny(), EngineConfig(cache_memory="2MiB", block_size=4, kv_cache_dtype=kv_cache_dtype),
+                      256)
+    assert dst.latent.shape[1] > src.latent.shape[1] and dst.latent.shape[0] > 1
+    for pool in pool_tensors(src).values():
+        pool.view(torch.uint8).random_(0, 120, generator=torch.Generator().manual_seed(0))
+    before = {name: pool.clone() for name, pool in pool_tensors(dst).items()}
+    segments = request_segments(src, describe(dst, "peer:1", helpers.k31_tiny()), [0, 7], [9, 3], num_tokens=7,
+                                first_block=0, src_slot=1, dst_slot=2)
+    for s in segments:
+        ctypes.memmove(s.dst, s.src, s.nbytes)
+    src_rows, dst_rows = token_rows([0, 7], 0, 7, 4).flat(), token_rows([9, 3], 0, 7, 4).flat()
+    for name, pool in pool_tensors(dst).items():
+        moved, old, new = pool_tensors(src)[name].view(torch.uint8), before[name].view(torch.uint8), pool.view(torch.uint8)
+        if name in PAGED_POOLS:
+            assert torch.equal(new[:, dst_rows], moved[:, src_rows]), name  # every layer's rows
+            untouched = torch.ones(new.shape[1], dtype=torch.bool)
+            untouched[dst_rows] = False
+            assert torch.equal(new[:, untouched], old[:, untouched]), name
+        else:
+            assert torch.equal(new[:, 2], moved[:, 1]) and torch.equal(new[:, [0, 1, 3]], old[:, [0, 1, 3]]), name
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
