@@ -7,6 +7,11 @@ size and `SAMPLES` evenly spaced 4 KiB reads of its data: two trainings or fine-
 architecture differ in every sample, and equal files always agree. It is a check against a wrong
 pairing, not a proof that two folders hold equal bytes. A preset's random weights are named by the
 preset and the seed they are drawn with.
+
+A weight update changes the served weights without a restart: `updated_fingerprint` folds a digest of
+the update's tensors (names, dtypes, shapes and the same kind of evenly spaced samples of their
+bytes) into the fingerprint, so two servers given the same update agree again and a server updated
+alone no longer matches its peer.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 import hashlib
 import struct
 from pathlib import Path
+
+import torch
 
 from deltamoe.model.weights import checkpoint_files
 
@@ -46,3 +53,21 @@ def _hash_shard(h, file: Path) -> None:
         for i in range(SAMPLES):
             f.seek(start + span * i // max(SAMPLES - 1, 1))
             h.update(f.read(SAMPLE_BYTES))
+
+
+def updated_fingerprint(fingerprint: str, tensors: dict[str, torch.Tensor]) -> str:
+    """`fingerprint` after an update that copied `tensors` (full tensors by model name) into the weights."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(f"{fingerprint}\nupdate\n".encode())
+    for name in sorted(tensors):
+        t = tensors[name].detach()
+        h.update(f"{name} {t.dtype} {tuple(t.shape)}\n".encode())
+        flat = t.reshape(-1).view(torch.uint8) if t.numel() else t.new_zeros(0, dtype=torch.uint8)
+        if flat.numel() <= SAMPLES * SAMPLE_BYTES:
+            h.update(flat.cpu().numpy().tobytes())
+            continue
+        span = flat.numel() - SAMPLE_BYTES
+        for i in range(SAMPLES):
+            start = span * i // (SAMPLES - 1)
+            h.update(flat[start:start + SAMPLE_BYTES].cpu().numpy().tobytes())
+    return h.hexdigest()

@@ -180,6 +180,8 @@ class WeightUpdater:
         if staged:
             self.engine.executor.load_weights(staged)
             self.engine.cache.reset_prefix_cache()
+            if self.engine.connector is not None:  # a P/D role: its peers must see other weights now
+                self.engine.connector.weights_updated(staged)
         self.version += 1
         self.last = UpdateStats(self.version, len(staged), sum(t.numel() * t.element_size() for t in staged.values()),
                                 self._receive_s, time.perf_counter() - start)

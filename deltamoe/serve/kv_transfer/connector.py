@@ -66,6 +66,10 @@ class KVConnector(ABC):
         """After a step's outputs: every request the step finished has had `request_finished` (a
         connector may start their transfers together)."""
 
+    def weights_updated(self, tensors: dict) -> None:
+        """A weight update copied `tensors` into the served weights (between steps): what this side
+        tells its peers about its weights must change with them."""
+
     # ------------------------------------------------------------------ worker side
     def start_load_kv(self) -> None:
         """Before a step's forward."""

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import secrets
 import threading
 import time
@@ -59,6 +60,7 @@ from dataclasses import dataclass, field
 
 from deltamoe.config import ModelConfig
 from deltamoe.errors import RequestError
+from deltamoe.model.fingerprint import updated_fingerprint
 from deltamoe.serve.engine.cache import HybridCache
 from deltamoe.serve.engine.config import parse_bytes
 from deltamoe.serve.engine.sequence import Sequence
@@ -187,6 +189,13 @@ class MooncakeConnector(KVConnector):
         # A hand-off's end: its completion marker in this side's memory, or the transfer engine's notice.
         self.notices = NoticeWatcher(lambda: [*self.transport.notices(), *self.markers.arrived()],
                                      self.config.notice_poll_s)
+
+    def weights_updated(self, tensors: dict) -> None:
+        """The signature a peer compares carries the weights' fingerprint: after an update it is the
+        fingerprint with the update folded in (`model.fingerprint.updated_fingerprint`), so a prefill
+        server and a decode server hand off again only once both took the same update."""
+        self.config = dataclasses.replace(self.config, weights=updated_fingerprint(self.config.weights, tensors))
+        self.descriptor = describe(self.cache, self.transport.session, self.model_config, self.config.weights)
 
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, seq: Sequence, num_computed: int) -> int:

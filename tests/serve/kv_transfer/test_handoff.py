@@ -523,3 +523,40 @@ def test_choices_fork_a_handed_off_prompt(k31_model, helpers, pool):
     assert got == want and len({tuple(t) for t in got}) > 1  # the choices differ, each as colocated
     assert connector.stats()["kv_transfer_received"] == 1  # one hand-off for the three choices
     assert forked == [True, True]  # the others forked its landed cache
+
+
+def test_a_weight_update_on_one_side_refuses_hand_offs_until_both_took_it(k31_model, helpers, pool):
+    """A live weight update (RL) on the decode server alone would continue the prefill server's cache of
+    the old weights with the new ones: the update folds into the weights' fingerprint, so the prefill
+    side refuses the hand-off (an error, not a mixed answer) until it took the same update; then the
+    pair answers as a colocated engine on the new weights."""
+    import copy
+
+    from deltamoe.model.load import build_model
+    from deltamoe.serve.engine.weight_update import WeightUpdater
+
+    new = build_model(k31_model.config, seed=9).eval()
+    tensors = dict(new.state_dict())
+    prompt = helpers.prompts(1, 12, 12, seed=2)[0]
+    expected = LLMEngine(new, config=EngineConfig(**CONFIG)).generate([prompt], GREEDY, progress=False)[0].token_ids
+    prefill = pool.add("p0", copy.deepcopy(k31_model), HandOffConfig(weights="w0"))
+    decode, connector = decode_engine(copy.deepcopy(k31_model), pool, weights="w0")
+
+    def update(engine):
+        updater = WeightUpdater(engine)
+        updater.start_weight_update()
+        updater.update_weights_from_tensors(tensors.items())
+        return updater.finish_weight_update()
+
+    async def main():
+        await asyncio.wrap_future(decode.run_when_idle(lambda: update(decode.engine)))
+        with pytest.raises(RequestFailedError, match="different model, weights"):
+            await collect(decode, prompt, "p0")
+        await settle(decode.engine)
+        prefill_async = pool.engines["p0"][0]
+        await asyncio.wrap_future(prefill_async.run_when_idle(lambda: update(prefill)))
+        assert connector.descriptor.signature == pool.engines["p0"][1].descriptor.signature
+        return await collect(decode, prompt, "p0")
+
+    assert run_then_close(decode, connector, main) == expected
+    assert connector.stats()["kv_transfer_received"] == 1
