@@ -3,7 +3,7 @@
     POST /init_weight_transfer_engine  {host, port, rank, world_size, timeout_s}
     POST /start_weight_update
     POST /update_weights               {names, dtype_names, shapes, bucket_bytes}
-    POST /finish_weight_update         -> {version, tensors, bytes, receive_s, swap_s}
+    POST /finish_weight_update         {running: wait|abort, timeout_s} -> {version, tensors, bytes, receive_s, swap_s}
     POST /abort_weight_update
     GET  /weight_version               -> {version, updating}
 
@@ -12,16 +12,24 @@ Control travels over HTTP, tensors over the trainer's gloo transfer group (`weig
 trainer is told through the group not to send), and that the trainer's tensors take the bytes the
 announced dtypes and shapes do (else nobody sends: a receive buffer of another size aborts the
 process inside gloo), then receives the buckets. A malformed body closes the open update and tells
-the trainer too; a failed transfer group is dropped (a 400 saying to init a new one). /finish_weight_update
-waits for the requests running now to finish on the old weights, swaps, and lets the requests
-that arrived meanwhile start on the new ones. Served only with `deltamoe serve --weight-updates`,
-behind the server's API key like every other route.
+the trainer too; a failed transfer group is dropped (a 400 saying to init a new one), and a new
+group is refused while an update is open on the current one. /finish_weight_update waits for the
+requests running now to finish on the old weights (`running: "abort"`: aborts them instead, as
+vLLM's pause without waiting does), swaps, and lets the requests that arrived meanwhile start on
+the new ones; with `timeout_s` it waits at most that long for them, then withdraws the swap (409:
+the update stays staged: finish again, or abort it). /abort_weight_update withdraws a swap still
+waiting for running requests (the held requests go on at once). Over dead workers every route but
+/weight_version answers 503. Served only with `deltamoe serve --weight-updates`, behind the
+server's API key as the `/v1` routes are.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from dataclasses import asdict
+
+from typing import Literal
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
@@ -32,6 +40,7 @@ from deltamoe.serve.api.errors import APIError
 from deltamoe.serve.engine.async_engine import AsyncLLMEngine
 from deltamoe.serve.engine.weight_transfer import DEFAULT_BUCKET_BYTES, TensorSpec
 from deltamoe.serve.engine.weight_update import WeightUpdater
+from deltamoe.serve.executor.base import WorkerDiedError
 
 
 class _Strict(BaseModel):
@@ -59,21 +68,36 @@ class UpdateWeightsRequest(_Strict):
         return [TensorSpec(n, d, tuple(s)) for n, d, s in zip(self.names, self.dtype_names, self.shapes)]
 
 
+class FinishRequest(_Strict):
+    running: Literal["wait", "abort"] = "wait"  # the requests running now: finish them first, or abort them
+    timeout_s: float | None = Field(None, gt=0)  # with "wait": how long at most
+
+
 def weight_update_routes(engine: AsyncLLMEngine) -> APIRouter:
     """The routes over this server's engine (one update at a time: a lock serialises them)."""
     updater = WeightUpdater(engine.engine)
     lock = asyncio.Lock()
     router = APIRouter(tags=["weight updates"])
+    waiting: dict[str, object] = {}  # "swap": the finish's run_when_idle future while it waits
+
+    def check_workers() -> None:
+        if not engine.is_running:
+            raise APIError(503, engine.unavailable_reason, code="engine_not_running")
 
     @router.post("/init_weight_transfer_engine")
     async def init_transfer(request: InitTransferRequest) -> dict:
+        check_workers()
         async with lock:
+            if updater.updating:  # the open update's trainer is on the current group: it would hear nothing
+                raise RequestError("an update is open on the current transfer group: finish or abort it first",
+                                   field="weights")
             await asyncio.to_thread(updater.init_transfer_group, request.host, request.port, request.rank,
                                     request.world_size, request.timeout_s)
         return {"status": "ok"}
 
     @router.post("/start_weight_update")
     async def start() -> dict:
+        check_workers()
         async with lock:
             updater.start_weight_update()
         return {"status": "ok"}
@@ -81,6 +105,7 @@ def weight_update_routes(engine: AsyncLLMEngine) -> APIRouter:
     @router.post("/update_weights", openapi_extra={"requestBody": {"required": True, "content": {
         "application/json": {"schema": UpdateWeightsRequest.model_json_schema()}}}})
     async def update(request: Request) -> dict:
+        check_workers()
         async with lock:
             try:
                 body = await read_body(request, UpdateWeightsRequest)
@@ -98,17 +123,44 @@ def weight_update_routes(engine: AsyncLLMEngine) -> APIRouter:
             await asyncio.to_thread(updater.update_weights, specs, body.bucket_bytes)
         return {"status": "ok", "tensors": len(specs)}
 
-    @router.post("/finish_weight_update")
-    async def finish() -> dict:
+    @router.post("/finish_weight_update", openapi_extra={"requestBody": {"required": False, "content": {
+        "application/json": {"schema": FinishRequest.model_json_schema()}}}})
+    async def finish(request: Request) -> dict:
+        check_workers()
+        body = await read_body(request, FinishRequest) if await request.body() else FinishRequest()
         async with lock:
-            stats = await asyncio.wrap_future(engine.run_when_idle(updater.finish_weight_update))
+            future = engine.run_when_idle(updater.finish_weight_update, abort_running=body.running == "abort")
+            waiting["swap"] = future
+            try:
+                stats = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), body.timeout_s)
+            except asyncio.TimeoutError:
+                if await asyncio.wrap_future(engine.cancel_idle(future)):
+                    raise APIError(409, f"requests were still running after {body.timeout_s:g} s: the swap is "
+                                   "withdrawn and the update stays staged (finish again, with running=abort, or "
+                                   "abort it)", param="timeout_s", code="requests_running") from None
+                stats = await asyncio.wrap_future(future)  # it started meanwhile
+            except (asyncio.CancelledError, concurrent.futures.CancelledError):
+                if not future.cancelled():  # this handler itself was cancelled
+                    raise
+                raise APIError(409, "the update was aborted while its swap waited for running requests",
+                               param="weights", code="update_aborted") from None
+            except WorkerDiedError as e:
+                raise APIError(503, str(e), code="engine_not_running") from None
+            finally:
+                waiting.pop("swap", None)
         return asdict(stats)
 
     @router.post("/abort_weight_update")
     async def abort() -> dict:
+        swap = waiting.get("swap")
+        # A swap still waiting for running requests is withdrawn at once (its finish answers 409),
+        # rather than this abort waiting behind it.
+        if swap is not None and await asyncio.wrap_future(engine.cancel_idle(swap)):
+            updater.abort_weight_update()
+            return {"status": "ok", "version": updater.version}
         async with lock:
             updater.abort_weight_update()
-        return {"status": "ok"}
+        return {"status": "ok", "version": updater.version}
 
     @router.get("/weight_version")
     async def version() -> dict:

@@ -162,13 +162,24 @@ class AsyncLLMEngine:
         its streams then close with an error event instead of being cut). Safe from any thread."""
         self._send("end_all", message)
 
-    def run_when_idle(self, fn: Callable[[], object]) -> concurrent.futures.Future:
-        """Run `fn` on the engine thread once the requests running now have finished; requests that
-        arrive meanwhile wait and start after it. The future holds fn's result or exception."""
+    def run_when_idle(self, fn: Callable[[], object], abort_running: bool = False) -> concurrent.futures.Future:
+        """Run `fn` on the engine thread once the requests running now have finished (`abort_running`:
+        once they are aborted, at once; each ends with finish_reason "abort"); requests that arrive
+        meanwhile wait and start after it. The future holds fn's result or exception."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         self.start()
         self._send("idle", (fn, future))
+        if abort_running:
+            self._send("abort_running", None)
         return future
+
+    def cancel_idle(self, future: concurrent.futures.Future) -> concurrent.futures.Future:
+        """Withdraw a `run_when_idle` call that has not started (requests held for it go on at once).
+        The returned future holds True when it was withdrawn (`future` is then cancelled), False when
+        it had already run or started."""
+        answer: concurrent.futures.Future = concurrent.futures.Future()
+        self._send("cancel_idle", (future, answer))
+        return answer
 
     def _send(self, kind: str, payload: object) -> None:
         self._commands.append((kind, payload))
@@ -206,6 +217,19 @@ class AsyncLLMEngine:
             kind, payload = self._commands.popleft()
             if kind == "idle":
                 self._idle_calls.append(payload)
+            elif kind == "abort_running":
+                for final in self.engine.abort_all():
+                    self._deliver(final.request_id, final)
+            elif kind == "cancel_idle":
+                future, answer = payload
+                pending = [call for call in self._idle_calls if call[1] is future]
+                for call in pending:
+                    self._idle_calls.remove(call)
+                    future.cancel()
+                if pending and not self._idle_calls:  # nothing waits for an idle engine now: the held go on
+                    held, self._held = self._held, []
+                    self._commands.extendleft(("add", seq) for seq in reversed(held))
+                answer.set_result(bool(pending))
             elif kind == "add" and self._idle_calls:
                 self._held.append(payload)
             elif kind == "add":

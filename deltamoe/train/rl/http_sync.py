@@ -36,11 +36,32 @@ class HTTPWeightSync:
         call.result()
         self.group = group
 
-    def push(self, tensors: dict[str, torch.Tensor]) -> dict:
-        """One whole update: start, announce + stream the tensors, finish. The server's stats."""
+    def push(self, tensors: dict[str, torch.Tensor], abort_running: bool = False) -> dict:
+        """One whole update: start, announce + stream the tensors, finish. The server's stats.
+
+        The swap waits for the server's running requests (`abort_running`: aborts them), at most
+        nine tenths of this client's timeout, so a slow request ends in the server's 409 rather than
+        a bare read timeout. Whatever fails after the start, the update is aborted on the server (best
+        effort), so the next push does not find it open."""
         if self.group is None:
             self.connect()
         self._post("/start_weight_update")
+        try:
+            self._send(tensors)
+            return self._post("/finish_weight_update", {"running": "abort" if abort_running else "wait",
+                                                        "timeout_s": 0.9 * self.timeout_s})
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Drop the server's open update, if any (its old weights keep serving); errors are ignored."""
+        try:
+            self.http.post("/abort_weight_update")
+        except httpx.HTTPError:
+            pass
+
+    def _send(self, tensors: dict[str, torch.Tensor]) -> None:
         specs = specs_of(tensors)
         body = {"names": [s.name for s in specs], "dtype_names": [s.dtype for s in specs],
                 "shapes": [list(s.shape) for s in specs], "bucket_bytes": self.bucket_bytes}
@@ -54,7 +75,6 @@ class HTTPWeightSync:
             self.group = None
             raise
         call.result()
-        return self._post("/finish_weight_update")
 
     def _post(self, path: str, body: dict | None = None) -> dict:
         r = self.http.post(path, json=body) if body is not None else self.http.post(path)

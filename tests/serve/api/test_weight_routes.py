@@ -168,3 +168,122 @@ def test_a_malformed_update_body_releases_the_waiting_trainer(server, helpers):
         assert sync.push(tensors)["tensors"] == len(tensors)  # the group survived both
     finally:
         sync.close()
+
+
+@pytest.fixture
+def busy_server(helpers):
+    """A server whose one long request keeps the engine busy until it is aborted."""
+    engine = AsyncLLMEngine(LLMEngine(build_model(helpers.k31_tiny(max_position_embeddings=4096), seed=3).eval(),
+                                      config=EngineConfig(cache_memory="16MiB", max_model_len=4096)))
+    app = build_app(engine, "m", api_key=KEY, routers=[weight_update_routes(engine)])
+    with ServerThread(app) as thread:
+        yield thread.url, engine
+
+
+def _long_stream(url: str) -> tuple:
+    """A streamed request of ~4,000 tokens in a thread; (thread, its finish reasons)."""
+    import json
+    import threading
+
+    reasons: list = []
+
+    def run():
+        body = {"model": "m", "prompt": [256, 5, 9], "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                          timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    reason = json.loads(line[6:])["choices"][0]["finish_reason"]
+                    if reason:
+                        reasons.append(reason)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, reasons
+
+
+def _running(engine: AsyncLLMEngine, n: int = 1) -> None:
+    import time
+
+    deadline = time.monotonic() + 30
+    while engine.engine.stats().num_running < n:
+        assert time.monotonic() < deadline, "the long request never started"
+        time.sleep(0.02)
+
+
+def test_a_swap_waits_at_most_its_timeout_then_aborts_running_requests_when_asked(busy_server):
+    """vLLM's pause with and without waiting: a swap that waited `timeout_s` for a running request is
+    withdrawn (409; the update stays staged, and requests held for it go on at once); `running: abort`
+    ends the running request ("abort") and swaps at once."""
+    url, engine = busy_server
+    auth = {"Authorization": f"Bearer {KEY}"}
+    version = httpx.get(f"{url}/weight_version", headers=auth).json()["version"]
+    thread, reasons = _long_stream(url)
+    _running(engine)
+    assert httpx.post(f"{url}/start_weight_update", headers=auth).status_code == 200
+    r = httpx.post(f"{url}/finish_weight_update", headers=auth, json={"timeout_s": 0.3}, timeout=30)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "requests_running"
+    assert httpx.get(f"{url}/weight_version", headers=auth).json() == {"version": version, "updating": True}
+    short = httpx.post(f"{url}/v1/completions", headers=auth, timeout=30,
+                       json={"model": "m", "prompt": [256, 7], "max_tokens": 2, "ignore_eos": True})
+    assert short.status_code == 200  # not held behind the withdrawn swap
+    r = httpx.post(f"{url}/finish_weight_update", headers=auth, json={"running": "abort"}, timeout=30)
+    assert r.status_code == 200 and r.json()["version"] == version + 1
+    thread.join(30)
+    assert reasons == ["abort"]
+
+
+def test_an_abort_withdraws_a_swap_that_waits_for_running_requests(busy_server):
+    import concurrent.futures
+
+    url, engine = busy_server
+    auth = {"Authorization": f"Bearer {KEY}"}
+    version = httpx.get(f"{url}/weight_version", headers=auth).json()["version"]
+    thread, reasons = _long_stream(url)
+    _running(engine)
+    assert httpx.post(f"{url}/start_weight_update", headers=auth).status_code == 200
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(httpx.post, f"{url}/finish_weight_update", headers=auth, timeout=60)
+        import time
+
+        time.sleep(0.5)
+        assert not waiting.done()
+        aborted = httpx.post(f"{url}/abort_weight_update", headers=auth, timeout=10)
+        assert aborted.status_code == 200
+        r = waiting.result(10)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "update_aborted"
+    assert httpx.get(f"{url}/weight_version", headers=auth).json() == {"version": version, "updating": False}
+    assert engine.engine.stats().num_running == 1  # the long request goes on, on the old weights
+    httpx.post(f"{url}/start_weight_update", headers=auth)
+    httpx.post(f"{url}/finish_weight_update", headers=auth, json={"running": "abort"}, timeout=30)
+    thread.join(30)
+    assert reasons == ["abort"]
+
+
+def test_a_push_that_fails_on_the_trainer_side_leaves_no_update_open(server, helpers):
+    """An int64 tensor fails the trainer's own packing after /start_weight_update: the push aborts the
+    server's update, so the next push (and a new group) is not refused."""
+    url, _ = server
+    auth = {"Authorization": f"Bearer {KEY}"}
+    trainer = build_model(helpers.k31_tiny(), seed=12)
+    sync = HTTPWeightSync(url, KEY)
+    try:
+        bad = {**policy_tensors(trainer), "lm_head.weight": torch.zeros(3, 3, dtype=torch.int64)}
+        with pytest.raises(Exception):
+            sync.push(bad)
+        assert httpx.get(f"{url}/weight_version", headers=auth).json()["updating"] is False
+        assert sync.push(policy_tensors(trainer))["tensors"] == len(trainer.state_dict())
+    finally:
+        sync.close()
+
+
+def test_a_new_transfer_group_is_refused_while_an_update_is_open(server):
+    url, _ = server
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.post(f"{url}/start_weight_update", headers=auth).status_code == 200
+    try:
+        r = httpx.post(f"{url}/init_weight_transfer_engine", headers=auth,
+                       json={"host": "127.0.0.1", "port": 1, "rank": 1, "world_size": 2, "timeout_s": 2})
+        assert r.status_code == 400 and "an update is open" in r.json()["error"]["message"]
+    finally:
+        httpx.post(f"{url}/abort_weight_update", headers=auth)
