@@ -8,7 +8,9 @@ torch and the model inside their command functions, so `--help` and early errors
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 
 import typer
 
@@ -62,10 +64,43 @@ def usage_line(message: str, command_path: str | None) -> str:
     return f"error: {' '.join(message.split())} (see '{where} --help')"
 
 
+def _sigterm_as_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def check_cache_env() -> None:
+    """torch's compiler caches (`TORCHINDUCTOR_CACHE_DIR`, `TRITON_CACHE_DIR`) must be folders this
+    process can create and write: torch._dynamo's import (which the serving engine pulls in, compiling
+    or not) fails on one that is a file or unwritable, with a long traceback."""
+    import os
+    from pathlib import Path
+
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        value = os.environ.get(name)
+        if not value:
+            continue
+        path = Path(value)
+        try:  # torch creates it on first use anyway
+            path.mkdir(parents=True, exist_ok=True)
+            ok = path.is_dir() and os.access(path, os.W_OK | os.X_OK)
+        except OSError as e:
+            raise DeltaMoEError(f"cannot create the folder {value} ({e.strerror})", field=name,
+                                hint="point it at a writable folder, or unset it for torch's default") from None
+        if not ok:
+            raise DeltaMoEError(f"{value} is not a writable folder", field=name,
+                                hint="point it at a writable folder, or unset it for torch's default")
+
+
 def main(argv: list[str] | None = None) -> int:
     _register()
     usage_error, no_args_is_help = _usage_errors()
+    # SIGTERM (a service manager, `timeout`, a scheduler) ends a command as Ctrl-C does: its cleanup runs
+    # (worker processes stopped, a compiler subprocess killed, files left whole), where the default
+    # action kills the process at once. Commands that handle it themselves (serve, train) install theirs.
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     try:
+        check_cache_env()
         # Outside standalone mode an exit code comes back as the value: typer.Exit(n) from a command,
         # or 130 for a Ctrl-C that reached typer (a shell's `cmd && next` must not go on after it).
         code = app(args=argv, prog_name=PROG, standalone_mode=False)

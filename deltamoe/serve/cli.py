@@ -212,6 +212,10 @@ GENERATE_STEPS_OPTION = typer.Option(None, "--num-scheduler-steps", help=NUM_SCH
     f" Default: {GENERATE_DEFAULT_STEPS} on one process without --async-scheduling or --speculative, 1 elsewhere."))
 
 
+# What a first start costs: measured on two cores, `tiny` (3-5 graphs), about 50-90 s from an empty
+# inductor cache and 15-50 s from its disk cache (dynamo traces again), against ~6 s eager.
+COMPILE_NOTE = ("compiling the decode step (once per process: about a minute or more on a first start on two cores, "
+                "less from inductor's disk cache; --no-compile decodes eagerly)...")
 KV_CACHE_DTYPE_HELP = ("Latent-KV and indexer-key pages: auto (the model dtype) or fp8 (e4m3 with a scale per "
                        "tile of each row: about half the bytes per token of bf16).")
 
@@ -314,6 +318,8 @@ def generate_command(
         stop_ids = template.stop_token_ids
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                             seed=seed, stop=list(stop), stop_token_ids=stop_ids, ignore_eos=ignore_eos)
+    if engine.runner.compiles_decode:
+        typer.echo(COMPILE_NOTE, err=True)
     completions = engine.generate(inputs, params, progress=progress,
                                   images=[images] * len(inputs) if images else None)
     engine.shutdown()
@@ -354,6 +360,8 @@ def chat_command(
     engine = build_engine(model, tokenizer, cache_memory, 1, 512, dtype, device, compile_decode, threads=threads,
                           speculative=speculative, num_draft_tokens=num_draft_tokens,
                           spec_min_acceptance=spec_min_acceptance)
+    if engine.runner.compiles_decode:
+        typer.echo(COMPILE_NOTE, err=True)
     engine.warm_up()  # compiles before the first question (a no-op when decoding eagerly)
     from rich.console import Console
 
@@ -607,9 +615,7 @@ def serve_command(
     engine = AsyncLLMEngine(LLMEngine.from_pretrained(model, config, tokenizer, parse_dtype(dtype), device,
                                                       workers, connector=connector))
     if config.compile_decode:
-        typer.echo("compiling the decode step (once per process; three graphs for the tiny preset, up to a "
-                   "minute on a first start on two cores, seconds from inductor's disk cache; --no-compile decodes "
-                   "eagerly)...", err=True)
+        typer.echo(COMPILE_NOTE, err=True)
         engine.engine.warm_up()
     template = ChatTemplate.for_model(engine.tokenizer, tokenizer or model)
     name = served_model_name or model
