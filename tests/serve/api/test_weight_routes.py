@@ -211,16 +211,23 @@ def _running(engine: AsyncLLMEngine, n: int = 1) -> None:
         time.sleep(0.02)
 
 
-def test_a_swap_waits_at_most_its_timeout_then_aborts_running_requests_when_asked(busy_server):
-    """vLLM's pause with and without waiting: a swap that waited `timeout_s` for a running request is
-    withdrawn (409; the update stays staged, and requests held for it go on at once); `running: abort`
-    ends the running request ("abort") and swaps at once."""
+def _update_open_while_one_request_runs(busy_server) -> tuple:
+    """The long request decoding and an update started: (url, engine, auth headers, the weight version
+    before, the request's thread, its finish reasons)."""
     url, engine = busy_server
     auth = {"Authorization": f"Bearer {KEY}"}
     version = httpx.get(f"{url}/weight_version", headers=auth).json()["version"]
     thread, reasons = _long_stream(url)
     _running(engine)
     assert httpx.post(f"{url}/start_weight_update", headers=auth).status_code == 200
+    return url, engine, auth, version, thread, reasons
+
+
+def test_a_swap_waits_at_most_its_timeout_then_aborts_running_requests_when_asked(busy_server):
+    """vLLM's pause with and without waiting: a swap that waited `timeout_s` for a running request is
+    withdrawn (409; the update stays staged, and requests held for it go on at once); `running: abort`
+    ends the running request ("abort") and swaps at once."""
+    url, engine, auth, version, thread, reasons = _update_open_while_one_request_runs(busy_server)
     r = httpx.post(f"{url}/finish_weight_update", headers=auth, json={"timeout_s": 0.3}, timeout=30)
     assert r.status_code == 409 and r.json()["error"]["code"] == "requests_running"
     assert httpx.get(f"{url}/weight_version", headers=auth).json() == {"version": version, "updating": True}
@@ -236,12 +243,7 @@ def test_a_swap_waits_at_most_its_timeout_then_aborts_running_requests_when_aske
 def test_an_abort_withdraws_a_swap_that_waits_for_running_requests(busy_server):
     import concurrent.futures
 
-    url, engine = busy_server
-    auth = {"Authorization": f"Bearer {KEY}"}
-    version = httpx.get(f"{url}/weight_version", headers=auth).json()["version"]
-    thread, reasons = _long_stream(url)
-    _running(engine)
-    assert httpx.post(f"{url}/start_weight_update", headers=auth).status_code == 200
+    url, engine, auth, version, thread, reasons = _update_open_while_one_request_runs(busy_server)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(httpx.post, f"{url}/finish_weight_update", headers=auth, timeout=60)
         import time
