@@ -68,6 +68,15 @@ def _sigterm_as_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def sigterm_as_ctrl_c() -> None:
+    """For a command that has no SIGTERM handling of its own (generate, chat): SIGTERM (a service
+    manager, `timeout`, a scheduler) ends it as Ctrl-C does, so its cleanup runs (worker processes
+    stopped, a compiler subprocess killed), where the default action kills the process at once.
+    Not for `serve`: uvicorn restores the handler it found and raises the signal again at its exit."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+
+
 def check_cache_env() -> None:
     """torch's compiler caches (`TORCHINDUCTOR_CACHE_DIR`, `TRITON_CACHE_DIR`) must be folders this
     process can create and write: torch._dynamo's import (which the serving engine pulls in, compiling
@@ -94,11 +103,6 @@ def check_cache_env() -> None:
 def main(argv: list[str] | None = None) -> int:
     _register()
     usage_error, no_args_is_help = _usage_errors()
-    # SIGTERM (a service manager, `timeout`, a scheduler) ends a command as Ctrl-C does: its cleanup runs
-    # (worker processes stopped, a compiler subprocess killed, files left whole), where the default
-    # action kills the process at once. Commands that handle it themselves (serve, train) install theirs.
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     try:
         check_cache_env()
         # Outside standalone mode an exit code comes back as the value: typer.Exit(n) from a command,

@@ -285,6 +285,9 @@ def generate_command(
     num_scheduler_steps: Optional[int] = GENERATE_STEPS_OPTION,
 ) -> None:
     """Generate text for one or more prompts (continuous batching)."""
+    from deltamoe.cli import sigterm_as_ctrl_c
+
+    sigterm_as_ctrl_c()
     from deltamoe.serve.compile_choice import resolve_compile
     from deltamoe.serve.image_cli import check_image_model, load_cli_images, placeholder_tokens
 
@@ -352,6 +355,9 @@ def chat_command(
     spec_min_acceptance: float = SPEC_MIN_ACCEPTANCE_OPTION,
 ) -> None:
     """Interactive chat in the terminal (/reset clears the history, /exit or Ctrl-D quits)."""
+    from deltamoe.cli import sigterm_as_ctrl_c
+
+    sigterm_as_ctrl_c()
     from deltamoe.serve.engine.sampling_params import SamplingParams
 
     check_options_need_their_mode(ctx, speculative, compile_decode)
