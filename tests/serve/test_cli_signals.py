@@ -1,4 +1,4 @@
-"""The CLI ends on SIGTERM as on Ctrl-C (its cleanup runs, exit 130), and a compiler cache folder torch
+"""`generate` ends on SIGTERM as on Ctrl-C (its cleanup runs, exit 130), and a compiler cache folder torch
 cannot use is a one-line error naming its variable, not a traceback from torch._dynamo's import."""
 
 from __future__ import annotations
@@ -36,3 +36,12 @@ def test_an_unusable_compiler_cache_folder_is_one_line(tmp_path):
     assert done.returncode == 2
     assert done.stderr.strip().startswith("error: TORCHINDUCTOR_CACHE_DIR: cannot create the folder")
     assert "Traceback" not in done.stderr
+
+
+def test_a_cxx_that_is_not_a_compiler_is_named(tmp_path):
+    """inductor takes $CXX as it is: a wrong path there, with g++ on PATH, says $CXX is the problem."""
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-g++")}
+    done = subprocess.run([*CLI, "generate", "tiny", "-p", "hi", "--compile", "--max-tokens", "2"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.strip().startswith("error: compile_decode: $CXX is"), done.stderr[-1000:]

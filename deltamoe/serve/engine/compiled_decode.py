@@ -79,6 +79,7 @@ import dataclasses
 import functools
 import os
 import platform
+import shutil
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, TypeVar
@@ -155,6 +156,10 @@ class CompiledDecode:
         if model.training:
             raise ConfigError("expected a model in eval mode for the compiled decode graph", field="compile_decode")
         if next(model.parameters()).device.type == "cpu" and not compiler_available():
+            cxx = os.environ.get("CXX")
+            if cxx and not shutil.which(cxx):  # inductor takes $CXX as it is: say it is the one missing
+                raise ConfigError(f"$CXX is {cxx!r}, which is not an executable compiler; fix or unset CXX, or "
+                                  "run with --no-compile", field="compile_decode")
             raise ConfigError("needs a C++ compiler for torch.compile's CPU kernels (g++ or $CXX); "
                               "install one or run with --no-compile", field="compile_decode")
         limit_compile_threads()
