@@ -49,10 +49,15 @@ def _hash_shard(h, file: Path) -> None:
         (header_len,) = struct.unpack("<Q", f.read(8))
         h.update(f.read(header_len))
         start = 8 + header_len
-        span = max(size - start - SAMPLE_BYTES, 0)
-        for i in range(SAMPLES):
-            f.seek(start + span * i // max(SAMPLES - 1, 1))
+        for at in _sample_starts(max(size - start - SAMPLE_BYTES, 0)):
+            f.seek(start + at)
             h.update(f.read(SAMPLE_BYTES))
+
+
+def _sample_starts(span: int) -> list[int]:
+    """Where the `SAMPLES` reads of `SAMPLE_BYTES` start in data of `span + SAMPLE_BYTES` bytes: evenly
+    spaced, the first at 0 and the last at the end."""
+    return [span * i // (SAMPLES - 1) for i in range(SAMPLES)]
 
 
 def updated_fingerprint(fingerprint: str, tensors: dict[str, torch.Tensor]) -> str:
@@ -66,8 +71,6 @@ def updated_fingerprint(fingerprint: str, tensors: dict[str, torch.Tensor]) -> s
         if flat.numel() <= SAMPLES * SAMPLE_BYTES:
             h.update(flat.cpu().numpy().tobytes())
             continue
-        span = flat.numel() - SAMPLE_BYTES
-        for i in range(SAMPLES):
-            start = span * i // (SAMPLES - 1)
-            h.update(flat[start:start + SAMPLE_BYTES].cpu().numpy().tobytes())
+        for at in _sample_starts(flat.numel() - SAMPLE_BYTES):
+            h.update(flat[at:at + SAMPLE_BYTES].cpu().numpy().tobytes())
     return h.hexdigest()

@@ -41,8 +41,7 @@ class DistributedModel:
         if schedule is not None:
             pp_mesh = mesh["pp"]
             self._pipeline_eval = PipelineEvalForward(stages, stage_ids(pp_mesh.get_local_rank(), dims),
-                                                      dims.num_stages, dims.pp, pp_mesh.get_local_rank(),
-                                                      pp_mesh.get_group())
+                                                      dims.num_stages, dims.pp, pp_mesh.get_group())
 
     def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> StepResult:
         if input_ids.shape[0] % self.dims.microbatches != 0:

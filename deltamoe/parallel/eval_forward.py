@@ -25,17 +25,23 @@ _HEADER = 8  # dtype index, number of dimensions, up to 6 sizes
 def next_token_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """[B, T, V] from the model, or from a whole-model ModelStage (whose output appends MTP logits)."""
     out = model(ids)
-    logits = out.logits if isinstance(out, CausalLMOutput) else out[:, : ids.shape[1]]
+    return out.logits if isinstance(out, CausalLMOutput) else _stage_logits(out, ids.shape[1])
+
+
+def _stage_logits(out: torch.Tensor, length: int) -> torch.Tensor:
+    """The next-token logits [B, T, V] of a last stage's output (MTP depths' logits follow them),
+    whole where tensor parallelism left them sharded."""
+    logits = out[:, :length]
     return logits.full_tensor() if hasattr(logits, "full_tensor") else logits
 
 
 class PipelineEvalForward:
     """`stages`: this rank's `ModelStage`s, with their stage indices `stage_ids` (of `num_stages`)."""
 
-    def __init__(self, stages: list[nn.Module], stage_ids: list[int], num_stages: int, pp: int, pp_rank: int,
+    def __init__(self, stages: list[nn.Module], stage_ids: list[int], num_stages: int, pp: int,
                  group: dist.ProcessGroup):
         self.mine = dict(zip(stage_ids, stages))
-        self.num_stages, self.pp, self.pp_rank, self.group = num_stages, pp, pp_rank, group
+        self.num_stages, self.pp, self.group = num_stages, pp, group
 
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor) -> torch.Tensor | None:
@@ -50,10 +56,7 @@ class PipelineEvalForward:
             x = stage(x)
             if s < last:
                 self._send(x, (s + 1) % self.pp)
-        if last not in self.mine:
-            return None
-        logits = x[:, : ids.shape[1]]
-        return logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+        return _stage_logits(x, ids.shape[1]) if last in self.mine else None
 
     def _send(self, x: torch.Tensor, to: int) -> None:
         if hasattr(x, "full_tensor"):

@@ -90,14 +90,13 @@ def expand_parts(parts: dict[int, list], args: list, kinds: list[str], pg: list[
         for j, (part_kind, part_peer, part_bytes) in enumerate(pieces or ()):
             o = int(first[i]) + j
             kinds_out[o], peer_out[o], nbytes_out[o] = part_kind, part_peer, part_bytes
-    for o, kind in enumerate(kinds_out):
-        if kind in P2P_KINDS:
-            ranks = group_ranks(pg_out[o], groups, args[rows[o]])
-            # A group the trace does not describe: the default group, where both numberings agree.
-            if ranks is not None:
-                peer_out[o] = to_global(int(peer_out[o]), ranks)
-        else:
-            peer_out[o] = -1
+    p2p = np.fromiter((k in P2P_KINDS for k in kinds_out), dtype=bool, count=len(kinds_out))
+    peer_out[~p2p] = -1
+    for o in np.flatnonzero(p2p).tolist():
+        ranks = group_ranks(pg_out[o], groups, args[rows[o]])
+        # A group the trace does not describe: the default group, where both numberings agree.
+        if ranks is not None:
+            peer_out[o] = to_global(int(peer_out[o]), ranks)
     return kinds_out, pg_out, seq_out, nbytes_out, start[at], end[at], peer_out
 
 

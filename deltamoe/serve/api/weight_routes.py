@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 from dataclasses import asdict
-
 from typing import Literal
 
 from fastapi import APIRouter, Request
@@ -78,7 +77,7 @@ def weight_update_routes(engine: AsyncLLMEngine) -> APIRouter:
     updater = WeightUpdater(engine.engine)
     lock = asyncio.Lock()
     router = APIRouter(tags=["weight updates"])
-    waiting: dict[str, object] = {}  # "swap": the finish's run_when_idle future while it waits
+    waiting: dict[str, concurrent.futures.Future] = {}  # "swap": the finish's run_when_idle future while it waits
 
     def check_workers() -> None:
         if not engine.is_running:
