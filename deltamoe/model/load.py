@@ -49,12 +49,7 @@ def load_model(source: str | Path | ModelConfig, dtype: torch.dtype = torch.floa
         model = DeltaMoEForCausalLM(config)
     if scheme is not None and not dequantize:
         quantized_skeleton(model, scheme, device, use_kernel=None if quant_kernels else False)
-    model.to_empty(device=device)
-    model.to(dtype)
-    # Buffers (router correction bias) stay fp32: they steer routing and are updated in small steps.
-    for module in model.modules():
-        if hasattr(module, "e_score_correction_bias"):
-            module.e_score_correction_bias.data = module.e_score_correction_bias.data.float()
+    materialize(model, dtype, device)
     load_weights(model, path, scheme)
     if scheme is not None and not dequantize:
         join_shared_input_projections(model)
@@ -62,6 +57,17 @@ def load_model(source: str | Path | ModelConfig, dtype: torch.dtype = torch.floa
         _warn_if_untied_head_is_dropped(model, path)
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
+
+
+def materialize(model: DeltaMoEForCausalLM, dtype: torch.dtype, device: str | torch.device) -> None:
+    """Give a meta-built model empty storage on `device` in `dtype`, for the checkpoint to fill. The
+    dtype is set while still on meta, so the storage is made once, never in fp32 first."""
+    model.to(dtype)
+    # Buffers (router correction bias) stay fp32: they steer routing and are updated in small steps.
+    for module in model.modules():
+        if hasattr(module, "e_score_correction_bias"):
+            module.e_score_correction_bias.data = module.e_score_correction_bias.data.float()
+    model.to_empty(device=device)
 
 
 def _warn_if_untied_head_is_dropped(model: DeltaMoEForCausalLM, path: Path) -> None:

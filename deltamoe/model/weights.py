@@ -12,6 +12,7 @@ import json
 import os
 import re
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -75,12 +76,43 @@ def is_plain_file_name(name: str) -> bool:
 _DEFAULT_EXPERT_SCHEME = make_scheme("mxfp4")
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """The part of a full tensor that one process holds: piece `index` of `full.chunk(count, dim)`."""
+
+    dim: int
+    index: int
+    count: int
+
+    def of(self, full: torch.Tensor) -> torch.Tensor:
+        return full.chunk(self.count, self.dim)[self.index]
+
+    def span(self, size: int) -> range:
+        """The indices along `dim` (of full size `size`) that this piece holds (torch.chunk's split)."""
+        step = -(-size // self.count)
+        return range(min(self.index * step, size), min((self.index + 1) * step, size))
+
+
+@dataclass
+class ShardLayout:
+    """What a sharded model (a serving rank's) holds of each full checkpoint tensor: parameters in
+    `chunks` hold that piece (routed experts: a range of experts along dim 0), the others all of it.
+    `full_shapes` are the whole model's shapes, which the checkpoint's tensors are checked against."""
+
+    full_shapes: dict[str, tuple[int, ...]]
+    chunks: dict[str, Chunk] = field(default_factory=dict)
+
+
 class _Loader:
-    def __init__(self, model: torch.nn.Module, config: ModelConfig, scheme: QuantScheme | None = None):
+    def __init__(self, model: torch.nn.Module, config: ModelConfig, scheme: QuantScheme | None = None,
+                 layout: ShardLayout | None = None):
         self.config = config
         self.scheme = scheme
         self.params = dict(model.named_parameters())
         self.params.update(dict(model.named_buffers()))
+        # A sharded model's DTensor parameters (expert-parallel experts) are written through their local part.
+        self.params = {n: p.detach().to_local() if hasattr(p, "to_local") else p for n, p in self.params.items()}
+        self.layout = layout or ShardLayout({n: tuple(p.shape) for n, p in self.params.items()})
         # Modules that keep their weights quantized take the published tensors themselves.
         self.quantized = {n: m for n, m in model.named_modules() if isinstance(m, (Int4Linear, PackedExperts))}
         self.done: set[str] = set()
@@ -88,13 +120,28 @@ class _Loader:
         # Quantized tensors of a float model, held until all parts of one weight are here to dequantise.
         self.pending: dict[tuple[str, int | None], dict[str, torch.Tensor]] = {}
 
+    def wants(self, ckpt_name: str) -> bool:
+        """Whether this model holds any of the tensor (a sharded one skips other ranks' experts unread)."""
+        targets = checkpoint_to_param(ckpt_name, self.config)
+        if targets is None:
+            return False
+        return any(self._holds_expert(t) for t in (targets if isinstance(targets, list) else [targets]))
+
+    def _holds_expert(self, t: TensorTarget) -> bool:
+        chunk = self.layout.chunks.get(t.param)
+        if t.expert is None or chunk is None:
+            return True
+        full = self.layout.full_shapes.get(t.param)
+        return full is None or t.expert in chunk.span(full[0]) or not 0 <= t.expert < full[0]  # out of range: an error
+
     def put(self, ckpt_name: str, tensor: torch.Tensor) -> None:
         targets = checkpoint_to_param(ckpt_name, self.config)
         if targets is None:
             return
         check_finite(ckpt_name, tensor)
         for t in targets if isinstance(targets, list) else [targets]:
-            self._put_one(ckpt_name, t, tensor)
+            if self._holds_expert(t):
+                self._put_one(ckpt_name, t, tensor)
 
     def _put_one(self, name: str, t: TensorTarget, tensor: torch.Tensor) -> None:
         module, _, leaf = t.param.rpartition(".")
@@ -115,13 +162,16 @@ class _Loader:
             raise CheckpointError(f"unexpected tensor {name} (no parameter {t.param} in this model)", field=name,
                                   hint="does config.json match the weights?")
         if t.expert is not None:
-            if not 0 <= t.expert < dest.shape[0]:
-                raise CheckpointError(f"expert index {t.expert} out of range (num_experts={dest.shape[0]})", field=name)
+            full = self.layout.full_shapes[t.param]
+            if not 0 <= t.expert < full[0]:
+                raise CheckpointError(f"expert index {t.expert} out of range (num_experts={full[0]})", field=name)
             if t.part != "weight":  # quantized: wait for all parts (codes, scales, shape), then dequantise
                 tensor = self._gather_parts(name, t.param, t.expert, t.part, tensor)
                 if tensor is None:
                     return
-            self._copy(name, dest[t.expert], tensor)
+            chunk = self.layout.chunks.get(t.param)
+            row = t.expert - (chunk.span(full[0]).start if chunk is not None else 0)
+            self._copy(name, dest[row], tensor)
             self.experts_done[t.param].add(t.expert)
             return
         if t.kind == "a_log":
@@ -135,6 +185,10 @@ class _Loader:
             tensor = tensor.chunk(3, dim=0)[t.split_index]
         elif t.kind == "split_gate_up":
             tensor = tensor.chunk(2, dim=1)[t.split_index]
+        chunk = self.layout.chunks.get(t.param)
+        if chunk is not None:  # a sharded model: check the whole tensor, keep this rank's piece
+            self._check_shape(name, tensor, self.layout.full_shapes[t.param])
+            tensor = chunk.of(tensor)
         self._copy(name, dest, tensor)
         self.done.add(t.param)
 
@@ -150,10 +204,14 @@ class _Loader:
         return dequantize_weight(scheme, name, parts)
 
     @staticmethod
-    def _copy(name: str, dest: torch.Tensor, src: torch.Tensor) -> None:
-        if tuple(src.shape) != tuple(dest.shape):
-            raise CheckpointError(f"shape mismatch for {name}: checkpoint {tuple(src.shape)}, model {tuple(dest.shape)}",
+    def _check_shape(name: str, src: torch.Tensor, full: tuple[int, ...]) -> None:
+        if tuple(src.shape) != tuple(full):
+            raise CheckpointError(f"shape mismatch for {name}: checkpoint {tuple(src.shape)}, model {tuple(full)}",
                                   field=name)
+
+    @classmethod
+    def _copy(cls, name: str, dest: torch.Tensor, src: torch.Tensor) -> None:
+        cls._check_shape(name, src, tuple(dest.shape))
         with torch.no_grad():
             dest.copy_(src.to(dest.dtype))
 
@@ -175,7 +233,9 @@ class _Loader:
             if name in tied:
                 continue
             if ".experts.w" in name:
-                missing = sorted(set(range(p.shape[0])) - self.experts_done[name])
+                full, chunk = self.layout.full_shapes[name], self.layout.chunks.get(name)
+                held = chunk.span(full[0]) if chunk is not None else range(full[0])
+                missing = sorted(set(held) - self.experts_done[name])
                 if missing:
                     ck = param_to_checkpoint(name, self.config)
                     first = ck[missing[0]] if isinstance(ck, list) else ck
@@ -208,17 +268,23 @@ def check_finite(name: str, tensor: torch.Tensor) -> None:
                               hint="the checkpoint is corrupt, or was saved from a run that diverged")
 
 
-def load_weights(model: DeltaMoEForCausalLM, path: str | Path, scheme: QuantScheme | None = None) -> None:
+def load_weights(model: DeltaMoEForCausalLM, path: str | Path, scheme: QuantScheme | None = None,
+                 layout: ShardLayout | None = None) -> None:
     """Fill every parameter of `model` from the safetensors checkpoint folder `path`, shard by shard.
 
     `scheme` is the checkpoint's quantization (`read_quant_scheme`): modules swapped by
-    `quantize_modules` take its tensors as they are, float modules get them dequantised."""
+    `quantize_modules` take its tensors as they are, float modules get them dequantised.
+    `layout`: `model` is one rank's shard holding these parts of the full tensors; tensors it holds
+    none of (other ranks' experts) are not read, nor are files holding only such tensors."""
     path = Path(path)
-    loader = _Loader(model, model.config, scheme)
+    loader = _Loader(model, model.config, scheme, layout)
     for shard, names in checkpoint_files(path).items():
+        wanted = [name for name in names if loader.wants(name)]
+        if not wanted:
+            continue
         try:
             with safe_open(str(path / shard), "pt", device="cpu") as f:
-                for name in names:
+                for name in wanted:
                     loader.put(name, f.get_tensor(name))
         except CheckpointError:
             raise

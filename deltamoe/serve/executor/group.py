@@ -21,19 +21,20 @@ import json
 import os
 import subprocess
 import sys
+import traceback
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from deltamoe.model.load import load_model
+from deltamoe.errors import CheckpointError, ConfigError, DeltaMoEError
 from deltamoe.model.model import DeltaMoEForCausalLM
 from deltamoe.parallel.dims import ParallelDims
 from deltamoe.parallel.mesh import ParallelMesh, build_mesh
 from deltamoe.serve.engine.runner import ModelCall
 from deltamoe.serve.executor.config import WorkerConfig
 from deltamoe.serve.executor.placeholders import Fill
-from deltamoe.serve.executor.sharding import shard_for_serving
+from deltamoe.serve.executor.shard_load import load_shard
 
 # The control group waits for rank 0's next step as long as the server idles.
 _IDLE_WAIT = datetime.timedelta(days=365)
@@ -185,8 +186,28 @@ def join_torchrun(spec: WorkerSpec, dims: ParallelDims) -> RankGroup:
     return _finish_join(rank, dims, spec.device_for(local_rank))
 
 
-def build_shard(spec: WorkerSpec, group: RankGroup) -> DeltaMoEForCausalLM:
-    """This rank's shard: every rank loads the same model (a checkpoint, or a preset's seeded weights)
-    and keeps its part."""
-    model = load_model(spec.source, dtype=getattr(torch, spec.dtype), device=group.device)
-    return shard_for_serving(model, group.dims, group.mesh)
+def build_shard(spec: WorkerSpec, group: RankGroup) -> DeltaMoEForCausalLM | None:
+    """This rank's shard, read from the checkpoint (or cut from a preset's seeded weights), once every
+    rank has loaded its own. Each rank reads different files (its experts), so one rank alone may
+    meet a bad one: the ranks exchange how loading went, and rank 0 raises the first rank's error as
+    its own (CheckpointError naming the file), where it would otherwise see a dead worker at its first
+    step. A rank > 0 gets None when any rank failed: it has nothing to serve and exits quietly."""
+    model, error = None, None
+    try:
+        model = load_shard(spec.source, getattr(torch, spec.dtype), group.device, group.dims, group.mesh)
+    except DeltaMoEError as e:
+        error = (type(e).__name__, e.one_line())  # a DeltaMoEError subclass
+    except Exception as e:  # a bug, not the user's input: its traceback is printed by the rank that met it
+        traceback.print_exc()
+        error = (type(e).__name__, f"{type(e).__name__}: {e}")
+    outcomes: list[object] = [None] * group.world_size
+    dist.all_gather_object(outcomes, error, group=group.control)
+    failed = [(rank, outcome) for rank, outcome in enumerate(outcomes) if outcome is not None]
+    if not failed:
+        return model
+    if group.rank != 0:
+        return None
+    rank, (kind, message) = failed[0]
+    where = "" if rank == 0 else f"worker rank {rank}: "
+    error_type = {"ConfigError": ConfigError, "CheckpointError": CheckpointError}.get(kind, RuntimeError)
+    raise error_type(f"{where}{message}")

@@ -19,6 +19,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from deltamoe.model.weights import Chunk
+
 
 @dataclass
 class WeightsMessage:
@@ -27,21 +29,27 @@ class WeightsMessage:
     tensors: dict[str, torch.Tensor]
 
 
-def local_part(name: str, target: torch.Tensor, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """The piece of `full` that this rank's `target` holds."""
+def part_of(name: str, target: torch.Tensor, full_shape: tuple[int, ...], tp_rank: int, tp_size: int) -> Chunk | None:
+    """Which piece of the full tensor (shape `full_shape`) this rank's `target` holds; None: all of it."""
     if isinstance(target, DTensor):
         placement = target.placements[0]
         if not isinstance(placement, Shard):
-            return full
+            return None
         mesh = target.device_mesh
-        return full.chunk(mesh.size(), dim=placement.dim)[mesh.get_local_rank()]
-    if tuple(target.shape) == tuple(full.shape):
-        return full
-    dims = [d for d, (a, b) in enumerate(zip(target.shape, full.shape)) if a != b]
-    if len(dims) == 1 and target.dim() == full.dim() and full.shape[dims[0]] == target.shape[dims[0]] * tp_size:
-        return full.chunk(tp_size, dim=dims[0])[tp_rank]
+        return Chunk(placement.dim, mesh.get_local_rank(), mesh.size())
+    if tuple(target.shape) == tuple(full_shape):
+        return None
+    dims = [d for d, (a, b) in enumerate(zip(target.shape, full_shape)) if a != b]
+    if len(dims) == 1 and target.dim() == len(full_shape) and full_shape[dims[0]] == target.shape[dims[0]] * tp_size:
+        return Chunk(dims[0], tp_rank, tp_size)
     raise ValueError(f"{name}: this rank holds shape {tuple(target.shape)}, which is no tp = {tp_size} "
-                     f"part of the full shape {tuple(full.shape)}")
+                     f"part of the full shape {tuple(full_shape)}")
+
+
+def local_part(name: str, target: torch.Tensor, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """The piece of `full` that this rank's `target` holds."""
+    chunk = part_of(name, target, tuple(full.shape), tp_rank, tp_size)
+    return full if chunk is None else chunk.of(full)
 
 
 def tp_coordinate(mesh, tp_size: int) -> int:

@@ -41,6 +41,8 @@ def serve_steps(spec: WorkerSpec, group: RankGroup) -> None:
     """The worker loop (rank > 0)."""
     engine = EngineConfig(**spec.engine)
     model = build_shard(spec, group)
+    if model is None:  # a rank could not load its shard: rank 0 reports it
+        return
     cache = HybridCache(model.config, engine, max_model_len(spec, engine), dtype=model.dtype, device=group.device,
                         tp_size=group.dims.tp)
     runner = ModelRunner(model, cache, compiled_decode=engine.compile_decode, compile_form=engine.compile_form)

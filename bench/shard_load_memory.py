@@ -1,0 +1,120 @@
+"""Peak memory and time of one --tp/--ep rank's load: reading only its shard (`load_shard`) against
+loading the whole model and cutting it (`shard_for_serving(load_model(...))`, what every rank did
+before), side by side in one run on the same checkpoint.
+
+Usage: python bench/shard_load_memory.py [--preset small] [--tp 1] [--ep 2] [--dtype bfloat16]
+Each path runs in a fresh gloo job (tp x ep spawned processes, one thread each) so that the peaks
+are the load's own. Per rank: seconds to load, the process's peak resident memory above what it
+held before the load (VmHWM, reset at the start, - RSS before), and the bytes of the weights it keeps. Writes
+bench/results/shard_load_tpT_epE.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import write_result  # noqa: E402
+
+from deltamoe.config import load_preset  # noqa: E402
+from deltamoe.hf_config import load_config  # noqa: E402
+from deltamoe.model.load import build_model, load_model  # noqa: E402
+from deltamoe.model.weights import save_checkpoint  # noqa: E402
+from deltamoe.parallel.mesh import build_mesh  # noqa: E402
+from deltamoe.serve.executor.config import WorkerConfig  # noqa: E402
+from deltamoe.serve.executor.shard_load import load_shard  # noqa: E402
+from deltamoe.serve.executor.sharding import shard_for_serving  # noqa: E402
+
+PATHS = ("whole model, then cut", "own shard only")
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _reset_peak() -> None:
+    """Start the peak resident size (VmHWM) afresh (Linux 4.0+). ru_maxrss cannot serve: it keeps the
+    parent's peak across fork and exec, and the parent held the whole model to save the checkpoint."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _peak_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def _rank(rank: int, world: int, port: int, path: str, ckpt: str, tp: int, ep: int, dtype: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dims = WorkerConfig(tp=tp, ep=ep).dims(load_config(ckpt))
+    mesh = build_mesh(dims, "cpu")
+    _reset_peak()
+    before = _rss_bytes()
+    start = time.perf_counter()
+    if path == PATHS[0]:
+        model = shard_for_serving(load_model(ckpt, dtype=getattr(torch, dtype)), dims, mesh)
+    else:
+        model = load_shard(ckpt, getattr(torch, dtype), "cpu", dims, mesh)
+    seconds = time.perf_counter() - start
+    peak = _peak_bytes()
+    kept = sum((t.to_local() if hasattr(t, "to_local") else t).nbytes
+               for t in {id(t): t for t in model.state_dict(keep_vars=True).values()}.values())
+    result = {"rank": rank, "seconds": seconds, "peak_above_start_bytes": peak - before, "weights_kept_bytes": kept}
+    results: list[object] | None = [None] * world if rank == 0 else None
+    dist.gather_object(result, results, dst=0)
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args()
+    world = args.tp * args.ep
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = Path(tmp) / args.preset
+        save_checkpoint(build_model(load_preset(args.preset), dtype=getattr(torch, args.dtype)).eval(), ckpt)
+        checkpoint_bytes = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
+        for path in PATHS:
+            out = Path(tmp) / "ranks.json"
+            mp.spawn(_rank, args=(world, _free_port(), path, str(ckpt), args.tp, args.ep, args.dtype, str(out)),
+                     nprocs=world, join=True)
+            rows[path] = json.loads(out.read_text())
+            worst = max(r["peak_above_start_bytes"] for r in rows[path])
+            print(f"{path:>22}: peak above start {worst / 2**20:8.1f} MiB (worst rank), kept "
+                  f"{max(r['weights_kept_bytes'] for r in rows[path]) / 2**20:8.1f} MiB, "
+                  f"{max(r['seconds'] for r in rows[path]):6.2f} s")
+    whole, own = (max(r["peak_above_start_bytes"] for r in rows[p]) for p in PATHS)
+    print(f"checkpoint {checkpoint_bytes / 2**20:.1f} MiB; own shard's peak = {own / whole:.2f} of the whole model's")
+    write_result(f"shard_load_tp{args.tp}_ep{args.ep}", {
+        "preset": args.preset, "tp": args.tp, "ep": args.ep, "dtype": args.dtype, "threads_per_rank": 1,
+        "checkpoint_bytes": checkpoint_bytes, "ranks": rows, "peak_ratio_own_over_whole": own / whole})
+
+
+if __name__ == "__main__":
+    main()
