@@ -1,7 +1,7 @@
 """HTTP routes for weight updates without a restart, in the shape of vLLM's RLHF routes.
 
     POST /init_weight_transfer_engine  {host, port, rank, world_size, timeout_s}
-    POST /start_weight_update
+    POST /start_weight_update          {idle_timeout_s}
     POST /update_weights               {names, dtype_names, shapes, bucket_bytes}
     POST /finish_weight_update         {running: wait|abort, timeout_s} -> {version, tensors, bytes, receive_s, swap_s}
     POST /abort_weight_update
@@ -19,14 +19,17 @@ vLLM's pause without waiting does), swaps, and lets the requests that arrived me
 the new ones; with `timeout_s` it waits at most that long for them, then withdraws the swap (409:
 the update stays staged: finish again, or abort it). /abort_weight_update withdraws a swap still
 waiting for running requests (the held requests go on at once). Over dead workers every route but
-/weight_version answers 503. Served only with `deltamoe serve --weight-updates`, behind the
-server's API key as the `/v1` routes are.
+/weight_version answers 503. An open update that no route touches for `idle_timeout_s` (600 s by
+default, from /start_weight_update; null: never) is aborted: its trainer died between two calls,
+and the staged tensors would hold a model's worth of memory and refuse every other trainer's start.
+Served only with `deltamoe serve --weight-updates`, behind the server's API key as the `/v1` routes are.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 from dataclasses import asdict
 from typing import Literal
 
@@ -41,6 +44,9 @@ from deltamoe.serve.engine.weight_transfer import DEFAULT_BUCKET_BYTES, TensorSp
 from deltamoe.serve.engine.weight_update import WeightUpdater
 from deltamoe.serve.executor.base import WorkerDiedError
 
+log = logging.getLogger("deltamoe.serve.api")
+DEFAULT_IDLE_TIMEOUT_S = 600.0
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -52,6 +58,11 @@ class InitTransferRequest(_Strict):
     rank: int = Field(ge=1)
     world_size: int = Field(ge=2)
     timeout_s: float = Field(300.0, gt=0)
+
+
+class StartRequest(_Strict):
+    # An update untouched this long is aborted (its trainer is gone); None: it stays open until finished or aborted.
+    idle_timeout_s: float | None = Field(DEFAULT_IDLE_TIMEOUT_S, gt=0)
 
 
 class UpdateWeightsRequest(_Strict):
@@ -94,11 +105,16 @@ def weight_update_routes(engine: AsyncLLMEngine) -> APIRouter:
                                     request.world_size, request.timeout_s)
         return {"status": "ok"}
 
-    @router.post("/start_weight_update")
-    async def start() -> dict:
+    idle = _IdleExpiry(updater, lock)
+
+    @router.post("/start_weight_update", openapi_extra={"requestBody": {"required": False, "content": {
+        "application/json": {"schema": StartRequest.model_json_schema()}}}})
+    async def start(request: Request) -> dict:
         check_workers()
+        body = await read_body(request, StartRequest) if await request.body() else StartRequest()
         async with lock:
             updater.start_weight_update()
+            idle.opened(body.idle_timeout_s)
         return {"status": "ok"}
 
     @router.post("/update_weights", openapi_extra={"requestBody": {"required": True, "content": {
@@ -119,7 +135,10 @@ def weight_update_routes(engine: AsyncLLMEngine) -> APIRouter:
                     except RequestError:
                         pass
                 raise
-            await asyncio.to_thread(updater.update_weights, specs, body.bucket_bytes)
+            try:
+                await asyncio.to_thread(updater.update_weights, specs, body.bucket_bytes)
+            finally:
+                idle.touched()
         return {"status": "ok", "tensors": len(specs)}
 
     @router.post("/finish_weight_update", openapi_extra={"requestBody": {"required": False, "content": {
@@ -147,6 +166,7 @@ def weight_update_routes(engine: AsyncLLMEngine) -> APIRouter:
                 raise APIError(503, str(e), code="engine_not_running") from None
             finally:
                 waiting.pop("swap", None)
+                idle.touched()  # a 409 leaves it staged: its clock starts again
         return asdict(stats)
 
     @router.post("/abort_weight_update")
@@ -156,9 +176,11 @@ def weight_update_routes(engine: AsyncLLMEngine) -> APIRouter:
         # rather than this abort waiting behind it.
         if swap is not None and await asyncio.wrap_future(engine.cancel_idle(swap)):
             updater.abort_weight_update()
+            idle.touched()
             return {"status": "ok", "version": updater.version}
         async with lock:
             updater.abort_weight_update()
+            idle.touched()
         return {"status": "ok", "version": updater.version}
 
     @router.get("/weight_version")
@@ -166,3 +188,44 @@ def weight_update_routes(engine: AsyncLLMEngine) -> APIRouter:
         return {"version": updater.version, "updating": updater.updating}
 
     return router
+
+
+class _IdleExpiry:
+    """Aborts an open update that no route has touched for its idle timeout (a timer on the server's
+    event loop, restarted by every route that works on the update; it takes the routes' lock, so it
+    never cuts into a transfer or a swap in progress)."""
+
+    def __init__(self, updater: WeightUpdater, lock: asyncio.Lock):
+        self.updater, self.lock = updater, lock
+        self.timeout_s: float | None = None
+        self.generation = 0  # which update the timer is for: a later one is not the expired one
+        self.timer: asyncio.TimerHandle | None = None
+        self.last_touch = 0.0  # event-loop time of the last call that worked on the update
+
+    def opened(self, timeout_s: float | None) -> None:
+        self.timeout_s = timeout_s
+        self.generation += 1
+        self.touched()
+
+    def touched(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.last_touch = loop.time()
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.updater.updating and self.timeout_s is not None:
+            generation = self.generation
+            self.timer = loop.call_later(
+                self.timeout_s, lambda: asyncio.ensure_future(self._expire(generation)))
+
+    async def _expire(self, generation: int) -> None:
+        async with self.lock:
+            if generation != self.generation or not self.updater.updating:
+                return
+            # A call that held the lock when the timer fired has touched the update since (and set a new timer).
+            if self.timeout_s is None or asyncio.get_running_loop().time() - self.last_touch < self.timeout_s:
+                return
+            self.updater.abort_weight_update()
+            self.timer = None
+        log.warning("deltamoe: the open weight update was aborted after %g s with no call (its trainer is "
+                    "gone?); the old weights keep serving", self.timeout_s)

@@ -4,6 +4,8 @@ is a 400 naming it, and the old weights keep serving."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 import torch
@@ -287,5 +289,28 @@ def test_a_new_transfer_group_is_refused_while_an_update_is_open(server):
         r = httpx.post(f"{url}/init_weight_transfer_engine", headers=auth,
                        json={"host": "127.0.0.1", "port": 1, "rank": 1, "world_size": 2, "timeout_s": 2})
         assert r.status_code == 400 and "an update is open" in r.json()["error"]["message"]
+    finally:
+        httpx.post(f"{url}/abort_weight_update", headers=auth)
+
+
+def test_an_update_left_open_by_a_gone_trainer_is_aborted_after_its_idle_timeout(server):
+    """A trainer that died between start and finish leaves no update open for good: past its idle
+    timeout the server aborts it (the staged tensors go), and another trainer can start."""
+    url, _ = server
+    auth = {"Authorization": f"Bearer {KEY}"}
+    bad = httpx.post(f"{url}/start_weight_update", headers=auth, json={"idle_timeout_s": 0})
+    assert bad.status_code == 400 and "idle_timeout_s" in bad.text
+    assert httpx.post(f"{url}/start_weight_update", headers=auth, json={"idle_timeout_s": 2}).status_code == 200
+    try:
+        assert httpx.get(f"{url}/weight_version", headers=auth).json()["updating"]
+        refused = httpx.post(f"{url}/start_weight_update", headers=auth)  # the first is still open
+        assert refused.status_code == 400 and "already open" in refused.text
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{url}/weight_version", headers=auth).json()["updating"]:
+            assert time.monotonic() < deadline, "the idle update was never aborted"
+            time.sleep(0.1)
+        assert httpx.post(f"{url}/start_weight_update", headers=auth, json={"idle_timeout_s": None}).status_code == 200
+        time.sleep(1.0)  # no timeout: it stays open
+        assert httpx.get(f"{url}/weight_version", headers=auth).json()["updating"]
     finally:
         httpx.post(f"{url}/abort_weight_update", headers=auth)
