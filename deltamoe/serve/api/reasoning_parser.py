@@ -17,10 +17,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import dataclasses
+
 from deltamoe.serve.api.tool_parser import SECTION_BEGIN, first_marker, partial_marker_len
+from deltamoe.serve.structured.constraint import Constraint
+from deltamoe.serve.structured.tool_call import MARKERS
 
 THINK_BEGIN, THINK_END = "<think>", "</think>"
 _ENDS = (THINK_END, *SECTION_BEGIN)
+
+
+def reasoning_first(constraint: Constraint) -> Constraint:
+    """`constraint` for an output that starts inside the reasoning: free until the reasoning ends
+    where this parser ends it. After `</think>` the grammar holds the answer. A tool-call section
+    begin also ends reasoning: a forced tool call's grammar starts at it (its first tokens), so a call
+    made straight from the reasoning is still the forced one; any other grammar (an answer in JSON)
+    is not written by a tool-call section, so the reasoning may not begin one."""
+    if constraint.field == "tool_choice":
+        return dataclasses.replace(constraint, after=THINK_END, enters_at=(MARKERS[0],),
+                                   blocked_before=tuple(m for m in SECTION_BEGIN if m != MARKERS[0]))
+    return dataclasses.replace(constraint, after=THINK_END, blocked_before=SECTION_BEGIN)
 
 
 @dataclass

@@ -13,7 +13,6 @@ is an OpenAI-style error body (`api_errors`); none of them takes the server down
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import socket
 import time
 import uuid
@@ -38,7 +37,7 @@ from deltamoe.serve.api.errors import APIError, InternalErrorMiddleware, install
 from deltamoe.serve.api.format import ChatFormatter, CompletionFormatter
 from deltamoe.serve.api.generate import Generation
 from deltamoe.serve.api.openapi import install_openapi
-from deltamoe.serve.api.reasoning_parser import THINK_END
+from deltamoe.serve.api.reasoning_parser import reasoning_first
 from deltamoe.serve.api.metrics import CONTENT_TYPE, HTTPMetricsMiddleware, ServerMetrics
 from deltamoe.serve.api.params import chat_params, completion_params
 from deltamoe.serve.api.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields
@@ -154,7 +153,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
         if params.structured is not None and options.thinking and opens_thinking(prompt, engine.tokenizer):
             # The model reasons first: the constraint holds for the answer, after `</think>` (as vLLM's
             # structured outputs with a reasoning parser), not for the reasoning.
-            params.structured = dataclasses.replace(params.structured, after=THINK_END)
+            params.structured = reasoning_first(params.structured)
         chat_id = f"chatcmpl-{uuid.uuid4().hex}"
 
         def formatter() -> ChatFormatter:  # one per choice: each output parser keeps its own state

@@ -29,8 +29,11 @@ MAX_GRAMMAR_CHARS = 1_000_000  # a schema larger than this is refused before any
 CACHE_SIZE = 64
 # Tighter than llguidance's defaults: a request's grammar must compile in well under a second.
 LIMITS = dict(initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, max_grammar_size=200_000)
-# JSON is generated compactly (no free whitespace): a model cannot wander in blank space forever.
-JSON_OPTIONS = {"whitespace_flexible": False}
+# JSON with at most one space where JSON allows whitespace: both the compact form and the one most
+# training data writes (json.dumps' `{"a": 1, "b": 2}`) are allowed, so a model keeps to the form it
+# learned (forcing compact JSON drove a model taught the spaced form into junk strings); unbounded
+# whitespace (vLLM's default) would let a model wander in blank space until max_tokens.
+JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": "[ ]?"}
 
 # llguidance recurses once per rule or $ref link it follows: a 3,000-link chain (100 KB) overflowed an
 # 8 MiB thread stack and took the server down. 256 MiB compiles 80,000 chained rules, more than
@@ -90,6 +93,14 @@ class Constraint:
     # A text after which the grammar starts (None: from the first token): `</think>` when the model
     # reasons first. It must end on a token boundary, as a special token or byte-level tokens do.
     after: str | None = None
+    # Texts that, written before `after`, start the grammar at themselves (their tokens are the
+    # grammar's first): the tool-call section begin of a forced tool call, as Kimi models may call a
+    # tool straight from their reasoning.
+    enters_at: tuple[str, ...] = ()
+    # Texts the output may not write before `after` (the reasoning parser ends reasoning at them, so
+    # they would bypass the grammar): the tool-call section begins when the answer must be JSON.
+    # Blocked where the text is one token (a special token) or its last character completes it.
+    blocked_before: tuple[str, ...] = ()
 
     def compile(self, tokenizer: Tokenizer, timeout_s: float = COMPILE_TIMEOUT_S) -> llguidance.LLMatcher:
         """A fresh matcher at the grammar's start (the compiled prototype is cached and copied)."""

@@ -253,3 +253,60 @@ def test_a_forced_call_of_a_tool_whose_schema_has_no_type_writes_an_object():
     schema = _functions([{"type": "function", "function": {"name": "f", "parameters": {
         "properties": {"x": {"type": "integer"}}}}}])["f"]
     assert schema["type"] == "object" and schema["properties"] == {"x": {"type": "integer"}}
+
+
+def _matchers(constraint, text_before: str):
+    """A matcher for `reasoning_first(constraint)` fed `text_before`, and a plain one for `constraint`."""
+    from deltamoe.serve.api.reasoning_parser import reasoning_first
+    from deltamoe.serve.structured.matcher import GrammarMatcher
+    from deltamoe.tokenizers.load import load_tokenizer
+
+    tok = load_tokenizer(None, 264)
+    gated, plain = (GrammarMatcher(c, tok, 264, frozenset({tok.eos_token_id}))
+                    for c in (reasoning_first(constraint), constraint))
+    for token in tok.encode(text_before):
+        gated.accept(token)
+    return tok, gated, plain
+
+
+WEATHER_AND_FLIGHT = [{"type": "function", "function": {"name": n, "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    for n in ("get_weather", "book_flight")]
+
+
+def test_a_forced_call_begun_inside_the_reasoning_is_still_the_forced_call():
+    """Kimi models may open a tool-call section straight from their reasoning (the reasoning parser
+    ends reasoning there). With a named tool_choice the grammar starts at that section begin, so the
+    call written is the named function's, with its schema, not whatever the reasoning went on to."""
+    import torch
+
+    constraint = tool_call_constraint(WEATHER_AND_FLIGHT, {"type": "function", "function": {"name": "book_flight"}})
+    tok, gated, plain = _matchers(constraint, "Two cities.<|tool_calls_section_begin|>")
+    for token in tok.encode("<|tool_calls_section_begin|>"):
+        plain.accept(token)
+    assert torch.equal(gated.allowed(), plain.allowed()) and not bool(gated.allowed().all())
+    for token in tok.encode("<|tool_call_begin|>functions."):
+        gated.accept(token)
+    allowed = gated.allowed()
+    assert bool(allowed[ord("b")]) and not bool(allowed[ord("g")])  # book_flight, never get_weather
+    for token in tok.encode('book_flight:0<|tool_call_argument_begin|>{"city":"Oslo"}<|tool_call_end|>'
+                            '<|tool_calls_section_end|>'):
+        assert bool(gated.allowed()[token])
+        gated.accept(token)
+    assert gated.done and gated.failed is None
+
+
+@pytest.mark.parametrize("make, section", [
+    (lambda: json_schema_constraint(PERSON, "response_format"), "<|tool_calls_section_begin|>"),
+    (lambda: json_schema_constraint(PERSON, "response_format"), "<|tool_call_section_begin|>"),
+    (lambda: tool_call_constraint(WEATHER_AND_FLIGHT, "required"), "<|tool_call_section_begin|>"),
+])
+def test_reasoning_may_not_begin_a_section_that_would_bypass_the_grammar(make, section):
+    """An answer held to a JSON schema is not a tool-call section, so the reasoning may not begin one
+    (the reasoning parser would end reasoning there and the grammar would never run); the same for the
+    singular spelling under a forced call, whose grammar writes the plural one."""
+    tok, gated, _ = _matchers(make(), "Thinking." + section[:-1])
+    allowed = gated.allowed()
+    assert not bool(allowed[ord(">")]) and int((~allowed).sum()) == 1  # only the character that would finish it
+    gated.accept(ord("x"))
+    assert bool(gated.allowed().all())  # elsewhere the reasoning is free
