@@ -560,11 +560,12 @@ def serve_command(
     from deltamoe.serve.engine.config import EngineConfig, check_max_model_len, parse_bytes
     from deltamoe.serve.kv_transfer.role_config import check_role
 
-    from deltamoe.serve.api.auth import check_api_key_option
+    from deltamoe.serve.api.auth import check_api_key_env, check_api_key_option
 
     check_options_need_their_mode(ctx, speculative, compile_decode)
     check_role(role, kv_transfer)
     check_api_key_option(api_key)
+    check_api_key_env(api_key)
     check_device(device)
     log_level = check_log_level(log_level)
     compile_decode = resolve_compile(compile_decode, device, tp, ep, model)

@@ -36,6 +36,18 @@ def test_serve_bad_flags_exit_2(capsys):
     assert "cache_memory" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", [["serve", "tiny"], ["router", "--prefill", "http://127.0.0.1:1",
+                                                       "--decode", "http://127.0.0.1:2"]])
+def test_an_empty_api_key_variable_is_refused_not_read_as_no_key(command, monkeypatch, capsys):
+    """`DELTAMOE_API_KEY=$SECRET` with SECRET unset: the option parser sees no variable, so the server
+    would have started open to anyone; like an empty --api-key it is refused before anything loads."""
+    monkeypatch.setenv("DELTAMOE_API_KEY", "")
+    assert main(command) == 2
+    assert "DELTAMOE_API_KEY" in capsys.readouterr().err
+    assert main([*command, "--api-key", ""]) == 2
+    assert "empty API key" in capsys.readouterr().err
+
+
 def test_engine_threads_leave_a_core_for_the_front_end(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("deltamoe.threads.available_cores", lambda: 8)

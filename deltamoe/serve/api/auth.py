@@ -3,6 +3,7 @@
 Light to import (FastAPI comes in with `bearer_check`): the CLIs check the option before anything loads.
 """
 
+import os
 import secrets
 from typing import Awaitable, Callable
 
@@ -15,6 +16,14 @@ def check_api_key_option(api_key: str | None) -> str | None:
     if api_key is not None and not api_key.strip():
         raise ConfigError("empty API key", field="api_key", hint="omit --api-key and DELTAMOE_API_KEY for no key")
     return api_key
+
+
+def check_api_key_env(api_key: str | None) -> None:
+    """`DELTAMOE_API_KEY=$SECRET` with SECRET unset: the CLI's option parser reads an empty variable as
+    no variable, so the server would start open to anyone. Refused at start-up, as an empty --api-key is."""
+    if api_key is None and "DELTAMOE_API_KEY" in os.environ:
+        raise ConfigError("DELTAMOE_API_KEY is set but empty: the server would start with no key",
+                          field="DELTAMOE_API_KEY", hint="set it to the key, or unset it for no key")
 
 
 def bearer_check(api_key: str | None) -> Callable[..., Awaitable[None]]:

@@ -22,11 +22,12 @@ def router_command(
     log_level: str = typer.Option("info"),
 ) -> None:
     """Route OpenAI requests through prefill/decode server pairs (retries on a dead worker)."""
-    from deltamoe.serve.api.auth import check_api_key_option
+    from deltamoe.serve.api.auth import check_api_key_env, check_api_key_option
     from deltamoe.serve.cli import bind_listen_address
     from deltamoe.serve.router.workers import WorkerPool
 
     check_api_key_option(api_key)
+    check_api_key_env(api_key)
 
     pool = WorkerPool(list(prefill), list(decode))
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
