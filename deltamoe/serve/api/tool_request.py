@@ -12,7 +12,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from deltamoe.errors import RequestError
 from deltamoe.serve.api.errors import APIError
+from deltamoe.serve.structured.constraint import check_schema
 
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 CHOICES = ("auto", "none", "required")
@@ -64,6 +66,11 @@ def tool_request(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> Tool
             # A call's arguments are a JSON object (as OpenAI requires of the schema).
             raise _bad(f"{where}.function.parameters",
                        f"expected a schema of type 'object' (the call's arguments), got type {f['parameters']['type']!r}")
+        if isinstance(f.get("parameters"), dict):  # whatever tool_choice is, as OpenAI checks them
+            try:
+                check_schema(f["parameters"], f"{where}.function.parameters")
+            except RequestError as e:
+                raise _bad(f"{where}.function.parameters", str(e)) from None
         names.append(name)
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
         raise _bad("parallel_tool_calls", f"expected a boolean, got {parallel_tool_calls!r}")

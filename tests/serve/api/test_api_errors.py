@@ -96,6 +96,10 @@ CASES = [
      400, "tools[0].function.name", "invalid_value"),
     (CHAT, raw({"model": M, "messages": USER, "tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "string"}}}]}), AUTH, 400, "tools[0].function.parameters", "invalid_value"),
+    # Not JSON Schema, with tool_choice auto (no grammar is built): refused as OpenAI does, not taken.
+    (CHAT, raw({"model": M, "messages": USER, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "foo"}}}}}]}), AUTH, 400,
+     "tools[0].function.parameters", "invalid_value"),
     (CHAT, raw({"model": M, "messages": USER, "tools": TOOLS, "tool_choice": {"type": "function",
                                                                               "function": {"name": "nope"}}}),
      AUTH, 400, "tool_choice", "invalid_value"),
