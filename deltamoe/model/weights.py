@@ -134,6 +134,26 @@ class _Loader:
         full = self.layout.full_shapes.get(t.param)
         return full is None or t.expert in chunk.span(full[0]) or not 0 <= t.expert < full[0]  # out of range: an error
 
+    def read(self, f, ckpt_name: str) -> None:
+        """Read one wanted tensor from the open file `f` into the model. A tensor that lands whole in
+        one parameter of which this rank holds a piece (a TP shard) is read as that piece only."""
+        t = checkpoint_to_param(ckpt_name, self.config)
+        chunk = self.layout.chunks.get(t.param) if isinstance(t, TensorTarget) else None
+        if (chunk is None or t.kind != "copy" or t.expert is not None or t.part != "weight"
+                or t.param.rpartition(".")[0] in self.quantized):
+            self.put(ckpt_name, f.get_tensor(ckpt_name))
+            return
+        piece = f.get_slice(ckpt_name)
+        shape = tuple(piece.get_shape())
+        if shape != tuple(self.layout.full_shapes[t.param]):
+            raise CheckpointError(f"shape mismatch for {ckpt_name}: checkpoint {shape}, model "
+                                  f"{tuple(self.layout.full_shapes[t.param])}", field=ckpt_name)
+        span = chunk.span(shape[chunk.dim])
+        index = tuple(slice(span.start, span.stop) if d == chunk.dim else slice(None) for d in range(len(shape)))
+        tensor = piece[index]
+        check_finite(ckpt_name, tensor)  # this rank's piece: another rank checks the rest
+        self._put_one(ckpt_name, t, tensor, local=True)
+
     def put(self, ckpt_name: str, tensor: torch.Tensor) -> None:
         targets = checkpoint_to_param(ckpt_name, self.config)
         if targets is None:
@@ -143,7 +163,8 @@ class _Loader:
             if self._holds_expert(t):
                 self._put_one(ckpt_name, t, tensor)
 
-    def _put_one(self, name: str, t: TensorTarget, tensor: torch.Tensor) -> None:
+    def _put_one(self, name: str, t: TensorTarget, tensor: torch.Tensor, local: bool = False) -> None:
+        """`local`: `tensor` is already this rank's piece of the parameter (read as a slice)."""
         module, _, leaf = t.param.rpartition(".")
         owner = self.quantized.get(module)
         if owner is not None:
@@ -186,7 +207,7 @@ class _Loader:
         elif t.kind == "split_gate_up":
             tensor = tensor.chunk(2, dim=1)[t.split_index]
         chunk = self.layout.chunks.get(t.param)
-        if chunk is not None:  # a sharded model: check the whole tensor, keep this rank's piece
+        if chunk is not None and not local:  # a sharded model: check the whole tensor, keep this rank's piece
             self._check_shape(name, tensor, self.layout.full_shapes[t.param])
             tensor = chunk.of(tensor)
         self._copy(name, dest, tensor)
@@ -275,7 +296,8 @@ def load_weights(model: DeltaMoEForCausalLM, path: str | Path, scheme: QuantSche
     `scheme` is the checkpoint's quantization (`read_quant_scheme`): modules swapped by
     `quantize_modules` take its tensors as they are, float modules get them dequantised.
     `layout`: `model` is one rank's shard holding these parts of the full tensors; tensors it holds
-    none of (other ranks' experts) are not read, nor are files holding only such tensors."""
+    none of (other ranks' experts) are not read, nor are files holding only such tensors, and a
+    TP-split tensor is read as this rank's piece (safetensors slices)."""
     path = Path(path)
     loader = _Loader(model, model.config, scheme, layout)
     for shard, names in checkpoint_files(path).items():
@@ -285,7 +307,7 @@ def load_weights(model: DeltaMoEForCausalLM, path: str | Path, scheme: QuantSche
         try:
             with safe_open(str(path / shard), "pt", device="cpu") as f:
                 for name in wanted:
-                    loader.put(name, f.get_tensor(name))
+                    loader.read(f, name)
         except CheckpointError:
             raise
         except Exception as e:  # a truncated or corrupt shard

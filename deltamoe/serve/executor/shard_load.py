@@ -5,7 +5,7 @@ given) needs each rank to hold all the weights once: for Kimi K3 (2.8 T paramete
 routed experts) no rank can. Here the model is built on the meta device, the serving plans
 (`sharding.shard_for_serving`) shard it there, storage is made for the shard only, and the
 checkpoint is read into it: a tensor of other ranks' experts is never read, nor a file holding only
-such tensors; a TP-sharded tensor is read whole, one at a time, and cut to this rank's piece.
+such tensors; of a TP-sharded tensor only this rank's piece is read (a safetensors slice).
 The result equals `shard_for_serving(load_model(...))` (the weights and the modules).
 
 A preset (random weights from a seed) is still made whole and then cut: every rank must draw the
