@@ -475,6 +475,25 @@ def serve_workers_rows(d: dict) -> list[Row]:
     return rows
 
 
+def shard_load_rows(d: dict) -> list[Row]:
+    """Per layout, the worst rank's peak memory while loading, each path."""
+    whole, own = d["paths"]
+
+    def mib(run: dict, path: str, key: str) -> str:
+        return f"{max(r[key] for r in run['ranks'][path]) / 2**20:,.0f}"
+
+    rows: list[Row] = []
+    for run in d["layouts"]:
+        layout = f"tp{run['tp']} ep{run['ep']}"
+        label = (f"a serving rank's load, peak memory above start (worst rank), `{d['preset']}` {d['dtype']} "
+                 f"checkpoint, {layout} {command('shard_load')}" if not rows else f"same, {layout}")
+        rows.append([label, f"{mib(run, own, 'peak_above_start_bytes')} MiB reading its shard (keeps "
+                     f"{mib(run, own, 'weights_kept_bytes')} MiB)",
+                     f"{mib(run, whole, 'peak_above_start_bytes')} MiB loading the whole model, then cutting it",
+                     f"{run['peak_ratio_own_over_whole']:.2f}", ""])
+    return rows
+
+
 def trace_rows(d: dict) -> list[Row]:
     t, out = d.get("target", {}), []
     peer = [p for p in d.get("peer", []) if p.get("hta", {}).get("wall_s")]
@@ -766,6 +785,7 @@ FORMATTERS: dict[str, Callable[[dict], list[Row]]] = {
     "serve_online_vs_transformers": serve_online_vs_peer_rows,
     "serve_workers": serve_workers_rows,
     "serve_structured": serve_structured_rows,
+    "shard_load": shard_load_rows,
     "trace": trace_rows,
     "plan_validation": plan_validation_rows,
     "moe": moe_rows,

@@ -1,12 +1,12 @@
-"""Peak memory and time of one --tp/--ep rank's load: reading only its shard (`load_shard`) against
+"""Peak memory of one --tp/--ep serving rank's load: reading only its shard (`load_shard`) against
 loading the whole model and cutting it (`shard_for_serving(load_model(...))`, what every rank did
 before), side by side in one run on the same checkpoint.
 
-Usage: python bench/shard_load_memory.py [--preset small] [--tp 1] [--ep 2] [--dtype bfloat16]
-Each path runs in a fresh gloo job (tp x ep spawned processes, one thread each) so that the peaks
-are the load's own. Per rank: seconds to load, the process's peak resident memory above what it
-held before the load (VmHWM, reset at the start, - RSS before), and the bytes of the weights it keeps. Writes
-bench/results/shard_load_tpT_epE.json.
+Usage: python bench/bench_shard_load.py [--preset small] [--layouts 1x2,2x1] [--dtype bfloat16] [--quick]
+Layouts are TPxEP. Each path runs in a fresh gloo job (tp x ep spawned processes, one thread each)
+so that the peaks are the load's own. Per rank: seconds to load, the process's peak resident memory
+above what it held before the load (VmHWM, reset at the start, minus RSS before), and the bytes of
+the weights it keeps. Writes bench/results/shard_load.json (--quick: `tiny`, shard_load_quick.json).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import write_result  # noqa: E402
+from common import result_name, write_result  # noqa: E402
 
 from deltamoe.config import load_preset  # noqa: E402
 from deltamoe.hf_config import load_config  # noqa: E402
@@ -87,33 +87,41 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_layout(ckpt: Path, tp: int, ep: int, dtype: str, tmp: Path) -> dict:
+    """Both paths' per-rank figures for one layout."""
+    rows = {}
+    for path in PATHS:
+        out = tmp / "ranks.json"
+        mp.spawn(_rank, args=(tp * ep, _free_port(), path, str(ckpt), tp, ep, dtype, str(out)), nprocs=tp * ep,
+                 join=True)
+        rows[path] = json.loads(out.read_text())
+        print(f"tp{tp} ep{ep} {path:>22}: peak above start "
+              f"{max(r['peak_above_start_bytes'] for r in rows[path]) / 2**20:8.1f} MiB (worst rank), kept "
+              f"{max(r['weights_kept_bytes'] for r in rows[path]) / 2**20:8.1f} MiB, "
+              f"{max(r['seconds'] for r in rows[path]):6.2f} s")
+    whole, own = (max(r["peak_above_start_bytes"] for r in rows[p]) for p in PATHS)
+    return {"tp": tp, "ep": ep, "ranks": rows, "peak_ratio_own_over_whole": own / whole}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="small")
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--ep", type=int, default=2)
+    parser.add_argument("--layouts", default="1x2,2x1", help="TPxEP, comma-separated")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--quick", action="store_true", help="the tiny preset, results in shard_load_quick.json")
     args = parser.parse_args()
-    world = args.tp * args.ep
-    rows = {}
+    preset = "tiny" if args.quick else args.preset
+    layouts = [tuple(int(n) for n in layout.split("x")) for layout in args.layouts.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = Path(tmp) / args.preset
-        save_checkpoint(build_model(load_preset(args.preset), dtype=getattr(torch, args.dtype)).eval(), ckpt)
+        ckpt = Path(tmp) / preset
+        save_checkpoint(build_model(load_preset(preset), dtype=getattr(torch, args.dtype)).eval(), ckpt)
         checkpoint_bytes = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
-        for path in PATHS:
-            out = Path(tmp) / "ranks.json"
-            mp.spawn(_rank, args=(world, _free_port(), path, str(ckpt), args.tp, args.ep, args.dtype, str(out)),
-                     nprocs=world, join=True)
-            rows[path] = json.loads(out.read_text())
-            worst = max(r["peak_above_start_bytes"] for r in rows[path])
-            print(f"{path:>22}: peak above start {worst / 2**20:8.1f} MiB (worst rank), kept "
-                  f"{max(r['weights_kept_bytes'] for r in rows[path]) / 2**20:8.1f} MiB, "
-                  f"{max(r['seconds'] for r in rows[path]):6.2f} s")
-    whole, own = (max(r["peak_above_start_bytes"] for r in rows[p]) for p in PATHS)
-    print(f"checkpoint {checkpoint_bytes / 2**20:.1f} MiB; own shard's peak = {own / whole:.2f} of the whole model's")
-    write_result(f"shard_load_tp{args.tp}_ep{args.ep}", {
-        "preset": args.preset, "tp": args.tp, "ep": args.ep, "dtype": args.dtype, "threads_per_rank": 1,
-        "checkpoint_bytes": checkpoint_bytes, "ranks": rows, "peak_ratio_own_over_whole": own / whole})
+        runs = [run_layout(ckpt, tp, ep, args.dtype, Path(tmp)) for tp, ep in layouts]
+    print(f"checkpoint {checkpoint_bytes / 2**20:.1f} MiB; own shard's peak / whole model's: "
+          + ", ".join(f"tp{r['tp']} ep{r['ep']} {r['peak_ratio_own_over_whole']:.2f}" for r in runs))
+    write_result(result_name("shard_load", args.quick), {
+        "preset": preset, "dtype": args.dtype, "threads_per_rank": 1, "checkpoint_bytes": checkpoint_bytes,
+        "paths": list(PATHS), "layouts": runs})
 
 
 if __name__ == "__main__":
