@@ -200,10 +200,11 @@ def _pipeline(s: RankSummary, compute: iv.Spans, comm: iv.Spans, coll: Collectiv
     # Idle compute under a pending P2P op: |(p2p u compute) in W| - |compute in W|
     # (the latter is s.compute of those steps, measured per window by _breakdown).
     wait = iv.length_in(iv.merge(pipe, compute), lo, hi) - s.compute[steps]
-    # The last pipeline op of each step (the first of equal ends, as argmax picks; of the
+    # The last pipeline op of each step, by when the rank issued it (an asynchronous send issued
+    # early may complete after everything else; the first of equal issues, as argmax picks; of the
     # send and the recv one coalesced kernel carries, the recv, whose data compute consumes).
     rows = np.flatnonzero(in_step)
-    rows = rows[np.lexsort((coll.kind[rows] == "send", -coll.end[rows], coll.step[rows]))]
+    rows = rows[np.lexsort((coll.kind[rows] == "send", -coll.end[rows], -coll.arrive[rows], coll.step[rows]))]
     first_of_step = np.empty(len(rows), dtype=bool)
     first_of_step[:1] = True
     np.not_equal(coll.step[rows][1:], coll.step[rows][:-1], out=first_of_step[1:])
@@ -346,13 +347,14 @@ class _CpuView:
     def spans(self) -> tuple[iv.Spans, iv.Spans, iv.Spans]:
         t = self.t
         # c10d calls, and the asynchronous collectives' issue and `wait_tensor` (waiting is not compute).
-        comm_main = [(o[1], o[1] + o[2]) for o in (*t.cpu_coll_ops, *t.functional_ops) if o[3] == self.main]
-        comm_main += [(a[1], a[1] + a[2]) for a in t.annotations if a[3] == self.main]
-        comm_all = comm_main + [(a[1], a[1] + a[2]) for a in t.annotations if a[3] != self.main]
-        main_comm = _spans(comm_main)
+        calls = [(o[1], o[1] + o[2]) for o in (*t.cpu_coll_ops, *t.functional_ops) if o[3] == self.main]
         ops = [(o[0], o[0] + o[1]) for o in t.cpu_ops if o[2] == self.main]
-        # Ops nested in a blocking c10d call (aten::empty inside recv) are communication.
-        compute = iv.subtract(_spans(ops), main_comm)
+        exchanges = [(a[1], a[1] + a[2]) for a in t.annotations if a[3] == self.main]
+        comm_all = calls + exchanges + [(a[1], a[1] + a[2]) for a in t.annotations if a[3] != self.main]
+        # Ops nested in a blocking c10d call (aten::empty inside recv) are communication, and so is
+        # the time the thread is held in a gloo exchange; an asynchronous one it goes on computing in is not.
+        held = blocking_parts(exchanges, calls + ops)
+        compute = iv.subtract(_spans(ops), _spans(calls + held))
         return compute, _spans(comm_all), iv.EMPTY
 
     def collectives(self, windows: np.ndarray) -> Collectives:
@@ -362,6 +364,33 @@ class _CpuView:
         t = self.t
         return cpu_exposed(t.cpu_ops, t.cpu_coll_ops, t.functional_ops, t.annotations, self.main, s.window[:, 0],
                            s.window[:, 1])
+
+
+def blocking_parts(exchanges: list[tuple[float, float]], ops: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The parts of a thread's gloo exchanges (`gloo:send`, ... annotations: start, end) during which the
+    thread is held in them. A blocking exchange runs nothing inside it. An asynchronous one (isend,
+    irecv, batch_isend_irecv: how `torch.distributed.pipelining` sends) stays open on the thread until
+    its transfer completes while the thread goes on: it holds the thread only until the first op the
+    thread starts inside it (`ops`, start and end, the thread's own) and after the last one ends (a
+    final `wait()`, which records no op)."""
+    if not exchanges or not ops:
+        return exchanges
+    spans = np.array(ops, dtype=float)
+    spans = spans[np.argsort(spans[:, 0], kind="stable")]
+    starts, ends = spans[:, 0], spans[:, 1]
+    a = np.array(exchanges, dtype=float)
+    first = np.searchsorted(starts, a[:, 0], side="right")  # ops starting strictly after the exchange does
+    stop = np.searchsorted(starts, a[:, 1], side="left")  # ... and before it ends
+    out = []
+    for (lo, hi), i, j in zip(exchanges, first.tolist(), stop.tolist()):
+        if j <= i:
+            out.append((lo, hi))
+            continue
+        out.append((lo, float(starts[i])))
+        last = float(ends[i:j].max())
+        if last < hi:
+            out.append((last, hi))
+    return out
 
 
 def _steps(t: EventTables) -> tuple[np.ndarray, np.ndarray, np.ndarray] | tuple:

@@ -63,3 +63,30 @@ def test_report_on_gpu_traces_agrees_with_the_breakdown(dp_job):
     for r in rep["ranks"]:
         assert ex[r["rank"]]["exposed_s_per_step"] * r["steps"] == pytest.approx(r["exposed_comm_s"], abs=r["steps"] * 1e-6)
     assert rep["exposed_by_kind"]["exposed_s_per_step"] > 0
+
+
+def test_an_asynchronous_gloo_send_does_not_hide_the_compute_the_thread_runs_meanwhile():
+    """isend / batch_isend_irecv (torch.distributed.pipelining's sends): the `gloo:send` annotation stays
+    open on the training thread until the transfer completes while the thread goes on computing. It holds
+    the thread only at its issue and in the final wait; a blocking recv with nothing inside holds it whole."""
+    from deltamoe.trace.build import _CpuView, blocking_parts
+    from deltamoe.trace.tables import EventTables
+
+    # [0, 10) compute; send issued [10, 11), its exchange open [11, 100); compute [20, 30); a blocking recv
+    # [35, 36) + [36, 50); compute [50, 70); then the thread waits for the send until 100.
+    ops = [(20.0, 30.0), (50.0, 70.0)]
+    calls = [(10.0, 11.0), (35.0, 36.0)]
+    assert blocking_parts([(11.0, 100.0), (36.0, 50.0)], calls + ops) == [(11.0, 20.0), (70.0, 100.0), (36.0, 50.0)]
+    t = EventTables()
+    t.cpu_ops = [(0.0, 10.0, MAIN), (20.0, 10.0, MAIN), (50.0, 20.0, MAIN)]
+    t.cpu_coll_ops = [("c10d::send", 10.0, 1.0, MAIN, None, 0), ("c10d::recv_", 35.0, 1.0, MAIN, None, 0)]
+    t.annotations = [("gloo:send", 11.0, 89.0, MAIN), ("gloo:recv", 36.0, 14.0, MAIN)]
+    t.steps = [(1, 0.0, 100.0, MAIN)]
+    compute, comm, _ = _CpuView(t, 0, None).spans()
+    assert iv_total(compute) == 40.0  # all three compute ops (it was 10: the send hid the other two)
+    assert iv_total(comm) == 90.0  # [10, 100): the calls and both exchanges, in flight
+
+
+def iv_total(spans) -> float:
+    start, end = spans
+    return float((np.asarray(end) - np.asarray(start)).sum())
