@@ -69,7 +69,7 @@ def _sigterm_as_interrupt(signum: int, frame: object) -> None:
 
 
 def sigterm_as_ctrl_c() -> None:
-    """For a command that has no SIGTERM handling of its own (generate, chat): SIGTERM (a service
+    """For a command that has no SIGTERM handling of its own (generate, chat, train): SIGTERM (a service
     manager, `timeout`, a scheduler) ends it as Ctrl-C does, so its cleanup runs (worker processes
     stopped, a compiler subprocess killed), where the default action kills the process at once.
     Not for `serve`: uvicorn restores the handler it found and raises the signal again at its exit."""

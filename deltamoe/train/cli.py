@@ -106,8 +106,12 @@ def train_command(**options: Any) -> None:
     if values["data.task"] is not None:
         overrides["data.path"] = None
     cfg = resolve_config(config, overrides)  # ConfigError here costs no torch import
+    from deltamoe.cli import sigterm_as_ctrl_c
     from deltamoe.train.trainer import train
 
+    # A scheduler, `timeout` or torchrun's agent (which passes Ctrl-C on as SIGTERM) stops the run as
+    # Ctrl-C does: the interrupted-run message names the checkpoint to resume from.
+    sigterm_as_ctrl_c()
     train(cfg)
 
 

@@ -73,7 +73,7 @@ def train(cfg: TrainConfig) -> RunResult:
     try:
         return Trainer(cfg, model_config, data, mesh).run()
     except KeyboardInterrupt:
-        if world == 1:
+        if int(os.environ.get("RANK", "0")) == 0:  # once per run, not once per rank
             _say_interrupted(Path(cfg.run.out))
         raise
     finally:
