@@ -16,10 +16,18 @@ def plot_curves(metrics: list[dict[str, Any]], evals: list[dict[str, Any]], path
     has_acc = any(e.get("accuracy") is not None for e in evals)
     fig, axes = plt.subplots(1, 2 if has_acc else 1, figsize=(11 if has_acc else 6, 4), squeeze=False)
     ax = axes[0][0]
-    steps = [m["step"] for m in metrics if m.get("loss") is not None]
-    ax.plot(steps, [m["loss"] for m in metrics if m.get("loss") is not None], label="train loss", lw=1)
+    trained = [m for m in metrics if m.get("loss") is not None]
+    lm = [m for m in trained if m.get("lm_loss") is not None]
+    if lm and any(abs(m["lm_loss"] - m["loss"]) > 1e-9 for m in lm):
+        # With MTP heads the loss adds their term; the eval loss is the language model's alone, so the
+        # curve it is read against is the train LM loss (the total is drawn faintly beside it).
+        ax.plot([m["step"] for m in trained], [m["loss"] for m in trained], label="train loss (LM + MTP)",
+                lw=0.8, alpha=0.4, color="C0")
+        ax.plot([m["step"] for m in lm], [m["lm_loss"] for m in lm], label="train LM loss", lw=1, color="C1")
+    else:
+        ax.plot([m["step"] for m in trained], [m["loss"] for m in trained], label="train loss", lw=1)
     if evals:
-        ax.plot([e["step"] for e in evals], [e["loss"] for e in evals], "o-", label="eval loss")
+        ax.plot([e["step"] for e in evals], [e["loss"] for e in evals], "o-", label="eval loss (LM)", color="C2")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_yscale("log")

@@ -32,6 +32,10 @@ class RunProgress:
         # An RL step whose groups were all dropped or too small trains nothing: it has no loss.
         loss = record.get("loss")
         head = f"loss {loss:.4f}" if loss is not None else "no update (no group of 2+ completions)"
+        lm = record.get("lm_loss")
+        if loss is not None and lm is not None and abs(lm - loss) > 1e-9:
+            # The loss adds the MTP heads' term; the language-model part is what an eval loss compares with.
+            head += f" (lm {lm:.4f})"
         status = f"{head}  {record['tokens_per_s']:,.0f} tok/s"
         if self._plain is not None:
             if step >= self._total:  # printed at close, with the closing evaluation's numbers
