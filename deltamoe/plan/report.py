@@ -95,6 +95,8 @@ def render_plan(console: Console, model: str, costs: ModelCosts, hw: Hardware, p
     console.print(head)
 
     why = "most output tok/s per chip" + (" that meets the SLO" if w.slo_ttft_s or w.slo_tpot_s else "")
+    if not plan.meets():  # nothing meets it: this is the best there is, tagged below
+        why = "no layout meets the SLO; most output tok/s per chip"
     pools = Table(title=f"chosen plan ({why}): {plan.mode}, {plan.output_per_chip:,.1f} output tok/s per chip "
                   f"({plan.total_per_chip:,.0f} in+out), TTFT {plan.ttft_s * 1e3:,.0f} ms, "
                   f"TPOT {plan.tpot_s * 1e3:,.1f} ms" + ("" if plan.meets() else "  [SLO NOT MET]"))

@@ -336,6 +336,16 @@ def best_plan(costs: ModelCosts, hw: Hardware, workload: Workload, chips: int,
         raise ConfigError(f"{chips:,} chips is more than the planner's limit of {MAX_CHIPS:,}", field="chips",
                           hint=f"plan at most {MAX_CHIPS:,} chips (--chips or --nodes x chips per node)")
     plans = Planner(costs, hw, workload, model_name).plans(chips)
+    if not plans and (workload.slo_ttft_s is not None or workload.slo_tpot_s is not None):
+        free = Planner(costs, hw, replace(workload, slo_ttft_s=None, slo_tpot_s=None), model_name).plans(chips)
+        if free:  # the model fits: the latency target is what no layout reaches
+            slo = ", ".join(x for x in (f"TTFT <= {workload.slo_ttft_s:g} s" if workload.slo_ttft_s else "",
+                                        f"TPOT <= {workload.slo_tpot_s * 1e3:g} ms" if workload.slo_tpot_s else "")
+                            if x)
+            raise ConfigError(f"no layout of {chips} x {hw.name} meets the SLO ({slo}) at any batch; the model "
+                              "fits, the latency target is out of reach",
+                              field="slo-tpot" if workload.slo_tpot_s is not None else "slo-ttft",
+                              hint="relax --slo-tpot / --slo-ttft (or --no-slo), or add chips")
     if not plans:
         raise ConfigError(f"no layout of {chips} x {hw.name} fits this model with a useful batch",
                           field="nodes", hint="add nodes, lower --context or use smaller --weights")

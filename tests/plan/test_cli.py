@@ -99,6 +99,18 @@ def test_table_says_which_slo_and_why():
     assert "without the SLO" in out and "chosen plan (most output tok/s per chip that meets the SLO)" in out
 
 
+def test_an_slo_no_layout_reaches_says_so(capsys):
+    """The model fits 32 x h200; a 5 ms TPOT is what no layout reaches: the error names the SLO, not the
+    fit. A TTFT no layout reaches still prints the best plan, headed as not meeting it."""
+    assert main(["plan", "--model", "kimi-k3", "--hardware", "h200", "--nodes", "4", "--slo-tpot", "0.005"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: slo-tpot: no layout of 32 x h200 meets the SLO (TPOT <= 5 ms)") and "fits" in err
+    res = runner.invoke(_app(), ["--model", "kimi-k3", "--hardware", "h200", "--nodes", "4", "--slo-ttft", "0.01"])
+    assert res.exit_code == 0, res.output
+    out = " ".join(res.stdout.split())
+    assert "chosen plan (no layout meets the SLO; most output tok/s per chip)" in out and "[SLO NOT MET]" in out
+
+
 def test_slo_flag_errors_are_one_line(capsys):
     assert main(["plan", "--model", "kimi-k3", "--hardware", "h200", "--no-slo", "--slo-tpot", "0.05"]) == 2
     assert capsys.readouterr().err.startswith("error: no-slo: ")
