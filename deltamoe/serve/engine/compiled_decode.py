@@ -59,7 +59,9 @@ the one-row matmul pass. Copies attend over their row's whole context, so a call
 `min_rows` runs eagerly once its copies would gather more than `COPIES_MAX_EXTRA_VALUES` a step
 (`CompiledDecode.runs`): a lone long sequence. Each class compiles once per process (its regions: seconds each on two
 cores; inductor caches them on disk). `LLMEngine.warm_up` sends the requests of `warm_up_rounds`
-through the scheduler so every class compiles before traffic. Prefill chunks stay eager: their
+through the scheduler so every class compiles before traffic (with speculation, it also calls the
+verification and MTP regions once per graph class of theirs, `WarmUpCall`, made directly: what the
+drafts keep decides those calls' shapes). Prefill chunks stay eager: their
 lengths vary and they are a small share of the steps.
 
 Guards on the model's modules are skipped (`skip_guard_on_all_nn_modules_unsafe`): checking
@@ -82,7 +84,7 @@ import platform
 import shutil
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import torch
 
@@ -417,6 +419,19 @@ class WarmUpRound:
     followers: tuple[tuple[int, int], ...] = ()
 
 
+@dataclass(frozen=True)
+class WarmUpCall:
+    """One call of a compiled speculative region (`spec_decode/compiled_verify.py`, `compiled_draft.py`)
+    over made-up rows, for a graph class no made-up request reaches for certain: the shapes of those
+    calls follow what the drafts keep. `rows` rows of `positions` new positions each, after a past
+    of one token; `SpeculativeRunner.warm_up_call` runs it."""
+
+    graph: str  # the class it reaches, for messages
+    kind: str  # "verification" or "draft"
+    rows: int
+    positions: int
+
+
 def expert_form_budget(model: torch.nn.Module) -> int | None:
     """The all-experts budget `ops.moe.static_expert_form` applies to `model`'s expert stacks:
     int4 stacks' own at this thread count (`ops.int4_experts.all_experts_budget`), else None
@@ -438,17 +453,33 @@ def warm_up_rounds(config: ModelConfig, max_num_seqs: int, max_context: int,
       are admitted in one step while the token budget holds 2 per follower).
     `max_context`: the longest sequence the engine admits (prompt + output); `extra_macs_per_expert`:
     the experts' budget (`expert_form_budget`)."""
-    moe = config.num_experts > 0
-    batches = _first_of_each_form(
-        lambda b: static_expert_form(b, config.num_experts_per_token, config.num_experts, config.expert_dim,
-                                     config.moe_intermediate_size, extra_macs_per_expert)
-        if moe else None,
-        range(2, max_num_seqs + 1))
+    batches = _first_of_each_form(lambda b: expert_form(config, b, extra_macs_per_expert), range(2, max_num_seqs + 1))
     # The lead's first decode sees context prompt + 1 (2: a one-token context is a prefill).
     rounds = [WarmUpRound("batch 1", (1, 2))] if max_context >= 3 else []
     if max_context >= 4:  # the lead decodes twice: once alone, once beside its followers
         rounds += [WarmUpRound(f"batch {batch}", (1, 3), ((2, 2),) * (batch - 1)) for batch in batches]
     return rounds
+
+
+def expert_form(config: ModelConfig, rows: int, extra_macs_per_expert: int | None = None) -> str | None:
+    """The form of the routed experts (`ops.moe.static_expert_form`) a compiled graph of `rows` rows
+    (tokens) takes; None without routed experts."""
+    if config.num_experts == 0:
+        return None
+    return static_expert_form(rows, config.num_experts_per_token, config.num_experts, config.expert_dim,
+                              config.moe_intermediate_size, extra_macs_per_expert)
+
+
+def first_of_each_class(shapes: Iterable[CallT], graph_class: Callable[[CallT], object],
+                        cost: Callable[[CallT], object]) -> list[CallT]:
+    """The cheapest of `shapes` (by `cost`) for each answer of `graph_class`, in the order of their costs:
+    one call per graph class, the class of a call told by the same shape rules its ops apply."""
+    cheapest: dict[object, CallT] = {}
+    for shape in shapes:
+        key = graph_class(shape)
+        if key not in cheapest or cost(shape) < cost(cheapest[key]):
+            cheapest[key] = shape
+    return sorted(cheapest.values(), key=cost)
 
 
 def _first_of_each_form(form: Callable[[int], object], sizes: range) -> list[int]:

@@ -19,7 +19,7 @@ import torch
 from deltamoe.errors import ConfigError, RequestError
 from deltamoe.model.model import DeltaMoEForCausalLM
 from deltamoe.serve.engine.cache import HybridCache
-from deltamoe.serve.engine.compiled_decode import WarmUpRound, expert_form_budget, warm_up_rounds
+from deltamoe.serve.engine.compiled_decode import WarmUpCall, WarmUpRound, expert_form_budget, warm_up_rounds
 from deltamoe.serve.engine.config import EngineConfig, check_max_model_len
 from deltamoe.serve.engine.detokenizer import IncrementalDetokenizer
 from deltamoe.serve.engine.forks import ForkBook, start_forks
@@ -384,9 +384,10 @@ class LLMEngine:
     def warm_up(self) -> None:
         """Compile every decode graph a server meets before traffic does (compiled decode only), so
         that no request waits for a compile mid-stream (one takes ~10-60 s). Sends the made-up
-        requests of `compiled_decode.warm_up_rounds` through the scheduler like any others, then
-        forgets them: request ids, seeds, statistics, prefix cache and the order of free blocks and
-        slots are as before. Call it at startup, before requests arrive."""
+        requests of `compiled_decode.warm_up_rounds` through the scheduler like any others, and
+        with speculation makes the calls of `spec_decode.runner.verification_warm_up_rounds` over
+        made-up sequences, then forgets them: request ids, seeds, statistics, prefix cache and the
+        order of free blocks and slots are as before. Call it at startup, before requests arrive."""
         if not self.runner.compiles_decode:
             return
         if self.has_unfinished():
@@ -409,12 +410,15 @@ class LLMEngine:
             restore_acceptance()
             self.executor.forget_stats()  # the ranks' forward seconds held the compiles
 
-    def _run_warm_up_round(self, round_: WarmUpRound) -> None:
+    def _run_warm_up_round(self, round_: WarmUpRound | WarmUpCall) -> None:
         def request(name: str, prompt_len: int, max_tokens: int) -> Sequence:
             # Own ids and seeds: the engine's counters stay untouched.
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, seed=0)
             return self.make_sequence([1] * prompt_len, params, request_id=f"warm-up-{name}", stream_text=False)
 
+        if not isinstance(round_, WarmUpRound):  # a speculative region's call (`WarmUpCall`), made directly
+            self.runner.warm_up_call(round_, lambda name: request(name, 1, 1))
+            return
         lead = request("lead", *round_.lead)
         self.add_sequence(lead)
         while not lead.output_ids:

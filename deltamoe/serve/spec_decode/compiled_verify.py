@@ -19,9 +19,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deltamoe.config import ModelConfig
 from deltamoe.model.decoder import DecoderLayer
 from deltamoe.model.kda_layer import KimiDeltaAttention
-from deltamoe.serve.engine.compiled_decode import CompiledDecode, compile_for_decode, decode_form, decode_tracing
+from deltamoe.serve.engine.compiled_decode import (CompiledDecode, compile_for_decode, decode_form, decode_tracing,
+                                                   expert_form, first_of_each_class)
 from deltamoe.serve.engine.compiled_regions import FFNRegion, check_region_key, region_key
 from deltamoe.serve.engine.layer_cache_view import LayerCacheView
 from deltamoe.serve.spec_decode.checkpoint_view import CheckpointView
@@ -65,7 +67,8 @@ class VerifyAttentionRegion:
 class CompiledVerify:
     """(ids [B, K+1], CheckpointView) -> logits [B, K+1, V] fp32 and hidden states [B, K+1, D], the
     trunk's attention and MoE through compiled regions. Compiles on first use of each region kind
-    and batch class: batch 1 and batch >= 2 (torch specialises size 1). A lone row is not repeated
+    and batch class: batch 1 and batch >= 2 (torch specialises size 1), and in the MoE regions each
+    form of the experts over the B x (K + 1) rows (`verification_batches`). A lone row is not repeated
     into two as the decode step's regions do: that saves one graph class per region kind at the
     price of doubling, at every step, the K + 1 rows each region computes.
 
@@ -84,6 +87,18 @@ class CompiledVerify:
         with decode_tracing():  # the decode graphs' tracing settings, as `CompiledDecode` sets them
             forward = self._model(ids, cache=view, logits_to_keep=self.k + 1)
         return forward.logits.float(), forward.hidden_states
+
+
+def verification_batches(config: ModelConfig, num_draft_tokens: int, max_batch: int,
+                         extra_macs_per_expert: int | None = None) -> list[int]:
+    """The smallest batch of each graph class that verifications of 1 .. `max_batch` rows meet
+    (T = K + 1 fixed): batch 1 apart from the others (torch specialises size 1), and in each, one
+    MoE region graph per form of the experts (`compiled_decode.expert_form`) over the B x (K + 1)
+    rows it computes. `extra_macs_per_expert`: the experts' budget (`compiled_decode.expert_form_budget`)."""
+    positions = num_draft_tokens + 1
+    return first_of_each_class(range(1, max_batch + 1),
+                               lambda b: (b == 1, expert_form(config, b * positions, extra_macs_per_expert)),
+                               cost=lambda b: b)
 
 
 def _with_verify_regions(layer: DecoderLayer, key: str) -> None:

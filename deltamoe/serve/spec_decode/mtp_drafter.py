@@ -68,7 +68,7 @@ class MTPDrafter:
         for b, r in enumerate(rows):
             hidden[b, :counts[b]] = r.hidden
             ids[b, :counts[b]] = torch.tensor(r.next_tokens, device=hidden.device)
-        out = self._call(hidden, ids, [r.seq for r in rows], [r.start for r in rows], counts)
+        out = self.call(hidden, ids, [r.seq for r in rows], [r.start for r in rows], counts)
         last = out[torch.arange(len(rows)), torch.tensor(counts) - 1]  # [B, D]
         drafting = [b for b, r in enumerate(rows) if r.draft]
         drafts: list[Drafts | None] = [None] * len(rows)
@@ -81,7 +81,7 @@ class MTPDrafter:
         positions = [rows[b].start + counts[b] for b in drafting]  # the pending token's position
         for j in range(1, self.k):
             ids = torch.tensor(steps_tokens[-1], device=prev.device)[:, None]
-            prev = self._call(prev[:, None], ids, seqs, [p + j - 1 for p in positions], [1] * len(seqs))[:, 0]
+            prev = self.call(prev[:, None], ids, seqs, [p + j - 1 for p in positions], [1] * len(seqs))[:, 0]
             tokens, probs = self._pick(self.mtp.logits(prev), seqs)
             steps_tokens.append(tokens)
             steps_probs.append(probs)
@@ -90,8 +90,8 @@ class MTPDrafter:
             drafts[b] = Drafts(position=positions[i], tokens=[s[i] for s in steps_tokens], probs=row_probs)
         return drafts
 
-    def _call(self, hidden: torch.Tensor, next_ids: torch.Tensor, seqs: list[Sequence], starts: list[int],
-              counts: list[int]) -> torch.Tensor:
+    def call(self, hidden: torch.Tensor, next_ids: torch.Tensor, seqs: list[Sequence], starts: list[int],
+             counts: list[int]) -> torch.Tensor:
         """The MTP layer over new positions starts[b] .. starts[b]+counts[b]-1 of each row -> [B, T, D]."""
         compiled = self.compiled if self.compiled is not None and self.compiled.runs(starts, counts) else None
         view = PagedBatchView(self.cache, [s.block_table for s in seqs], starts, [s.slot for s in seqs], counts,

@@ -35,7 +35,7 @@ import torch
 from deltamoe.errors import ConfigError
 from deltamoe.model.model import DeltaMoEForCausalLM
 from deltamoe.serve.engine.cache import HybridCache
-from deltamoe.serve.engine.compiled_decode import WarmUpRound
+from deltamoe.serve.engine.compiled_decode import WarmUpCall, expert_form_budget
 from deltamoe.serve.engine.config import EngineConfig, check_speculative_layout
 from deltamoe.serve.engine.runner import ModelRunner, StepResult
 from deltamoe.serve.engine.sampling import token_logprobs
@@ -44,8 +44,8 @@ from deltamoe.serve.engine.sequence import Sequence
 from deltamoe.serve.spec_decode.acceptance import accept_greedy, greedy_targets, rejection_sample, target_probs
 from deltamoe.serve.spec_decode.batch_rule import PendingCatchUp, run_plain_keeping_hidden, runs_plain
 from deltamoe.serve.spec_decode.checkpoint_view import CheckpointView
-from deltamoe.serve.spec_decode.compiled_draft import CompiledDraft
-from deltamoe.serve.spec_decode.compiled_verify import CompiledVerify
+from deltamoe.serve.spec_decode.compiled_draft import CompiledDraft, draft_shapes
+from deltamoe.serve.spec_decode.compiled_verify import CompiledVerify, verification_batches
 from deltamoe.serve.spec_decode.mtp_drafter import CatchUp, MTPDrafter, following_tokens
 from deltamoe.serve.spec_decode.step_costs import StepCosts
 from deltamoe.serve.spec_decode.step_result import SpeculativeStepResult
@@ -63,6 +63,7 @@ class SpeculativeRunner(ModelRunner):
         self.drafter = MTPDrafter(model, cache, self.k, CompiledDraft(model, decode) if decode is not None else None)
         self.tracker = AcceptanceTracker(self.k, config.spec_min_acceptance)
         self.max_batch = config.spec_max_batch
+        self.max_num_seqs, self.max_num_batched_tokens = config.max_num_seqs, config.max_num_batched_tokens
         self.costs = StepCosts()  # plain and speculative step times by batch size, under max_batch
         self.by_cost = config.spec_max_batch > 0 and config.spec_batch_rule == "cost"
         # Plain rows hand back their hidden states (for the MTP catch-up) in every form but the whole-call graph.
@@ -192,10 +193,7 @@ class SpeculativeRunner(ModelRunner):
         k = self.k
         drafts = [self.tracker.state(seq).drafts for seq in seqs]
         ids = torch.tensor([[seq.token_ids[-1]] + d.tokens for seq, d in zip(seqs, drafts)], device=self.device)
-        compiled = self._compiled_verify
-        view = CheckpointView(self.cache, [s.block_table for s in seqs], [s.num_computed for s in seqs],
-                              [s.slot for s in seqs], k + 1, slice_consecutive=compiled is None,
-                              min_table_width=1 if compiled is None else compiled.min_table_width)
+        view = self._verification_view(seqs)
         logits, hidden = self.verify_forward(ids, view)
         out: list[tuple[StepResult, CatchUp]] = []
         for b, (seq, d) in enumerate(zip(seqs, drafts)):
@@ -216,6 +214,40 @@ class SpeculativeRunner(ModelRunner):
                                            block_size=self.cache.block_size, num_drafts=k)
             out.append((result, CatchUp(seq, n, hidden[b, :accepted + 1], tokens, draft=True)))
         return out
+
+    def _verification_view(self, seqs: list[Sequence]) -> CheckpointView:
+        """The cache view of a verification over `seqs`: K + 1 new positions each."""
+        compiled = self._compiled_verify
+        return CheckpointView(self.cache, [s.block_table for s in seqs], [s.num_computed for s in seqs],
+                              [s.slot for s in seqs], self.k + 1, slice_consecutive=compiled is None,
+                              min_table_width=1 if compiled is None else compiled.min_table_width)
+
+    @torch.inference_mode()
+    def warm_up_call(self, call: WarmUpCall, new_sequence: Callable[[str], Sequence]) -> None:
+        """Run `call` (`verification_warm_up_rounds`) through the call site traffic uses (a
+        verification's `verify_forward`, the drafter's MTP call) over `call.rows` made-up sequences
+        from `new_sequence(name)`, each with a past of one token; their blocks and slots are given
+        back after. Without room for them in the cache it runs nothing: traffic cannot make that
+        call either."""
+        past, seqs = 1, []
+        try:
+            for i in range(call.rows):
+                seq = new_sequence(str(i))
+                if not self.cache.admit(seq):
+                    return
+                seqs.append(seq)
+                if not self.cache.grow(seq, past + call.positions):
+                    return
+                seq.num_computed = past
+            ids = torch.ones(call.rows, call.positions, dtype=torch.long, device=self.device)
+            if call.kind == "verification":
+                self.verify_forward(ids, self._verification_view(seqs))
+            else:  # the trunk's hidden states: any values of their shape and dtype (the embeddings')
+                hidden = torch.zeros_like(self.drafter.embed(ids))
+                self.drafter.call(hidden, ids, seqs, [past] * call.rows, [call.positions] * call.rows)
+        finally:
+            for seq in seqs:
+                self.cache.free(seq)
 
     def verify_forward(self, ids: torch.Tensor, view: CheckpointView) -> tuple[torch.Tensor, torch.Tensor]:
         """The target over each row's pending token and drafts, ids [B, K+1] -> logits [B, K+1, V] fp32
@@ -246,19 +278,37 @@ def speculation_counters(runner: ModelRunner) -> frozenset[str]:
     return runner.tracker.COUNTERS if isinstance(runner, SpeculativeRunner) else frozenset()
 
 
-def verification_warm_up_rounds(runner: ModelRunner, max_context: int) -> list[WarmUpRound]:
-    """Made-up requests that reach the compiled speculative graphs (`compiled_verify.py`,
-    `compiled_draft.py`) through the scheduler, for `LLMEngine.warm_up` (none without them): one
-    request alone, then two together, each long enough for several verifications and drafts.
-    What the drafts keep decides which catch-up length a round meets; a batch whose K + 1 tokens
-    per row change the MoE's form (`ops.moe.gathers_expert_weights`) compiles on first use."""
+def verification_warm_up_rounds(runner: ModelRunner, max_context: int) -> list[WarmUpCall]:
+    """The calls that compile every graph class of the compiled speculative regions
+    (`compiled_verify.py`, `compiled_draft.py`) before traffic, for `LLMEngine.warm_up` (none
+    without them): one call per class, made directly (`SpeculativeRunner.warm_up_call`), since what
+    the drafts keep decides the shapes traffic makes and no made-up request steers that.
+    - verifications: batches of 1 .. the largest that speculates (`spec_max_batch` - 1, or
+      `max_num_seqs` with no limit), K + 1 positions a row (`compiled_verify.verification_batches`);
+    - the MTP layer's calls (`compiled_draft.draft_shapes`): up to `max_num_seqs` rows (a plain
+      step catches up every row whose block filled), each of up to the positions one catch-up
+      holds: those a row's plain steps left pending (at most a block's but one, since a filling
+      block catches up) and the step's own (its verified tokens, or its share of the step's token
+      budget), within the context limit.
+    `max_context`: the longest sequence the engine admits (prompt + output)."""
     if not isinstance(runner, SpeculativeRunner) or runner._compiled_verify is None:
         return []
-    tokens = 3 * (runner.k + 1) + 2  # (prompt, max_tokens): room for three verifications, whatever they keep
-    alone, lead, follower = (2, tokens), (2, 2 * tokens), (2, tokens)
-    if sum(lead) + runner.k > max_context:
-        return []
-    return [WarmUpRound("verification, batch 1", alone), WarmUpRound("verification, batch 2", lead, (follower,))]
+    config, k, past = runner.model.config, runner.k, 1
+    budget = expert_form_budget(runner.model)
+    rows = runner.max_num_seqs
+    verifying = rows if runner.max_batch == 0 else min(rows, runner.max_batch - 1)
+    calls = []
+    if past + k + 1 <= max_context:
+        calls += [WarmUpCall(f"verification, batch {b}", "verification", b, k + 1)
+                  for b in verification_batches(config, k, verifying, budget)]
+
+    def longest_catch_up(b: int) -> int:
+        pending = runner.cache.block_size - 1
+        return min(max_context - past, pending + max(k + 1, runner.max_num_batched_tokens // b))
+
+    calls += [WarmUpCall(f"MTP call, {b} rows x {t} positions", "draft", b, t)
+              for b, t in draft_shapes(config, rows, longest_catch_up, budget)]
+    return calls
 
 
 def acceptance_restorer(runner: ModelRunner) -> Callable[[], None]:
