@@ -15,9 +15,8 @@ the text into deltas:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import dataclasses
+from dataclasses import dataclass
 
 from deltamoe.serve.api.tool_parser import SECTION_BEGIN, first_marker, partial_marker_len
 from deltamoe.serve.structured.constraint import Constraint

@@ -104,7 +104,6 @@ class GrammarMatcher:
         return self._after is None and self._ll.is_stopped()
 
 
-
 def _single_token(tokenizer: Tokenizer, text: str) -> int | None:
     """The one token id that writes `text` (a special token, or one character), else None."""
     if text in tokenizer.special_tokens:
