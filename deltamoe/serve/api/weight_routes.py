@@ -201,6 +201,7 @@ class _IdleExpiry:
         self.generation = 0  # which update the timer is for: a later one is not the expired one
         self.timer: asyncio.TimerHandle | None = None
         self.last_touch = 0.0  # event-loop time of the last call that worked on the update
+        self.expiry: asyncio.Future | None = None
 
     def opened(self, timeout_s: float | None) -> None:
         self.timeout_s = timeout_s
@@ -215,8 +216,11 @@ class _IdleExpiry:
             self.timer = None
         if self.updater.updating and self.timeout_s is not None:
             generation = self.generation
-            self.timer = loop.call_later(
-                self.timeout_s, lambda: asyncio.ensure_future(self._expire(generation)))
+            self.timer = loop.call_later(self.timeout_s, self._fire, generation)
+
+    def _fire(self, generation: int) -> None:
+        # The loop holds tasks weakly: keep a reference while the expiry waits for the lock.
+        self.expiry = asyncio.ensure_future(self._expire(generation))
 
     async def _expire(self, generation: int) -> None:
         async with self.lock:
