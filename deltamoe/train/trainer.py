@@ -191,7 +191,8 @@ class Trainer:
         kept = f"the last good checkpoint is {good}" if good else "no checkpoint was saved"
         raise TrainingError(f"step {step}: non-finite {', '.join(f'{k} {v}' for k, v in bad.items())}; "
                             f"stopped, {kept}", field="train",
-                            hint="resume from it with a lower --lr or --clip-grad, or check the data")
+                            hint=("resume from it with a lower --lr or --clip-grad, or check the data" if good else
+                                  "start again with a lower --lr or --clip-grad (and --save-every N), or check the data"))
 
     def _save(self) -> None:
         checkpoint.save(self.out, self.parts, self.optimizers, self.state, self.cfg.run.keep_checkpoints,

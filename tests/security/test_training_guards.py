@@ -42,8 +42,9 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_pa
 
 def test_non_finite_before_any_checkpoint_says_so(tmp_path, monkeypatch):
     monkeypatch.setattr(TrainStep, "__call__", lambda self, step, mb: {"loss": 1.0, "grad_norm": float("inf")})
-    with pytest.raises(TrainingError, match="non-finite grad_norm inf; stopped, no checkpoint was saved"):
+    with pytest.raises(TrainingError, match="non-finite grad_norm inf; stopped, no checkpoint was saved") as e:
         train(micro_config(tmp_path / "run", **SMALL, **{"run.steps": 2}))
+    assert e.value.hint.startswith("start again")  # not "resume from it": there is nothing to resume from
 
 
 @pytest.fixture
