@@ -247,6 +247,9 @@ class Trainer:
         else:
             path = checkpoint.latest_checkpoint(self.out) if run.resume else None
         if path is None:
+            if run.resume and self.pm.is_logging_rank():  # as torchtitan, a fresh start; but say so
+                print(f"--resume: no checkpoint in {checkpoint.checkpoint_dir(self.out)} yet: starting a new run",
+                      file=sys.stderr, flush=True)
             return False
         field = "run.resume_from" if run.resume_from else "run.resume"
         checkpoint.check_loadable(path, field)  # manifest and index first: the config compared here is read from it

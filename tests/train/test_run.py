@@ -158,3 +158,10 @@ def test_a_tampered_checkpoint_names_the_setting_that_chose_it(micro, tmp_path):
         train(micro(**{"run.steps": 3, "run.out": str(out), "run.resume": True}))
     assert e.value.one_line() == (f"run.resume: {shard} has 1000 bytes, the manifest says {size} (hint: the "
                                   "checkpoint is truncated or was changed after it was saved)")
+
+
+def test_resume_with_no_checkpoint_starts_a_new_run_and_says_so(micro, tmp_path, capfd):
+    out = tmp_path / "fresh"
+    metrics = train(micro(**{"run.steps": 1, "run.out": str(out), "run.resume": True})).metrics
+    assert [m["step"] for m in metrics] == [1]
+    assert f"--resume: no checkpoint in {out / 'checkpoints'} yet: starting a new run" in capfd.readouterr().err
