@@ -40,8 +40,7 @@ def load_config(source: str | Path) -> ModelConfig:
     if path.is_dir():
         path = path / "config.json"
         if not path.exists():
-            raise ConfigError(f"no config.json in {source}", field="model",
-                              hint="pass a preset name or a checkpoint folder")
+            raise ConfigError(f"no config.json in {source}", field="model", hint=_model_folder_hint(path.parent))
     if path.suffix == ".json" and path.exists():
         data = read_json_object(path, field="config")
         _check_layer_count(data)
@@ -335,3 +334,12 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         if v.pos_emb_interpolation != "bilinear":
             out["vision_config"]["pos_emb_interpolation"] = v.pos_emb_interpolation
     return out
+
+
+def _model_folder_hint(folder: Path) -> str:
+    """Where the model is when `folder` is a training run's (its export is `model/`) or one of its
+    training checkpoints (`checkpoints/step-N`, a DCP folder, not a model)."""
+    for run in (folder, folder.parent.parent if folder.parent.name == "checkpoints" else None):
+        if run is not None and (run / "model" / "config.json").is_file():
+            return f"a training run's folder: its exported model is {run / 'model'}"
+    return "pass a preset name or a checkpoint folder"

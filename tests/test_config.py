@@ -120,3 +120,20 @@ def test_hf_config_values_of_the_wrong_type_name_their_field(key, value, field):
     with pytest.raises(ConfigError) as e:
         config_from_hf(hf)
     assert e.value.field == field
+
+
+def test_a_training_run_folder_points_to_its_exported_model(tmp_path):
+    """`generate RUN` or `generate RUN/checkpoints/step-N` (a DCP folder): the hint names RUN/model."""
+    from deltamoe.hf_config import load_config
+
+    run = tmp_path / "run"
+    (run / "model").mkdir(parents=True)
+    (run / "model" / "config.json").write_text("{}")
+    (run / "checkpoints" / "step-00000004").mkdir(parents=True)
+    for folder in (run, run / "checkpoints" / "step-00000004"):
+        with pytest.raises(ConfigError) as e:
+            load_config(folder)
+        assert e.value.hint == f"a training run's folder: its exported model is {run / 'model'}"
+    with pytest.raises(ConfigError) as e:
+        load_config(tmp_path)
+    assert e.value.hint == "pass a preset name or a checkpoint folder"
