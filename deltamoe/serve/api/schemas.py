@@ -29,7 +29,7 @@ class StreamOptions(_Request):
 class SamplingFields(_Request):
     """What completions and chat share. None means "the default" (clients often send explicit nulls)."""
 
-    model: str
+    model: str | None = None  # None: the served model (as vLLM; OpenAI requires it)
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None  # vLLM extension; -1 means off there, 0 here

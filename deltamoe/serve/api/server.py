@@ -88,8 +88,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
 
     check_key = bearer_check(check_api_key_option(api_key))
 
-    def check_model(name: str) -> None:
-        if name != model_name:
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")
 
@@ -123,6 +123,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
     async def completions(request: Request) -> Response:
         req = await read_body(request, CompletionRequest, max_body_bytes, body_timeout_s)
         check_model(req.model)
+        req.model = req.model or model_name  # omitted: the served model, as vLLM
         params, names = completion_params(req, vocab_size)
         await constrain(params, req, engine.tokenizer)
         cmpl_id, prompts = f"cmpl-{uuid.uuid4().hex}", req.prompts
@@ -144,6 +145,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
     async def chat_completions(request: Request) -> Response:
         req = await read_body(request, ChatCompletionRequest, max_body_bytes, body_timeout_s)
         check_model(req.model)
+        req.model = req.model or model_name  # omitted: the served model, as vLLM
         params, names = chat_params(req, vocab_size, template.stop_token_ids)
         options = ChatOptions.of(req, template)
         await constrain(params, req, engine.tokenizer)  # response_format, guided_*, a forced tool_choice

@@ -80,6 +80,18 @@ def test_completion_matches_the_offline_engine(server, client):
     assert by_ids.choices[0].text == ref.text
 
 
+@pytest.mark.parametrize("route, body", [("completions", {"prompt": "The quick brown fox"}),
+                                         ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
+def test_an_omitted_model_is_the_served_one(server, route, body):
+    """As vLLM: a request without `model` goes to the one model served (OpenAI requires the field)."""
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    without = httpx.post(f"{server.url}/v1/{route}", headers=auth, json={**body, "max_tokens": 4, "temperature": 0})
+    named = httpx.post(f"{server.url}/v1/{route}", headers=auth,
+                       json={**body, "model": MODEL, "max_tokens": 4, "temperature": 0})
+    assert without.status_code == 200 and without.json()["model"] == MODEL
+    assert without.json()["choices"] == named.json()["choices"]
+
+
 def test_sampling_fields_reach_the_engine(server, client):
     fields = dict(temperature=0.9, top_p=0.9, seed=1234, presence_penalty=0.5, frequency_penalty=1.5)
     extra = dict(top_k=40, min_p=0.02, ignore_eos=True)
