@@ -60,10 +60,12 @@ def _analyze(folder: str, cfg: ReadConfig | None, workers: int, on_file: Callabl
     from deltamoe.trace.analyses.steps import step_times
     from deltamoe.trace.analyses.stragglers import stragglers
     from deltamoe.trace.analyses.sync_skew import sync_skew
+    from deltamoe.trace.clock import correct
     from deltamoe.trace.join import join
 
     _check_steps(cfg, summaries)
-    j = join(summaries)
+    # A rank whose clock is (trustworthily) off the others' is shifted before anything compares ranks.
+    summaries, j, clock = correct(summaries, join)
     pipe = bubbles(j, summaries)
     stage_of = {int(k): v for k, v in pipe["stage_of_rank"].items()} if pipe else {}
     a2a = alltoall(j)
@@ -79,7 +81,7 @@ def _analyze(folder: str, cfg: ReadConfig | None, workers: int, on_file: Callabl
         "events": sum(s.events for s in summaries),
         "read_seconds": round(t_read, 3), "analysis_seconds": round(time.perf_counter() - t0 - t_read, 3),
         "skipped": [{"path": e.path, "error": e.message} for e in errors],
-        "consistency": consistency(summaries, j),
+        "consistency": consistency(summaries, j, clock),
         "collectives_matched": j.instances, "p2p_matched": int(len(j.p2p_src)),
         "totals": totals(rows),
         "stragglers": strag["stragglers"],
@@ -96,9 +98,11 @@ def _analyze(folder: str, cfg: ReadConfig | None, workers: int, on_file: Callabl
     return Analysis(report, summaries)
 
 
-def consistency(summaries: list[RankSummary], j) -> dict:
+def consistency(summaries: list[RankSummary], j, clock: dict[int, float] | None = None) -> dict:
     """What does not add up across the rank files: ranks missing from the world, collectives a
-    member lacks (excluded from straggler evidence), per-rank warnings."""
+    member lacks (excluded from straggler evidence), per-rank warnings. `clock`: rank -> the
+    clock offset (us) removed from its timestamps (trace/clock.py)."""
+    clock = clock or {}
     world = max(s.world_size for s in summaries)
     present = {s.rank for s in summaries}
     missing = sorted(set(range(world)) - present)
@@ -111,6 +115,10 @@ def consistency(summaries: list[RankSummary], j) -> dict:
         by_group.setdefault((u["rank"], u["group"]), []).append(u)
     warnings += _world_size_warnings(summaries)
     warnings += _time_span_warnings(summaries)
+    warnings += [f"rank {r}: its collectives end {off / 1e3:+.1f} ms after the other members' (median; members "
+                 f"of a collective leave it together): its clock is about {off / 1e3:+.1f} ms off the others'; "
+                 f"corrected (its timestamps were shifted by {-off / 1e3:+.1f} ms before comparing ranks)"
+                 for r, off in sorted(clock.items())]
     warnings += _clock_skew_warnings(j)
     warnings += _unplaced_warnings(j)
     warnings += _unpaired_p2p_warnings(j)
@@ -131,7 +139,8 @@ def consistency(summaries: list[RankSummary], j) -> dict:
             same.setdefault(w, []).append(s.rank)
     warnings += [f"rank{'s' if len(r) > 1 else ''} {_ranks_text(r)}: {w}" for w, r in same.items()]
     return {"world_size": world, "missing_ranks": missing, "unmatched_collectives": j.unmatched[:256],
-            "unmatched_count": len(j.unmatched), "warnings": warnings[:64]}
+            "unmatched_count": len(j.unmatched), "warnings": warnings[:64],
+            "clock_offsets_ms": {str(r): round(off / 1e3, 3) for r, off in sorted(clock.items())}}
 
 
 def _world_size_warnings(summaries: list[RankSummary]) -> list[str]:
@@ -270,5 +279,6 @@ def _load_analyses() -> None:
     import deltamoe.trace.analyses.steps
     import deltamoe.trace.analyses.stragglers
     import deltamoe.trace.analyses.sync_skew
+    import deltamoe.trace.clock
     import deltamoe.trace.join
     import deltamoe.trace.report  # noqa: F401
