@@ -101,6 +101,18 @@ def check_cache_env() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; the SIGTERM handler a command installs (`sigterm_as_ctrl_c`) lasts only as long
+    as it, so a program or test that calls `main` in-process gets its own handler back."""
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if in_main_thread else None
+    try:
+        return _main(argv)
+    finally:
+        if in_main_thread and signal.getsignal(signal.SIGTERM) is not previous:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str] | None) -> int:
     _register()
     usage_error, no_args_is_help = _usage_errors()
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import os
 import pickle
+import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -185,7 +186,7 @@ def read_all(paths: list[str], cfg: ReadConfig, workers: int = 0,
             import multiprocessing as mp
 
             import numpy.ma  # noqa: F401  np.unique loads it on first use: once here, not in every worker
-            with mp.get_context("fork").Pool(workers, initializer=_keep_buffers_in_heap) as pool:
+            with mp.get_context("fork").Pool(workers, initializer=_init_pool_worker) as pool:
                 if meanwhile:
                     meanwhile()
                     meanwhile = None
@@ -314,6 +315,14 @@ def _child(paths: list[str], sizes: dict[str, int], cfg: ReadConfig, claim_fd: i
         pass
     finally:
         os._exit(code)
+
+
+def _init_pool_worker() -> None:
+    """A pool worker ends on SIGTERM, which is how `Pool.terminate` stops it: a handler the parent
+    installed (a CLI command run in-process that takes SIGTERM as Ctrl-C) is inherited by the fork
+    and kept a worker blocked on the task queue alive, so the pool's exit waited for it forever."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _keep_buffers_in_heap()
 
 
 def _keep_buffers_in_heap() -> None:

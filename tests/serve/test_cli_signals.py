@@ -45,3 +45,16 @@ def test_a_cxx_that_is_not_a_compiler_is_named(tmp_path):
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
     assert done.stderr.strip().startswith("error: compile_decode: $CXX is"), done.stderr[-1000:]
+
+
+def test_a_command_run_in_process_gives_the_callers_sigterm_handler_back():
+    """`generate` takes SIGTERM as Ctrl-C while it runs; a program (or a test worker) that calls `main`
+    in-process keeps its own handler afterwards (an inherited one kept a forked pool worker alive)."""
+    from deltamoe.cli import main
+
+    mine = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        assert main(["generate", "tiny", "-p", "x", "--max-tokens", "1", "--no-compile", "--threads", "1"]) == 0
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, mine)

@@ -205,3 +205,20 @@ def test_analyze_restores_the_collector_state(dp_job, workers):
             assert gc.isenabled() is state
     finally:
         gc.enable() if was else gc.disable()
+
+
+def test_pool_workers_end_on_sigterm_whatever_handler_the_parent_had():
+    """`Pool.terminate` stops workers with SIGTERM; a handler installed in the parent (a CLI command
+    run in-process that takes SIGTERM as Ctrl-C) was inherited by the forked workers and once kept one
+    alive, blocked on the task queue, so the pool's exit (and the test run) waited forever."""
+    import multiprocessing as mp
+    import signal
+
+    from deltamoe.trace.reader import _init_pool_worker
+
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        with mp.get_context("fork").Pool(1, initializer=_init_pool_worker) as pool:
+            assert pool.apply(signal.getsignal, (signal.SIGTERM,)) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, previous)
