@@ -65,8 +65,10 @@ def parser(command: str, prog: str = "python -m deltamoe.trace"):
     if command == "analyze":
         p = argparse.ArgumentParser(prog=f"{prog} analyze", description=ANALYZE_HELP, allow_abbrev=False)
         p.add_argument("folder", metavar="DIR", help="folder with one Kineto trace per rank (.json / .json.gz)")
-        p.add_argument("--json", dest="json_out", metavar="OUT.json", help="write the full report as JSON")
-        p.add_argument("--html", dest="html_out", metavar="OUT.html", help="write a self-contained HTML report")
+        p.add_argument("--json", dest="json_out", metavar="OUT.json",
+                       help="write the full report as JSON ('-': standard output)")
+        p.add_argument("--html", dest="html_out", metavar="OUT.html",
+                       help="write a self-contained HTML report ('-': standard output)")
         p.add_argument("--workers", type=int, default=0, help="reader processes (0: one per CPU)")
         p.add_argument("--steps", metavar="A:B", help="keep ProfilerStep numbers A <= n < B")
         p.add_argument("--comm-pattern", dest="comm_pattern", action="append", default=[],
@@ -179,18 +181,21 @@ def run_analyze(folder: str, json_out: str | None = None, html_out: str | None =
     from deltamoe.trace.analyze import analyze as run
     from deltamoe.trace.classify import Patterns
     from deltamoe.trace.reader import ReadConfig
-    from deltamoe.trace.report import write_html, write_json
+    from deltamoe.trace.report import STDOUT, write_html, write_json
 
     if workers < 0:
         raise TraceError("must be >= 0", field="--workers")
     if not Path(folder).is_dir():
         raise TraceError(f"not a directory: {folder}", field="DIR",
                          hint="pass the folder that holds one trace file per rank")
-    if json_out and html_out and _same_file(json_out, html_out):
+    if json_out == html_out == STDOUT:
+        raise TraceError("--json and --html both write to standard output ('-')", field="--html",
+                         hint="send one of them to a file")
+    if json_out and html_out and STDOUT not in (json_out, html_out) and _same_file(json_out, html_out):
         raise TraceError(f"--json and --html name the same file ({html_out}); the HTML would overwrite the JSON",
                          field="--html", hint="give each report its own file name")
     for option, out in (("--json", json_out), ("--html", html_out)):
-        if out:  # before the analysis, not after it
+        if out and out != STDOUT:  # before the analysis, not after it
             check_output_file(out, option, TraceError)
     cfg = ReadConfig(patterns=Patterns().with_extra(parse_patterns(comm_pattern)), steps=parse_steps(steps))
     if quiet:
@@ -215,10 +220,11 @@ def run_analyze(folder: str, json_out: str | None = None, html_out: str | None =
         if html_out:
             write_html(result.report, result.summaries, html_out)
     except OSError as e:  # e.g. the disk filled up during the analysis
-        raise TraceError(f"cannot write {e.filename}: {e.strerror or e}", field="--json/--html") from None
+        raise TraceError(f"cannot write {e.filename or 'standard output'}: {e.strerror or e}", field="--json/--html") from None
     if not quiet:
         from rich.console import Console
 
         from deltamoe.trace.terminal import print_summary
 
-        print_summary(result.report, Console())
+        # With a report on standard output the summary goes to stderr, so stdout stays one document.
+        print_summary(result.report, Console(stderr=STDOUT in (json_out, html_out)))

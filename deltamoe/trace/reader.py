@@ -97,7 +97,7 @@ def read_one(path: str, cfg: ReadConfig, size: int | None = None) -> RankSummary
         doc.traceEvents = None
         return build_summary(tables, doc.header(), path, cfg.steps)
     except TraceError as e:
-        return RankError(path, e.one_line())
+        return _rank_error(path, e)
     except (orjson.JSONDecodeError, schema.DecodeError) as e:
         return RankError(path, f"{path}: invalid JSON ({e})")
     except Exception as e:  # a malformed event must cost one rank, not the whole analysis
@@ -152,7 +152,7 @@ def read_sliced(path: str, cfg: ReadConfig, pool=None) -> RankSummary | RankErro
         header.update(header.pop("__tail__", {}))
         return build_summary(tables, header, path, cfg.steps)
     except TraceError as e:
-        return RankError(path, e.one_line())
+        return _rank_error(path, e)
     except (orjson.JSONDecodeError, schema.DecodeError) as e:
         return RankError(path, f"{path}: invalid JSON ({e})")
     except Exception as e:
@@ -352,6 +352,12 @@ def _size(path: str) -> int:
         return jsonsplit.uncompressed_size(path) if path.lower().endswith(".gz") else os.path.getsize(path)
     except OSError:
         return 0
+
+
+def _rank_error(path: str, e: TraceError) -> RankError:
+    """The error as one line that starts with the file (most name it as their field already)."""
+    line = e.one_line()
+    return RankError(path, line if line.startswith(path) else f"{path}: {line}")
 
 
 def _done(res: RankSummary | RankError, path: str, cb: Callable[[str], None] | None):

@@ -22,7 +22,18 @@ SCORE_TEXT = ("Score: the time the other members of a rank's collectives and pip
               "ranks also: at least 3x every other rank's score) and it was late in at least half of the steps.")
 
 
+STDOUT = "-"  # `--json -` / `--html -`: the report goes to standard output (to pipe into jq)
+
+
 def atomic_write(path: str | Path, data: bytes) -> None:
+    """Write `data` to `path` whole or not at all; "-" writes it to standard output."""
+    if str(path) == STDOUT:
+        import sys
+
+        sys.stdout.flush()
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
+        return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")

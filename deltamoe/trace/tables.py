@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
+from deltamoe.errors import TraceError
 from deltamoe.trace.classify import P2P_KINDS, STEP, Patterns, collective_kind, dtype_bytes
 from deltamoe.trace.schema import NO_ARGS as _NO_ARGS
 from deltamoe.trace.schema import Event
@@ -142,8 +143,8 @@ class EventTables:
         `record_param_comms` op whose kernel carries them too (Kineto copies them) are
         never looked up, so they are dropped as well.
         """
-        self.kernels = _rows_array(self.kernels, 7)
-        self.runtimes = _rows_array(self.runtimes, 2)
+        self.kernels = _rows_array(self.kernels, 7, _KERNEL_FIELDS)
+        self.runtimes = _rows_array(self.runtimes, 2, _RUNTIME_FIELDS)
         if (self.kernels[:, 2] != MEMORY).any():
             self.cpu_ops, self.cpu_coll_ops, self.functional_ops = [], [], []
             self.annotations = [a for a in self.annotations if collective_kind(a[0]) in P2P_KINDS]
@@ -196,10 +197,35 @@ def cpu_payload(name: str, a: object) -> int:
     return max(sizes) if len(sizes) == 2 else -1
 
 
-def _rows_array(rows: list | np.ndarray, width: int) -> np.ndarray:
+# What each column of the flat rows holds, as the trace names it (for the error on a non-number).
+_KERNEL_FIELDS = ("ts", "dur", "class", "args.stream", "args.correlation", "args.External id", "name")
+_RUNTIME_FIELDS = ("args.correlation", "ts")
+
+
+def _rows_array(rows: list | np.ndarray, width: int, fields: tuple[str, ...] = ()) -> np.ndarray:
     """A flat list of numbers, `width` per row, as a float (n, width) array; arrays pass through.
 
-    fromiter over a flat list is ~2x faster than over chained tuples and than np.array."""
+    fromiter over a flat list is ~2x faster than over chained tuples and than np.array. A value
+    that is not a number (a missing `ts`, `"dur": "abc"`) raises a TraceError naming the field."""
     if isinstance(rows, np.ndarray):
         return rows.reshape(-1, width)
-    return np.fromiter(rows, dtype=float, count=len(rows)).reshape(-1, width)
+    try:
+        out = np.fromiter(rows, dtype=float, count=len(rows)).reshape(-1, width)
+    except (TypeError, ValueError):
+        for i, v in enumerate(rows):
+            try:
+                float(v)
+            except (TypeError, ValueError):
+                field = fields[i % width] if fields else f"column {i % width}"
+                what = "kernel or memcpy" if width == 7 else "runtime"
+                raise TraceError(f"a {what} event's `{field}` is {v!r}; expected a number",
+                                 hint="times are microseconds as JSON numbers") from None
+        raise
+    # fromiter reads None (a missing field) as NaN: the times every analysis needs must be there.
+    for col in (0, 1) if width == 7 else (1,):
+        bad = np.isnan(out[:, col])
+        if bad.any():
+            field = fields[col] if fields else f"column {col}"
+            what = "kernel or memcpy" if width == 7 else "runtime"
+            raise TraceError(f"{int(bad.sum())} {what} event(s) without `{field}`", hint="complete events ('ph': 'X') need `ts` and `dur` in microseconds")
+    return out

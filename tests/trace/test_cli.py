@@ -120,3 +120,18 @@ def test_synth_refuses_values_that_would_write_impossible_traces(tmp_path, capsy
     assert main(["trace", "synth", str(tmp_path / "job"), "--ranks", "4", *flags]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(message), err
+
+
+def test_json_dash_writes_the_report_to_stdout_and_the_summary_to_stderr(tmp_path, capsysbinary, monkeypatch):
+    job = tmp_path / "job"
+    assert main(["trace", "synth", str(job), "--ranks", "4", "--steps", "2", "--straggler", "1", "--workers", "1"]) == 0
+    capsysbinary.readouterr()
+    monkeypatch.chdir(tmp_path)
+    assert main(["trace", "analyze", str(job), "--json", "-", "--workers", "1"]) == 0
+    out, err = capsysbinary.readouterr()
+    rep = json.loads(out)  # stdout is the report alone
+    assert rep["ranks_analyzed"] == 4 and [s["rank"] for s in rep["stragglers"]] == [1]
+    assert b"4 of 4 ranks" in err and b"step time p50" in err  # the summary, on stderr
+    assert not (tmp_path / "-").exists()
+    assert main(["trace", "analyze", str(job), "--json", "-", "--html", "-"]) == 2
+    assert b"both write to standard output" in capsysbinary.readouterr().err

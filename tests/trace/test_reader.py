@@ -222,3 +222,18 @@ def test_pool_workers_end_on_sigterm_whatever_handler_the_parent_had():
             assert pool.apply(signal.getsignal, (signal.SIGTERM,)) == signal.SIG_DFL
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.parametrize("sliced", [False, True])
+@pytest.mark.parametrize("ts, message", [('"12x"', "`ts` is '12x'; expected a number"),
+                                         (None, "1 kernel or memcpy event(s) without `ts`")])
+def test_a_time_that_is_not_a_number_names_the_field(tmp_path, sliced, ts, message):
+    kernel = '"ph":"X","cat":"kernel","name":"k",' + (f'"ts":{ts},' if ts else "") + '"dur":5,"tid":7,'
+    doc = ('{"distributedInfo":{"rank":0,"world_size":1},"traceEvents":['
+           '{"ph":"X","cat":"kernel","name":"k","ts":1,"dur":5,"tid":7,"args":{"correlation":1}},'
+           '{' + kernel + '"args":{"correlation":2}}]}')
+    path = tmp_path / "rank0.json"
+    path.write_text(doc)
+    cfg = ReadConfig(slice_bytes=64, whole_bytes=0) if sliced else ReadConfig()
+    res = read_sliced(str(path), cfg) if sliced else read_one(str(path), cfg)
+    assert isinstance(res, RankError) and res.message.startswith(f"{path}: ") and message in res.message
