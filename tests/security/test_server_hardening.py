@@ -183,7 +183,9 @@ def test_openapi_publishes_the_request_models(server):
         assert "text/event-stream" in op["responses"]["200"]["content"]
         assert op["responses"]["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
     assert {"model", "prompt", "stop", "max_tokens", "prompt_logprobs"} <= set(schemas["CompletionRequest"]["properties"])
-    assert "model" in schemas["CompletionRequest"]["required"]
+    # `model` may be left out (the served model answers, as vLLM); the prompt may not.
+    assert schemas["CompletionRequest"]["required"] == ["prompt"]
+    assert schemas["ChatCompletionRequest"]["required"] == ["messages"]
     assert {"type": "string"} in schemas["CompletionRequest"]["properties"]["stop"]["anyOf"]
     assert schemas["ChatCompletionRequest"]["properties"]["messages"]["items"] == {"$ref": "#/components/schemas/ChatMessage"}
     metrics = doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
