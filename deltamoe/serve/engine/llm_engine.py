@@ -208,18 +208,18 @@ class LLMEngine:
 
     def _check_layout_serves(self, seq: Sequence) -> None:
         """Request features this engine's layout cannot serve yet: a RequestError naming the field, never a
-        request served without them. Workers ranks and a P/D hand-off carry no image embeddings or prompt
-        logprobs; one-step-ahead steps sample on the device thread without the host's per-token work
-        (a grammar matcher advanced with each token, prompt logprobs, image embeddings, forked choices)."""
-        layouts = {"--tp/--ep workers": not isinstance(self.executor, UniprocExecutor),
-                   "a prefill/decode role": self.connector is not None,
+        request served without them. A P/D hand-off carries no image embeddings (--tp/--ep workers do:
+        `executor/image_rows.py`); one-step-ahead steps sample on the device thread without the host's
+        per-token work (a grammar matcher advanced with each token, prompt logprobs, image embeddings,
+        forked choices)."""
+        layouts = {"a prefill/decode role": self.connector is not None,
                    "--async-scheduling": self.overlap is not None,
                    # its prefill keeps the hidden states the drafts need, not prompt logprobs or image rows
                    "--speculative": self.config.speculative is not None}
         features = [  # (asked for, field, what, the layouts that lack it)
-            (seq.images is not None, "images", "images", layouts),
+            (seq.images is not None, "images", "images", tuple(layouts)),
             (seq.params.prompt_logprobs is not None, "prompt_logprobs", "prompt logprobs",
-             ("--tp/--ep workers", "--async-scheduling", "--speculative")),
+             ("--async-scheduling", "--speculative")),
             (seq.params.structured is not None, getattr(seq.params.structured, "field", "response_format"),
              "structured outputs", ("--async-scheduling",)),
             (seq.fork_of is not None, "n", "n > 1 or best_of", ("--async-scheduling",)),

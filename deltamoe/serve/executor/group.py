@@ -33,6 +33,7 @@ from deltamoe.parallel.dims import ParallelDims
 from deltamoe.parallel.mesh import ParallelMesh, build_mesh
 from deltamoe.serve.engine.runner import ModelCall
 from deltamoe.serve.executor.config import WorkerConfig
+from deltamoe.serve.executor.image_rows import StepImages
 from deltamoe.serve.executor.placeholders import Fill
 from deltamoe.serve.executor.shard_load import load_shard
 
@@ -58,6 +59,11 @@ class StepMessage:
     # A P/D prefill role over --tp ranks: after the calls, every rank sends its heads of these state
     # slots to rank 0 (`worker_state.send_heads`), whose push reads them whole.
     gather_slots: list[int] | None = None
+    # Image rows of the calls (`image_rows.py`): broadcast after the message (and any sampled ids).
+    images: StepImages | None = None
+    # A --tp replica's prompt logprobs: per call, the (row, lo, hi) hidden-state rows rank 0 projects
+    # through the (vocabulary-parallel, so collective) LM head after the call (`call_projections`).
+    projections: list[list[tuple[int, int, int]]] | None = None
 
 
 @dataclass

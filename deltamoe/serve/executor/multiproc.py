@@ -23,10 +23,13 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 import torch.distributed as dist
 
+from deltamoe.serve.engine.image_inputs import encode_pending
+from deltamoe.serve.engine.prompt_logprobs import call_projections
 from deltamoe.serve.engine.runner import ModelCall, ModelRunner, StepResult
 from deltamoe.serve.engine.scheduler import ScheduledBatch
 from deltamoe.serve.executor.base import RankReport, WorkerDiedError
 from deltamoe.serve.executor.group import RankGroup, RankStats, StepMessage, StopMessage
+from deltamoe.serve.executor.image_rows import split_off_images
 from deltamoe.serve.executor.placeholders import Fill
 from deltamoe.serve.executor.weight_sync import WeightsMessage, load_full_weights, tp_coordinate
 
@@ -62,10 +65,16 @@ class MultiprocExecutor:
     # ------------------------------------------------------------------ the step
     def execute(self, batch: ScheduledBatch) -> list[StepResult]:
         self.check_health()
+        with torch.inference_mode():  # rank 0 alone runs the vision tower; the rows follow the message
+            encode_pending(self.runner.model, batch.items)
         calls = self.runner.plan(batch)
         hand_offs = self.hand_off.plan(batch) if self.hand_off is not None else None
-        message = StepMessage(self.runner.cache.take_state_ops(), [c for _, c in calls])
-        return self._step(message, [], lambda: self.runner.run(batch, calls), hand_offs)
+        sent, images, rows = split_off_images([c for _, c in calls])
+        message = StepMessage(self.runner.cache.take_state_ops(), sent, images=images)
+        if self.group.dims.tp > 1:
+            projections = [call_projections(group) for group, _ in calls]
+            message.projections = projections if any(projections) else None
+        return self._step(message, [] if rows is None else [rows], lambda: self.runner.run(batch, calls), hand_offs)
 
     def execute_ahead(self, state_ops: list[tuple[int | None, int]], calls: list[ModelCall],
                       fills: list[Fill | None], earlier: torch.Tensor | None, run: Callable[[], T],

@@ -28,6 +28,7 @@ from deltamoe.serve.engine.config import EngineConfig
 from deltamoe.serve.engine.runner import ModelRunner
 from deltamoe.serve.executor.group import (RankGroup, RankStats, StepMessage, StopMessage, WorkerSpec, build_shard,
                                            join_spawned)
+from deltamoe.serve.executor.image_rows import attach_images, empty_rows
 from deltamoe.serve.executor.placeholders import filled_inputs
 from deltamoe.serve.executor.weight_sync import WeightsMessage, load_full_weights, tp_coordinate
 
@@ -71,8 +72,18 @@ def serve_steps(spec: WorkerSpec, group: RankGroup) -> None:
                 earlier = torch.empty(message.earlier_rows, dtype=torch.long, device=group.device)
                 dist.broadcast(earlier, src=0)
                 inputs = filled_inputs(message.calls, message.fills, earlier, group.device)
-            for call, ids in zip(message.calls, inputs):
-                runner.forward(call, ids)
+            if message.images is not None:  # rank 0's image rows for the calls' placeholders
+                rows = empty_rows(message.images, group.device)
+                dist.broadcast(rows, src=0)
+                attach_images(message.calls, message.images, rows)
+            projections = message.projections or [[]] * len(message.calls)
+            for call, ids, projected in zip(message.calls, inputs, projections):
+                if not projected:
+                    runner.forward(call, ids)
+                    continue
+                _, hidden = runner.forward(call, ids, with_hidden=True)
+                for row, lo, hi in projected:  # rank 0's prompt-logprob projections, joined
+                    model.lm_head(model.model.norm(hidden[row, lo:hi]))
             if message.gather_slots:  # a prefill role over --tp ranks: rank 0 pushes these states whole
                 from deltamoe.serve.kv_transfer.worker_state import send_heads
 
