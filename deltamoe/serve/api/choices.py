@@ -52,6 +52,7 @@ class Group:
     fmts: list[Formatter]
     params: list[SamplingParams]
     keep: int
+    images: list | None = None  # the prompt's images (chat), given to every choice's sequence
 
 
 def choice_count(n: int | None, best_of: int | None, stream: bool) -> tuple[int, int]:
@@ -108,9 +109,10 @@ class Choices:
         engine, rid = self.gen.engine, self.fmts[0].id
         streams = []
         for g, start in zip(self.groups, self.starts):
+            # Every choice holds the images: a child that cannot fork its parent's cache prefills itself.
             streams += [engine.generate(g.prompt, p, request_id=f"{rid}-{start + j}",
                                         fork_of=f"{rid}-{start}" if j else None,
-                                        kv_transfer=kv_transfer if start + j == 0 else None)
+                                        kv_transfer=kv_transfer if start + j == 0 else None, images=g.images)
                         for j, p in enumerate(g.params)]
         # Each group's forks first: the engine must hold them when their parent arrives (engine/forks.py).
         parents = set(self.starts)
@@ -260,14 +262,12 @@ def wants_choices(req, prompts: int = 1) -> bool:
 
 async def respond_choices(gen: Generation, request: Request, req, prompts: list[str | list[int]],
                           params: SamplingParams, make_formatter: Callable[[int], Formatter], include_usage: bool,
-                          kv_transfer: object | None = None) -> Response:
+                          kv_transfer: object | None = None, images: list | None = None) -> Response:
     """The server's path for a request with n > 1, best_of > 1 or several prompts (see the module
-    docstring); `make_formatter(b)`: a formatter for one of prompt b's choices."""
+    docstring); `make_formatter(b)`: a formatter for one of prompt b's choices; `images`: a chat
+    request's images (one prompt)."""
     stream = bool(req.stream)
     n, count = choice_count(req.n, getattr(req, "best_of", None), stream)
-    if count > 1 and (getattr(req, "echo", False) or getattr(req, "prompt_logprobs", None) is not None):
-        raise APIError(400, "n: several choices with echo or prompt_logprobs: not yet (send one request per choice)",
-                       param="n", code="unsupported_value")
     if len(prompts) * count > MAX_BATCH_SEQUENCES:
         raise APIError(400, f"prompt: {len(prompts)} prompts x {count} choices exceeds {MAX_BATCH_SEQUENCES} "
                        "sequences per request", param="prompt", code="invalid_value")
@@ -281,5 +281,5 @@ async def respond_choices(gen: Generation, request: Request, req, prompts: list[
         check_room(num_prompt, params.max_tokens, count, engine.cache.max_tokens_per_sequence(),
                    "best_of" if count > n else "n")
         groups.append(Group(prompt, [make_formatter(b) for _ in range(count)], choice_params(params, count, count > n),
-                            n))
+                            n, images))
     return await Choices(gen, groups).respond(request, stream, include_usage, kv_transfer)

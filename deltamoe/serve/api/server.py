@@ -164,10 +164,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
 
         gen = Generation(engine, metrics, names, _continuous_usage(req))
         if wants_choices(req):
-            if images:
-                raise RequestError("n > 1 or best_of with images: not yet (send one request per choice)", field="n")
             return await respond_choices(gen, request, req, [prompt], params, lambda _: formatter(),
-                                         _include_usage(req), _hand_off(request))
+                                         _include_usage(req), _hand_off(request), images or None)
         return await gen.respond(request, prompt, params, formatter(), bool(req.stream), _include_usage(req),
                                  _hand_off(request), images=images or None)
 

@@ -8,6 +8,9 @@ step the runner samples each waiting child's first token from the parent's last-
 prompt blocks shared by reference, the partial last block copied, the KDA state copied. Each
 child then decodes as an ordinary sequence (preemption recomputes it like any other).
 
+A parent's prompt logprobs (asked for with the same top-n by every choice) are copied to each child,
+which would otherwise never score the prompt it did not compute.
+
 Where the cache cannot fork (no free slot or block now, max_num_seqs running, the parent already finished, or the
 cache is mirrored on tensor-parallel workers, whose page copies this does not replay) a child
 keeps its first token and is queued to compute prompt and token itself: the same tokens, at the
@@ -76,6 +79,9 @@ def start_forks(engine: LLMEngine, results: list[StepResult]) -> list[StepResult
         for child, pick in zip(children, r.forks):
             if child.finished:
                 continue
+            if child.params.prompt_logprobs == parent.params.prompt_logprobs is not None:
+                # The same prompt, scored once: a forked child never computes it (echo / prompt_logprobs).
+                child.prompt_logprobs = list(parent.prompt_logprobs)
             room = len(engine.scheduler.running) + len(engine.scheduler.loading) < engine.config.max_num_seqs
             if room and not parent.finished and engine.cache.state_log is None and engine.cache.fork(parent, child):
                 child.status = Status.RUNNING

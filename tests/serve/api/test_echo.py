@@ -83,3 +83,36 @@ def test_an_error_about_echos_prompt_logprobs_names_echo():
     assert rename(RequestError("not yet", field="prompt_logprobs"), names).field == "echo"
     _, names = completion_params(CompletionRequest(model="m", prompt="x", prompt_logprobs=2, echo=True), 300)
     assert rename(RequestError("not yet", field="prompt_logprobs"), names).field == "prompt_logprobs"
+
+
+def test_several_choices_each_echo_the_prompt_and_its_logprobs(served, helpers):
+    """n > 1 and best_of: choices 2.. fork choice 1's prefill, and each gets the prompt's text and
+    logprobs (copied from choice 1, which scored it), streamed or not."""
+    client, model = served
+    ids = helpers.prompts(1, 40, 40, seed=9)[0]
+    want = reference(model, ids)
+    text = bytes(ids).decode("utf-8", errors="replace")
+    r = client.completions.create(model=M, prompt=ids, max_tokens=3, temperature=1.0, seed=5, n=3, echo=True,
+                                  logprobs=1, extra_body={"prompt_logprobs": 1})
+    assert len(r.choices) == 3
+    for c in r.choices:
+        assert c.text.startswith(text)
+        lp = c.logprobs
+        assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(ids) + 3
+        assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(lp.token_logprobs[1:len(ids)], want))
+        pl = c.model_extra["prompt_logprobs"]
+        assert pl[0] is None and len(pl) == len(ids)
+        assert all(math.isclose(e[str(ids[j])]["logprob"], want[j - 1], abs_tol=1e-4) for j, e in enumerate(pl[1:], 1))
+    # choice i samples with seed 5 + i: choice 1 is the same request with n = 1 and seed 6
+    one = client.completions.create(model=M, prompt=ids, max_tokens=3, temperature=1.0, seed=6, echo=True)
+    assert r.choices[1].text == one.choices[0].text
+    best = client.completions.create(model=M, prompt=ids, max_tokens=2, temperature=1.0, seed=5, n=1, best_of=3,
+                                     echo=True)
+    assert len(best.choices) == 1 and best.choices[0].text.startswith(text)
+    streamed = client.completions.create(model=M, prompt=ids, max_tokens=2, temperature=1.0, seed=5, n=2, echo=True,
+                                         stream=True)
+    texts = ["", ""]
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert all(t.startswith(text) and len(t) > len(text) for t in texts)

@@ -77,7 +77,7 @@ def server(tmp_path_factory):
     offline = LLMEngine.from_pretrained(folder, EngineConfig(cache_memory="16MiB", max_model_len=256))
     with ServerThread(app) as thread, ServerThread(strict) as strict_thread:
         yield SimpleNamespace(url=thread.url, strict_url=strict_thread.url, template=template, offline=offline,
-                              vision=engine.model_config.vision)
+                              vision=engine.model_config.vision, folder=folder)
 
 
 def post(url: str, messages: list[dict]) -> httpx.Response:
@@ -101,6 +101,38 @@ def test_data_url_images_match_offline(server):
     assert resp.json()["choices"][0]["message"]["content"] == offline_text(server, messages, [red, green])
     # <|user|>, 6 + 8 image tokens (40x24 -> 2x3 cells of 16 px, 64x32 -> 2x4), the text, <|end|>, <|assistant|>
     assert resp.json()["usage"]["prompt_tokens"] == 1 + 6 + 8 + len("what colour?") + 1 + 1
+
+
+def test_several_choices_each_see_the_images(server):
+    """n > 1 / best_of with images: choices 2.. fork choice 1's prefill (image rows included); each
+    choice equals the same request with n = 1 and that choice's seed."""
+    red = png("red")
+    messages = chat("what colour?", data_url(red))
+    body = {"model": "v", "messages": messages, "max_tokens": 5, "temperature": 1.0, "seed": 3, "logprobs": True}
+    resp = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={**body, "n": 3})
+    assert resp.status_code == 200, resp.text
+    choices = resp.json()["choices"]
+    for i, choice in enumerate(choices):
+        one = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={**body, "seed": 3 + i}).json()
+        assert one["choices"][0]["message"]["content"] == choice["message"]["content"]
+        lps = [[t["logprob"] for t in c["logprobs"]["content"]] for c in (one["choices"][0], choice)]
+        assert lps[0] == pytest.approx(lps[1], abs=1e-4)
+    # The image is seen: the same text without it gives the first token another logprob.
+    plain = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+                       json={**body, "messages": chat("what colour?")}).json()["choices"][0]["logprobs"]["content"]
+    with_image = choices[0]["logprobs"]["content"]
+    assert plain[0]["logprob"] != pytest.approx(with_image[0]["logprob"], abs=1e-6)
+    best = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={**body, "n": 1, "best_of": 2})
+    assert best.status_code == 200 and len(best.json()["choices"]) == 1
+    # One running sequence at a time: choice 2 cannot fork, so it prefills the prompt, images and all, itself.
+    engine = AsyncLLMEngine.from_pretrained(server.folder, EngineConfig(cache_memory="16MiB", max_model_len=256,
+                                                                        max_num_seqs=1))
+    with ServerThread(build_app(engine, "v", chat_template=server.template)) as one_at_a_time:
+        alone = httpx.post(f"{one_at_a_time.url}/v1/chat/completions", timeout=60, json={**body, "n": 2}).json()
+    for got, want in zip(alone["choices"], choices[:2], strict=True):
+        assert got["message"]["content"] == want["message"]["content"]
+        assert [t["logprob"] for t in got["logprobs"]["content"]] == pytest.approx(
+            [t["logprob"] for t in want["logprobs"]["content"]], abs=1e-4)
 
 
 def test_image_urls_need_the_flag_and_respect_limits(server, image_host):
