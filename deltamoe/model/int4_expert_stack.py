@@ -28,13 +28,14 @@ PROJECTIONS = ("w1", "w3", "w2")  # gate, up [I, D']; down [D', I]
 
 
 class Int4ExpertStack(nn.Module):
-    def __init__(self, config: ModelConfig, scheme: QuantScheme):
+    def __init__(self, config: ModelConfig, scheme: QuantScheme, num_experts: int | None = None):
+        """`num_experts`: how many experts the stack holds (default: all; an expert-parallel rank's share)."""
         super().__init__()
         if scheme.activations is not None:
             raise ValueError(f"activations: the expert stack runs W4A16 only, got {scheme.activations!r}")
         self.config = config
         self.group_size = scheme.group_size
-        self.num_experts = config.num_experts
+        self.num_experts = config.num_experts if num_experts is None else num_experts
         self.intermediate, self.dim = config.moe_intermediate_size, config.expert_dim
         self.block_rows = ie.kernel_block_rows()  # None: no one-token gather, experts run one at a time
         self.in_place = ie.kernel_layout_readable()  # a compiled graph's few rows read their experts in place

@@ -30,17 +30,22 @@ from deltamoe.ops.quant import MXFP4_GROUP, dequantize_mxfp4, dequantize_mxfp4_b
 
 
 class PackedExperts(nn.Module):
-    def __init__(self, config: ModelConfig, scheme: QuantScheme, use_kernel: bool | None = None):
+    def __init__(self, config: ModelConfig, scheme: QuantScheme, use_kernel: bool | None = None,
+                 held: range | None = None):
+        """`held`: the experts (global ids, a contiguous range) this module holds: all of them, or an
+        expert-parallel rank's share (`local_share`), which it indexes 0.. in `forward`."""
         super().__init__()
         self.config = config
         self.scheme = scheme
-        e, i, d = config.num_experts, config.moe_intermediate_size, config.expert_dim
+        self.use_kernel = use_kernel
+        self.held = range(config.num_experts) if held is None else held
+        e, i, d = len(self.held), config.moe_intermediate_size, config.expert_dim
         self.shapes = {"w1": (i, d), "w3": (i, d), "w2": (d, i)}  # [out, in] per expert
         self.num_experts = e
         self.stack: Int4ExpertStack | None = None
         if scheme.weight_format == "int4" and scheme.activations is None \
                 and (has_int4_cpu_kernel() if use_kernel is None else use_kernel):
-            self.stack = Int4ExpertStack(config, scheme)
+            self.stack = Int4ExpertStack(config, scheme, e)
         elif scheme.weight_format == "int4":
             self.linears = nn.ModuleDict({w: nn.ModuleList(Int4Linear(s[1], s[0], scheme, use_kernel)
                                                         for _ in range(e))
@@ -52,9 +57,14 @@ class PackedExperts(nn.Module):
         self.loaded: set[tuple[str, int, str]] = set()
 
     def load_part(self, name: str, proj: str, expert: int, part: str, tensor: torch.Tensor) -> None:
-        """One published tensor of one expert (`experts.E.w1.weight_packed`, ...)."""
-        if not 0 <= expert < self.num_experts:
-            raise CheckpointError(f"expert index {expert} out of range (num_experts={self.num_experts})", field=name)
+        """One published tensor of one expert (`experts.E.w1.weight_packed`, ...; E global)."""
+        if not 0 <= expert < self.config.num_experts:
+            raise CheckpointError(f"expert index {expert} out of range (num_experts={self.config.num_experts})",
+                                  field=name)
+        if expert not in self.held:
+            raise CheckpointError(f"expert {expert} is not among this rank's experts {self.held.start}.."
+                                  f"{self.held.stop - 1}", field=name)
+        global_id, expert = expert, expert - self.held.start
         if part not in PARTS[self.scheme.weight_format]:
             raise CheckpointError(f"unexpected tensor {name} for {self.scheme.weight_format} experts", field=name)
         if self.stack is not None:
@@ -71,16 +81,24 @@ class PackedExperts(nn.Module):
             if proj not in store:
                 store[proj] = torch.empty(self.num_experts, *expect, dtype=torch.uint8)
             store[proj][expert].copy_(tensor)
-        self.loaded.add((proj, expert, part))
+        self.loaded.add((proj, global_id, part))
 
     def missing(self) -> str | None:
-        """The first published tensor not loaded yet, as `E.w1.weight_scale`, or None."""
+        """The first published tensor not loaded yet, as `E.w1.weight_scale` (E global), or None."""
         for w in PROJECTIONS:
-            for e in range(self.num_experts):
+            for e in self.held:
                 for part in PARTS[self.scheme.weight_format]:
                     if (w, e, part) not in self.loaded:
                         return f"{e}.{w}.{part}"
         return None
+
+    def local_share(self, rank: int, size: int) -> "PackedExperts":
+        """An empty module for expert-parallel rank `rank` of `size`: experts [rank * E / size, ...) of
+        this (still unloaded) one, to load from the checkpoint's per-expert tensors."""
+        if self.loaded:
+            raise RuntimeError("local_share: cut the experts before loading them (a meta-built skeleton)")
+        per = self.config.num_experts // size
+        return PackedExperts(self.config, self.scheme, self.use_kernel, range(rank * per, (rank + 1) * per))
 
     def expert_weight(self, proj: str, expert: int, dtype: torch.dtype) -> torch.Tensor:
         """MXFP4: one expert's projection dequantised to `dtype`."""

@@ -124,19 +124,26 @@ class ExpertParallelDispatcher:
         r = self.route(indices)
         local_ids = all_to_all(r.local_ids, r.send, r.recv, self.group)
         received = all_to_all(z[r.token_of_slot], r.send, r.recv, self.group)
-        y = experts(received, local_ids)
+        y = self.run_local(experts, received, local_ids)
         return self.combine(all_to_all(y, r.recv, r.send, self.group), weights, r, indices.shape[0])
+
+    @staticmethod
+    def run_local(experts: nn.Module, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on the rows routed here -> unweighted outputs, fp32 [M, D']."""
+        return experts(x, local_ids)
 
 
 def apply_expert_parallel(module: nn.Module, ep_mesh: DeviceMesh,
                           make_dispatcher: Callable[[dist.ProcessGroup, int], ExpertParallelDispatcher]
                           = ExpertParallelDispatcher) -> None:
-    """Replace every MoE's routed experts by this rank's `ExpertShard` and install the all-to-all dispatcher
-    `make_dispatcher(group, num_experts)` (the overlapped one: parallel/expert_overlap.py).
+    """Replace every MoE's float routed experts by this rank's `ExpertShard` and install the all-to-all
+    dispatcher `make_dispatcher(group, num_experts)` (the overlapped one: parallel/expert_overlap.py).
+    MoEs whose experts are not `RoutedExperts` (a quantized checkpoint's packed experts, which serving
+    shards itself: serve/executor/sharding.py) are left alone.
 
     The weights become DTensors (Shard(0)) so optimizers and torch.distributed.checkpoint see the full
     expert tensors; each rank keeps only its slice.
     """
-    for moe in [m for m in module.modules() if isinstance(m, MoE)]:
+    for moe in [m for m in module.modules() if isinstance(m, MoE) and isinstance(m.experts, RoutedExperts)]:
         moe.experts = ExpertShard(moe.experts, ep_mesh)
         moe.dispatcher = make_dispatcher(ep_mesh.get_group(), moe.config.num_experts)

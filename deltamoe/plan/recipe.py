@@ -36,9 +36,10 @@ DELTAMOE_LAYOUT = ("# deltamoe serve runs replicas of --tp x --ep ranks (spawned
                    "DSA indexer, router, latent MoE projections, norms and vision tower whole on every rank. "
                    "No DP attention and no pipeline stages: the line's tp x ep is the layout that spans the "
                    "pool's chips with the fewest ranks per replica whose weights fit a chip. Weights load in "
-                   "--dtype bfloat16 whatever --weights says: a quantized (compressed-tensors) checkpoint runs "
-                   "packed only in one CPU process (docs/quantization.md), so on GPUs and with --tp/--ep its "
-                   "experts are dequantised on load")
+                   "--dtype bfloat16 whatever --weights says: deltamoe runs a quantized (compressed-tensors) "
+                   "checkpoint packed on CPU ranks only (docs/quantization.md: its packed experts split by --ep, "
+                   "and by --tp when it packs the routed experts alone, as mxfp4), so on GPUs serve the "
+                   "bfloat16 checkpoint")
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,12 @@ from pathlib import Path
 
 import torch
 
-from deltamoe.errors import ConfigError
 from deltamoe.hf_config import load_config
-from deltamoe.model.load import load_model, materialize
+from deltamoe.model.int4_projection_group import join_shared_input_projections
+from deltamoe.model.load import load_model, materialize, quantized_skeleton
 from deltamoe.model.model import DeltaMoEForCausalLM
-from deltamoe.model.weights import ShardLayout, checkpoint_files, load_weights, read_quant_scheme
+from deltamoe.model.packed_experts import PackedExperts
+from deltamoe.model.weights import Chunk, ShardLayout, checkpoint_files, load_weights, read_quant_scheme
 from deltamoe.parallel.dims import ParallelDims
 from deltamoe.parallel.mesh import ParallelMesh
 from deltamoe.serve.executor.sharding import shard_for_serving
@@ -36,12 +37,12 @@ def load_shard(source: str | Path, dtype: torch.dtype, device: str, dims: Parall
     if not path.is_dir():
         return shard_for_serving(load_model(source, dtype=dtype, device=device), dims, mesh)
     checkpoint_files(path)  # fail early, naming the folder, when there are no weights
-    if read_quant_scheme(path) is not None:  # `deltamoe serve|generate` refuse it before the ranks start
-        raise ConfigError(f"{path}: quantized checkpoints with --tp/--ep: not yet (their packed modules have no "
-                          "sharded form)", field="tp", hint="serve it on one process")
+    scheme = read_quant_scheme(path)
     config = load_config(path)
     with torch.device("meta"):
         model = DeltaMoEForCausalLM(config)
+    if scheme is not None:  # packed modules, cut to this rank's experts below before anything loads
+        quantized_skeleton(model, scheme, device)
     full_shapes = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
     shard_for_serving(model, dims, mesh)
     materialize(model, dtype, device)
@@ -51,7 +52,16 @@ def load_shard(source: str | Path, dtype: torch.dtype, device: str, dims: Parall
         chunk = part_of(name, target, full_shapes[name], tp_rank, dims.tp)
         if chunk is not None:
             layout.chunks[name] = chunk
-    load_weights(model, path, layout=layout)
+    if dims.ep > 1:  # packed experts hold no parameters: their share is named for the loader here
+        ep_rank = mesh["ep"].get_local_rank()
+        for name, module in model.named_modules():
+            if isinstance(module, PackedExperts):
+                for proj in ("w1", "w3", "w2"):
+                    layout.full_shapes[f"{name}.{proj}"] = (config.num_experts,)
+                    layout.chunks[f"{name}.{proj}"] = Chunk(0, ep_rank, dims.ep)
+    load_weights(model, path, scheme, layout=layout)
+    if scheme is not None:
+        join_shared_input_projections(model)
     if config.tie_word_embeddings:
         # Both are split by vocabulary rows alike (or not at all), so the rank's rows are the same.
         model.lm_head.weight = model.model.embed_tokens.weight

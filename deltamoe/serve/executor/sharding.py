@@ -2,10 +2,12 @@
 
 Which module is column- or row-parallel, how KDA heads and their per-head parameters split, how
 experts split and travel: all of it is `parallel/tensor_parallel.py` and `parallel/expert_parallel.py`,
-applied here in the same order as in training (TP, then EP). Serving adds two things:
+applied here in the same order as in training (TP, then EP). Serving adds:
 - the vocabulary-parallel embedding and LM head (`apply_vocab_parallel`, also in parallel/);
 - `use_local_shards`: the planned DTensor modules become plain local-shard modules with the
   collective their placement implies (DTensor dispatch costs more than a decode call's math);
+- packed experts of a quantized checkpoint cut to the rank's share (`PackedExperts.local_share`),
+  dispatched by the same all-to-all (`PackedExpertParallelDispatcher`);
 - `ReplicatedTokensDispatcher` around the EP dispatcher: in serving every EP rank holds the same
   tokens (rank 0 sends one batch to all), so each rank dispatches only its share of them through
   the training all-to-all, and an all-gather brings every token's expert output back to every rank.
@@ -16,7 +18,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from deltamoe.errors import ConfigError
 from deltamoe.model.model import DeltaMoEForCausalLM
+from deltamoe.model.packed_experts import PackedExperts
+from deltamoe.model.quantized_linear import Int4Linear
 from deltamoe.parallel.dims import ParallelDims
 from deltamoe.parallel.expert_load import moe_modules
 from deltamoe.parallel.expert_parallel import ExpertParallelDispatcher, ExpertShard, apply_expert_parallel
@@ -48,15 +53,41 @@ class ReplicatedTokensDispatcher:
         return torch.cat(parts)[:n]
 
 
+class PackedExpertParallelDispatcher(ExpertParallelDispatcher):
+    """The training all-to-all dispatch for a quantized checkpoint's packed experts (`PackedExperts`
+    holding this rank's share): the rows routed here run through the packed module with unit routing
+    weights (the weights are applied after the return trip, as for float experts)."""
+
+    @staticmethod
+    def run_local(experts: PackedExperts, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        ones = torch.ones(len(x), 1, dtype=torch.float32, device=x.device)
+        return experts(x, ones, local_ids[:, None]).float()
+
+
 def shard_for_serving(model: DeltaMoEForCausalLM, dims: ParallelDims, mesh: ParallelMesh) -> DeltaMoEForCausalLM:
     """Keep this rank's shard of `model` (every rank passes the same full model): TP heads, widths and
-    vocabulary over mesh["tp"], routed experts over mesh["ep"]. In place; returns the model."""
+    vocabulary over mesh["tp"], routed experts over mesh["ep"]. In place; returns the model.
+
+    A quantized checkpoint's skeleton (`quantize_modules` on the meta device) shards too: its packed
+    routed experts (`PackedExperts`) are cut to this rank's share before loading. Its quantized
+    projections (`Int4Linear`: int4 / w4a8 checkpoints) have no tensor-parallel form, so with
+    tp > 1 only checkpoints that pack the routed experts alone (mxfp4, as K3 ships) shard."""
     if dims.tp > 1:
+        packed = [n for n, m in model.named_modules() if isinstance(m, Int4Linear) and ".experts." not in n]
+        if packed:
+            raise ConfigError(f"--tp {dims.tp}: {packed[0]} and {len(packed) - 1} other projection(s) of this "
+                              "checkpoint are int4-packed, which has no tensor-parallel form yet", field="tp",
+                              hint="serve an int4 / w4a8 checkpoint with --ep (tp 1), or a checkpoint that packs "
+                                   "only the routed experts (--format mxfp4)")
         apply_tensor_parallel(model, mesh["tp"])  # its gradient sync is for training only
         apply_vocab_parallel(model, mesh["tp"])
         use_local_shards(model, mesh["tp"].get_group())
     if dims.ep > 1:
-        apply_expert_parallel(model, mesh["ep"])
+        apply_expert_parallel(model, mesh["ep"])  # float experts
+        rank, group = mesh["ep"].get_local_rank(), mesh["ep"].get_group()
         for moe in moe_modules(model):
+            if isinstance(moe.experts, PackedExperts):
+                moe.experts = moe.experts.local_share(rank, dims.ep)
+                moe.dispatcher = PackedExpertParallelDispatcher(group, moe.config.num_experts)
             moe.dispatcher = ReplicatedTokensDispatcher(moe.dispatcher)
     return model
