@@ -494,6 +494,26 @@ def shard_load_rows(d: dict) -> list[Row]:
     return rows
 
 
+def shard_load_packed_rows(d: dict) -> list[Row]:
+    """A quantized checkpoint: each rank reading its share of the packed experts vs one process loading it."""
+    whole, own = d["paths"]
+
+    def mib(run: dict, path: str, key: str) -> str:
+        return f"{max(r[key] for r in run['ranks'][path]) / 2**20:,.0f}"
+
+    rows: list[Row] = []
+    for run in d["layouts"]:
+        layout = f"tp{run['tp']} ep{run['ep']}"
+        label = (f"same, `{d['preset']}` quantized --format {d['format']} (packed experts kept packed), {layout} "
+                 f"(`python bench/bench_shard_load.py --format {d['format']}`)" if not rows else f"same, {layout}")
+        rows.append([label, f"{mib(run, own, 'peak_above_start_bytes')} MiB reading its share (keeps "
+                     f"{mib(run, own, 'weights_kept_bytes')} MiB)",
+                     f"{mib(run, whole, 'peak_above_start_bytes')} MiB loading it whole in one process (keeps "
+                     f"{mib(run, whole, 'weights_kept_bytes')} MiB)",
+                     f"{run['peak_ratio_own_over_whole']:.2f}", ""])
+    return rows
+
+
 def trace_rows(d: dict) -> list[Row]:
     t, out = d.get("target", {}), []
     peer = [p for p in d.get("peer", []) if p.get("hta", {}).get("wall_s")]
@@ -786,6 +806,7 @@ FORMATTERS: dict[str, Callable[[dict], list[Row]]] = {
     "serve_workers": serve_workers_rows,
     "serve_structured": serve_structured_rows,
     "shard_load": shard_load_rows,
+    "shard_load_mxfp4": shard_load_packed_rows,  # bench_shard_load.py --format mxfp4
     "trace": trace_rows,
     "plan_validation": plan_validation_rows,
     "moe": moe_rows,
