@@ -70,6 +70,7 @@ from deltamoe.serve.kv_transfer.connector import FinishedTransfers, KVConnector
 from deltamoe.serve.kv_transfer.markers import MarkerBoard, MarkerSources
 from deltamoe.serve.kv_transfer.mooncake_transport import ChunkedWrite, MooncakeTransport, TransferFailed
 from deltamoe.serve.kv_transfer.notices import POLL_S, NoticeWatcher
+from deltamoe.serve.kv_transfer.image_payload import images_to_json
 from deltamoe.serve.kv_transfer.packing import TokenRows, message_bytes, pack_in_steps, payload_bytes, token_rows, unpack
 from deltamoe.serve.kv_transfer.pools import PoolDescriptor, Segment, describe, pool_tensors, request_segments
 from deltamoe.serve.kv_transfer.role_config import DIRECT_MAX_SEGMENTS, INLINE_WRITE, MARKERS
@@ -205,6 +206,9 @@ class MooncakeConnector(KVConnector):
         if (not isinstance(hand_off, RemotePrefill) or hand_off.loaded or seq.num_preemptions
                 or seq.num_prompt_tokens < self.config.min_prompt_tokens or seq.params.prompt_logprobs is not None):
             return 0
+        if seq.images is not None and seq.images.positions[-1] == seq.num_prompt_tokens - 1:
+            return 0  # the prefill side computes prompt[:-1], which would cut the last image's placeholders
+
         return max(0, seq.num_prompt_tokens - 1 - num_computed)
 
     def update_state_after_alloc(self, seq: Sequence, num_external_tokens: int) -> None:
@@ -218,6 +222,8 @@ class MooncakeConnector(KVConnector):
         payload = {"transfer_id": seq.request_id, "token_ids": seq.token_ids[:seq.num_prompt_tokens],
                    "first_block": first_block, "dst_blocks": seq.block_table[first_block:last], "dst_slot": seq.slot,
                    "dest": self.descriptor.to_json()}  # _load adds "timeout_s" and "staging"
+        if seq.images is not None:  # the prefill side embeds them as this side would (image_payload.py)
+            payload["images"] = images_to_json(seq.images.images)
         with self._lock:
             self._in_flight.add(seq.request_id)
         self._threads.submit(self._load, seq.request_id, hand_off.url, payload, rows, seq.slot)

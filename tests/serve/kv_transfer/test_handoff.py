@@ -11,8 +11,11 @@ import threading
 import time
 
 import pytest
+import torch
 
 pytest.importorskip("mooncake.engine")
+
+from deltamoe.errors import RequestError  # noqa: E402
 
 from deltamoe.serve.engine.async_engine import AsyncLLMEngine, RequestFailedError  # noqa: E402
 from deltamoe.serve.engine.config import EngineConfig  # noqa: E402
@@ -560,3 +563,62 @@ def test_a_weight_update_on_one_side_refuses_hand_offs_until_both_took_it(k31_mo
 
     assert run_then_close(decode, connector, main) == expected
     assert connector.stats()["kv_transfer_received"] == 1
+
+
+def test_image_prompts_hand_off_with_their_pixels(pool):
+    """A chat prompt's images travel with the hand-off request (JSON: the prepared pixels' bytes): the
+    prefill server embeds them as the decode server would, and the decode server's tokens equal the
+    colocated engine's; a prompt ending in an image placeholder is computed on the decode server."""
+    import json
+
+    from deltamoe.config import load_preset
+    from deltamoe.model.load import build_model
+    from deltamoe.serve.kv_transfer.image_payload import images_from_json, images_to_json
+    from deltamoe.vision.preprocess import PreparedImage
+
+    model = build_model(load_preset("tiny-vision"), seed=5).eval()
+    placeholder = model.config.media_placeholder_token_id
+
+    def image(seed: int) -> PreparedImage:
+        g = torch.Generator().manual_seed(seed)
+        return PreparedImage(torch.randn(3, 32, 48, generator=g), 6, content_hash=1000 + seed)
+
+    def prompt(before: int, after: int, seed: int) -> list[int]:
+        g = torch.Generator().manual_seed(seed)
+        return (torch.randint(0, 256, (before,), generator=g).tolist() + [placeholder] * 6
+                + torch.randint(0, 256, (after,), generator=g).tolist())
+
+    requests = [(prompt(5, 7, 1), [image(1)]), (prompt(9, 3, 2), [image(2)]), (prompt(5, 7, 1), [image(3)]),
+                (prompt(6, 0, 4), [image(4)])]  # the last ends in its image's placeholders
+    colocated = LLMEngine(model, config=EngineConfig(**CONFIG))
+    expected = [c.token_ids for c in colocated.generate([p for p, _ in requests], GREEDY, progress=False,
+                                                        images=[i for _, i in requests])]
+    assert expected[0] != expected[2]  # the image matters
+    prefill = pool.add("p0", model)
+    over_json = lambda url, payload, timeout_s: pool.client(url, json.loads(json.dumps(payload)), timeout_s)  # noqa: E731
+    decode, connector = decode_engine(model, pool, client=over_json)
+
+    async def main():
+        got = []
+        for p, imgs in requests:
+            tokens = []
+            async for out in decode.generate(p, GREEDY, kv_transfer=RemotePrefill("p0"), images=imgs):
+                tokens += out.delta_token_ids
+            got.append(tokens)
+        await settle(decode.engine, prefill)
+        return got
+
+    assert run_then_close(decode, connector, main) == expected
+    assert connector.stats()["kv_transfer_received"] == 3  # not the prompt ending in placeholders
+    for engine in (decode.engine, prefill):
+        assert_all_free(engine)
+    # The payload's checks, each naming the field
+    good = images_to_json([image(1)])
+    assert torch.equal(images_from_json(good, model.config.vision)[0].pixels, image(1).pixels)
+    for broken, message in [({"num_tokens": 4}, "num_tokens 4 does not match"), ({"shape": [3, 32]}, r"expected \[3, H, W\]"),
+                            ({"data": good[0]["data"][:-8]}, "bytes of pixels"), ({"dtype": "int8"}, "malformed image")]:
+        with pytest.raises(RequestError, match=message) as e:
+            images_from_json([{**good[0], **broken}], model.config.vision)
+        assert e.value.field == "kv_transfer.images[0]"
+    with pytest.raises(RequestError, match="no vision tower"):
+        images_from_json(good, None)
