@@ -211,12 +211,13 @@ class LLMEngine:
         request served without them. (Images travel to --tp/--ep workers as embedding rows,
         `executor/image_rows.py`, and to a prefill server as pixels, `kv_transfer/image_payload.py`.)
         One-step-ahead steps sample on the device thread without the host's per-token work (a grammar
-        matcher advanced with each token, prompt logprobs, image embeddings, forked choices)."""
+        matcher advanced with each token, prompt logprobs, forked choices); their images are encoded on
+        the host as each step is planned (`overlap.py`)."""
         layouts = {"--async-scheduling": self.overlap is not None,
                    # its prefill keeps the hidden states the drafts need, not prompt logprobs or image rows
                    "--speculative": self.config.speculative is not None}
         features = [  # (asked for, field, what, the layouts that lack it)
-            (seq.images is not None, "images", "images", ("--async-scheduling", "--speculative")),
+            (seq.images is not None, "images", "images", ("--speculative",)),
             (seq.params.prompt_logprobs is not None, "prompt_logprobs", "prompt logprobs",
              ("--async-scheduling", "--speculative")),
             (seq.params.structured is not None, getattr(seq.params.structured, "field", "response_format"),

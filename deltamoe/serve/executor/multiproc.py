@@ -83,12 +83,14 @@ class MultiprocExecutor:
         placeholders from `earlier`, which follows the step's message (and its handed-off caches, if
         any) as a tensor broadcast."""
         self.check_health()
-        message = StepMessage(state_ops, calls)
+        sent, images, rows = split_off_images(calls)
+        message = StepMessage(state_ops, sent, images=images)
+        image_rows = [] if rows is None else [rows]  # after the sampled ids, as the workers take them
         if earlier is None or all(fill is None for fill in fills):
-            return self._step(message, [], run, hand_offs)
+            return self._step(message, image_rows, run, hand_offs)
         earlier = earlier.to(torch.long).contiguous()
         message.fills, message.earlier_rows = fills, len(earlier)
-        return self._step(message, [earlier], run, hand_offs)
+        return self._step(message, [earlier, *image_rows], run, hand_offs)
 
     def _step(self, message: StepMessage, tensors: list[torch.Tensor], run: Callable[[], T],
               hand_offs: StepHandOffs | None = None) -> T:

@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from deltamoe.serve.engine.image_inputs import encode_pending
 from deltamoe.serve.engine.outputs import RequestOutput
 from deltamoe.serve.engine.runner import ModelCall, sampled_rows
 from deltamoe.serve.engine.sampling import SamplingParams, TokenLogprob, draw_tokens, token_logprobs
@@ -188,7 +189,16 @@ class OverlappedSteps:
 
     # ------------------------------------------------------------------ launch (host)
     def _launch(self, batch: ScheduledBatch, alone: bool) -> _InFlight:
+        if any(seq.images is not None for seq, _ in batch.items):
+            # The vision tower runs here, on the host, beside the step in flight (it shares no module
+            # with the decoder); the planned calls carry copies of the rows, so the embeddings of images
+            # the prompts have passed can go at once.
+            with torch.inference_mode():
+                encode_pending(self.runner.model, batch.items)
         calls = self.runner.plan(batch)
+        for seq, n in batch.items:
+            if seq.images is not None:
+                seq.images.release_before(seq.num_computed + n)
         for _, call in calls:  # the scheduler grows these lists in place while the step runs
             call.block_tables = [list(table) for table in call.block_tables]
         rows = [sampled_rows(group) for group, _ in calls]

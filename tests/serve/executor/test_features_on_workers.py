@@ -2,7 +2,7 @@
 
 - Images: rank 0 encodes each image once and broadcasts the rows its calls splice in; greedy tokens
   equal one process's through chunked prefill (an image cut across steps) and prefix-cache hits keyed
-  by image content.
+  by image content, also with async scheduling (one process and tp2).
 - Prompt logprobs: the other ranks join rank 0's (vocabulary-parallel) LM-head projections of the
   prompt's hidden states; the values equal one process's, chunk by chunk, beside plain requests."""
 
@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from deltamoe.config import load_preset
-from deltamoe.errors import RequestError
 from deltamoe.model.load import build_model
 from deltamoe.model.weights import save_checkpoint
 from deltamoe.serve.engine.config import EngineConfig
@@ -97,10 +96,19 @@ def test_images_on_workers_equal_one_process(checkpoint, requests, expected, tp,
         engine.shutdown()
 
 
-def test_images_are_still_refused_where_they_are_not_carried(checkpoint, requests):
-    engine = LLMEngine.from_pretrained(checkpoint, EngineConfig(**CONFIG, async_scheduling=True))
-    with pytest.raises(RequestError, match="images with --async-scheduling: not yet"):
-        generate(engine, requests[:1])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_images_with_async_scheduling_equal_one_step_at_a_time(checkpoint, requests, expected, tp):
+    """Async scheduling encodes a step's images on the host as it plans the step (beside the step in
+    flight); over --tp the rows follow the step message after the sampled ids."""
+    workers = WorkerConfig(tp=tp) if tp > 1 else None
+    engine = LLMEngine.from_pretrained(checkpoint, EngineConfig(**CONFIG, async_scheduling=True), workers=workers)
+    try:
+        assert engine.overlap is not None
+        want, _ = expected
+        assert generate(engine, requests) == want
+        assert generate(engine, requests) == want  # prefix hits
+    finally:
+        engine.shutdown()
 
 
 SCORED = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
