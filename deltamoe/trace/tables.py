@@ -198,7 +198,7 @@ def cpu_payload(name: str, a: object) -> int:
 
 
 # What each column of the flat rows holds, as the trace names it (for the error on a non-number).
-_KERNEL_FIELDS = ("ts", "dur", "class", "args.stream", "args.correlation", "args.External id", "name")
+_KERNEL_FIELDS = ("ts", "dur", "class", "args.stream / tid", "args.correlation", "args.External id", "name")
 _RUNTIME_FIELDS = ("args.correlation", "ts")
 
 
