@@ -37,6 +37,7 @@ from deltamoe.model.model import DeltaMoEForCausalLM
 from deltamoe.serve.engine.cache import HybridCache
 from deltamoe.serve.engine.compiled_decode import WarmUpCall, expert_form_budget
 from deltamoe.serve.engine.config import EngineConfig, check_speculative_layout
+from deltamoe.serve.engine.image_inputs import encode_pending
 from deltamoe.serve.engine.runner import ModelRunner, StepResult
 from deltamoe.serve.engine.sampling import token_logprobs
 from deltamoe.serve.engine.scheduler import ScheduledBatch
@@ -71,6 +72,18 @@ class SpeculativeRunner(ModelRunner):
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[StepResult]:
+        # Prefill chunks over image placeholders carry the rows (`ModelCall.of`), in every path below;
+        # the MTP layer reads the placeholder token's embedding there (draft quality only: the target
+        # verifies every draft with the image rows).
+        encode_pending(self.model, batch.items)
+        try:
+            return self._execute(batch)
+        finally:
+            for seq, n in batch.items:
+                if seq.images is not None:
+                    seq.images.release_before(seq.num_computed + n)
+
+    def _execute(self, batch: ScheduledBatch) -> list[StepResult]:
         rows = len(batch.items)
         # A step of decoding rows under the limit is timed for the cost rule (`step_costs.py`).
         timed = self.by_cost and rows < self.max_batch and all(n == 1 for _, n in batch.items)

@@ -113,3 +113,19 @@ def test_preempted_image_requests_encode_again_and_keep_results(model, monkeypat
     got = engine.generate([ids for ids, _ in reqs], GREEDY, progress=False, images=[ims for _, ims in reqs])
     assert engine.stats().num_preemptions > 0 and sum(calls) > len(reqs)  # recomputed prompts encode again
     assert [g.token_ids for g in got] == [reference(model, ids, ims) for ids, ims in reqs]
+
+
+def test_speculative_decoding_with_images_gives_the_plain_tokens(model):
+    """The speculative runner's prefill calls carry the image rows (drafts only read the placeholder's
+    token embedding; the target verifies with the rows): greedy tokens equal each prompt alone, batched,
+    chunked and from the prefix cache, with speculation never switched off."""
+    reqs = [(prompt(5, 4, 1, seed=1), [image(1)]), (prompt(10, 3, 2, seed=2), [image(2), image(3)])]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    want = [LLMEngine(model, config=EngineConfig(cache_memory="8MiB", block_size=4)).generate(
+        [ids], params, progress=False, images=[ims])[0].token_ids for ids, ims in reqs]
+    engine = LLMEngine(model, config=EngineConfig(cache_memory="8MiB", block_size=4, max_num_batched_tokens=7,
+                                                  speculative="mtp", num_draft_tokens=2, spec_min_acceptance=0.0))
+    for _ in range(2):  # the second time from the prefix cache
+        got = engine.generate([ids for ids, _ in reqs], params, progress=False, images=[ims for _, ims in reqs])
+        assert [g.token_ids for g in got] == want
+    assert engine.runner.tracker.verifications > 0
