@@ -208,26 +208,22 @@ class LLMEngine:
 
     def _check_layout_serves(self, seq: Sequence) -> None:
         """Request features this engine's layout cannot serve yet: a RequestError naming the field, never a
-        request served without them. (Images travel to --tp/--ep workers as embedding rows,
-        `executor/image_rows.py`, and to a prefill server as pixels, `kv_transfer/image_payload.py`.)
-        One-step-ahead steps sample on the device thread without the host's per-token work (a grammar
-        matcher advanced with each token, prompt logprobs, forked choices); their images are encoded on
-        the host as each step is planned (`overlap.py`)."""
-        layouts = {"--async-scheduling": self.overlap is not None,
-                   # its prefill keeps the hidden states the drafts need, not prompt logprobs or image rows
-                   "--speculative": self.config.speculative is not None}
-        features = [  # (asked for, field, what, the layouts that lack it)
-            (seq.images is not None, "images", "images", ("--speculative",)),
-            (seq.params.prompt_logprobs is not None, "prompt_logprobs", "prompt logprobs",
-             ("--async-scheduling", "--speculative")),
+        request served without them. One-step-ahead steps (--async-scheduling) sample on the device
+        thread without the host's per-token work: a grammar matcher advanced with each token, prompt
+        logprobs, forked choices. (Every layout serves images: the rows travel to --tp/--ep workers,
+        `executor/image_rows.py`, the pixels to a prefill server, `kv_transfer/image_payload.py`, and
+        one-step-ahead steps encode them on the host as each step is planned, `overlap.py`.)"""
+        if self.overlap is None:
+            return
+        features = [  # (asked for, field, what)
+            (seq.params.prompt_logprobs is not None, "prompt_logprobs", "prompt logprobs"),
             (seq.params.structured is not None, getattr(seq.params.structured, "field", "response_format"),
-             "structured outputs", ("--async-scheduling",)),
-            (seq.fork_of is not None, "n", "n > 1 or best_of", ("--async-scheduling",)),
+             "structured outputs"),
+            (seq.fork_of is not None, "n", "n > 1 or best_of"),
         ]
-        for asked, field, what, lacking in features:
-            for layout in lacking if asked else ():
-                if layouts[layout]:
-                    raise RequestError(f"{what} with {layout}: not yet", field=field)
+        for asked, field, what in features:
+            if asked:
+                raise RequestError(f"{what} with --async-scheduling: not yet", field=field)
 
     def add_sequence(self, seq: Sequence) -> str:
         if seq.request_id in self._requests:

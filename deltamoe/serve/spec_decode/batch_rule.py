@@ -29,7 +29,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deltamoe.serve.engine.runner import ModelCall, ModelRunner, StepResult, pack_calls, sampled_rows
+from deltamoe.serve.engine.prompt_logprobs import chunk_prompt_logprobs, wants_prompt_logprobs
+from deltamoe.serve.engine.runner import (ModelCall, ModelRunner, StepResult, pack_calls, sampled_rows,
+                                          with_prompt_logprobs)
+from deltamoe.serve.engine.sampling import TokenLogprob
 from deltamoe.serve.engine.scheduler import ScheduledBatch
 from deltamoe.serve.engine.sequence import Sequence
 from deltamoe.serve.spec_decode.mtp_drafter import CatchUp
@@ -69,18 +72,23 @@ def run_plain_keeping_hidden(runner: ModelRunner, batch: ScheduledBatch, compile
     """The step as `ModelRunner` runs it (decodes through the compiled regions when it compiles and
     `compiled`, prefill chunks eager) -> its results and each row's hidden states [n, D] by
     `id(seq)`. `compiled` False: every call eager (the whole-call graph returns no hidden states).
-    Features the speculative runner's own calls leave out (prompt logprobs, images) are left out
-    here too."""
+    Image rows come with the calls (encoded by the runner before the step); a prefill chunk that asks
+    for prompt logprobs projects its hidden states as `ModelRunner.run` does."""
     last_logits: list[torch.Tensor] = []
     to_sample: list[Sequence] = []
     hidden_by_seq: dict[int, torch.Tensor] = {}
+    scored: dict[int, list[TokenLogprob]] = {}
     calls = [(group, ModelCall.of(group, compiled and runner.compiles_decode)) for group in pack_calls(batch.items)]
     for group, call in calls:
         logits, hidden = runner.forward(call, with_hidden=True)
         for b, (seq, n) in enumerate(group):
             hidden_by_seq[id(seq)] = hidden[b, :n]
+            if wants_prompt_logprobs(seq):
+                scored[id(seq)] = chunk_prompt_logprobs(runner.model, seq, n, hidden[b, :n] if max(call.counts) > 1
+                                                        else None, logits[b])
         rows = sampled_rows(group)
         if rows:
             last_logits.append(logits if len(rows) == len(group) else logits[rows])
             to_sample.extend(group[row][0] for row in rows)
-    return runner.sample_rows(batch, last_logits, to_sample), hidden_by_seq
+    results = runner.sample_rows(batch, last_logits, to_sample)
+    return (with_prompt_logprobs(results, scored) if scored else results), hidden_by_seq

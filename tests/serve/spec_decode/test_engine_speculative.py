@@ -285,17 +285,23 @@ def test_grammar_and_logit_bias_requests_decode_plainly_with_the_plain_output(mt
     assert spec.runner.tracker.verifications > 0  # the third request did speculate
 
 
-def test_prompt_logprobs_are_refused_not_dropped(mtp_model):
-    """The speculative prefill keeps the hidden states the drafts need, not prompt logprobs: a request
-    asking for them (prompt_logprobs, or echo + logprobs) is a 400 naming the field (it was answered
-    200 with them missing)."""
-    from deltamoe.errors import RequestError
-
-    eng = engine(mtp_model, 2)
-    try:
-        seq = eng.make_sequence([5, 6, 7, 8], SamplingParams(max_tokens=2, prompt_logprobs=1))
-        with pytest.raises(RequestError, match="prompt logprobs with --speculative: not yet") as e:
-            eng.add_sequence(seq)
-        assert e.value.field == "prompt_logprobs" and not eng.has_unfinished()
-    finally:
-        eng.shutdown()
+def test_prompt_logprobs_equal_plain_decoding(mtp_model):
+    """A speculating engine's prefill projects the chunk's hidden states for a request that asks for
+    prompt logprobs, as the plain runner does (it refused them; before that it dropped them): over
+    several chunks, beside a request that asks for none, equal to plain decoding."""
+    params = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=2),
+              SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)]
+    prompts = [list(range(3, 40)), [5, 6, 7, 8, 9]]
+    config = dict(cache_memory="8MiB", max_num_batched_tokens=16)
+    plain = LLMEngine(mtp_model, config=EngineConfig(**config)).generate(prompts, params, progress=False)
+    spec = LLMEngine(mtp_model, config=EngineConfig(**config, speculative="mtp", num_draft_tokens=2,
+                                                    spec_min_acceptance=0.0))
+    got = spec.generate(prompts, params, progress=False)
+    assert [c.token_ids for c in got] == [c.token_ids for c in plain]
+    assert got[1].prompt_logprobs is None
+    a, b = got[0].prompt_logprobs, plain[0].prompt_logprobs
+    assert len(a) == len(b) == len(prompts[0]) - 1
+    assert [t.token_id for t in a] == [t.token_id for t in b]
+    assert [t.logprob for t in a] == pytest.approx([t.logprob for t in b], abs=1e-5)
+    assert [[i for i, _ in t.top] for t in a] == [[i for i, _ in t.top] for t in b]
+    assert spec.runner.tracker.verifications > 0
