@@ -154,22 +154,26 @@ def w4a8_int8_matmul_reference(x: torch.Tensor, packed: torch.Tensor, scale: tor
     return dequantized_matmul((q - z) * s, packed, scale, group_size).to(x.dtype)
 
 
-def fp8_act_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row of x scaled so its max is 448 and rounded to e4m3 -> (e4m3 values as fp32, scale [..., 1])."""
-    scale = x.float().abs().amax(-1, keepdim=True).clamp_min(1e-12) / FP8_MAX
+def fp8_act_per_row(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of x scaled so its max is 448 and rounded to e4m3 -> (e4m3 values as fp32, scale [..., 1]).
+    `amax` [..., 1]: the rows' absolute maxima when x is a slice of them (a row-parallel shard's input)."""
+    if amax is None:
+        amax = x.float().abs().amax(-1, keepdim=True)
+    scale = amax.clamp_min(1e-12) / FP8_MAX
     q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float()
     return q, scale
 
 
 def w4a8_fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scales_and_zeros: torch.Tensor, out_features: int,
-                    group_size: int = INT4_GROUP) -> torch.Tensor:
-    """Dynamic per-row FP8-E4M3 activations @ int4 W^T through the int4 kernel -> [..., N] in x.dtype."""
-    q, scale = fp8_act_per_row(x)
+                    group_size: int = INT4_GROUP, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """Dynamic per-row FP8-E4M3 activations @ int4 W^T through the int4 kernel -> [..., N] in x.dtype
+    (`amax`: see `fp8_act_per_row`)."""
+    q, scale = fp8_act_per_row(x, amax)
     return (int4_matmul(q, weight, scales_and_zeros, out_features, group_size) * scale).to(x.dtype)
 
 
 def w4a8_fp8_matmul_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
-                              group_size: int = INT4_GROUP) -> torch.Tensor:
+                              group_size: int = INT4_GROUP, amax: torch.Tensor | None = None) -> torch.Tensor:
     """`w4a8_fp8_matmul` written out in fp32."""
-    q, s = fp8_act_per_row(x)
+    q, s = fp8_act_per_row(x, amax)
     return (int4_matmul_reference(q, packed, scale, group_size) * s).to(x.dtype)

@@ -41,11 +41,50 @@ def reduce_grad_in_backward(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 
 
+# The plans, by child module name: "col" (output features split: heads / width) or "row" (input
+# features split, partial sums all-reduced). Serving shards a quantized checkpoint's int4 projections
+# by the same plans (serve/executor/int4_shards.py); here only the float Linears are planned.
+def kda_plan(attn: KimiDeltaAttention) -> dict[str, str]:
+    plan = {name: "col" for name in ("q_proj", "k_proj", "v_proj", "f_b_proj", "b_proj")}
+    plan["g_proj" if hasattr(attn, "g_proj") else "g_b_proj"] = "col"
+    plan["o_proj"] = "row"
+    return plan
+
+
+def mla_plan(attn: LatentAttention) -> dict[str, str]:
+    plan = {"q_proj" if attn.config.q_lora_rank is None else "q_b_proj": "col", "kv_b_proj": "col", "o_proj": "row"}
+    if attn.config.mla_output_gate:
+        plan["g_proj"] = "col"
+    return plan
+
+
+MLP_PLAN = {"gate_proj": "col", "up_proj": "col", "down_proj": "row"}
+
+
+def tp_plans(module: nn.Module) -> list[tuple[nn.Module, dict[str, str]]]:
+    """Every (module, plan) the TP layout shards under `module`: each decoder layer's attention, and its
+    dense MLP or its MoE's shared experts."""
+    out: list[tuple[nn.Module, dict[str, str]]] = []
+    for layer in [m for m in module.modules() if isinstance(m, DecoderLayer)]:
+        attn = layer.self_attn
+        out.append((attn, kda_plan(attn) if isinstance(attn, KimiDeltaAttention) else mla_plan(attn)))
+        if not layer.is_moe:
+            out.append((layer.mlp, MLP_PLAN))
+        elif layer.config.num_shared_experts > 0:
+            out.append((layer.block_sparse_moe.shared_experts, MLP_PLAN))
+    return out
+
+
+def _parallelize_linears(module: nn.Module, mesh: DeviceMesh, plan: dict[str, str]) -> None:
+    """`parallelize_module` over the plan's float Linears (an int4-packed projection is not one)."""
+    styles = {"col": ColwiseParallel, "row": RowwiseParallel}
+    linears = {name: styles[how]() for name, how in plan.items() if isinstance(getattr(module, name), nn.Linear)}
+    if linears:
+        parallelize_module(module, mesh, linears)
+
+
 def _tp_kda(attn: KimiDeltaAttention, mesh: DeviceMesh) -> list[tuple[nn.Module, str]]:
-    plan = {name: ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj", "f_b_proj", "b_proj")}
-    plan["g_proj" if hasattr(attn, "g_proj") else "g_b_proj"] = ColwiseParallel()
-    plan["o_proj"] = RowwiseParallel()
-    parallelize_module(attn, mesh, plan)
+    _parallelize_linears(attn, mesh, kda_plan(attn))
     attn.head_shard = (mesh.get_local_rank(), mesh.size())  # per-head parameters read as this rank's slice
     attn.num_heads //= mesh.size()
     return [(attn, "A_log"), (attn, "dt_bias"), (attn.q_conv1d, "weight"), (attn.k_conv1d, "weight"),
@@ -53,11 +92,7 @@ def _tp_kda(attn: KimiDeltaAttention, mesh: DeviceMesh) -> list[tuple[nn.Module,
 
 
 def _tp_mla(attn: LatentAttention, mesh: DeviceMesh) -> None:
-    plan = {"q_proj" if attn.config.q_lora_rank is None else "q_b_proj": ColwiseParallel(),
-            "kv_b_proj": ColwiseParallel(), "o_proj": RowwiseParallel()}
-    if attn.config.mla_output_gate:
-        plan["g_proj"] = ColwiseParallel()
-    parallelize_module(attn, mesh, plan)
+    _parallelize_linears(attn, mesh, mla_plan(attn))
     attn.num_heads //= mesh.size()
     rank = attn.kv_rank
 
@@ -70,8 +105,7 @@ def _tp_mla(attn: LatentAttention, mesh: DeviceMesh) -> None:
 
 
 def _tp_mlp(mlp: DenseMLP, mesh: DeviceMesh) -> None:
-    parallelize_module(mlp, mesh, {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
-                                   "down_proj": RowwiseParallel()})
+    _parallelize_linears(mlp, mesh, MLP_PLAN)
 
 
 def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh) -> "TensorParallelGradSync":

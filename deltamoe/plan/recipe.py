@@ -38,8 +38,7 @@ DELTAMOE_LAYOUT = ("# deltamoe serve runs replicas of --tp x --ep ranks (spawned
                    "pool's chips with the fewest ranks per replica whose weights fit a chip. Weights load in "
                    "--dtype bfloat16 whatever --weights says: deltamoe runs a quantized (compressed-tensors) "
                    "checkpoint packed on CPU ranks only (docs/quantization.md: its packed experts split by --ep, "
-                   "and by --tp when it packs the routed experts alone, as mxfp4), so on GPUs serve the "
-                   "bfloat16 checkpoint")
+                   "its int4 projections by --tp), so on GPUs serve the bfloat16 checkpoint")
 
 
 @dataclass(frozen=True)

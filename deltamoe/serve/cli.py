@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Optional
 import typer
 
 from deltamoe.errors import ConfigError
-from deltamoe.hf_config import load_config, read_json_object
+from deltamoe.hf_config import load_config
 from deltamoe.serve.engine.config import EngineConfig, check_speculative_layout
 from deltamoe.serve.engine.multi_step_layouts import GENERATE_DEFAULT_STEPS, check_multi_step, resolve_generate_steps
 from deltamoe.serve.kv_transfer.role_config import DIRECT_MAX_SEGMENTS, INLINE_WRITE, MARKERS
@@ -154,15 +154,6 @@ def check_workers(model: str, tp: int, ep: int):
     if workers.world_size == 1 and not launched_by_torchrun():
         return None
     workers.dims(load_config(model))
-    if tp > 1 and (Path(model) / "config.json").is_file() and "quantization_config" in read_json_object(
-            Path(model) / "config.json", field="model"):
-        from deltamoe.model.weights import read_quant_scheme
-
-        scheme = read_quant_scheme(Path(model))
-        if scheme is not None and not scheme.experts_only:  # before the ranks start (sharding.py says it too)
-            raise ConfigError(f"--tp {tp}: this {scheme.format} checkpoint packs the attention and dense "
-                              "projections as int4, which has no tensor-parallel form yet", field="tp",
-                              hint="serve it with --ep (tp 1), or quantize with --format mxfp4 (routed experts only)")
     world = int(os.environ.get("WORLD_SIZE", workers.world_size))
     if launched_by_torchrun() and world != workers.world_size:
         raise ConfigError(f"torchrun started {world} processes but --tp {tp} --ep {ep} makes {workers.world_size}",

@@ -6,8 +6,9 @@ applied here in the same order as in training (TP, then EP). Serving adds:
 - the vocabulary-parallel embedding and LM head (`apply_vocab_parallel`, also in parallel/);
 - `use_local_shards`: the planned DTensor modules become plain local-shard modules with the
   collective their placement implies (DTensor dispatch costs more than a decode call's math);
-- packed experts of a quantized checkpoint cut to the rank's share (`PackedExperts.local_share`),
-  dispatched by the same all-to-all (`PackedExpertParallelDispatcher`);
+- a quantized checkpoint: packed experts cut to the rank's share (`PackedExperts.local_share`),
+  dispatched by the same all-to-all (`PackedExpertParallelDispatcher`), and int4 projections split
+  by the same TP plan (`int4_shards.py`);
 - `ReplicatedTokensDispatcher` around the EP dispatcher: in serving every EP rank holds the same
   tokens (rank 0 sends one batch to all), so each rank dispatches only its share of them through
   the training all-to-all, and an all-gather brings every token's expert output back to every rank.
@@ -18,15 +19,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from deltamoe.errors import ConfigError
 from deltamoe.model.model import DeltaMoEForCausalLM
 from deltamoe.model.packed_experts import PackedExperts
-from deltamoe.model.quantized_linear import Int4Linear
 from deltamoe.parallel.dims import ParallelDims
 from deltamoe.parallel.expert_load import moe_modules
 from deltamoe.parallel.expert_parallel import ExpertParallelDispatcher, ExpertShard, apply_expert_parallel
 from deltamoe.parallel.mesh import ParallelMesh
 from deltamoe.parallel.tensor_parallel import apply_tensor_parallel, apply_vocab_parallel
+from deltamoe.serve.executor.int4_shards import shard_int4_projections
 from deltamoe.serve.executor.local_shards import use_local_shards
 
 
@@ -68,17 +68,12 @@ def shard_for_serving(model: DeltaMoEForCausalLM, dims: ParallelDims, mesh: Para
     """Keep this rank's shard of `model` (every rank passes the same full model): TP heads, widths and
     vocabulary over mesh["tp"], routed experts over mesh["ep"]. In place; returns the model.
 
-    A quantized checkpoint's skeleton (`quantize_modules` on the meta device) shards too: its packed
-    routed experts (`PackedExperts`) are cut to this rank's share before loading. Its quantized
-    projections (`Int4Linear`: int4 / w4a8 checkpoints) have no tensor-parallel form, so with
-    tp > 1 only checkpoints that pack the routed experts alone (mxfp4, as K3 ships) shard."""
+    A quantized checkpoint's skeleton (`quantize_modules` on the meta device) shards too, before
+    loading: its packed routed experts (`PackedExperts`) are cut to this rank's share, and its int4
+    projections (int4 / w4a8 checkpoints) split by the TP plan (`int4_shards.py`)."""
     if dims.tp > 1:
-        packed = [n for n, m in model.named_modules() if isinstance(m, Int4Linear) and ".experts." not in n]
-        if packed:
-            raise ConfigError(f"--tp {dims.tp}: {packed[0]} and {len(packed) - 1} other projection(s) of this "
-                              "checkpoint are int4-packed, which has no tensor-parallel form yet", field="tp",
-                              hint="serve an int4 / w4a8 checkpoint with --ep (tp 1), or a checkpoint that packs "
-                                   "only the routed experts (--format mxfp4)")
+        # A quantized skeleton's int4 projections split by the same plan (the float ones below)
+        shard_int4_projections(model, mesh["tp"].get_local_rank(), dims.tp, mesh["tp"].get_group())
         apply_tensor_parallel(model, mesh["tp"])  # its gradient sync is for training only
         apply_vocab_parallel(model, mesh["tp"])
         use_local_shards(model, mesh["tp"].get_group())
