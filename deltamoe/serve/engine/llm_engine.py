@@ -209,14 +209,13 @@ class LLMEngine:
     def _check_layout_serves(self, seq: Sequence) -> None:
         """Request features this engine's layout cannot serve yet: a RequestError naming the field, never a
         request served without them. One-step-ahead steps (--async-scheduling) sample on the device
-        thread without the host's per-token work: a grammar matcher advanced with each token, prompt
-        logprobs, forked choices. (Every layout serves images: the rows travel to --tp/--ep workers,
+        thread without the host's per-token work: a grammar matcher advanced with each token, forked
+        choices. (Prompt logprobs are scored on the device thread: `overlap.py`.) (Every layout serves images: the rows travel to --tp/--ep workers,
         `executor/image_rows.py`, the pixels to a prefill server, `kv_transfer/image_payload.py`, and
         one-step-ahead steps encode them on the host as each step is planned, `overlap.py`.)"""
         if self.overlap is None:
             return
         features = [  # (asked for, field, what)
-            (seq.params.prompt_logprobs is not None, "prompt_logprobs", "prompt logprobs"),
             (seq.params.structured is not None, getattr(seq.params.structured, "field", "response_format"),
              "structured outputs"),
             (seq.fork_of is not None, "n", "n > 1 or best_of"),

@@ -53,11 +53,12 @@ class Executor(Protocol):
 
     def execute_ahead(self, state_ops: list[tuple[int | None, int]], calls: list[ModelCall],
                       fills: list[Fill | None], earlier: torch.Tensor | None, run: Callable[[], T],
-                      hand_offs: StepHandOffs | None = None) -> T:
+                      hand_offs: StepHandOffs | None = None,
+                      projections: list[list[tuple[int, int, int]]] | None = None) -> T:
         """A step rank 0 planned one step ahead (`overlap.py`, on its device thread): tell the other ranks
-        (its state-slot writes, its calls, the caches `hand_offs` names, and `earlier`, the previous step's
-        sampled ids that `fills` put in place of its placeholders), then `run` this process's part and
-        return its result."""
+        (its state-slot writes, its calls, the caches `hand_offs` names, `earlier`, the previous step's
+        sampled ids that `fills` put in place of its placeholders, and the prompt-logprob `projections`
+        its `run` makes after each call), then `run` this process's part and return its result."""
         ...
 
     def check_health(self) -> None:

@@ -78,13 +78,16 @@ class MultiprocExecutor:
 
     def execute_ahead(self, state_ops: list[tuple[int | None, int]], calls: list[ModelCall],
                       fills: list[Fill | None], earlier: torch.Tensor | None, run: Callable[[], T],
-                      hand_offs: StepHandOffs | None = None) -> T:
+                      hand_offs: StepHandOffs | None = None,
+                      projections: list[list[tuple[int, int, int]]] | None = None) -> T:
         """A step planned one step ahead (`overlap.py`'s device thread): the ranks fill the calls'
         placeholders from `earlier`, which follows the step's message (and its handed-off caches, if
         any) as a tensor broadcast."""
         self.check_health()
         sent, images, rows = split_off_images(calls)
         message = StepMessage(state_ops, sent, images=images)
+        if self.group.dims.tp > 1:  # the prompt-logprob projections (the LM head is a collective)
+            message.projections = projections
         image_rows = [] if rows is None else [rows]  # after the sampled ids, as the workers take them
         if earlier is None or all(fill is None for fill in fills):
             return self._step(message, image_rows, run, hand_offs)

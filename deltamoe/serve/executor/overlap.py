@@ -56,13 +56,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from deltamoe.serve.engine.image_inputs import encode_pending
 from deltamoe.serve.engine.outputs import RequestOutput
+from deltamoe.serve.engine.prompt_logprobs import PromptScoring, call_scorings, score_chunk
 from deltamoe.serve.engine.runner import ModelCall, sampled_rows
 from deltamoe.serve.engine.sampling import SamplingParams, TokenLogprob, draw_tokens, token_logprobs
 from deltamoe.serve.engine.scheduler import ScheduledBatch, Scheduler
@@ -87,6 +88,12 @@ class _Work:
     outputs: list[list[int]]  # per sampled row: the output ids so far (read by penalties only)
     generators: list[torch.Generator]
     hand_offs: StepHandOffs | None  # with a role over worker ranks: the caches the step moves between ranks
+    scorings: list[list[tuple[Sequence, PromptScoring]]]  # per call, the rows scoring prompt tokens (prompt logprobs)
+
+    def projections(self) -> list[list[tuple[int, int, int]]] | None:
+        """The LM-head projections the scorings make, per call (`StepMessage.projections`); None: none."""
+        out = [[(s.row, *s.hidden_rows) for _, s in call if s.hidden_rows is not None] for call in self.scorings]
+        return out if any(out) else None
 
 
 @dataclass
@@ -95,6 +102,7 @@ class _Sampled:
     host: torch.Tensor | None  # the same, copied to the host (maybe still in flight: `ready`)
     ready: object | None  # a CUDA event recorded after the copy; None on a CPU
     logprobs: list[TokenLogprob | None]
+    prompt_logprobs: list[tuple[Sequence, int, list[TokenLogprob]]] = field(default_factory=list)  # (seq, first, entries)
 
     def host_ids(self) -> list[int]:
         if self.ready is not None:
@@ -204,9 +212,10 @@ class OverlappedSteps:
         rows = [sampled_rows(group) for group, _ in calls]
         sampled = [group[row][0] for (group, _), picked in zip(calls, rows) for row in picked]
         hand_off = self.executor.hand_off
+        scorings = [[(group[sc.row][0], sc) for sc in call_scorings(group)] for group, _ in calls]
         work = _Work(self.cache.take_state_ops(), calls, rows, [self._fill(call, group) for group, call in calls],
                      [s.params for s in sampled], [list(s.output_ids) for s in sampled], [s.generator for s in sampled],
-                     hand_off.plan(batch) if hand_off is not None else None)
+                     hand_off.plan(batch) if hand_off is not None else None, scorings)
         computed_after = []
         for seq, n in batch.items:
             seq.num_computed += n
@@ -237,7 +246,7 @@ class OverlappedSteps:
         if any(fill is not None for fill in work.fills):
             earlier = previous.result().tokens  # done: this thread ran it just before
         return self.executor.execute_ahead(work.state_ops, [call for _, call in work.calls], work.fills, earlier,
-                                           lambda: self._run_here(work, earlier), work.hand_offs)
+                                           lambda: self._run_here(work, earlier), work.hand_offs, work.projections())
 
     def _run_here(self, work: _Work, earlier: torch.Tensor | None) -> _Sampled:
         """This process's part of the step: replay the state writes, fill the placeholders, run, sample."""
@@ -246,18 +255,50 @@ class OverlappedSteps:
         inputs = None
         if earlier is not None:
             inputs = filled_inputs([call for _, call in work.calls], work.fills, earlier, runner.device)
-        logits, _ = runner.last_logits(work.calls, work.rows, inputs)
+        scored: list[tuple[Sequence, int, list[TokenLogprob]]] = []
+        if any(work.scorings):
+            logits, scored = self._last_logits_scoring(work, inputs)
+        else:
+            logits, _ = runner.last_logits(work.calls, work.rows, inputs)
         if logits is None:
-            return _Sampled(None, None, None, [])
+            return _Sampled(None, None, None, [], scored)
         tokens = draw_tokens(logits, work.params, work.outputs, work.generators)
         logprobs = [token_logprobs(logits[i], int(tokens[i]), p.logprobs) if p.logprobs is not None else None
                     for i, p in enumerate(work.params)]
         host, ready = _copy_to_host(tokens)
-        return _Sampled(tokens, host, ready, logprobs)
+        return _Sampled(tokens, host, ready, logprobs, scored)
+
+    def _last_logits_scoring(self, work: _Work, inputs: list[torch.Tensor | None] | None
+                             ) -> tuple[torch.Tensor | None, list[tuple[Sequence, int, list[TokenLogprob]]]]:
+        """`ModelRunner.last_logits`, keeping the hidden states of calls that score prompt tokens and
+        scoring them here on the device thread (`engine/prompt_logprobs.py`): the host adds them to
+        their sequences when it collects the step."""
+        runner, parts, scored = self.runner, [], []
+        for i, ((group, call), picked) in enumerate(zip(work.calls, work.rows)):
+            ids = None if inputs is None else inputs[i]
+            hidden = None
+            if any(sc.hidden_rows is not None for _, sc in work.scorings[i]):
+                logits, hidden = runner.forward(call, ids, with_hidden=True)
+            else:
+                logits = runner.forward(call, ids)
+            for seq, sc in work.scorings[i]:
+                rows = None if sc.hidden_rows is None else hidden[sc.row]
+                scored.append((seq, sc.first, score_chunk(runner.model, sc, rows, logits[sc.row])))
+            if picked:
+                parts.append(logits if len(picked) == len(group) else logits[picked])
+        if not parts:
+            return None, scored
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)), scored
 
     # ------------------------------------------------------------------ collect (host, one step late)
     def _collect(self, step: _InFlight) -> list[RequestOutput]:
         sampled = step.result.result()  # the device thread's error, if any, surfaces here
+        for seq, first, entries in sampled.prompt_logprobs:
+            # What extends the scored prefix: a sequence preempted and recomputed since may have
+            # scored these positions again in a step planned before this one was collected.
+            skip = len(seq.prompt_logprobs) + 1 - first
+            if not seq.finished and 0 <= skip < len(entries):
+                seq.prompt_logprobs.extend(entries[skip:])
         picks = dict(zip(map(id, step.sampled), zip(sampled.host_ids(), sampled.logprobs)))
         outputs = []
         for (seq, _), computed, preemptions in zip(step.items, step.computed_after, step.preemptions):

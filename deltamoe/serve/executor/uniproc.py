@@ -20,7 +20,8 @@ class UniprocExecutor:
     def execute(self, batch: ScheduledBatch) -> list[StepResult]:
         return self.runner.execute(batch)
 
-    def execute_ahead(self, state_ops, calls, fills, earlier, run: Callable[[], T], hand_offs=None) -> T:
+    def execute_ahead(self, state_ops, calls, fills, earlier, run: Callable[[], T], hand_offs=None,
+                      projections=None) -> T:
         return run()  # no other rank to tell
 
     healthy = True

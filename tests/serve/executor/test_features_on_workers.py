@@ -114,11 +114,14 @@ def test_images_with_async_scheduling_equal_one_step_at_a_time(checkpoint, reque
 SCORED = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
 
 
-def test_prompt_logprobs_on_workers_equal_one_process(checkpoint):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_prompt_logprobs_on_workers_equal_one_process(checkpoint, async_scheduling):
+    """With async scheduling the projections go with the step rank 0's device thread sends."""
     prompts = [prompt(17, 0, 0, seed=20), prompt(3, 0, 0, seed=21), prompt(12, 5, 0, seed=22)]
     params = [SCORED, GREEDY, SCORED]  # the middle one asks for none, in the same calls
     one = LLMEngine.from_pretrained(checkpoint, EngineConfig(**CONFIG)).generate(prompts, params, progress=False)
-    engine = LLMEngine.from_pretrained(checkpoint, EngineConfig(**CONFIG), workers=WorkerConfig(tp=2))
+    engine = LLMEngine.from_pretrained(checkpoint, EngineConfig(**CONFIG, async_scheduling=async_scheduling),
+                                       workers=WorkerConfig(tp=2))
     try:
         got = engine.generate(prompts, params, progress=False)
     finally:

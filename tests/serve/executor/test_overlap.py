@@ -70,6 +70,30 @@ def test_preemption_and_penalties(k31_model, helpers):
     assert sync.stats().num_preemptions > 0 and overlapped.stats().num_preemptions > 0
 
 
+def test_prompt_logprobs_equal_one_step_at_a_time(k31_model, helpers):
+    """The device thread scores prompt chunks (planned on the host at launch) and the host adds them when
+    it collects the step: over several chunks, beside plain rows, through preemption, equal to the
+    one-step engine's (values to fp32 rounding: batches differ)."""
+    ps = helpers.prompts(10, 20, 45, seed=31)
+    params = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=2 if i % 2 else None)
+              for i in range(10)]
+    config = dict(cache_memory=40_000, max_num_batched_tokens=32)
+    runs = []
+    for async_scheduling in (False, True):
+        engine = LLMEngine(k31_model, config=EngineConfig(**config, async_scheduling=async_scheduling))
+        runs.append(engine.generate(ps, params, progress=False))
+        assert engine.stats().num_preemptions > 0
+        engine.shutdown()
+    for a, b, p, prompt in zip(*runs, params, ps):
+        assert a.token_ids == b.token_ids
+        if p.prompt_logprobs is None:
+            assert a.prompt_logprobs is None and b.prompt_logprobs is None
+            continue
+        assert [t.token_id for t in b.prompt_logprobs] == prompt[1:] == [t.token_id for t in a.prompt_logprobs]
+        assert [t.logprob for t in b.prompt_logprobs] == pytest.approx([t.logprob for t in a.prompt_logprobs], abs=1e-5)
+        assert [[i for i, _ in t.top] for t in b.prompt_logprobs] == [[i for i, _ in t.top] for t in a.prompt_logprobs]
+
+
 def test_prefix_hits_and_snapshots(k31_model, helpers):
     heads = helpers.prompts(3, 40, 40, seed=21)
     ps = [heads[i % 3] + t for i, t in enumerate(helpers.prompts(12, 1, 12, seed=22))]
@@ -155,8 +179,8 @@ def test_server_front_streams_and_cancels(k31_model, helpers):
 
 
 def test_requests_the_overlapped_path_cannot_serve_are_refused_naming_the_field(helpers):
-    """Grammar masks, prompt logprobs and forked choices need host work per token that the device
-    thread skips: such a request is a RequestError at once, never served without it."""
+    """Grammar masks and forked choices need host work per token that the device thread skips: such a
+    request is a RequestError at once, never served without it."""
     from deltamoe.errors import ConfigError, RequestError
     from deltamoe.serve.engine.config import EngineConfig
     from deltamoe.serve.engine.llm_engine import LLMEngine
@@ -169,7 +193,6 @@ def test_requests_the_overlapped_path_cannot_serve_are_refused_naming_the_field(
     try:
         cases = [(SamplingParams(max_tokens=2, structured=choice_constraint(["a"], "guided_choice")), None,
                   "guided_choice"),  # the field the client sent (was always response_format)
-                 (SamplingParams(max_tokens=2, prompt_logprobs=0), None, "prompt_logprobs"),
                  (SamplingParams(max_tokens=2), "req-0", "n")]
         for params, fork_of, field in cases:
             seq = engine.make_sequence([1, 2, 3], params)
