@@ -155,12 +155,15 @@ def test_error_bodies_do_not_echo_huge_input(server):
     assert r.status_code == 400 and len(r.content) < 2 * MAX_MESSAGE_CHARS
 
 
-@pytest.mark.parametrize("path, body", [(CHAT, {"messages": [{"role": "user", "content": "a"}]})])
-def test_prompt_logprobs_is_refused_not_ignored(server, path, body):  # on chat; completions serve them (api/echo.py)
+def test_prompt_logprobs_on_chat_are_served_not_ignored(server):
+    """vLLM's chat `prompt_logprobs` (it was a 400): the templated prompt's logprobs, top-level."""
     url, _ = server
-    r = httpx.post(f"{url}{path}", headers=AUTH, json={"model": M, **body, "prompt_logprobs": 1})
-    assert r.status_code == 400
-    assert r.json()["error"]["param"] == "prompt_logprobs" and r.json()["error"]["code"] == "unsupported_value"
+    r = httpx.post(f"{url}{CHAT}", headers=AUTH, json={"model": M, "messages": [{"role": "user", "content": "ab"}],
+                                                       "prompt_logprobs": 1, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["prompt_logprobs"][0] is None and len(body["prompt_logprobs"]) == body["usage"]["prompt_tokens"]
+    assert all(1 <= len(e) <= 2 for e in body["prompt_logprobs"][1:])
 
 
 @pytest.mark.parametrize("temperature", [4.853484876905667e-265, 5e-324, 1e-6])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from deltamoe.serve.api.format import CompletionFormatter, token_text
+from deltamoe.serve.api.format import CompletionFormatter, prompt_logprobs_entries
 from deltamoe.serve.api.schemas import CompletionRequest, CompletionResponse
 from deltamoe.serve.engine.outputs import RequestOutput
 from deltamoe.serve.engine.sampling import TokenLogprob
@@ -41,7 +41,7 @@ class EchoCompletionFormatter(CompletionFormatter):
         self._first = False
         scored = out.prompt_logprobs or []
         if self.prompt_top is not None:
-            self._prompt_logprobs = [None] + [self._vllm_entry(lp) for lp in scored]
+            self._prompt_logprobs = prompt_logprobs_entries(self.tokenizer, scored)
         echo_logprobs = self.echo and self._logprobs is not None
         if self.echo:
             ids = self.prompt if isinstance(self.prompt, list) else self.tokenizer.encode(self.prompt)
@@ -62,8 +62,3 @@ class EchoCompletionFormatter(CompletionFormatter):
         body = super().response()
         body.choices[0].prompt_logprobs = self._prompt_logprobs
         return body
-
-    def _vllm_entry(self, lp: TokenLogprob) -> dict:
-        entries = {lp.token_id: lp.logprob, **{t: v for t, v in lp.top}}
-        return {str(t): {"logprob": v, "decoded_token": token_text(self.tokenizer, t)[0]} for t, v in entries.items()}
-

@@ -26,6 +26,16 @@ def token_text(tokenizer: Tokenizer, token_id: int) -> tuple[str, bytes]:
     return raw.decode("utf-8", errors="replace"), raw
 
 
+def prompt_logprobs_entries(tokenizer: Tokenizer, scored: list) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` list: None for the first prompt token (nothing precedes it), then per
+    token {token id: {"logprob", "decoded_token"}} for the token itself and the top n."""
+    out: list[dict | None] = [None]
+    for lp in scored:
+        entries = {lp.token_id: lp.logprob, **{t: v for t, v in lp.top}}
+        out.append({str(t): {"logprob": v, "decoded_token": token_text(tokenizer, t)[0]} for t, v in entries.items()})
+    return out
+
+
 def usage_of(out: RequestOutput) -> Usage:
     return Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
                  total_tokens=out.num_prompt_tokens + out.num_output_tokens,
@@ -104,16 +114,22 @@ class ChatFormatter(_Formatter):
     """`parser`: splits the text into reasoning, content and tool calls (chat_output.py); None: all content."""
 
     def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, logprobs: bool,
-                 parser: ChatChoiceParser | None = None):
+                 parser: ChatChoiceParser | None = None, prompt_logprobs: bool = False):
+        """`prompt_logprobs`: the request asked for them (vLLM's extension): the response's top-level
+        `prompt_logprobs`, and the first stream chunk's."""
         super().__init__(request_id, model, tokenizer)
         self._logprobs: list[ChatTokenLogprob] | None = [] if logprobs else None
         self._sent_role = False
         self.parser = parser
+        self._wants_prompt_logprobs = prompt_logprobs
+        self._prompt_logprobs: list[dict | None] | None = None
 
     def add(self, out: RequestOutput) -> ChatCompletionChunk | None:
         self._track(out)
         delta_lp = self._add_logprobs(out)
         first = not self._sent_role
+        if first and self._wants_prompt_logprobs:
+            self._prompt_logprobs = prompt_logprobs_entries(self.tokenizer, out.prompt_logprobs or [])
         parsed = self.parser.add_output(out) if self.parser is not None else None
         if not (first or (parsed if self.parser is not None else out.delta_text) or delta_lp or out.finished):
             return None
@@ -123,7 +139,8 @@ class ChatFormatter(_Formatter):
             else self.parser.delta(parsed, first)
         choice = ChatChunkChoice(delta=delta, logprobs=ChatLogprobs(content=delta_lp) if delta_lp else None,
                                  finish_reason=self._finish_reason(), stop_reason=out.stop_reason)
-        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice],
+                                   prompt_logprobs=self._prompt_logprobs if first else None)
 
     def _add_logprobs(self, out: RequestOutput) -> list[ChatTokenLogprob] | None:
         if self._logprobs is None or not out.delta_logprobs:
@@ -156,4 +173,4 @@ class ChatFormatter(_Formatter):
         choice = ChatChoice(message=message, logprobs=logprobs,
                             finish_reason=self._finish_reason(), stop_reason=self.last.stop_reason)
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
-                                      usage=self.usage())
+                                      usage=self.usage(), prompt_logprobs=self._prompt_logprobs)

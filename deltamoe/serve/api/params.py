@@ -88,8 +88,6 @@ def completion_params(req: CompletionRequest, vocab_size: int) -> tuple[Sampling
 
 def chat_params(req: ChatCompletionRequest, vocab_size: int,
                 stop_token_ids: list[int]) -> tuple[SamplingParams, dict[str, str]]:
-    if req.prompt_logprobs is not None:
-        raise _unsupported("prompt_logprobs", "prompt_logprobs on chat completions: not yet (use /v1/completions)")
     for legacy, current in (("functions", "tools (type function)"), ("function_call", "tool_choice")):
         if getattr(req, legacy) is not None:
             raise _unsupported(legacy, f"OpenAI's deprecated form, not served: send {current}")
@@ -101,4 +99,6 @@ def chat_params(req: ChatCompletionRequest, vocab_size: int,
         max_tokens, names["max_tokens"] = req.max_completion_tokens, "max_completion_tokens"
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     turn_ends = [] if req.ignore_eos else stop_token_ids  # ignore_eos (benchmarks): run past end-of-turn too
-    return validated(_common(req, max_tokens, logprobs, turn_ends), vocab_size, names), names
+    params = _common(req, max_tokens, logprobs, turn_ends)
+    params.prompt_logprobs = req.prompt_logprobs  # vLLM's extension: the templated prompt's logprobs
+    return validated(params, vocab_size, names), names

@@ -48,7 +48,7 @@ class SamplingFields(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None
-    prompt_logprobs: int | None = None  # vLLM extension; refused until the engine computes them
+    prompt_logprobs: int | None = None  # vLLM extension: the prompt's logprobs (top n), computed in prefill
     user: str | None = None
     metadata: dict[str, str] | None = None  # accepted and not used, as OpenAI stores it with the request
     # Structured outputs (serve/structured/request.py reads them): vLLM's current name and its older ones.
@@ -252,6 +252,7 @@ class ChatChoice(_Choice):
 class ChatCompletionResponse(_Envelope):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's extension, when asked
 
 
 class ChatDelta(BaseModel):
@@ -274,6 +275,15 @@ class ChatChunkChoice(_Choice):
 class ChatCompletionChunk(_Envelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChatChunkChoice]
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # the first chunk's, when asked
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_prompt_logprobs(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Only the first chunk of a request that asked carries the key; the others stay as they were.
+        out = handler(self)
+        if out.get("prompt_logprobs") is None:
+            out.pop("prompt_logprobs", None)
+        return out
 
 
 class TokenizeResponse(BaseModel):

@@ -160,7 +160,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_key: str | None = 
 
         def formatter() -> ChatFormatter:  # one per choice: each output parser keeps its own state
             return ChatFormatter(chat_id, req.model, engine.tokenizer, bool(req.logprobs),
-                                 options.parser(prompt, params, engine.tokenizer))
+                                 options.parser(prompt, params, engine.tokenizer), req.prompt_logprobs is not None)
 
         gen = Generation(engine, metrics, names, _continuous_usage(req))
         if wants_choices(req):

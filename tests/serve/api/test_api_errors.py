@@ -65,7 +65,7 @@ CASES = [
     (CMPL, raw({"model": M, "prompt": "a", "seed": 2**70}), AUTH, 400, "seed", "less_than_equal"),
     (CMPL, raw({"model": M, "prompt": "a", "logprobs": 99}), AUTH, 400, "logprobs", "invalid_value"),
     (CMPL, raw({"model": M, "prompt": "a", "n": 17}), AUTH, 400, "n", "invalid_value"),
-    (CHAT, raw({"model": M, "messages": USER, "prompt_logprobs": 1}), AUTH, 400, "prompt_logprobs", "unsupported_value"),
+    (CHAT, raw({"model": M, "messages": USER, "prompt_logprobs": 99}), AUTH, 400, "prompt_logprobs", "invalid_value"),
     (CMPL, raw({"model": M, "prompt": "a", "prompt_logprobs": 99}), AUTH, 400, "prompt_logprobs", "invalid_value"),
     # vLLM's sampling extensions that are not implemented are refused, never dropped
     (CMPL, raw({"model": M, "prompt": "a", "min_tokens": 5}), AUTH, 400, "min_tokens", "unsupported_value"),

@@ -4,6 +4,7 @@ already in the prefix cache."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import openai
@@ -116,3 +117,26 @@ def test_several_choices_each_echo_the_prompt_and_its_logprobs(served, helpers):
         for c in chunk.choices:
             texts[c.index] += c.text
     assert all(t.startswith(text) and len(t) > len(text) for t in texts)
+
+
+def test_chat_prompt_logprobs_score_the_templated_prompt(served):
+    """vLLM's chat extension: `prompt_logprobs` at the top of the response (and in the first stream
+    chunk), for the prompt as the chat template wrote it; equal to the completions route's for the
+    same token ids."""
+    import httpx
+
+    client, model = served
+    url = str(client.base_url).rstrip("/")
+    body = {"model": M, "messages": [{"role": "user", "content": "The sky is"}], "max_tokens": 2, "temperature": 0,
+            "prompt_logprobs": 2}
+    chat = httpx.post(f"{url}/chat/completions", json=body, timeout=60).json()
+    pl = chat["prompt_logprobs"]
+    ids = httpx.post(f"{url.removesuffix('/v1')}/tokenize", json={"model": M, "messages": body["messages"]},
+                     timeout=60).json()["tokens"]
+    assert pl[0] is None and len(pl) == len(ids) == chat["usage"]["prompt_tokens"]
+    want = reference(model, ids)
+    for j, entry in enumerate(pl[1:], start=1):
+        assert math.isclose(entry[str(ids[j])]["logprob"], want[j - 1], abs_tol=1e-4) and 1 <= len(entry) <= 3
+    with httpx.stream("POST", f"{url}/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert chunks[0]["prompt_logprobs"] == pl and not any("prompt_logprobs" in c for c in chunks[1:])
