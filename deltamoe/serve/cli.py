@@ -184,8 +184,7 @@ SPEC_MIN_ACCEPTANCE_HELP = ("With --speculative: a request whose last 8 verifica
                             "each time (0 = never switch off).")
 ASYNC_SCHEDULING_HELP = ("Schedule step N+1 while step N runs, with placeholders for the tokens it has yet to "
                          "sample (vLLM's async scheduling): the same tokens, outputs one step later. Also with "
-                         "--tp/--ep, and with serve's --role on one process. Refuses (400) structured outputs and "
-                         "n > 1 / best_of.")
+                         "--tp/--ep, and with serve's --role on one process. Refuses (400) structured outputs.")
 ASYNC_SCHEDULING_DECLS = ("--async-scheduling/--no-async-scheduling",)
 # Declared once, shared by the commands that take them (typer builds each command's parameter from it).
 SPECULATIVE_OPTION = typer.Option(None, "--speculative", help=SPECULATIVE_HELP)

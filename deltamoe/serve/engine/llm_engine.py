@@ -209,20 +209,13 @@ class LLMEngine:
     def _check_layout_serves(self, seq: Sequence) -> None:
         """Request features this engine's layout cannot serve yet: a RequestError naming the field, never a
         request served without them. One-step-ahead steps (--async-scheduling) sample on the device
-        thread without the host's per-token work: a grammar matcher advanced with each token, forked
-        choices. (Prompt logprobs are scored on the device thread: `overlap.py`.) (Every layout serves images: the rows travel to --tp/--ep workers,
-        `executor/image_rows.py`, the pixels to a prefill server, `kv_transfer/image_payload.py`, and
-        one-step-ahead steps encode them on the host as each step is planned, `overlap.py`.)"""
-        if self.overlap is None:
-            return
-        features = [  # (asked for, field, what)
-            (seq.params.structured is not None, getattr(seq.params.structured, "field", "response_format"),
-             "structured outputs"),
-            (seq.fork_of is not None, "n", "n > 1 or best_of"),
-        ]
-        for asked, field, what in features:
-            if asked:
-                raise RequestError(f"{what} with --async-scheduling: not yet", field=field)
+        thread, without the grammar matcher a structured output advances with each token. (Every
+        other feature is served in every layout: prompt logprobs and forked choices' first tokens are
+        drawn on the device thread, `overlap.py`; images travel to --tp/--ep workers as rows,
+        `executor/image_rows.py`, and to a prefill server as pixels, `kv_transfer/image_payload.py`.)"""
+        if self.overlap is not None and seq.params.structured is not None:
+            raise RequestError("structured outputs with --async-scheduling: not yet",
+                               field=getattr(seq.params.structured, "field", "response_format"))
 
     def add_sequence(self, seq: Sequence) -> str:
         if seq.request_id in self._requests:

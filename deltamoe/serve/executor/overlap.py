@@ -89,6 +89,9 @@ class _Work:
     generators: list[torch.Generator]
     hand_offs: StepHandOffs | None  # with a role over worker ranks: the caches the step moves between ranks
     scorings: list[list[tuple[Sequence, PromptScoring]]]  # per call, the rows scoring prompt tokens (prompt logprobs)
+    # Sampled rows whose prompt ends with choices waiting on it (n > 1): (row, those choices), whose first
+    # tokens are drawn from that row's logits with their own params and generators (`engine/forks.py`).
+    forks: list[tuple[int, list[Sequence]]] = field(default_factory=list)
 
     def projections(self) -> list[list[tuple[int, int, int]]] | None:
         """The LM-head projections the scorings make, per call (`StepMessage.projections`); None: none."""
@@ -103,6 +106,7 @@ class _Sampled:
     ready: object | None  # a CUDA event recorded after the copy; None on a CPU
     logprobs: list[TokenLogprob | None]
     prompt_logprobs: list[tuple[Sequence, int, list[TokenLogprob]]] = field(default_factory=list)  # (seq, first, entries)
+    fork_picks: list[tuple[Sequence, int, TokenLogprob | None]] = field(default_factory=list)  # (choice, token, logprob)
 
     def host_ids(self) -> list[int]:
         if self.ready is not None:
@@ -213,9 +217,14 @@ class OverlappedSteps:
         sampled = [group[row][0] for (group, _), picked in zip(calls, rows) for row in picked]
         hand_off = self.executor.hand_off
         scorings = [[(group[sc.row][0], sc) for sc in call_scorings(group)] for group, _ in calls]
+        forks = []
+        for row, seq in enumerate(sampled):  # its prompt ends in this step: its waiting choices draw too
+            if seq.forks and not seq.output_ids:
+                forks.append((row, seq.forks))
+                seq.forks = []
         work = _Work(self.cache.take_state_ops(), calls, rows, [self._fill(call, group) for group, call in calls],
                      [s.params for s in sampled], [list(s.output_ids) for s in sampled], [s.generator for s in sampled],
-                     hand_off.plan(batch) if hand_off is not None else None, scorings)
+                     hand_off.plan(batch) if hand_off is not None else None, scorings, forks)
         computed_after = []
         for seq, n in batch.items:
             seq.num_computed += n
@@ -266,7 +275,20 @@ class OverlappedSteps:
         logprobs = [token_logprobs(logits[i], int(tokens[i]), p.logprobs) if p.logprobs is not None else None
                     for i, p in enumerate(work.params)]
         host, ready = _copy_to_host(tokens)
-        return _Sampled(tokens, host, ready, logprobs, scored)
+        return _Sampled(tokens, host, ready, logprobs, scored, self._fork_picks(work, logits))
+
+    @staticmethod
+    def _fork_picks(work: _Work, logits: torch.Tensor) -> list[tuple[Sequence, int, TokenLogprob | None]]:
+        """Each waiting choice's first token, from its parent's last-prompt logits (its own seed)."""
+        picks = []
+        for row, children in work.forks:
+            rows = logits[row].expand(len(children), -1)
+            drawn = draw_tokens(rows, [c.params for c in children], [[] for _ in children],
+                                [c.generator for c in children]).tolist()
+            picks += [(child, token, token_logprobs(rows[i], token, child.params.logprobs)
+                       if child.params.logprobs is not None else None)
+                      for i, (child, token) in enumerate(zip(children, drawn))]
+        return picks
 
     def _last_logits_scoring(self, work: _Work, inputs: list[torch.Tensor | None] | None
                              ) -> tuple[torch.Tensor | None, list[tuple[Sequence, int, list[TokenLogprob]]]]:
@@ -316,6 +338,14 @@ class OverlappedSteps:
             outputs.append(self.take_token(seq, token, logprob))
             if seq.finished:
                 _drop_pending(seq)
+        for child, token, logprob in sampled.fork_picks:
+            # A choice keeps its first token and computes prompt and token itself (the prefix cache
+            # serves the prompt's full blocks): the cache is not forked under a step in flight.
+            if child.finished:
+                continue
+            self.scheduler.add(child)
+            child.token_ids.append(token)
+            outputs.append(self.take_token(child, token, logprob))
         return outputs
 
 

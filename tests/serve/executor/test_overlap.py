@@ -94,6 +94,37 @@ def test_prompt_logprobs_equal_one_step_at_a_time(k31_model, helpers):
         assert [[i for i, _ in t.top] for t in b.prompt_logprobs] == [[i for i, _ in t.top] for t in a.prompt_logprobs]
 
 
+def test_choices_draw_their_first_tokens_from_the_shared_prefill(k31_model, helpers):
+    """n > 1: the device thread draws each waiting choice's first token from its parent's last-prompt
+    logits (its own seed); the choice then computes prompt and token itself. Every choice equals the
+    same request alone with its seed, and its logprobs the one-step engine's choices'."""
+    prompt = helpers.prompts(1, 37, 37, seed=3)[0]
+    params = [SamplingParams(max_tokens=6, temperature=0.0 if i == 0 else 1.0, seed=10 + i,
+                             logprobs=1 if i % 2 else None) for i in range(4)]
+    got = {}
+    for async_scheduling in (False, True):
+        engine = LLMEngine(k31_model, config=EngineConfig(cache_memory="16MiB", async_scheduling=async_scheduling))
+        seqs = [engine.make_sequence(prompt, p, request_id=f"c{i}") for i, p in enumerate(params)]
+        for child in seqs[1:]:  # as the server sends them: the choices first, naming the parent
+            child.fork_of = "c0"
+            engine.add_sequence(child)
+        engine.add_sequence(seqs[0])
+        outputs = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                outputs.setdefault(out.request_id, []).append(out)
+        got[async_scheduling] = [(s.output_ids, [lp.logprob for o in outputs[s.request_id] for lp in o.delta_logprobs or []])
+                                 for s in seqs]
+        stats = engine.stats()
+        assert (stats.block_usage, stats.slot_usage, stats.num_running) == (0, 0, 0)
+        engine.shutdown()
+    alone = LLMEngine(k31_model, config=EngineConfig(cache_memory="16MiB"))
+    assert [tokens for tokens, _ in got[True]] == [alone.generate([prompt], p, progress=False)[0].token_ids
+                                                   for p in params]
+    for (a, la), (b, lb) in zip(got[True], got[False]):
+        assert a == b and la == pytest.approx(lb, abs=1e-5)
+
+
 def test_prefix_hits_and_snapshots(k31_model, helpers):
     heads = helpers.prompts(3, 40, 40, seed=21)
     ps = [heads[i % 3] + t for i, t in enumerate(helpers.prompts(12, 1, 12, seed=22))]
@@ -179,8 +210,8 @@ def test_server_front_streams_and_cancels(k31_model, helpers):
 
 
 def test_requests_the_overlapped_path_cannot_serve_are_refused_naming_the_field(helpers):
-    """Grammar masks and forked choices need host work per token that the device thread skips: such a
-    request is a RequestError at once, never served without it."""
+    """Grammar masks need host work per token that the device thread skips: such a request is a
+    RequestError at once, never served without it."""
     from deltamoe.errors import ConfigError, RequestError
     from deltamoe.serve.engine.config import EngineConfig
     from deltamoe.serve.engine.llm_engine import LLMEngine
@@ -193,7 +224,7 @@ def test_requests_the_overlapped_path_cannot_serve_are_refused_naming_the_field(
     try:
         cases = [(SamplingParams(max_tokens=2, structured=choice_constraint(["a"], "guided_choice")), None,
                   "guided_choice"),  # the field the client sent (was always response_format)
-                 (SamplingParams(max_tokens=2), "req-0", "n")]
+                 ]
         for params, fork_of, field in cases:
             seq = engine.make_sequence([1, 2, 3], params)
             seq.fork_of = fork_of
