@@ -91,7 +91,7 @@ class _Work:
     scorings: list[list[tuple[Sequence, PromptScoring]]]  # per call, the rows scoring prompt tokens (prompt logprobs)
     # Sampled rows whose prompt ends with choices waiting on it (n > 1): (row, those choices), whose first
     # tokens are drawn from that row's logits with their own params and generators (`engine/forks.py`).
-    forks: list[tuple[int, list[Sequence]]] = field(default_factory=list)
+    forks: list[tuple[int, Sequence, list[Sequence]]] = field(default_factory=list)  # (row, parent, choices)
 
     def projections(self) -> list[list[tuple[int, int, int]]] | None:
         """The LM-head projections the scorings make, per call (`StepMessage.projections`); None: none."""
@@ -106,7 +106,8 @@ class _Sampled:
     ready: object | None  # a CUDA event recorded after the copy; None on a CPU
     logprobs: list[TokenLogprob | None]
     prompt_logprobs: list[tuple[Sequence, int, list[TokenLogprob]]] = field(default_factory=list)  # (seq, first, entries)
-    fork_picks: list[tuple[Sequence, int, TokenLogprob | None]] = field(default_factory=list)  # (choice, token, logprob)
+    # (parent, choice, token, logprob)
+    fork_picks: list[tuple[Sequence, Sequence, int, TokenLogprob | None]] = field(default_factory=list)
 
     def host_ids(self) -> list[int]:
         if self.ready is not None:
@@ -220,7 +221,7 @@ class OverlappedSteps:
         forks = []
         for row, seq in enumerate(sampled):  # its prompt ends in this step: its waiting choices draw too
             if seq.forks and not seq.output_ids:
-                forks.append((row, seq.forks))
+                forks.append((row, seq, seq.forks))
                 seq.forks = []
         work = _Work(self.cache.take_state_ops(), calls, rows, [self._fill(call, group) for group, call in calls],
                      [s.params for s in sampled], [list(s.output_ids) for s in sampled], [s.generator for s in sampled],
@@ -278,14 +279,14 @@ class OverlappedSteps:
         return _Sampled(tokens, host, ready, logprobs, scored, self._fork_picks(work, logits))
 
     @staticmethod
-    def _fork_picks(work: _Work, logits: torch.Tensor) -> list[tuple[Sequence, int, TokenLogprob | None]]:
+    def _fork_picks(work: _Work, logits: torch.Tensor) -> list[tuple[Sequence, Sequence, int, TokenLogprob | None]]:
         """Each waiting choice's first token, from its parent's last-prompt logits (its own seed)."""
         picks = []
-        for row, children in work.forks:
+        for row, parent, children in work.forks:
             rows = logits[row].expand(len(children), -1)
             drawn = draw_tokens(rows, [c.params for c in children], [[] for _ in children],
                                 [c.generator for c in children]).tolist()
-            picks += [(child, token, token_logprobs(rows[i], token, child.params.logprobs)
+            picks += [(parent, child, token, token_logprobs(rows[i], token, child.params.logprobs)
                        if child.params.logprobs is not None else None)
                       for i, (child, token) in enumerate(zip(children, drawn))]
         return picks
@@ -338,11 +339,13 @@ class OverlappedSteps:
             outputs.append(self.take_token(seq, token, logprob))
             if seq.finished:
                 _drop_pending(seq)
-        for child, token, logprob in sampled.fork_picks:
+        for parent, child, token, logprob in sampled.fork_picks:
             # A choice keeps its first token and computes prompt and token itself (the prefix cache
             # serves the prompt's full blocks): the cache is not forked under a step in flight.
             if child.finished:
                 continue
+            if child.params.prompt_logprobs == parent.params.prompt_logprobs is not None:
+                child.prompt_logprobs = list(parent.prompt_logprobs)  # added above: the same prompt, scored
             self.scheduler.add(child)
             child.token_ids.append(token)
             outputs.append(self.take_token(child, token, logprob))

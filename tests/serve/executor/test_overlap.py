@@ -100,7 +100,7 @@ def test_choices_draw_their_first_tokens_from_the_shared_prefill(k31_model, help
     same request alone with its seed, and its logprobs the one-step engine's choices'."""
     prompt = helpers.prompts(1, 37, 37, seed=3)[0]
     params = [SamplingParams(max_tokens=6, temperature=0.0 if i == 0 else 1.0, seed=10 + i,
-                             logprobs=1 if i % 2 else None) for i in range(4)]
+                             logprobs=1 if i % 2 else None, prompt_logprobs=1) for i in range(4)]
     got = {}
     for async_scheduling in (False, True):
         engine = LLMEngine(k31_model, config=EngineConfig(cache_memory="16MiB", async_scheduling=async_scheduling))
@@ -115,6 +115,8 @@ def test_choices_draw_their_first_tokens_from_the_shared_prefill(k31_model, help
                 outputs.setdefault(out.request_id, []).append(out)
         got[async_scheduling] = [(s.output_ids, [lp.logprob for o in outputs[s.request_id] for lp in o.delta_logprobs or []])
                                  for s in seqs]
+        # every choice's first output carries the whole prompt's logprobs (copied from the parent's)
+        assert [len(outputs[s.request_id][0].prompt_logprobs) for s in seqs] == [len(prompt) - 1] * 4
         stats = engine.stats()
         assert (stats.block_usage, stats.slot_usage, stats.num_running) == (0, 0, 0)
         engine.shutdown()
