@@ -26,7 +26,7 @@ async def prefill_and_push(engine: AsyncLLMEngine, connector: MooncakeConnector,
     (RequestError for a bad request, TransferFailed / TimeoutError for a failed hand-off)."""
     start = time.monotonic()
     token_ids, push = push_target(connector, payload)
-    images = images_from_json(payload.get("images"), engine.engine.model_config.vision)
+    images = images_from_json(payload.get("images"), engine.engine.model_config.vision, len(token_ids) - 1)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
     async def compute_and_write() -> dict:

@@ -612,13 +612,26 @@ def test_image_prompts_hand_off_with_their_pixels(pool):
     assert connector.stats()["kv_transfer_received"] == 3  # not the prompt ending in placeholders
     for engine in (decode.engine, prefill):
         assert_all_free(engine)
-    # The payload's checks, each naming the field
+    # The payload's checks, each naming the field, before any pixels are decoded
+    vision = model.config.vision
     good = images_to_json([image(1)])
-    assert torch.equal(images_from_json(good, model.config.vision)[0].pixels, image(1).pixels)
-    for broken, message in [({"num_tokens": 4}, "num_tokens 4 does not match"), ({"shape": [3, 32]}, r"expected \[3, H, W\]"),
-                            ({"data": good[0]["data"][:-8]}, "bytes of pixels"), ({"dtype": "int8"}, "malformed image")]:
+    got = images_from_json(good, vision, 6)[0]
+    assert torch.equal(got.pixels, image(1).pixels) and got.num_tokens == 6
+    # the prefill side's cache key: from the bytes it received, equal for equal pixels, never the sender's
+    assert got.content_hash == images_from_json(images_to_json([image(1)]), vision, 6)[0].content_hash
+    assert got.content_hash != images_from_json(images_to_json([image(2)]), vision, 6)[0].content_hash
+    nan = image(1)
+    nan.pixels[0, 0, 0] = float("nan")
+    cases = [({"num_tokens": 4}, "num_tokens 4 does not match"), ({"shape": [3, 32]}, r"expected \[3, H, W\]"),
+             ({"shape": [3, 42, 28]}, "multiples of"), ({"data": good[0]["data"][:-8]}, "base64 characters"),
+             ({"dtype": "int8"}, "malformed image"), ({"num_tokens": float("inf")}, "malformed image"),
+             ({"shape": [3, 32.0, 48]}, "malformed image"), ({"data": "!" * len(good[0]["data"])}, "not base64"),
+             (images_to_json([nan])[0], "NaN or inf")]
+    for broken, message in cases:
         with pytest.raises(RequestError, match=message) as e:
-            images_from_json([{**good[0], **broken}], model.config.vision)
+            images_from_json([{**good[0], **broken}], vision, 6)
         assert e.value.field == "kv_transfer.images[0]"
+    with pytest.raises(RequestError, match="more placeholder tokens than the prompt holds"):
+        images_from_json(good * 2, vision, 11)
     with pytest.raises(RequestError, match="no vision tower"):
-        images_from_json(good, None)
+        images_from_json(good, None, 6)
