@@ -476,8 +476,10 @@ def serve_workers_rows(d: dict) -> list[Row]:
 
 
 def shard_load_rows(d: dict) -> list[Row]:
-    """Per layout, the worst rank's peak memory while loading, each path."""
+    """Per layout, the worst rank's peak memory while loading, each path: reading the rank's shard vs
+    the whole model then cut (a float checkpoint), or vs one process loading it packed (`--format F`)."""
     whole, own = d["paths"]
+    fmt = d.get("format")
 
     def mib(run: dict, path: str, key: str) -> str:
         return f"{max(r[key] for r in run['ranks'][path]) / 2**20:,.0f}"
@@ -485,31 +487,19 @@ def shard_load_rows(d: dict) -> list[Row]:
     rows: list[Row] = []
     for run in d["layouts"]:
         layout = f"tp{run['tp']} ep{run['ep']}"
-        label = (f"a serving rank's load, peak memory above start (worst rank), `{d['preset']}` {d['dtype']} "
-                 f"checkpoint, {layout} {command('shard_load')}" if not rows else f"same, {layout}")
-        rows.append([label, f"{mib(run, own, 'peak_above_start_bytes')} MiB reading its shard (keeps "
-                     f"{mib(run, own, 'weights_kept_bytes')} MiB)",
-                     f"{mib(run, whole, 'peak_above_start_bytes')} MiB loading the whole model, then cutting it",
-                     f"{run['peak_ratio_own_over_whole']:.2f}", ""])
-    return rows
-
-
-def shard_load_packed_rows(d: dict) -> list[Row]:
-    """A quantized checkpoint: each rank reading its share of the packed experts vs one process loading it."""
-    whole, own = d["paths"]
-
-    def mib(run: dict, path: str, key: str) -> str:
-        return f"{max(r[key] for r in run['ranks'][path]) / 2**20:,.0f}"
-
-    rows: list[Row] = []
-    for run in d["layouts"]:
-        layout = f"tp{run['tp']} ep{run['ep']}"
-        label = (f"same, `{d['preset']}` quantized --format {d['format']} (packed experts kept packed), {layout} "
-                 f"(`python bench/bench_shard_load.py --format {d['format']}`)" if not rows else f"same, {layout}")
-        rows.append([label, f"{mib(run, own, 'peak_above_start_bytes')} MiB reading its share (keeps "
-                     f"{mib(run, own, 'weights_kept_bytes')} MiB)",
-                     f"{mib(run, whole, 'peak_above_start_bytes')} MiB loading it whole in one process (keeps "
-                     f"{mib(run, whole, 'weights_kept_bytes')} MiB)",
+        if rows:
+            label = f"same, {layout}"
+        elif fmt is None:
+            label = (f"a serving rank's load, peak memory above start (worst rank), `{d['preset']}` {d['dtype']} "
+                     f"checkpoint, {layout} {command('shard_load')}")
+        else:
+            label = (f"same, `{d['preset']}` quantized --format {fmt} (packed experts kept packed), {layout} "
+                     f"(`python bench/bench_shard_load.py --format {fmt}`)")
+        reference = ("loading the whole model, then cutting it" if fmt is None else
+                     f"loading it whole in one process (keeps {mib(run, whole, 'weights_kept_bytes')} MiB)")
+        rows.append([label, f"{mib(run, own, 'peak_above_start_bytes')} MiB reading its "
+                     f"{'shard' if fmt is None else 'share'} (keeps {mib(run, own, 'weights_kept_bytes')} MiB)",
+                     f"{mib(run, whole, 'peak_above_start_bytes')} MiB {reference}",
                      f"{run['peak_ratio_own_over_whole']:.2f}", ""])
     return rows
 
@@ -806,7 +796,7 @@ FORMATTERS: dict[str, Callable[[dict], list[Row]]] = {
     "serve_workers": serve_workers_rows,
     "serve_structured": serve_structured_rows,
     "shard_load": shard_load_rows,
-    "shard_load_mxfp4": shard_load_packed_rows,  # bench_shard_load.py --format mxfp4
+    "shard_load_mxfp4": shard_load_rows,  # bench_shard_load.py --format mxfp4
     "trace": trace_rows,
     "plan_validation": plan_validation_rows,
     "moe": moe_rows,
