@@ -98,7 +98,4 @@ def call_projections(group: list[tuple[Sequence, int]]) -> list[tuple[int, int, 
     """The LM-head projections `ModelRunner.run` makes for one call's prompt logprobs, in its order, as
     (row, lo, hi) hidden-state rows. The other ranks of a --tp replica make the same ones with rank 0:
     the vocabulary-parallel LM head is a collective (its all-gather)."""
-    if max(n for _, n in group) <= 1:  # one-token chunks score from the call's logits: no projection
-        return []
-    return [(row, *projected_rows(seq, n)) for row, (seq, n) in enumerate(group)
-            if wants_prompt_logprobs(seq) and scored_span(seq, n) is not None]
+    return [(sc.row, *sc.hidden_rows) for sc in call_scorings(group) if sc.hidden_rows is not None]

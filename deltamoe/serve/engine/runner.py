@@ -23,7 +23,8 @@ from deltamoe.serve.engine.cache import HybridCache
 from deltamoe.serve.engine.cache_view import PagedBatchView
 from deltamoe.serve.engine.compiled_decode import CompiledDecode
 from deltamoe.serve.engine.forks import sample_first_tokens, with_fork_picks
-from deltamoe.serve.engine.prompt_logprobs import chunk_prompt_logprobs, wants_prompt_logprobs
+from deltamoe.serve.engine.prompt_logprobs import (PromptScoring, chunk_prompt_logprobs, score_chunk,
+                                                   wants_prompt_logprobs)
 from deltamoe.serve.engine.image_inputs import CallImages, call_images, encode_pending
 from deltamoe.serve.engine.sampling import TokenLogprob, sample
 from deltamoe.serve.engine.scheduler import ScheduledBatch
@@ -149,20 +150,34 @@ class ModelRunner:
 
     @torch.inference_mode()
     def last_logits(self, calls: list[tuple[list[tuple[Sequence, int]], ModelCall]], rows: list[list[int]],
-                    inputs: list[torch.Tensor | None] | None = None) -> tuple[torch.Tensor | None, list[Sequence]]:
-        """Run the calls -> the last-token logits of rows `rows[i]` of call i, stacked [N, V], and their
-        sequences (None, [] when no row is sampled). `inputs[i]`: call i's token ids as a tensor, when
-        they are not all on the host (`executor/overlap.py`)."""
+                    inputs: list[torch.Tensor | None] | None = None,
+                    scorings: list[list[tuple[Sequence, PromptScoring]]] | None = None
+                    ) -> tuple[torch.Tensor | None, list[Sequence], list[tuple[Sequence, int, list[TokenLogprob]]]]:
+        """Run the calls -> the last-token logits of rows `rows[i]` of call i, stacked [N, V], their
+        sequences (None, [] when no row is sampled), and the prompt logprobs `scorings[i]` (planned
+        before the step, `prompt_logprobs.call_scorings`) asks of call i, as (seq, first position,
+        entries). `inputs[i]`: call i's token ids as a tensor, when they are not all on the host
+        (`executor/overlap.py`)."""
         parts: list[torch.Tensor] = []
         to_sample: list[Sequence] = []
+        scored: list[tuple[Sequence, int, list[TokenLogprob]]] = []
         for i, ((group, call), picked) in enumerate(zip(calls, rows)):
-            logits = self.forward(call) if inputs is None or inputs[i] is None else self.forward(call, inputs[i])
+            ids = None if inputs is None else inputs[i]
+            scoring = scorings[i] if scorings else []
+            hidden = None
+            if any(sc.hidden_rows is not None for _, sc in scoring):
+                logits, hidden = self.forward(call, ids, with_hidden=True)
+            else:
+                logits = self.forward(call, ids)
+            for seq, sc in scoring:
+                scored.append((seq, sc.first, score_chunk(self.model, sc, None if sc.hidden_rows is None
+                                                          else hidden[sc.row], logits[sc.row])))
             if picked:  # one gather per call, not one select per row
                 parts.append(logits if len(picked) == len(group) else logits[picked])
                 to_sample.extend(group[row][0] for row in picked)
         if not parts:
-            return None, []
-        return (parts[0] if len(parts) == 1 else torch.cat(parts)), to_sample
+            return None, [], scored
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)), to_sample, scored
 
     def batch_view(self, call: ModelCall) -> PagedBatchView:
         """The cache view a forward of `call` reads and writes (over the rows the compiled call runs:

@@ -24,7 +24,6 @@ from torch import nn
 
 from deltamoe.errors import CheckpointError, ConfigError
 from deltamoe.model.quantized_linear import Int4Linear
-from deltamoe.ops import int4_matmul as q4
 from deltamoe.parallel.tensor_parallel import tp_plans
 
 
@@ -62,17 +61,15 @@ class Int4LinearShard(Int4Linear):
             tensor = tensor.chunk(self.size, dim)[self.rank].contiguous()
         super().load_part(name, part, tensor)
 
+    def row_amax(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.how != "row":
+            return None
+        amax = x.float().abs().amax(-1, keepdim=True)  # this slice's; the whole rows' after the all-reduce
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.tp_group)
+        return amax
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.how == "row" and self.activations == "fp8" and self.group is None and self.qweight is not None:
-            # Each row's fp8 scale from the whole row (every rank's slice), as one process scales it
-            amax = x.float().abs().amax(-1, keepdim=True)
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.tp_group)
-            if self.use_kernel:
-                y = q4.w4a8_fp8_matmul(x, self.qweight, self.scales_and_zeros, self.out_features, self.group_size, amax)
-            else:
-                y = q4.w4a8_fp8_matmul_reference(x, self.qweight, self.weight_scale, self.group_size, amax)
-        else:
-            y = super().forward(x)
+        y = super().forward(x)
         if self.how == "row":
             dist.all_reduce(y, group=self.tp_group)
         return y

@@ -63,7 +63,7 @@ import torch
 
 from deltamoe.serve.engine.image_inputs import encode_pending
 from deltamoe.serve.engine.outputs import RequestOutput
-from deltamoe.serve.engine.prompt_logprobs import PromptScoring, call_scorings, score_chunk
+from deltamoe.serve.engine.prompt_logprobs import PromptScoring, call_scorings
 from deltamoe.serve.engine.runner import ModelCall, sampled_rows
 from deltamoe.serve.engine.sampling import SamplingParams, TokenLogprob, draw_tokens, token_logprobs
 from deltamoe.serve.engine.scheduler import ScheduledBatch, Scheduler
@@ -265,11 +265,7 @@ class OverlappedSteps:
         inputs = None
         if earlier is not None:
             inputs = filled_inputs([call for _, call in work.calls], work.fills, earlier, runner.device)
-        scored: list[tuple[Sequence, int, list[TokenLogprob]]] = []
-        if any(work.scorings):
-            logits, scored = self._last_logits_scoring(work, inputs)
-        else:
-            logits, _ = runner.last_logits(work.calls, work.rows, inputs)
+        logits, _, scored = runner.last_logits(work.calls, work.rows, inputs, work.scorings)
         if logits is None:
             return _Sampled(None, None, None, [], scored)
         tokens = draw_tokens(logits, work.params, work.outputs, work.generators)
@@ -290,28 +286,6 @@ class OverlappedSteps:
                        if child.params.logprobs is not None else None)
                       for i, (child, token) in enumerate(zip(children, drawn))]
         return picks
-
-    def _last_logits_scoring(self, work: _Work, inputs: list[torch.Tensor | None] | None
-                             ) -> tuple[torch.Tensor | None, list[tuple[Sequence, int, list[TokenLogprob]]]]:
-        """`ModelRunner.last_logits`, keeping the hidden states of calls that score prompt tokens and
-        scoring them here on the device thread (`engine/prompt_logprobs.py`): the host adds them to
-        their sequences when it collects the step."""
-        runner, parts, scored = self.runner, [], []
-        for i, ((group, call), picked) in enumerate(zip(work.calls, work.rows)):
-            ids = None if inputs is None else inputs[i]
-            hidden = None
-            if any(sc.hidden_rows is not None for _, sc in work.scorings[i]):
-                logits, hidden = runner.forward(call, ids, with_hidden=True)
-            else:
-                logits = runner.forward(call, ids)
-            for seq, sc in work.scorings[i]:
-                rows = None if sc.hidden_rows is None else hidden[sc.row]
-                scored.append((seq, sc.first, score_chunk(runner.model, sc, rows, logits[sc.row])))
-            if picked:
-                parts.append(logits if len(picked) == len(group) else logits[picked])
-        if not parts:
-            return None, scored
-        return (parts[0] if len(parts) == 1 else torch.cat(parts)), scored
 
     # ------------------------------------------------------------------ collect (host, one step late)
     def _collect(self, step: _InFlight) -> list[RequestOutput]:
